@@ -1,0 +1,130 @@
+"""The asyncio face: :class:`AsyncLedger` and :class:`AsyncSession`.
+
+It shares everything but the I/O with the sync face (``ledger.core``,
+``ledger.protocol``): each method builds the same :class:`~ledger.protocol.Call`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Coroutine
+from typing import Any, Concatenate, ParamSpec, TypeVar
+
+from redis.commands.core import AsyncScript
+from tenacity import AsyncRetrying
+
+from ledger import protocol, scripts
+from ledger.backends import AsyncClient, async_client
+from ledger.core import LedgerCore, SessionCore, new_op_id
+from ledger.errors import translate
+from ledger.models import AuditReport, Expired, SessionBudget
+from ledger.protocol import Call
+from ledger.settings import LedgerSettings
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def _async(
+    build: Callable[Concatenate[SessionCore, P], Call[T]],
+) -> Callable[Concatenate[AsyncSession, P], Coroutine[Any, Any, T]]:
+    @functools.wraps(build)
+    async def method(self: AsyncSession, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return await self.ledger.run(build(self, *args, **kwargs))
+
+    return method
+
+
+class AsyncLedger(LedgerCore):
+    """A token-budget ledger on one Redis deployment (asyncio)."""
+
+    def __init__(self, client: AsyncClient, settings: LedgerSettings | None = None) -> None:
+        super().__init__(settings or LedgerSettings())
+        self.client = client
+        self._scripts: dict[str, AsyncScript] = {
+            n: client.register_script(scripts.source(n)) for n in scripts.NAMES
+        }
+
+    @classmethod
+    def from_settings(cls, settings: LedgerSettings) -> AsyncLedger:
+        return cls(async_client(settings), settings)
+
+    @classmethod
+    def from_url(cls, url: str | None = None, **overrides: Any) -> AsyncLedger:
+        if url is not None:
+            overrides["redis_url"] = url
+        return cls.from_settings(LedgerSettings(**overrides))
+
+    async def run(self, call: Call[T]) -> T:
+        """Send one script call, retrying transient failures with the same op id."""
+        script = self._scripts[call.script]
+        try:
+            async for attempt in AsyncRetrying(**self.retry_policy()):
+                with attempt:
+                    raw = await script(keys=call.keys, args=call.args)
+        except Exception as exc:
+            raise translate(exc) from exc
+        return call.parse(protocol.decode(raw))
+
+    async def open_session(
+        self, session_id: str, budget: SessionBudget, *, op_id: str | None = None
+    ) -> AsyncSession:
+        opened = await self.run(self.open_call(session_id, budget, op_id))
+        return AsyncSession(self, self.keyspace.session(session_id), opened.epoch)
+
+    async def session(self, session_id: str) -> AsyncSession:
+        s = AsyncSession(self, self.keyspace.session(session_id), 0)
+        await s.refresh()
+        return s
+
+    async def audit(self, session_id: str) -> AuditReport:
+        return await self.run(protocol.audit(self.keyspace.session(session_id)))
+
+    async def expire_due(self, partition: int, limit: int = 500) -> int:
+        sec, usec = await self.client.time()
+        due = await self.client.zrangebyscore(
+            self.keyspace.deadlines(partition),
+            "-inf",
+            sec * 1000 + usec // 1000,
+            start=0,
+            num=limit,
+        )
+        total = 0
+        for sid, rids in self.plan_expiry(due).items():
+            done: Expired = await self.run(
+                protocol.expire(self.keyspace.session(sid), new_op_id(), rids)
+            )
+            total += done.expired
+        return total
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    async def __aenter__(self) -> AsyncLedger:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+class AsyncSession(SessionCore):
+    """One agent session's budget, shared by every worker that serves it (asyncio)."""
+
+    def __init__(self, ledger: AsyncLedger, keys: Any, epoch: int) -> None:
+        super().__init__(keys, epoch)
+        self.ledger = ledger
+
+    admit = _async(SessionCore.admit_call)
+    release = _async(SessionCore.release_call)
+    reserve = _async(SessionCore.reserve_call)
+    settle = _async(SessionCore.settle_call)
+    void = _async(SessionCore.void_call)
+    snapshot = _async(SessionCore.snapshot_call)
+    close = _async(SessionCore.close_call)
+
+    async def refresh(self) -> int:
+        self.epoch = (await self.snapshot()).epoch
+        return self.epoch
+
+    async def audit(self) -> AuditReport:
+        return await self.ledger.audit(self.id)

@@ -1,0 +1,83 @@
+"""Redis clients for a URL: embedded (fakeredis), standalone, TLS, unix socket, cluster."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import fakeredis
+import redis
+import redis.asyncio
+import redis.asyncio.cluster
+import redis.cluster
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from ledger.errors import ConfigurationError
+from ledger.settings import LedgerSettings
+
+SyncClient = redis.Redis | redis.cluster.RedisCluster
+AsyncClient = redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster
+
+_SCHEMES = ("embedded", "redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
+_servers: dict[str, fakeredis.FakeServer] = {}
+_servers_lock = threading.Lock()
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    kind: str  # embedded | standalone | cluster
+    url: str  # the URL redis-py understands (embedded: the server name)
+
+
+def parse_url(url: str) -> Target:
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in _SCHEMES:
+        raise ConfigurationError(
+            f"unsupported Redis URL scheme {parts.scheme!r} in {url!r}: use one of "
+            + ", ".join(f"{s}://" for s in _SCHEMES)
+        )
+    if scheme == "embedded":
+        return Target("embedded", parts.netloc or "default")
+    if scheme.endswith("+cluster"):
+        return Target("cluster", urlunsplit(parts._replace(scheme=scheme.split("+")[0])))
+    return Target("standalone", url)
+
+
+def embedded_server(name: str) -> fakeredis.FakeServer:
+    """One in-process fakeredis server per name, shared by every client in this process."""
+    with _servers_lock:
+        if name not in _servers:
+            _servers[name] = fakeredis.FakeServer()
+        return _servers[name]
+
+
+def _options(settings: LedgerSettings) -> dict[str, Any]:
+    # redis-py re-sends a timed-out command by default; the ledger retries itself
+    # (tenacity, same operation id), so the driver's own retry is switched off.
+    return {
+        "socket_timeout": settings.socket_timeout,
+        "socket_connect_timeout": settings.connect_timeout,
+        "retry": Retry(NoBackoff(), 0),
+    }
+
+
+def sync_client(settings: LedgerSettings) -> SyncClient:
+    t = parse_url(settings.redis_url)
+    if t.kind == "embedded":
+        return fakeredis.FakeRedis(server=embedded_server(t.url))
+    if t.kind == "cluster":
+        return redis.cluster.RedisCluster.from_url(t.url, **_options(settings))
+    return redis.Redis.from_url(t.url, **_options(settings))
+
+
+def async_client(settings: LedgerSettings) -> AsyncClient:
+    t = parse_url(settings.redis_url)
+    if t.kind == "embedded":
+        return fakeredis.FakeAsyncRedis(server=embedded_server(t.url))
+    if t.kind == "cluster":
+        return redis.asyncio.cluster.RedisCluster.from_url(t.url, **_options(settings))
+    return redis.asyncio.Redis.from_url(t.url, **_options(settings))

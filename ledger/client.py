@@ -1,0 +1,132 @@
+"""The synchronous face: :class:`Ledger` and :class:`Session`."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, Concatenate, ParamSpec, TypeVar
+
+from redis.commands.core import Script
+from tenacity import Retrying
+
+from ledger import protocol, scripts
+from ledger.backends import SyncClient, sync_client
+from ledger.core import LedgerCore, SessionCore, new_op_id
+from ledger.errors import translate
+from ledger.models import AuditReport, Expired, SessionBudget
+from ledger.protocol import Call
+from ledger.settings import LedgerSettings
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def _sync(
+    build: Callable[Concatenate[SessionCore, P], Call[T]],
+) -> Callable[Concatenate[Session, P], T]:
+    @functools.wraps(build)
+    def method(self: Session, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return self.ledger.run(build(self, *args, **kwargs))
+
+    return method
+
+
+class Ledger(LedgerCore):
+    """A token-budget ledger on one Redis deployment (sync)."""
+
+    def __init__(self, client: SyncClient, settings: LedgerSettings | None = None) -> None:
+        super().__init__(settings or LedgerSettings())
+        self.client = client
+        self._scripts: dict[str, Script] = {
+            n: client.register_script(scripts.source(n)) for n in scripts.NAMES
+        }
+
+    @classmethod
+    def from_settings(cls, settings: LedgerSettings) -> Ledger:
+        return cls(sync_client(settings), settings)
+
+    @classmethod
+    def from_url(cls, url: str | None = None, **overrides: Any) -> Ledger:
+        """``Ledger.from_url("redis://localhost:6379/0")``; None reads LEDGER_REDIS_URL."""
+        if url is not None:
+            overrides["redis_url"] = url
+        return cls.from_settings(LedgerSettings(**overrides))
+
+    def run(self, call: Call[T]) -> T:
+        """Send one script call, retrying transient failures with the same op id."""
+        script = self._scripts[call.script]
+        try:
+            for attempt in Retrying(**self.retry_policy()):
+                with attempt:
+                    raw = script(keys=call.keys, args=call.args)
+        except Exception as exc:
+            raise translate(exc) from exc
+        return call.parse(protocol.decode(raw))
+
+    def open_session(
+        self, session_id: str, budget: SessionBudget, *, op_id: str | None = None
+    ) -> Session:
+        """Open (or re-attach to an identically configured) session."""
+        opened = self.run(self.open_call(session_id, budget, op_id))
+        return Session(self, self.keyspace.session(session_id), opened.epoch)
+
+    def session(self, session_id: str) -> Session:
+        """Attach to an open session at its current epoch."""
+        s = Session(self, self.keyspace.session(session_id), 0)
+        s.refresh()
+        return s
+
+    def audit(self, session_id: str) -> AuditReport:
+        return self.run(protocol.audit(self.keyspace.session(session_id)))
+
+    def expire_due(self, partition: int, limit: int = 500) -> int:
+        """Release every reservation of a partition whose deadline passed; returns how many."""
+        sec, usec = self.client.time()
+        due = self.client.zrangebyscore(
+            self.keyspace.deadlines(partition),
+            "-inf",
+            sec * 1000 + usec // 1000,
+            start=0,
+            num=limit,
+        )
+        total = 0
+        for sid, rids in self.plan_expiry(due).items():
+            done: Expired = self.run(protocol.expire(self.keyspace.session(sid), new_op_id(), rids))
+            total += done.expired
+        return total
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> Ledger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Session(SessionCore):
+    """One agent session's budget, shared by every worker that serves it (sync)."""
+
+    def __init__(self, ledger: Ledger, keys: Any, epoch: int) -> None:
+        super().__init__(keys, epoch)
+        self.ledger = ledger
+
+    admit = _sync(SessionCore.admit_call)
+    release = _sync(SessionCore.release_call)
+    reserve = _sync(SessionCore.reserve_call)
+    settle = _sync(SessionCore.settle_call)
+    void = _sync(SessionCore.void_call)
+    snapshot = _sync(SessionCore.snapshot_call)
+    close = _sync(SessionCore.close_call)
+
+    def refresh(self) -> int:
+        """Adopt the session's current epoch (after a StaleEpoch); returns it."""
+        self.epoch = self.snapshot().epoch
+        return self.epoch
+
+    def audit(self) -> AuditReport:
+        return self.ledger.audit(self.id)
+
+
+__all__ = ["Ledger", "Session"]

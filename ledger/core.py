@@ -1,0 +1,158 @@
+"""What the sync and asyncio faces share: settings, keys, retry policy, call building."""
+
+from __future__ import annotations
+
+import uuid
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from tenacity import (
+    retry_if_exception,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_random_exponential,
+)
+
+from ledger import protocol
+from ledger.errors import is_transient
+from ledger.keys import KeySpace, SessionKeys
+from ledger.models import (
+    Admitted,
+    Closed,
+    Consumer,
+    Item,
+    Released,
+    Reservation,
+    Settled,
+    Snapshot,
+    Voided,
+)
+from ledger.protocol import Call
+from ledger.settings import LedgerSettings
+
+
+def new_op_id() -> str:
+    return uuid.uuid4().hex
+
+
+class LedgerCore:
+    """Settings and key space of one ledger client, and its retry policy."""
+
+    def __init__(self, settings: LedgerSettings) -> None:
+        self.settings = settings
+        self.keyspace = KeySpace(settings.prefix, settings.partitions)
+
+    def retry_policy(self) -> dict[str, Any]:
+        """tenacity arguments: bounded tries with jittered exponential backoff, only on
+        transient driver errors; safe because every mutating call carries its op id."""
+        s = self.settings
+        return {
+            "stop": stop_after_attempt(s.retry_attempts) | stop_after_delay(s.retry_max_seconds),
+            "wait": wait_random_exponential(
+                multiplier=s.retry_initial_backoff, max=s.retry_max_backoff
+            ),
+            "retry": retry_if_exception(is_transient),
+            "reraise": True,
+        }
+
+    def open_call(self, session_id: str, budget: Any, op_id: str | None) -> Call[Any]:
+        return protocol.open_session(
+            self.keyspace.session(session_id),
+            op_id or new_op_id(),
+            budget,
+            self.settings.op_retention_seconds * 1000,
+        )
+
+    @staticmethod
+    def plan_expiry(members: Iterable[Any]) -> dict[str, list[str]]:
+        """Group due deadline-index members '<session>|<reservation>' by session."""
+        out: dict[str, list[str]] = defaultdict(list)
+        for m in members:
+            text = m.decode() if isinstance(m, bytes) else m
+            sid, _, rid = text.rpartition("|")
+            out[sid].append(rid)
+        return out
+
+
+class SessionCore:
+    """One session's identity and epoch, and the calls it can make (no I/O)."""
+
+    def __init__(self, keys: SessionKeys, epoch: int) -> None:
+        self.keys = keys
+        self.epoch = epoch
+
+    @property
+    def id(self) -> str:
+        return self.keys.session_id
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.id!r}, epoch={self.epoch})"
+
+    def admit_call(
+        self,
+        consumer: Consumer | str,
+        items: Sequence[Item],
+        *,
+        partial: bool = False,
+        op_id: str | None = None,
+    ) -> Call[Admitted]:
+        """Admit items for a consumer in one atomic step: all of them (or a refusal), or
+        with ``partial=True`` the longest prefix that fits. Items already held charge nothing."""
+        return protocol.admit(
+            self.keys, op_id or new_op_id(), self.epoch, Consumer.parse(consumer), items, partial
+        )
+
+    def release_call(
+        self, consumer: Consumer | str, item_ids: Sequence[str], *, op_id: str | None = None
+    ) -> Call[Released]:
+        """Give back items; ids not held are reported as missing."""
+        return protocol.release(
+            self.keys, op_id or new_op_id(), self.epoch, Consumer.parse(consumer), item_ids
+        )
+
+    def reserve_call(
+        self,
+        consumer: Consumer | str,
+        reservation_id: str,
+        tokens: int,
+        *,
+        lease_ms: int = 30_000,
+        op_id: str | None = None,
+    ) -> Call[Reservation]:
+        """Hold an estimate until a deadline on Redis's clock (phase one of two)."""
+        return protocol.reserve(
+            self.keys,
+            op_id or new_op_id(),
+            self.epoch,
+            Consumer.parse(consumer),
+            reservation_id,
+            tokens,
+            lease_ms,
+        )
+
+    def settle_call(
+        self,
+        reservation_id: str,
+        actual: int,
+        item_id: str,
+        *,
+        priority: int = 0,
+        op_id: str | None = None,
+    ) -> Call[Settled]:
+        """Turn a reservation into an item of its actual size (lower or higher)."""
+        return protocol.settle(
+            self.keys, op_id or new_op_id(), self.epoch, reservation_id, actual, item_id, priority
+        )
+
+    def void_call(self, reservation_id: str, *, op_id: str | None = None) -> Call[Voided]:
+        """Cancel a reservation and give its tokens back."""
+        return protocol.void(self.keys, op_id or new_op_id(), self.epoch, reservation_id)
+
+    def snapshot_call(self) -> Call[Snapshot]:
+        """A consistent reading of the session's numbers."""
+        return protocol.snapshot(self.keys)
+
+    def close_call(self, *, op_id: str | None = None) -> Call[Closed]:
+        """Delete the session and its index entries."""
+        return protocol.close(self.keys, op_id or new_op_id(), self.epoch)

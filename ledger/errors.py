@@ -1,0 +1,111 @@
+"""One exception tree for everything the ledger raises.
+
+Every error a caller can see derives from :class:`LedgerError`. Errors raised by
+the Lua scripts arrive as ``LEDGER_<CODE> message`` and are mapped to a class here,
+in one place (:func:`translate`), together with the driver's own errors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Final
+
+import redis.exceptions as rex
+
+
+class LedgerError(Exception):
+    """Root of every error raised by this package."""
+
+
+class ConfigurationError(LedgerError, ValueError):
+    """A budget or setting that cannot work, e.g. a reserved floor larger than the window."""
+
+
+class InvalidArgument(LedgerError, ValueError):
+    """An argument was malformed (bad id, negative or non-integer tokens, unknown consumer)."""
+
+
+class UnknownSession(LedgerError, LookupError):
+    """The session was never opened, was closed, or expired."""
+
+
+class SessionConflict(LedgerError):
+    """The session exists with another budget, or a reservation/item id is taken."""
+
+
+class StaleEpoch(LedgerError):
+    """The call was stamped with an epoch older than the session's (a hard reset happened)."""
+
+
+class OperationIdReused(LedgerError):
+    """An operation id was used again with different arguments."""
+
+
+class UnknownReservation(LedgerError, LookupError):
+    """The reservation is not open: settled, voided, expired and swept, or never made."""
+
+
+class ReservationExpired(LedgerError):
+    """The reservation's deadline passed on Redis's clock; it can no longer be settled."""
+
+
+class BackendUnavailable(LedgerError, ConnectionError):
+    """Redis could not be reached, or did not answer, after the bounded retries."""
+
+
+class AdmissionRefused(LedgerError):
+    """The ledger refused an admission; nothing was allocated.
+
+    ``reason`` is one of the documented reason codes (e.g. ``token_budget_exhausted``),
+    ``requested`` the tokens asked for and ``free`` the tokens that were free.
+    """
+
+    def __init__(self, reason: str, requested: int, free: int, detail: Mapping[str, str]) -> None:
+        self.reason = reason
+        self.requested = requested
+        self.free = free
+        self.detail = dict(detail)
+        super().__init__(f"{reason}: requested {requested} tokens, {free} free")
+
+
+_CODES: Final[dict[str, type[LedgerError]]] = {
+    "BADARG": InvalidArgument,
+    "CONFIG": ConfigurationError,
+    "NOSESSION": UnknownSession,
+    "CONFLICT": SessionConflict,
+    "STALE": StaleEpoch,
+    "OPREUSED": OperationIdReused,
+    "NORESERVATION": UnknownReservation,
+    "EXPIRED": ReservationExpired,
+}
+
+_UNAVAILABLE = (
+    rex.ConnectionError,
+    rex.TimeoutError,
+    rex.BusyLoadingError,
+    rex.TryAgainError,
+    rex.ClusterDownError,
+    rex.MasterDownError,
+)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for driver errors worth retrying: the operation id makes a retry safe."""
+    return isinstance(exc, _UNAVAILABLE)
+
+
+def translate(exc: BaseException) -> BaseException:
+    """Map a driver error to the ledger's tree (call as ``raise translate(e) from e``)."""
+    if isinstance(exc, LedgerError):
+        return exc
+    if isinstance(exc, _UNAVAILABLE):
+        return BackendUnavailable(f"Redis unavailable: {exc}")
+    if isinstance(exc, rex.ResponseError):
+        text = str(exc)
+        if text.startswith("LEDGER_"):
+            code, _, message = text[len("LEDGER_") :].partition(" ")
+            # Redis 7 appends " script: <sha>, on @user_script:<line>." to script errors.
+            message = message.split(" script: ", 1)[0]
+            return _CODES.get(code, LedgerError)(message)
+        return LedgerError(f"Redis refused the call: {text}")
+    return exc

@@ -1,0 +1,70 @@
+"""Key layout: every key the ledger writes is named here and nowhere else.
+
+A session lives in one partition, ``crc32(session_id) % partitions``. The
+partition is the hash tag of the session's keys and of the partition-wide
+structures (the reservation deadline index), so one script can touch all of
+them on Redis Cluster::
+
+    <prefix>:{p<N>}:s:<session_id>     session hash (see lua/_common.lua)
+    <prefix>:{p<N>}:deadlines          sorted set of reservation deadlines (ms),
+                                       members '<session_id>|<reservation_id>'
+
+Tenants are isolated by prefix: no key of one prefix is named by another.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from dataclasses import dataclass
+
+from ledger.errors import InvalidArgument
+
+_SESSION_RE = re.compile(r"[A-Za-z0-9._:/@+=#-]{1,128}")
+_PREFIX_RE = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+
+
+@dataclass(frozen=True, slots=True)
+class SessionKeys:
+    session_id: str
+    partition: int
+    session: str
+    deadlines: str
+
+
+@dataclass(frozen=True, slots=True)
+class KeySpace:
+    """Names keys for one prefix (tenant) and a fixed number of partitions."""
+
+    prefix: str = "ledger"
+    partitions: int = 64
+
+    def __post_init__(self) -> None:
+        if not _PREFIX_RE.fullmatch(self.prefix):
+            raise InvalidArgument(
+                f"key prefix must be 1-64 characters of [A-Za-z0-9._:-], got {self.prefix!r}"
+            )
+        if not 1 <= self.partitions <= 16384:
+            raise InvalidArgument(f"partitions must be 1..16384, got {self.partitions}")
+
+    def partition_of(self, session_id: str) -> int:
+        return zlib.crc32(session_id.encode()) % self.partitions
+
+    def tag(self, partition: int) -> str:
+        return f"{self.prefix}:{{p{partition}}}"
+
+    def deadlines(self, partition: int) -> str:
+        return f"{self.tag(partition)}:deadlines"
+
+    def session(self, session_id: str) -> SessionKeys:
+        if not isinstance(session_id, str) or not _SESSION_RE.fullmatch(session_id):
+            raise InvalidArgument(
+                "session id must be 1-128 characters of [A-Za-z0-9._:/@+=#-] "
+                f"(no braces, which would break hash-tag routing), got {session_id!r}"
+            )
+        p = self.partition_of(session_id)
+        return SessionKeys(session_id, p, f"{self.tag(p)}:s:{session_id}", self.deadlines(p))
+
+    def session_pattern(self) -> str:
+        """SCAN pattern matching every session hash of this prefix."""
+        return f"{self.prefix}:{{p*}}:s:*"

@@ -1,0 +1,257 @@
+"""Budgets, items and results: plain data shared by the sync and asyncio clients."""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ledger.errors import ConfigurationError, InvalidArgument
+
+TOKENS_MAX = 100_000_000
+
+
+class Consumer(enum.StrEnum):
+    """The claims on a session's window that hold named items."""
+
+    WORKING_MEMORY = "working_memory"
+    RETRIEVAL = "retrieval"
+    RECALL = "recall"
+    SCRATCHPAD = "scratchpad"
+
+    @property
+    def code(self) -> str:
+        """The one-letter code the Lua scripts use."""
+        return _CODES[self]
+
+    @classmethod
+    def from_code(cls, code: str) -> Consumer:
+        return _BY_CODE[code]
+
+    @classmethod
+    def parse(cls, value: Consumer | str) -> Consumer:
+        """A Consumer from itself or its name; anything else is an InvalidArgument."""
+        try:
+            return cls(value)
+        except ValueError:
+            names = ", ".join(c.value for c in cls)
+            raise InvalidArgument(f"unknown consumer {value!r}: use one of {names}") from None
+
+
+_CODES = {
+    Consumer.WORKING_MEMORY: "w",
+    Consumer.RETRIEVAL: "r",
+    Consumer.RECALL: "m",
+    Consumer.SCRATCHPAD: "s",
+}
+_BY_CODE = {v: k for k, v in _CODES.items()}
+
+
+class SessionBudget(BaseModel):
+    """How one session's token window is divided. All sizes are in tokens.
+
+    The reserved floor (system prompt + tool framing + working-memory floor +
+    minimum memory + output reserve) is subtracted before any dynamic allocation;
+    a floor larger than the window is a configuration fault (record 002).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    window: int = Field(gt=0, le=TOKENS_MAX)
+    system_prompt: int = Field(ge=0, le=TOKENS_MAX)
+    working_memory_floor: int = Field(default=0, ge=0, le=TOKENS_MAX)
+    min_memory: int = Field(default=0, ge=0, le=TOKENS_MAX)
+    tool_framing: int = Field(default=0, ge=0, le=TOKENS_MAX)
+    output_reserve: int = Field(default=0, ge=0, le=TOKENS_MAX)
+    eviction_threshold: float = Field(default=0.90, gt=0.0, le=1.0)
+    high_water_mark: float = Field(default=0.72, gt=0.0, le=1.0)
+    idle_ttl_seconds: int = Field(default=86_400, ge=1, le=31_536_000)
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise ConfigurationError(f"invalid session budget: {exc}") from exc
+
+    @model_validator(mode="after")
+    def _floor_fits(self) -> SessionBudget:
+        if self.reserved_floor > self.window:
+            raise ValueError(
+                f"reserved floor {self.reserved_floor} (system_prompt {self.system_prompt} + "
+                f"tool_framing {self.tool_framing} + working_memory_floor "
+                f"{self.working_memory_floor} + min_memory {self.min_memory} + output_reserve "
+                f"{self.output_reserve}) exceeds window {self.window}: a configuration fault"
+            )
+        return self
+
+    @property
+    def reserved_floor(self) -> int:
+        return (
+            self.system_prompt
+            + self.tool_framing
+            + self.working_memory_floor
+            + self.min_memory
+            + self.output_reserve
+        )
+
+    @property
+    def high_water_tokens(self) -> int:
+        return int(self.window * self.high_water_mark)
+
+    @property
+    def eviction_tokens(self) -> int:
+        return int(self.window * self.eviction_threshold)
+
+    def canonical_json(self) -> str:
+        return json.dumps(self.model_dump(), sort_keys=True, separators=(",", ":"))
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One named allocation: a chunk id, a tool-call id, a working-memory turn."""
+
+    id: str
+    tokens: int
+    priority: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Opened:
+    created: bool
+    epoch: int
+    turn: int
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """Outcome of an admission: what was charged, and what was not."""
+
+    charged: int
+    admitted: int
+    duplicates: int
+    skipped: tuple[str, ...]
+    free: int
+    epoch: int
+    turn: int
+
+
+@dataclass(frozen=True, slots=True)
+class Released:
+    released: int
+    count: int
+    missing: tuple[str, ...]
+    free: int
+    epoch: int
+    turn: int
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    id: str
+    deadline_ms: int
+    free: int
+    epoch: int
+    turn: int
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    reservation: str
+    item: str
+    charged: int
+    free: int
+    epoch: int
+    turn: int
+
+
+@dataclass(frozen=True, slots=True)
+class Voided:
+    reservation: str
+    released: int
+    free: int
+    epoch: int
+    turn: int
+
+
+@dataclass(frozen=True, slots=True)
+class Expired:
+    expired: int
+    released: int
+    pending: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Closed:
+    closed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class AuditReport:
+    """Whether a session's counters equal its items, and which leases are overdue."""
+
+    session_id: str
+    clean: bool
+    problems: tuple[str, ...]
+    overdue: tuple[str, ...]
+    now_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """A consistent reading of one session, taken in one atomic step."""
+
+    now_ms: int
+    epoch: int
+    turn: int
+    window: int
+    system_prompt: int
+    tool_framing: int
+    output_reserve: int
+    working_memory_floor: int
+    min_memory: int
+    high_water_mark: int
+    eviction_threshold: int
+    free: int
+    used: dict[Consumer, int]
+    reserved: dict[Consumer, int]
+    items: dict[Consumer, int]
+    open_reservations: int
+    refusals: int
+    expirations: int
+    raw: dict[str, int] = field(repr=False)
+
+    @property
+    def occupancy(self) -> int:
+        """Tokens actually taken: system prompt, framing, items and open reservations."""
+        return (
+            self.system_prompt
+            + self.tool_framing
+            + sum(self.used.values())
+            + sum(self.reserved.values())
+        )
+
+    @property
+    def utilization(self) -> float:
+        return self.occupancy / self.window
+
+    @property
+    def residual_working_memory(self) -> int:
+        """Tokens working memory could hold now: the window minus every other claim."""
+        memory = (
+            self.used[Consumer.RETRIEVAL]
+            + self.reserved[Consumer.RETRIEVAL]
+            + self.used[Consumer.RECALL]
+            + self.reserved[Consumer.RECALL]
+        )
+        return (
+            self.window
+            - self.system_prompt
+            - self.tool_framing
+            - self.output_reserve
+            - max(memory, self.min_memory)
+            - self.used[Consumer.SCRATCHPAD]
+            - self.reserved[Consumer.SCRATCHPAD]
+        )

@@ -1,0 +1,315 @@
+"""Pure request building and reply parsing for every script: no I/O.
+
+A :class:`Call` names a script, its KEYS and ARGV, and how to read its reply.
+The sync and asyncio clients only differ in how they send a call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from ledger.errors import AdmissionRefused, InvalidArgument
+from ledger.keys import SessionKeys
+from ledger.models import (
+    Admitted,
+    AuditReport,
+    Closed,
+    Consumer,
+    Expired,
+    Item,
+    Opened,
+    Released,
+    Reservation,
+    SessionBudget,
+    Settled,
+    Snapshot,
+    Voided,
+)
+
+T = TypeVar("T")
+Reply = dict[str, str]
+
+ID_RE = re.compile(r"[A-Za-z0-9._:/@+=#-]{1,128}")
+
+
+@dataclass(frozen=True, slots=True)
+class Call(Generic[T]):
+    """One script invocation, ready to send, and the parser of its reply."""
+
+    script: str
+    keys: tuple[str, ...]
+    args: tuple[str, ...]
+    parse: Callable[[Reply], T]
+
+
+def check_id(value: object, what: str) -> str:
+    """Validate an identifier locally (the scripts check again)."""
+    if not isinstance(value, str) or not ID_RE.fullmatch(value):
+        raise InvalidArgument(
+            f"{what} must be 1-128 characters of [A-Za-z0-9._:/@+=#-], got {value!r}"
+        )
+    return value
+
+
+def _num(value: object) -> str:
+    # bool is an int subclass: send it as text so the script refuses it.
+    return str(value) if type(value) is int else repr(value)
+
+
+def fingerprint(script: str, args: Sequence[str]) -> str:
+    """A short digest of a call's arguments: the same op id with other arguments is refused."""
+    h = hashlib.blake2b(script.encode(), digest_size=8)
+    for a in args:
+        h.update(b"\x1f")
+        h.update(a.encode("utf-8", "surrogateescape"))
+    return h.hexdigest()
+
+
+def decode(raw: object) -> Reply:
+    """Split a script reply 'k=v|k=v' into a dict."""
+    text = raw.decode() if isinstance(raw, bytes) else str(raw)
+    out: Reply = {}
+    for part in text.split("|"):
+        k, _, v = part.partition("=")
+        out[k] = v
+    return out
+
+
+def _ids(text: str) -> tuple[str, ...]:
+    return tuple(text.split(",")) if text else ()
+
+
+def _refusal(r: Reply) -> None:
+    if r.get("status") == "refused":
+        raise AdmissionRefused(r["reason"], int(r.get("requested", 0)), int(r.get("free", 0)), r)
+
+
+def _mutating(
+    script: str,
+    keys: Iterable[str],
+    op_id: str,
+    epoch: int | str,
+    body: Sequence[str],
+    parse: Callable[[Reply], T],
+) -> Call[T]:
+    check_id(op_id, "operation id")
+    args = (_num(epoch) if epoch != "*" else "*", *body)
+    return Call(script, tuple(keys), (op_id, fingerprint(script, args), *args), parse)
+
+
+# --- open ---------------------------------------------------------------------------
+
+
+def _opened(r: Reply) -> Opened:
+    return Opened(r["created"] == "1", int(r["epoch"]), int(r["turn"]))
+
+
+def open_session(
+    keys: SessionKeys, op_id: str, budget: SessionBudget, op_retention_ms: int
+) -> Call[Opened]:
+    cfg = budget.canonical_json()
+    b = budget
+    body = [
+        str(x)
+        for x in (
+            b.window,
+            b.system_prompt,
+            b.tool_framing,
+            b.working_memory_floor,
+            b.min_memory,
+            b.output_reserve,
+            b.high_water_tokens,
+            b.eviction_tokens,
+            b.idle_ttl_seconds * 1000,
+            op_retention_ms,
+        )
+    ]
+    body += [hashlib.blake2b(cfg.encode(), digest_size=8).hexdigest(), cfg]
+    return _mutating("open", [keys.session], op_id, 0, body, _opened)
+
+
+# --- admit / release ----------------------------------------------------------------
+
+
+def _admitted(r: Reply) -> Admitted:
+    _refusal(r)
+    return Admitted(
+        int(r["charged"]),
+        int(r["admitted"]),
+        int(r["duplicates"]),
+        _ids(r["skipped"]),
+        int(r["free"]),
+        int(r["epoch"]),
+        int(r["turn"]),
+    )
+
+
+def admit(
+    keys: SessionKeys,
+    op_id: str,
+    epoch: int,
+    consumer: Consumer,
+    items: Sequence[Item],
+    partial: bool = False,
+) -> Call[Admitted]:
+    if not items:
+        raise InvalidArgument("admit needs at least one item")
+    body = [Consumer.parse(consumer).code, "prefix" if partial else "all", str(len(items))]
+    for it in items:
+        body += (it.id, _num(it.tokens), _num(it.priority))
+    return _mutating("admit", [keys.session], op_id, epoch, body, _admitted)
+
+
+def _released(r: Reply) -> Released:
+    return Released(
+        int(r["released"]),
+        int(r["count"]),
+        _ids(r["missing"]),
+        int(r["free"]),
+        int(r["epoch"]),
+        int(r["turn"]),
+    )
+
+
+def release(
+    keys: SessionKeys, op_id: str, epoch: int, consumer: Consumer, item_ids: Sequence[str]
+) -> Call[Released]:
+    if not item_ids:
+        raise InvalidArgument("release needs at least one item id")
+    body = [Consumer.parse(consumer).code, str(len(item_ids)), *item_ids]
+    return _mutating("release", [keys.session], op_id, epoch, body, _released)
+
+
+# --- two-phase reservations ---------------------------------------------------------
+
+
+def _reserved(r: Reply) -> Reservation:
+    _refusal(r)
+    return Reservation(
+        r["reservation"], int(r["deadline_ms"]), int(r["free"]), int(r["epoch"]), int(r["turn"])
+    )
+
+
+def reserve(
+    keys: SessionKeys,
+    op_id: str,
+    epoch: int,
+    consumer: Consumer,
+    reservation_id: str,
+    tokens: int,
+    lease_ms: int,
+) -> Call[Reservation]:
+    body = [
+        keys.session_id,
+        Consumer.parse(consumer).code,
+        reservation_id,
+        _num(tokens),
+        _num(lease_ms),
+    ]
+    return _mutating("reserve", [keys.session, keys.deadlines], op_id, epoch, body, _reserved)
+
+
+def _settled(r: Reply) -> Settled:
+    _refusal(r)
+    return Settled(
+        r["reservation"],
+        r["item"],
+        int(r["charged"]),
+        int(r["free"]),
+        int(r["epoch"]),
+        int(r["turn"]),
+    )
+
+
+def settle(
+    keys: SessionKeys,
+    op_id: str,
+    epoch: int,
+    reservation_id: str,
+    actual: int,
+    item_id: str,
+    priority: int = 0,
+) -> Call[Settled]:
+    body = [keys.session_id, reservation_id, _num(actual), item_id, _num(priority)]
+    return _mutating("settle", [keys.session, keys.deadlines], op_id, epoch, body, _settled)
+
+
+def _voided(r: Reply) -> Voided:
+    return Voided(
+        r["reservation"], int(r["released"]), int(r["free"]), int(r["epoch"]), int(r["turn"])
+    )
+
+
+def void(keys: SessionKeys, op_id: str, epoch: int, reservation_id: str) -> Call[Voided]:
+    body = [keys.session_id, reservation_id]
+    return _mutating("void", [keys.session, keys.deadlines], op_id, epoch, body, _voided)
+
+
+def _expired(r: Reply) -> Expired:
+    return Expired(int(r["expired"]), int(r["released"]), _ids(r["pending"]))
+
+
+def expire(keys: SessionKeys, op_id: str, reservation_ids: Sequence[str]) -> Call[Expired]:
+    body = [keys.session_id, str(len(reservation_ids)), *reservation_ids]
+    return _mutating("expire", [keys.session, keys.deadlines], op_id, "*", body, _expired)
+
+
+# --- close, snapshot, audit ---------------------------------------------------------
+
+
+def close(keys: SessionKeys, op_id: str, epoch: int | str) -> Call[Closed]:
+    return _mutating(
+        "close",
+        [keys.session, keys.deadlines],
+        op_id,
+        epoch,
+        [keys.session_id],
+        lambda r: Closed(r["closed"] == "1"),
+    )
+
+
+_PER = {"u": "used", "v": "reserved", "n": "items"}
+
+
+def _snapshot(r: Reply) -> Snapshot:
+    n = {k: int(v) for k, v in r.items()}
+    per = {name: {c: n[f"{p}_{c.code}"] for c in Consumer} for p, name in _PER.items()}
+    return Snapshot(
+        now_ms=n["now"],
+        epoch=n["ep"],
+        turn=n["tn"],
+        window=n["W"],
+        system_prompt=n["S"],
+        tool_framing=n["T"],
+        output_reserve=n["out"],
+        working_memory_floor=n["F_w"],
+        min_memory=n["F_m"],
+        high_water_mark=n["HW"],
+        eviction_threshold=n["EV"],
+        free=n["fr"],
+        used=per["used"],
+        reserved=per["reserved"],
+        items=per["items"],
+        open_reservations=n["nv"],
+        refusals=n["x:refused"],
+        expirations=n["x:expired"],
+        raw=n,
+    )
+
+
+def snapshot(keys: SessionKeys) -> Call[Snapshot]:
+    return Call("snapshot", (keys.session,), (), _snapshot)
+
+
+def audit(keys: SessionKeys) -> Call[AuditReport]:
+    def parse(r: Reply) -> AuditReport:
+        problems = tuple(p for p in r.get("problems", "").split(";") if p)
+        return AuditReport(
+            keys.session_id, r["status"] == "clean", problems, _ids(r["overdue"]), int(r["now"])
+        )
+
+    return Call("audit", (keys.session,), (), parse)

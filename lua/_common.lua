@@ -1,0 +1,190 @@
+-- _common.lua: helpers shared by every ledger script.
+--
+-- The loader (ledger/scripts.py) prepends this file to each operation script,
+-- so every shipped script is one self-contained chunk. Nothing here builds a
+-- key name: keys arrive only through KEYS.
+--
+-- Session hash (KEYS[1] of every session script), one Redis hash:
+--   ep tn sq            epoch, turn, item sequence
+--   W S T out           window, system prompt, tool framing, output reserve (tokens)
+--   F_w F_m             working-memory floor, memory (retrieval + recall) floor
+--   HW EV               high-water mark, eviction threshold (tokens)
+--   fr                  free tokens: W minus every claim (kept exact by every script)
+--   a_w a_m a_s         active tokens (items + reservations) per group: working
+--                       memory, memory (retrieval + recall), scratchpad
+--   u_<c> n_<c> v_<c>   tokens held by items, item count, tokens held by open
+--                       reservations, per consumer c
+--   nv                  open reservations
+--   ttl ort xp          idle TTL (ms), op retention (ms), when the TTL is next refreshed
+--   cfg                 '<budget fingerprint>|<budget json>'
+--   i:<c>:<id>          one item: '<tokens>|<turn>|<priority>|<seq>'
+--   r:<id>              one reservation: '<c>|<tokens>|<deadline_ms>'
+--   o:<op>              one outcome: '<ts_ms>|<fingerprint>|<reply>'
+--   ol                  op ids of the open journal chunk, comma-separated
+--   oc:<n> cl ch gz     closed journal chunks '<ts_ms>|<op ids>', oldest live chunk,
+--                       next chunk, when chunk cl falls out of the op retention
+--   x:<name>            telemetry counters
+-- Consumers c: w working memory, r retrieval, m recall, s scratchpad.
+
+local GROUP = { w = 'w', r = 'm', m = 'm', s = 's' }
+local ID_MAX = 128
+local TOKENS_MAX = 100000000      -- 1e8 tokens: above any model's window
+local CHUNK_BYTES = 1024          -- journal chunk size
+local NEVER = 999999999999999
+
+local function err(code, msg)
+  return redis.error_reply('LEDGER_' .. code .. ' ' .. msg)
+end
+
+local function show(v)
+  if type(v) ~= 'string' then return tostring(v) end
+  local s = string.gsub(string.sub(v, 1, 48), '[^%w%p ]', '?')
+  if #v > 48 then s = s .. '...' end
+  return "'" .. s .. "'"
+end
+
+-- A decimal integer in [lo, hi]; returns n, or nil and an error reply.
+local function int_arg(v, name, lo, hi)
+  if type(v) ~= 'string' or #v == 0 or #v > 16 or not string.match(v, '^%-?%d+$') then
+    return nil, err('BADARG', name .. ' must be an integer, got ' .. show(v))
+  end
+  local n = tonumber(v)
+  if n < lo or n > hi then
+    return nil, err('BADARG', name .. ' must be between ' .. lo .. ' and ' .. hi .. ', got ' .. v)
+  end
+  return n
+end
+
+-- An identifier: 1..128 characters of [A-Za-z0-9._:/@+=#-]: no braces, no separators.
+local function id_arg(v, name)
+  if type(v) ~= 'string' or #v == 0 or #v > ID_MAX or not string.match(v, '^[%w%._:/@%+=#%-]+$') then
+    return nil, err('BADARG', name .. ' must be 1-' .. ID_MAX .. ' characters of [A-Za-z0-9._:/@+=#-], got ' .. show(v))
+  end
+  return v
+end
+
+local function consumer_arg(v)
+  if type(v) ~= 'string' or not GROUP[v] then
+    return nil, err('BADARG', 'consumer must be one of w, r, m, s, got ' .. show(v))
+  end
+  return v
+end
+
+-- The prologue of every mutating call: ARGV[1] op id, ARGV[2] fingerprint,
+-- ARGV[3] epoch the caller believes current ('*' where the script allows an
+-- unfenced call). Returns op, fp, epoch (nil for '*'), or nil, nil, nil, error.
+local function op_args(unfenced_ok)
+  local op, e = id_arg(ARGV[1], 'operation id')
+  if not op then return nil, nil, nil, e end
+  local fp = ARGV[2]
+  if type(fp) ~= 'string' or #fp > 64 or not string.match(fp, '^%x+$') then
+    return nil, nil, nil, err('BADARG', 'fingerprint must be 1-64 hex digits, got ' .. show(fp))
+  end
+  if unfenced_ok and ARGV[3] == '*' then return op, fp, nil end
+  local epoch
+  epoch, e = int_arg(ARGV[3], 'epoch', 0, 1e15)
+  if not epoch then return nil, nil, nil, e end
+  return op, fp, epoch
+end
+
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- A stored outcome for this op id: the reply to send again, an error reply when
+-- the id was used with other arguments, or nil when the op is new.
+local function replay(rec, op, fp)
+  if not rec then return nil end
+  local rfp, out = string.match(rec, '^%d+|(%x+)|(.*)$')
+  if rfp ~= fp then
+    return err('OPREUSED', 'operation id ' .. op .. ' was already used with other arguments')
+  end
+  return out
+end
+
+local NOSESSION = 'session does not exist (never opened, closed or expired)'
+
+local function stale(ep, epoch)
+  if epoch == nil or epoch == ep then return nil end
+  if epoch < ep then
+    return err('STALE', 'epoch ' .. epoch .. ' is older than the session epoch ' .. ep)
+  end
+  return err('BADARG', 'epoch ' .. epoch .. ' is newer than the session epoch ' .. ep)
+end
+
+-- HMGET the numeric fields in names (as numbers, into H) and the raw fields in
+-- raws (returned as a list, false where absent).
+local function load(key, names, raws)
+  local f = {}
+  for i = 1, #names do f[i] = names[i] end
+  for i = 1, #raws do f[#names + i] = raws[i] end
+  local v = redis.call('HMGET', key, unpack(f))
+  local H, R = {}, {}
+  for i = 1, #names do H[names[i]] = tonumber(v[i]) end
+  for i = 1, #raws do R[i] = v[#names + i] end
+  return H, R
+end
+
+-- How much a group's claim on the window grows when its active tokens move from
+-- a to a + d: claims are max(active, floor), so tokens inside a floor are free.
+local function claim_delta(a, d, floor)
+  return math.max(a + d, floor) - math.max(a, floor)
+end
+
+-- Record the outcome under its op id and write args (field, value, ...) in one
+-- HSET. Rarely (chunk full, retention passed, TTL due) it also closes a journal
+-- chunk, drops the oldest one with its outcomes, or refreshes the idle TTL, so
+-- the work per call stays constant whatever the session's length.
+-- J: { ol = raw 'ol', gz = number, xp = number } and, where the caller knows
+-- them already, cl, ch, ttl, ort.
+local function commit(key, now, op, fp, out, args, J)
+  args[#args + 1] = 'o:' .. op
+  args[#args + 1] = now .. '|' .. fp .. '|' .. out
+  local ol = (J.ol and J.ol ~= '') and (J.ol .. ',' .. op) or op
+  local refresh = now >= J.xp
+  if refresh or now >= J.gz or #ol >= CHUNK_BYTES then
+    if not J.ttl then
+      local m = redis.call('HMGET', key, 'cl', 'ch', 'ttl', 'ort')
+      J.cl, J.ch, J.ttl, J.ort = tonumber(m[1]), tonumber(m[2]), tonumber(m[3]), tonumber(m[4])
+    end
+    local cl, ch, ttl, ort = J.cl, J.ch, J.ttl, J.ort
+    local gz = J.gz
+    if now >= gz and cl < ch then
+      local g = redis.call('HMGET', key, 'oc:' .. cl, 'oc:' .. (cl + 1))
+      local dead = { 'oc:' .. cl }
+      for id in string.gmatch(string.match(g[1] or '0|', '^%d+|(.*)$'), '[^,]+') do
+        dead[#dead + 1] = 'o:' .. id
+      end
+      redis.call('HDEL', key, unpack(dead))
+      cl = cl + 1
+      gz = g[2] and (tonumber(string.match(g[2], '^(%d+)|')) + ort) or NEVER
+    end
+    if #ol >= CHUNK_BYTES then
+      args[#args + 1] = 'oc:' .. ch
+      args[#args + 1] = now .. '|' .. ol
+      if cl == ch then gz = now + ort end
+      ch, ol = ch + 1, ''
+    end
+    local xp = J.xp
+    if refresh then xp = now + math.floor(ttl / 10) end
+    for _, kv in ipairs({ { 'cl', cl }, { 'ch', ch }, { 'gz', gz }, { 'xp', xp } }) do
+      args[#args + 1] = kv[1]
+      args[#args + 1] = string.format('%d', kv[2])
+    end
+    args[#args + 1] = 'ol'
+    args[#args + 1] = ol
+    redis.call('HSET', key, unpack(args))
+    if refresh then redis.call('PEXPIRE', key, ttl) end
+    return out
+  end
+  args[#args + 1] = 'ol'
+  args[#args + 1] = ol
+  redis.call('HSET', key, unpack(args))
+  return out
+end
+
+-- key=value pairs joined by '|': the one reply shape of every script.
+local function reply(kv)
+  return table.concat(kv, '|')
+end

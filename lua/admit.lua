@@ -1,0 +1,96 @@
+-- admit.lua: admit a batch of named items for one consumer, in one atomic step.
+--
+-- KEYS[1]  session hash
+-- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
+-- ARGV[2]  argument fingerprint    hex, computed by the client over ARGV[3..]
+-- ARGV[3]  epoch                   integer; older than the session's -> LEDGER_STALE
+-- ARGV[4]  consumer                w | r | m | s
+-- ARGV[5]  mode                    all: every new item or none;
+--                                  prefix: the longest prefix that fits, the rest skipped
+-- ARGV[6]  n                       number of items, 1..1000
+-- ARGV[7..6+3n]  n triples         item id, tokens (1..1e8), priority (0..1000)
+--
+-- Reply: status=ok|charged=<tokens>|admitted=<n>|duplicates=<n>|skipped=<id,...>
+--          |free=<tokens>|epoch=<n>|turn=<n>
+--    or  status=refused|reason=token_budget_exhausted|requested=<tokens>
+--          |free=<tokens>|epoch=<n>|turn=<n>
+-- An item id the consumer already holds charges nothing (a duplicate). A refusal
+-- changes no allocation; its outcome is kept under the op id like any other.
+-- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
+-- Calls: HMGET, TIME, HSET (a PEXPIRE or a journal sweep when due; HINCRBY on refusal).
+
+local op, fp, epoch, e = op_args(false)
+if e then return e end
+local c
+c, e = consumer_arg(ARGV[4])
+if e then return e end
+local mode = ARGV[5]
+if mode ~= 'all' and mode ~= 'prefix' then
+  return err('BADARG', 'mode must be all or prefix, got ' .. show(mode))
+end
+local n
+n, e = int_arg(ARGV[6], 'item count', 1, 1000)
+if e then return e end
+if #ARGV ~= 6 + 3 * n then
+  return err('BADARG', 'expected ' .. (6 + 3 * n) .. ' arguments for ' .. n .. ' items, got ' .. #ARGV)
+end
+local g = GROUP[c]
+local raws, toks, prios, seen = { 'o:' .. op, 'ol' }, {}, {}, {}
+for k = 1, n do
+  local b = 4 + 3 * k
+  local id
+  id, e = id_arg(ARGV[b], 'item id')
+  if e then return e end
+  if seen[id] then return err('BADARG', 'item id ' .. id .. ' appears twice in the batch') end
+  seen[id] = true
+  toks[k], e = int_arg(ARGV[b + 1], 'tokens of ' .. id, 1, TOKENS_MAX)
+  if e then return e end
+  prios[k], e = int_arg(ARGV[b + 2], 'priority of ' .. id, 0, 1000)
+  if e then return e end
+  raws[k + 2] = 'i:' .. c .. ':' .. id
+end
+
+local key = KEYS[1]
+local H, R = load(key, { 'ep', 'tn', 'sq', 'fr', 'a_' .. g, 'F_' .. g, 'u_' .. c, 'n_' .. c, 'gz', 'xp' }, raws)
+local again = replay(R[1], op, fp)
+if again then return again end
+if not H.ep then return err('NOSESSION', NOSESSION) end
+e = stale(H.ep, epoch)
+if e then return e end
+local now = now_ms()
+
+local a, floor = H['a_' .. g], H['F_' .. g] or 0
+local charged, admitted, dups, skipped, args = 0, 0, 0, {}, {}
+local fr = H.fr
+for k = 1, n do
+  if R[k + 2] then
+    dups = dups + 1
+  else
+    local d = claim_delta(a + charged, toks[k], floor)
+    if mode == 'prefix' and (#skipped > 0 or d > fr) then
+      skipped[#skipped + 1] = ARGV[4 + 3 * k]
+    else
+      fr = fr - d
+      charged = charged + toks[k]
+      admitted = admitted + 1
+      H.sq = H.sq + 1
+      args[#args + 1] = raws[k + 2]
+      args[#args + 1] = toks[k] .. '|' .. H.tn .. '|' .. prios[k] .. '|' .. H.sq
+    end
+  end
+end
+local J = { ol = R[2], gz = H.gz, xp = H.xp }
+if fr < 0 then
+  local out = reply({ 'status=refused', 'reason=token_budget_exhausted', 'requested=' .. charged,
+    'free=' .. H.fr, 'epoch=' .. H.ep, 'turn=' .. H.tn })
+  redis.call('HINCRBY', key, 'x:refused', 1)
+  return commit(key, now, op, fp, out, {}, J)
+end
+if admitted > 0 then
+  local upd = { 'sq', H.sq, 'fr', fr, 'a_' .. g, a + charged, 'u_' .. c, H['u_' .. c] + charged,
+    'n_' .. c, H['n_' .. c] + admitted }
+  for i = 1, #upd do args[#args + 1] = upd[i] end
+end
+return commit(key, now, op, fp, reply({ 'status=ok', 'charged=' .. charged, 'admitted=' .. admitted,
+  'duplicates=' .. dups, 'skipped=' .. table.concat(skipped, ','), 'free=' .. fr,
+  'epoch=' .. H.ep, 'turn=' .. H.tn }), args, J)

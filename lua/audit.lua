@@ -1,0 +1,59 @@
+-- audit.lua: prove a session's counters equal the sum of its items (read-only).
+--
+-- KEYS[1]  session hash
+-- (no ARGV)
+--
+-- Reply: status=clean|overdue=<id,...>|now=<ms>
+--    or  status=violations|problems=<text;text;...>|overdue=<id,...>|now=<ms>
+--   Checks: per consumer, tokens and counts of items equal u_<c> and n_<c>; open
+--   reservations equal v_<c> and nv; group actives equal items plus reservations;
+--   fr equals the window minus every claim and is not negative (no over-allocation).
+--   overdue lists open reservations whose deadline has passed; the caller judges
+--   them against its sweep interval.
+-- Errors: LEDGER_NOSESSION.
+-- Calls: HGETALL, TIME.
+
+local all = redis.call('HGETALL', KEYS[1])
+local f = {}
+for i = 1, #all, 2 do f[all[i]] = all[i + 1] end
+if not f.ep then return err('NOSESSION', NOSESSION) end
+local now = now_ms()
+local u, n, v = { w = 0, r = 0, m = 0, s = 0 }, { w = 0, r = 0, m = 0, s = 0 }, { w = 0, r = 0, m = 0, s = 0 }
+local nv, overdue = 0, {}
+for name, val in pairs(f) do
+  local c = string.match(name, '^i:(%a):')
+  if c then
+    u[c] = u[c] + tonumber(string.match(val, '^(%d+)|'))
+    n[c] = n[c] + 1
+  end
+  local rid = string.match(name, '^r:(.+)$')
+  if rid then
+    local rc, est, deadline = string.match(val, '^(%a)|(%d+)|(%d+)$')
+    v[rc] = v[rc] + tonumber(est)
+    nv = nv + 1
+    if tonumber(deadline) < now then overdue[#overdue + 1] = rid end
+  end
+end
+local problems = {}
+local function check(name, have, want)
+  if tonumber(have) ~= want then
+    problems[#problems + 1] = name .. ' is ' .. tostring(have) .. ', items say ' .. want
+  end
+end
+for _, c in ipairs({ 'w', 'r', 'm', 's' }) do
+  check('u_' .. c, f['u_' .. c], u[c])
+  check('n_' .. c, f['n_' .. c], n[c])
+  check('v_' .. c, f['v_' .. c], v[c])
+end
+check('nv', f.nv, nv)
+check('a_w', f.a_w, u.w + v.w)
+check('a_m', f.a_m, u.r + v.r + u.m + v.m)
+check('a_s', f.a_s, u.s + v.s)
+local N = function(x) return tonumber(f[x]) end
+local free = N('W') - N('S') - N('T') - N('out') - math.max(u.w + v.w, N('F_w'))
+  - math.max(u.r + v.r + u.m + v.m, N('F_m')) - u.s - v.s
+check('fr', f.fr, free)
+if free < 0 then problems[#problems + 1] = 'over-allocated by ' .. (-free) .. ' tokens' end
+local tail = { 'overdue=' .. table.concat(overdue, ','), 'now=' .. now }
+if #problems == 0 then return reply({ 'status=clean', tail[1], tail[2] }) end
+return reply({ 'status=violations', 'problems=' .. table.concat(problems, ';'), tail[1], tail[2] })

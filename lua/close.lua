@@ -1,0 +1,40 @@
+-- close.lua: delete a session and its reservations' index entries.
+--
+-- KEYS[1]  session hash
+-- KEYS[2]  partition deadline index
+-- ARGV[1]  operation id            ARGV[2] argument fingerprint (hex)
+-- ARGV[3]  epoch or '*'            '*' closes whatever the epoch (operators)
+-- ARGV[4]  session id
+--
+-- Reply: status=ok|closed=<0|1>
+-- The outcome stays in a tombstone (the op record alone, for the op retention)
+-- so that a retry gets closed=1 back.
+-- Errors: LEDGER_BADARG, LEDGER_STALE, LEDGER_OPREUSED.
+-- Calls: HMGET, HGETALL (only with open reservations), ZREM, DEL, TIME, HSET, PEXPIRE.
+
+local op, fp, epoch, e = op_args(true)
+if e then return e end
+local sid
+sid, e = id_arg(ARGV[4], 'session id')
+if e then return e end
+if #ARGV ~= 4 then return err('BADARG', 'expected 4 arguments, got ' .. #ARGV) end
+local key = KEYS[1]
+local H, R = load(key, { 'ep', 'nv', 'ort' }, { 'o:' .. op })
+local again = replay(R[1], op, fp)
+if again then return again end
+if not H.ep then return reply({ 'status=ok', 'closed=0' }) end
+e = stale(H.ep, epoch)
+if e then return e end
+if H.nv > 0 then
+  local all, members = redis.call('HGETALL', key), {}
+  for i = 1, #all, 2 do
+    local rid = string.match(all[i], '^r:(.+)$')
+    if rid then members[#members + 1] = sid .. '|' .. rid end
+  end
+  if #members > 0 then redis.call('ZREM', KEYS[2], unpack(members)) end
+end
+redis.call('DEL', key)
+local out = reply({ 'status=ok', 'closed=1' })
+redis.call('HSET', key, 'o:' .. op, now_ms() .. '|' .. fp .. '|' .. out, 'ol', op)
+redis.call('PEXPIRE', key, H.ort)
+return out

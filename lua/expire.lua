@@ -1,0 +1,82 @@
+-- expire.lua: release a session's reservations whose deadline has passed.
+--
+-- The sweeper reads due members from the partition deadline index and calls this
+-- once per session; the deadline is checked again here against Redis's clock.
+--
+-- KEYS[1]  session hash
+-- KEYS[2]  partition deadline index
+-- ARGV[1]  operation id            ARGV[2] argument fingerprint (hex)
+-- ARGV[3]  epoch or '*'            the sweeper sends '*': expiry is not fenced
+-- ARGV[4]  session id
+-- ARGV[5]  n                       number of reservation ids, 1..1000
+-- ARGV[6..5+n]                     reservation ids
+--
+-- Reply: status=ok|expired=<n>|released=<tokens>|pending=<id,...>
+--   pending: ids whose deadline has not passed (left open). Ids that are no longer
+--   open are dropped from the index. A missing session only cleans the index.
+-- Errors: LEDGER_BADARG, LEDGER_STALE, LEDGER_OPREUSED.
+-- Calls: HMGET, TIME, HSET, HDEL, ZREM (a PEXPIRE or a journal sweep when due).
+
+local op, fp, epoch, e = op_args(true)
+if e then return e end
+local sid, n
+sid, e = id_arg(ARGV[4], 'session id')
+if e then return e end
+n, e = int_arg(ARGV[5], 'reservation count', 1, 1000)
+if e then return e end
+if #ARGV ~= 5 + n then
+  return err('BADARG', 'expected ' .. (5 + n) .. ' arguments for ' .. n .. ' reservation ids, got ' .. #ARGV)
+end
+local raws = { 'o:' .. op, 'ol' }
+for k = 1, n do
+  local rid
+  rid, e = id_arg(ARGV[5 + k], 'reservation id')
+  if e then return e end
+  raws[k + 2] = 'r:' .. rid
+end
+
+local key = KEYS[1]
+local H, R = load(key, { 'ep', 'fr', 'a_w', 'a_m', 'a_s', 'F_w', 'F_m', 'v_w', 'v_r', 'v_m', 'v_s', 'nv',
+  'gz', 'xp' }, raws)
+local again = replay(R[1], op, fp)
+if again then return again end
+local now = now_ms()
+local gone, pending, dead, released, expired = {}, {}, {}, 0, 0
+if not H.ep then
+  for k = 1, n do gone[#gone + 1] = sid .. '|' .. ARGV[5 + k] end
+  redis.call('ZREM', KEYS[2], unpack(gone))
+  return reply({ 'status=ok', 'expired=0', 'released=0', 'pending=' })
+end
+e = stale(H.ep, epoch)
+if e then return e end
+for k = 1, n do
+  local rec = R[k + 2]
+  if not rec then
+    gone[#gone + 1] = sid .. '|' .. ARGV[5 + k]
+  else
+    local c, est, deadline = string.match(rec, '^(%a)|(%d+)|(%d+)$')
+    if tonumber(deadline) < now then
+      est = tonumber(est)
+      local g = GROUP[c]
+      H.fr = H.fr - claim_delta(H['a_' .. g], -est, H['F_' .. g] or 0)
+      H['a_' .. g] = H['a_' .. g] - est
+      H['v_' .. c] = H['v_' .. c] - est
+      H.nv = H.nv - 1
+      released, expired = released + est, expired + 1
+      dead[#dead + 1] = raws[k + 2]
+      gone[#gone + 1] = sid .. '|' .. ARGV[5 + k]
+    else
+      pending[#pending + 1] = ARGV[5 + k]
+    end
+  end
+end
+if #gone > 0 then redis.call('ZREM', KEYS[2], unpack(gone)) end
+local args = {}
+if expired > 0 then
+  redis.call('HDEL', key, unpack(dead))
+  redis.call('HINCRBY', key, 'x:expired', expired)
+  args = { 'fr', H.fr, 'a_w', H.a_w, 'a_m', H.a_m, 'a_s', H.a_s, 'v_w', H.v_w, 'v_r', H.v_r,
+    'v_m', H.v_m, 'v_s', H.v_s, 'nv', H.nv }
+end
+return commit(key, now, op, fp, reply({ 'status=ok', 'expired=' .. expired, 'released=' .. released,
+  'pending=' .. table.concat(pending, ',') }), args, { ol = R[2], gz = H.gz, xp = H.xp })

@@ -1,0 +1,66 @@
+-- release.lua: give back items a consumer holds.
+--
+-- KEYS[1]  session hash
+-- ARGV[1]  operation id            ARGV[2] argument fingerprint (hex)
+-- ARGV[3]  epoch                   integer; older than the session's -> LEDGER_STALE
+-- ARGV[4]  consumer                w | r | m | s
+-- ARGV[5]  n                       number of item ids, 1..1000
+-- ARGV[6..5+n]                     item ids
+--
+-- Reply: status=ok|released=<tokens>|count=<n>|missing=<id,...>|free=<tokens>|epoch=<n>|turn=<n>
+-- Ids the consumer does not hold are listed as missing; they are not an error.
+-- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
+-- Calls: HMGET, TIME, HSET, HDEL (a PEXPIRE or a journal sweep when due).
+
+local op, fp, epoch, e = op_args(false)
+if e then return e end
+local c
+c, e = consumer_arg(ARGV[4])
+if e then return e end
+local n
+n, e = int_arg(ARGV[5], 'item count', 1, 1000)
+if e then return e end
+if #ARGV ~= 5 + n then
+  return err('BADARG', 'expected ' .. (5 + n) .. ' arguments for ' .. n .. ' item ids, got ' .. #ARGV)
+end
+local g = GROUP[c]
+local raws, seen = { 'o:' .. op, 'ol' }, {}
+for k = 1, n do
+  local id
+  id, e = id_arg(ARGV[5 + k], 'item id')
+  if e then return e end
+  if seen[id] then return err('BADARG', 'item id ' .. id .. ' appears twice') end
+  seen[id] = true
+  raws[k + 2] = 'i:' .. c .. ':' .. id
+end
+
+local key = KEYS[1]
+local H, R = load(key, { 'ep', 'tn', 'fr', 'a_' .. g, 'F_' .. g, 'u_' .. c, 'n_' .. c, 'gz', 'xp' }, raws)
+local again = replay(R[1], op, fp)
+if again then return again end
+if not H.ep then return err('NOSESSION', NOSESSION) end
+e = stale(H.ep, epoch)
+if e then return e end
+local now = now_ms()
+
+local tokens, count, missing, dead = 0, 0, {}, {}
+for k = 1, n do
+  local rec = R[k + 2]
+  if rec then
+    tokens = tokens + tonumber(string.match(rec, '^(%d+)|'))
+    count = count + 1
+    dead[#dead + 1] = raws[k + 2]
+  else
+    missing[#missing + 1] = ARGV[5 + k]
+  end
+end
+local a = H['a_' .. g]
+local fr = H.fr - claim_delta(a, -tokens, H['F_' .. g] or 0)
+local args = {}
+if count > 0 then
+  redis.call('HDEL', key, unpack(dead))
+  args = { 'fr', fr, 'a_' .. g, a - tokens, 'u_' .. c, H['u_' .. c] - tokens, 'n_' .. c, H['n_' .. c] - count }
+end
+return commit(key, now, op, fp, reply({ 'status=ok', 'released=' .. tokens, 'count=' .. count,
+  'missing=' .. table.concat(missing, ','), 'free=' .. fr, 'epoch=' .. H.ep, 'turn=' .. H.tn }),
+  args, { ol = R[2], gz = H.gz, xp = H.xp })

@@ -1,0 +1,59 @@
+-- reserve.lua: hold an estimate for a consumer until a deadline (phase one of two).
+--
+-- KEYS[1]  session hash
+-- KEYS[2]  partition deadline index (sorted set: score deadline ms, member '<session>|<reservation>')
+-- ARGV[1]  operation id            ARGV[2] argument fingerprint (hex)
+-- ARGV[3]  epoch                   integer; older than the session's -> LEDGER_STALE
+-- ARGV[4]  session id              the member prefix in the deadline index
+-- ARGV[5]  consumer                w | r | m | s
+-- ARGV[6]  reservation id          [A-Za-z0-9._:/@+=#-]{1,128}, unique among open ones
+-- ARGV[7]  tokens                  estimate, 1..1e8
+-- ARGV[8]  lease                   milliseconds until the deadline, 1..86400000, on Redis's clock
+--
+-- Reply: status=ok|reservation=<id>|deadline_ms=<ms>|free=<tokens>|epoch=<n>|turn=<n>
+--    or  status=refused|reason=token_budget_exhausted|requested=<tokens>|free=<tokens>|epoch=<n>|turn=<n>
+-- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED,
+--         LEDGER_CONFLICT (the reservation id is open already).
+-- Calls: HMGET, TIME, HSET, ZADD (a PEXPIRE or a journal sweep when due).
+
+local op, fp, epoch, e = op_args(false)
+if e then return e end
+local sid, c, rid, tokens, lease
+sid, e = id_arg(ARGV[4], 'session id')
+if e then return e end
+c, e = consumer_arg(ARGV[5])
+if e then return e end
+rid, e = id_arg(ARGV[6], 'reservation id')
+if e then return e end
+tokens, e = int_arg(ARGV[7], 'tokens', 1, TOKENS_MAX)
+if e then return e end
+lease, e = int_arg(ARGV[8], 'lease ms', 1, 86400000)
+if e then return e end
+if #ARGV ~= 8 then return err('BADARG', 'expected 8 arguments, got ' .. #ARGV) end
+local g = GROUP[c]
+
+local key = KEYS[1]
+local H, R = load(key, { 'ep', 'tn', 'fr', 'a_' .. g, 'F_' .. g, 'v_' .. c, 'nv', 'gz', 'xp' },
+  { 'o:' .. op, 'ol', 'r:' .. rid })
+local again = replay(R[1], op, fp)
+if again then return again end
+if not H.ep then return err('NOSESSION', NOSESSION) end
+e = stale(H.ep, epoch)
+if e then return e end
+if R[3] then return err('CONFLICT', 'reservation ' .. rid .. ' is already open') end
+local now = now_ms()
+
+local a = H['a_' .. g]
+local d = claim_delta(a, tokens, H['F_' .. g] or 0)
+local J = { ol = R[2], gz = H.gz, xp = H.xp }
+if d > H.fr then
+  redis.call('HINCRBY', key, 'x:refused', 1)
+  return commit(key, now, op, fp, reply({ 'status=refused', 'reason=token_budget_exhausted',
+    'requested=' .. tokens, 'free=' .. H.fr, 'epoch=' .. H.ep, 'turn=' .. H.tn }), {}, J)
+end
+local deadline = now + lease
+redis.call('ZADD', KEYS[2], deadline, sid .. '|' .. rid)
+return commit(key, now, op, fp, reply({ 'status=ok', 'reservation=' .. rid, 'deadline_ms=' .. deadline,
+  'free=' .. (H.fr - d), 'epoch=' .. H.ep, 'turn=' .. H.tn }),
+  { 'r:' .. rid, c .. '|' .. tokens .. '|' .. deadline, 'fr', H.fr - d, 'a_' .. g, a + tokens,
+    'v_' .. c, H['v_' .. c] + tokens, 'nv', H.nv + 1 }, J)

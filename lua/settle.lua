@@ -1,0 +1,73 @@
+-- settle.lua: turn an open reservation into an item of its actual size (phase two).
+--
+-- KEYS[1]  session hash
+-- KEYS[2]  partition deadline index
+-- ARGV[1]  operation id            ARGV[2] argument fingerprint (hex)
+-- ARGV[3]  epoch                   integer; older than the session's -> LEDGER_STALE
+-- ARGV[4]  session id              the member prefix in the deadline index
+-- ARGV[5]  reservation id
+-- ARGV[6]  actual tokens           1..1e8, lower or higher than the estimate
+-- ARGV[7]  item id                 the item the settled tokens become
+-- ARGV[8]  priority                0..1000
+--
+-- Reply: status=ok|reservation=<id>|item=<id>|charged=<tokens>|free=<tokens>|epoch=<n>|turn=<n>
+--    or  status=refused|reason=token_budget_exhausted|requested=<tokens>|free=<tokens>|epoch=<n>|turn=<n>
+--        (the actual size does not fit; the reservation stays open until voided or expired)
+-- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED,
+--         LEDGER_NORESERVATION (not open: settled, voided, expired and swept, or never made),
+--         LEDGER_EXPIRED (its deadline has passed on Redis's clock),
+--         LEDGER_CONFLICT (the consumer already holds the item id).
+-- Calls: HMGET, TIME, HSET, HDEL, ZREM (a PEXPIRE or a journal sweep when due).
+
+local op, fp, epoch, e = op_args(false)
+if e then return e end
+local sid, rid, actual, item, prio
+sid, e = id_arg(ARGV[4], 'session id')
+if e then return e end
+rid, e = id_arg(ARGV[5], 'reservation id')
+if e then return e end
+actual, e = int_arg(ARGV[6], 'actual tokens', 1, TOKENS_MAX)
+if e then return e end
+item, e = id_arg(ARGV[7], 'item id')
+if e then return e end
+prio, e = int_arg(ARGV[8], 'priority', 0, 1000)
+if e then return e end
+if #ARGV ~= 8 then return err('BADARG', 'expected 8 arguments, got ' .. #ARGV) end
+
+local key = KEYS[1]
+local _, R0 = load(key, {}, { 'o:' .. op, 'r:' .. rid })
+local again = replay(R0[1], op, fp)
+if again then return again end
+if not R0[2] then
+  if redis.call('HEXISTS', key, 'ep') == 0 then return err('NOSESSION', NOSESSION) end
+  return err('NORESERVATION', 'reservation ' .. rid .. ' is not open')
+end
+local c, est, deadline = string.match(R0[2], '^(%a)|(%d+)|(%d+)$')
+est, deadline = tonumber(est), tonumber(deadline)
+local g = GROUP[c]
+local H, R = load(key, { 'ep', 'tn', 'sq', 'fr', 'a_' .. g, 'F_' .. g, 'u_' .. c, 'n_' .. c, 'v_' .. c,
+  'nv', 'gz', 'xp' }, { 'ol', 'i:' .. c .. ':' .. item })
+e = stale(H.ep, epoch)
+if e then return e end
+local now = now_ms()
+if now > deadline then
+  return err('EXPIRED', 'reservation ' .. rid .. ' expired at ' .. deadline .. ' ms, ' .. (now - deadline) .. ' ms ago')
+end
+if R[2] then return err('CONFLICT', 'consumer ' .. c .. ' already holds item ' .. item) end
+
+local a = H['a_' .. g]
+local d = claim_delta(a, actual - est, H['F_' .. g] or 0)
+local J = { ol = R[1], gz = H.gz, xp = H.xp }
+if d > H.fr then
+  redis.call('HINCRBY', key, 'x:refused', 1)
+  return commit(key, now, op, fp, reply({ 'status=refused', 'reason=token_budget_exhausted',
+    'requested=' .. actual, 'free=' .. H.fr, 'epoch=' .. H.ep, 'turn=' .. H.tn }), {}, J)
+end
+redis.call('HDEL', key, 'r:' .. rid)
+redis.call('ZREM', KEYS[2], sid .. '|' .. rid)
+local fr = H.fr - d
+return commit(key, now, op, fp, reply({ 'status=ok', 'reservation=' .. rid, 'item=' .. item,
+  'charged=' .. actual, 'free=' .. fr, 'epoch=' .. H.ep, 'turn=' .. H.tn }),
+  { 'i:' .. c .. ':' .. item, actual .. '|' .. H.tn .. '|' .. prio .. '|' .. (H.sq + 1), 'sq', H.sq + 1,
+    'fr', fr, 'a_' .. g, a - est + actual, 'u_' .. c, H['u_' .. c] + actual, 'n_' .. c, H['n_' .. c] + 1,
+    'v_' .. c, H['v_' .. c] - est, 'nv', H.nv - 1 }, J)

@@ -1,0 +1,19 @@
+-- snapshot.lua: read a session's numbers in one consistent step (read-only).
+--
+-- KEYS[1]  session hash
+-- (no ARGV)
+--
+-- Reply: now=<ms>|<field>=<value>|... for every numeric field of the session hash
+--        (see _common.lua) and x:<counter> telemetry counters; the client derives
+--        utilization, residual working memory and regime from them.
+-- Errors: LEDGER_NOSESSION.
+-- Calls: HMGET, TIME, HGETALL only when telemetry counters are asked for (never).
+
+local FIELDS = { 'ep', 'tn', 'sq', 'W', 'S', 'T', 'out', 'F_w', 'F_m', 'HW', 'EV', 'fr',
+  'a_w', 'a_m', 'a_s', 'u_w', 'u_r', 'u_m', 'u_s', 'n_w', 'n_r', 'n_m', 'n_s',
+  'v_w', 'v_r', 'v_m', 'v_s', 'nv', 'ttl', 'ort', 'x:refused', 'x:expired' }
+local v = redis.call('HMGET', KEYS[1], unpack(FIELDS))
+if not v[1] then return err('NOSESSION', NOSESSION) end
+local out = { 'now=' .. now_ms() }
+for i = 1, #FIELDS do out[#out + 1] = FIELDS[i] .. '=' .. (v[i] or '0') end
+return reply(out)

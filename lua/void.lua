@@ -1,0 +1,45 @@
+-- void.lua: cancel an open reservation and give its tokens back.
+--
+-- KEYS[1]  session hash
+-- KEYS[2]  partition deadline index
+-- ARGV[1]  operation id            ARGV[2] argument fingerprint (hex)
+-- ARGV[3]  epoch                   integer; older than the session's -> LEDGER_STALE
+-- ARGV[4]  session id              the member prefix in the deadline index
+-- ARGV[5]  reservation id
+--
+-- Reply: status=ok|reservation=<id>|released=<tokens>|free=<tokens>|epoch=<n>|turn=<n>
+-- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED, LEDGER_NORESERVATION.
+-- Calls: HMGET, TIME, HSET, HDEL, ZREM (a PEXPIRE or a journal sweep when due).
+
+local op, fp, epoch, e = op_args(false)
+if e then return e end
+local sid, rid
+sid, e = id_arg(ARGV[4], 'session id')
+if e then return e end
+rid, e = id_arg(ARGV[5], 'reservation id')
+if e then return e end
+if #ARGV ~= 5 then return err('BADARG', 'expected 5 arguments, got ' .. #ARGV) end
+
+local key = KEYS[1]
+local _, R0 = load(key, {}, { 'o:' .. op, 'r:' .. rid })
+local again = replay(R0[1], op, fp)
+if again then return again end
+if not R0[2] then
+  if redis.call('HEXISTS', key, 'ep') == 0 then return err('NOSESSION', NOSESSION) end
+  return err('NORESERVATION', 'reservation ' .. rid .. ' is not open')
+end
+local c, est = string.match(R0[2], '^(%a)|(%d+)|')
+est = tonumber(est)
+local g = GROUP[c]
+local H, R = load(key, { 'ep', 'tn', 'fr', 'a_' .. g, 'F_' .. g, 'v_' .. c, 'nv', 'gz', 'xp' }, { 'ol' })
+e = stale(H.ep, epoch)
+if e then return e end
+local now = now_ms()
+local a = H['a_' .. g]
+local fr = H.fr - claim_delta(a, -est, H['F_' .. g] or 0)
+redis.call('HDEL', key, 'r:' .. rid)
+redis.call('ZREM', KEYS[2], sid .. '|' .. rid)
+return commit(key, now, op, fp, reply({ 'status=ok', 'reservation=' .. rid, 'released=' .. est,
+  'free=' .. fr, 'epoch=' .. H.ep, 'turn=' .. H.tn }),
+  { 'fr', fr, 'a_' .. g, a - est, 'v_' .. c, H['v_' .. c] - est, 'nv', H.nv - 1 },
+  { ol = R[1], gz = H.gz, xp = H.xp })

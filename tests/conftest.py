@@ -1,0 +1,84 @@
+"""Fixtures: one table of backends, turned into parametrized `ledger` fixtures.
+
+embedded  fakeredis with Lua, in this process
+redis     a real redis-server started on a free port for this test run
+cluster   a real 3-primary Redis Cluster started for this test run
+Each test gets a fresh key prefix (and, embedded, a fresh server), so no test
+sees another's keys and nothing is ever flushed.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from ledger import AsyncLedger, Ledger, LedgerSettings, SessionBudget
+from tests import servers
+
+BACKENDS = [
+    pytest.param("embedded", marks=pytest.mark.embedded, id="embedded"),
+    pytest.param("redis", marks=pytest.mark.redis, id="redis"),
+    pytest.param("cluster", marks=pytest.mark.cluster, id="cluster"),
+]
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[servers.RedisProcess]:
+    with servers.standalone() as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[list[servers.RedisProcess]]:
+    with servers.cluster(3) as nodes:
+        yield nodes
+
+
+def backend_url(request: pytest.FixtureRequest, kind: str) -> str:
+    if kind == "embedded":
+        return f"embedded://{uuid.uuid4().hex}"
+    if kind == "redis":
+        return request.getfixturevalue("redis_server").url
+    nodes = request.getfixturevalue("redis_cluster")
+    return f"redis+cluster://127.0.0.1:{nodes[0].port}"
+
+
+def make_settings(url: str, **kw: object) -> LedgerSettings:
+    return LedgerSettings(redis_url=url, prefix=f"t{uuid.uuid4().hex[:12]}", **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def settings(request: pytest.FixtureRequest, backend: str) -> LedgerSettings:
+    return make_settings(backend_url(request, backend))
+
+
+@pytest.fixture
+def ledger(settings: LedgerSettings) -> Iterator[Ledger]:
+    with Ledger.from_settings(settings) as led:
+        yield led
+
+
+@pytest.fixture
+async def aledger(settings: LedgerSettings) -> AsyncIterator[AsyncLedger]:
+    async with AsyncLedger.from_settings(settings) as led:
+        yield led
+
+
+@pytest.fixture
+def budget() -> SessionBudget:
+    """Record 002's pipeline: 32k window, 2.1k system prompt."""
+    return SessionBudget(
+        window=32_000,
+        system_prompt=2_100,
+        working_memory_floor=6_000,
+        min_memory=0,
+        tool_framing=150,
+        output_reserve=1_024,
+    )

@@ -1,0 +1,1 @@
+"""Background work for the ledger (see workers/sweeper.py)."""
