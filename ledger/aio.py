@@ -119,6 +119,7 @@ class AsyncSession(SessionCore):
     reserve = _async(SessionCore.reserve_call)
     settle = _async(SessionCore.settle_call)
     void = _async(SessionCore.void_call)
+    reset = _async(SessionCore.reset_call)
     snapshot = _async(SessionCore.snapshot_call)
     close = _async(SessionCore.close_call)
 

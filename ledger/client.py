@@ -117,6 +117,7 @@ class Session(SessionCore):
     reserve = _sync(SessionCore.reserve_call)
     settle = _sync(SessionCore.settle_call)
     void = _sync(SessionCore.void_call)
+    reset = _sync(SessionCore.reset_call)
     snapshot = _sync(SessionCore.snapshot_call)
     close = _sync(SessionCore.close_call)
 

@@ -24,6 +24,7 @@ from ledger.models import (
     Item,
     Released,
     Reservation,
+    ResetDone,
     Settled,
     Snapshot,
     Voided,
@@ -148,6 +149,11 @@ class SessionCore:
     def void_call(self, reservation_id: str, *, op_id: str | None = None) -> Call[Voided]:
         """Cancel a reservation and give its tokens back."""
         return protocol.void(self.keys, op_id or new_op_id(), self.epoch, reservation_id)
+
+    def reset_call(self, reason: str, *, op_id: str | None = None) -> Call[ResetDone]:
+        """Hard reset: advance the epoch, drop every item and reservation, keep the budget.
+        Fenced by this handle's epoch, so a reset delivered twice applies once."""
+        return protocol.reset(self.keys, op_id or new_op_id(), self.epoch, reason)
 
     def snapshot_call(self) -> Call[Snapshot]:
         """A consistent reading of the session's numbers."""

@@ -184,6 +184,13 @@ class Expired:
 
 
 @dataclass(frozen=True, slots=True)
+class ResetDone:
+    epoch: int
+    dropped: int
+    released: int
+
+
+@dataclass(frozen=True, slots=True)
 class Closed:
     closed: bool
 

@@ -24,6 +24,7 @@ from ledger.models import (
     Opened,
     Released,
     Reservation,
+    ResetDone,
     SessionBudget,
     Settled,
     Snapshot,
@@ -256,6 +257,15 @@ def _expired(r: Reply) -> Expired:
 def expire(keys: SessionKeys, op_id: str, reservation_ids: Sequence[str]) -> Call[Expired]:
     body = [keys.session_id, str(len(reservation_ids)), *reservation_ids]
     return _mutating("expire", [keys.session, keys.deadlines], op_id, "*", body, _expired)
+
+
+def reset(keys: SessionKeys, op_id: str, epoch: int, reason: str) -> Call[ResetDone]:
+    def parse(r: Reply) -> ResetDone:
+        return ResetDone(int(r["epoch"]), int(r["dropped"]), int(r["released"]))
+
+    return _mutating(
+        "reset", [keys.session, keys.deadlines], op_id, epoch, [keys.session_id, reason], parse
+    )
 
 
 # --- close, snapshot, audit ---------------------------------------------------------

@@ -20,6 +20,7 @@ NAMES = (
     "settle",
     "void",
     "expire",
+    "reset",
     "close",
     "snapshot",
     "audit",

@@ -1,0 +1,60 @@
+-- reset.lua: hard reset of a session: advance the epoch and drop every item and
+-- reservation, keeping the budget (system prompt, framing and floors).
+--
+-- KEYS[1]  session hash
+-- KEYS[2]  partition deadline index
+-- ARGV[1]  operation id            ARGV[2] argument fingerprint (hex)
+-- ARGV[3]  epoch                   the epoch being reset; older -> LEDGER_STALE (a reset
+--                                  job delivered twice applies once)
+-- ARGV[4]  session id
+-- ARGV[5]  reason                  [A-Za-z0-9._:/@+=#-]{1,128}, kept in x:last_reset
+--
+-- Reply: status=ok|epoch=<new epoch>|dropped=<items>|released=<tokens>
+-- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
+-- Calls: HMGET, HGETALL, TIME, HDEL, ZREM, HSET, HINCRBY.
+
+local op, fp, epoch, e = op_args(false)
+if e then return e end
+local sid, reason
+sid, e = id_arg(ARGV[4], 'session id')
+if e then return e end
+reason, e = id_arg(ARGV[5], 'reason')
+if e then return e end
+if #ARGV ~= 5 then return err('BADARG', 'expected 5 arguments, got ' .. #ARGV) end
+
+local key = KEYS[1]
+local H, R = load(key, { 'ep', 'tn', 'W', 'S', 'T', 'out', 'F_w', 'F_m', 'gz', 'xp' }, { 'o:' .. op, 'ol' })
+local again = replay(R[1], op, fp)
+if again then return again end
+if not H.ep then return err('NOSESSION', NOSESSION) end
+e = stale(H.ep, epoch)
+if e then return e end
+local now = now_ms()
+local all = redis.call('HGETALL', key)
+local dead, members, dropped, released = {}, {}, 0, 0
+for i = 1, #all, 2 do
+  local f = all[i]
+  local kind = string.sub(f, 1, 2)
+  if kind == 'i:' then
+    dead[#dead + 1] = f
+    dropped = dropped + 1
+    released = released + tonumber(string.match(all[i + 1], '^(%d+)|'))
+  elseif kind == 'r:' then
+    dead[#dead + 1] = f
+    members[#members + 1] = sid .. '|' .. string.sub(f, 3)
+    released = released + tonumber(string.match(all[i + 1], '^%a|(%d+)|'))
+  end
+end
+for i = 1, #dead, 1000 do redis.call('HDEL', key, unpack(dead, i, math.min(i + 999, #dead))) end
+if #members > 0 then redis.call('ZREM', KEYS[2], unpack(members)) end
+redis.call('HINCRBY', key, 'x:resets', 1)
+local args = { 'ep', H.ep + 1, 'fr', H.W - H.S - H.T - H.out - H.F_w - H.F_m, 'nv', 0,
+  'a_w', 0, 'a_m', 0, 'a_s', 0, 'x:last_reset', reason }
+for _, c in ipairs({ 'w', 'r', 'm', 's' }) do
+  for _, p in ipairs({ 'u_', 'n_', 'v_' }) do
+    args[#args + 1] = p .. c
+    args[#args + 1] = 0
+  end
+end
+return commit(key, now, op, fp, reply({ 'status=ok', 'epoch=' .. (H.ep + 1), 'dropped=' .. dropped,
+  'released=' .. released }), args, { ol = R[2], gz = H.gz, xp = H.xp })
