@@ -76,6 +76,14 @@ class Ledger(LedgerCore):
         s.refresh()
         return s
 
+    def session_ids(self) -> list[str]:
+        """Every open session of this prefix (SCAN; on a cluster, every primary)."""
+        marker = ":s:"
+        return sorted(
+            (k.decode() if isinstance(k, bytes) else str(k)).split(marker, 1)[1]
+            for k in self.client.scan_iter(match=self.keyspace.session_pattern(), count=500)
+        )
+
     def audit(self, session_id: str) -> AuditReport:
         return self.run(protocol.audit(self.keyspace.session(session_id)))
 
