@@ -26,7 +26,9 @@ def _sync(
 ) -> Callable[Concatenate[Session, P], T]:
     @functools.wraps(build)
     def method(self: Session, /, *args: P.args, **kwargs: P.kwargs) -> T:
-        return self.ledger.run(build(self, *args, **kwargs))
+        result = self.ledger.run(build(self, *args, **kwargs))
+        self.observe(result)
+        return result
 
     return method
 

@@ -83,6 +83,11 @@ class SessionCore:
         self.keys = keys
         self.epoch = epoch
 
+    def observe(self, result: object) -> None:
+        """Keep local state in step with a result: a reset moves this handle to the new epoch."""
+        if isinstance(result, ResetDone):
+            self.epoch = result.epoch
+
     @property
     def id(self) -> str:
         return self.keys.session_id
