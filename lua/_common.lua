@@ -113,6 +113,41 @@ local function stale(ep, epoch)
   return err('BADARG', 'epoch ' .. epoch .. ' is newer than the session epoch ' .. ep)
 end
 
+-- The checks every mutating call makes once its fields are read (R[1] is the
+-- field 'o:<op>'), in this order: a stored outcome is replayed, a missing session
+-- and a stale epoch are refused. Returns a reply to send now, or nil to go on.
+local function gate(H, R, op, fp, epoch)
+  local again = replay(R[1], op, fp)
+  if again then return again end
+  if not H.ep then return err('NOSESSION', NOSESSION) end
+  return stale(H.ep, epoch)
+end
+
+-- settle and void: the open reservation { c, est, deadline }, or nil and a reply
+-- to send now (a stored outcome, or why there is no such reservation).
+local function open_reservation(key, op, fp, rid)
+  local v = redis.call('HMGET', key, 'o:' .. op, 'r:' .. rid)
+  local again = replay(v[1], op, fp)
+  if again then return nil, again end
+  if not v[2] then
+    if redis.call('HEXISTS', key, 'ep') == 0 then return nil, err('NOSESSION', NOSESSION) end
+    return nil, err('NORESERVATION', 'reservation ' .. rid .. ' is not open')
+  end
+  local c, est, deadline = string.match(v[2], '^(%a)|(%d+)|(%d+)$')
+  return { c = c, est = tonumber(est), deadline = tonumber(deadline) }
+end
+
+-- Append 'u_<c>', 0, 'n_<c>', 0, 'v_<c>', 0 for every consumer (open, reset).
+local function zero_counters(args)
+  for _, c in ipairs({ 'w', 'r', 'm', 's' }) do
+    for _, p in ipairs({ 'u_', 'n_', 'v_' }) do
+      args[#args + 1] = p .. c
+      args[#args + 1] = 0
+    end
+  end
+  return args
+end
+
 -- HMGET the numeric fields in names (as numbers, into H) and the raw fields in
 -- raws (returned as a list, false where absent).
 local function load(key, names, raws)

@@ -71,12 +71,7 @@ local fr = W - floor
 local args = { 'cfg', cfp .. '|' .. ARGV[15], 'ep', 1, 'tn', 0, 'sq', 0,
   'W', W, 'S', S, 'T', T, 'out', out, 'F_w', Fw, 'F_m', Fm, 'HW', v[7], 'EV', v[8], 'fr', fr,
   'a_w', 0, 'a_m', 0, 'a_s', 0, 'nv', 0, 'ttl', v[9], 'ort', v[10], 'cl', 0, 'ch', 0 }
-for _, c in ipairs({ 'w', 'r', 'm', 's' }) do
-  for _, p in ipairs({ 'u_', 'n_', 'v_' }) do
-    args[#args + 1] = p .. c
-    args[#args + 1] = 0
-  end
-end
+zero_counters(args)
 -- xp = 0 and gz = NEVER: the first commit refreshes the idle TTL.
 args[#args + 1] = 'gz'
 args[#args + 1] = string.format('%d', NEVER)

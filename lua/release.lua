@@ -36,10 +36,7 @@ end
 
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'fr', 'a_' .. g, 'F_' .. g, 'u_' .. c, 'n_' .. c, 'gz', 'xp' }, raws)
-local again = replay(R[1], op, fp)
-if again then return again end
-if not H.ep then return err('NOSESSION', NOSESSION) end
-e = stale(H.ep, epoch)
+e = gate(H, R, op, fp, epoch)
 if e then return e end
 local now = now_ms()
 

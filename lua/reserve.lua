@@ -35,10 +35,7 @@ local g = GROUP[c]
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'fr', 'a_' .. g, 'F_' .. g, 'v_' .. c, 'nv', 'gz', 'xp' },
   { 'o:' .. op, 'ol', 'r:' .. rid })
-local again = replay(R[1], op, fp)
-if again then return again end
-if not H.ep then return err('NOSESSION', NOSESSION) end
-e = stale(H.ep, epoch)
+e = gate(H, R, op, fp, epoch)
 if e then return e end
 if R[3] then return err('CONFLICT', 'reservation ' .. rid .. ' is already open') end
 local now = now_ms()

@@ -24,10 +24,7 @@ if #ARGV ~= 5 then return err('BADARG', 'expected 5 arguments, got ' .. #ARGV) e
 
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'W', 'S', 'T', 'out', 'F_w', 'F_m', 'gz', 'xp' }, { 'o:' .. op, 'ol' })
-local again = replay(R[1], op, fp)
-if again then return again end
-if not H.ep then return err('NOSESSION', NOSESSION) end
-e = stale(H.ep, epoch)
+e = gate(H, R, op, fp, epoch)
 if e then return e end
 local now = now_ms()
 local all = redis.call('HGETALL', key)
@@ -50,11 +47,6 @@ if #members > 0 then redis.call('ZREM', KEYS[2], unpack(members)) end
 redis.call('HINCRBY', key, 'x:resets', 1)
 local args = { 'ep', H.ep + 1, 'fr', H.W - H.S - H.T - H.out - H.F_w - H.F_m, 'nv', 0,
   'a_w', 0, 'a_m', 0, 'a_s', 0, 'x:last_reset', reason }
-for _, c in ipairs({ 'w', 'r', 'm', 's' }) do
-  for _, p in ipairs({ 'u_', 'n_', 'v_' }) do
-    args[#args + 1] = p .. c
-    args[#args + 1] = 0
-  end
-end
+zero_counters(args)
 return commit(key, now, op, fp, reply({ 'status=ok', 'epoch=' .. (H.ep + 1), 'dropped=' .. dropped,
   'released=' .. released }), args, { ol = R[2], gz = H.gz, xp = H.xp })

@@ -21,15 +21,10 @@ if e then return e end
 if #ARGV ~= 5 then return err('BADARG', 'expected 5 arguments, got ' .. #ARGV) end
 
 local key = KEYS[1]
-local _, R0 = load(key, {}, { 'o:' .. op, 'r:' .. rid })
-local again = replay(R0[1], op, fp)
-if again then return again end
-if not R0[2] then
-  if redis.call('HEXISTS', key, 'ep') == 0 then return err('NOSESSION', NOSESSION) end
-  return err('NORESERVATION', 'reservation ' .. rid .. ' is not open')
-end
-local c, est = string.match(R0[2], '^(%a)|(%d+)|')
-est = tonumber(est)
+local res
+res, e = open_reservation(key, op, fp, rid)
+if e then return e end
+local c, est = res.c, res.est
 local g = GROUP[c]
 local H, R = load(key, { 'ep', 'tn', 'fr', 'a_' .. g, 'F_' .. g, 'v_' .. c, 'nv', 'gz', 'xp' }, { 'ol' })
 e = stale(H.ep, epoch)
