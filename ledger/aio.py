@@ -30,9 +30,7 @@ def _async(
 ) -> Callable[Concatenate[AsyncSession, P], Coroutine[Any, Any, T]]:
     @functools.wraps(build)
     async def method(self: AsyncSession, /, *args: P.args, **kwargs: P.kwargs) -> T:
-        result = await self.ledger.run(build(self, *args, **kwargs))
-        self.observe(result)
-        return result
+        return await self.ledger.run(build(self, *args, **kwargs))
 
     return method
 

@@ -26,9 +26,7 @@ def _sync(
 ) -> Callable[Concatenate[Session, P], T]:
     @functools.wraps(build)
     def method(self: Session, /, *args: P.args, **kwargs: P.kwargs) -> T:
-        result = self.ledger.run(build(self, *args, **kwargs))
-        self.observe(result)
-        return result
+        return self.ledger.run(build(self, *args, **kwargs))
 
     return method
 

@@ -83,11 +83,6 @@ class SessionCore:
         self.keys = keys
         self.epoch = epoch
 
-    def observe(self, result: object) -> None:
-        """Keep local state in step with a result: a reset moves this handle to the new epoch."""
-        if isinstance(result, ResetDone):
-            self.epoch = result.epoch
-
     @property
     def id(self) -> str:
         return self.keys.session_id
@@ -157,7 +152,9 @@ class SessionCore:
 
     def reset_call(self, reason: str, *, op_id: str | None = None) -> Call[ResetDone]:
         """Hard reset: advance the epoch, drop every item and reservation, keep the budget.
-        Fenced by this handle's epoch, so a reset delivered twice applies once."""
+
+        Fenced by this handle's epoch, so a reset delivered twice applies once. Afterwards
+        every handle of the session, this one included, is stale until ``refresh()``."""
         return protocol.reset(self.keys, op_id or new_op_id(), self.epoch, reason)
 
     def snapshot_call(self) -> Call[Snapshot]:

@@ -124,16 +124,17 @@ local function gate(H, R, op, fp, epoch)
 end
 
 -- settle and void: the open reservation { c, est, deadline }, or nil and a reply
--- to send now (a stored outcome, or why there is no such reservation).
-local function open_reservation(key, op, fp, rid)
-  local v = redis.call('HMGET', key, 'o:' .. op, 'r:' .. rid)
+-- to send now: a stored outcome, a missing session, a stale epoch (checked before
+-- the reservation, which a reset drops), or no such reservation.
+local function open_reservation(key, op, fp, epoch, rid)
+  local v = redis.call('HMGET', key, 'o:' .. op, 'ep', 'r:' .. rid)
   local again = replay(v[1], op, fp)
   if again then return nil, again end
-  if not v[2] then
-    if redis.call('HEXISTS', key, 'ep') == 0 then return nil, err('NOSESSION', NOSESSION) end
-    return nil, err('NORESERVATION', 'reservation ' .. rid .. ' is not open')
-  end
-  local c, est, deadline = string.match(v[2], '^(%a)|(%d+)|(%d+)$')
+  if not v[2] then return nil, err('NOSESSION', NOSESSION) end
+  local e = stale(tonumber(v[2]), epoch)
+  if e then return nil, e end
+  if not v[3] then return nil, err('NORESERVATION', 'reservation ' .. rid .. ' is not open') end
+  local c, est, deadline = string.match(v[3], '^(%a)|(%d+)|(%d+)$')
   return { c = c, est = tonumber(est), deadline = tonumber(deadline) }
 end
 

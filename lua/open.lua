@@ -25,7 +25,7 @@ local op, fp, _, e = op_args()
 if e then return e end
 local names = { 'window', 'system_prompt', 'tool_framing', 'working_memory_floor', 'min_memory',
   'output_reserve', 'high_water_mark', 'eviction_threshold', 'idle_ttl_ms', 'op_retention_ms' }
-local lo = { 1, 0, 0, 0, 0, 0, 1, 1, 1000, 1000 }
+local lo = { 1, 0, 0, 0, 0, 0, 0, 0, 1000, 1000 }
 local hi = { TOKENS_MAX, TOKENS_MAX, TOKENS_MAX, TOKENS_MAX, TOKENS_MAX, TOKENS_MAX, TOKENS_MAX,
   TOKENS_MAX, 31536000000, 86400000 }
 local v = {}

@@ -36,14 +36,12 @@ if #ARGV ~= 8 then return err('BADARG', 'expected 8 arguments, got ' .. #ARGV) e
 
 local key = KEYS[1]
 local res
-res, e = open_reservation(key, op, fp, rid)
+res, e = open_reservation(key, op, fp, epoch, rid)
 if e then return e end
 local c, est, deadline = res.c, res.est, res.deadline
 local g = GROUP[c]
 local H, R = load(key, { 'ep', 'tn', 'sq', 'fr', 'a_' .. g, 'F_' .. g, 'u_' .. c, 'n_' .. c, 'v_' .. c,
   'nv', 'gz', 'xp' }, { 'ol', 'i:' .. c .. ':' .. item })
-e = stale(H.ep, epoch)
-if e then return e end
 local now = now_ms()
 if now > deadline then
   return err('EXPIRED', 'reservation ' .. rid .. ' expired at ' .. deadline .. ' ms, ' .. (now - deadline) .. ' ms ago')

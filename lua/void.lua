@@ -22,13 +22,11 @@ if #ARGV ~= 5 then return err('BADARG', 'expected 5 arguments, got ' .. #ARGV) e
 
 local key = KEYS[1]
 local res
-res, e = open_reservation(key, op, fp, rid)
+res, e = open_reservation(key, op, fp, epoch, rid)
 if e then return e end
 local c, est = res.c, res.est
 local g = GROUP[c]
 local H, R = load(key, { 'ep', 'tn', 'fr', 'a_' .. g, 'F_' .. g, 'v_' .. c, 'nv', 'gz', 'xp' }, { 'ol' })
-e = stale(H.ep, epoch)
-if e then return e end
 local now = now_ms()
 local a = H['a_' .. g]
 local fr = H.fr - claim_delta(a, -est, H['F_' .. g] or 0)
