@@ -1,0 +1,83 @@
+"""Smoke test of bench/bench_core.py: it runs end to end and reports every phase.
+
+No speed assertions: the numbers only have to exist and be positive.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SERVER_PHASES = {
+    "return1",
+    "common_return1",
+    "admit_1",
+    "admit_16",
+    "release_1",
+    "reserve",
+    "settle",
+    "snapshot",
+}
+CLIENT_LOOPS = {"bare_evalsha", "ledger_admit", "admit_no_retry", "raw_admit"}
+
+
+def _positive(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and x > 0
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+@pytest.mark.timeout(300)
+def test_bench_core_json() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.bench_core", "--n", "50", "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(proc.stdout)
+
+    env = res["env"]
+    assert isinstance(env["redis_version"], str) and env["redis_version"]
+    assert _positive(env["nproc"])
+    assert res["params"]["n"] == 50
+
+    static = res["static_redis_call"]
+    assert {"_common.lua", "admit.lua", "release.lua", "reserve.lua", "settle.lua"} <= set(static)
+    assert all(isinstance(c, int) and c >= 0 for c in static.values())
+
+    server = res["server"]
+    assert set(server) == SERVER_PHASES
+    for name, v in server.items():
+        assert _positive(v["usec_per_call"]), name
+        assert _positive(v["ratio_to_return1"]), name
+        assert len(v["usec_per_call_reps"]) == res["params"]["reps"], name
+        assert all(_positive(x) for x in v["usec_per_call_reps"]), name
+        assert v["warnings"] == [], (name, v["warnings"])
+        if name not in ("return1", "common_return1"):
+            assert v["inner_calls_per_call"], name  # every ledger script calls Redis
+
+    client = res["client"]
+    assert set(client) == CLIENT_LOOPS
+    for name, v in client.items():
+        for metric in ("ops_per_s", "wall_us_per_op", "cpu_us_per_op", "server_us_per_op"):
+            assert _positive(v[metric]), (name, metric)
+        assert _positive(v["slowdown_vs_bare"]), name
+
+    for name, v in res["client_cpu_parts"].items():
+        assert _positive(v["cpu_us_per_op"]), name
+
+    memory = res["memory"]
+    assert set(memory) == {"fresh", "after_40_turns"}
+    for name, v in memory.items():
+        assert _positive(v["bytes"]), name
+        assert _positive(v["fields"]), name
+    assert memory["after_40_turns"]["fields"] > memory["fresh"]["fields"]
