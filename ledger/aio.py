@@ -59,9 +59,14 @@ class AsyncLedger(LedgerCore):
         """Send one script call, retrying transient failures with the same op id."""
         script = self._scripts[call.script]
         try:
-            async for attempt in AsyncRetrying(**self.retry_policy()):
-                with attempt:
-                    raw = await script(keys=call.keys, args=call.args)
+            try:  # the common case costs no retry machinery
+                raw = await script(keys=call.keys, args=call.args)
+            except Exception as first:
+                if not self.retries(first):
+                    raise
+                async for attempt in AsyncRetrying(**self.retry_policy()):
+                    with attempt:
+                        raw = await script(keys=call.keys, args=call.args)
         except Exception as exc:
             raise translate(exc) from exc
         return call.parse(protocol.decode(raw))

@@ -56,9 +56,14 @@ class Ledger(LedgerCore):
         """Send one script call, retrying transient failures with the same op id."""
         script = self._scripts[call.script]
         try:
-            for attempt in Retrying(**self.retry_policy()):
-                with attempt:
-                    raw = script(keys=call.keys, args=call.args)
+            try:  # the common case costs no retry machinery
+                raw = script(keys=call.keys, args=call.args)
+            except Exception as first:
+                if not self.retries(first):
+                    raise
+                for attempt in Retrying(**self.retry_policy()):
+                    with attempt:
+                        raw = script(keys=call.keys, args=call.args)
         except Exception as exc:
             raise translate(exc) from exc
         return call.parse(protocol.decode(raw))

@@ -44,12 +44,17 @@ class LedgerCore:
         self.settings = settings
         self.keyspace = KeySpace(settings.prefix, settings.partitions)
 
+    def retries(self, exc: BaseException) -> bool:
+        """Whether a failed first try is worth more tries (transient, and tries are left)."""
+        return is_transient(exc) and self.settings.retry_attempts > 1
+
     def retry_policy(self) -> dict[str, Any]:
         """tenacity arguments: bounded tries with jittered exponential backoff, only on
         transient driver errors; safe because every mutating call carries its op id."""
         s = self.settings
         return {
-            "stop": stop_after_attempt(s.retry_attempts) | stop_after_delay(s.retry_max_seconds),
+            "stop": stop_after_attempt(s.retry_attempts - 1)
+            | stop_after_delay(s.retry_max_seconds),
             "wait": wait_random_exponential(
                 multiplier=s.retry_initial_backoff, max=s.retry_max_backoff
             ),
