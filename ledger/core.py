@@ -15,7 +15,7 @@ from tenacity import (
 )
 
 from ledger import protocol
-from ledger.errors import is_transient
+from ledger.errors import ConfigurationError, is_transient
 from ledger.keys import KeySpace, SessionKeys
 from ledger.models import (
     Admitted,
@@ -25,6 +25,7 @@ from ledger.models import (
     Released,
     Reservation,
     ResetDone,
+    SessionBudget,
     Settled,
     Snapshot,
     Voided,
@@ -35,6 +36,11 @@ from ledger.settings import LedgerSettings
 
 def new_op_id() -> str:
     return uuid.uuid4().hex
+
+
+def _op(op_id: str | None) -> str:
+    """The caller's op id as given (an empty one is refused later), or a fresh one."""
+    return new_op_id() if op_id is None else op_id
 
 
 class LedgerCore:
@@ -62,10 +68,12 @@ class LedgerCore:
             "reraise": True,
         }
 
-    def open_call(self, session_id: str, budget: Any, op_id: str | None) -> Call[Any]:
+    def open_call(self, session_id: str, budget: SessionBudget, op_id: str | None) -> Call[Any]:
+        if not isinstance(budget, SessionBudget):
+            raise ConfigurationError(f"budget must be a SessionBudget, got {type(budget).__name__}")
         return protocol.open_session(
             self.keyspace.session(session_id),
-            op_id or new_op_id(),
+            _op(op_id),
             budget,
             self.settings.op_retention_seconds * 1000,
         )
@@ -106,7 +114,7 @@ class SessionCore:
         """Admit items for a consumer in one atomic step: all of them (or a refusal), or
         with ``partial=True`` the longest prefix that fits. Items already held charge nothing."""
         return protocol.admit(
-            self.keys, op_id or new_op_id(), self.epoch, Consumer.parse(consumer), items, partial
+            self.keys, _op(op_id), self.epoch, Consumer.parse(consumer), items, partial
         )
 
     def release_call(
@@ -114,7 +122,7 @@ class SessionCore:
     ) -> Call[Released]:
         """Give back items; ids not held are reported as missing."""
         return protocol.release(
-            self.keys, op_id or new_op_id(), self.epoch, Consumer.parse(consumer), item_ids
+            self.keys, _op(op_id), self.epoch, Consumer.parse(consumer), item_ids
         )
 
     def reserve_call(
@@ -129,7 +137,7 @@ class SessionCore:
         """Hold an estimate until a deadline on Redis's clock (phase one of two)."""
         return protocol.reserve(
             self.keys,
-            op_id or new_op_id(),
+            _op(op_id),
             self.epoch,
             Consumer.parse(consumer),
             reservation_id,
@@ -148,19 +156,19 @@ class SessionCore:
     ) -> Call[Settled]:
         """Turn a reservation into an item of its actual size (lower or higher)."""
         return protocol.settle(
-            self.keys, op_id or new_op_id(), self.epoch, reservation_id, actual, item_id, priority
+            self.keys, _op(op_id), self.epoch, reservation_id, actual, item_id, priority
         )
 
     def void_call(self, reservation_id: str, *, op_id: str | None = None) -> Call[Voided]:
         """Cancel a reservation and give its tokens back."""
-        return protocol.void(self.keys, op_id or new_op_id(), self.epoch, reservation_id)
+        return protocol.void(self.keys, _op(op_id), self.epoch, reservation_id)
 
     def reset_call(self, reason: str, *, op_id: str | None = None) -> Call[ResetDone]:
         """Hard reset: advance the epoch, drop every item and reservation, keep the budget.
 
         Fenced by this handle's epoch, so a reset delivered twice applies once. Afterwards
         every handle of the session, this one included, is stale until ``refresh()``."""
-        return protocol.reset(self.keys, op_id or new_op_id(), self.epoch, reason)
+        return protocol.reset(self.keys, _op(op_id), self.epoch, reason)
 
     def snapshot_call(self) -> Call[Snapshot]:
         """A consistent reading of the session's numbers."""
@@ -168,4 +176,4 @@ class SessionCore:
 
     def close_call(self, *, op_id: str | None = None) -> Call[Closed]:
         """Delete the session and its index entries."""
-        return protocol.close(self.keys, op_id or new_op_id(), self.epoch)
+        return protocol.close(self.keys, _op(op_id), self.epoch)

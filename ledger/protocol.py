@@ -159,9 +159,11 @@ def admit(
 ) -> Call[Admitted]:
     if not items:
         raise InvalidArgument("admit needs at least one item")
+    if not isinstance(items, (list, tuple)) or not all(isinstance(it, Item) for it in items):
+        raise InvalidArgument("items must be a list or tuple of Item")
     body = [Consumer.parse(consumer).code, "prefix" if partial else "all", str(len(items))]
     for it in items:
-        body += (it.id, _num(it.tokens), _num(it.priority))
+        body += (check_id(it.id, "item id"), _num(it.tokens), _num(it.priority))
     return _mutating("admit", [keys.session], op_id, epoch, body, _admitted)
 
 
@@ -179,9 +181,10 @@ def _released(r: Reply) -> Released:
 def release(
     keys: SessionKeys, op_id: str, epoch: int, consumer: Consumer, item_ids: Sequence[str]
 ) -> Call[Released]:
-    if not item_ids:
-        raise InvalidArgument("release needs at least one item id")
-    body = [Consumer.parse(consumer).code, str(len(item_ids)), *item_ids]
+    if not isinstance(item_ids, (list, tuple)) or not item_ids:
+        raise InvalidArgument("release needs a non-empty list or tuple of item ids")
+    ids = [check_id(i, "item id") for i in item_ids]
+    body = [Consumer.parse(consumer).code, str(len(ids)), *ids]
     return _mutating("release", [keys.session], op_id, epoch, body, _released)
 
 
@@ -207,7 +210,7 @@ def reserve(
     body = [
         keys.session_id,
         Consumer.parse(consumer).code,
-        reservation_id,
+        check_id(reservation_id, "reservation id"),
         _num(tokens),
         _num(lease_ms),
     ]
@@ -235,7 +238,8 @@ def settle(
     item_id: str,
     priority: int = 0,
 ) -> Call[Settled]:
-    body = [keys.session_id, reservation_id, _num(actual), item_id, _num(priority)]
+    rid, item = check_id(reservation_id, "reservation id"), check_id(item_id, "item id")
+    body = [keys.session_id, rid, _num(actual), item, _num(priority)]
     return _mutating("settle", [keys.session, keys.deadlines], op_id, epoch, body, _settled)
 
 
@@ -246,7 +250,7 @@ def _voided(r: Reply) -> Voided:
 
 
 def void(keys: SessionKeys, op_id: str, epoch: int, reservation_id: str) -> Call[Voided]:
-    body = [keys.session_id, reservation_id]
+    body = [keys.session_id, check_id(reservation_id, "reservation id")]
     return _mutating("void", [keys.session, keys.deadlines], op_id, epoch, body, _voided)
 
 
@@ -255,7 +259,8 @@ def _expired(r: Reply) -> Expired:
 
 
 def expire(keys: SessionKeys, op_id: str, reservation_ids: Sequence[str]) -> Call[Expired]:
-    body = [keys.session_id, str(len(reservation_ids)), *reservation_ids]
+    rids = [check_id(r, "reservation id") for r in reservation_ids]
+    body = [keys.session_id, str(len(rids)), *rids]
     return _mutating("expire", [keys.session, keys.deadlines], op_id, "*", body, _expired)
 
 
@@ -263,9 +268,8 @@ def reset(keys: SessionKeys, op_id: str, epoch: int, reason: str) -> Call[ResetD
     def parse(r: Reply) -> ResetDone:
         return ResetDone(int(r["epoch"]), int(r["dropped"]), int(r["released"]))
 
-    return _mutating(
-        "reset", [keys.session, keys.deadlines], op_id, epoch, [keys.session_id, reason], parse
-    )
+    body = [keys.session_id, check_id(reason, "reason")]
+    return _mutating("reset", [keys.session, keys.deadlines], op_id, epoch, body, parse)
 
 
 # --- close, snapshot, audit ---------------------------------------------------------

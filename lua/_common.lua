@@ -63,6 +63,18 @@ local function id_arg(v, name)
   return v
 end
 
+-- The session id in ARGV (a member prefix of the deadline index) must name the
+-- session whose hash is KEYS[1]: '<prefix>:{p<N>}:s:<session id>'.
+local function session_arg(v)
+  local sid, e = id_arg(v, 'session id')
+  if not sid then return nil, e end
+  local tail = ':s:' .. sid
+  if string.sub(KEYS[1], -#tail) ~= tail then
+    return nil, err('BADARG', 'session id ' .. sid .. ' does not name the session key ' .. show(KEYS[1]))
+  end
+  return sid
+end
+
 local function consumer_arg(v)
   if type(v) ~= 'string' or not GROUP[v] then
     return nil, err('BADARG', 'consumer must be one of w, r, m, s, got ' .. show(v))

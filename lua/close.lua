@@ -15,7 +15,7 @@
 local op, fp, epoch, e = op_args(true)
 if e then return e end
 local sid
-sid, e = id_arg(ARGV[4], 'session id')
+sid, e = session_arg(ARGV[4])
 if e then return e end
 if #ARGV ~= 4 then return err('BADARG', 'expected 4 arguments, got ' .. #ARGV) end
 local key = KEYS[1]

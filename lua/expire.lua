@@ -20,7 +20,7 @@
 local op, fp, epoch, e = op_args(true)
 if e then return e end
 local sid, n
-sid, e = id_arg(ARGV[4], 'session id')
+sid, e = session_arg(ARGV[4])
 if e then return e end
 n, e = int_arg(ARGV[5], 'reservation count', 1, 1000)
 if e then return e end

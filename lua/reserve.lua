@@ -19,7 +19,7 @@
 local op, fp, epoch, e = op_args(false)
 if e then return e end
 local sid, c, rid, tokens, lease
-sid, e = id_arg(ARGV[4], 'session id')
+sid, e = session_arg(ARGV[4])
 if e then return e end
 c, e = consumer_arg(ARGV[5])
 if e then return e end

@@ -16,7 +16,7 @@
 local op, fp, epoch, e = op_args(false)
 if e then return e end
 local sid, reason
-sid, e = id_arg(ARGV[4], 'session id')
+sid, e = session_arg(ARGV[4])
 if e then return e end
 reason, e = id_arg(ARGV[5], 'reason')
 if e then return e end

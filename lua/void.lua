@@ -14,7 +14,7 @@
 local op, fp, epoch, e = op_args(false)
 if e then return e end
 local sid, rid
-sid, e = id_arg(ARGV[4], 'session id')
+sid, e = session_arg(ARGV[4])
 if e then return e end
 rid, e = id_arg(ARGV[5], 'reservation id')
 if e then return e end

@@ -1,0 +1,24 @@
+# The ledger worker (and the `ledger` command): releases expired reservations.
+#   docker build -t redis-token-ledger .
+#   docker run --rm --init -e LEDGER_REDIS_URL=redis://host:6379/0 redis-token-ledger
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /src
+# Only what the wheel is built from (pyproject.toml: ledger, workers, lua -> ledger/lua).
+COPY pyproject.toml README.md ./
+COPY ledger ./ledger
+COPY workers ./workers
+COPY lua ./lua
+RUN pip install . \
+    && rm -rf /src \
+    && useradd --create-home --uid 10001 ledger
+
+USER ledger
+WORKDIR /home/ledger
+ENV LEDGER_REDIS_URL=redis://redis:6379/0
+CMD ["ledger", "worker"]
