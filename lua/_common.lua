@@ -29,7 +29,7 @@
 local GROUP = { w = 'w', r = 'm', m = 'm', s = 's' }
 local ID_MAX = 128
 local TOKENS_MAX = 100000000      -- 1e8 tokens: above any model's window
-local CHUNK_BYTES = 1024          -- journal chunk size
+local CHUNK_BYTES = 512           -- journal chunk size
 local NEVER = 999999999999999
 
 local function err(code, msg)
@@ -43,24 +43,20 @@ local function show(v)
   return "'" .. s .. "'"
 end
 
--- A decimal integer in [lo, hi]; returns n, or nil and an error reply.
-local function int_arg(v, name, lo, hi)
-  if type(v) ~= 'string' or #v == 0 or #v > 16 or not string.match(v, '^%-?%d+$') then
-    return nil, err('BADARG', name .. ' must be an integer, got ' .. show(v))
-  end
-  local n = tonumber(v)
-  if n < lo or n > hi then
-    return nil, err('BADARG', name .. ' must be between ' .. lo .. ' and ' .. hi .. ', got ' .. v)
-  end
-  return n
+-- A decimal integer in [lo, hi]; returns n, or nil and an error reply. `of`, when
+-- given, names the item the number belongs to (joined only on error).
+local function int_arg(v, name, lo, hi, of)
+  local n = type(v) == 'string' and #v <= 16 and string.match(v, '^%-?%d+$') and tonumber(v)
+  if n and n >= lo and n <= hi then return n end
+  if of then name = name .. ' of ' .. of end
+  if not n then return nil, err('BADARG', name .. ' must be an integer, got ' .. show(v)) end
+  return nil, err('BADARG', name .. ' must be between ' .. lo .. ' and ' .. hi .. ', got ' .. v)
 end
 
 -- An identifier: 1..128 characters of [A-Za-z0-9._:/@+=#-]: no braces, no separators.
 local function id_arg(v, name)
-  if type(v) ~= 'string' or #v == 0 or #v > ID_MAX or not string.match(v, '^[%w%._:/@%+=#%-]+$') then
-    return nil, err('BADARG', name .. ' must be 1-' .. ID_MAX .. ' characters of [A-Za-z0-9._:/@+=#-], got ' .. show(v))
-  end
-  return v
+  if type(v) == 'string' and #v <= ID_MAX and string.find(v, '^[%w%._:/@%+=#%-]+$') then return v end
+  return nil, err('BADARG', name .. ' must be 1-' .. ID_MAX .. ' characters of [A-Za-z0-9._:/@+=#-], got ' .. show(v))
 end
 
 -- The session id in ARGV (a member prefix of the deadline index) must name the
@@ -161,16 +157,13 @@ local function zero_counters(args)
   return args
 end
 
--- HMGET the numeric fields in names (as numbers, into H) and the raw fields in
--- raws (returned as a list, false where absent).
-local function load(key, names, raws)
-  local f = {}
-  for i = 1, #names do f[i] = names[i] end
-  for i = 1, #raws do f[#names + i] = raws[i] end
-  local v = redis.call('HMGET', key, unpack(f))
+-- HMGET fields: the first nnum are numbers (into H, by name), the rest raw values
+-- (into R, in order; false where absent).
+local function load(key, fields, nnum)
+  local v = redis.call('HMGET', key, unpack(fields))
   local H, R = {}, {}
-  for i = 1, #names do H[names[i]] = tonumber(v[i]) end
-  for i = 1, #raws do R[i] = v[#names + i] end
+  for i = 1, nnum do H[fields[i]] = tonumber(v[i]) end
+  for i = nnum + 1, #fields do R[i - nnum] = v[i] end
   return H, R
 end
 
@@ -188,7 +181,7 @@ end
 -- them already, cl, ch, ttl, ort.
 local function commit(key, now, op, fp, out, args, J)
   args[#args + 1] = 'o:' .. op
-  args[#args + 1] = now .. '|' .. fp .. '|' .. out
+  args[#args + 1] = table.concat({ now, '|', fp, '|', out })
   local ol = (J.ol and J.ol ~= '') and (J.ol .. ',' .. op) or op
   local refresh = now >= J.xp
   if refresh or now >= J.gz or #ol >= CHUNK_BYTES then

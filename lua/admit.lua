@@ -35,7 +35,8 @@ if #ARGV ~= 6 + 3 * n then
   return err('BADARG', 'expected ' .. (6 + 3 * n) .. ' arguments for ' .. n .. ' items, got ' .. #ARGV)
 end
 local g = GROUP[c]
-local raws, toks, prios, seen = { 'o:' .. op, 'ol' }, {}, {}, {}
+local A, F, U, N = 'a_' .. g, 'F_' .. g, 'u_' .. c, 'n_' .. c
+local raws, toks, prios, seen = { 'ep', 'tn', 'sq', 'fr', A, F, U, N, 'gz', 'xp', 'o:' .. op, 'ol' }, {}, {}, {}
 for k = 1, n do
   local b = 4 + 3 * k
   local id
@@ -43,20 +44,20 @@ for k = 1, n do
   if e then return e end
   if seen[id] then return err('BADARG', 'item id ' .. id .. ' appears twice in the batch') end
   seen[id] = true
-  toks[k], e = int_arg(ARGV[b + 1], 'tokens of ' .. id, 1, TOKENS_MAX)
+  toks[k], e = int_arg(ARGV[b + 1], 'tokens', 1, TOKENS_MAX, id)
   if e then return e end
-  prios[k], e = int_arg(ARGV[b + 2], 'priority of ' .. id, 0, 1000)
+  prios[k], e = int_arg(ARGV[b + 2], 'priority', 0, 1000, id)
   if e then return e end
-  raws[k + 2] = 'i:' .. c .. ':' .. id
+  raws[k + 12] = 'i:' .. c .. ':' .. id
 end
 
 local key = KEYS[1]
-local H, R = load(key, { 'ep', 'tn', 'sq', 'fr', 'a_' .. g, 'F_' .. g, 'u_' .. c, 'n_' .. c, 'gz', 'xp' }, raws)
+local H, R = load(key, raws, 10)
 e = gate(H, R, op, fp, epoch)
 if e then return e end
 local now = now_ms()
 
-local a, floor = H['a_' .. g], H['F_' .. g] or 0
+local a, floor = H[A], H[F] or 0
 local charged, admitted, dups, skipped, args = 0, 0, 0, {}, {}
 local fr = H.fr
 for k = 1, n do
@@ -71,8 +72,8 @@ for k = 1, n do
       charged = charged + toks[k]
       admitted = admitted + 1
       H.sq = H.sq + 1
-      args[#args + 1] = raws[k + 2]
-      args[#args + 1] = toks[k] .. '|' .. H.tn .. '|' .. prios[k] .. '|' .. H.sq
+      args[#args + 1] = raws[k + 12]
+      args[#args + 1] = table.concat({ toks[k], H.tn, prios[k], H.sq }, '|')
     end
   end
 end
@@ -84,10 +85,10 @@ if fr < 0 then
   return commit(key, now, op, fp, out, {}, J)
 end
 if admitted > 0 then
-  local upd = { 'sq', H.sq, 'fr', fr, 'a_' .. g, a + charged, 'u_' .. c, H['u_' .. c] + charged,
-    'n_' .. c, H['n_' .. c] + admitted }
-  for i = 1, #upd do args[#args + 1] = upd[i] end
+  local m = #args
+  args[m + 1], args[m + 2], args[m + 3], args[m + 4], args[m + 5] = 'sq', H.sq, 'fr', fr, A
+  args[m + 6], args[m + 7], args[m + 8], args[m + 9], args[m + 10] = a + charged, U, H[U] + charged, N, H[N] + admitted
 end
-return commit(key, now, op, fp, reply({ 'status=ok', 'charged=' .. charged, 'admitted=' .. admitted,
-  'duplicates=' .. dups, 'skipped=' .. table.concat(skipped, ','), 'free=' .. fr,
-  'epoch=' .. H.ep, 'turn=' .. H.tn }), args, J)
+return commit(key, now, op, fp, table.concat({ 'status=ok|charged=', charged, '|admitted=', admitted,
+  '|duplicates=', dups, '|skipped=', table.concat(skipped, ','), '|free=', fr, '|epoch=', H.ep,
+  '|turn=', H.tn }), args, J)

@@ -19,7 +19,7 @@ sid, e = session_arg(ARGV[4])
 if e then return e end
 if #ARGV ~= 4 then return err('BADARG', 'expected 4 arguments, got ' .. #ARGV) end
 local key = KEYS[1]
-local H, R = load(key, { 'ep', 'nv', 'ort' }, { 'o:' .. op })
+local H, R = load(key, { 'ep', 'nv', 'ort', 'o:' .. op }, 3)
 local again = replay(R[1], op, fp)
 if again then return again end
 if not H.ep then return reply({ 'status=ok', 'closed=0' }) end

@@ -27,17 +27,17 @@ if e then return e end
 if #ARGV ~= 5 + n then
   return err('BADARG', 'expected ' .. (5 + n) .. ' arguments for ' .. n .. ' reservation ids, got ' .. #ARGV)
 end
-local raws = { 'o:' .. op, 'ol' }
+local raws = { 'ep', 'fr', 'a_w', 'a_m', 'a_s', 'F_w', 'F_m', 'v_w', 'v_r', 'v_m', 'v_s', 'nv', 'gz', 'xp',
+  'o:' .. op, 'ol' }
 for k = 1, n do
   local rid
   rid, e = id_arg(ARGV[5 + k], 'reservation id')
   if e then return e end
-  raws[k + 2] = 'r:' .. rid
+  raws[k + 16] = 'r:' .. rid
 end
 
 local key = KEYS[1]
-local H, R = load(key, { 'ep', 'fr', 'a_w', 'a_m', 'a_s', 'F_w', 'F_m', 'v_w', 'v_r', 'v_m', 'v_s', 'nv',
-  'gz', 'xp' }, raws)
+local H, R = load(key, raws, 14)
 local again = replay(R[1], op, fp)
 if again then return again end
 local now = now_ms()
@@ -63,7 +63,7 @@ for k = 1, n do
       H['v_' .. c] = H['v_' .. c] - est
       H.nv = H.nv - 1
       released, expired = released + est, expired + 1
-      dead[#dead + 1] = raws[k + 2]
+      dead[#dead + 1] = raws[k + 16]
       gone[#gone + 1] = sid .. '|' .. ARGV[5 + k]
     else
       pending[#pending + 1] = ARGV[5 + k]

@@ -54,7 +54,7 @@ end
 if #ARGV ~= 15 then return err('BADARG', 'expected 15 arguments, got ' .. #ARGV) end
 
 local key = KEYS[1]
-local H, R = load(key, { 'ep', 'tn' }, { 'o:' .. op, 'cfg', 'ol' })
+local H, R = load(key, { 'ep', 'tn', 'o:' .. op, 'cfg', 'ol' }, 2)
 local again = replay(R[1], op, fp)
 if again then return again end
 if H.ep then

@@ -24,18 +24,18 @@ if #ARGV ~= 5 + n then
   return err('BADARG', 'expected ' .. (5 + n) .. ' arguments for ' .. n .. ' item ids, got ' .. #ARGV)
 end
 local g = GROUP[c]
-local raws, seen = { 'o:' .. op, 'ol' }, {}
+local raws, seen = { 'ep', 'tn', 'fr', 'a_' .. g, 'F_' .. g, 'u_' .. c, 'n_' .. c, 'gz', 'xp', 'o:' .. op, 'ol' }, {}
 for k = 1, n do
   local id
   id, e = id_arg(ARGV[5 + k], 'item id')
   if e then return e end
   if seen[id] then return err('BADARG', 'item id ' .. id .. ' appears twice') end
   seen[id] = true
-  raws[k + 2] = 'i:' .. c .. ':' .. id
+  raws[k + 11] = 'i:' .. c .. ':' .. id
 end
 
 local key = KEYS[1]
-local H, R = load(key, { 'ep', 'tn', 'fr', 'a_' .. g, 'F_' .. g, 'u_' .. c, 'n_' .. c, 'gz', 'xp' }, raws)
+local H, R = load(key, raws, 9)
 e = gate(H, R, op, fp, epoch)
 if e then return e end
 local now = now_ms()
@@ -46,7 +46,7 @@ for k = 1, n do
   if rec then
     tokens = tokens + tonumber(string.match(rec, '^(%d+)|'))
     count = count + 1
-    dead[#dead + 1] = raws[k + 2]
+    dead[#dead + 1] = raws[k + 11]
   else
     missing[#missing + 1] = ARGV[5 + k]
   end

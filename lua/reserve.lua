@@ -33,8 +33,8 @@ if #ARGV ~= 8 then return err('BADARG', 'expected 8 arguments, got ' .. #ARGV) e
 local g = GROUP[c]
 
 local key = KEYS[1]
-local H, R = load(key, { 'ep', 'tn', 'fr', 'a_' .. g, 'F_' .. g, 'v_' .. c, 'nv', 'gz', 'xp' },
-  { 'o:' .. op, 'ol', 'r:' .. rid })
+local H, R = load(key, { 'ep', 'tn', 'fr', 'a_' .. g, 'F_' .. g, 'v_' .. c, 'nv', 'gz', 'xp',
+  'o:' .. op, 'ol', 'r:' .. rid }, 9)
 e = gate(H, R, op, fp, epoch)
 if e then return e end
 if R[3] then return err('CONFLICT', 'reservation ' .. rid .. ' is already open') end

@@ -23,7 +23,7 @@ if e then return e end
 if #ARGV ~= 5 then return err('BADARG', 'expected 5 arguments, got ' .. #ARGV) end
 
 local key = KEYS[1]
-local H, R = load(key, { 'ep', 'tn', 'W', 'S', 'T', 'out', 'F_w', 'F_m', 'gz', 'xp' }, { 'o:' .. op, 'ol' })
+local H, R = load(key, { 'ep', 'tn', 'W', 'S', 'T', 'out', 'F_w', 'F_m', 'gz', 'xp', 'o:' .. op, 'ol' }, 10)
 e = gate(H, R, op, fp, epoch)
 if e then return e end
 local now = now_ms()

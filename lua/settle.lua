@@ -41,7 +41,7 @@ if e then return e end
 local c, est, deadline = res.c, res.est, res.deadline
 local g = GROUP[c]
 local H, R = load(key, { 'ep', 'tn', 'sq', 'fr', 'a_' .. g, 'F_' .. g, 'u_' .. c, 'n_' .. c, 'v_' .. c,
-  'nv', 'gz', 'xp' }, { 'ol', 'i:' .. c .. ':' .. item })
+  'nv', 'gz', 'xp', 'ol', 'i:' .. c .. ':' .. item }, 12)
 local now = now_ms()
 if now > deadline then
   return err('EXPIRED', 'reservation ' .. rid .. ' expired at ' .. deadline .. ' ms, ' .. (now - deadline) .. ' ms ago')

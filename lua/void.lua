@@ -26,7 +26,7 @@ res, e = open_reservation(key, op, fp, epoch, rid)
 if e then return e end
 local c, est = res.c, res.est
 local g = GROUP[c]
-local H, R = load(key, { 'ep', 'tn', 'fr', 'a_' .. g, 'F_' .. g, 'v_' .. c, 'nv', 'gz', 'xp' }, { 'ol' })
+local H, R = load(key, { 'ep', 'tn', 'fr', 'a_' .. g, 'F_' .. g, 'v_' .. c, 'nv', 'gz', 'xp', 'ol' }, 9)
 local now = now_ms()
 local a = H['a_' .. g]
 local fr = H.fr - claim_delta(a, -est, H['F_' .. g] or 0)
