@@ -82,6 +82,11 @@ class AsyncLedger(LedgerCore):
         await s.refresh()
         return s
 
+    async def read_spill(self, session_id: str, call_id: str) -> bytes | None:
+        keys = self.keyspace.session(session_id)
+        value = await self.client.get(keys.spill(protocol.check_id(call_id, "tool-call id")))
+        return value.encode() if isinstance(value, str) else value
+
     async def audit(self, session_id: str) -> AuditReport:
         return await self.run(protocol.audit(self.keyspace.session(session_id)))
 
@@ -125,6 +130,11 @@ class AsyncSession(SessionCore):
     settle = _async(SessionCore.settle_call)
     void = _async(SessionCore.void_call)
     reset = _async(SessionCore.reset_call)
+    begin_turn = _async(SessionCore.begin_turn_call)
+    record_span = _async(SessionCore.record_span_call)
+    end_turn = _async(SessionCore.end_turn_call)
+    compact = _async(SessionCore.compact_call)
+    admit_tool_result = _async(SessionCore.admit_tool_result_call)
     snapshot = _async(SessionCore.snapshot_call)
     close = _async(SessionCore.close_call)
 

@@ -89,6 +89,12 @@ class Ledger(LedgerCore):
             for k in self.client.scan_iter(match=self.keyspace.session_pattern(), count=500)
         )
 
+    def read_spill(self, session_id: str, call_id: str) -> bytes | None:
+        """The content of a spilled tool result (None once its TTL has passed)."""
+        keys = self.keyspace.session(session_id)
+        value = self.client.get(keys.spill(protocol.check_id(call_id, "tool-call id")))
+        return value.encode() if isinstance(value, str) else value
+
     def audit(self, session_id: str) -> AuditReport:
         return self.run(protocol.audit(self.keyspace.session(session_id)))
 
@@ -131,6 +137,11 @@ class Session(SessionCore):
     settle = _sync(SessionCore.settle_call)
     void = _sync(SessionCore.void_call)
     reset = _sync(SessionCore.reset_call)
+    begin_turn = _sync(SessionCore.begin_turn_call)
+    record_span = _sync(SessionCore.record_span_call)
+    end_turn = _sync(SessionCore.end_turn_call)
+    compact = _sync(SessionCore.compact_call)
+    admit_tool_result = _sync(SessionCore.admit_tool_result_call)
     snapshot = _sync(SessionCore.snapshot_call)
     close = _sync(SessionCore.close_call)
 

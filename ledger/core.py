@@ -20,6 +20,7 @@ from ledger.keys import KeySpace, SessionKeys
 from ledger.models import (
     Admitted,
     Closed,
+    Compaction,
     Consumer,
     Item,
     Released,
@@ -28,6 +29,10 @@ from ledger.models import (
     SessionBudget,
     Settled,
     Snapshot,
+    SpanRecorded,
+    ToolResult,
+    TurnReport,
+    TurnStarted,
     Voided,
 )
 from ledger.protocol import Call
@@ -169,6 +174,53 @@ class SessionCore:
         Fenced by this handle's epoch, so a reset delivered twice applies once. Afterwards
         every handle of the session, this one included, is stale until ``refresh()``."""
         return protocol.reset(self.keys, _op(op_id), self.epoch, reason)
+
+    def begin_turn_call(
+        self, working_set: int, output_reserve: int | None = None, *, op_id: str | None = None
+    ) -> Call[TurnStarted]:
+        """Start a turn: gate on residual working memory vs ``working_set`` (record 000).
+
+        Reclaims scratchpad (oldest first), then stale retrieval, when short; raises
+        WorkingMemoryStarvation when that is not enough (a compaction is then pending).
+        ``output_reserve`` defaults to the budget's."""
+        return protocol.begin_turn(self.keys, _op(op_id), self.epoch, working_set, output_reserve)
+
+    def record_span_call(
+        self,
+        turn: int,
+        kind: str,
+        input_tokens: int,
+        output_tokens: int = 0,
+        *,
+        op_id: str | None = None,
+    ) -> Call[SpanRecorded]:
+        """Account a memory-tool span before making it; FanoutRefused once the turn's
+        amplification passed the pathological threshold (record 004)."""
+        return protocol.record_span(
+            self.keys, _op(op_id), self.epoch, turn, kind, input_tokens, output_tokens
+        )
+
+    def end_turn_call(
+        self, turn: int, final_prompt_tokens: int, *, p99_trend: int = 0, op_id: str | None = None
+    ) -> Call[TurnReport]:
+        """Close a turn: amplification ratio and class (record 004), compaction due?"""
+        return protocol.end_turn(
+            self.keys, _op(op_id), self.epoch, turn, final_prompt_tokens, p99_trend
+        )
+
+    def compact_call(
+        self, replaced: Sequence[str], summary: Item | None, *, op_id: str | None = None
+    ) -> Call[Compaction]:
+        """Commit a working-memory compaction; above the high-water mark it is a failed
+        compaction, and repeated failures enqueue a hard reset (record 001)."""
+        return protocol.compact(self.keys, _op(op_id), self.epoch, replaced, summary)
+
+    def admit_tool_result_call(
+        self, call_id: str, tokens: int, content: bytes | str, *, op_id: str | None = None
+    ) -> Call[ToolResult]:
+        """Admit a tool result whole, or spill it to a handle with a bounded preview
+        (record 002); never truncated. Memory gives way first."""
+        return protocol.admit_tool(self.keys, _op(op_id), self.epoch, call_id, tokens, content)
 
     def snapshot_call(self) -> Call[Snapshot]:
         """A consistent reading of the session's numbers."""

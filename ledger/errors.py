@@ -68,6 +68,41 @@ class AdmissionRefused(LedgerError):
         super().__init__(f"{reason}: requested {requested} tokens, {free} free")
 
 
+class WorkingMemoryStarvation(AdmissionRefused):
+    """The turn cannot start: residual working memory is below its working set even
+    after reclaiming scratchpad and stale retrieval (record 000). A working-memory
+    compaction has been requested; ``compact`` lists the items to compact first."""
+
+    def __init__(self, detail: Mapping[str, str]) -> None:
+        super().__init__(detail["reason"], int(detail["requested"]), int(detail["free"]), detail)
+        self.residual = int(detail["residual"])
+        self.requirement = int(detail["need"])
+        self.utilization = int(detail["utilization"]) / 1000
+        self.shortfall = int(detail["shortfall"])
+        self.compact = tuple(i.split(":", 1)[1] for i in detail["compact"].split(",") if i)
+        Exception.__init__(
+            self,
+            f"{self.reason}: residual working memory {self.residual} < required "
+            f"{self.requirement} at utilization {self.utilization:.2f}; reclamation "
+            f"insufficient, compact {len(self.compact)} working-memory item(s)",
+        )
+
+
+class FanoutRefused(AdmissionRefused):
+    """The turn's amplification passed the pathological threshold (record 004):
+    summarize and proceed instead of another memory-tool call."""
+
+    def __init__(self, detail: Mapping[str, str]) -> None:
+        super().__init__("fanout_guard", int(detail["requested"]), int(detail["free"]), detail)
+        self.ratio = int(detail["ratio"]) / 1000
+        self.threshold = int(detail["threshold"]) / 1000
+        Exception.__init__(
+            self,
+            f"fanout_guard: amplification {self.ratio:.2f} > {self.threshold:.2f}; "
+            "summarize and proceed before the next fan-out",
+        )
+
+
 _CODES: Final[dict[str, type[LedgerError]]] = {
     "BADARG": InvalidArgument,
     "CONFIG": ConfigurationError,

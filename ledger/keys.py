@@ -8,6 +8,9 @@ them on Redis Cluster::
     <prefix>:{p<N>}:s:<session_id>     session hash (see lua/_common.lua)
     <prefix>:{p<N>}:deadlines          sorted set of reservation deadlines (ms),
                                        members '<session_id>|<reservation_id>'
+    <prefix>:{p<N>}:jobs               stream of jobs for the workers (hard resets)
+    <prefix>:{p<N>}:spill:<session_id>:<call_id>
+                                       a spilled tool result (string, with a TTL)
 
 Tenants are isolated by prefix: no key of one prefix is named by another.
 """
@@ -30,6 +33,11 @@ class SessionKeys:
     partition: int
     session: str
     deadlines: str
+    jobs: str
+    spill_prefix: str
+
+    def spill(self, call_id: str) -> str:
+        return self.spill_prefix + call_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +64,9 @@ class KeySpace:
     def deadlines(self, partition: int) -> str:
         return f"{self.tag(partition)}:deadlines"
 
+    def jobs(self, partition: int) -> str:
+        return f"{self.tag(partition)}:jobs"
+
     def session(self, session_id: str) -> SessionKeys:
         if not isinstance(session_id, str) or not _SESSION_RE.fullmatch(session_id):
             raise InvalidArgument(
@@ -63,7 +74,14 @@ class KeySpace:
                 f"(no braces, which would break hash-tag routing), got {session_id!r}"
             )
         p = self.partition_of(session_id)
-        return SessionKeys(session_id, p, f"{self.tag(p)}:s:{session_id}", self.deadlines(p))
+        return SessionKeys(
+            session_id,
+            p,
+            f"{self.tag(p)}:s:{session_id}",
+            self.deadlines(p),
+            self.jobs(p),
+            f"{self.tag(p)}:spill:{session_id}:",
+        )
 
     def session_pattern(self) -> str:
         """SCAN pattern matching every session hash of this prefix."""

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ledger.errors import ConfigurationError, InvalidArgument
 
@@ -60,6 +60,13 @@ class SessionBudget(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
+    @field_validator("release_each_turn", mode="before")
+    @classmethod
+    def _consumers(cls, v: object) -> frozenset[Consumer]:
+        if isinstance(v, (set, frozenset, list, tuple)):
+            return frozenset(Consumer.parse(c) for c in v)
+        raise ValueError("release_each_turn must be a set of consumers")
+
     window: int = Field(gt=0, le=TOKENS_MAX)
     system_prompt: int = Field(ge=0, le=TOKENS_MAX)
     working_memory_floor: int = Field(default=0, ge=0, le=TOKENS_MAX)
@@ -69,6 +76,17 @@ class SessionBudget(BaseModel):
     eviction_threshold: float = Field(default=0.90, gt=0.0, le=1.0)
     high_water_mark: float = Field(default=0.72, gt=0.0, le=1.0)
     idle_ttl_seconds: int = Field(default=86_400, ge=1, le=31_536_000)
+    release_each_turn: frozenset[Consumer] = Field(
+        default=frozenset(), description="consumers whose items are released at every begin_turn"
+    )
+    spill_preview_tokens: int = Field(default=256, gt=0, le=TOKENS_MAX)
+    spill_ttl_seconds: int = Field(default=3_600, ge=1, le=31_536_000)
+    max_failed_compactions: int = Field(default=3, ge=1, le=100)
+    rollup_turns: int = Field(default=20, ge=1, le=1_000_000)
+    rollup_fraction: float = Field(default=0.60, gt=0.0, le=1.0)
+    amplification_saturation: float = Field(default=1.5, gt=0.0, le=1000.0)
+    amplification_fragmentation: float = Field(default=3.0, gt=0.0, le=1000.0)
+    amplification_pathological: float = Field(default=8.0, gt=0.0, le=1000.0)
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -106,7 +124,9 @@ class SessionBudget(BaseModel):
         return int(self.window * self.eviction_threshold)
 
     def canonical_json(self) -> str:
-        return json.dumps(self.model_dump(), sort_keys=True, separators=(",", ":"))
+        data = self.model_dump()
+        data["release_each_turn"] = sorted(c.value for c in self.release_each_turn)
+        return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +208,89 @@ class ResetDone:
     epoch: int
     dropped: int
     released: int
+
+
+@dataclass(frozen=True, slots=True)
+class TurnStarted:
+    """The begin-turn gate's verdict (record 000), and what was reclaimed to reach it.
+
+    ``reclaimed`` names every item released to make room, so the agent drops exactly
+    those from its prompt; ``rotated`` counts tokens released because their consumer
+    is released each turn.
+    """
+
+    regime: str  # ok | starvation | loud
+    turn: int
+    residual: int
+    need: int
+    utilization: float
+    reclaimed: tuple[tuple[Consumer, str], ...]
+    rotated: int
+    released: int
+    compaction_due: bool
+    rollup_hint: bool
+    free: int
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class SpanRecorded:
+    turn: int
+    spans: int
+    span_input: int
+    ratio: float
+
+
+@dataclass(frozen=True, slots=True)
+class TurnReport:
+    """A turn's amplification ratio and class (record 004)."""
+
+    turn: int
+    ratio: float
+    classification: str  # saturation | fragmentation | pathological | ambiguous
+    utilization: float
+    utilization_delta: float
+    spans: int
+    span_input: int
+    compaction_due: bool
+    rollup_hint: bool
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Compaction:
+    """A committed compaction, judged against the high-water mark (record 001)."""
+
+    compacted: bool  # False: occupancy stayed above the mark, a failed compaction
+    occupancy: int
+    high_water_mark: int
+    dropped: int
+    summary: int
+    missing: tuple[str, ...]
+    failures: int
+    escalated: bool  # a hard-reset job was enqueued in the same step
+    free: int
+    epoch: int
+    turn: int
+
+
+@dataclass(frozen=True, slots=True)
+class ToolResult:
+    """A tool result admitted whole, spilled to a handle with a preview, or a duplicate."""
+
+    outcome: str  # admitted | spilled | duplicate
+    item: str
+    charged: int
+    tokens: int
+    preview_tokens: int
+    evicted: tuple[tuple[Consumer, str], ...]
+    free: int
+    epoch: int
+    turn: int
+
+    @property
+    def spilled(self) -> bool:
+        return self.outcome == "spilled"
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,12 +12,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from ledger.errors import AdmissionRefused, InvalidArgument
+from ledger.errors import AdmissionRefused, FanoutRefused, InvalidArgument, WorkingMemoryStarvation
 from ledger.keys import SessionKeys
 from ledger.models import (
     Admitted,
     AuditReport,
     Closed,
+    Compaction,
     Consumer,
     Expired,
     Item,
@@ -28,6 +29,10 @@ from ledger.models import (
     SessionBudget,
     Settled,
     Snapshot,
+    SpanRecorded,
+    ToolResult,
+    TurnReport,
+    TurnStarted,
     Voided,
 )
 
@@ -43,7 +48,7 @@ class Call(Generic[T]):
 
     script: str
     keys: tuple[str, ...]
-    args: tuple[str, ...]
+    args: tuple[str | bytes, ...]
     parse: Callable[[Reply], T]
 
 
@@ -85,8 +90,21 @@ def _ids(text: str) -> tuple[str, ...]:
 
 
 def _refusal(r: Reply) -> None:
-    if r.get("status") == "refused":
-        raise AdmissionRefused(r["reason"], int(r.get("requested", 0)), int(r.get("free", 0)), r)
+    if r.get("status") != "refused":
+        return
+    if "shortfall" in r:
+        raise WorkingMemoryStarvation(r)
+    if r["reason"] == "fanout_guard":
+        raise FanoutRefused(r)
+    raise AdmissionRefused(r["reason"], int(r.get("requested", 0)), int(r.get("free", 0)), r)
+
+
+def _pairs(text: str) -> tuple[tuple[Consumer, str], ...]:
+    out = []
+    for part in _ids(text):
+        code, _, item = part.partition(":")
+        out.append((Consumer.from_code(code), item))
+    return tuple(out)
 
 
 def _mutating(
@@ -130,6 +148,20 @@ def open_session(
         )
     ]
     body += [hashlib.blake2b(cfg.encode(), digest_size=8).hexdigest(), cfg]
+    released = "".join(sorted(c.code for c in b.release_each_turn)) or "-"
+    body += [released] + [
+        str(x)
+        for x in (
+            b.spill_preview_tokens,
+            b.spill_ttl_seconds * 1000,
+            b.max_failed_compactions,
+            b.rollup_turns,
+            round(b.rollup_fraction * 1000),
+            round(b.amplification_saturation * 1000),
+            round(b.amplification_fragmentation * 1000),
+            round(b.amplification_pathological * 1000),
+        )
+    ]
     return _mutating("open", [keys.session], op_id, 0, body, _opened)
 
 
@@ -270,6 +302,141 @@ def reset(keys: SessionKeys, op_id: str, epoch: int, reason: str) -> Call[ResetD
 
     body = [keys.session_id, check_id(reason, "reason")]
     return _mutating("reset", [keys.session, keys.deadlines], op_id, epoch, body, parse)
+
+
+# --- turns and the seeds' rules ----------------------------------------------------
+
+
+def _turn_started(r: Reply) -> TurnStarted:
+    _refusal(r)
+    return TurnStarted(
+        r["regime"],
+        int(r["turn"]),
+        int(r["residual"]),
+        int(r["need"]),
+        int(r["utilization"]) / 1000,
+        _pairs(r["reclaimed"]),
+        int(r["rotated"]),
+        int(r["released"]),
+        r["compaction_due"] == "1",
+        r["rollup"] == "1",
+        int(r["free"]),
+        int(r["epoch"]),
+    )
+
+
+def begin_turn(
+    keys: SessionKeys, op_id: str, epoch: int, working_set: int, output_reserve: int | None
+) -> Call[TurnStarted]:
+    body = [_num(working_set), "-" if output_reserve is None else _num(output_reserve)]
+    return _mutating("begin_turn", [keys.session], op_id, epoch, body, _turn_started)
+
+
+def _span(r: Reply) -> SpanRecorded:
+    _refusal(r)
+    return SpanRecorded(
+        int(r["turn"]), int(r["spans"]), int(r["span_input"]), int(r["ratio"]) / 1000
+    )
+
+
+def record_span(
+    keys: SessionKeys,
+    op_id: str,
+    epoch: int,
+    turn: int,
+    kind: str,
+    input_tokens: int,
+    output_tokens: int,
+) -> Call[SpanRecorded]:
+    body = [_num(turn), check_id(kind, "span kind"), _num(input_tokens), _num(output_tokens)]
+    return _mutating("record_span", [keys.session], op_id, epoch, body, _span)
+
+
+def _report(r: Reply) -> TurnReport:
+    return TurnReport(
+        int(r["turn"]),
+        int(r["ratio"]) / 1000,
+        r["class"],
+        int(r["utilization"]) / 1000,
+        int(r["utilization_delta"]) / 1000,
+        int(r["spans"]),
+        int(r["span_input"]),
+        r["compaction_due"] == "1",
+        r["rollup"] == "1",
+        int(r["epoch"]),
+    )
+
+
+def end_turn(
+    keys: SessionKeys, op_id: str, epoch: int, turn: int, final_prompt_tokens: int, p99_trend: int
+) -> Call[TurnReport]:
+    body = [_num(turn), _num(final_prompt_tokens), _num(p99_trend)]
+    return _mutating("end_turn", [keys.session], op_id, epoch, body, _report)
+
+
+def _compaction(r: Reply) -> Compaction:
+    _refusal(r)
+    return Compaction(
+        r["outcome"] == "compacted",
+        int(r["occupancy"]),
+        int(r["high_water"]),
+        int(r["dropped"]),
+        int(r["summary"]),
+        _ids(r["missing"]),
+        int(r["failures"]),
+        r["escalated"] == "1",
+        int(r["free"]),
+        int(r["epoch"]),
+        int(r["turn"]),
+    )
+
+
+def compact(
+    keys: SessionKeys, op_id: str, epoch: int, replaced: Sequence[str], summary: Item | None
+) -> Call[Compaction]:
+    if not isinstance(replaced, (list, tuple)):
+        raise InvalidArgument("replaced must be a list or tuple of working-memory item ids")
+    ids = [check_id(i, "item id") for i in replaced]
+    if summary is not None and not isinstance(summary, Item):
+        raise InvalidArgument("summary must be an Item or None")
+    sid = check_id(summary.id, "summary item id") if summary else "-summary-"
+    body = [keys.session_id, sid, _num(summary.tokens) if summary else "0", str(len(ids)), *ids]
+    return _mutating("compact", [keys.session, keys.jobs], op_id, epoch, body, _compaction)
+
+
+def _tool(r: Reply) -> ToolResult:
+    _refusal(r)
+    return ToolResult(
+        r["outcome"],
+        r["item"],
+        int(r["charged"]),
+        int(r["tokens"]),
+        int(r["preview"]),
+        _pairs(r["evicted"]),
+        int(r["free"]),
+        int(r["epoch"]),
+        int(r["turn"]),
+    )
+
+
+def admit_tool(
+    keys: SessionKeys, op_id: str, epoch: int, call_id: str, tokens: int, content: bytes | str
+) -> Call[ToolResult]:
+    cid = check_id(call_id, "tool-call id")
+    if not isinstance(content, (bytes, str)):
+        raise InvalidArgument("content must be bytes or str")
+    data = content.encode() if isinstance(content, str) else content
+    digest = hashlib.blake2b(data, digest_size=8).hexdigest()
+    call = _mutating(
+        "admit_tool",
+        [keys.session, keys.spill(cid)],
+        op_id,
+        epoch,
+        [cid, _num(tokens), digest],
+        _tool,
+    )
+    # The fingerprint covers the content's digest; the content itself travels as ARGV[6].
+    return Call(call.script, call.keys, (*call.args[:-1], data), call.parse)
 
 
 # --- close, snapshot, audit ---------------------------------------------------------

@@ -16,6 +16,15 @@
 --                       reservations, per consumer c
 --   nv                  open reservations
 --   ttl ort xp          idle TTL (ms), op retention (ms), when the TTL is next refreshed
+--   R0 rel pv sttl      default output reserve, consumers released each turn, spill
+--                       preview (tokens), spill TTL (ms)
+--   cx rut rup          failed compactions that escalate, roll-up turns, roll-up share (per mille)
+--   ams amf amp         amplification thresholds (per mille): saturation, fragmentation,
+--                       pathological
+--   cd kf kn kt rq      compaction pending, consecutive failed compactions, compactions
+--                       done, turn of the last one, hard reset requested
+--   ws ai ao an pu      this turn's working set, span input and output tokens, span
+--                       count; utilization (per mille) at the last end_turn
 --   cfg                 '<budget fingerprint>|<budget json>'
 --   i:<c>:<id>          one item: '<tokens>|<turn>|<priority>|<seq>'
 --   r:<id>              one reservation: '<c>|<tokens>|<deadline_ms>'
@@ -171,6 +180,17 @@ end
 -- a to a + d: claims are max(active, floor), so tokens inside a floor are free.
 local function claim_delta(a, d, floor)
   return math.max(a + d, floor) - math.max(a, floor)
+end
+
+-- Why `requested` tokens did not fit: floor_protected when the window has that much
+-- unclaimed room but it lies inside another consumer's floor, else
+-- token_budget_exhausted. Only called on the refusal path.
+local function refusal_reason(key, requested)
+  local v = redis.call('HMGET', key, 'W', 'S', 'T', 'out', 'a_w', 'a_m', 'a_s')
+  local room = tonumber(v[1]) - tonumber(v[2]) - tonumber(v[3]) - tonumber(v[4]) - tonumber(v[5])
+    - tonumber(v[6]) - tonumber(v[7])
+  if requested <= room then return 'floor_protected' end
+  return 'token_budget_exhausted'
 end
 
 -- Record the outcome under its op id and write args (field, value, ...) in one

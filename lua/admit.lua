@@ -12,8 +12,11 @@
 --
 -- Reply: status=ok|charged=<tokens>|admitted=<n>|duplicates=<n>|skipped=<id,...>
 --          |free=<tokens>|epoch=<n>|turn=<n>
---    or  status=refused|reason=token_budget_exhausted|requested=<tokens>
---          |free=<tokens>|epoch=<n>|turn=<n>
+--    or  status=refused|reason=<reason>|requested=<tokens>|free=<tokens>|epoch=<n>|turn=<n>
+--   reason: token_budget_exhausted; floor_protected (the room exists but lies inside
+--   another consumer's floor); compaction_pending (retrieval or recall while a
+--   compaction is pending: judged on the post-compaction baseline, occupancy at the
+--   high-water mark, record 001).
 -- An item id the consumer already holds charges nothing (a duplicate). A refusal
 -- changes no allocation; its outcome is kept under the op id like any other.
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
@@ -36,7 +39,7 @@ if #ARGV ~= 6 + 3 * n then
 end
 local g = GROUP[c]
 local A, F, U, N = 'a_' .. g, 'F_' .. g, 'u_' .. c, 'n_' .. c
-local raws, toks, prios, seen = { 'ep', 'tn', 'sq', 'fr', A, F, U, N, 'gz', 'xp', 'o:' .. op, 'ol' }, {}, {}, {}
+local raws, toks, prios, seen = { 'ep', 'tn', 'sq', 'fr', A, F, U, N, 'gz', 'xp', 'cd', 'o:' .. op, 'ol' }, {}, {}, {}
 for k = 1, n do
   local b = 4 + 3 * k
   local id
@@ -48,11 +51,11 @@ for k = 1, n do
   if e then return e end
   prios[k], e = int_arg(ARGV[b + 2], 'priority', 0, 1000, id)
   if e then return e end
-  raws[k + 12] = 'i:' .. c .. ':' .. id
+  raws[k + 13] = 'i:' .. c .. ':' .. id
 end
 
 local key = KEYS[1]
-local H, R = load(key, raws, 10)
+local H, R = load(key, raws, 11)
 e = gate(H, R, op, fp, epoch)
 if e then return e end
 local now = now_ms()
@@ -72,17 +75,26 @@ for k = 1, n do
       charged = charged + toks[k]
       admitted = admitted + 1
       H.sq = H.sq + 1
-      args[#args + 1] = raws[k + 12]
+      args[#args + 1] = raws[k + 13]
       args[#args + 1] = table.concat({ toks[k], H.tn, prios[k], H.sq }, '|')
     end
   end
 end
 local J = { ol = R[2], gz = H.gz, xp = H.xp }
-if fr < 0 then
-  local out = reply({ 'status=refused', 'reason=token_budget_exhausted', 'requested=' .. charged,
-    'free=' .. H.fr, 'epoch=' .. H.ep, 'turn=' .. H.tn })
+-- Record 001: while a compaction is pending, memory is judged on the post-compaction
+-- baseline (at most the high-water mark), and a refusal says so.
+local pending = g == 'm' and H.cd == 1
+local reason
+if pending then
+  local x = load(key, { 'HW', 'out', 'W' }, 3)
+  if fr < 0 or x.HW + charged + x.out > x.W then reason = 'compaction_pending' end
+elseif fr < 0 then
+  reason = refusal_reason(key, charged)
+end
+if reason then
   redis.call('HINCRBY', key, 'x:refused', 1)
-  return commit(key, now, op, fp, out, {}, J)
+  return commit(key, now, op, fp, table.concat({ 'status=refused|reason=', reason, '|requested=', charged,
+    '|free=', H.fr, '|epoch=', H.ep, '|turn=', H.tn }), {}, J)
 end
 if admitted > 0 then
   local m = #args

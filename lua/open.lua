@@ -15,6 +15,13 @@
 -- ARGV[13] op retention            milliseconds an outcome is kept for retries, 1000..86400000
 -- ARGV[14] budget fingerprint      hex over the whole budget (open is idempotent per fingerprint)
 -- ARGV[15] budget json             stored for inspection only
+-- ARGV[16] released each turn      consumer codes released at every begin_turn ('-' none), e.g. 'r'
+-- ARGV[17] spill preview           tokens admitted in place of a spilled tool result, 1..1e8
+-- ARGV[18] spill TTL               milliseconds a spilled result stays readable, 1000..31536000000
+-- ARGV[19] failed compactions      consecutive failures that escalate to a hard reset, 1..100
+-- ARGV[20] roll-up turns           turns since the last compaction that raise the roll-up hint
+-- ARGV[21] roll-up share           per mille of working memory's budget that raises it, 1..1000
+-- ARGV[22..24] amplification       saturation, fragmentation, pathological thresholds, per mille
 --
 -- Reply: status=ok|created=<0|1>|epoch=<n>|turn=<n>
 -- Errors: LEDGER_BADARG, LEDGER_CONFIG (reserved floor larger than the window),
@@ -31,6 +38,19 @@ local hi = { TOKENS_MAX, TOKENS_MAX, TOKENS_MAX, TOKENS_MAX, TOKENS_MAX, TOKENS_
 local v = {}
 for k = 1, #names do
   v[k], e = int_arg(ARGV[3 + k], names[k], lo[k], hi[k])
+  if e then return e end
+end
+local rel = ARGV[16]
+if type(rel) ~= 'string' or not (rel == '-' or string.match(rel, '^[wrms]+$')) then
+  return err('BADARG', 'released-each-turn consumers must be - or letters of wrms, got ' .. show(rel))
+end
+local names2 = { 'spill_preview_tokens', 'spill_ttl_ms', 'max_failed_compactions', 'rollup_turns',
+  'rollup_permille', 'amplification_saturation', 'amplification_fragmentation',
+  'amplification_pathological' }
+local lo2 = { 1, 1000, 1, 1, 1, 1, 1, 1 }
+local hi2 = { TOKENS_MAX, 31536000000, 100, 1000000, 1000, 1000000, 1000000, 1000000 }
+for k = 1, #names2 do
+  v[10 + k], e = int_arg(ARGV[16 + k], names2[k], lo2[k], hi2[k])
   if e then return e end
 end
 local W, S, T, Fw, Fm, out = v[1], v[2], v[3], v[4], v[5], v[6]
@@ -51,7 +71,7 @@ end
 if type(ARGV[15]) ~= 'string' or #ARGV[15] > 4096 then
   return err('BADARG', 'budget json must be at most 4096 bytes')
 end
-if #ARGV ~= 15 then return err('BADARG', 'expected 15 arguments, got ' .. #ARGV) end
+if #ARGV ~= 24 then return err('BADARG', 'expected 24 arguments, got ' .. #ARGV) end
 
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'o:' .. op, 'cfg', 'ol' }, 2)
@@ -70,7 +90,10 @@ local now = now_ms()
 local fr = W - floor
 local args = { 'cfg', cfp .. '|' .. ARGV[15], 'ep', 1, 'tn', 0, 'sq', 0,
   'W', W, 'S', S, 'T', T, 'out', out, 'F_w', Fw, 'F_m', Fm, 'HW', v[7], 'EV', v[8], 'fr', fr,
-  'a_w', 0, 'a_m', 0, 'a_s', 0, 'nv', 0, 'ttl', v[9], 'ort', v[10], 'cl', 0, 'ch', 0 }
+  'a_w', 0, 'a_m', 0, 'a_s', 0, 'nv', 0, 'ttl', v[9], 'ort', v[10], 'cl', 0, 'ch', 0,
+  'R0', out, 'rel', rel, 'pv', v[11], 'sttl', v[12], 'cx', v[13], 'rut', v[14], 'rup', v[15],
+  'ams', v[16], 'amf', v[17], 'amp', v[18],
+  'cd', 0, 'kf', 0, 'kn', 0, 'kt', 0, 'rq', 0, 'ws', 0, 'ai', 0, 'ao', 0, 'an', 0, 'pu', -1 }
 zero_counters(args)
 -- xp = 0 and gz = NEVER: the first commit refreshes the idle TTL.
 args[#args + 1] = 'gz'

@@ -45,7 +45,7 @@ local d = claim_delta(a, tokens, H['F_' .. g] or 0)
 local J = { ol = R[2], gz = H.gz, xp = H.xp }
 if d > H.fr then
   redis.call('HINCRBY', key, 'x:refused', 1)
-  return commit(key, now, op, fp, reply({ 'status=refused', 'reason=token_budget_exhausted',
+  return commit(key, now, op, fp, reply({ 'status=refused', 'reason=' .. refusal_reason(key, tokens),
     'requested=' .. tokens, 'free=' .. H.fr, 'epoch=' .. H.ep, 'turn=' .. H.tn }), {}, J)
 end
 local deadline = now + lease

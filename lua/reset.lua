@@ -1,5 +1,6 @@
 -- reset.lua: hard reset of a session: advance the epoch and drop every item and
--- reservation, keeping the budget (system prompt, framing and floors).
+-- reservation, keeping the budget (system prompt, framing and floors); the
+-- compaction state (pending, consecutive failures, escalation) starts over.
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  partition deadline index
@@ -46,7 +47,8 @@ for i = 1, #dead, 1000 do redis.call('HDEL', key, unpack(dead, i, math.min(i + 9
 if #members > 0 then redis.call('ZREM', KEYS[2], unpack(members)) end
 redis.call('HINCRBY', key, 'x:resets', 1)
 local args = { 'ep', H.ep + 1, 'fr', H.W - H.S - H.T - H.out - H.F_w - H.F_m, 'nv', 0,
-  'a_w', 0, 'a_m', 0, 'a_s', 0, 'x:last_reset', reason }
+  'a_w', 0, 'a_m', 0, 'a_s', 0, 'x:last_reset', reason, 'cd', 0, 'kf', 0, 'rq', 0, 'kt', H.tn,
+  'ai', 0, 'ao', 0, 'an', 0 }
 zero_counters(args)
 return commit(key, now, op, fp, reply({ 'status=ok', 'epoch=' .. (H.ep + 1), 'dropped=' .. dropped,
   'released=' .. released }), args, { ol = R[2], gz = H.gz, xp = H.xp })

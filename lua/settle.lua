@@ -53,7 +53,7 @@ local d = claim_delta(a, actual - est, H['F_' .. g] or 0)
 local J = { ol = R[1], gz = H.gz, xp = H.xp }
 if d > H.fr then
   redis.call('HINCRBY', key, 'x:refused', 1)
-  return commit(key, now, op, fp, reply({ 'status=refused', 'reason=token_budget_exhausted',
+  return commit(key, now, op, fp, reply({ 'status=refused', 'reason=' .. refusal_reason(key, actual - est),
     'requested=' .. actual, 'free=' .. H.fr, 'epoch=' .. H.ep, 'turn=' .. H.tn }), {}, J)
 end
 redis.call('HDEL', key, 'r:' .. rid)

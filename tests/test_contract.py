@@ -230,7 +230,8 @@ def test_admit_all_mode_refuses_the_whole_batch(ledger: Ledger, budget: SessionB
     batch = [Item("held", 1_000), Item("a", 100), Item("b", 200), Item("c", free - 300 + 1)]
     with pytest.raises(AdmissionRefused) as info:
         s.admit(SCR, batch)
-    assert info.value.reason == EXHAUSTED
+    # The room exists, but inside working memory's unused floor: the honest reason.
+    assert info.value.reason == "floor_protected"
     assert info.value.requested == free + 1  # new items only: the held one charges nothing
     assert info.value.free == free
     after = state(s)
@@ -423,7 +424,7 @@ def test_reserve_holds_tokens(ledger: Ledger, budget: SessionBudget) -> None:
     with pytest.raises(AdmissionRefused) as info:
         s.reserve(RET, "tool-2", free - 500 + 1)
     assert (info.value.reason, info.value.requested, info.value.free) == (
-        EXHAUSTED,
+        "floor_protected",  # working memory's floor is unused: the room is reserved
         free - 500 + 1,
         free - 500,
     )
@@ -467,7 +468,11 @@ def test_settle_that_does_not_fit_keeps_the_reservation(
     before = allocation(s)
     with pytest.raises(AdmissionRefused) as info:
         s.settle("q1", 100 + 51, "out-1")
-    assert (info.value.reason, info.value.requested, info.value.free) == (EXHAUSTED, 151, 50)
+    assert (info.value.reason, info.value.requested, info.value.free) == (
+        "floor_protected",
+        151,
+        50,
+    )
     assert allocation(s) == before
     snap = check(ledger, s, budget)
     assert snap.open_reservations == 1 and snap.reserved[SCR] == 100 and snap.refusals == 1
@@ -626,8 +631,8 @@ def test_refusal_outcome_is_replayed(ledger: Ledger, budget: SessionBudget) -> N
     with pytest.raises(AdmissionRefused) as reserve_again:
         s.reserve(RET, "q1", 10, op_id="op-refused-r")
     for a, b in ((first, again), (reserve_first, reserve_again)):
-        assert (a.value.reason, a.value.requested, a.value.free) == (EXHAUSTED, 10, 0)
-        assert (b.value.reason, b.value.requested, b.value.free) == (EXHAUSTED, 10, 0)
+        assert (a.value.reason, a.value.requested, a.value.free) == ("floor_protected", 10, 0)
+        assert (b.value.reason, b.value.requested, b.value.free) == ("floor_protected", 10, 0)
         assert a.value.detail == b.value.detail
     snap = check(ledger, s, budget)
     assert snap.refusals == 2
@@ -910,6 +915,20 @@ class Model:
         a = self.active(members)
         return max(a + d, floor) - max(a, floor)
 
+    def reason(self, growth: int) -> str:
+        """floor_protected when the unclaimed room (floors ignored) would hold the growth."""
+        b = self.b
+        room = (
+            b.window
+            - b.system_prompt
+            - b.tool_framing
+            - b.output_reserve
+            - self.active((WM,))
+            - self.active((RET, REC))
+            - self.active((SCR,))
+        )
+        return "floor_protected" if growth <= room else EXHAUSTED
+
     def free(self) -> int:
         b = self.b
         return (
@@ -953,7 +972,7 @@ def plan_admit(s: Session, m: Model, rng: random.Random, c: Consumer, op: str) -
     charged = sum(it.tokens for it in taken)
     expect: tuple[object, ...]
     if m.delta(c, charged) > free:
-        expect = ("refused", EXHAUSTED, charged, free)
+        expect = ("refused", m.reason(charged), charged, free)
     else:
         expect = ("ok", (charged, len(taken), len(batch) - len(new), tuple(skipped)))
         for it in taken:
@@ -988,7 +1007,7 @@ def plan_reserve(s: Session, m: Model, rng: random.Random, c: Consumer, op: str)
     if rid in m.res:
         expect = ("SessionConflict",)
     elif m.delta(c, est) > m.free():
-        expect = ("refused", EXHAUSTED, est, m.free())
+        expect = ("refused", m.reason(est), est, m.free())
     else:
         expect = ("ok", rid)
         m.res[rid] = (c, est)
@@ -1013,7 +1032,7 @@ def plan_settle(s: Session, m: Model, rng: random.Random, c: Consumer, op: str) 
         if item in m.items[rc]:
             expect = ("SessionConflict",)
         elif m.delta(rc, actual - est) > m.free():
-            expect = ("refused", EXHAUSTED, actual, m.free())
+            expect = ("refused", m.reason(actual - est), actual, m.free())
         else:
             expect = ("ok", (rid, item, actual))
             del m.res[rid]

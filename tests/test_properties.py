@@ -158,9 +158,24 @@ class Model:
     def reserved(self, c: str) -> int:
         return sum(t for rc, t in self.resv.values() if rc == c)
 
-    def refuse(self, requested: int) -> Outcome:
+    def reason(self, growth: int) -> str:
+        """floor_protected when the unclaimed room (floors ignored) would hold the growth."""
+        b, a = self.budget, self.active()
+        room = (
+            b.window
+            - b.system_prompt
+            - b.tool_framing
+            - b.output_reserve
+            - a["w"]
+            - a["m"]
+            - a["s"]
+        )
+        return "floor_protected" if growth <= room else EXHAUSTED
+
+    def refuse(self, requested: int, growth: int | None = None) -> Outcome:
         self.refusals += 1
-        return ("refused", EXHAUSTED, requested, self.free())
+        why = self.reason(requested if growth is None else growth)
+        return ("refused", why, requested, self.free())
 
     def apply(self, op: Op) -> Outcome:
         """The outcome the ledger must give for op; updates the model as the ledger would."""
@@ -217,7 +232,7 @@ class Model:
         if item in self.items[c]:
             return ("SessionConflict",)
         if self.free(GROUP[c], actual - est) < 0:
-            return self.refuse(actual)
+            return self.refuse(actual, actual - est)
         del self.resv[rid]
         self.seq += 1
         self.items[c][item] = (actual, prio, self.seq)

@@ -1,0 +1,106 @@
+-- admit_tool.lua: admit one tool result whole, spill it, or refuse it (record 002).
+--
+-- Never truncated. In order:
+--   1. it fits: admitted whole as a scratchpad item;
+--   2. it fits once memory (retrieval, recall: the only elastic consumers) gives
+--      way: memory items are evicted, lowest priority then oldest, retrieval
+--      before recall, and the result is admitted whole;
+--   3. otherwise its content is stored under the spill key (readable by any worker
+--      until the spill TTL) and a bounded preview (the budget's spill preview, at
+--      most the result's size) is admitted in its place, evicting memory if needed;
+--   4. otherwise it is refused.
+-- The system prompt, the framing and the floors are never touched. Parallel
+-- results of one turn are judged one after another, so two that fit alone but not
+-- together get one admitted and the other spilled or refused.
+--
+-- KEYS[1]  session hash
+-- KEYS[2]  spill key for this result
+-- ARGV[1]  operation id            ARGV[2] argument fingerprint (hex)
+-- ARGV[3]  epoch                   integer; older than the session's -> LEDGER_STALE
+-- ARGV[4]  tool-call id            the scratchpad item id
+-- ARGV[5]  tokens                  the whole result's size, 1..1e8
+-- ARGV[6]  content                 the result (bytes, at most 64 MiB), stored only when spilled
+--
+-- Reply: status=ok|outcome=<admitted|spilled|duplicate>|item=<id>|charged=<tokens>
+--          |tokens=<tokens>|preview=<tokens>|evicted=<c:id,...>|free=<tokens>|epoch=<n>|turn=<n>
+--    or  status=refused|reason=<token_budget_exhausted|floor_protected>|requested=<tokens>
+--          |free=<tokens>|epoch=<n>|turn=<n>
+-- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
+-- Calls: HMGET, TIME, HSET (HGETALL and HDEL when memory gives way; SET when spilled).
+
+local op, fp, epoch, e = op_args(false)
+if e then return e end
+local call, tokens
+call, e = id_arg(ARGV[4], 'tool-call id')
+if e then return e end
+tokens, e = int_arg(ARGV[5], 'tokens', 1, TOKENS_MAX)
+if e then return e end
+if type(ARGV[6]) ~= 'string' or #ARGV[6] > 67108864 then
+  return err('BADARG', 'content must be at most 64 MiB')
+end
+if #ARGV ~= 6 then return err('BADARG', 'expected 6 arguments, got ' .. #ARGV) end
+
+local key = KEYS[1]
+local H, R = load(key, { 'ep', 'tn', 'sq', 'fr', 'F_m', 'a_m', 'a_s', 'u_r', 'u_m', 'u_s', 'n_r', 'n_m', 'n_s',
+  'pv', 'sttl', 'gz', 'xp', 'o:' .. op, 'ol', 'i:s:' .. call }, 17)
+e = gate(H, R, op, fp, epoch)
+if e then return e end
+local now = now_ms()
+local J = { ol = R[2], gz = H.gz, xp = H.xp }
+local function done(outcome, charged, preview, evicted, fr, args)
+  return commit(key, now, op, fp, table.concat({ 'status=ok|outcome=', outcome, '|item=', call,
+    '|charged=', charged, '|tokens=', tokens, '|preview=', preview, '|evicted=', evicted,
+    '|free=', fr, '|epoch=', H.ep, '|turn=', H.tn }), args, J)
+end
+if R[3] then return done('duplicate', 0, 0, '', H.fr, {}) end
+
+-- Tokens memory can give back: its claim above its floor, items only (not reservations).
+local held = H.u_r + H.u_m
+local gain = math.max(H.a_m, H.F_m) - math.max(H.a_m - held, H.F_m)
+local size, outcome = tokens, 'admitted'
+if tokens > H.fr + gain then size, outcome = math.min(tokens, H.pv), 'spilled' end
+if size > H.fr + gain then
+  redis.call('HINCRBY', key, 'x:refused', 1)
+  return commit(key, now, op, fp, table.concat({ 'status=refused|reason=', refusal_reason(key, tokens),
+    '|requested=', tokens, '|free=', H.fr, '|epoch=', H.ep, '|turn=', H.tn }), {}, J)
+end
+
+local fr, a_m, evicted = H.fr, H.a_m, {}
+local U, N = { r = H.u_r, m = H.u_m }, { r = H.n_r, m = H.n_m }
+if size > fr then
+  local mem = {}
+  local all = redis.call('HGETALL', key)
+  for i = 1, #all, 2 do
+    local c, id = string.match(all[i], '^i:([rm]):(.+)$')
+    if c then
+      local t, _, p, sq = string.match(all[i + 1], '^(%d+)|(%d+)|(%d+)|(%d+)$')
+      mem[#mem + 1] = { c = c, id = id, f = all[i], t = tonumber(t), p = tonumber(p), sq = tonumber(sq) }
+    end
+  end
+  table.sort(mem, function(x, y)
+    if x.c ~= y.c then return x.c == 'r' end
+    if x.p ~= y.p then return x.p < y.p end
+    return x.sq < y.sq
+  end)
+  local dead = {}
+  for _, it in ipairs(mem) do
+    if size <= fr then break end
+    fr = fr - claim_delta(a_m, -it.t, H.F_m)
+    a_m = a_m - it.t
+    U[it.c], N[it.c] = U[it.c] - it.t, N[it.c] - 1
+    dead[#dead + 1] = it.f
+    evicted[#evicted + 1] = it.c .. ':' .. it.id
+  end
+  redis.call('HDEL', key, unpack(dead))
+  redis.call('HINCRBY', key, 'x:evicted_memory', #dead)
+end
+if outcome == 'spilled' then
+  redis.call('SET', KEYS[2], ARGV[6], 'PX', H.sttl)
+  redis.call('HINCRBY', key, 'x:spilled', 1)
+end
+local sq = H.sq + 1
+fr = fr - size
+return done(outcome, size, outcome == 'spilled' and size or 0, table.concat(evicted, ','), fr,
+  { 'i:s:' .. call, table.concat({ size, H.tn, 0, sq }, '|'), 'sq', sq, 'fr', fr, 'a_m', a_m,
+    'a_s', H.a_s + size, 'u_s', H.u_s + size, 'n_s', H.n_s + 1, 'u_r', U.r, 'u_m', U.m,
+    'n_r', N.r, 'n_m', N.m })

@@ -1,0 +1,151 @@
+-- begin_turn.lua: gate a turn on residual working memory against its declared
+-- working set (record 000), reclaiming in the record's order when short, and
+-- advance the turn.
+--
+-- KEYS[1]  session hash
+-- ARGV[1]  operation id            ARGV[2] argument fingerprint (hex)
+-- ARGV[3]  epoch                   integer; older than the session's -> LEDGER_STALE
+-- ARGV[4]  working set             tokens the turn must hold in working memory, 0..1e8
+-- ARGV[5]  output reserve          tokens for this turn's output, 0..1e8, or '-' for the budget's
+--
+-- Residual working memory = window - system prompt - tool framing - output reserve
+-- - memory's claim - scratchpad; the turn needs max(working set, working memory's
+-- own claim). Consumers configured as released each turn lose their items first.
+-- When short: the regime is starvation (utilization under the eviction threshold)
+-- or loud (above it); scratchpad items are reclaimed oldest first, then retrieval
+-- chunks from earlier turns (those also held by recall first, then oldest). The
+-- plan is applied only if it closes the gap; otherwise nothing is reclaimed, a
+-- working-memory compaction is requested, and the turn is refused.
+--
+-- Reply: status=ok|regime=<ok|starvation|loud>|turn=<n>|residual=<tokens>|need=<tokens>
+--          |utilization=<per mille>|reclaimed=<c:id,...>|rotated=<tokens>|released=<tokens>
+--          |compaction_due=<0|1>|rollup=<0|1>|free=<tokens>|epoch=<n>
+--    or  status=refused|reason=<starvation|compaction_pending>|requested=<need>|residual=<tokens>
+--          |need=<tokens>|utilization=<per mille>|shortfall=<tokens>|compact=<w:id,...>
+--          |free=<tokens>|epoch=<n>|turn=<n>
+--   compact: working-memory items to compact, lowest priority then oldest first,
+--   enough to cover the shortfall (record 003's order).
+-- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
+-- Calls: HMGET, TIME, HGETALL, HDEL, HSET, HINCRBY (a PEXPIRE or a journal sweep when due).
+
+local op, fp, epoch, e = op_args(false)
+if e then return e end
+local ws, out2
+ws, e = int_arg(ARGV[4], 'working set', 0, TOKENS_MAX)
+if e then return e end
+if ARGV[5] ~= '-' then
+  out2, e = int_arg(ARGV[5], 'output reserve', 0, TOKENS_MAX)
+  if e then return e end
+end
+if #ARGV ~= 5 then return err('BADARG', 'expected 5 arguments, got ' .. #ARGV) end
+
+local key = KEYS[1]
+local H, R = load(key, { 'ep', 'tn', 'W', 'S', 'T', 'R0', 'F_w', 'F_m', 'a_w', 'a_m', 'a_s', 'u_w', 'u_r',
+  'u_m', 'u_s', 'n_w', 'n_r', 'n_m', 'n_s', 'EV', 'HW', 'kt', 'rut', 'rup', 'cd', 'gz', 'xp',
+  'o:' .. op, 'ol', 'rel' }, 27)
+e = gate(H, R, op, fp, epoch)
+if e then return e end
+local now = now_ms()
+out2 = out2 or H.R0
+
+local items = { w = {}, r = {}, m = {}, s = {} }
+local all = redis.call('HGETALL', key)
+for i = 1, #all, 2 do
+  local c, id = string.match(all[i], '^i:(%a):(.+)$')
+  if c then
+    local t, tn, p, sq = string.match(all[i + 1], '^(%d+)|(%d+)|(%d+)|(%d+)$')
+    local list = items[c]
+    list[#list + 1] = { id = id, f = all[i], t = tonumber(t), tn = tonumber(tn), p = tonumber(p),
+      sq = tonumber(sq) }
+  end
+end
+local A = { w = H.a_w, m = H.a_m, s = H.a_s }
+local U = { w = H.u_w, r = H.u_r, m = H.u_m, s = H.u_s }
+local N = { w = H.n_w, r = H.n_r, m = H.n_m, s = H.n_s }
+local dead, released, rotated, reclaimed = {}, 0, 0, {}
+local function drop(c, it)
+  local g = GROUP[c]
+  A[g], U[c], N[c] = A[g] - it.t, U[c] - it.t, N[c] - 1
+  dead[#dead + 1] = it.f
+  it.gone = true
+  return it.t
+end
+local function residual()
+  return H.W - H.S - H.T - out2 - math.max(A.m, H.F_m) - A.s
+end
+local function need() return math.max(ws, A.w, H.F_w) end
+local function occupancy() return H.S + H.T + A.w + A.m + A.s end
+
+if R[3] and R[3] ~= '-' then
+  for c in string.gmatch(R[3], '%a') do
+    for _, it in ipairs(items[c]) do rotated = rotated + drop(c, it) end
+  end
+end
+local regime, start_residual = 'ok', residual()
+local util = math.floor(occupancy() * 1000 / H.W)
+if start_residual < need() then
+  regime = occupancy() >= H.EV and 'loud' or 'starvation'
+  local order = {}
+  table.sort(items.s, function(x, y) return x.sq < y.sq end)
+  for _, it in ipairs(items.s) do if not it.gone then order[#order + 1] = { 's', it } end end
+  local recall = {}
+  for _, it in ipairs(items.m) do recall[it.id] = true end
+  table.sort(items.r, function(x, y)
+    local dx, dy = recall[x.id] and 0 or 1, recall[y.id] and 0 or 1
+    if dx ~= dy then return dx < dy end
+    return x.sq < y.sq
+  end)
+  for _, it in ipairs(items.r) do if not it.gone then order[#order + 1] = { 'r', it } end end
+  for _, step in ipairs(order) do
+    if residual() >= need() then break end
+    released = released + drop(step[1], step[2])
+    reclaimed[#reclaimed + 1] = step[1] .. ':' .. step[2].id
+  end
+  if residual() < need() then
+    local short = need() - start_residual
+    table.sort(items.w, function(x, y)
+      if x.p ~= y.p then return x.p < y.p end
+      return x.sq < y.sq
+    end)
+    local compact, covered = {}, 0
+    for _, it in ipairs(items.w) do
+      if covered >= short then break end
+      compact[#compact + 1] = 'w:' .. it.id
+      covered = covered + it.t
+    end
+    redis.call('HINCRBY', key, 'x:starvation', 1)
+    local fr0 = H.W - H.S - H.T - out2 - math.max(H.a_w, H.F_w) - math.max(H.a_m, H.F_m) - H.a_s
+    return commit(key, now, op, fp, table.concat({ 'status=refused|reason=',
+      regime == 'loud' and 'compaction_pending' or 'starvation', '|requested=', need(),
+      '|residual=', start_residual, '|need=', need(), '|utilization=', util, '|shortfall=', short,
+      '|compact=', table.concat(compact, ','), '|free=', fr0, '|epoch=', H.ep, '|turn=', H.tn }),
+      { 'cd', 1 }, { ol = R[2], gz = H.gz, xp = H.xp })
+  end
+  redis.call('HINCRBY', key, 'x:' .. regime, 1)
+end
+
+if #dead > 0 then
+  for i = 1, #dead, 1000 do redis.call('HDEL', key, unpack(dead, i, math.min(i + 999, #dead))) end
+end
+local turn = H.tn + 1
+local fr = H.W - H.S - H.T - out2 - math.max(A.w, H.F_w) - math.max(A.m, H.F_m) - A.s
+local due = (occupancy() > H.HW or H.cd == 1) and 1 or 0
+local wm_budget = H.F_w > 0 and H.F_w or H.W
+local rollup = (turn - H.kt > H.rut or A.w * 1000 > H.rup * wm_budget) and 1 or 0
+local args = { 'tn', turn, 'out', out2, 'ws', ws, 'fr', fr, 'ai', 0, 'ao', 0, 'an', 0,
+  'a_w', A.w, 'a_m', A.m, 'a_s', A.s }
+for _, c in ipairs({ 'w', 'r', 'm', 's' }) do
+  args[#args + 1] = 'u_' .. c
+  args[#args + 1] = U[c]
+  args[#args + 1] = 'n_' .. c
+  args[#args + 1] = N[c]
+end
+if due == 1 then
+  args[#args + 1] = 'cd'
+  args[#args + 1] = 1
+end
+return commit(key, now, op, fp, table.concat({ 'status=ok|regime=', regime, '|turn=', turn,
+  '|residual=', residual(), '|need=', need(), '|utilization=', util, '|reclaimed=',
+  table.concat(reclaimed, ','), '|rotated=', rotated, '|released=', released,
+  '|compaction_due=', due, '|rollup=', rollup, '|free=', fr, '|epoch=', H.ep }), args,
+  { ol = R[2], gz = H.gz, xp = H.xp })

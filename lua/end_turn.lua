@@ -1,0 +1,69 @@
+-- end_turn.lua: close a turn with its amplification ratio and class (record 004).
+--
+-- KEYS[1]  session hash
+-- ARGV[1]  operation id            ARGV[2] argument fingerprint (hex)
+-- ARGV[3]  epoch                   integer; older than the session's -> LEDGER_STALE
+-- ARGV[4]  turn                    the current turn (as begin_turn returned it)
+-- ARGV[5]  final prompt tokens     the prompt actually sent, 1..window
+-- ARGV[6]  p99 trend               -1 falling, 0 flat or unknown, 1 rising
+--
+-- ratio = sum of this turn's memory-tool span input tokens / final prompt tokens
+-- (per mille). utilization = final prompt / window; its delta is against the
+-- previous end_turn. Class, in the record's order:
+--   pathological   ratio > pathological threshold, utilization falling, p99 rising
+--   saturation     utilization rising and ratio < saturation threshold
+--   fragmentation  ratio > fragmentation threshold
+--   ambiguous      none of these
+-- A compaction becomes due when occupancy is above the high-water mark.
+--
+-- Reply: status=ok|turn=<n>|ratio=<per mille>|class=<name>|utilization=<per mille>
+--          |utilization_delta=<per mille>|spans=<n>|span_input=<tokens>|compaction_due=<0|1>
+--          |rollup=<0|1>|epoch=<n>
+-- Errors: LEDGER_BADARG (also: not the current turn; a final prompt of 0 or larger than
+--         the window is inconsistent accounting, not a class), LEDGER_NOSESSION,
+--         LEDGER_STALE, LEDGER_OPREUSED.
+-- Calls: HMGET, TIME, HSET, HINCRBY (a PEXPIRE or a journal sweep when due).
+
+local op, fp, epoch, e = op_args(false)
+if e then return e end
+local turn, final, trend
+turn, e = int_arg(ARGV[4], 'turn', 0, 1e15)
+if e then return e end
+final, e = int_arg(ARGV[5], 'final prompt tokens', 1, TOKENS_MAX)
+if e then return e end
+trend, e = int_arg(ARGV[6], 'p99 trend', -1, 1)
+if e then return e end
+if #ARGV ~= 6 then return err('BADARG', 'expected 6 arguments, got ' .. #ARGV) end
+
+local key = KEYS[1]
+local H, R = load(key, { 'ep', 'tn', 'W', 'S', 'T', 'a_w', 'a_m', 'a_s', 'F_w', 'HW', 'cd', 'kt', 'rut', 'rup',
+  'ai', 'an', 'pu', 'ams', 'amf', 'amp', 'gz', 'xp', 'o:' .. op, 'ol' }, 22)
+e = gate(H, R, op, fp, epoch)
+if e then return e end
+if turn ~= H.tn then
+  return err('BADARG', 'turn ' .. turn .. ' is not the current turn ' .. H.tn)
+end
+if final > H.W then
+  return err('BADARG', 'final prompt of ' .. final .. ' tokens is larger than the window ' .. H.W ..
+    ': inconsistent accounting')
+end
+local now = now_ms()
+local ratio = math.floor(H.ai * 1000 / final)
+local util = math.floor(final * 1000 / H.W)
+local delta = H.pu < 0 and 0 or util - H.pu
+local class = 'ambiguous'
+if ratio > H.amp and delta < 0 and trend > 0 then
+  class = 'pathological'
+elseif delta > 0 and ratio < H.ams then
+  class = 'saturation'
+elseif ratio > H.amf then
+  class = 'fragmentation'
+end
+local due = (H.S + H.T + H.a_w + H.a_m + H.a_s > H.HW or H.cd == 1) and 1 or 0
+local wm_budget = H.F_w > 0 and H.F_w or H.W
+local rollup = (H.tn - H.kt > H.rut or H.a_w * 1000 > H.rup * wm_budget) and 1 or 0
+redis.call('HINCRBY', key, 'x:class:' .. class, 1)
+return commit(key, now, op, fp, table.concat({ 'status=ok|turn=', H.tn, '|ratio=', ratio, '|class=', class,
+  '|utilization=', util, '|utilization_delta=', delta, '|spans=', H.an, '|span_input=', H.ai,
+  '|compaction_due=', due, '|rollup=', rollup, '|epoch=', H.ep }), { 'pu', util, 'cd', due }, 
+  { ol = R[2], gz = H.gz, xp = H.xp })

@@ -1,0 +1,58 @@
+-- record_span.lua: account one memory-tool span of the current turn, behind the
+-- fan-out guard (record 004).
+--
+-- Call it before the memory-tool call it describes. Once the turn's amplification
+-- (span input tokens so far / the context's current occupancy) is above the
+-- pathological threshold, further fan-out is refused with reason fanout_guard:
+-- the agent should summarize and proceed instead of recalling again.
+--
+-- KEYS[1]  session hash
+-- ARGV[1]  operation id            ARGV[2] argument fingerprint (hex)
+-- ARGV[3]  epoch                   integer; older than the session's -> LEDGER_STALE
+-- ARGV[4]  turn                    the current turn
+-- ARGV[5]  kind                    recall, rerank, fetch, write, prune, summarize, ... (an id)
+-- ARGV[6]  input tokens            0..1e8
+-- ARGV[7]  output tokens           0..1e8
+--
+-- Reply: status=ok|turn=<n>|spans=<n>|span_input=<tokens>|ratio=<per mille>|epoch=<n>
+--    or  status=refused|reason=fanout_guard|requested=<input tokens>|ratio=<per mille>
+--          |threshold=<per mille>|advice=summarize_and_proceed|free=<tokens>|epoch=<n>|turn=<n>
+-- Errors: LEDGER_BADARG (also: not the current turn), LEDGER_NOSESSION, LEDGER_STALE,
+--         LEDGER_OPREUSED.
+-- Calls: HMGET, TIME, HSET (HINCRBY on refusal; a PEXPIRE or a journal sweep when due).
+
+local op, fp, epoch, e = op_args(false)
+if e then return e end
+local turn, kind, tin, tout
+turn, e = int_arg(ARGV[4], 'turn', 0, 1e15)
+if e then return e end
+kind, e = id_arg(ARGV[5], 'span kind')
+if e then return e end
+tin, e = int_arg(ARGV[6], 'input tokens', 0, TOKENS_MAX)
+if e then return e end
+tout, e = int_arg(ARGV[7], 'output tokens', 0, TOKENS_MAX)
+if e then return e end
+if #ARGV ~= 7 then return err('BADARG', 'expected 7 arguments, got ' .. #ARGV) end
+
+local key = KEYS[1]
+local H, R = load(key, { 'ep', 'tn', 'S', 'T', 'a_w', 'a_m', 'a_s', 'fr', 'ai', 'ao', 'an', 'amp', 'gz', 'xp',
+  'o:' .. op, 'ol' }, 14)
+e = gate(H, R, op, fp, epoch)
+if e then return e end
+if turn ~= H.tn then
+  return err('BADARG', 'turn ' .. turn .. ' is not the current turn ' .. H.tn)
+end
+local now = now_ms()
+local prompt = math.max(1, H.S + H.T + H.a_w + H.a_m + H.a_s)
+local ratio = math.floor(H.ai * 1000 / prompt)
+local J = { ol = R[2], gz = H.gz, xp = H.xp }
+if ratio > H.amp then
+  redis.call('HINCRBY', key, 'x:fanout_refused', 1)
+  return commit(key, now, op, fp, table.concat({ 'status=refused|reason=fanout_guard|requested=', tin,
+    '|ratio=', ratio, '|threshold=', H.amp, '|advice=summarize_and_proceed|free=', H.fr,
+    '|epoch=', H.ep, '|turn=', H.tn }), {}, J)
+end
+local ai = H.ai + tin
+return commit(key, now, op, fp, table.concat({ 'status=ok|turn=', H.tn, '|spans=', H.an + 1,
+  '|span_input=', ai, '|ratio=', math.floor(ai * 1000 / prompt), '|epoch=', H.ep }),
+  { 'ai', ai, 'ao', H.ao + tout, 'an', H.an + 1 }, J)
