@@ -17,7 +17,7 @@ from ledger import protocol, scripts
 from ledger.backends import AsyncClient, async_client
 from ledger.core import LedgerCore, SessionCore, new_op_id
 from ledger.errors import translate
-from ledger.models import AuditReport, Expired, SessionBudget
+from ledger.models import AuditReport, Expired, HeldItem, SessionBudget
 from ledger.protocol import Call
 from ledger.settings import LedgerSettings
 
@@ -81,6 +81,10 @@ class AsyncLedger(LedgerCore):
         s = AsyncSession(self, self.keyspace.session(session_id), 0)
         await s.refresh()
         return s
+
+    async def items(self, session_id: str) -> list[HeldItem]:
+        keys = self.keyspace.session(session_id)
+        return protocol.held_items(await self.client.hgetall(keys.session))
 
     async def read_spill(self, session_id: str, call_id: str) -> bytes | None:
         keys = self.keyspace.session(session_id)

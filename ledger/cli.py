@@ -76,9 +76,37 @@ def cmd_audit(args: argparse.Namespace, out: Console) -> int:
 
 
 def cmd_worker(args: argparse.Namespace, out: Console) -> int:
-    from workers.sweeper import run_forever
+    import logging
+    import signal
+    import threading
 
-    return run_forever(_settings(args), interval=args.interval, once=args.once, console=out)
+    from prometheus_client import start_http_server
+
+    from ledger.client import Ledger
+    from workers.runner import JsonFormatter, Worker, WorkerSettings
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter())
+    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    overrides: dict[str, object] = {}
+    for name in ("compactor", "consumer", "metrics_port", "claim_idle_ms", "max_deliveries"):
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
+    if args.interval is not None:
+        overrides["sweep_interval"] = args.interval
+    wsettings = WorkerSettings(**overrides)  # type: ignore[arg-type]
+    stop = threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    with Ledger.from_settings(_settings(args)) as ledger:
+        worker = Worker(ledger, wsettings)
+        if wsettings.metrics_port:
+            start_http_server(wsettings.metrics_port, registry=worker.metrics.registry)
+        worker.run(stop, once=args.once)
+        if args.once:
+            worker.sweep()
+    return EXIT_OK
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,9 +124,20 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("audit", help="prove counters equal items (exit 1 on any violation)")
     a.add_argument("session", nargs="*", help="session ids (default: every session)")
     a.set_defaults(func=cmd_audit)
-    w = sub.add_parser("worker", help="background worker: releases expired reservations")
-    w.add_argument("--interval", type=float, default=1.0, help="seconds between sweeps")
-    w.add_argument("--once", action="store_true", help="one sweep, then exit")
+    w = sub.add_parser(
+        "worker",
+        help="background worker: compaction and hard-reset jobs, lease expiry",
+        description="Consume the partitions' job streams (consumer group), take over jobs of "
+        "dead workers, release expired reservations. Options also read LEDGER_WORKER_* "
+        "environment variables. Stops cleanly on SIGTERM/SIGINT.",
+    )
+    w.add_argument("--interval", type=float, help="seconds between lease sweeps (default 1)")
+    w.add_argument("--once", action="store_true", help="one pass over every partition, then exit")
+    w.add_argument("--compactor", help="import path 'module:attr' (default the simulated one)")
+    w.add_argument("--consumer", help="consumer name in the group (default host-pid)")
+    w.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    w.add_argument("--claim-idle-ms", type=int, help="take over jobs idle this long")
+    w.add_argument("--max-deliveries", type=int, help="dead-letter a job after this many")
     w.set_defaults(func=cmd_worker)
     return p
 

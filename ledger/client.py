@@ -13,7 +13,7 @@ from ledger import protocol, scripts
 from ledger.backends import SyncClient, sync_client
 from ledger.core import LedgerCore, SessionCore, new_op_id
 from ledger.errors import translate
-from ledger.models import AuditReport, Expired, SessionBudget
+from ledger.models import AuditReport, Expired, HeldItem, SessionBudget
 from ledger.protocol import Call
 from ledger.settings import LedgerSettings
 
@@ -88,6 +88,10 @@ class Ledger(LedgerCore):
             (k.decode() if isinstance(k, bytes) else str(k)).split(marker, 1)[1]
             for k in self.client.scan_iter(match=self.keyspace.session_pattern(), count=500)
         )
+
+    def items(self, session_id: str) -> list[HeldItem]:
+        """Every item a session holds, oldest first (one atomic HGETALL)."""
+        return protocol.held_items(self.client.hgetall(self.keyspace.session(session_id).session))
 
     def read_spill(self, session_id: str, call_id: str) -> bytes | None:
         """The content of a spilled tool result (None once its TTL has passed)."""

@@ -139,6 +139,18 @@ class Item:
 
 
 @dataclass(frozen=True, slots=True)
+class HeldItem:
+    """An item as the ledger holds it."""
+
+    consumer: Consumer
+    id: str
+    tokens: int
+    turn: int
+    priority: int
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
 class Opened:
     created: bool
     epoch: int
@@ -331,6 +343,8 @@ class Snapshot:
     open_reservations: int
     refusals: int
     expirations: int
+    compaction_pending: bool
+    failed_compactions: int
     raw: dict[str, int] = field(repr=False)
 
     @property

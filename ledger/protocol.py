@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -21,6 +21,7 @@ from ledger.models import (
     Compaction,
     Consumer,
     Expired,
+    HeldItem,
     Item,
     Opened,
     Released,
@@ -328,8 +329,12 @@ def _turn_started(r: Reply) -> TurnStarted:
 def begin_turn(
     keys: SessionKeys, op_id: str, epoch: int, working_set: int, output_reserve: int | None
 ) -> Call[TurnStarted]:
-    body = [_num(working_set), "-" if output_reserve is None else _num(output_reserve)]
-    return _mutating("begin_turn", [keys.session], op_id, epoch, body, _turn_started)
+    body = [
+        _num(working_set),
+        "-" if output_reserve is None else _num(output_reserve),
+        keys.session_id,
+    ]
+    return _mutating("begin_turn", [keys.session, keys.jobs], op_id, epoch, body, _turn_started)
 
 
 def _span(r: Reply) -> SpanRecorded:
@@ -370,8 +375,8 @@ def _report(r: Reply) -> TurnReport:
 def end_turn(
     keys: SessionKeys, op_id: str, epoch: int, turn: int, final_prompt_tokens: int, p99_trend: int
 ) -> Call[TurnReport]:
-    body = [_num(turn), _num(final_prompt_tokens), _num(p99_trend)]
-    return _mutating("end_turn", [keys.session], op_id, epoch, body, _report)
+    body = [_num(turn), _num(final_prompt_tokens), _num(p99_trend), keys.session_id]
+    return _mutating("end_turn", [keys.session, keys.jobs], op_id, epoch, body, _report)
 
 
 def _compaction(r: Reply) -> Compaction:
@@ -478,6 +483,8 @@ def _snapshot(r: Reply) -> Snapshot:
         open_reservations=n["nv"],
         refusals=n["x:refused"],
         expirations=n["x:expired"],
+        compaction_pending=n["cd"] == 1,
+        failed_compactions=n["kf"],
         raw=n,
     )
 
@@ -494,3 +501,17 @@ def audit(keys: SessionKeys) -> Call[AuditReport]:
         )
 
     return Call("audit", (keys.session,), (), parse)
+
+
+def held_items(fields: Mapping[bytes | str, bytes | str]) -> list[HeldItem]:
+    """The items in a session hash (from HGETALL), oldest first."""
+    out = []
+    for k, v in fields.items():
+        name = k.decode() if isinstance(k, bytes) else k
+        if not name.startswith("i:"):
+            continue
+        _, code, item = name.split(":", 2)
+        text = v.decode() if isinstance(v, bytes) else v
+        tokens, turn, prio, seq = (int(x) for x in text.split("|"))
+        out.append(HeldItem(Consumer.from_code(code), item, tokens, turn, prio, seq))
+    return sorted(out, key=lambda it: it.seq)

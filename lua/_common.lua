@@ -193,6 +193,13 @@ local function refusal_reason(key, requested)
   return 'token_budget_exhausted'
 end
 
+-- Append a job for the workers to the partition's stream (KEYS of the caller), in
+-- the same atomic step as the state change that needs it (DESIGN invariant 9).
+local function enqueue(stream, kind, sid, epoch, op, reason)
+  redis.call('XADD', stream, '*', 'kind', kind, 'session', sid, 'epoch', epoch, 'reason', reason,
+    'op', op)
+end
+
 -- Record the outcome under its op id and write args (field, value, ...) in one
 -- HSET. Rarely (chunk full, retention passed, TTL due) it also closes a journal
 -- chunk, drops the oldest one with its outcomes, or refreshes the idle TTL, so

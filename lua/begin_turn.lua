@@ -3,10 +3,12 @@
 -- advance the turn.
 --
 -- KEYS[1]  session hash
+-- KEYS[2]  partition job stream    a compaction job is appended when one becomes pending
 -- ARGV[1]  operation id            ARGV[2] argument fingerprint (hex)
 -- ARGV[3]  epoch                   integer; older than the session's -> LEDGER_STALE
 -- ARGV[4]  working set             tokens the turn must hold in working memory, 0..1e8
 -- ARGV[5]  output reserve          tokens for this turn's output, 0..1e8, or '-' for the budget's
+-- ARGV[6]  session id              must name KEYS[1]
 --
 -- Residual working memory = window - system prompt - tool framing - output reserve
 -- - memory's claim - scratchpad; the turn needs max(working set, working memory's
@@ -26,7 +28,8 @@
 --   compact: working-memory items to compact, lowest priority then oldest first,
 --   enough to cover the shortfall (record 003's order).
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
--- Calls: HMGET, TIME, HGETALL, HDEL, HSET, HINCRBY (a PEXPIRE or a journal sweep when due).
+-- Calls: HMGET, TIME, HGETALL, HDEL, HSET, HINCRBY, XADD when a compaction becomes pending
+--        (a PEXPIRE or a journal sweep when due).
 
 local op, fp, epoch, e = op_args(false)
 if e then return e end
@@ -37,7 +40,10 @@ if ARGV[5] ~= '-' then
   out2, e = int_arg(ARGV[5], 'output reserve', 0, TOKENS_MAX)
   if e then return e end
 end
-if #ARGV ~= 5 then return err('BADARG', 'expected 5 arguments, got ' .. #ARGV) end
+local sid
+sid, e = session_arg(ARGV[6])
+if e then return e end
+if #ARGV ~= 6 then return err('BADARG', 'expected 6 arguments, got ' .. #ARGV) end
 
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'W', 'S', 'T', 'R0', 'F_w', 'F_m', 'a_w', 'a_m', 'a_s', 'u_w', 'u_r',
@@ -114,6 +120,7 @@ if start_residual < need() then
       covered = covered + it.t
     end
     redis.call('HINCRBY', key, 'x:starvation', 1)
+    if H.cd ~= 1 then enqueue(KEYS[2], 'compact', sid, H.ep, op, regime) end
     local fr0 = H.W - H.S - H.T - out2 - math.max(H.a_w, H.F_w) - math.max(H.a_m, H.F_m) - H.a_s
     return commit(key, now, op, fp, table.concat({ 'status=refused|reason=',
       regime == 'loud' and 'compaction_pending' or 'starvation', '|requested=', need(),
@@ -140,9 +147,10 @@ for _, c in ipairs({ 'w', 'r', 'm', 's' }) do
   args[#args + 1] = 'n_' .. c
   args[#args + 1] = N[c]
 end
-if due == 1 then
+if due == 1 and H.cd ~= 1 then
   args[#args + 1] = 'cd'
   args[#args + 1] = 1
+  enqueue(KEYS[2], 'compact', sid, H.ep, op, 'high_water_mark')
 end
 return commit(key, now, op, fp, table.concat({ 'status=ok|regime=', regime, '|turn=', turn,
   '|residual=', residual(), '|need=', need(), '|utilization=', util, '|reclaimed=',

@@ -22,8 +22,8 @@
 --          |free=<tokens>|epoch=<n>|turn=<n>
 --    or  status=refused|reason=token_budget_exhausted|requested=<summary tokens>|free=<tokens>
 --          |epoch=<n>|turn=<n>   (the summary does not fit; nothing changes)
--- Stream entry on escalation: kind=hard_reset session=<id> epoch=<n> reason=failed_compactions
---   failures=<n> op=<op id>
+-- Stream entries: on escalation kind=hard_reset session=<id> epoch=<n> reason=failed_compactions
+--   op=<op id>; on a failure that does not escalate, kind=compact (the compaction is retried).
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED,
 --         LEDGER_CONFLICT (the summary id is held and not among the replaced items).
 -- Calls: HMGET, TIME, HDEL, HSET, XADD (on escalation), HINCRBY.
@@ -102,10 +102,11 @@ else
   redis.call('HINCRBY', key, 'x:failed_compactions', 1)
 end
 if escalate then
-  redis.call('XADD', KEYS[2], '*', 'kind', 'hard_reset', 'session', sid, 'epoch', H.ep,
-    'reason', 'failed_compactions', 'failures', kf, 'op', op)
+  enqueue(KEYS[2], 'hard_reset', sid, H.ep, op, 'failed_compactions')
   redis.call('HINCRBY', key, 'x:escalations', 1)
   args[#args + 1], args[#args + 2] = 'rq', 1
+elseif not ok and H.rq == 0 then
+  enqueue(KEYS[2], 'compact', sid, H.ep, op, 'failed_compaction')
 end
 return commit(key, now, op, fp, table.concat({ 'status=ok|outcome=', ok and 'compacted' or 'failed',
   '|occupancy=', occ, '|high_water=', H.HW, '|dropped=', dropped, '|summary=', sum_t, '|missing=',

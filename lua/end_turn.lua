@@ -1,11 +1,13 @@
 -- end_turn.lua: close a turn with its amplification ratio and class (record 004).
 --
 -- KEYS[1]  session hash
+-- KEYS[2]  partition job stream    a compaction job is appended when one becomes pending
 -- ARGV[1]  operation id            ARGV[2] argument fingerprint (hex)
 -- ARGV[3]  epoch                   integer; older than the session's -> LEDGER_STALE
 -- ARGV[4]  turn                    the current turn (as begin_turn returned it)
 -- ARGV[5]  final prompt tokens     the prompt actually sent, 1..window
 -- ARGV[6]  p99 trend               -1 falling, 0 flat or unknown, 1 rising
+-- ARGV[7]  session id              must name KEYS[1]
 --
 -- ratio = sum of this turn's memory-tool span input tokens / final prompt tokens
 -- (per mille). utilization = final prompt / window; its delta is against the
@@ -22,7 +24,8 @@
 -- Errors: LEDGER_BADARG (also: not the current turn; a final prompt of 0 or larger than
 --         the window is inconsistent accounting, not a class), LEDGER_NOSESSION,
 --         LEDGER_STALE, LEDGER_OPREUSED.
--- Calls: HMGET, TIME, HSET, HINCRBY (a PEXPIRE or a journal sweep when due).
+-- Calls: HMGET, TIME, HSET, HINCRBY, XADD when a compaction becomes pending (a PEXPIRE or a
+--        journal sweep when due).
 
 local op, fp, epoch, e = op_args(false)
 if e then return e end
@@ -33,7 +36,10 @@ final, e = int_arg(ARGV[5], 'final prompt tokens', 1, TOKENS_MAX)
 if e then return e end
 trend, e = int_arg(ARGV[6], 'p99 trend', -1, 1)
 if e then return e end
-if #ARGV ~= 6 then return err('BADARG', 'expected 6 arguments, got ' .. #ARGV) end
+local sid
+sid, e = session_arg(ARGV[7])
+if e then return e end
+if #ARGV ~= 7 then return err('BADARG', 'expected 7 arguments, got ' .. #ARGV) end
 
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'W', 'S', 'T', 'a_w', 'a_m', 'a_s', 'F_w', 'HW', 'cd', 'kt', 'rut', 'rup',
@@ -63,6 +69,7 @@ local due = (H.S + H.T + H.a_w + H.a_m + H.a_s > H.HW or H.cd == 1) and 1 or 0
 local wm_budget = H.F_w > 0 and H.F_w or H.W
 local rollup = (H.tn - H.kt > H.rut or H.a_w * 1000 > H.rup * wm_budget) and 1 or 0
 redis.call('HINCRBY', key, 'x:class:' .. class, 1)
+if due == 1 and H.cd ~= 1 then enqueue(KEYS[2], 'compact', sid, H.ep, op, 'high_water_mark') end
 return commit(key, now, op, fp, table.concat({ 'status=ok|turn=', H.tn, '|ratio=', ratio, '|class=', class,
   '|utilization=', util, '|utilization_delta=', delta, '|spans=', H.an, '|span_input=', H.ai,
   '|compaction_due=', due, '|rollup=', rollup, '|epoch=', H.ep }), { 'pu', util, 'cd', due }, 
