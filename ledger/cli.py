@@ -11,7 +11,6 @@ import sys
 from collections.abc import Sequence
 
 from rich.console import Console
-from rich.table import Table
 
 from ledger.errors import BackendUnavailable, ConfigurationError, InvalidArgument, LedgerError
 from ledger.settings import LedgerSettings
@@ -29,30 +28,39 @@ def _settings(args: argparse.Namespace) -> LedgerSettings:
 
 
 def cmd_demo(args: argparse.Namespace, out: Console) -> int:
-    from ledger import demo
+    import json
+    import logging
 
+    from rich.progress import Progress
+
+    from ledger.fleet import report as fleet_report
+    from ledger.fleet.run import FleetConfig, as_json, run
+
+    logging.getLogger("ledger.worker").setLevel(logging.ERROR)
     settings = _settings(args)
-    out.print(
-        f"[bold]ledger demo[/]: {args.workers} workers share one session budget on "
-        f"[cyan]{settings.redis_url}[/] ({args.turns} turns each, 20% of calls retried)"
+    config = FleetConfig(
+        sessions=args.sessions, workers=args.workers, max_turns=args.max_turns, seed=args.seed
     )
-    res = demo.run(settings, workers=args.workers, turns=args.turns, seed=args.seed)
-    table = Table(title="per worker")
-    for col in ("worker", "calls", "retries (same op id)", "tokens charged", "refused"):
-        table.add_column(col, justify="right")
-    for s in res.stats:
-        refusals = str(sum(s.refusals.values()))
-        table.add_row(s.name, str(s.calls), str(s.retries), str(s.charged), refusals)
-    out.print(table)
-    snap, audit = res.snapshot, res.audit
-    out.print(
-        f"window {snap.window}, free {snap.free} (never below 0), utilization "
-        f"{snap.utilization:.2f}, residual working memory {snap.residual_working_memory}, "
-        f"refusals {snap.refusals}"
-    )
-    verdict = "[green]clean[/]" if audit.clean else f"[red]VIOLATIONS {audit.problems}[/]"
-    out.print(f"audit: {verdict}; {res.elapsed:.2f} s")
-    return EXIT_OK if audit.clean and snap.free >= 0 else EXIT_VIOLATION
+    if not args.json:
+        out.print(
+            f"[bold]ledger demo[/]: {config.sessions} agent sessions (median 40 turns, "
+            f"capped at {config.max_turns}) on {config.workers} workers against "
+            f"[cyan]{settings.redis_url}[/], naive arbiter vs the ledger, seed {config.seed}"
+        )
+    with Progress(console=Console(stderr=True), transient=True, disable=args.json) as bar:
+        task = bar.add_task("sessions", total=config.sessions)
+        res = run(settings, config, progress=lambda n: bar.advance(task, n))
+    if args.json:
+        print(json.dumps(as_json(res), indent=2, default=str))
+    else:
+        out.print(fleet_report.table(res))
+        out.print(fleet_report.footer(res))
+    if args.plot:
+        fleet_report.plot(res, args.plot)
+        if not args.json:
+            out.print(f"plot written to {args.plot}")
+    clean = res.audits_clean == res.audits_total and res.over_allocations == 0
+    return EXIT_OK if clean else EXIT_VIOLATION
 
 
 def cmd_audit(args: argparse.Namespace, out: Console) -> int:
@@ -116,10 +124,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", help="Redis URL (default: LEDGER_REDIS_URL or embedded://)")
     p.add_argument("--prefix", help="key prefix (default: LEDGER_PREFIX or 'ledger')")
     sub = p.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="several workers sharing one session budget")
-    d.add_argument("--workers", type=int, default=6)
-    d.add_argument("--turns", type=int, default=25)
+    d = sub.add_parser(
+        "demo",
+        help="a fleet of agent sessions: naive arbiter vs the ledger",
+        description="Replay the seeds' workloads on a fleet of simulated agent sessions, once "
+        "with a naive arbiter and once with the ledger (and its background worker), and "
+        "compare. Embedded: worker threads in this process; a Redis URL: worker processes.",
+    )
+    d.add_argument("--sessions", type=int, default=24, help="agent sessions (default 24)")
+    d.add_argument("--workers", type=int, default=4, help="fleet workers (default 4)")
+    d.add_argument("--max-turns", type=int, default=130, help="cap on session length")
     d.add_argument("--seed", type=int, default=7)
+    d.add_argument("--json", action="store_true", help="print the results as JSON")
+    d.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="draw retrieval admission and residual "
+        "working memory per turn (needs matplotlib: pip install '.[plot]')",
+    )
     d.set_defaults(func=cmd_demo)
     a = sub.add_parser("audit", help="prove counters equal items (exit 1 on any violation)")
     a.add_argument("session", nargs="*", help="session ids (default: every session)")

@@ -209,10 +209,16 @@ class SessionCore:
         )
 
     def compact_call(
-        self, replaced: Sequence[str], summary: Item | None, *, op_id: str | None = None
+        self,
+        replaced: Sequence[str | tuple[Consumer | str, str]],
+        summary: Item | None,
+        *,
+        op_id: str | None = None,
     ) -> Call[Compaction]:
-        """Commit a working-memory compaction; above the high-water mark it is a failed
-        compaction, and repeated failures enqueue a hard reset (record 001)."""
+        """Commit a compaction: ``replaced`` items (working-memory ids, or (consumer, id)
+        pairs for stale chunks and tool results) give way to one working-memory
+        ``summary``. Above the high-water mark it is a failed compaction, and repeated
+        failures enqueue a hard reset (record 001)."""
         return protocol.compact(self.keys, _op(op_id), self.epoch, replaced, summary)
 
     def admit_tool_result_call(

@@ -273,7 +273,8 @@ class TurnReport:
 class Compaction:
     """A committed compaction, judged against the high-water mark (record 001)."""
 
-    compacted: bool  # False: occupancy stayed above the mark, a failed compaction
+    compacted: bool  # False: a failed compaction (above the mark, or did not fit)
+    outcome: str  # compacted | failed | did_not_fit
     occupancy: int
     high_water_mark: int
     dropped: int

@@ -383,6 +383,7 @@ def _compaction(r: Reply) -> Compaction:
     _refusal(r)
     return Compaction(
         r["outcome"] == "compacted",
+        r["outcome"],
         int(r["occupancy"]),
         int(r["high_water"]),
         int(r["dropped"]),
@@ -397,15 +398,26 @@ def _compaction(r: Reply) -> Compaction:
 
 
 def compact(
-    keys: SessionKeys, op_id: str, epoch: int, replaced: Sequence[str], summary: Item | None
+    keys: SessionKeys,
+    op_id: str,
+    epoch: int,
+    replaced: Sequence[str | tuple[Consumer | str, str]],
+    summary: Item | None,
 ) -> Call[Compaction]:
+    """``replaced``: working-memory item ids, or (consumer, id) pairs for history held
+    by other consumers (stale retrieval chunks, old tool results)."""
     if not isinstance(replaced, (list, tuple)):
-        raise InvalidArgument("replaced must be a list or tuple of working-memory item ids")
-    ids = [check_id(i, "item id") for i in replaced]
+        raise InvalidArgument("replaced must be a list or tuple of item ids or (consumer, id)")
+    refs = []
+    for r in replaced:
+        if isinstance(r, tuple) and len(r) == 2:
+            refs.append(f"{Consumer.parse(r[0]).code}:{check_id(r[1], 'item id')}")
+        else:
+            refs.append(f"w:{check_id(r, 'item id')}")
     if summary is not None and not isinstance(summary, Item):
         raise InvalidArgument("summary must be an Item or None")
     sid = check_id(summary.id, "summary item id") if summary else "-summary-"
-    body = [keys.session_id, sid, _num(summary.tokens) if summary else "0", str(len(ids)), *ids]
+    body = [keys.session_id, sid, _num(summary.tokens) if summary else "0", str(len(refs)), *refs]
     return _mutating("compact", [keys.session, keys.jobs], op_id, epoch, body, _compaction)
 
 

@@ -19,6 +19,8 @@
 --   high-water mark, record 001).
 -- An item id the consumer already holds charges nothing (a duplicate). A refusal
 -- changes no allocation; its outcome is kept under the op id like any other.
+-- 'all' is refused when the new items do not fit together; 'prefix' when not even
+-- the first new item fits (requested is then that item's tokens).
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
 -- Calls: HMGET, TIME, HSET (a PEXPIRE or a journal sweep when due; HINCRBY on refusal).
 
@@ -63,13 +65,23 @@ local now = now_ms()
 local a, floor = H[A], H[F] or 0
 local charged, admitted, dups, skipped, args = 0, 0, 0, {}, {}
 local fr = H.fr
+-- Record 001: while a compaction is pending, memory is judged on the post-compaction
+-- baseline (occupancy at the high-water mark): at most W - out - HW tokens of it.
+local cap, pending = nil, g == 'm' and H.cd == 1
+if pending then
+  local x = load(key, { 'HW', 'out', 'W' }, 3)
+  cap = x.W - x.out - x.HW
+end
+local wanted, first_skip = 0, nil
 for k = 1, n do
   if R[k + 2] then
     dups = dups + 1
   else
     local d = claim_delta(a + charged, toks[k], floor)
-    if mode == 'prefix' and (#skipped > 0 or d > fr) then
+    wanted = wanted + toks[k]
+    if mode == 'prefix' and (#skipped > 0 or d > fr or (cap and charged + toks[k] > cap)) then
       skipped[#skipped + 1] = ARGV[4 + 3 * k]
+      first_skip = first_skip or toks[k]
     else
       fr = fr - d
       charged = charged + toks[k]
@@ -81,19 +93,14 @@ for k = 1, n do
   end
 end
 local J = { ol = R[2], gz = H.gz, xp = H.xp }
--- Record 001: while a compaction is pending, memory is judged on the post-compaction
--- baseline (at most the high-water mark), and a refusal says so.
-local pending = g == 'm' and H.cd == 1
-local reason
-if pending then
-  local x = load(key, { 'HW', 'out', 'W' }, 3)
-  if fr < 0 or x.HW + charged + x.out > x.W then reason = 'compaction_pending' end
-elseif fr < 0 then
-  reason = refusal_reason(key, charged)
-end
-if reason then
+-- Refused: 'all' mode that does not fit whole; 'prefix' mode that fits nothing.
+local refused = (mode == 'all' and (fr < 0 or (cap and charged > cap))) or (mode == 'prefix' and admitted == 0
+  and #skipped > 0)
+if refused then
+  local asked = mode == 'all' and charged or first_skip
+  local reason = pending and 'compaction_pending' or refusal_reason(key, asked)
   redis.call('HINCRBY', key, 'x:refused', 1)
-  return commit(key, now, op, fp, table.concat({ 'status=refused|reason=', reason, '|requested=', charged,
+  return commit(key, now, op, fp, table.concat({ 'status=refused|reason=', reason, '|requested=', asked,
     '|free=', H.fr, '|epoch=', H.ep, '|turn=', H.tn }), {}, J)
 end
 if admitted > 0 then

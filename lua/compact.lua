@@ -1,6 +1,7 @@
--- compact.lua: commit a working-memory compaction and judge it (record 001).
+-- compact.lua: commit a compaction of the session's history and judge it (record 001).
 --
--- The compactor replaced some working-memory items by a summary. The post-
+-- The compactor replaced some items (old working-memory turns, and stale retrieval
+-- chunks or tool results, which are history too) by one working-memory summary. The post-
 -- condition occupancy <= high-water mark is hard: a compaction that misses it is
 -- a failed compaction (a deferral). Its effect is still applied (the tokens are
 -- real), the compaction stays pending, and after the configured number of
@@ -14,14 +15,15 @@
 -- ARGV[4]  session id              must name KEYS[1]
 -- ARGV[5]  summary item id         the working-memory item that replaces them
 -- ARGV[6]  summary tokens          0..1e8 (0: nothing replaces them)
--- ARGV[7]  n                       number of working-memory item ids replaced, 0..1000
--- ARGV[8..7+n]                     their ids (ids not held are reported as missing)
+-- ARGV[7]  n                       number of items replaced, 0..1000
+-- ARGV[8..7+n]                     '<c>:<item id>' with c in w r m s (items not held are
+--                                  reported as missing)
 --
 -- Reply: status=ok|outcome=<compacted|failed>|occupancy=<tokens>|high_water=<tokens>
 --          |dropped=<tokens>|summary=<tokens>|missing=<id,...>|failures=<n>|escalated=<0|1>
 --          |free=<tokens>|epoch=<n>|turn=<n>
---    or  status=refused|reason=token_budget_exhausted|requested=<summary tokens>|free=<tokens>
---          |epoch=<n>|turn=<n>   (the summary does not fit; nothing changes)
+--   outcome did_not_fit: the summary does not fit once the items are gone; nothing is
+--   replaced, and it counts as a failed compaction.
 -- Stream entries: on escalation kind=hard_reset session=<id> epoch=<n> reason=failed_compactions
 --   op=<op id>; on a failure that does not escalate, kind=compact (the compaction is retried).
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED,
@@ -40,61 +42,76 @@ if e then return e end
 n, e = int_arg(ARGV[7], 'item count', 0, 1000)
 if e then return e end
 if #ARGV ~= 7 + n then
-  return err('BADARG', 'expected ' .. (7 + n) .. ' arguments for ' .. n .. ' item ids, got ' .. #ARGV)
+  return err('BADARG', 'expected ' .. (7 + n) .. ' arguments for ' .. n .. ' items, got ' .. #ARGV)
 end
-local fields = { 'ep', 'tn', 'sq', 'W', 'S', 'T', 'out', 'F_w', 'F_m', 'a_w', 'a_m', 'a_s', 'u_w', 'n_w',
-  'HW', 'kf', 'kn', 'cx', 'rq', 'gz', 'xp', 'o:' .. op, 'ol', 'i:w:' .. sum_id }
-local seen = {}
+local NUM = { 'ep', 'tn', 'sq', 'W', 'S', 'T', 'out', 'F_w', 'F_m', 'a_w', 'a_m', 'a_s', 'u_w', 'u_r', 'u_m',
+  'u_s', 'n_w', 'n_r', 'n_m', 'n_s', 'HW', 'kf', 'kn', 'cx', 'rq', 'gz', 'xp' }
+local fields = { 'o:' .. op, 'ol', 'i:w:' .. sum_id }
+for i = #NUM, 1, -1 do table.insert(fields, 1, NUM[i]) end
+local seen, refs = {}, {}
 for k = 1, n do
-  local id
-  id, e = id_arg(ARGV[7 + k], 'item id')
+  local ref = ARGV[7 + k]
+  local c, id = string.match(type(ref) == 'string' and ref or '', '^([wrms]):(.+)$')
+  if not c then return err('BADARG', 'replaced item must be <c>:<id> with c in wrms, got ' .. show(ref)) end
+  id, e = id_arg(id, 'item id')
   if e then return e end
-  if seen[id] then return err('BADARG', 'item id ' .. id .. ' appears twice') end
-  seen[id] = true
-  fields[#fields + 1] = 'i:w:' .. id
+  if seen[ref] then return err('BADARG', 'item ' .. ref .. ' appears twice') end
+  seen[ref] = true
+  refs[k] = { c = c, id = id }
+  fields[#fields + 1] = 'i:' .. ref
 end
 
 local key = KEYS[1]
-local H, R = load(key, fields, 21)
+local H, R = load(key, fields, #NUM)
 e = gate(H, R, op, fp, epoch)
 if e then return e end
-if R[3] and not seen[sum_id] then
+if R[3] and not seen['w:' .. sum_id] then
   return err('CONFLICT', 'working memory already holds ' .. sum_id .. ' and it is not being replaced')
 end
 local now = now_ms()
 local J = { ol = R[2], gz = H.gz, xp = H.xp }
-local dropped, count, dead, missing = 0, 0, {}, {}
+local A = { w = H.a_w, m = H.a_m, s = H.a_s }
+local U = { w = H.u_w, r = H.u_r, m = H.u_m, s = H.u_s }
+local N = { w = H.n_w, r = H.n_r, m = H.n_m, s = H.n_s }
+local dropped, dead, missing = 0, {}, {}
 for k = 1, n do
-  local rec = R[3 + k]
+  local rec, c = R[3 + k], refs[k].c
   if rec then
-    dropped = dropped + tonumber(string.match(rec, '^(%d+)|'))
-    count = count + 1
-    dead[#dead + 1] = fields[21 + 3 + k]
+    local t = tonumber(string.match(rec, '^(%d+)|'))
+    dropped = dropped + t
+    A[GROUP[c]], U[c], N[c] = A[GROUP[c]] - t, U[c] - t, N[c] - 1
+    dead[#dead + 1] = fields[#NUM + 3 + k]
   else
     missing[#missing + 1] = ARGV[7 + k]
   end
 end
-local a_w = H.a_w - dropped + sum_t
-local fr = H.W - H.S - H.T - H.out - math.max(a_w, H.F_w) - math.max(H.a_m, H.F_m) - H.a_s
-if fr < 0 then
-  redis.call('HINCRBY', key, 'x:refused', 1)
-  local fr0 = H.W - H.S - H.T - H.out - math.max(H.a_w, H.F_w) - math.max(H.a_m, H.F_m) - H.a_s
-  return commit(key, now, op, fp, table.concat({ 'status=refused|reason=token_budget_exhausted|requested=',
-    sum_t, '|free=', fr0, '|epoch=', H.ep, '|turn=', H.tn }), {}, J)
+A.w = A.w + sum_t
+local fr = H.W - H.S - H.T - H.out - math.max(A.w, H.F_w) - math.max(A.m, H.F_m) - A.s
+-- A summary that does not fit cannot be applied (that would over-allocate): it is a
+-- failed compaction with no effect, judged like one that misses the mark.
+local fits = fr >= 0
+if not fits then
+  A = { w = H.a_w, m = H.a_m, s = H.a_s }
+  U = { w = H.u_w, r = H.u_r, m = H.u_m, s = H.u_s }
+  N = { w = H.n_w, r = H.n_r, m = H.n_m, s = H.n_s }
+  fr = H.W - H.S - H.T - H.out - math.max(A.w, H.F_w) - math.max(A.m, H.F_m) - A.s
+  dead, dropped, sum_t = {}, 0, 0
 end
-local occ = H.S + H.T + a_w + H.a_m + H.a_s
-local ok = occ <= H.HW
+local occ = H.S + H.T + A.w + A.m + A.s
+local ok = fits and occ <= H.HW
 local kf = ok and 0 or H.kf + 1
 local escalate = (not ok) and kf >= H.cx and H.rq == 0
 if #dead > 0 then redis.call('HDEL', key, unpack(dead)) end
-local u_w, n_w, sq = H.u_w - dropped, H.n_w - count, H.sq
-local args = {}
+local sq, args = H.sq, {}
 if sum_t > 0 then
   sq = sq + 1
   args = { 'i:w:' .. sum_id, table.concat({ sum_t, H.tn, 1000, sq }, '|') }
-  u_w, n_w = u_w + sum_t, n_w + 1
+  U.w, N.w = U.w + sum_t, N.w + 1
 end
-local upd = { 'sq', sq, 'a_w', a_w, 'u_w', u_w, 'n_w', n_w, 'fr', fr, 'kf', kf, 'cd', ok and 0 or 1 }
+local upd = { 'sq', sq, 'a_w', A.w, 'a_m', A.m, 'a_s', A.s, 'fr', fr, 'kf', kf, 'cd', ok and 0 or 1 }
+for _, c in ipairs({ 'w', 'r', 'm', 's' }) do
+  upd[#upd + 1], upd[#upd + 2], upd[#upd + 3], upd[#upd + 4] = 'u_' .. c, U[c], 'n_' .. c, N[c]
+end
 for i = 1, #upd do args[#args + 1] = upd[i] end
 if ok then
   args[#args + 1], args[#args + 2], args[#args + 3], args[#args + 4] = 'kn', H.kn + 1, 'kt', H.tn
@@ -108,7 +125,8 @@ if escalate then
 elseif not ok and H.rq == 0 then
   enqueue(KEYS[2], 'compact', sid, H.ep, op, 'failed_compaction')
 end
-return commit(key, now, op, fp, table.concat({ 'status=ok|outcome=', ok and 'compacted' or 'failed',
+return commit(key, now, op, fp, table.concat({ 'status=ok|outcome=',
+  ok and 'compacted' or (fits and 'failed' or 'did_not_fit'),
   '|occupancy=', occ, '|high_water=', H.HW, '|dropped=', dropped, '|summary=', sum_t, '|missing=',
   table.concat(missing, ','), '|failures=', kf, '|escalated=', escalate and 1 or 0, '|free=', fr,
   '|epoch=', H.ep, '|turn=', H.tn }), args, J)

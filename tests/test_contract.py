@@ -261,9 +261,13 @@ def test_admit_partial_takes_the_longest_prefix(ledger: Ledger, budget: SessionB
     snap = check(ledger, s, budget)
     assert snap.items[RET] == 1 and snap.used[RET] == 100
 
-    nothing = s.admit(RET, [Item("big", free), Item("a", 100)], partial=True)
-    assert (nothing.charged, nothing.admitted, nothing.duplicates) == (0, 0, 1)
-    assert nothing.skipped == ("big",) and nothing.free == free - 100
+    # Not even the first new item fits: a prefix admission that admits nothing is a
+    # refusal, and it names the first item's tokens.
+    before = allocation(s)
+    with pytest.raises(AdmissionRefused) as nothing:
+        s.admit(RET, [Item("big", free), Item("a", 100)], partial=True)
+    assert (nothing.value.requested, nothing.value.free) == (free, free - 100)
+    assert allocation(s) == before
 
     everything = s.admit(RET, [Item("e", 5), Item("f", free - 105)], partial=True)
     assert (everything.charged, everything.admitted, everything.skipped) == (free - 100, 2, ())
@@ -971,7 +975,10 @@ def plan_admit(s: Session, m: Model, rng: random.Random, c: Consumer, op: str) -
             taken.append(it)
     charged = sum(it.tokens for it in taken)
     expect: tuple[object, ...]
-    if m.delta(c, charged) > free:
+    if partial and not taken and skipped:  # not even the first new item fits
+        first = next(it.tokens for it in new if it.id == skipped[0])
+        expect = ("refused", m.reason(first), first, free)
+    elif m.delta(c, charged) > free:
         expect = ("refused", m.reason(charged), charged, free)
     else:
         expect = ("ok", (charged, len(taken), len(batch) - len(new), tuple(skipped)))

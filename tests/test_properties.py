@@ -204,6 +204,9 @@ class Model:
             else:
                 taken.append((i, t, p))
                 charged += t
+        if partial and not taken and skipped:  # not even the first new item fits
+            first = next(t for i, t, _ in new if i == skipped[0])
+            return self.refuse(first)
         if self.free(g, charged) < 0:
             return self.refuse(charged)
         for i, t, p in taken:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ledger.errors import ConfigurationError
-from ledger.models import HeldItem, Item
+from ledger.models import Consumer, HeldItem, Item
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,7 +21,7 @@ class CompactionRequest:
     session_id: str
     epoch: int
     turn: int
-    working_memory: tuple[HeldItem, ...]  # oldest first
+    items: tuple[HeldItem, ...]  # everything the session holds, oldest first
     occupancy: int
     high_water_mark: int
     window: int
@@ -29,7 +29,7 @@ class CompactionRequest:
 
 @dataclass(frozen=True, slots=True)
 class CompactionPlan:
-    replaced: tuple[str, ...]
+    replaced: tuple[tuple[Consumer, str], ...]
     summary: Item | None
 
 
@@ -39,21 +39,33 @@ Compactor = Callable[[CompactionRequest], CompactionPlan]
 def simulated(request: CompactionRequest) -> CompactionPlan:
     """A deterministic stand-in for a summarizer, for the demo and the tests.
 
-    It replaces every working-memory item but the two newest with one summary whose
-    size is 10-60% of what it replaces, drawn from a hash of the session, epoch and
-    turn: like a real summarizer, it compresses "on average", so some compactions
-    miss the high-water mark (a soft post-condition the ledger makes hard).
+    It summarizes the session's history: every working-memory item but the two
+    newest, and the retrieval chunks and tool results that entered in earlier turns.
+    The summary is 10-60% of what it replaces, drawn from a hash of the session,
+    epoch and turn: like a real summarizer it compresses "on average", so some
+    compactions miss the high-water mark (a soft post-condition the ledger makes hard).
     """
-    old = request.working_memory[:-2]
+    wm = [i for i in request.items if i.consumer is Consumer.WORKING_MEMORY]
+    old = wm[:-2] + [
+        i
+        for i in request.items
+        if i.consumer is not Consumer.WORKING_MEMORY and i.turn < request.turn
+    ]
     if not old:
         return CompactionPlan((), None)
-    seed = hashlib.blake2b(
-        f"{request.session_id}|{request.epoch}|{request.turn}".encode(), digest_size=2
+    digest = hashlib.blake2b(
+        "|".join(
+            [request.session_id, str(request.epoch), str(request.turn)]
+            + [f"{i.consumer.code}:{i.id}" for i in old]
+        ).encode(),
+        digest_size=4,
     ).digest()
+    seed = digest[:2]
     share = 0.10 + 0.50 * (int.from_bytes(seed, "big") / 65535)
     tokens = max(1, int(sum(it.tokens for it in old) * share))
     return CompactionPlan(
-        tuple(it.id for it in old), Item(f"summary-e{request.epoch}-t{request.turn}", tokens, 1000)
+        tuple((it.consumer, it.id) for it in old),
+        Item(f"summary-e{request.epoch}-t{request.turn}-{digest.hex()}", tokens, 1000),
     )
 
 

@@ -37,7 +37,6 @@ from ledger.errors import (
     StaleEpoch,
     UnknownSession,
 )
-from ledger.models import Consumer
 from workers import compactors
 
 log = logging.getLogger("ledger.worker")
@@ -235,10 +234,10 @@ class Worker:
             return JobOutcome("compact", "skipped")
         if snap.epoch != epoch or not snap.compaction_pending:
             return JobOutcome("compact", "already")
-        wm = tuple(i for i in self.ledger.items(sid) if i.consumer is Consumer.WORKING_MEMORY)
+        items = tuple(self.ledger.items(sid))
         plan = self.compactor(
             compactors.CompactionRequest(
-                sid, epoch, snap.turn, wm, snap.occupancy, snap.high_water_mark, snap.window
+                sid, epoch, snap.turn, items, snap.occupancy, snap.high_water_mark, snap.window
             )
         )
         try:
