@@ -1,4 +1,4 @@
-"""The ``ledger`` command: ``demo``, ``audit``, ``worker``.
+"""The ``ledger`` command: ``demo``, ``inspect``, ``top``, ``audit``, ``worker``.
 
 Exit codes: 0 success; 1 an audit found violations or the demo's checks failed;
 2 bad usage or configuration; 3 Redis unavailable.
@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from rich.console import Console
+from rich.table import Table
 
 from ledger.errors import BackendUnavailable, ConfigurationError, InvalidArgument, LedgerError
 from ledger.settings import LedgerSettings
@@ -83,6 +84,105 @@ def cmd_audit(args: argparse.Namespace, out: Console) -> int:
         return EXIT_VIOLATION if bad else EXIT_OK
 
 
+def cmd_inspect(args: argparse.Namespace, out: Console) -> int:
+    from ledger.client import Ledger
+    from ledger.inspect import view
+
+    with Ledger.from_settings(_settings(args)) as ledger:
+        v = view(ledger, args.session, journal=args.journal)
+    snap = v.snapshot
+    out.print(
+        f"[bold]{v.session_id}[/]  epoch {snap.epoch}  turn {snap.turn}  regime "
+        f"[bold]{v.regime}[/]  utilization {snap.utilization:.2f}  free {snap.free}  "
+        f"residual working memory {snap.residual_working_memory}"
+        + ("  [yellow]compaction pending[/]" if snap.compaction_pending else "")
+    )
+    t = Table(title="allocations")
+    for col in ("consumer", "items", "tokens held", "reserved"):
+        t.add_column(col, justify="right")
+    for c in snap.used:
+        t.add_row(c.value, str(snap.items[c]), str(snap.used[c]), str(snap.reserved[c]))
+    t.add_row("system prompt + framing", "", str(snap.system_prompt + snap.tool_framing), "")
+    t.add_row("output reserve", "", str(snap.output_reserve), "")
+    out.print(t)
+    items = Table(title=f"items ({len(v.items)}, oldest first)")
+    for col in ("consumer", "id", "tokens", "turn", "priority"):
+        items.add_column(col)
+    for it in v.items[-args.items :]:
+        items.add_row(it.consumer.value, it.id, str(it.tokens), str(it.turn), str(it.priority))
+    out.print(items)
+    if v.reservations:
+        res = Table(title="open reservations")
+        for col in ("id", "consumer", "tokens", "deadline (ms)", "overdue"):
+            res.add_column(col)
+        for rid, code, tokens, deadline in v.reservations:
+            res.add_row(
+                rid, code, str(tokens), str(deadline), "yes" if deadline < snap.now_ms else ""
+            )
+        out.print(res)
+    j = Table(title="recent journal (newest first)")
+    for col in ("age (ms)", "op id", "outcome"):
+        j.add_column(col)
+    for e in v.journal:
+        j.add_row(str(snap.now_ms - e.ts_ms), e.op_id, e.reply)
+    out.print(j)
+    if v.counters:
+        out.print("counters: " + ", ".join(f"{k}={val}" for k, val in sorted(v.counters.items())))
+    return EXIT_OK
+
+
+def cmd_top(args: argparse.Namespace, out: Console) -> int:
+    import time
+
+    from rich.live import Live
+
+    from ledger.client import Ledger
+    from ledger.inspect import busiest
+
+    def frame(ledger: Ledger) -> Table:
+        rows, totals = busiest(ledger, args.limit)
+        t = Table(
+            title="busiest sessions; indicators: "
+            + (", ".join(f"{k}={v}" for k, v in sorted(totals.items())) or "none")
+        )
+        for col in (
+            "session",
+            "epoch",
+            "turn",
+            "utilization",
+            "free",
+            "residual wm",
+            "refusals",
+            "compaction",
+        ):
+            t.add_column(col)
+        for sid, snap in rows:
+            t.add_row(
+                sid,
+                str(snap.epoch),
+                str(snap.turn),
+                f"{snap.utilization:.2f}",
+                str(snap.free),
+                str(snap.residual_working_memory),
+                str(snap.refusals),
+                "pending" if snap.compaction_pending else "",
+            )
+        return t
+
+    with Ledger.from_settings(_settings(args)) as ledger:
+        if args.once:
+            out.print(frame(ledger))
+            return EXIT_OK
+        with Live(frame(ledger), console=out, refresh_per_second=4) as live:
+            try:
+                while True:
+                    time.sleep(args.interval)
+                    live.update(frame(ledger))
+            except KeyboardInterrupt:
+                pass
+    return EXIT_OK
+
+
 def cmd_worker(args: argparse.Namespace, out: Console) -> int:
     import logging
     import signal
@@ -146,6 +246,16 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("audit", help="prove counters equal items (exit 1 on any violation)")
     a.add_argument("session", nargs="*", help="session ids (default: every session)")
     a.set_defaults(func=cmd_audit)
+    i = sub.add_parser("inspect", help="one session: allocations, items, reservations, journal")
+    i.add_argument("session")
+    i.add_argument("--items", type=int, default=20, help="newest items shown (default 20)")
+    i.add_argument("--journal", type=int, default=10, help="journal entries shown (default 10)")
+    i.set_defaults(func=cmd_inspect)
+    tp = sub.add_parser("top", help="live view of the busiest sessions and the indicators")
+    tp.add_argument("--limit", type=int, default=15)
+    tp.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    tp.add_argument("--once", action="store_true", help="print one frame and exit")
+    tp.set_defaults(func=cmd_top)
     w = sub.add_parser(
         "worker",
         help="background worker: compaction and hard-reset jobs, lease expiry",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -83,11 +84,13 @@ class Ledger(LedgerCore):
 
     def session_ids(self) -> list[str]:
         """Every open session of this prefix (SCAN; on a cluster, every primary)."""
-        marker = ":s:"
-        return sorted(
-            (k.decode() if isinstance(k, bytes) else str(k)).split(marker, 1)[1]
-            for k in self.client.scan_iter(match=self.keyspace.session_pattern(), count=500)
-        )
+        pattern = re.compile(rf"{re.escape(self.keyspace.prefix)}:\{{p\d+\}}:s:(.+)")
+        found = set()
+        for k in self.client.scan_iter(match=self.keyspace.session_pattern(), count=500):
+            m = pattern.fullmatch(k.decode() if isinstance(k, bytes) else str(k))
+            if m:
+                found.add(m.group(1))
+        return sorted(found)
 
     def items(self, session_id: str) -> list[HeldItem]:
         """Every item a session holds, oldest first (one atomic HGETALL)."""

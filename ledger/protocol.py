@@ -10,7 +10,7 @@ import hashlib
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from ledger.errors import AdmissionRefused, FanoutRefused, InvalidArgument, WorkingMemoryStarvation
 from ledger.keys import SessionKeys
@@ -515,7 +515,7 @@ def audit(keys: SessionKeys) -> Call[AuditReport]:
     return Call("audit", (keys.session,), (), parse)
 
 
-def held_items(fields: Mapping[bytes | str, bytes | str]) -> list[HeldItem]:
+def held_items(fields: Mapping[Any, Any]) -> list[HeldItem]:
     """The items in a session hash (from HGETALL), oldest first."""
     out = []
     for k, v in fields.items():

@@ -61,7 +61,7 @@ local size, outcome = tokens, 'admitted'
 if tokens > H.fr + gain then size, outcome = math.min(tokens, H.pv), 'spilled' end
 if size > H.fr + gain then
   redis.call('HINCRBY', key, 'x:refused', 1)
-  return commit(key, now, op, fp, table.concat({ 'status=refused|reason=', refusal_reason(key, tokens),
+  return commit(key, now, op, fp, table.concat({ 'status=refused|reason=', refusal_reason(key, size),
     '|requested=', tokens, '|free=', H.fr, '|epoch=', H.ep, '|turn=', H.tn }), {}, J)
 end
 

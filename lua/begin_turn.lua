@@ -15,9 +15,10 @@
 -- own claim). Consumers configured as released each turn lose their items first.
 -- When short: the regime is starvation (utilization under the eviction threshold)
 -- or loud (above it); scratchpad items are reclaimed oldest first, then retrieval
--- chunks from earlier turns (those also held by recall first, then oldest). The
+-- chunks from earlier turns (those also held by recall first, then oldest), then
+-- recall items, oldest first (all recoverable by re-invocation or re-query). The
 -- plan is applied only if it closes the gap; otherwise nothing is reclaimed, a
--- working-memory compaction is requested, and the turn is refused.
+-- compaction is requested, and the turn is refused.
 --
 -- Reply: status=ok|regime=<ok|starvation|loud>|turn=<n>|residual=<tokens>|need=<tokens>
 --          |utilization=<per mille>|reclaimed=<c:id,...>|rotated=<tokens>|released=<tokens>
@@ -26,8 +27,10 @@
 --          |need=<tokens>|utilization=<per mille>|shortfall=<tokens>|compact=<w:id,...>
 --          |free=<tokens>|epoch=<n>|turn=<n>
 --   compact: working-memory items to compact, lowest priority then oldest first,
---   enough to cover the shortfall (record 003's order).
--- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
+--   enough to cover the shortfall where compacting working memory can cover it
+--   (record 003's order); empty when the declared working set cannot fit at all.
+-- Errors: LEDGER_BADARG, LEDGER_CONFIG (the output reserve makes the reserved floor
+--         exceed the window), LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
 -- Calls: HMGET, TIME, HGETALL, HDEL, HSET, HINCRBY, XADD when a compaction becomes pending
 --        (a PEXPIRE or a journal sweep when due).
 
@@ -51,8 +54,12 @@ local H, R = load(key, { 'ep', 'tn', 'W', 'S', 'T', 'R0', 'F_w', 'F_m', 'a_w', '
   'o:' .. op, 'ol', 'rel' }, 27)
 e = gate(H, R, op, fp, epoch)
 if e then return e end
-local now = now_ms()
 out2 = out2 or H.R0
+if H.S + H.T + H.F_w + H.F_m + out2 > H.W then
+  return err('CONFIG', 'output reserve ' .. out2 .. ' makes the reserved floor ' ..
+    (H.S + H.T + H.F_w + H.F_m + out2) .. ' exceed the window ' .. H.W)
+end
+local now = now_ms()
 
 local items = { w = {}, r = {}, m = {}, s = {} }
 local all = redis.call('HGETALL', key)
@@ -102,6 +109,8 @@ if start_residual < need() then
     return x.sq < y.sq
   end)
   for _, it in ipairs(items.r) do if not it.gone then order[#order + 1] = { 'r', it } end end
+  table.sort(items.m, function(x, y) return x.sq < y.sq end)
+  for _, it in ipairs(items.m) do if not it.gone then order[#order + 1] = { 'm', it } end end
   for _, step in ipairs(order) do
     if residual() >= need() then break end
     released = released + drop(step[1], step[2])
@@ -109,15 +118,20 @@ if start_residual < need() then
   end
   if residual() < need() then
     local short = need() - start_residual
+    -- Compacting working memory helps only as far as working memory itself is the
+    -- requirement (its claim above the declared working set and what fits).
+    local target = math.max(ws, H.F_w)
     table.sort(items.w, function(x, y)
       if x.p ~= y.p then return x.p < y.p end
       return x.sq < y.sq
     end)
-    local compact, covered = {}, 0
-    for _, it in ipairs(items.w) do
-      if covered >= short then break end
-      compact[#compact + 1] = 'w:' .. it.id
-      covered = covered + it.t
+    local compact, held = {}, A.w
+    if residual() >= target then
+      for _, it in ipairs(items.w) do
+        if math.max(held, target) <= residual() then break end
+        compact[#compact + 1] = 'w:' .. it.id
+        held = held - it.t
+      end
     end
     redis.call('HINCRBY', key, 'x:starvation', 1)
     if H.cd ~= 1 then enqueue(KEYS[2], 'compact', sid, H.ep, op, regime) end

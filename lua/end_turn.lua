@@ -21,7 +21,8 @@
 -- Reply: status=ok|turn=<n>|ratio=<per mille>|class=<name>|utilization=<per mille>
 --          |utilization_delta=<per mille>|spans=<n>|span_input=<tokens>|compaction_due=<0|1>
 --          |rollup=<0|1>|epoch=<n>
--- Errors: LEDGER_BADARG (also: not the current turn; a final prompt of 0 or larger than
+-- Errors: LEDGER_BADARG (also: not the current turn, or a turn already ended; a final
+--         prompt of 0 or larger than
 --         the window is inconsistent accounting, not a class), LEDGER_NOSESSION,
 --         LEDGER_STALE, LEDGER_OPREUSED.
 -- Calls: HMGET, TIME, HSET, HINCRBY, XADD when a compaction becomes pending (a PEXPIRE or a
@@ -43,11 +44,14 @@ if #ARGV ~= 7 then return err('BADARG', 'expected 7 arguments, got ' .. #ARGV) e
 
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'W', 'S', 'T', 'a_w', 'a_m', 'a_s', 'F_w', 'HW', 'cd', 'kt', 'rut', 'rup',
-  'ai', 'an', 'pu', 'ams', 'amf', 'amp', 'gz', 'xp', 'o:' .. op, 'ol' }, 22)
+  'ai', 'an', 'pu', 'ams', 'amf', 'amp', 'gz', 'xp', 'te', 'o:' .. op, 'ol' }, 23)
 e = gate(H, R, op, fp, epoch)
 if e then return e end
 if turn ~= H.tn then
   return err('BADARG', 'turn ' .. turn .. ' is not the current turn ' .. H.tn)
+end
+if H.te == turn then
+  return err('BADARG', 'turn ' .. turn .. ' has already ended')
 end
 if final > H.W then
   return err('BADARG', 'final prompt of ' .. final .. ' tokens is larger than the window ' .. H.W ..
@@ -72,5 +76,5 @@ redis.call('HINCRBY', key, 'x:class:' .. class, 1)
 if due == 1 and H.cd ~= 1 then enqueue(KEYS[2], 'compact', sid, H.ep, op, 'high_water_mark') end
 return commit(key, now, op, fp, table.concat({ 'status=ok|turn=', H.tn, '|ratio=', ratio, '|class=', class,
   '|utilization=', util, '|utilization_delta=', delta, '|spans=', H.an, '|span_input=', H.ai,
-  '|compaction_due=', due, '|rollup=', rollup, '|epoch=', H.ep }), { 'pu', util, 'cd', due }, 
+  '|compaction_due=', due, '|rollup=', rollup, '|epoch=', H.ep }), { 'pu', util, 'cd', due, 'te', turn },
   { ol = R[2], gz = H.gz, xp = H.xp })

@@ -10,10 +10,11 @@ from typing import Any, TypeVar
 from ledger.client import Ledger, Session
 from ledger.core import new_op_id
 from ledger.errors import AdmissionRefused, FanoutRefused, StaleEpoch, WorkingMemoryStarvation
-from ledger.fleet.workload import SessionPlan, TurnPlan
+from ledger.fleet.workload import BUDGET, SessionPlan, TurnPlan
 from ledger.models import Consumer, Item, SessionBudget
 
 T = TypeVar("T")
+BUDGET_SYSTEM_PROMPT = BUDGET.system_prompt
 
 
 @dataclass
@@ -132,12 +133,17 @@ def _turn(run: LedgerSessionRun, s: Session, p: TurnPlan, calls: int, retry_ever
         try:
             res = _timed(run, s.admit_tool_result, call_id, tokens, b"{...}")
             run.count(f"tool_{res.outcome}")
+            whole = res.charged == tokens or (res.spilled and res.preview_tokens < tokens)
+            if res.outcome != "duplicate" and not whole:
+                run.count("tool_truncated")
             run.count("memory_evicted", len(res.evicted))
         except AdmissionRefused as exc:
             run.count(f"tool_refused_{exc.reason}")
     snap = _timed(run, s.snapshot)
     run.min_free = min(run.min_free, snap.free)
     run.wm_held = snap.used[Consumer.WORKING_MEMORY]
+    if snap.system_prompt != BUDGET_SYSTEM_PROMPT:
+        run.count("system_prompt_damage")
     report = _timed(run, s.end_turn, turn, max(1, min(snap.window, snap.occupancy)))
     run.classes[report.classification] = run.classes.get(report.classification, 0) + 1
     return calls

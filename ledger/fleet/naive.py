@@ -90,11 +90,13 @@ class NaiveSession:
                 continue
             if self.room() < b.spill_preview_tokens and self.system == b.system_prompt:
                 self.system -= SYSTEM_BOILERPLATE  # "compress" the system prompt to fit
-                self._count("system_prompt_damage")
+                self._count("system_prompt_compressions")
             self._add(SCR, name, max(0, self.room()), p.turn)  # truncated mid-result
             self._count("truncated_tool_results")
         if self.room() < 0:
             self._count("over_allocations")
+        if self.system < b.system_prompt:
+            self._count("system_prompt_damage")  # turns run with a damaged system prompt
         if self.used() > b.high_water_tokens:
             self._compact(p.turn)
 

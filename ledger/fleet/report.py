@@ -44,9 +44,19 @@ def table(r: FleetReport) -> Table:
         f"{detected} detected ({lc.get('reclaimed_items', 0)} items reclaimed), 0 silent",
         "000",
     )
-    t.add_row("tool results truncated", str(nc.get("truncated_tool_results", 0)), "0", "002")
+    t.add_row(
+        "tool results truncated",
+        str(nc.get("truncated_tool_results", 0)),
+        str(lc.get("tool_truncated", 0)),
+        "002",
+    )
     t.add_row("tool results spilled", "0 (no spill)", str(lc.get("tool_spilled", 0)), "002")
-    t.add_row("system-prompt damage", str(nc.get("system_prompt_damage", 0)), "0", "002")
+    t.add_row(
+        "system-prompt damage (turns)",
+        str(nc.get("system_prompt_damage", 0)),
+        str(lc.get("system_prompt_damage", 0)),
+        "002",
+    )
     t.add_row(
         "compactions",
         _per100(nc.get("compactions", 0), n.turns),

@@ -1,0 +1,89 @@
+"""Read-only views for operators: one session in detail, and the busiest sessions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ledger import protocol
+from ledger.client import Ledger
+from ledger.errors import UnknownSession
+from ledger.models import Consumer, HeldItem, Snapshot
+
+
+@dataclass(frozen=True, slots=True)
+class JournalEntry:
+    ts_ms: int
+    op_id: str
+    reply: str
+
+
+@dataclass(frozen=True, slots=True)
+class SessionView:
+    session_id: str
+    snapshot: Snapshot
+    regime: str
+    items: list[HeldItem]
+    reservations: list[tuple[str, str, int, int]]  # id, consumer code, tokens, deadline ms
+    journal: list[JournalEntry]  # newest first
+    counters: dict[str, int]
+
+
+def regime(snap: Snapshot, working_set: int) -> str:
+    """Record 000's regime for a declared working set (the last begin_turn's)."""
+    wm = Consumer.WORKING_MEMORY
+    need = max(working_set, snap.used[wm] + snap.reserved[wm], snap.working_memory_floor)
+    if snap.residual_working_memory >= need:
+        return "ok"
+    return "loud" if snap.occupancy >= snap.eviction_threshold else "starvation"
+
+
+def view(ledger: Ledger, session_id: str, journal: int = 10) -> SessionView:
+    keys = ledger.keyspace.session(session_id)
+    snap = ledger.run(protocol.snapshot(keys))
+    raw = {
+        (k.decode() if isinstance(k, bytes) else str(k)): (
+            v.decode() if isinstance(v, bytes) else str(v)
+        )
+        for k, v in ledger.client.hgetall(keys.session).items()
+    }
+    reservations = []
+    entries = []
+    counters = {}
+    for name, value in raw.items():
+        if name.startswith("r:"):
+            code, tokens, deadline = value.split("|")
+            reservations.append((name[2:], code, int(tokens), int(deadline)))
+        elif name.startswith("o:"):
+            ts, _, rest = value.partition("|")
+            _, _, reply = rest.partition("|")
+            entries.append(JournalEntry(int(ts), name[2:], reply))
+        elif name.startswith("x:") and value.lstrip("-").isdigit():
+            counters[name[2:]] = int(value)
+    entries.sort(key=lambda e: e.ts_ms, reverse=True)
+    return SessionView(
+        session_id,
+        snap,
+        regime(snap, snap.raw.get("ws", 0)),
+        protocol.held_items(raw),
+        sorted(reservations),
+        entries[:journal],
+        counters,
+    )
+
+
+def busiest(ledger: Ledger, limit: int = 10) -> tuple[list[tuple[str, Snapshot]], dict[str, int]]:
+    """The sessions with the highest utilization, and the indicators summed over all."""
+    rows: list[tuple[str, Snapshot]] = []
+    totals: dict[str, int] = {}
+    for sid in ledger.session_ids():
+        keys = ledger.keyspace.session(sid)
+        try:
+            snap = ledger.run(protocol.snapshot(keys))
+        except UnknownSession:  # closed or expired between SCAN and read
+            continue
+        rows.append((sid, snap))
+        for name, value in snap.raw.items():
+            if name.startswith("x:"):
+                totals[name[2:]] = totals.get(name[2:], 0) + value
+    rows.sort(key=lambda r: r[1].utilization, reverse=True)
+    return rows[:limit], totals
