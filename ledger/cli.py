@@ -145,16 +145,8 @@ def cmd_top(args: argparse.Namespace, out: Console) -> int:
             title="busiest sessions; indicators: "
             + (", ".join(f"{k}={v}" for k, v in sorted(totals.items())) or "none")
         )
-        for col in (
-            "session",
-            "epoch",
-            "turn",
-            "utilization",
-            "free",
-            "residual wm",
-            "refusals",
-            "compaction",
-        ):
+        t.add_column("session", no_wrap=True)
+        for col in ("epoch", "turn", "util", "free", "resid. wm", "refused", "compaction"):
             t.add_column(col)
         for sid, snap in rows:
             t.add_row(
