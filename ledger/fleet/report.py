@@ -70,15 +70,12 @@ def table(r: FleetReport) -> Table:
         "001",
     )
     t.add_row("hard resets", "0 (no escalation)", str(lc.get("resets", 0)), "001")
-    t.add_row(
-        "refusals by reason",
-        "none (truncates instead)",
-        ", ".join(
-            f"{k.split('_refused_')[-1]}={v}" for k, v in sorted(lc.items()) if "_refused_" in k
-        )
-        or "0",
-        "",
+    refusals = "; ".join(
+        f"{k.split('_refused_')[0]}: {k.split('_refused_')[1]}={v}"
+        for k, v in sorted(lc.items())
+        if "_refused_" in k
     )
+    t.add_row("refusals (operation: reason)", "none (truncates instead)", refusals or "0", "")
     classes = ", ".join(f"{k}={v}" for k, v in sorted(lg.classes.items()))
     t.add_row(
         "amplification classes",

@@ -203,7 +203,7 @@ def _metric_totals(worker: Worker) -> dict[str, float]:
             if sample.name.endswith("_total"):
                 key = sample.name.removeprefix("ledger_").removesuffix("_total")
                 label = ",".join(str(v) for v in sample.labels.values())
-                out[f"{key}{'[' + label + ']' if label else ''}"] = sample.value
+                out[f"{key}({label})" if label else key] = sample.value
     return out
 
 
