@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Coroutine
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, Self, TypeVar
 
 from redis.commands.core import AsyncScript
 from tenacity import AsyncRetrying
@@ -46,14 +46,8 @@ class AsyncLedger(LedgerCore):
         }
 
     @classmethod
-    def from_settings(cls, settings: LedgerSettings) -> AsyncLedger:
+    def from_settings(cls, settings: LedgerSettings) -> Self:
         return cls(async_client(settings), settings)
-
-    @classmethod
-    def from_url(cls, url: str | None = None, **overrides: Any) -> AsyncLedger:
-        if url is not None:
-            overrides["redis_url"] = url
-        return cls.from_settings(LedgerSettings(**overrides))
 
     async def run(self, call: Call[T]) -> T:
         """Send one script call, retrying transient failures with the same op id."""

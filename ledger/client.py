@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, Self, TypeVar
 
 from redis.commands.core import Script
 from tenacity import Retrying
@@ -43,15 +43,8 @@ class Ledger(LedgerCore):
         }
 
     @classmethod
-    def from_settings(cls, settings: LedgerSettings) -> Ledger:
+    def from_settings(cls, settings: LedgerSettings) -> Self:
         return cls(sync_client(settings), settings)
-
-    @classmethod
-    def from_url(cls, url: str | None = None, **overrides: Any) -> Ledger:
-        """``Ledger.from_url("redis://localhost:6379/0")``; None reads LEDGER_REDIS_URL."""
-        if url is not None:
-            overrides["redis_url"] = url
-        return cls.from_settings(LedgerSettings(**overrides))
 
     def run(self, call: Call[T]) -> T:
         """Send one script call, retrying transient failures with the same op id."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Self
 
 from tenacity import (
     retry_if_exception,
@@ -54,6 +54,18 @@ class LedgerCore:
     def __init__(self, settings: LedgerSettings) -> None:
         self.settings = settings
         self.keyspace = KeySpace(settings.prefix, settings.partitions)
+
+    @classmethod
+    def from_settings(cls, settings: LedgerSettings) -> Self:
+        raise NotImplementedError
+
+    @classmethod
+    def from_url(cls, url: str | None = None, **overrides: Any) -> Self:
+        """``Ledger.from_url("redis://localhost:6379/0")``; ``None`` reads
+        ``LEDGER_REDIS_URL`` (default ``embedded://``); other settings as keywords."""
+        if url is not None:
+            overrides["redis_url"] = url
+        return cls.from_settings(LedgerSettings(**overrides))
 
     def retries(self, exc: BaseException) -> bool:
         """Whether a failed first try is worth more tries (transient, and tries are left)."""
