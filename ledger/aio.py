@@ -16,7 +16,7 @@ from tenacity import AsyncRetrying
 from ledger import protocol, scripts
 from ledger.backends import AsyncClient, async_client
 from ledger.core import LedgerCore, SessionCore, new_op_id
-from ledger.errors import translate
+from ledger.errors import translate, translated
 from ledger.models import AuditReport, Expired, HeldItem, SessionBudget
 from ledger.protocol import Call
 from ledger.settings import LedgerSettings
@@ -78,25 +78,29 @@ class AsyncLedger(LedgerCore):
 
     async def items(self, session_id: str) -> list[HeldItem]:
         keys = self.keyspace.session(session_id)
-        return protocol.held_items(await self.client.hgetall(keys.session))
+        with translated():
+            fields = await self.client.hgetall(keys.session)
+        return protocol.held_items(fields)
 
     async def read_spill(self, session_id: str, call_id: str) -> bytes | None:
         keys = self.keyspace.session(session_id)
-        value = await self.client.get(keys.spill(protocol.check_id(call_id, "tool-call id")))
+        with translated():
+            value = await self.client.get(keys.spill(protocol.check_id(call_id, "tool-call id")))
         return value.encode() if isinstance(value, str) else value
 
     async def audit(self, session_id: str) -> AuditReport:
         return await self.run(protocol.audit(self.keyspace.session(session_id)))
 
     async def expire_due(self, partition: int, limit: int = 500) -> int:
-        sec, usec = await self.client.time()
-        due = await self.client.zrangebyscore(
-            self.keyspace.deadlines(partition),
-            "-inf",
-            sec * 1000 + usec // 1000,
-            start=0,
-            num=limit,
-        )
+        with translated():
+            sec, usec = await self.client.time()
+            due = await self.client.zrangebyscore(
+                self.keyspace.deadlines(partition),
+                "-inf",
+                sec * 1000 + usec // 1000,
+                start=0,
+                num=limit,
+            )
         total = 0
         for sid, rids in self.plan_expiry(due).items():
             done: Expired = await self.run(

@@ -13,7 +13,7 @@ from tenacity import Retrying
 from ledger import protocol, scripts
 from ledger.backends import SyncClient, sync_client
 from ledger.core import LedgerCore, SessionCore, new_op_id
-from ledger.errors import translate
+from ledger.errors import translate, translated
 from ledger.models import AuditReport, Expired, HeldItem, SessionBudget
 from ledger.protocol import Call
 from ledger.settings import LedgerSettings
@@ -76,23 +76,33 @@ class Ledger(LedgerCore):
         return s
 
     def session_ids(self) -> list[str]:
-        """Every open session of this prefix (SCAN; on a cluster, every primary)."""
+        """Every open session of this prefix (SCAN; on a cluster, every primary). Closed
+        sessions whose tombstone still keeps their last outcome are left out."""
         pattern = re.compile(rf"{re.escape(self.keyspace.prefix)}:\{{p\d+\}}:s:(.+)")
-        found = set()
-        for k in self.client.scan_iter(match=self.keyspace.session_pattern(), count=500):
-            m = pattern.fullmatch(k.decode() if isinstance(k, bytes) else str(k))
-            if m:
-                found.add(m.group(1))
-        return sorted(found)
+        with translated():
+            keys = {}
+            for k in self.client.scan_iter(match=self.keyspace.session_pattern(), count=500):
+                name = k.decode() if isinstance(k, bytes) else str(k)
+                m = pattern.fullmatch(name)
+                if m:
+                    keys[name] = m.group(1)
+            pipe = self.client.pipeline(transaction=False)
+            for name in keys:
+                pipe.hexists(name, "ep")
+            alive = pipe.execute()
+        return sorted(sid for (_, sid), ok in zip(keys.items(), alive, strict=True) if ok)
 
     def items(self, session_id: str) -> list[HeldItem]:
         """Every item a session holds, oldest first (one atomic HGETALL)."""
-        return protocol.held_items(self.client.hgetall(self.keyspace.session(session_id).session))
+        with translated():
+            fields = self.client.hgetall(self.keyspace.session(session_id).session)
+        return protocol.held_items(fields)
 
     def read_spill(self, session_id: str, call_id: str) -> bytes | None:
         """The content of a spilled tool result (None once its TTL has passed)."""
         keys = self.keyspace.session(session_id)
-        value = self.client.get(keys.spill(protocol.check_id(call_id, "tool-call id")))
+        with translated():
+            value = self.client.get(keys.spill(protocol.check_id(call_id, "tool-call id")))
         return value.encode() if isinstance(value, str) else value
 
     def audit(self, session_id: str) -> AuditReport:
@@ -100,14 +110,15 @@ class Ledger(LedgerCore):
 
     def expire_due(self, partition: int, limit: int = 500) -> int:
         """Release every reservation of a partition whose deadline passed; returns how many."""
-        sec, usec = self.client.time()
-        due = self.client.zrangebyscore(
-            self.keyspace.deadlines(partition),
-            "-inf",
-            sec * 1000 + usec // 1000,
-            start=0,
-            num=limit,
-        )
+        with translated():
+            sec, usec = self.client.time()
+            due = self.client.zrangebyscore(
+                self.keyspace.deadlines(partition),
+                "-inf",
+                sec * 1000 + usec // 1000,
+                start=0,
+                num=limit,
+            )
         total = 0
         for sid, rids in self.plan_expiry(due).items():
             done: Expired = self.run(protocol.expire(self.keyspace.session(sid), new_op_id(), rids))

@@ -7,7 +7,8 @@ in one place (:func:`translate`), together with the driver's own errors.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import Final
 
 import redis.exceptions as rex
@@ -47,6 +48,10 @@ class UnknownReservation(LedgerError, LookupError):
 
 class ReservationExpired(LedgerError):
     """The reservation's deadline passed on Redis's clock; it can no longer be settled."""
+
+
+class PermissionDenied(LedgerError, PermissionError):
+    """Redis refused the credentials (AUTH) or a command or key (ACL, NOPERM)."""
 
 
 class BackendUnavailable(LedgerError, ConnectionError):
@@ -121,19 +126,35 @@ _UNAVAILABLE = (
     rex.TryAgainError,
     rex.ClusterDownError,
     rex.MasterDownError,
+    rex.ClusterError,  # e.g. 'TTL exhausted' while a slot is split during a migration
 )
+# Worth another try, but not an outage: a SCRIPT FLUSH between redis-py's reload and
+# its second EVALSHA (the next try loads the script again).
+_RETRYABLE = (*_UNAVAILABLE, rex.NoScriptError)
+# Never retried: a wrong password or an ACL refusal will not change by trying again.
+_DENIED = (rex.AuthenticationError, rex.AuthenticationWrongNumberOfArgsError, rex.NoPermissionError)
+
+
+def _denied(exc: BaseException) -> bool:
+    if isinstance(exc, _DENIED):
+        return True
+    # Inside a script Redis 7.0 reports an ACL refusal as a plain error.
+    text = str(exc).lower()
+    return isinstance(exc, rex.ResponseError) and ("no permissions" in text or "noperm" in text)
 
 
 def is_transient(exc: BaseException) -> bool:
     """True for driver errors worth retrying: the operation id makes a retry safe."""
-    return isinstance(exc, _UNAVAILABLE)
+    return isinstance(exc, _RETRYABLE) and not _denied(exc)
 
 
 def translate(exc: BaseException) -> BaseException:
     """Map a driver error to the ledger's tree (call as ``raise translate(e) from e``)."""
     if isinstance(exc, LedgerError):
         return exc
-    if isinstance(exc, _UNAVAILABLE):
+    if _denied(exc):
+        return PermissionDenied(f"NOPERM: Redis refused the credentials or command: {exc}")
+    if isinstance(exc, _RETRYABLE):
         return BackendUnavailable(f"Redis unavailable: {exc}")
     if isinstance(exc, rex.ResponseError):
         text = str(exc)
@@ -144,3 +165,15 @@ def translate(exc: BaseException) -> BaseException:
             return _CODES.get(code, LedgerError)(message)
         return LedgerError(f"Redis refused the call: {text}")
     return exc
+
+
+@contextlib.contextmanager
+def translated() -> Iterator[None]:
+    """Run plain driver calls (reads outside the scripts) under the same error mapping."""
+    try:
+        yield
+    except Exception as exc:
+        mapped = translate(exc)
+        if mapped is exc:
+            raise
+        raise mapped from exc

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from ledger import protocol
 from ledger.client import Ledger
-from ledger.errors import UnknownSession
+from ledger.errors import UnknownSession, translated
 from ledger.models import Consumer, HeldItem, Snapshot
 
 
@@ -40,11 +40,13 @@ def regime(snap: Snapshot, working_set: int) -> str:
 def view(ledger: Ledger, session_id: str, journal: int = 10) -> SessionView:
     keys = ledger.keyspace.session(session_id)
     snap = ledger.run(protocol.snapshot(keys))
+    with translated():
+        fields = ledger.client.hgetall(keys.session)
     raw = {
         (k.decode() if isinstance(k, bytes) else str(k)): (
             v.decode() if isinstance(v, bytes) else str(v)
         )
-        for k, v in ledger.client.hgetall(keys.session).items()
+        for k, v in fields.items()
     }
     reservations = []
     entries = []
