@@ -128,7 +128,15 @@ class Worker:
         s, client, done = self.settings, self.ledger.client, 0
         for p in self.partitions:
             stream = self.stream(p)
-            got: Any = client.xreadgroup(s.group, s.consumer, {stream: ">"}, count=s.batch)
+            try:
+                got: Any = client.xreadgroup(s.group, s.consumer, {stream: ">"}, count=s.batch)
+            except rex.ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                # The stream was deleted (a flush, a restart without persistence) and a
+                # script made it anew: make the group again and read it next pass.
+                self.ensure_groups()
+                continue
             for _, entries in got or []:
                 for entry_id, fields in entries:
                     done += self._deliver(p, entry_id, fields, claimed=False)
@@ -175,8 +183,13 @@ class Worker:
             fields["error"] = repr(exc)[:500]
             client.hset(f"{self.ledger.keyspace.tag(partition)}:errors", eid, fields["error"])
             return 0
-        client.xack(stream, s.group, eid)
+        # Delete before acknowledging: a crash in between leaves a pending entry whose
+        # body is gone, which the next claim acknowledges (the other order would leave
+        # an acknowledged entry in the stream for ever).
         client.xdel(stream, eid)
+        client.xack(stream, s.group, eid)
+        if claimed:  # an earlier attempt may have recorded an error
+            client.hdel(f"{self.ledger.keyspace.tag(partition)}:errors", eid)
         self.metrics.processed.labels(kind).inc()
         log.info(
             "job done",
@@ -200,8 +213,8 @@ class Worker:
             "error": (last.decode() if isinstance(last, bytes) else str(last or "")),
         }
         client.xadd(self.dead_letter(partition), entry)
-        client.xack(self.stream(partition), s.group, eid)
         client.xdel(self.stream(partition), eid)
+        client.xack(self.stream(partition), s.group, eid)
         client.hdel(errors, eid)
         self.metrics.dead.inc()
         log.error("job dead-lettered", extra={"job": eid, "kind": fields.get("kind"), "why": why})

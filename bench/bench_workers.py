@@ -1,0 +1,420 @@
+"""Background-worker benchmark: job throughput and takeover time on one Redis server.
+
+    python -m bench.bench_workers [--jobs N] [--json] [--reps R] [--partitions P]
+                                  [--claim-idle-ms MS] [--poll-interval S]
+
+It starts its own redis-server on a free port (tests.servers.standalone) and stops it
+afterwards; the workers are real ``python -m ledger.cli worker`` processes configured
+through ``LEDGER_*`` / ``LEDGER_WORKER_*`` environment variables, each logging JSON to
+its own file.
+
+What it measures (a fresh key prefix for every run):
+
+1. Throughput, one worker process and two: N sessions are opened and the workers
+   started (and seen to log "worker started"); then N ``hard_reset`` jobs, one per
+   session, are appended to the partition streams in one pipeline (the shape the Lua
+   scripts write), and the clock runs from the first XADD until every stream is empty
+   and nothing is pending (polled every 5 ms). jobs/s = N / that time. Every session's
+   epoch is checked to be 2 afterwards (each job applied once).
+2. Takeover: two workers A and B; min(N, 1000) jobs are enqueued; once A holds pending
+   jobs (delivered, not acknowledged) it is killed with SIGKILL (a kill that finds it
+   holding nothing after all is not counted, and repeated); the time from the kill
+   until every job A held has been completed by B (acknowledged and deleted: gone from
+   the stream) is the takeover time. A dead worker's jobs become claimable
+   ``claim_idle_ms`` after their delivery to it, and B looks for them once per poll
+   pass, so the expected time is at most claim_idle_ms + one pass. Repeated R times
+   (default 5), median and max reported.
+
+The numbers depend on the machine and on whatever else runs on it: worker processes,
+redis-server and this script share the CPUs (``nproc`` is reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # so `tests.servers` imports from any working directory
+    sys.path.insert(0, str(ROOT))
+
+import redis  # noqa: E402
+
+from ledger import Ledger, LedgerSettings, SessionBudget  # noqa: E402
+from tests import servers  # noqa: E402
+
+GROUP = "ledger-workers"
+BUDGET = SessionBudget(window=10_000, system_prompt=500, output_reserve=500)
+
+
+@dataclass
+class Params:
+    jobs: int
+    partitions: int
+    claim_idle_ms: int
+    poll_interval: float
+    reps: int
+
+
+@dataclass
+class WorkerProc:
+    consumer: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def records(self) -> list[dict[str, Any]]:
+        out = []
+        for line in self.log.read_text(errors="replace").splitlines():
+            if line.startswith("{"):
+                with contextlib.suppress(json.JSONDecodeError):
+                    out.append(json.loads(line))
+        return out
+
+    def count(self, msg: str) -> int:
+        return sum(1 for r in self.records() if r.get("msg") == msg)
+
+    def wait_started(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker {self.consumer} exited: {self.log.read_text()[-2000:]}")
+            if self.count("worker started"):
+                return
+            time.sleep(0.02)
+        raise RuntimeError(f"worker {self.consumer} did not start within {timeout}s")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(10)
+
+
+class Run:
+    """One fresh prefix on the server: sessions, jobs and worker processes."""
+
+    def __init__(self, url: str, params: Params, logs: Path) -> None:
+        self.url, self.p, self.logs = url, params, logs
+        self.prefix = f"bw{uuid.uuid4().hex[:10]}"
+        self.led = Ledger.from_settings(
+            LedgerSettings(redis_url=url, prefix=self.prefix, partitions=params.partitions)
+        )
+        self.r: redis.Redis = self.led.client  # type: ignore[assignment]
+        self.workers: list[WorkerProc] = []
+        self.sids: list[str] = []
+
+    def close(self) -> None:
+        for w in self.workers:
+            if w.proc.poll() is None:
+                w.proc.kill()
+                w.proc.wait(10)
+        keys = list(self.r.scan_iter(match=f"{self.prefix}:*", count=1000))
+        for k in range(0, len(keys), 500):
+            self.r.delete(*keys[k : k + 500])
+        self.led.close()
+
+    def spawn(self, consumer: str) -> WorkerProc:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LEDGER_")}
+        env.update(
+            LEDGER_REDIS_URL=self.url,
+            LEDGER_PREFIX=self.prefix,
+            LEDGER_PARTITIONS=str(self.p.partitions),
+            LEDGER_WORKER_CONSUMER=consumer,
+            LEDGER_WORKER_CLAIM_IDLE_MS=str(self.p.claim_idle_ms),
+            LEDGER_WORKER_POLL_INTERVAL=str(self.p.poll_interval),
+            LEDGER_WORKER_SWEEP_INTERVAL="60",  # no lease sweeps in the measurement
+        )
+        log = self.logs / f"{self.prefix}-{consumer}.log"
+        with log.open("wb") as fh:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "ledger.cli", "worker"],
+                cwd=ROOT,
+                env=env,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+            )
+        w = WorkerProc(consumer, proc, log)
+        self.workers.append(w)
+        return w
+
+    def open_sessions(self, n: int) -> None:
+        self.sids = [f"s{i}" for i in range(n)]
+        for sid in self.sids:
+            self.led.open_session(sid, BUDGET)
+
+    def enqueue(self) -> None:
+        ks = self.led.keyspace
+        pipe = self.r.pipeline(transaction=False)
+        for sid in self.sids:
+            fields: dict[Any, Any] = {"kind": "hard_reset", "session": sid, "epoch": 1}
+            fields.update(reason="bench", op="bench")
+            pipe.xadd(ks.jobs(ks.partition_of(sid)), fields)
+        pipe.execute()
+
+    def backlog(self) -> int:
+        """Jobs not yet done: entries pending in the group, plus entries after its last
+        delivered id. (Not XLEN: a worker killed between its XACK and its XDEL leaves an
+        acknowledged entry in the stream for ever; see leftovers().)"""
+        streams = [self.led.keyspace.jobs(p) for p in range(self.p.partitions)]
+        pipe = self.r.pipeline(transaction=False)
+        for stream in streams:
+            pipe.xinfo_groups(stream)
+        groups = [_group(g) for g in pipe.execute()]
+        pending = sum(int(g["pending"]) for g in groups)
+        if pending:
+            return pending
+        pipe = self.r.pipeline(transaction=False)
+        for stream, g in zip(streams, groups, strict=True):
+            pipe.xrange(stream, min=f"({_text(g['last-delivered-id'])}", max="+", count=1)
+        return sum(len(rows) for rows in pipe.execute())
+
+    def leftovers(self) -> int:
+        """Entries acknowledged but never deleted (their worker died between the two)."""
+        return sum(self.r.xlen(self.led.keyspace.jobs(p)) for p in range(self.p.partitions))
+
+    def wait_drained(self, timeout: float = 120.0, step: float = 0.005) -> None:
+        deadline = time.monotonic() + timeout
+        while self.backlog():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"jobs not drained within {timeout}s: {self.backlog()} left")
+            time.sleep(step)
+
+    def check_each_applied_once(self) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        for sid in self.sids:
+            pipe.hmget(self.led.keyspace.session(sid).session, "ep", "x:resets")
+        bad = [
+            sid
+            for sid, (ep, resets) in zip(self.sids, pipe.execute(), strict=True)
+            if (ep, resets) != (b"2", b"1")
+        ]
+        if bad:
+            raise RuntimeError(f"{len(bad)} sessions not reset exactly once, e.g. {bad[:5]}")
+
+    def held_by(self, consumer: str) -> list[tuple[str, str]]:
+        out = []
+        for p in range(self.p.partitions):
+            stream = self.led.keyspace.jobs(p)
+            for row in self.r.xpending_range(
+                stream, GROUP, min="-", max="+", count=100_000, consumername=consumer
+            ):
+                mid = row["message_id"]
+                out.append((stream, mid.decode() if isinstance(mid, bytes) else str(mid)))
+        return out
+
+    def still_there(self, entries: list[tuple[str, str]]) -> int:
+        pipe = self.r.pipeline(transaction=False)
+        for stream, eid in entries:
+            pipe.xrange(stream, eid, eid)
+        return sum(1 for rows in pipe.execute() if rows)
+
+
+def _text(x: Any) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+def _group(groups: list[dict[str, Any]]) -> dict[str, Any]:
+    [g] = [g for g in groups if _text(g["name"]) == GROUP]
+    return g
+
+
+@contextlib.contextmanager
+def run_on(url: str, params: Params, logs: Path) -> Iterator[Run]:
+    r = Run(url, params, logs)
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+def throughput(url: str, params: Params, logs: Path, workers: int) -> dict[str, Any]:
+    with run_on(url, params, logs) as run:
+        run.open_sessions(params.jobs)
+        procs = [run.spawn(f"tp{workers}-{k}") for k in range(workers)]
+        for w in procs:
+            w.wait_started()
+        t0 = time.perf_counter()
+        run.enqueue()
+        t_enq = time.perf_counter()
+        run.wait_drained()
+        elapsed = time.perf_counter() - t0
+        codes = [w.stop() for w in procs]
+        run.check_each_applied_once()
+        if run.leftovers():
+            raise RuntimeError(f"{run.leftovers()} entries left in the streams")
+        per_worker = {w.consumer: w.count("job done") for w in procs}
+        if sum(per_worker.values()) != params.jobs or any(codes):
+            raise RuntimeError(f"jobs done {per_worker}, exit codes {codes}")
+        return {
+            "workers": workers,
+            "jobs": params.jobs,
+            "seconds": round(elapsed, 4),
+            "enqueue_seconds": round(t_enq - t0, 4),
+            "jobs_per_s": round(params.jobs / elapsed, 1),
+            "per_worker": per_worker,
+        }
+
+
+def takeover_once(
+    url: str, params: Params, logs: Path, rng: random.Random
+) -> dict[str, Any] | None:
+    """One kill; None when the victim acknowledged its last jobs just before the kill."""
+    with run_on(url, params, logs) as run:
+        run.open_sessions(min(params.jobs, 1000))
+        a, b = run.spawn("victim"), run.spawn("taker")
+        a.wait_started()
+        b.wait_started()
+        run.enqueue()
+        time.sleep(rng.uniform(0.02, 0.1))
+        deadline = time.monotonic() + 30
+        while not run.held_by(a.consumer):  # kill it while it holds jobs
+            if time.monotonic() > deadline or not run.backlog():
+                raise RuntimeError("the victim never held a job")
+            time.sleep(0.001)
+        t_kill = time.perf_counter()
+        a.proc.kill()
+        a.proc.wait(10)
+        held = run.held_by(a.consumer)
+        if not held:
+            b.stop()
+            return None
+        while run.still_there(held):
+            if time.perf_counter() - t_kill > 60:
+                raise RuntimeError("the held jobs were not taken over within 60 s")
+            time.sleep(0.002)
+        took = time.perf_counter() - t_kill
+        run.wait_drained()
+        code = b.stop()
+        run.check_each_applied_once()
+        if code:
+            raise RuntimeError(f"taker exited with {code}")
+        return {"held": len(held), "seconds": round(took, 4), "acked_not_deleted": run.leftovers()}
+
+
+def environment(url: str) -> dict[str, Any]:
+    r = redis.Redis.from_url(url)
+    try:
+        version = r.info("server").get("redis_version")
+    finally:
+        r.close()
+    return {
+        "redis_version": version,
+        "nproc": len(os.sched_getaffinity(0)),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "redis_py": redis.__version__,
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def run(params: Params, seed: int | None = None) -> dict[str, Any]:
+    rng = random.Random(seed)
+    with (
+        servers.standalone() as server,
+        tempfile.TemporaryDirectory(prefix="bench-workers-") as d,
+    ):
+        logs = Path(d)
+        env = environment(server.url)
+        tp = {str(n): throughput(server.url, params, logs, n) for n in (1, 2)}
+        reps: list[dict[str, Any]] = []
+        for _ in range(params.reps * 5):
+            rep = takeover_once(server.url, params, logs, rng)
+            if rep is not None:
+                reps.append(rep)
+            if len(reps) == params.reps:
+                break
+        else:
+            raise RuntimeError("the victim held no job at the kill, too often")
+    times = [r["seconds"] for r in reps]
+    return {
+        "env": env,
+        "params": {
+            "jobs": params.jobs,
+            "partitions": params.partitions,
+            "claim_idle_ms": params.claim_idle_ms,
+            "poll_interval_s": params.poll_interval,
+            "batch": 16,
+            "takeover_reps": params.reps,
+        },
+        "throughput": tp,
+        "takeover": {
+            "reps": reps,
+            "median_s": round(statistics.median(times), 4),
+            "max_s": round(max(times), 4),
+            "claim_idle_ms": params.claim_idle_ms,
+        },
+    }
+
+
+def print_table(res: dict[str, Any]) -> None:
+    p, env = res["params"], res["env"]
+    print(
+        f"ledger worker benchmark: redis {env['redis_version']}, {env['nproc']} CPUs, "
+        f"python {env['python']}, load {env['loadavg']}"
+    )
+    print(
+        f"{p['jobs']} hard_reset jobs over {p['jobs']} sessions, {p['partitions']} partitions, "
+        f"claim_idle_ms {p['claim_idle_ms']}, poll {p['poll_interval_s']} s"
+    )
+    print()
+    print(f"{'workers':>8} {'jobs':>6} {'seconds':>9} {'jobs/s':>9}  per worker")
+    for t in res["throughput"].values():
+        per = ", ".join(f"{k}={v}" for k, v in t["per_worker"].items())
+        print(
+            f"{t['workers']:>8} {t['jobs']:>6} {t['seconds']:>9.3f} {t['jobs_per_s']:>9.1f}  {per}"
+        )
+    print()
+    tk = res["takeover"]
+    print(f"takeover after kill -9 (claim_idle_ms {tk['claim_idle_ms']}):")
+    print(f"{'rep':>8} {'held':>6} {'seconds':>9}  acked, not deleted")
+    for i, r in enumerate(tk["reps"], 1):
+        print(f"{i:>8} {r['held']:>6} {r['seconds']:>9.3f}  {r['acked_not_deleted']}")
+    print(f"{'median':>8} {'':>6} {tk['median_s']:>9.3f}")
+    print(f"{'max':>8} {'':>6} {tk['max_s']:>9.3f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.bench_workers",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--jobs", type=int, default=2000, help="hard_reset jobs per run")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead")
+    ap.add_argument("--reps", type=int, default=5, help="takeover repetitions")
+    ap.add_argument("--partitions", type=int, default=8)
+    ap.add_argument("--claim-idle-ms", type=int, default=500)
+    ap.add_argument("--poll-interval", type=float, default=0.02, help="seconds when idle")
+    ap.add_argument("--seed", type=int, default=None, help="for the kill delays")
+    a = ap.parse_args(argv)
+    if a.jobs < 1 or a.reps < 1:
+        ap.error("--jobs and --reps must be at least 1")
+    params = Params(a.jobs, a.partitions, a.claim_idle_ms, a.poll_interval, a.reps)
+    res = run(params, a.seed)
+    if a.json:
+        print(json.dumps(res, indent=2))
+    else:
+        print_table(res)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

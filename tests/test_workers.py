@@ -1,0 +1,868 @@
+"""The background worker (workers/runner.py) on a real Redis.
+
+Worker processes (``python -m ledger.cli worker``) share the partitions' job streams
+through one consumer group; they are killed with SIGKILL mid-work, stopped with
+SIGTERM, fed a poison job. Every effect must happen once (an epoch advances once per
+hard-reset job, a compaction chain ends in the same state as an undisturbed run),
+no job is lost (streams drained, nothing pending), and a dead worker's jobs are
+taken over within about ``claim_idle_ms``. The in-process tests cover duplicate
+delivery, the lease sweep and the metrics; the last tests are regressions of bugs found.
+
+Every test uses its own key prefix on the session's ``redis_server`` and
+``PARTITIONS`` partitions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import generate_latest
+
+from ledger import Item, Ledger, LedgerSettings, SessionBudget
+from ledger.errors import ReservationExpired, UnknownReservation
+from ledger.models import Consumer
+from tests.servers import RedisProcess
+from workers.compactors import CompactionPlan, CompactionRequest
+from workers.runner import Metrics, Worker, WorkerSettings
+
+pytestmark = pytest.mark.redis
+
+ROOT = Path(__file__).resolve().parents[1]
+PARTITIONS = 4
+CLAIM_IDLE_MS = 500
+POLL = 0.02
+GROUP = "ledger-workers"
+COMPACTOR = "tests.test_workers:fleet_compactor"
+# H = 7_200. Working memory 8 x 250 (old) + 2 x 3_100 (newest): occupancy 8_700 > H, so
+# end_turn makes a compaction due and enqueues a `compact` job.
+BUDGET = SessionBudget(window=10_000, system_prompt=500, output_reserve=500)
+WM_ITEMS = [Item(f"old{k}", 250) for k in range(8)] + [Item("big1", 3_100), Item("big2", 3_100)]
+
+
+# --- compactors named to the workers by import path ----------------------------------
+
+
+def fleet_compactor(request: CompactionRequest) -> CompactionPlan:
+    """The tests' summarizer, deterministic and independent of ``simulated``'s tuning:
+    every working-memory item but the two newest gives way to one summary of 10-60% of
+    their size (a hash of session, epoch, turn and newest item picks the share), so a
+    first compaction misses H (summary > 500 tokens) about 70% of the time and a second
+    one always makes it. ``easy-*`` sessions get 10% (always compacted at once);
+    ``stuck-*`` sessions nothing at all (three failed compactions escalate to a reset)."""
+    wm = [i for i in request.items if i.consumer is Consumer.WORKING_MEMORY]
+    old, sid = wm[:-2], request.session_id
+    if sid.startswith("stuck-") or not old:
+        return CompactionPlan((), None)
+    newest = wm[-1].seq
+    share = 0.10
+    if not sid.startswith("easy-"):
+        key = f"{sid}|{request.epoch}|{request.turn}|{newest}".encode()
+        share += 0.50 * int.from_bytes(hashlib.blake2b(key, digest_size=2).digest()) / 65535
+    tokens = max(1, int(sum(i.tokens for i in old) * share))
+    summary = Item(f"sum-e{request.epoch}-q{newest}", tokens, 1000)
+    return CompactionPlan(tuple((i.consumer, i.id) for i in old), summary)
+
+
+_flaky_seen: set[str] = set()
+
+
+def flaky_compactor(request: CompactionRequest) -> CompactionPlan:
+    """Raises on its first call for a session, then behaves like fleet_compactor."""
+    if request.session_id not in _flaky_seen:
+        _flaky_seen.add(request.session_id)
+        raise RuntimeError("summarizer timed out")
+    return fleet_compactor(request)
+
+
+# --- scenario helpers ------------------------------------------------------------------
+
+
+def new_ledger(server: RedisProcess, prefix: str | None = None) -> Ledger:
+    prefix = prefix or f"w{uuid.uuid4().hex[:12]}"
+    return Ledger.from_settings(
+        LedgerSettings(redis_url=server.url, prefix=prefix, partitions=PARTITIONS)
+    )
+
+
+@pytest.fixture
+def led(redis_server: RedisProcess) -> Iterator[Ledger]:
+    with new_ledger(redis_server) as ledger:
+        yield ledger
+
+
+def open_compaction(led: Ledger, sid: str) -> None:
+    """A session whose end_turn enqueues a `compact` job."""
+    s = led.open_session(sid, BUDGET)
+    s.admit("working_memory", WM_ITEMS)
+    assert s.end_turn(0, 8_000).compaction_due
+
+
+Job = tuple[str, str]  # (session id, stream entry id): entry ids repeat across partitions
+
+
+def open_resets(led: Ledger, sids: list[str]) -> list[Job]:
+    """Open sessions and append one hard_reset job each (the shape the scripts write)."""
+    for sid in sids:
+        led.open_session(sid, BUDGET)
+    return enqueue_resets(led, sids)
+
+
+def enqueue_resets(led: Ledger, sids: list[str]) -> list[Job]:
+    pipe = led.client.pipeline(transaction=False)
+    for sid in sids:
+        pipe.xadd(jobs_of(led, sid), reset_fields(sid))
+    return [(sid, _text(x)) for sid, x in zip(sids, pipe.execute(), strict=True)]
+
+
+def reset_fields(sid: str, epoch: int = 1) -> dict[Any, Any]:
+    return {"kind": "hard_reset", "session": sid, "epoch": epoch, "reason": "test", "op": "x"}
+
+
+def jobs_of(led: Ledger, sid: str) -> str:
+    return led.keyspace.jobs(led.keyspace.partition_of(sid))
+
+
+def entries_for(led: Ledger, sid: str) -> list[tuple[str, dict[str, str]]]:
+    """The entries of a session's partition stream that name that session."""
+    out = []
+    for eid, raw in xrange(led, jobs_of(led, sid)):
+        fields = {_text(k): _text(v) for k, v in raw.items()}
+        if fields.get("session") == sid:
+            out.append((_text(eid), fields))
+    return out
+
+
+def _text(x: Any) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+def xrange(led: Ledger, stream: str, lo: str = "-", hi: str = "+", **kw: Any) -> list[Any]:
+    """XRANGE as [(entry id, {field: value})] (raw bytes), typed for the tests."""
+    return list(led.client.xrange(stream, min=lo, max=hi, **kw) or [])
+
+
+@dataclass
+class Backlog:
+    undelivered: int = 0  # after the group's last-delivered id
+    pending: int = 0  # delivered, not acknowledged
+    leftover: list[Job] = field(default_factory=list)  # acknowledged, never deleted
+
+    @property
+    def clear(self) -> bool:
+        return self.undelivered == 0 and self.pending == 0
+
+
+def backlog(led: Ledger) -> Backlog:
+    c, out = led.client, Backlog()
+    for p in range(PARTITIONS):
+        stream = led.keyspace.jobs(p)
+        if not c.exists(stream):
+            continue
+        [g] = [g for g in c.xinfo_groups(stream) if _text(g["name"]) == GROUP]
+        last = _text(g["last-delivered-id"])
+        out.pending += int(g["pending"])
+        out.undelivered += len(xrange(led, stream, f"({last}"))
+        pending = {
+            _text(r["message_id"])
+            for r in c.xpending_range(stream, GROUP, min="-", max="+", count=100_000)
+        }
+        for eid, raw in xrange(led, stream, "-", last):
+            if _text(eid) not in pending:
+                out.leftover.append((_text(raw.get(b"session", b"?")), _text(eid)))
+    return out
+
+
+def dead_letters(led: Ledger) -> list[dict[str, str]]:
+    out = []
+    for p in range(PARTITIONS):
+        for eid, fields in xrange(led, f"{led.keyspace.tag(p)}:dead"):
+            out.append({"id": _text(eid), **{_text(k): _text(v) for k, v in fields.items()}})
+    return out
+
+
+def session_hash(led: Ledger, sid: str) -> dict[str, str]:
+    raw = led.client.hgetall(led.keyspace.session(sid).session)
+    return {_text(k): _text(v) for k, v in raw.items()}
+
+
+SIG_FIELDS: tuple[str, ...] = ("ep", "tn", "kn", "kf", "cd", "rq", "fr", "a_w", "u_w", "n_w")
+SIG_FIELDS += ("x:failed_compactions", "x:escalations", "x:resets")
+
+
+def signature(led: Ledger, sid: str) -> tuple[Any, ...]:
+    h = session_hash(led, sid)
+    items = tuple((it.consumer.value, it.id, it.tokens) for it in led.items(sid))
+    return (*(h.get(f, "0") for f in SIG_FIELDS), items)
+
+
+def wait_until(
+    pred: Callable[[], bool],
+    timeout: float,
+    what: str,
+    step: float = 0.02,
+    detail: Callable[[], object] = lambda: "",
+) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(step)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} {detail()}")
+
+
+def drained(led: Ledger, timeout: float = 30) -> Backlog:
+    """Wait until nothing is undelivered or pending; returns the final backlog."""
+    wait_until(
+        lambda: backlog(led).clear,
+        timeout,
+        "the streams to drain",
+        detail=lambda: (backlog(led), pending_detail(led), dead_letters(led)[:3]),
+    )
+    return backlog(led)
+
+
+def pending_detail(led: Ledger) -> list[tuple[int, str, str, int, int]]:
+    out = []
+    for p in range(PARTITIONS):
+        stream = led.keyspace.jobs(p)
+        if led.client.exists(stream):
+            for r in led.client.xpending_range(stream, GROUP, min="-", max="+", count=20):
+                out.append(
+                    (
+                        p,
+                        _text(r["message_id"]),
+                        _text(r["consumer"]),
+                        int(r["time_since_delivered"]),
+                        int(r["times_delivered"]),
+                    )
+                )
+    return out
+
+
+def drain_in_process(led: Ledger, worker: Worker, timeout: float = 20.0) -> None:
+    worker.ensure_groups()
+    deadline = time.monotonic() + timeout
+    while not backlog(led).clear:
+        assert time.monotonic() < deadline, f"not drained: {backlog(led)}"
+        if not worker.poll_once():
+            time.sleep(0.01)
+    assert backlog(led) == Backlog()
+
+
+def in_process_worker(led: Ledger, **kw: Any) -> Worker:
+    opts: dict[str, Any] = {
+        "consumer": f"inproc-{uuid.uuid4().hex[:6]}",
+        "claim_idle_ms": 50,
+        "poll_interval": 0.01,
+        "compactor": COMPACTOR,
+        **kw,
+    }
+    return Worker(led, WorkerSettings(**opts), Metrics())
+
+
+# --- worker processes ------------------------------------------------------------------
+
+
+@dataclass
+class WorkerProc:
+    consumer: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def records(self) -> list[dict[str, Any]]:
+        out = []
+        for line in self.log.read_text(errors="replace").splitlines():
+            if line.startswith("{"):
+                with contextlib.suppress(json.JSONDecodeError):  # a line cut by SIGKILL
+                    out.append(json.loads(line))
+        return out
+
+    def messages(self, msg: str) -> list[dict[str, Any]]:
+        return [r for r in self.records() if r.get("msg") == msg]
+
+    def wait_started(self, timeout: float = 20.0) -> None:
+        def started() -> bool:
+            assert self.proc.poll() is None, f"{self.consumer} exited: {self.tail()}"
+            return bool(self.messages("worker started"))
+
+        wait_until(started, timeout, f"{self.consumer} to start")
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+
+class Fleet:
+    """Worker processes on one prefix, each logging to its own file; all are killed
+    at teardown if still running."""
+
+    def __init__(self, server: RedisProcess, prefix: str, logs: Path, **env: str) -> None:
+        self.server, self.prefix, self.logs, self.env = server, prefix, logs, env
+        self.procs: list[WorkerProc] = []
+
+    def spawn(self, consumer: str, **env: str) -> WorkerProc:
+        full = {k: v for k, v in os.environ.items() if not k.startswith("LEDGER_")}
+        full.update(
+            LEDGER_REDIS_URL=self.server.url,
+            LEDGER_PREFIX=self.prefix,
+            LEDGER_PARTITIONS=str(PARTITIONS),
+            LEDGER_WORKER_CONSUMER=consumer,
+            LEDGER_WORKER_CLAIM_IDLE_MS=str(CLAIM_IDLE_MS),
+            LEDGER_WORKER_POLL_INTERVAL=str(POLL),
+            LEDGER_WORKER_COMPACTOR=COMPACTOR,
+        )
+        full.update(self.env)
+        full.update(env)
+        log = self.logs / f"{self.prefix}-{consumer}.log"
+        with log.open("wb") as fh:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "ledger.cli", "worker"],
+                cwd=ROOT,
+                env=full,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+            )
+        wp = WorkerProc(consumer, proc, log)
+        self.procs.append(wp)
+        return wp
+
+    def done(self) -> list[dict[str, Any]]:
+        """Every 'job done' record of every process, tagged with the process's consumer."""
+        return [{**r, "by": w.consumer} for w in self.procs for r in w.messages("job done")]
+
+    def stop_all(self) -> None:
+        live = [w for w in self.procs if w.proc.poll() is None]
+        for w in live:
+            w.proc.send_signal(signal.SIGTERM)
+        for w in live:
+            assert w.proc.wait(15) == 0, w.tail()
+            assert w.messages("worker stopped"), w.tail()
+
+    def kill_all(self) -> None:
+        for w in self.procs:
+            if w.proc.poll() is None:
+                w.proc.kill()
+                w.proc.wait(10)
+
+
+@pytest.fixture
+def fleets(redis_server: RedisProcess, tmp_path: Path) -> Iterator[Callable[..., Fleet]]:
+    made: list[Fleet] = []
+
+    def make(prefix: str, **env: str) -> Fleet:
+        f = Fleet(redis_server, prefix, tmp_path, **env)
+        made.append(f)
+        return f
+
+    yield make
+    for f in made:
+        f.kill_all()
+
+
+def held_by(led: Ledger, consumer: str) -> list[Job]:
+    """The jobs pending for one consumer, over every partition."""
+    out = []
+    for p in range(PARTITIONS):
+        stream = led.keyspace.jobs(p)
+        rows = led.client.xpending_range(
+            stream, GROUP, min="-", max="+", count=10_000, consumername=consumer
+        )
+        for r in rows:
+            eid = _text(r["message_id"])
+            body = xrange(led, stream, eid, eid)
+            if not body:  # deleted before its ack: done, the next claim acknowledges it
+                continue
+            [(_, raw)] = body
+            out.append((_text(raw[b"session"]), eid))
+    return out
+
+
+def job_of(record: dict[str, Any]) -> Job:
+    return (str(record["session"]), str(record["job"]))
+
+
+# --- several processes -----------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_two_workers_share_the_partitions(led: Ledger, fleets: Callable[..., Fleet]) -> None:
+    fleet = fleets(led.settings.prefix)
+    a, b = fleet.spawn("share-a"), fleet.spawn("share-b")
+    a.wait_started()
+    b.wait_started()
+    sids = [f"share-{i}" for i in range(200)]
+    jobs = set(open_resets(led, sids))
+    assert len(jobs) == 200
+
+    assert drained(led) == Backlog()  # streams empty, nothing pending
+    fleet.stop_all()
+
+    done = fleet.done()
+    per = {w: sum(1 for r in done if r["by"] == w) for w in ("share-a", "share-b")}
+    print(f"\njobs done per worker: {per}")
+    assert per["share-a"] > 0 and per["share-b"] > 0, per
+    assert sorted(job_of(r) for r in done) == sorted(jobs)  # each done once, by one worker
+    for sid in sids:
+        h = session_hash(led, sid)
+        assert (h["ep"], h["x:resets"], h["x:last_reset"]) == ("2", "1", "test"), sid
+    assert dead_letters(led) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_kill9_many_times_exactly_once_and_takeover(
+    redis_server: RedisProcess, led: Ledger, fleets: Callable[..., Fleet]
+) -> None:
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    kills = 10
+    waves = kills + 1
+    reset_sids = [[f"r{w}-{i}" for i in range(40)] for w in range(waves)]
+    ok_sids = [[f"ok{w}-{i}" for i in range(4)] for w in range(waves)]
+    stuck_sids = [[f"stuck-{w}-{i}" for i in range(2)] for w in range(waves)]
+    compaction_sids = [s for w in range(waves) for s in ok_sids[w] + stuck_sids[w]]
+    every_sid = [s for wave in reset_sids + ok_sids + stuck_sids for s in wave]
+
+    # The reference: the same compaction sessions drained by one undisturbed worker.
+    with new_ledger(redis_server) as ref:
+        for sid in compaction_sids:
+            open_compaction(ref, sid)
+        drain_in_process(ref, in_process_worker(ref))
+        expected = {sid: signature(ref, sid) for sid in compaction_sids}
+    # both outcomes occur: compacted (some after a failure), and escalated to a reset
+    failures = {e[SIG_FIELDS.index("x:failed_compactions")] for e in expected.values()}
+    assert {e[0] for e in expected.values()} == {"1", "2"}
+    assert {"0", "1", "3"} <= failures
+
+    # One survivor, three victim slots: each kill hits a worker started a while ago,
+    # and its replacement starts while the others work.
+    fleet = fleets(led.settings.prefix)
+    survivor = fleet.spawn("survivor")
+    slots = [fleet.spawn(f"victim-{k}") for k in range(3)]
+    killed_at: dict[Job, float] = {}  # a job its holder held when killed -> last such kill
+    held_per_kill = []
+    survivor.wait_started()
+    for w in range(waves):
+        victim = slots[w % 3]
+        victim.wait_started()
+        for sid in ok_sids[w] + stuck_sids[w]:
+            open_compaction(led, sid)
+        open_resets(led, reset_sids[w])
+        if w == kills:
+            break
+        time.sleep(rng.uniform(0.0, 0.08))
+        t_kill = time.time()
+        victim.proc.kill()
+        victim.proc.wait(10)
+        held = held_by(led, victim.consumer)
+        held_per_kill.append(len(held))
+        for job in held:
+            killed_at[job] = t_kill
+        slots[w % 3] = fleet.spawn(f"victim-{w + 3}")
+
+    for slot in slots:
+        slot.wait_started()  # SIGTERM before the handler is installed would kill it
+    final = drained(led)
+    fleet.stop_all()
+    done = fleet.done()
+    done_jobs = {job_of(r) for r in done}
+
+    # none lost: nothing undelivered or pending, nothing dead-lettered; the only entries
+    # left are jobs whose worker was killed between XACK and XDEL (see the xfail below)
+    assert dead_letters(led) == []
+    assert not set(final.leftover) & done_jobs
+    # each effect once
+    for sid in (s for wave in reset_sids for s in wave):
+        h = session_hash(led, sid)
+        assert (h["ep"], h["x:resets"]) == ("2", "1"), sid
+    for sid in compaction_sids:
+        assert signature(led, sid) == expected[sid], sid
+    for sid in every_sid:
+        rep = led.audit(sid)
+        assert rep.clean, (sid, rep.problems)
+
+    # taken over within claim_idle_ms plus about one poll pass: the time from the kill
+    # to the 'job done' line of the worker that took the job over (a worker killed after
+    # XDEL and before its log line leaves no such line: those jobs are not measured)
+    first_done: dict[Job, float] = {}
+    for r in done:
+        job = job_of(r)
+        if job in killed_at and r["ts"] >= killed_at[job] - 0.002:
+            first_done[job] = min(first_done.get(job, r["ts"]), r["ts"])
+    takeover = sorted(first_done[j] - killed_at[j] for j in first_done)
+    spread = (
+        f"median {statistics.median(takeover):.3f}s, max {max(takeover):.3f}s" if takeover else "-"
+    )
+    print(
+        f"\nseed {seed}; jobs held at each of {kills} kills: {held_per_kill}; takeover "
+        f"(kill -> done) of {len(takeover)}/{len(killed_at)} held jobs: {spread} (claim_idle_ms "
+        f"{CLAIM_IDLE_MS}, "
+        f"poll {POLL}s); acked but not deleted: {len(final.leftover)}"
+    )
+    assert any(held_per_kill), held_per_kill
+    assert len(takeover) >= len(killed_at) // 2, (len(takeover), len(killed_at))
+    assert max(takeover) <= CLAIM_IDLE_MS / 1000 + 1.0, (seed, takeover)
+
+
+@pytest.mark.slow
+def test_sigterm_stops_cleanly_while_jobs_flow(led: Ledger, fleets: Callable[..., Fleet]) -> None:
+    fleet = fleets(led.settings.prefix)
+    jobs: list[Job] = []
+    stop_feeding = threading.Event()
+
+    def feed() -> None:  # 5 new sessions with one job each every ~20 ms, until stopped
+        k = 0
+        while not stop_feeding.wait(0.02):
+            jobs.extend(open_resets(led, [f"term-{k + i}" for i in range(5)]))
+            k += 5
+
+    feeder = threading.Thread(target=feed)
+    stopped_with_backlog = 0
+    try:
+        for round_ in range(3):
+            w = fleet.spawn(f"term-{round_}")
+            w.wait_started()
+            if round_ == 0:
+                feeder.start()
+            time.sleep(0.2)
+            w.proc.send_signal(signal.SIGTERM)
+            assert w.proc.wait(15) == 0, w.tail()
+            assert w.records()[-1]["msg"] == "worker stopped", w.tail()
+            assert "Traceback" not in w.log.read_text()
+            assert w.messages("job done"), w.tail()  # it was working
+            # it finished the jobs in hand: nothing of its own is left pending
+            assert held_by(led, w.consumer) == []
+            stopped_with_backlog += backlog(led).undelivered > 0
+    finally:
+        stop_feeding.set()
+        feeder.join(30)
+    assert stopped_with_backlog >= 1  # jobs were still flowing when it stopped
+    assert len(jobs) >= 100
+    last = fleet.spawn("term-drain")
+    last.wait_started()
+    assert drained(led) == Backlog()
+    fleet.stop_all()
+    assert sorted(job_of(r) for r in fleet.done()) == sorted(jobs)
+    for sid, _ in jobs:
+        h = session_hash(led, sid)
+        assert (h["ep"], h["x:resets"]) == ("2", "1"), sid
+    assert dead_letters(led) == []
+
+
+@pytest.mark.slow
+def test_poison_job_is_dead_lettered(led: Ledger, fleets: Callable[..., Fleet]) -> None:
+    fleet = fleets(led.settings.prefix, LEDGER_WORKER_MAX_DELIVERIES="3")
+    sids = [f"poison-{i}" for i in range(20)]
+    jobs = open_resets(led, sids[:10])
+    partition = 1
+    stream = led.keyspace.jobs(partition)
+    fields: dict[Any, Any] = {"kind": "bogus", "session": "nobody", "epoch": 1, "reason": "test"}
+    fields["op"] = "x"
+    bad = _text(led.client.xadd(stream, fields))
+    jobs += open_resets(led, sids[10:])
+    w = fleet.spawn("poison-a")
+    wait_until(lambda: len(dead_letters(led)) == 1, 15, "the poison job to be dead-lettered")
+    assert drained(led, 15) == Backlog()
+    fleet.stop_all()
+
+    [dead] = dead_letters(led)
+    dead_stream = [_text(e) for e, _ in xrange(led, f"{led.keyspace.tag(partition)}:dead")]
+    assert dead_stream == [dead["id"]]
+    assert (dead["job"], dead["kind"], dead["session"]) == (bad, "bogus", "nobody")
+    assert dead["why"] == "delivered 4 times"
+    assert "unknown job kind 'bogus'" in dead["error"]
+    failed = [r for r in w.messages("job failed") if r["job"] == bad]
+    assert len(failed) == 3  # max_deliveries attempts, then the dead letter
+    assert [r["job"] for r in w.messages("job dead-lettered")] == [bad]
+    assert led.client.hlen(f"{led.keyspace.tag(partition)}:errors") == 0
+    # the other jobs are unaffected
+    assert sorted(job_of(r) for r in fleet.done()) == sorted(jobs)
+    for sid in sids:
+        assert session_hash(led, sid)["ep"] == "2", sid
+
+
+@pytest.mark.slow
+def test_bench_workers_json() -> None:
+    """bench/bench_workers.py runs end to end (its own redis-server); no speed asserted."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.bench_workers", "--jobs", "100", "--reps", "1", "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout)
+    assert res["params"]["jobs"] == 100 and res["params"]["claim_idle_ms"] > 0
+    assert set(res["throughput"]) == {"1", "2"}
+    for n, t in res["throughput"].items():
+        assert t["jobs_per_s"] > 0 and sum(t["per_worker"].values()) == 100
+        assert len(t["per_worker"]) == int(n)
+    [rep] = res["takeover"]["reps"]
+    assert rep["held"] > 0 and rep["seconds"] > 0
+    assert res["takeover"]["max_s"] == rep["seconds"]
+
+
+# --- in process ----------------------------------------------------------------------
+
+
+def test_duplicate_delivery_changes_state_once(led: Ledger) -> None:
+    worker = in_process_worker(led)
+    # hard reset
+    open_resets(led, ["dup-reset"])
+    [(eid, fields)] = entries_for(led, "dup-reset")
+    worker.handle(eid, fields)
+    worker.handle(eid, fields)
+    h = session_hash(led, "dup-reset")
+    assert (h["ep"], h["x:resets"]) == ("2", "1")
+
+    # a compaction that succeeds: the second delivery finds nothing pending
+    sid = "easy-dup"  # compacted under H at the first try
+    open_compaction(led, sid)
+    [(eid, fields)] = entries_for(led, sid)
+    assert worker.handle(eid, fields).effect == "applied"
+    after_first = signature(led, sid)
+    assert worker.handle(eid, fields).effect == "already"
+    assert signature(led, sid) == after_first
+    h = session_hash(led, sid)
+    assert (h["kn"], h["cd"], h.get("x:failed_compactions", "0")) == ("1", "0", "0")
+
+    # a compaction that fails: still pending, so the second delivery runs the compactor
+    # again; the op id (the entry id) makes it change nothing and enqueue nothing
+    sid = "stuck-dup"
+    open_compaction(led, sid)
+    [(eid, fields)] = entries_for(led, sid)
+    worker.handle(eid, fields)
+    after_first = signature(led, sid)
+    assert len(entries_for(led, sid)) == 2  # the job and its follow-up
+    worker.handle(eid, fields)
+    assert signature(led, sid) == after_first
+    assert len(entries_for(led, sid)) == 2  # one follow-up compact job, not two
+    h = session_hash(led, sid)
+    assert (h["kf"], h["cd"], h["x:failed_compactions"]) == ("1", "1", "1")
+
+
+def test_concurrent_duplicate_delivery(led: Ledger) -> None:
+    """Two workers handle the same entries at once (a takeover racing a slow worker)."""
+    sids = [f"race-{i}" for i in range(30)]
+    ids = open_resets(led, sids)
+    entries = [e for sid in sids for e in entries_for(led, sid)]
+    assert [e for e, _ in entries] == [eid for _, eid in ids]
+    workers = [in_process_worker(led), in_process_worker(led)]
+    barrier = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def run(w: Worker) -> None:
+        try:
+            barrier.wait()
+            for eid, fields in entries:
+                w.handle(eid, fields)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(w,)) for w in workers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == []
+    for sid in sids:
+        h = session_hash(led, sid)
+        assert (h["ep"], h["x:resets"]) == ("2", "1"), sid
+
+
+def test_expired_reservation_released_by_sweep(led: Ledger) -> None:
+    s = led.open_session("lease", BUDGET)
+    free = s.snapshot().free
+    s.reserve("scratchpad", "r1", 300, lease_ms=30)
+    s.reserve("scratchpad", "r2", 200, lease_ms=30)
+    s.reserve("scratchpad", "keep", 100, lease_ms=60_000)
+    time.sleep(0.1)
+    with pytest.raises(ReservationExpired):  # past its deadline, not yet swept
+        s.settle("r1", 250, "item1")
+    worker = in_process_worker(led)
+    assert worker.sweep() == 2
+    assert worker.metrics.registry.get_sample_value("ledger_reservations_expired_total") == 2
+    snap = s.snapshot()
+    assert (snap.open_reservations, snap.expirations, snap.free) == (1, 2, free - 100)
+    for rid in ("r1", "r2"):
+        with pytest.raises(UnknownReservation):
+            s.settle(rid, 10, f"late-{rid}")
+    assert worker.sweep() == 0
+    assert s.settle("keep", 100, "kept").charged == 100
+    assert led.audit("lease").clean
+
+
+def test_run_loop_sweeps_leases(led: Ledger) -> None:
+    s = led.open_session("lease-loop", BUDGET)
+    worker = in_process_worker(led, sweep_interval=0.05)
+    stop = threading.Event()
+    t = threading.Thread(target=worker.run, args=(stop,))
+    t.start()
+    try:
+        s.reserve("working_memory", "r1", 100, lease_ms=50)
+        wait_until(lambda: s.snapshot().open_reservations == 0, 5, "the sweep")
+    finally:
+        stop.set()
+        t.join(10)
+    assert not t.is_alive()
+    with pytest.raises(UnknownReservation):
+        s.settle("r1", 100, "late")
+    assert s.snapshot().expirations == 1
+
+
+def test_metrics(led: Ledger) -> None:
+    worker = in_process_worker(led)
+    open_resets(led, [f"m-reset-{i}" for i in range(3)])
+    for i in range(2):
+        open_compaction(led, f"stuck-m{i}")
+    drain_in_process(led, worker)
+    reg = worker.metrics.registry
+
+    def sample(metric: str, **labels: str) -> float | None:
+        return reg.get_sample_value(metric, labels)
+
+    # 3 resets + 2 escalations; 3 failed compactions per stuck session
+    assert sample("ledger_jobs_processed_total", kind="hard_reset") == 5
+    assert sample("ledger_jobs_processed_total", kind="compact") == 6
+    assert sample("ledger_jobs_failed_total", kind="compact") is None
+    assert sample("ledger_jobs_dead_lettered_total") == 0
+
+    # four jobs waiting in one partition, one delivered and not acknowledged
+    waiting = [f"m-wait-{i}" for i in range(40)]
+    target = led.keyspace.partition_of(waiting[0])
+    waiting = [sid for sid in waiting if led.keyspace.partition_of(sid) == target][:4]
+    assert len(waiting) == 4
+    open_resets(led, waiting)
+    led.client.xreadgroup(GROUP, "someone", {led.keyspace.jobs(target): ">"}, count=1)
+    worker.observe()
+    assert sample("ledger_indicator", name="failed_compactions") == 6
+    assert sample("ledger_indicator", name="escalations") == 2
+    assert sample("ledger_indicator", name="resets") == 5
+    assert sample("ledger_partition_lag", partition=str(target)) == 3
+    assert sample("ledger_partition_pending", partition=str(target)) == 1
+    for p in set(range(PARTITIONS)) - {target}:
+        assert sample("ledger_partition_lag", partition=str(p)) == 0
+        assert sample("ledger_partition_pending", partition=str(p)) == 0
+    text = generate_latest(reg).decode()
+    assert 'ledger_jobs_processed_total{kind="hard_reset"} 5.0' in text
+    assert 'ledger_indicator{name="failed_compactions"} 6.0' in text
+
+
+def test_failing_compactor_is_retried_then_succeeds(led: Ledger) -> None:
+    open_compaction(led, "flaky-1")
+    worker = in_process_worker(led, compactor="tests.test_workers:flaky_compactor")
+    drain_in_process(led, worker)
+    reg = worker.metrics.registry
+    assert reg.get_sample_value("ledger_jobs_failed_total", {"kind": "compact"}) == 1
+    assert reg.get_sample_value("ledger_jobs_taken_over_total") >= 1  # type: ignore[operator]
+    h = session_hash(led, "flaky-1")
+    assert h["cd"] == "0" and h["kn"] == "1"
+    assert dead_letters(led) == []
+
+
+# --- bugs, pinned --------------------------------------------------------------------
+
+
+def test_simulated_compactor_chain_drains(led: Ledger) -> None:
+    """The shipped compactor through the worker: a failed compaction's follow-up job
+    commits (it once reused the summary id summary-e<epoch>-t<turn> and was refused with
+    LEDGER_CONFLICT until dead-lettered), and every chain ends compacted or reset."""
+    sids = [f"sim-{i}" for i in range(12)]
+    for sid in sids:
+        open_compaction(led, sid)
+    worker = in_process_worker(led, compactor="workers.compactors:simulated", max_deliveries=2)
+    drain_in_process(led, worker)
+    assert dead_letters(led) == []
+    assert (
+        worker.metrics.registry.get_sample_value("ledger_jobs_failed_total", {"kind": "compact"})
+        is None
+    )
+    hashes = [session_hash(led, sid) for sid in sids]
+    assert all(h["cd"] == "0" and (h["kn"] == "1" or h["ep"] == "2") for h in hashes), hashes
+    assert any(h.get("x:failed_compactions", "0") != "0" for h in hashes)  # retries happened
+    for sid in sids:
+        assert led.audit(sid).clean
+
+
+def test_worker_survives_lost_consumer_group(led: Ledger) -> None:
+    worker = in_process_worker(led)
+    sid = "lost-group"
+    led.open_session(sid, BUDGET)
+    stream = jobs_of(led, sid)
+    stop, errors = threading.Event(), []
+
+    def run() -> None:
+        try:
+            worker.run(stop)
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    try:
+        wait_until(lambda: bool(led.client.exists(stream)), 5, "the groups")
+        time.sleep(0.05)
+        led.client.delete(stream)  # as FLUSHDB or a restart without persistence would
+        led.client.xadd(stream, reset_fields(sid))  # a script enqueues a job afterwards
+        wait_until(
+            lambda: bool(errors) or session_hash(led, sid)["ep"] == "2", 5, "the job or a crash"
+        )
+    finally:
+        stop.set()
+        t.join(10)
+    if errors:
+        raise errors[0]  # NOGROUP: the worker loop died
+    assert session_hash(led, sid)["ep"] == "2"
+
+
+def test_errors_hash_cleared_after_success(led: Ledger) -> None:
+    sid = "flaky-2"
+    open_compaction(led, sid)
+    worker = in_process_worker(led, compactor="tests.test_workers:flaky_compactor")
+    drain_in_process(led, worker)
+    assert session_hash(led, sid)["kn"] == "1"
+    assert led.client.hlen(f"{led.keyspace.tag(led.keyspace.partition_of(sid))}:errors") == 0
+
+
+class Killed(BaseException):
+    """Stands for SIGKILL at one point of the worker's code."""
+
+
+def test_no_entry_left_when_killed_between_ack_and_delete(
+    led: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    [(sid, eid)] = open_resets(led, ["ack-gap"])
+    dying = in_process_worker(led)
+
+    def die(*_: object) -> None:
+        raise Killed
+
+    monkeypatch.setattr(led.client, "xdel", die)
+    dying.ensure_groups()
+    with pytest.raises(Killed):
+        dying.poll_once()
+    monkeypatch.undo()
+    assert session_hash(led, sid)["ep"] == "2"  # the effect happened, the XACK too
+    time.sleep(0.1)  # past claim_idle_ms
+    other = in_process_worker(led)
+    for _ in range(5):
+        other.poll_once()
+    left = backlog(led)
+    assert left.clear  # nothing undelivered or pending ...
+    assert (sid, eid) not in left.leftover  # ... and the entry is gone from the stream
