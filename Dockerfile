@@ -1,4 +1,4 @@
-# The ledger worker (and the `ledger` command): releases expired reservations.
+# The ledger worker (and the `ledger` command): compaction and hard-reset jobs, lease expiry.
 #   docker build -t redis-token-ledger .
 #   docker run --rm --init -e LEDGER_REDIS_URL=redis://host:6379/0 redis-token-ledger
 FROM python:3.11-slim
