@@ -76,6 +76,21 @@ class AsyncLedger(LedgerCore):
         await s.refresh()
         return s
 
+    async def session_ids(self) -> list[str]:
+        """Every open session of this prefix (SCAN; closed sessions' tombstones left out)."""
+        keys: dict[str, str] = {}
+        with translated():
+            async for k in self.client.scan_iter(match=self.keyspace.session_pattern(), count=500):
+                name = k.decode() if isinstance(k, bytes) else str(k)
+                sid = self.keyspace.session_id_of(name)
+                if sid is not None:
+                    keys[name] = sid
+            pipe = self.client.pipeline(transaction=False)
+            for name in keys:
+                pipe.hexists(name, "ep")
+            alive = await pipe.execute()
+        return sorted(sid for sid, ok in zip(keys.values(), alive, strict=True) if ok)
+
     async def items(self, session_id: str) -> list[HeldItem]:
         keys = self.keyspace.session(session_id)
         with translated():

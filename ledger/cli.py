@@ -13,7 +13,13 @@ from collections.abc import Sequence
 from rich.console import Console
 from rich.table import Table
 
-from ledger.errors import BackendUnavailable, ConfigurationError, InvalidArgument, LedgerError
+from ledger.errors import (
+    BackendUnavailable,
+    ConfigurationError,
+    InvalidArgument,
+    LedgerError,
+    UnknownSession,
+)
 from ledger.settings import LedgerSettings
 
 EXIT_OK, EXIT_VIOLATION, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
@@ -71,7 +77,12 @@ def cmd_audit(args: argparse.Namespace, out: Console) -> int:
         ids = args.session or ledger.session_ids()
         bad = 0
         for sid in ids:
-            rep = ledger.audit(sid)
+            try:
+                rep = ledger.audit(sid)
+            except UnknownSession:
+                if args.session:  # asked for by name: that is an error
+                    raise
+                continue  # closed or expired since it was listed
             if rep.clean and not rep.overdue:
                 out.print(f"{sid}: clean")
             else:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Callable
 from typing import Any, Concatenate, ParamSpec, Self, TypeVar
 
@@ -78,19 +77,18 @@ class Ledger(LedgerCore):
     def session_ids(self) -> list[str]:
         """Every open session of this prefix (SCAN; on a cluster, every primary). Closed
         sessions whose tombstone still keeps their last outcome are left out."""
-        pattern = re.compile(rf"{re.escape(self.keyspace.prefix)}:\{{p\d+\}}:s:(.+)")
+        keys: dict[str, str] = {}
         with translated():
-            keys = {}
             for k in self.client.scan_iter(match=self.keyspace.session_pattern(), count=500):
                 name = k.decode() if isinstance(k, bytes) else str(k)
-                m = pattern.fullmatch(name)
-                if m:
-                    keys[name] = m.group(1)
+                sid = self.keyspace.session_id_of(name)
+                if sid is not None:
+                    keys[name] = sid
             pipe = self.client.pipeline(transaction=False)
             for name in keys:
                 pipe.hexists(name, "ep")
             alive = pipe.execute()
-        return sorted(sid for (_, sid), ok in zip(keys.items(), alive, strict=True) if ok)
+        return sorted(sid for sid, ok in zip(keys.values(), alive, strict=True) if ok)
 
     def items(self, session_id: str) -> list[HeldItem]:
         """Every item a session holds, oldest first (one atomic HGETALL)."""

@@ -83,6 +83,11 @@ class KeySpace:
             f"{self.tag(p)}:spill:{session_id}:",
         )
 
+    def session_id_of(self, key: str) -> str | None:
+        """The session id in a session hash's key name, or None for any other key."""
+        m = re.fullmatch(rf"{re.escape(self.prefix)}:\{{p\d+\}}:s:(.+)", key)
+        return m.group(1) if m else None
+
     def session_pattern(self) -> str:
         """SCAN pattern matching every session hash of this prefix."""
         return f"{self.prefix}:{{p*}}:s:*"

@@ -5,7 +5,8 @@
 -- key name: keys arrive only through KEYS.
 --
 -- Session hash (KEYS[1] of every session script), one Redis hash:
---   ep tn sq            epoch, turn, item sequence
+--   ep tn sq inc        epoch, turn, item sequence, creation time (ms) of this incarnation
+--   pe                  (tombstone of a closed session) its last epoch
 --   W S T out           window, system prompt, tool framing, output reserve (tokens)
 --   F_w F_m             working-memory floor, memory (retrieval + recall) floor
 --   HW EV               high-water mark, eviction threshold (tokens)
@@ -78,6 +79,19 @@ local function session_arg(v)
     return nil, err('BADARG', 'session id ' .. sid .. ' does not name the session key ' .. show(KEYS[1]))
   end
   return sid
+end
+
+-- KEYS[i] must be the partition key `suffix` of the session in KEYS[1]
+-- ('<prefix>:{p<N>}:s:<session>'); '%s' in suffix stands for the session id. The name
+-- is only compared, never used to reach a key: the scripts use KEYS as given.
+local function key_arg(i, suffix)
+  local tag, sid = string.match(KEYS[1] or '', '^(.-{p%d+}):s:(.+)$')
+  local want = tag and (tag .. ':' .. string.format(suffix, sid))
+  if not want or KEYS[i] ~= want or #KEYS ~= i then
+    return err('BADARG', 'KEYS must be the session key and ' .. show(want or suffix) .. ', got ' ..
+      #KEYS .. ' keys: ' .. show(KEYS[i]))
+  end
+  return nil
 end
 
 local function consumer_arg(v)
@@ -196,8 +210,9 @@ end
 -- Append a job for the workers to the partition's stream (KEYS of the caller), in
 -- the same atomic step as the state change that needs it (DESIGN invariant 9).
 local function enqueue(stream, kind, sid, epoch, op, reason)
+  local inc = redis.call('HGET', KEYS[1], 'inc')
   redis.call('XADD', stream, '*', 'kind', kind, 'session', sid, 'epoch', epoch, 'reason', reason,
-    'op', op)
+    'op', op, 'inc', inc or '0')
 end
 
 -- Record the outcome under its op id and write args (field, value, ...) in one

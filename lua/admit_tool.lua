@@ -40,6 +40,8 @@ if type(ARGV[6]) ~= 'string' or #ARGV[6] > 67108864 then
 end
 if #ARGV ~= 6 then return err('BADARG', 'expected 6 arguments, got ' .. #ARGV) end
 
+e = key_arg(2, 'spill:%s:' .. call)
+if e then return e end
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'sq', 'fr', 'F_m', 'a_m', 'a_s', 'u_r', 'u_m', 'u_s', 'n_r', 'n_m', 'n_s',
   'pv', 'sttl', 'gz', 'xp', 'o:' .. op, 'ol', 'i:s:' .. call }, 17)

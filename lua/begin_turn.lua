@@ -48,6 +48,8 @@ sid, e = session_arg(ARGV[6])
 if e then return e end
 if #ARGV ~= 6 then return err('BADARG', 'expected 6 arguments, got ' .. #ARGV) end
 
+e = key_arg(2, 'jobs')
+if e then return e end
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'W', 'S', 'T', 'R0', 'F_w', 'F_m', 'a_w', 'a_m', 'a_s', 'u_w', 'u_r',
   'u_m', 'u_s', 'n_w', 'n_r', 'n_m', 'n_s', 'EV', 'HW', 'kt', 'rut', 'rup', 'cd', 'gz', 'xp',

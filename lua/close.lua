@@ -7,8 +7,9 @@
 -- ARGV[4]  session id
 --
 -- Reply: status=ok|closed=<0|1>
--- The outcome stays in a tombstone (the op record alone, for the op retention)
--- so that a retry gets closed=1 back.
+-- The outcome stays in a tombstone (the op record and the last epoch, for the op
+-- retention) so that a retry gets closed=1 back and a session opened again under
+-- the same id starts at a later epoch: handles and jobs of the closed one stay fenced.
 -- Errors: LEDGER_BADARG, LEDGER_STALE, LEDGER_OPREUSED.
 -- Calls: HMGET, HGETALL (only with open reservations), ZREM, DEL, TIME, HSET, PEXPIRE.
 
@@ -18,6 +19,8 @@ local sid
 sid, e = session_arg(ARGV[4])
 if e then return e end
 if #ARGV ~= 4 then return err('BADARG', 'expected 4 arguments, got ' .. #ARGV) end
+e = key_arg(2, 'deadlines')
+if e then return e end
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'nv', 'ort', 'o:' .. op }, 3)
 local again = replay(R[1], op, fp)
@@ -35,6 +38,6 @@ if H.nv > 0 then
 end
 redis.call('DEL', key)
 local out = reply({ 'status=ok', 'closed=1' })
-redis.call('HSET', key, 'o:' .. op, now_ms() .. '|' .. fp .. '|' .. out, 'ol', op)
+redis.call('HSET', key, 'o:' .. op, now_ms() .. '|' .. fp .. '|' .. out, 'ol', op, 'pe', H.ep)
 redis.call('PEXPIRE', key, H.ort)
 return out

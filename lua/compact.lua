@@ -61,6 +61,8 @@ for k = 1, n do
   fields[#fields + 1] = 'i:' .. ref
 end
 
+e = key_arg(2, 'jobs')
+if e then return e end
 local key = KEYS[1]
 local H, R = load(key, fields, #NUM)
 e = gate(H, R, op, fp, epoch)

@@ -42,6 +42,8 @@ sid, e = session_arg(ARGV[7])
 if e then return e end
 if #ARGV ~= 7 then return err('BADARG', 'expected 7 arguments, got ' .. #ARGV) end
 
+e = key_arg(2, 'jobs')
+if e then return e end
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'W', 'S', 'T', 'a_w', 'a_m', 'a_s', 'F_w', 'HW', 'cd', 'kt', 'rut', 'rup',
   'ai', 'an', 'pu', 'ams', 'amf', 'amp', 'gz', 'xp', 'te', 'o:' .. op, 'ol' }, 23)

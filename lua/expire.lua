@@ -36,6 +36,8 @@ for k = 1, n do
   raws[k + 16] = 'r:' .. rid
 end
 
+e = key_arg(2, 'deadlines')
+if e then return e end
 local key = KEYS[1]
 local H, R = load(key, raws, 14)
 local again = replay(R[1], op, fp)

@@ -2,7 +2,8 @@
 --
 -- KEYS[1]  session hash
 -- ARGV[1]  operation id            ARGV[2] argument fingerprint (hex)
--- ARGV[3]  epoch                   ignored on open (send 0); a new session starts at epoch 1
+-- ARGV[3]  epoch                   ignored on open (send 0); a new session starts at epoch 1,
+--                                  or one above a closed session's tombstone
 -- ARGV[4]  window W                tokens, 1..1e8
 -- ARGV[5]  system prompt S         tokens
 -- ARGV[6]  tool framing T          tokens
@@ -74,7 +75,7 @@ end
 if #ARGV ~= 24 then return err('BADARG', 'expected 24 arguments, got ' .. #ARGV) end
 
 local key = KEYS[1]
-local H, R = load(key, { 'ep', 'tn', 'o:' .. op, 'cfg', 'ol' }, 2)
+local H, R = load(key, { 'ep', 'tn', 'pe', 'o:' .. op, 'cfg', 'ol' }, 3)
 local again = replay(R[1], op, fp)
 if again then return again end
 if H.ep then
@@ -88,7 +89,8 @@ end
 
 local now = now_ms()
 local fr = W - floor
-local args = { 'cfg', cfp .. '|' .. ARGV[15], 'ep', 1, 'tn', 0, 'sq', 0,
+local epoch = (H.pe or 0) + 1
+local args = { 'cfg', cfp .. '|' .. ARGV[15], 'ep', epoch, 'inc', now, 'tn', 0, 'sq', 0,
   'W', W, 'S', S, 'T', T, 'out', out, 'F_w', Fw, 'F_m', Fm, 'HW', v[7], 'EV', v[8], 'fr', fr,
   'a_w', 0, 'a_m', 0, 'a_s', 0, 'nv', 0, 'ttl', v[9], 'ort', v[10], 'cl', 0, 'ch', 0,
   'R0', out, 'rel', rel, 'pv', v[11], 'sttl', v[12], 'cx', v[13], 'rut', v[14], 'rup', v[15],
@@ -98,5 +100,5 @@ zero_counters(args)
 -- xp = 0 and gz = NEVER: the first commit refreshes the idle TTL.
 args[#args + 1] = 'gz'
 args[#args + 1] = string.format('%d', NEVER)
-return commit(key, now, op, fp, reply({ 'status=ok', 'created=1', 'epoch=1', 'turn=0' }), args,
+return commit(key, now, op, fp, reply({ 'status=ok', 'created=1', 'epoch=' .. epoch, 'turn=0' }), args,
   { ol = R[3], gz = NEVER, xp = 0, cl = 0, ch = 0, ttl = v[9], ort = v[10] })

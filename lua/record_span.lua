@@ -17,7 +17,8 @@
 -- Reply: status=ok|turn=<n>|spans=<n>|span_input=<tokens>|ratio=<per mille>|epoch=<n>
 --    or  status=refused|reason=fanout_guard|requested=<input tokens>|ratio=<per mille>
 --          |threshold=<per mille>|advice=summarize_and_proceed|free=<tokens>|epoch=<n>|turn=<n>
--- Errors: LEDGER_BADARG (also: not the current turn), LEDGER_NOSESSION, LEDGER_STALE,
+-- Errors: LEDGER_BADARG (also: not the current turn, or one already ended), LEDGER_NOSESSION,
+--         LEDGER_STALE,
 --         LEDGER_OPREUSED.
 -- Calls: HMGET, TIME, HSET (HINCRBY on refusal; a PEXPIRE or a journal sweep when due).
 
@@ -36,11 +37,14 @@ if #ARGV ~= 7 then return err('BADARG', 'expected 7 arguments, got ' .. #ARGV) e
 
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'S', 'T', 'a_w', 'a_m', 'a_s', 'fr', 'ai', 'ao', 'an', 'amp', 'gz', 'xp',
-  'o:' .. op, 'ol' }, 14)
+  'te', 'o:' .. op, 'ol' }, 15)
 e = gate(H, R, op, fp, epoch)
 if e then return e end
 if turn ~= H.tn then
   return err('BADARG', 'turn ' .. turn .. ' is not the current turn ' .. H.tn)
+end
+if H.te == turn then
+  return err('BADARG', 'turn ' .. turn .. ' has already ended')
 end
 local now = now_ms()
 local prompt = math.max(1, H.S + H.T + H.a_w + H.a_m + H.a_s)

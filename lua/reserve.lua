@@ -11,7 +11,9 @@
 -- ARGV[8]  lease                   milliseconds until the deadline, 1..86400000, on Redis's clock
 --
 -- Reply: status=ok|reservation=<id>|deadline_ms=<ms>|free=<tokens>|epoch=<n>|turn=<n>
---    or  status=refused|reason=token_budget_exhausted|requested=<tokens>|free=<tokens>|epoch=<n>|turn=<n>
+--    or  status=refused|reason=<reason>|requested=<tokens>|free=<tokens>|epoch=<n>|turn=<n>
+--   reason: token_budget_exhausted, floor_protected, or compaction_pending (retrieval and
+--   recall while a compaction is pending, judged as admit.lua judges them)
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED,
 --         LEDGER_CONFLICT (the reservation id is open already).
 -- Calls: HMGET, TIME, HSET, ZADD (a PEXPIRE or a journal sweep when due).
@@ -32,9 +34,11 @@ if e then return e end
 if #ARGV ~= 8 then return err('BADARG', 'expected 8 arguments, got ' .. #ARGV) end
 local g = GROUP[c]
 
+e = key_arg(2, 'deadlines')
+if e then return e end
 local key = KEYS[1]
-local H, R = load(key, { 'ep', 'tn', 'fr', 'a_' .. g, 'F_' .. g, 'v_' .. c, 'nv', 'gz', 'xp',
-  'o:' .. op, 'ol', 'r:' .. rid }, 9)
+local H, R = load(key, { 'ep', 'tn', 'fr', 'a_' .. g, 'F_' .. g, 'v_' .. c, 'nv', 'gz', 'xp', 'cd',
+  'o:' .. op, 'ol', 'r:' .. rid }, 10)
 e = gate(H, R, op, fp, epoch)
 if e then return e end
 if R[3] then return err('CONFLICT', 'reservation ' .. rid .. ' is already open') end
@@ -43,9 +47,16 @@ local now = now_ms()
 local a = H['a_' .. g]
 local d = claim_delta(a, tokens, H['F_' .. g] or 0)
 local J = { ol = R[2], gz = H.gz, xp = H.xp }
-if d > H.fr then
+local reason
+if g == 'm' and H.cd == 1 then  -- record 001: memory waits for the pending compaction
+  local x = load(key, { 'HW', 'out', 'W' }, 3)
+  if d > H.fr or tokens > x.W - x.out - x.HW then reason = 'compaction_pending' end
+elseif d > H.fr then
+  reason = refusal_reason(key, tokens)
+end
+if reason then
   redis.call('HINCRBY', key, 'x:refused', 1)
-  return commit(key, now, op, fp, reply({ 'status=refused', 'reason=' .. refusal_reason(key, tokens),
+  return commit(key, now, op, fp, reply({ 'status=refused', 'reason=' .. reason,
     'requested=' .. tokens, 'free=' .. H.fr, 'epoch=' .. H.ep, 'turn=' .. H.tn }), {}, J)
 end
 local deadline = now + lease

@@ -23,6 +23,8 @@ reason, e = id_arg(ARGV[5], 'reason')
 if e then return e end
 if #ARGV ~= 5 then return err('BADARG', 'expected 5 arguments, got ' .. #ARGV) end
 
+e = key_arg(2, 'deadlines')
+if e then return e end
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'W', 'S', 'T', 'out', 'F_w', 'F_m', 'gz', 'xp', 'o:' .. op, 'ol' }, 10)
 e = gate(H, R, op, fp, epoch)

@@ -11,8 +11,10 @@
 -- ARGV[8]  priority                0..1000
 --
 -- Reply: status=ok|reservation=<id>|item=<id>|charged=<tokens>|free=<tokens>|epoch=<n>|turn=<n>
---    or  status=refused|reason=token_budget_exhausted|requested=<tokens>|free=<tokens>|epoch=<n>|turn=<n>
---        (the actual size does not fit; the reservation stays open until voided or expired)
+--    or  status=refused|reason=<reason>|requested=<tokens>|free=<tokens>|epoch=<n>|turn=<n>
+--        (the actual size does not fit; the reservation stays open until voided or expired;
+--        reason token_budget_exhausted, floor_protected, or compaction_pending for memory
+--        growing past its reservation while a compaction is pending)
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED,
 --         LEDGER_NORESERVATION (not open: settled, voided, expired and swept, or never made),
 --         LEDGER_EXPIRED (its deadline has passed on Redis's clock),
@@ -34,6 +36,8 @@ prio, e = int_arg(ARGV[8], 'priority', 0, 1000)
 if e then return e end
 if #ARGV ~= 8 then return err('BADARG', 'expected 8 arguments, got ' .. #ARGV) end
 
+e = key_arg(2, 'deadlines')
+if e then return e end
 local key = KEYS[1]
 local res
 res, e = open_reservation(key, op, fp, epoch, rid)
@@ -41,7 +45,7 @@ if e then return e end
 local c, est, deadline = res.c, res.est, res.deadline
 local g = GROUP[c]
 local H, R = load(key, { 'ep', 'tn', 'sq', 'fr', 'a_' .. g, 'F_' .. g, 'u_' .. c, 'n_' .. c, 'v_' .. c,
-  'nv', 'gz', 'xp', 'ol', 'i:' .. c .. ':' .. item }, 12)
+  'nv', 'gz', 'xp', 'cd', 'ol', 'i:' .. c .. ':' .. item }, 13)
 local now = now_ms()
 if now > deadline then
   return err('EXPIRED', 'reservation ' .. rid .. ' expired at ' .. deadline .. ' ms, ' .. (now - deadline) .. ' ms ago')
@@ -51,9 +55,16 @@ if R[2] then return err('CONFLICT', 'consumer ' .. c .. ' already holds item ' .
 local a = H['a_' .. g]
 local d = claim_delta(a, actual - est, H['F_' .. g] or 0)
 local J = { ol = R[1], gz = H.gz, xp = H.xp }
-if d > H.fr then
+local reason
+if g == 'm' and H.cd == 1 and actual > est then  -- record 001, as admit.lua judges memory
+  local x = load(key, { 'HW', 'out', 'W' }, 3)
+  if d > H.fr or actual > x.W - x.out - x.HW then reason = 'compaction_pending' end
+elseif d > H.fr then
+  reason = refusal_reason(key, actual - est)
+end
+if reason then
   redis.call('HINCRBY', key, 'x:refused', 1)
-  return commit(key, now, op, fp, reply({ 'status=refused', 'reason=' .. refusal_reason(key, actual - est),
+  return commit(key, now, op, fp, reply({ 'status=refused', 'reason=' .. reason,
     'requested=' .. actual, 'free=' .. H.fr, 'epoch=' .. H.ep, 'turn=' .. H.tn }), {}, J)
 end
 redis.call('HDEL', key, 'r:' .. rid)

@@ -20,6 +20,8 @@ rid, e = id_arg(ARGV[5], 'reservation id')
 if e then return e end
 if #ARGV ~= 5 then return err('BADARG', 'expected 5 arguments, got ' .. #ARGV) end
 
+e = key_arg(2, 'deadlines')
+if e then return e end
 local key = KEYS[1]
 local res
 res, e = open_reservation(key, op, fp, epoch, rid)

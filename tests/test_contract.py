@@ -799,11 +799,14 @@ def test_close_then_everything_is_unknown(ledger: Ledger, budget: SessionBudget)
     for call in calls:
         with pytest.raises(UnknownSession):
             call()
-    # The id can be opened again, from scratch.
+    # The id can be opened again, from scratch, at a later epoch: handles of the closed
+    # session stay fenced (and so do its queued jobs, by the session's creation stamp).
     again = ledger.run(ledger.open_call(s.id, budget, None))
-    assert again == Opened(True, 1, 0)
+    assert again == Opened(True, s.epoch + 1, 0)
     snap = check(ledger, s, budget)
     assert snap.free == base_free(budget) and snap.items[RET] == 0
+    with pytest.raises(StaleEpoch):
+        s.admit(RET, [Item("late", 1)])
 
 
 def test_close_is_fenced_by_epoch(ledger: Ledger, budget: SessionBudget) -> None:

@@ -565,6 +565,7 @@ def test_record001_three_failed_compactions_escalate_once(ledger: Ledger) -> Non
                     "epoch": "1",
                     "reason": "failed_compactions",
                     "op": escalation_op,
+                    "inc": str(s.snapshot().raw["inc"]),  # this incarnation of the session
                 }
             ]
         snap = s.snapshot()

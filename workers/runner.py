@@ -229,8 +229,20 @@ class Worker:
             return self._compact(job_id, fields)
         raise ValueError(f"unknown job kind {kind!r}")
 
+    def _same_incarnation(self, snap: Any, f: Mapping[str, str]) -> bool:
+        """A job belongs to the session it was enqueued for, not to a later one that was
+        opened under the same id after the first was closed or expired."""
+        inc = int(f.get("inc") or 0)
+        return inc == 0 or snap.raw.get("inc", 0) == inc
+
     def _hard_reset(self, job_id: str, f: Mapping[str, str]) -> JobOutcome:
         keys = self.ledger.keyspace.session(f["session"])
+        try:
+            snap = self.ledger.run(protocol.snapshot(keys))
+        except UnknownSession:
+            return JobOutcome("hard_reset", "skipped")
+        if not self._same_incarnation(snap, f):
+            return JobOutcome("hard_reset", "skipped")
         call = protocol.reset(keys, f"job-{job_id}", int(f["epoch"]), f.get("reason") or "job")
         try:
             self.ledger.run(call)
@@ -244,6 +256,8 @@ class Worker:
         try:
             snap = self.ledger.run(protocol.snapshot(keys))
         except UnknownSession:
+            return JobOutcome("compact", "skipped")
+        if not self._same_incarnation(snap, f):
             return JobOutcome("compact", "skipped")
         if snap.epoch != epoch or not snap.compaction_pending:
             return JobOutcome("compact", "already")
