@@ -674,3 +674,45 @@ def test_reserve_script_refuses_a_session_id_other_than_its_key(
     with pytest.raises(redis.exceptions.ResponseError, match=r"^LEDGER_BADARG"):
         ledger._scripts["reserve"](keys=[session.keys.session, session.keys.deadlines], args=args)
     assert state(ledger, session) == before
+
+
+@pytest.mark.parametrize(
+    ("name", "build"),
+    [
+        ("settle", lambda k, s: protocol.settle(k, "op-keys", s.epoch, "res1", 450, "out1")),
+        ("void", lambda k, s: protocol.void(k, "op-keys", s.epoch, "res1")),
+        (
+            "reserve",
+            lambda k, s: protocol.reserve(
+                k, "op-keys", s.epoch, Consumer.SCRATCHPAD, "res9", 5, 60_000
+            ),
+        ),
+        ("begin_turn", lambda k, s: protocol.begin_turn(k, "op-keys", s.epoch, 10, None)),
+        ("admit_tool", lambda k, s: protocol.admit_tool(k, "op-keys", s.epoch, "call-1", 5, b"{}")),
+    ],
+)
+def test_scripts_refuse_keys_that_are_not_the_sessions(
+    ledger: Ledger, session: Session, name: str, build: Any
+) -> None:
+    """A direct caller passing the wrong second key (another partition's, the session
+    key twice, none) gets LEDGER_BADARG before any write."""
+    call = build(session.keys, session)
+    other = ledger.keyspace.session("another-session-id")
+    wrong = [
+        (session.keys.session, session.keys.session),
+        (
+            session.keys.session,
+            other.deadlines if other.partition != session.keys.partition else "x:{p9999}:deadlines",
+        ),
+        (session.keys.session,),
+        (session.keys.session, call.keys[1], call.keys[1]),
+    ]
+    before = state(ledger, session)
+    for keys in wrong:
+        # On a cluster, keys of two slots are refused before the script runs.
+        with pytest.raises(
+            (redis.exceptions.ResponseError, redis.exceptions.RedisClusterException),
+            match=r"^LEDGER_BADARG|CROSSSLOT|same (key )?slot",
+        ):
+            ledger._scripts[name](keys=list(keys), args=list(call.args))
+        assert state(ledger, session) == before, diff(before, state(ledger, session))
