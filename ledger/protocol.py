@@ -69,7 +69,7 @@ def _num(value: object) -> str:
 
 def fingerprint(script: str, args: Sequence[str]) -> str:
     """A short digest of a call's arguments: the same op id with other arguments is refused."""
-    h = hashlib.blake2b(script.encode(), digest_size=8)
+    h = hashlib.blake2b(script.encode(), digest_size=6)  # short: outcomes stay compact
     for a in args:
         h.update(b"\x1f")
         h.update(a.encode("utf-8", "surrogateescape"))

@@ -30,7 +30,7 @@ class LedgerSettings(BaseSettings):
     retry_initial_backoff: float = Field(default=0.02, gt=0)
     retry_max_backoff: float = Field(default=1.0, gt=0)
     op_retention_seconds: int = Field(
-        default=300,
+        default=120,
         ge=1,
         le=86_400,
         description="seconds an outcome is kept for retries (> retry_max_seconds)",

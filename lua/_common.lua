@@ -26,7 +26,7 @@
 --                       done, turn of the last one, hard reset requested
 --   ws ai ao an pu      this turn's working set, span input and output tokens, span
 --                       count; utilization (per mille) at the last end_turn
---   cfg                 '<budget fingerprint>|<budget json>'
+--   cfg                 the budget's fingerprint
 --   i:<c>:<id>          one item: '<tokens>|<turn>|<priority>|<seq>'
 --   r:<id>              one reservation: '<c>|<tokens>|<deadline_ms>'
 --   o:<op>              one outcome: '<ts_ms>|<fingerprint>|<reply>'

@@ -15,7 +15,8 @@
 -- ARGV[12] idle TTL                milliseconds, 1000..31536000000 (one year)
 -- ARGV[13] op retention            milliseconds an outcome is kept for retries, 1000..86400000
 -- ARGV[14] budget fingerprint      hex over the whole budget (open is idempotent per fingerprint)
--- ARGV[15] budget json             stored for inspection only
+-- ARGV[15] budget json             named in a CONFLICT error (only the fingerprint is stored,
+--                                  so a fresh session's hash stays in Redis's compact encoding)
 -- ARGV[16] released each turn      consumer codes released at every begin_turn ('-' none), e.g. 'r'
 -- ARGV[17] spill preview           tokens admitted in place of a spilled tool result, 1..1e8
 -- ARGV[18] spill TTL               milliseconds a spilled result stays readable, 1000..31536000000
@@ -79,10 +80,9 @@ local H, R = load(key, { 'ep', 'tn', 'pe', 'o:' .. op, 'cfg', 'ol' }, 3)
 local again = replay(R[1], op, fp)
 if again then return again end
 if H.ep then
-  local have = string.match(R[2], '^(%x+)|')
-  if have ~= cfp then
-    return err('CONFLICT', 'session is already open with another budget (fingerprint ' .. have ..
-      ', asked ' .. cfp .. '): ' .. string.sub(R[2], #have + 2))
+  if R[2] ~= cfp then
+    return err('CONFLICT', 'session is already open with another budget (fingerprint ' ..
+      tostring(R[2]) .. '); asked for ' .. cfp .. ': ' .. ARGV[15])
   end
   return reply({ 'status=ok', 'created=0', 'epoch=' .. H.ep, 'turn=' .. H.tn })
 end
@@ -90,7 +90,7 @@ end
 local now = now_ms()
 local fr = W - floor
 local epoch = (H.pe or 0) + 1
-local args = { 'cfg', cfp .. '|' .. ARGV[15], 'ep', epoch, 'inc', now, 'tn', 0, 'sq', 0,
+local args = { 'cfg', cfp, 'ep', epoch, 'inc', now, 'tn', 0, 'sq', 0,
   'W', W, 'S', S, 'T', T, 'out', out, 'F_w', Fw, 'F_m', Fm, 'HW', v[7], 'EV', v[8], 'fr', fr,
   'a_w', 0, 'a_m', 0, 'a_s', 0, 'nv', 0, 'ttl', v[9], 'ort', v[10], 'cl', 0, 'ch', 0,
   'R0', out, 'rel', rel, 'pv', v[11], 'sttl', v[12], 'cx', v[13], 'rut', v[14], 'rup', v[15],

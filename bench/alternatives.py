@@ -1,0 +1,288 @@
+"""The ledger's single-item admission written the two conventional ways, without Lua.
+
+Used by ``bench/bench_full.py`` as the baselines the ledger is compared against.
+Both implement the same decision on the same kind of session hash::
+
+    <key>           hash: window <tokens>, used <tokens>, i:<item id> <tokens>
+
+"check capacity, then HINCRBY used and HSET the item": an item already held is a
+duplicate and charges nothing; an item that would take ``used`` above ``window`` is
+refused (nothing written); otherwise ``used`` grows by its tokens and the item is
+recorded, both in one MULTI/EXEC so no reader sees one without the other.
+
+:class:`WatchAdmit` (and :class:`AsyncWatchAdmit`) is optimistic: WATCH the key,
+HMGET, decide, MULTI/HINCRBY/HSET/EXEC; EXEC aborts when another client changed the
+key after the WATCH (redis-py raises WatchError) and the whole step is retried at
+once, the idiom of redis-py's ``Redis.transaction``. Three round trips per attempt.
+
+:class:`LockAdmit` (and :class:`AsyncLockAdmit`) takes a redis-py ``Lock`` (SET NX PX,
+polled every ``sleep`` seconds while held by another client; released by a
+compare-and-delete script) around HMGET, decide, MULTI/HINCRBY/HSET/EXEC. It is
+correct as long as no holder stalls for longer than ``lock_timeout`` (then the lock
+expires under it: the usual caveat of lease locks; the ledger's scripts have none).
+
+What they do *not* do, and the ledger does: operation ids with a stored outcome (a
+retried call is not charged twice), floors per consumer, epochs, turns, TTLs. The
+comparison is therefore generous to them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+import redis.asyncio
+from redis.exceptions import WatchError
+
+WINDOW = "window"
+USED = "used"
+ITEM = "i:"
+
+# Commands each implementation issues that run *inside* another command and are
+# therefore already in that command's INFO commandstats usec (EXEC includes the
+# commands it runs; a script includes the commands it calls). Summing them again
+# would count them twice.
+WATCH_NESTED = ("hincrby", "hset")  # queued between MULTI and EXEC
+LOCK_NESTED = ("hincrby", "hset", "get", "del")  # + GET/DEL inside Lock's release script
+LOCK_SLEEP = 0.001  # seconds between tries while another client holds the lock (redis-py: 0.1)
+WATCH_MAX_RETRIES = 100_000
+
+
+class NoSession(LookupError):
+    """The session hash does not exist (never opened)."""
+
+
+class TooManyRetries(RuntimeError):
+    """An optimistic transaction lost the race more than ``max_retries`` times."""
+
+
+@dataclass(frozen=True, slots=True)
+class AltResult:
+    status: str  # "ok" | "duplicate" | "refused"
+    charged: int
+    free: int
+    retries: int = 0
+
+
+def open_session(r: redis.Redis, key: str, window: int) -> bool:
+    """Create the session hash (window, used=0) unless it exists, atomically; True when
+    created. Opening an existing session leaves it as it is."""
+    with r.pipeline(transaction=True) as pipe:
+        pipe.hsetnx(key, WINDOW, window)
+        pipe.hsetnx(key, USED, 0)
+        created, _ = pipe.execute()
+    return bool(created)
+
+
+async def aopen_session(r: redis.asyncio.Redis, key: str, window: int) -> bool:
+    async with r.pipeline(transaction=True) as pipe:
+        pipe.hsetnx(key, WINDOW, window)
+        pipe.hsetnx(key, USED, 0)
+        created, _ = await pipe.execute()
+    return bool(created)
+
+
+def decide(values: list[Any], tokens: int) -> tuple[str, int, int]:
+    """(status, charged, free) from HMGET window, used, i:<id>; raises NoSession."""
+    window, used, held = values
+    if window is None or used is None:
+        raise NoSession("session hash does not exist")
+    free = int(window) - int(used)
+    if held is not None:
+        return "duplicate", 0, free
+    if tokens > free:
+        return "refused", 0, free
+    return "ok", tokens, free - tokens
+
+
+def _check_tokens(tokens: int) -> None:
+    if type(tokens) is not int or tokens < 1:
+        raise ValueError(f"tokens must be a positive int, got {tokens!r}")
+
+
+# --- WATCH / MULTI / EXEC ------------------------------------------------------------
+
+
+class WatchAdmit:
+    """Single-item admission as an optimistic transaction (sync)."""
+
+    nested = WATCH_NESTED
+
+    def __init__(self, r: redis.Redis, *, max_retries: int = WATCH_MAX_RETRIES) -> None:
+        self.r = r
+        self.max_retries = max_retries
+
+    def admit(self, key: str, item_id: str, tokens: int) -> AltResult:
+        _check_tokens(tokens)
+        field = ITEM + item_id
+        retries = 0
+        with self.r.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    pipe.watch(key)
+                    status, charged, free = decide(pipe.hmget(key, WINDOW, USED, field), tokens)
+                    if status != "ok":
+                        pipe.unwatch()
+                        return AltResult(status, 0, free, retries)
+                    pipe.multi()
+                    pipe.hincrby(key, USED, tokens)
+                    pipe.hset(key, field, tokens)
+                    pipe.execute()
+                    return AltResult(status, charged, free, retries)
+                except WatchError:
+                    retries += 1
+                    if retries > self.max_retries:
+                        raise TooManyRetries(f"{key}: lost {retries} races") from None
+                    pipe.reset()
+
+
+class AsyncWatchAdmit:
+    """Single-item admission as an optimistic transaction (asyncio)."""
+
+    nested = WATCH_NESTED
+
+    def __init__(self, r: redis.asyncio.Redis, *, max_retries: int = WATCH_MAX_RETRIES) -> None:
+        self.r = r
+        self.max_retries = max_retries
+
+    async def admit(self, key: str, item_id: str, tokens: int) -> AltResult:
+        _check_tokens(tokens)
+        field = ITEM + item_id
+        retries = 0
+        async with self.r.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(key)
+                    values = await pipe.hmget(key, WINDOW, USED, field)
+                    status, charged, free = decide(values, tokens)
+                    if status != "ok":
+                        await pipe.unwatch()
+                        return AltResult(status, 0, free, retries)
+                    pipe.multi()
+                    pipe.hincrby(key, USED, tokens)
+                    pipe.hset(key, field, tokens)
+                    await pipe.execute()
+                    return AltResult(status, charged, free, retries)
+                except WatchError:
+                    retries += 1
+                    if retries > self.max_retries:
+                        raise TooManyRetries(f"{key}: lost {retries} races") from None
+                    await pipe.reset()
+
+
+# --- redis-py Lock around read-modify-write -----------------------------------------
+
+
+class LockAdmit:
+    """Single-item admission under a redis-py ``Lock`` per session (sync)."""
+
+    nested = LOCK_NESTED
+
+    def __init__(
+        self,
+        r: redis.Redis,
+        *,
+        lock_timeout: float = 10.0,
+        blocking_timeout: float = 60.0,
+        sleep: float = LOCK_SLEEP,
+    ) -> None:
+        self.r = r
+        self.lock_timeout = lock_timeout
+        self.blocking_timeout = blocking_timeout
+        self.sleep = sleep
+
+    def admit(self, key: str, item_id: str, tokens: int) -> AltResult:
+        _check_tokens(tokens)
+        field = ITEM + item_id
+        lock = self.r.lock(
+            key + ":lock",
+            timeout=self.lock_timeout,
+            sleep=self.sleep,
+            blocking_timeout=self.blocking_timeout,
+        )
+        with lock:  # raises LockError when not acquired within blocking_timeout
+            status, charged, free = decide(self.r.hmget(key, WINDOW, USED, field), tokens)
+            if status == "ok":
+                with self.r.pipeline(transaction=True) as pipe:
+                    pipe.hincrby(key, USED, tokens)
+                    pipe.hset(key, field, tokens)
+                    pipe.execute()
+        return AltResult(status, charged, free)
+
+
+class AsyncLockAdmit:
+    """Single-item admission under a redis-py ``Lock`` per session (asyncio)."""
+
+    nested = LOCK_NESTED
+
+    def __init__(
+        self,
+        r: redis.asyncio.Redis,
+        *,
+        lock_timeout: float = 10.0,
+        blocking_timeout: float = 60.0,
+        sleep: float = LOCK_SLEEP,
+    ) -> None:
+        self.r = r
+        self.lock_timeout = lock_timeout
+        self.blocking_timeout = blocking_timeout
+        self.sleep = sleep
+
+    async def admit(self, key: str, item_id: str, tokens: int) -> AltResult:
+        _check_tokens(tokens)
+        field = ITEM + item_id
+        lock = self.r.lock(
+            key + ":lock",
+            timeout=self.lock_timeout,
+            sleep=self.sleep,
+            blocking_timeout=self.blocking_timeout,
+        )
+        async with lock:
+            values = await self.r.hmget(key, WINDOW, USED, field)
+            status, charged, free = decide(values, tokens)
+            if status == "ok":
+                async with self.r.pipeline(transaction=True) as pipe:
+                    pipe.hincrby(key, USED, tokens)
+                    pipe.hset(key, field, tokens)
+                    await pipe.execute()
+        return AltResult(status, charged, free)
+
+
+# --- consistency check ---------------------------------------------------------------
+
+
+def check(r: redis.Redis, key: str) -> list[str]:
+    """Problems of a session hash: used must equal the sum of its items, within window."""
+    fields = r.hgetall(key)
+    if not fields:
+        return [f"{key}: missing"]
+    text = {
+        (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+        for k, v in fields.items()
+    }
+    window, used = int(text[WINDOW]), int(text[USED])
+    held = sum(int(v) for k, v in text.items() if k.startswith(ITEM))
+    problems = []
+    if used != held:
+        problems.append(f"{key}: used {used} != sum of items {held}")
+    if used > window:
+        problems.append(f"{key}: used {used} > window {window}")
+    return problems
+
+
+__all__ = [
+    "LOCK_NESTED",
+    "WATCH_NESTED",
+    "AltResult",
+    "AsyncLockAdmit",
+    "AsyncWatchAdmit",
+    "LockAdmit",
+    "NoSession",
+    "TooManyRetries",
+    "WatchAdmit",
+    "aopen_session",
+    "check",
+    "decide",
+    "open_session",
+]

@@ -1,0 +1,1384 @@
+"""Full benchmark of the ledger against the round-trip floor and two conventional designs.
+
+    python -m bench.bench_full [--quick] [--json]
+
+One run, on one redis-server it starts itself (tests.servers.standalone, a free port;
+never the machine's shared Redis), measures:
+
+1. A matrix of rows: operation x client mode x worker processes x session layout.
+   Operations: the ledger's hot paths (admit one item, admit a batch of 16,
+   session.begin_turn, release one item, reserve then settle), the round-trip floor
+   (a bare EVALSHA of ``return 1`` through redis-py) and the same single-item
+   admission written with WATCH/MULTI/EXEC and with a redis-py Lock
+   (bench/alternatives.py). Client modes: sync (one blocking call at a time per
+   process), asyncio (AsyncLedger, K calls in flight per process via asyncio.gather)
+   and pipelined (redis-py pipeline of B EVALSHA of the admit script with arguments
+   pre-built by ledger.protocol.admit; the alternatives cannot be pipelined, their
+   WATCH needs a reply first). Worker processes: 1, 8, 32 (multiprocessing spawn,
+   started once and reused; each builds its own client for each row); with several
+   processes all work on one shared session, or each on its own (spread).
+   Each row is time-boxed (--duration). Per row: ops/s, p50/p99 latency of one
+   operation (pipelined: of its batch), ops/s as a ratio to the floor and to each
+   alternative at the same mode, processes and layout, server time from INFO
+   commandstats (CONFIG RESETSTAT before the row), commands per operation, the
+   static number of redis.call( sites of the scripts, client CPU per operation
+   (time.process_time of all workers / ops), and a consistency check afterwards
+   (ledger: the audit script; alternatives: used == sum of items).
+2. Server time per call with one idle client, median of repetitions
+   (bench.bench_core's phases return1, admit_1, admit_16), for the server targets.
+3. Memory of one session (MEMORY USAGE, SAMPLES 0, of all its keys): freshly opened,
+   after 40 typical turns, and with op retention shortened to 1 s after 40 and 400
+   turns, each also after an idle pause longer than the retention, to show that the
+   journal of outcomes is bounded by time, not by the session's length.
+4. The targets, as ratios, with PASS/MISS.
+
+--quick: tiny sizes for CI (200 operations per row, 1 and 2 processes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import itertools
+import json
+import math
+import multiprocessing as mp
+import os
+import queue
+import random
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import uuid
+from array import array
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # so `tests.servers` and `bench` import from anywhere
+    sys.path.insert(0, str(ROOT))
+
+import redis  # noqa: E402
+
+from bench import alternatives as alt  # noqa: E402
+from bench.bench_core import (  # noqa: E402
+    BENCH_BUDGET,
+    LEASE_MS,
+    MEMORY_BUDGET,
+    SERVER_PHASES,
+    Bench,
+    cpu_ticks,
+    environment,
+    loadavg,
+    static_redis_calls,
+)
+from ledger import AsyncLedger, Item, Ledger, protocol, scripts  # noqa: E402
+from ledger.client import Session  # noqa: E402
+from ledger.core import SessionCore  # noqa: E402
+from ledger.protocol import Call  # noqa: E402
+
+# --- what is measured ------------------------------------------------------------------
+
+# op -> (what one operation is, Lua scripts it runs)
+OPS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "floor": ("bare EVALSHA of `return 1` through redis-py (the round-trip floor)", ()),
+    "admit_1": ('session.admit("retrieval", [Item(id, 1)])', ("admit",)),
+    "admit_raw": ("bare EVALSHA of the admit script, 1 item, args pre-built (no library)",
+                  ("admit",)),
+    "admit_16": ('session.admit("retrieval", [16 x Item(id, 1)])', ("admit",)),
+    "begin_turn": ("session.begin_turn(working_set=6000)", ("begin_turn",)),
+    "release": ('session.release("retrieval", [id]), admitted before the row', ("release",)),
+    "reserve_settle": ("session.reserve(1 token) then session.settle(): 2 calls",
+                       ("reserve", "settle")),
+    "watch": ("WATCH, HMGET, MULTI/HINCRBY/HSET/EXEC admit of 1 item, retried on WatchError", ()),
+    "lock": ("redis-py Lock, HMGET, MULTI/HINCRBY/HSET/EXEC, unlock: admit of 1 item", ()),
+}  # fmt: skip
+ALTERNATIVES = ("watch", "lock")
+LEDGER_OPS = ("admit_1", "admit_16", "begin_turn", "release", "reserve_settle")
+MODES = ("sync", "asyncio", "pipelined")
+MODE_OPS: dict[str, tuple[str, ...]] = {
+    "sync": ("floor", "admit_raw", *LEDGER_OPS, *ALTERNATIVES),
+    "asyncio": ("floor", "admit_raw", *LEDGER_OPS, *ALTERNATIVES),
+    "pipelined": ("floor", "admit_1", "admit_16"),
+}
+CALLS_PER_OP = {"reserve_settle": 2}
+# Ceilings (ops/s, whole row) used to size the state a row consumes (items to release,
+# pre-built pipelined calls); a worker that runs out stops early and is flagged.
+ONLY_SINGLE_PROCESS = ("admit_raw",)  # a reference for the library's client cost, P=1 only
+STATE_RATE = {("release", "*"): 12_000, ("admit_raw", "*"): 10_000,
+              ("admit_1", "pipelined"): 30_000,
+              ("admit_16", "pipelined"): 9_000}  # fmt: skip
+# Every bench client: the ledger's settings but timeouts that an overloaded 2-core machine
+# (32 processes) does not hit: a timeout here would measure the timeout, not the design.
+CLIENT_TIMEOUTS = {"socket_timeout": 120.0, "connect_timeout": 60.0}
+UNCAPPED = 10**9
+DRAIN_S = 2.0  # asyncio: seconds after the time box before operations in flight are cancelled
+EXCLUDED_STATS = ("info", "config", "client", "hello", "ping", "script", "flushdb", "command")
+FLOOR_SCRIPT = "return 1"
+WORKING_SET = 6_000
+TURN_KEEP = 2  # a turn's chunks and tool result are released two turns later
+ALT_WINDOW = BENCH_BUDGET.window
+
+
+@dataclass(frozen=True)
+class Plan:
+    quick: bool
+    procs: tuple[int, ...]
+    duration: float  # seconds per row (time box)
+    ops_per_row: int | None  # --quick: a fixed number of operations per row instead
+    concurrency: int  # asyncio: calls in flight per process
+    batch: int  # pipelined: calls per pipeline
+    calib_n: int
+    calib_reps: int
+    turns: tuple[int, int]  # memory: a typical session's length, and the long one
+    after_pause_turns: int
+    retention_s: int
+    modes: tuple[str, ...] = MODES
+    ops: tuple[str, ...] = tuple(OPS)
+
+
+def make_plan(a: argparse.Namespace) -> Plan:
+    if a.quick:
+        plan = Plan(True, (1, 2), 30.0, 200, 4, 8, 50, 1, (10, 40), 10, 1)
+    else:
+        plan = Plan(False, (1, 8, 32), 1.25, None, 8, 32, 500, 5, (40, 400), 20, 1)
+    over: dict[str, Any] = {}
+    if a.procs:
+        over["procs"] = tuple(int(x) for x in a.procs.split(","))
+    if a.duration:
+        over["duration"] = a.duration
+    if a.modes:
+        over["modes"] = tuple(m for m in a.modes.split(",") if m)
+    if a.ops:
+        over["ops"] = tuple(o for o in a.ops.split(",") if o)
+    plan = Plan(**{**asdict(plan), **over})
+    bad = [m for m in plan.modes if m not in MODES] + [o for o in plan.ops if o not in OPS]
+    if bad or any(p < 1 for p in plan.procs):
+        raise SystemExit(f"unknown modes/ops or bad --procs: {bad or plan.procs}")
+    return plan
+
+
+@dataclass
+class RowSpec:
+    row: int
+    mode: str
+    op: str
+    procs: int
+    layout: str  # "shared" (one session for all processes) or "spread" (one each)
+    url: str
+    prefix: str
+    duration: float
+    cap: int  # operations per worker at most
+    concurrency: int
+    batch: int
+
+    @property
+    def sessions(self) -> int:
+        return 1 if self.layout == "shared" else self.procs
+
+    def session_id(self, worker: int) -> str:
+        return f"r{self.row}" if self.layout == "shared" else f"r{self.row}.w{worker}"
+
+    def alt_key(self, worker: int) -> str:
+        return f"{self.prefix}:alt:{self.session_id(worker)}"
+
+
+def worker_cap(plan: Plan, op: str, mode: str, procs: int) -> int:
+    if plan.ops_per_row is not None:
+        return math.ceil(plan.ops_per_row / procs)
+    rate = STATE_RATE.get((op, mode)) or STATE_RATE.get((op, "*"))
+    if rate is None:
+        return UNCAPPED
+    return math.ceil(rate * plan.duration * 1.1 / procs)
+
+
+# --- worker processes ------------------------------------------------------------------
+
+SyncOp = Callable[[int], int]  # k -> retries (raises on failure)
+AsyncOp = Callable[[int], Awaitable[int]]
+
+
+def _ok(status: str) -> None:
+    if status != "ok":
+        raise RuntimeError(f"alternative admission returned {status}")
+
+
+def prebuilt_admits(s: SessionCore, spec: RowSpec, tag: str) -> list[Call[Any]]:
+    """One-item admit calls for k in -concurrency..cap-1 (the negative ones warm up)."""
+    return [
+        s.admit_call("retrieval", [Item(f"{tag}.{k}", 1)])
+        for k in range(-spec.concurrency, spec.cap)
+    ]
+
+
+def sync_setup(spec: RowSpec, w: int, stack: contextlib.ExitStack) -> tuple[SyncOp, int]:
+    """(op, operations per op call) for one worker of a sync or pipelined row."""
+    led = stack.enter_context(Ledger.from_url(spec.url, prefix=spec.prefix, **CLIENT_TIMEOUTS))
+    r: redis.Redis = led.client  # type: ignore[assignment]
+    tag = f"w{w}"
+    op, unit = spec.op, 1
+    if op == "floor":
+        sha = r.script_load(FLOOR_SCRIPT)
+        if spec.mode == "pipelined":
+            n = spec.batch
+
+            def floor_batch(k: int) -> int:
+                with r.pipeline(transaction=False) as pipe:
+                    for _ in range(n):
+                        pipe.evalsha(sha, 0)
+                    pipe.execute()
+                return 0
+
+            return floor_batch, n
+
+        def floor(k: int) -> int:
+            r.evalsha(sha, 0)
+            return 0
+
+        return floor, unit
+    if op in ALTERNATIVES:
+        key = spec.alt_key(w)
+        alt.open_session(r, key, ALT_WINDOW)
+        impl = alt.WatchAdmit(r) if op == "watch" else alt.LockAdmit(r)
+
+        def alt_admit(k: int) -> int:
+            res = impl.admit(key, f"{tag}.{k}", 1)
+            _ok(res.status)
+            return res.retries
+
+        return alt_admit, unit
+    s = led.open_session(spec.session_id(w), BENCH_BUDGET)
+    if spec.mode == "pipelined":
+        size = 16 if op == "admit_16" else 1
+        n = spec.batch
+        nbatch = math.ceil(min(spec.cap, UNCAPPED // 1000) / n)
+        calls = [
+            s.admit_call("retrieval", [Item(f"{tag}.{k}.{j}", 1) for j in range(size)])
+            for k in range(nbatch * n)
+        ]
+        script_sha = led._scripts["admit"].sha
+
+        def admit_batch(k: int) -> int:
+            batch = calls[k * n : (k + 1) * n]
+            with r.pipeline(transaction=False) as pipe:
+                for c in batch:
+                    pipe.evalsha(script_sha, len(c.keys), *c.keys, *c.args)
+                raws = pipe.execute()
+            for c, raw in zip(batch, raws, strict=True):
+                c.parse(protocol.decode(raw))
+            return 0
+
+        return admit_batch, n
+    if op == "admit_1":
+
+        def admit_1(k: int) -> int:
+            s.admit("retrieval", [Item(f"{tag}.{k}", 1)])
+            return 0
+
+        return admit_1, unit
+    if op == "admit_raw":
+        raw_calls, off = prebuilt_admits(s, spec, tag), spec.concurrency
+        raw_sha = led._scripts["admit"].sha
+        r.script_load(led._scripts["admit"].script)
+
+        def admit_raw(k: int) -> int:
+            c = raw_calls[k + off]
+            r.evalsha(raw_sha, len(c.keys), *c.keys, *c.args)
+            return 0
+
+        return admit_raw, unit
+    if op == "admit_16":
+
+        def admit_16(k: int) -> int:
+            s.admit("retrieval", [Item(f"{tag}.{k}.{j}", 1) for j in range(16)])
+            return 0
+
+        return admit_16, unit
+    if op == "begin_turn":
+
+        def begin_turn(k: int) -> int:
+            s.begin_turn(WORKING_SET)
+            return 0
+
+        return begin_turn, unit
+    if op == "release":
+        ids = [f"{tag}.{k}" for k in range(-spec.concurrency, spec.cap)]
+        for lo in range(0, len(ids), 1000):
+            s.admit("retrieval", [Item(i, 1) for i in ids[lo : lo + 1000]])
+
+        def release(k: int) -> int:
+            s.release("retrieval", [f"{tag}.{k}"])
+            return 0
+
+        return release, unit
+    if op == "reserve_settle":
+
+        def reserve_settle(k: int) -> int:
+            s.reserve("retrieval", f"{tag}.r{k}", 1, lease_ms=LEASE_MS)
+            s.settle(f"{tag}.r{k}", 1, f"{tag}.x{k}")
+            return 0
+
+        return reserve_settle, unit
+    raise ValueError(f"no sync {op}")
+
+
+async def async_setup(
+    spec: RowSpec, w: int, stack: contextlib.AsyncExitStack
+) -> tuple[AsyncOp, Callable[[], Awaitable[None]]]:
+    led = AsyncLedger.from_url(spec.url, prefix=spec.prefix, **CLIENT_TIMEOUTS)
+    stack.push_async_callback(led.aclose)
+    r: redis.asyncio.Redis = led.client  # type: ignore[assignment]
+    tag, op = f"w{w}", spec.op
+
+    async def ping() -> None:
+        await r.ping()
+
+    if op == "floor":
+        sha = await r.script_load(FLOOR_SCRIPT)
+
+        async def floor(k: int) -> int:
+            await r.evalsha(sha, 0)
+            return 0
+
+        return floor, ping
+    if op in ALTERNATIVES:
+        key = spec.alt_key(w)
+        await alt.aopen_session(r, key, ALT_WINDOW)
+        impl = alt.AsyncWatchAdmit(r) if op == "watch" else alt.AsyncLockAdmit(r)
+
+        async def alt_admit(k: int) -> int:
+            res = await impl.admit(key, f"{tag}.{k}", 1)
+            _ok(res.status)
+            return res.retries
+
+        return alt_admit, ping
+    s = await led.open_session(spec.session_id(w), BENCH_BUDGET)
+    if op == "admit_1":
+
+        async def admit_1(k: int) -> int:
+            await s.admit("retrieval", [Item(f"{tag}.{k}", 1)])
+            return 0
+
+        return admit_1, ping
+    if op == "admit_raw":
+        raw_calls, off = prebuilt_admits(s, spec, tag), spec.concurrency
+        raw_sha = led._scripts["admit"].sha
+        await r.script_load(led._scripts["admit"].script)
+
+        async def admit_raw(k: int) -> int:
+            c = raw_calls[k + off]
+            await r.evalsha(raw_sha, len(c.keys), *c.keys, *c.args)
+            return 0
+
+        return admit_raw, ping
+    if op == "admit_16":
+
+        async def admit_16(k: int) -> int:
+            await s.admit("retrieval", [Item(f"{tag}.{k}.{j}", 1) for j in range(16)])
+            return 0
+
+        return admit_16, ping
+    if op == "begin_turn":
+
+        async def begin_turn(k: int) -> int:
+            await s.begin_turn(WORKING_SET)
+            return 0
+
+        return begin_turn, ping
+    if op == "release":
+        ids = [f"{tag}.{k}" for k in range(-spec.concurrency, spec.cap)]
+        for lo in range(0, len(ids), 1000):
+            await s.admit("retrieval", [Item(i, 1) for i in ids[lo : lo + 1000]])
+
+        async def release(k: int) -> int:
+            await s.release("retrieval", [f"{tag}.{k}"])
+            return 0
+
+        return release, ping
+    if op == "reserve_settle":
+
+        async def reserve_settle(k: int) -> int:
+            await s.reserve("retrieval", f"{tag}.r{k}", 1, lease_ms=LEASE_MS)
+            await s.settle(f"{tag}.r{k}", 1, f"{tag}.x{k}")
+            return 0
+
+        return reserve_settle, ping
+    raise ValueError(f"no asyncio {op}")
+
+
+@dataclass
+class Tally:
+    ops: int = 0
+    retries: int = 0
+    errors: int = 0
+    first_error: str | None = None
+    lat: array = field(default_factory=lambda: array("d"))  # type: ignore[type-arg]
+
+    def error(self, exc: BaseException) -> None:
+        self.errors += 1
+        if self.first_error is None:
+            self.first_error = f"{type(exc).__name__}: {exc}"[:300]
+
+    def result(self, t0: float, t1: float, c0: float, c1: float, capped: bool) -> dict[str, Any]:
+        return {
+            "ops": self.ops,
+            "retries": self.retries,
+            "errors": self.errors,
+            "first_error": self.first_error,
+            "t_start": t0,
+            "t_end": t1,
+            "cpu_s": c1 - c0,
+            "capped": capped,
+            "lat": self.lat.tobytes(),
+            "unfinished": 0,
+        }
+
+
+def run_sync_row(spec: RowSpec, w: int, outbox: Any, barrier: Any) -> dict[str, Any]:
+    with contextlib.ExitStack() as stack:
+        op, unit = sync_setup(spec, w, stack)
+        if spec.mode != "pipelined" or spec.op == "floor":
+            op(-1)  # connection, script cache: before the RESETSTAT that follows "ready"
+        # (pipelined admits: the connection is open already and the calls are pre-built)
+        outbox.put(("ready", w, None))
+        barrier.wait(timeout=600)
+        tally = Tally()
+        cap = math.ceil(spec.cap / unit)  # op calls (pipelined: batches)
+        t0, c0 = time.time(), time.process_time()
+        deadline = time.perf_counter() + spec.duration
+        k = 0
+        lat, pc = tally.lat, time.perf_counter
+        while k < cap:
+            a = pc()
+            if a >= deadline:
+                break
+            try:
+                tally.retries += op(k)
+            except Exception as exc:
+                tally.error(exc)
+            else:
+                d = pc() - a
+                tally.ops += unit
+                if unit == 1:
+                    lat.append(d)
+                else:
+                    lat.extend(itertools.repeat(d, unit))
+            k += 1
+        t1, c1 = time.time(), time.process_time()
+        return tally.result(t0, t1, c0, c1, capped=k >= cap and pc() < deadline)
+
+
+async def run_async_row(spec: RowSpec, w: int, outbox: Any, barrier: Any) -> dict[str, Any]:
+    async with contextlib.AsyncExitStack() as stack:
+        op, ping = await async_setup(spec, w, stack)
+        await op(-1)  # script cache
+        await asyncio.gather(*(ping() for _ in range(spec.concurrency)))  # K connections
+        outbox.put(("ready", w, None))
+        barrier.wait(timeout=600)  # blocks the loop: nothing else runs on it meanwhile
+        tally = Tally()
+        tickets = itertools.count()
+        cap = spec.cap
+        deadline = time.perf_counter() + spec.duration
+        pc = time.perf_counter
+        started: dict[int, float] = {}  # lane -> start of its operation in flight
+
+        async def lane(i: int) -> None:
+            while True:
+                k = next(tickets)
+                a = pc()
+                if k >= cap or a >= deadline:
+                    return
+                started[i] = a
+                try:
+                    tally.retries += await op(k)
+                except Exception as exc:
+                    tally.error(exc)
+                else:
+                    tally.lat.append(pc() - a)
+                    tally.ops += 1
+                del started[i]
+
+        t0, c0 = time.time(), time.process_time()
+        lanes = [asyncio.ensure_future(lane(i)) for i in range(spec.concurrency)]
+        # Operations in flight at the deadline may finish within DRAIN_S; those still
+        # running then are cancelled: not counted as done, their latency so far kept
+        # as a lower bound (the row's p99 is then a lower bound too, and flagged).
+        _, pending = await asyncio.wait(lanes, timeout=spec.duration + DRAIN_S)
+        now = pc()
+        unfinished = [now - a for a in started.values()]
+        t1, c1 = time.time(), time.process_time()
+        give_up = now + 10
+        while pending and pc() < give_up:
+            # redis-py's asyncio client can swallow a cancellation that lands inside a
+            # command (the task goes on, e.g. polling a Lock): cancel again until done
+            for t in pending:
+                t.cancel()
+            _, pending = await asyncio.wait(pending, timeout=0.05)
+        tally.lat.extend(unfinished)
+        res = tally.result(t0, t1, c0, c1, capped=tally.ops + tally.errors >= cap)
+        res["unfinished"] = len(unfinished)
+        res["cleanup_s"] = pc() - now
+        return res
+
+
+def worker_main(w: int, inbox: Any, outbox: Any, barriers: dict[int, Any]) -> None:
+    """A worker process: runs its part of each row it is sent, until it gets None."""
+    # Imports done, Lua read (every worker reads the files now, at the start of the run):
+    # the parent starts no row before all are alive, and checks they run its scripts.
+    outbox.put(("alive", w, script_shas()))
+    while True:
+        spec = inbox.get()
+        if spec is None:
+            return
+        try:
+            barrier = barriers[spec.procs]
+            if spec.mode == "asyncio":
+                res = asyncio.run(run_async_row(spec, w, outbox, barrier))
+            else:
+                res = run_sync_row(spec, w, outbox, barrier)
+            outbox.put(("done", w, res))
+        except BaseException:
+            outbox.put(("error", w, traceback.format_exc()))
+
+
+class Pool:
+    """max(procs) spawned worker processes, started once and reused by every row."""
+
+    def __init__(self, procs: tuple[int, ...]) -> None:
+        ctx = mp.get_context("spawn")
+        self.size = max(procs)
+        self.barriers = {p: ctx.Barrier(p + 1) for p in set(procs)}
+        self.outbox = ctx.Queue()
+        self.inboxes = [ctx.Queue() for _ in range(self.size)]
+        self.timing: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
+        self.procs = [
+            ctx.Process(
+                target=worker_main,
+                args=(w, self.inboxes[w], self.outbox, self.barriers),
+                name=f"bench-worker-{w}",
+                daemon=True,
+            )
+            for w in range(self.size)
+        ]
+        for p in self.procs:
+            p.start()
+        self.worker_shas = self.collect(self.size, "alive", 600)
+
+    def collect(self, n: int, kind: str, timeout: float) -> dict[int, Any]:
+        got: dict[int, Any] = {}
+        end = time.monotonic() + timeout
+        while len(got) < n:
+            try:
+                what, w, payload = self.outbox.get(timeout=max(0.1, end - time.monotonic()))
+            except queue.Empty:
+                raise RuntimeError(
+                    f"workers did not report {kind} within {timeout:.0f} s"
+                ) from None
+            if what == "error":
+                raise RuntimeError(f"worker {w} failed:\n{payload}")
+            if what != kind:
+                raise RuntimeError(f"worker {w} sent {what}, expected {kind}")
+            got[w] = payload
+        return got
+
+    def run(
+        self, spec: RowSpec, r: redis.Redis, server_pid: int
+    ) -> tuple[dict[int, Any], dict[str, Any]]:
+        """Set up a row in spec.procs workers, reset the stats, start them together."""
+        barrier = self.barriers[spec.procs]
+        for w in range(spec.procs):
+            self.inboxes[w].put(spec)
+        t0 = time.perf_counter()
+        try:
+            self.collect(spec.procs, "ready", 300)
+            r.config_resetstat()
+            t1, busy0, srv0 = time.perf_counter(), machine_busy_s(), process_cpu_s(server_pid)
+            barrier.wait(timeout=120)
+            results = self.collect(spec.procs, "done", spec.duration + 300)
+            t2, busy1, srv1 = time.perf_counter(), machine_busy_s(), process_cpu_s(server_pid)
+            self.timing = {"setup_s": t1 - t0, "run_s": t2 - t1}
+            self.cpu = {"wall_s": t2 - t1, "machine_busy_s": busy1 - busy0,
+                        "redis_cpu_s": srv1 - srv0}  # fmt: skip
+        except BaseException as exc:
+            barrier.abort()
+            late = []
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    what, w, payload = self.outbox.get(timeout=1)
+                    if what == "error":
+                        late.append(f"worker {w}:\n{payload}")
+            if late:
+                raise RuntimeError("\n".join(late)) from exc
+            raise
+        return results, r.info("commandstats")
+
+    def close(self) -> None:
+        for q in self.inboxes:
+            with contextlib.suppress(Exception):
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=10)
+        for p in self.procs:  # only our own children, by object
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+
+
+# --- one row: summarize ----------------------------------------------------------------
+
+
+CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def machine_busy_s() -> float:
+    """CPU seconds all cores spent busy (not idle, not iowait) since boot: /proc/stat."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        f = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+        return (sum(f[:8]) - f[3] - f[4]) / CLK_TCK
+    return 0.0
+
+
+def process_cpu_s(pid: int) -> float:
+    """utime + stime of one process, seconds (/proc/<pid>/stat)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return 0.0
+
+
+def cpu_shares(cpu: dict[str, float], workers_cpu_s: float) -> dict[str, float]:
+    """Redis's CPU, and the CPU of processes outside this benchmark, during a row, in % of
+    one core (so up to 100 x nproc). 'other' is the machine's busy time minus the
+    server's and the workers' (the parent only waits); jiffy-granular, so approximate."""
+    wall = max(cpu.get("wall_s", 0.0), 1e-9)
+    other = cpu.get("machine_busy_s", 0.0) - cpu.get("redis_cpu_s", 0.0) - workers_cpu_s
+    return {
+        "redis_cpu_pct": 100 * cpu.get("redis_cpu_s", 0.0) / wall,
+        "other_cpu_pct": max(0.0, 100 * other / wall),
+    }
+
+
+def pct(sorted_xs: list[float], q: float) -> float:
+    if not sorted_xs:
+        return 0.0
+    i = min(len(sorted_xs) - 1, max(0, math.ceil(q * len(sorted_xs)) - 1))
+    return sorted_xs[i]
+
+
+def nested_commands(op: str) -> tuple[str, ...] | None:
+    """Commands that run inside another one (None: every command but EVALSHA)."""
+    if op == "watch":
+        return alt.WATCH_NESTED
+    if op == "lock":
+        return alt.LOCK_NESTED
+    return None
+
+
+def server_figures(op: str, stats: dict[str, Any], ops: int) -> dict[str, Any]:
+    cmds: dict[str, tuple[int, int]] = {}
+    for name, v in stats.items():
+        cmd = name.removeprefix("cmdstat_")
+        if cmd.split("|")[0] in EXCLUDED_STATS:
+            continue
+        cmds[cmd] = (int(v["calls"]), int(v["usec"]))
+    nested = nested_commands(op)
+    if nested is None:
+        top = {c: cu for c, cu in cmds.items() if c == "evalsha"}
+    else:
+        top = {c: cu for c, cu in cmds.items() if c not in nested}
+    ev_calls, ev_usec = cmds.get("evalsha", (0, 0))
+    top_calls = sum(c for c, _ in top.values())
+    top_usec = sum(u for _, u in top.values())
+    failed = int(stats.get("cmdstat_evalsha", {}).get("failed_calls", 0))
+    per_call = (ev_usec / ev_calls if ev_calls else 0.0) if nested is None else top_usec / ops
+    return {
+        "usec_per_call": per_call if ops else 0.0,
+        "usec_per_op": top_usec / ops if ops else 0.0,
+        "evalsha_calls": ev_calls,
+        "evalsha_failed": failed,
+        "commands_per_op": top_calls / ops if ops else 0.0,
+        "top_level": {c: v[0] for c, v in top.items()},
+        "all_commands": {c: v[0] for c, v in cmds.items()},
+        "naive_usec_sum_per_op": sum(u for _, u in cmds.values()) / ops if ops else 0.0,
+    }
+
+
+def script_shas(fresh: bool = False) -> dict[str, str]:
+    """SHA1 of every ledger script as this process sends it (fresh: read the files now)."""
+    if not fresh:
+        return {n: scripts.sha(n) for n in scripts.NAMES}
+    src = scripts.source.__wrapped__  # type: ignore[attr-defined]
+    return {n: hashlib.sha1(src(n).encode()).hexdigest() for n in scripts.NAMES}
+
+
+STATIC: dict[str, int] = {}  # static redis.call( counts, read once at the start of the run
+
+
+def summarize(spec: RowSpec, results: dict[int, Any], stats: dict[str, Any]) -> dict[str, Any]:
+    ops = sum(r["ops"] for r in results.values())
+    t0 = min(r["t_start"] for r in results.values())
+    t1 = max(r["t_end"] for r in results.values())
+    lat: list[float] = []
+    for r in results.values():
+        a = array("d")
+        a.frombytes(r["lat"])
+        lat.extend(a)
+    lat.sort()
+    wall = max(t1 - t0, 1e-9)
+    static = STATIC or static_redis_calls()
+    scripts = OPS[spec.op][1]
+    return {
+        "mode": spec.mode,
+        "op": spec.op,
+        "procs": spec.procs,
+        "layout": spec.layout,
+        "sessions": spec.sessions,
+        "concurrency": spec.concurrency if spec.mode == "asyncio" else 1,
+        "batch": spec.batch if spec.mode == "pipelined" else 1,
+        "ops": ops,
+        "seconds": wall,
+        "ops_per_s": ops / wall,
+        "p50_ms": pct(lat, 0.50) * 1e3,
+        "p99_ms": pct(lat, 0.99) * 1e3,
+        "cpu_us_per_op": sum(r["cpu_s"] for r in results.values()) / ops * 1e6 if ops else 0.0,
+        "retries_per_op": sum(r["retries"] for r in results.values()) / ops if ops else 0.0,
+        "errors": sum(r["errors"] for r in results.values()),
+        "first_error": next((r["first_error"] for r in results.values() if r["first_error"]), None),
+        "capped_workers": sum(1 for r in results.values() if r["capped"]),
+        "unfinished": sum(r["unfinished"] for r in results.values()),
+        "cancel_cleanup_s_max": max(r.get("cleanup_s", 0.0) for r in results.values()),
+        "calls_per_op": CALLS_PER_OP.get(spec.op, 1) if spec.op not in ALTERNATIVES else None,
+        "static_redis_call": {f"{s}.lua": static[f"{s}.lua"] for s in scripts}
+        | ({"_common.lua": static["_common.lua"]} if scripts else {}),
+        "server": server_figures(spec.op, stats, ops),
+    }
+
+
+def check_row(spec: RowSpec, led: Ledger) -> tuple[list[str], int]:
+    """Consistency after the row (the ledger's audit, or used == sum of items), and the
+    largest number of fields a session hash of the row ended with."""
+    r: redis.Redis = led.client  # type: ignore[assignment]
+    ids = sorted({spec.session_id(w) for w in range(spec.procs)})
+    if spec.op == "floor":
+        return [], 0
+    if spec.op in ALTERNATIVES:
+        keys = [f"{spec.prefix}:alt:{i}" for i in ids]
+        return [p for k in keys for p in alt.check(r, k)], max(int(r.hlen(k)) for k in keys)
+    problems = []
+    fields = max(int(r.hlen(led.keyspace.session(i).session)) for i in ids)
+    for i in ids:
+        rep = led.audit(i)
+        problems += [f"{i}: {p}" for p in rep.problems]
+        if rep.overdue:
+            problems.append(f"{i}: overdue {rep.overdue[:3]}")
+    return problems, fields
+
+
+def rows_plan(plan: Plan) -> list[tuple[str, str, int, str]]:
+    out = []
+    for mode in plan.modes:
+        for p in plan.procs:
+            for op in MODE_OPS[mode]:
+                if op not in plan.ops or (op in ONLY_SINGLE_PROCESS and p != 1):
+                    continue
+                layouts = ("shared",) if p == 1 or op == "floor" else ("shared", "spread")
+                out += [(mode, op, p, lay) for lay in layouts]
+    return out
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    def find(mode: str, op: str, p: int, layout: str) -> dict[str, Any] | None:
+        for r in rows:
+            if (r["mode"], r["op"], r["procs"]) == (mode, op, p) and (
+                op == "floor" or r["layout"] == layout
+            ):
+                return r
+        return None
+
+    for r in rows:
+        floor = find(r["mode"], "floor", r["procs"], "shared")
+        r["vs_floor"] = r["ops_per_s"] / floor["ops_per_s"] if floor else None
+        for a in ALTERNATIVES:
+            ref_mode = r["mode"] if r["mode"] in ("sync", "asyncio") else "sync"
+            ref = find(ref_mode, a, r["procs"], r["layout"])
+            r[f"vs_{a}"] = r["ops_per_s"] / ref["ops_per_s"] if ref else None
+            r[f"vs_{a}_mode"] = ref_mode if ref else None
+
+
+def run_matrix(
+    plan: Plan, url: str, server_pid: int, led: Ledger, progress: Callable[[str], None]
+) -> tuple[list[Any], dict[int, dict[str, str]]]:
+    r: redis.Redis = led.client  # type: ignore[assignment]
+    todo = rows_plan(plan)
+    rows: list[dict[str, Any]] = []
+    t = time.perf_counter()
+    pool = Pool(plan.procs)
+    try:
+        progress(f"started {pool.size} worker processes (spawn) in {time.perf_counter() - t:.1f} s")
+        for i, (mode, op, p, layout) in enumerate(todo):
+            spec = RowSpec(
+                i, mode, op, p, layout, url, led.keyspace.prefix,
+                plan.duration, worker_cap(plan, op, mode, p), plan.concurrency, plan.batch,
+            )  # fmt: skip
+            results, stats = pool.run(spec, r, server_pid)
+            row = summarize(spec, results, stats)
+            row |= cpu_shares(pool.cpu, sum(x["cpu_s"] for x in results.values()))
+            c0 = time.perf_counter()
+            row["check"], row["session_fields_max"] = check_row(spec, led)
+            r.flushdb()
+            row["timing"] = pool.timing | {"check_s": time.perf_counter() - c0}
+            rows.append(row)
+            progress(
+                f"[{i + 1}/{len(todo)}] {mode:9} {op:14} P={p:<2} {layout:6} "
+                f"{row['ops_per_s']:>9,.0f} ops/s  p99 {row['p99_ms']:7.2f} ms  "
+                f"srv {row['server']['usec_per_call']:6.1f} µs/call  "
+                + "/".join(f"{v:.1f}" for v in row["timing"].values())
+                + " s setup/run/check"
+                + (f"  ERRORS {row['errors']}: {row['first_error']}" if row["errors"] else "")
+                + (f"  CHECK {row['check'][:2]}" if row["check"] else "")
+            )
+    finally:
+        pool.close()
+    add_ratios(rows)
+    progress(f"matrix: {len(rows)} rows in {time.perf_counter() - t:.1f} s")
+    return rows, pool.worker_shas
+
+
+# --- server time with one idle client (bench_core's phases) ------------------------------
+
+CALIBRATION = ("return1", "common_return1", "admit_1", "admit_16")
+
+
+def calibrate(led: Ledger, n: int, reps: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Server time per call with one idle client (bench_core's phases, interleaved, median
+    of reps) with the part spent inside the commands the script calls; and the client CPU
+    of the pieces of one ledger call without I/O (bench_core's cpu_parts)."""
+    b = Bench(led, n, reps)
+    for name in CALIBRATION:  # warm-up
+        b.run_server_phase(name, min(n, 200))
+    raw: dict[str, list[tuple[float, float]]] = {p: [] for p in CALIBRATION}
+    for rep in range(reps):
+        k = rep % len(CALIBRATION)
+        for name in CALIBRATION[k:] + CALIBRATION[:k]:
+            res = b.run_server_phase(name, n)
+            calls = res["calls"] or 1
+            inner = sum(u for _, u in res["inner"].values())
+            raw[name].append((res["usec"] / calls, inner / calls))
+    b.drop_sessions()
+    phases = {
+        name: {
+            "what": SERVER_PHASES[name][0],
+            "usec_per_call": statistics.median(x for x, _ in v),
+            "usec_in_commands": statistics.median(y for _, y in v),
+            "reps": [x for x, _ in v],
+            "n": n,
+        }
+        for name, v in raw.items()
+    }
+    return phases, b.cpu_parts()
+
+
+# --- memory ----------------------------------------------------------------------------
+
+
+class TypicalSession:
+    """A session driven like an agent's: begin_turn, 12-18 chunks of ~400 tokens (one
+    admit each), a tool result, a recall span, end_turn, and the release of the chunks
+    and tool result of the turn TURN_KEEP turns back."""
+
+    def __init__(self, s: Session, seed: int) -> None:
+        self.s = s
+        self.rng = random.Random(seed)
+        self.held: deque[tuple[list[Item], str, int]] = deque()
+        self.turns = 0
+        self.calls = 1  # open
+        self.started = time.perf_counter()
+
+    def turn(self) -> None:
+        s, rng, t = self.s, self.rng, self.turns
+        started = s.begin_turn(WORKING_SET)
+        chunks = [Item(f"c{t}.{j}", rng.randint(350, 450)) for j in range(rng.randint(12, 18))]
+        for it in chunks:
+            s.admit("retrieval", [it])
+        tool = rng.randint(300, 1_200)
+        s.admit_tool_result(f"call{t}", tool, b"x" * (tool * 4))
+        s.record_span(started.turn, "recall", rng.randint(2_000, 4_000), 200)
+        self.held.append((chunks, f"call{t}", tool))
+        prompt = MEMORY_BUDGET.system_prompt + MEMORY_BUDGET.tool_framing
+        prompt += sum(sum(c.tokens for c in ch) + tt for ch, _, tt in self.held)
+        s.end_turn(started.turn, min(prompt, MEMORY_BUDGET.window))
+        self.calls += 4 + len(chunks)
+        if len(self.held) > TURN_KEEP:
+            old, call, _ = self.held.popleft()
+            s.release("retrieval", [c.id for c in old])
+            s.release("scratchpad", [call])
+            self.calls += 2
+        self.turns += 1
+
+    def run(self, n: int) -> None:
+        for _ in range(n):
+            self.turn()
+
+
+def session_memory(led: Ledger, s: Session) -> dict[str, Any]:
+    r: redis.Redis = led.client  # type: ignore[assignment]
+    d = Bench(led, 1, 1).describe(s.keys.session)
+    spill = list(r.scan_iter(match=s.keys.spill_prefix + "*", count=1000))
+    spill_bytes = sum(int(r.memory_usage(k, samples=0) or 0) for k in spill)
+    part = [k for k in (s.keys.deadlines, s.keys.jobs) if r.exists(k)]
+    d["session_hash_bytes"] = d["bytes"]
+    d["spill_keys"] = len(spill)
+    d["bytes"] = d["session_hash_bytes"] + spill_bytes  # all the session's own keys
+    d["partition_keys_bytes"] = sum(int(r.memory_usage(k, samples=0) or 0) for k in part)
+    return d
+
+
+def what_if_small(r: redis.Redis, key: str) -> dict[str, Any]:
+    """The fresh hash's fields whose names and values fit hash-max-listpack-value,
+    copied to a scratch key: what the encoding alone costs."""
+    limit = int(r.config_get("hash-max-listpack-value").get("hash-max-listpack-value") or 64)
+    fields: dict[Any, Any] = {
+        f: v for f, v in r.hgetall(key).items() if len(f) <= limit and len(v) <= limit
+    }
+    tmp = f"{key}:whatif"
+    r.hset(tmp, mapping=fields)
+    try:
+        enc = r.object("encoding", tmp)
+        return {
+            "bytes": int(r.memory_usage(tmp, samples=0) or 0),
+            "fields": len(fields),
+            "encoding": enc.decode() if isinstance(enc, bytes) else str(enc),
+            "dropped_fields": sorted(
+                (f.decode() if isinstance(f, bytes) else f) for f in r.hkeys(key) if f not in fields
+            ),
+        }
+    finally:
+        r.delete(tmp)
+
+
+def memory(url: str, plan: Plan, progress: Callable[[str], None]) -> dict[str, Any]:
+    short, long_ = plan.turns
+    base = f"bm{uuid.uuid4().hex[:8]}"
+    out: dict[str, Any] = {"turns": [short, long_], "retention_s": plan.retention_s}
+    rows: dict[str, dict[str, Any]] = {}
+
+    def snap(name: str, led: Ledger, ts: TypicalSession | None, s: Session, ret: int) -> None:
+        d = session_memory(led, s)
+        d["turns"] = ts.turns if ts else 0
+        d["ledger_calls"] = ts.calls if ts else 1
+        d["elapsed_s"] = time.perf_counter() - ts.started if ts else 0.0
+        d["op_retention_s"] = ret
+        rows[name] = d
+
+    with Ledger.from_url(url, prefix=f"{base}a", **CLIENT_TIMEOUTS) as led:
+        default_ret = led.settings.op_retention_seconds
+        fresh = led.open_session("fresh", MEMORY_BUDGET)
+        snap("fresh", led, None, fresh, default_ret)
+        out["what_if_fresh_small_fields"] = what_if_small(led.client, fresh.keys.session)  # type: ignore[arg-type]
+        typ = TypicalSession(led.open_session("typical", MEMORY_BUDGET), 1)
+        typ.run(short)
+        snap(f"{short}_turns", led, typ, typ.s, default_ret)
+        typ.run(long_ - short)
+        snap(f"{long_}_turns", led, typ, typ.s, default_ret)
+        progress(f"memory: default op retention ({default_ret} s) done")
+    ret = plan.retention_s
+    with Ledger.from_url(
+        url, prefix=f"{base}b", op_retention_seconds=ret, **CLIENT_TIMEOUTS
+    ) as led:
+        a = TypicalSession(led.open_session("short", MEMORY_BUDGET), 2)
+        b = TypicalSession(led.open_session("long", MEMORY_BUDGET), 3)
+        a.run(short)
+        snap(f"{short}_turns_retention_{ret}s", led, a, a.s, ret)
+        b.run(long_)
+        snap(f"{long_}_turns_retention_{ret}s", led, b, b.s, ret)
+        pause = ret + 0.2
+        time.sleep(pause)
+        k = plan.after_pause_turns
+        a.run(k)
+        b.run(k)
+        snap(f"{short}_turns_pause_{k}_more_retention_{ret}s", led, a, a.s, ret)
+        snap(f"{long_}_turns_pause_{k}_more_retention_{ret}s", led, b, b.s, ret)
+        out["pause_s"] = pause
+        out["after_pause_turns"] = k
+    progress(f"memory: op retention {ret} s done")
+    with Ledger.from_url(url, prefix=base) as led:
+        keys = list(led.client.scan_iter(match=f"{base}*", count=1000))
+        if keys:
+            led.client.delete(*keys)
+    out["rows"] = rows
+    return out
+
+
+# --- targets ---------------------------------------------------------------------------
+
+
+def targets(res: dict[str, Any], plan: Plan) -> list[dict[str, Any]]:
+    rows, cal, mem = res["rows"], res["calibration"], res["memory"]
+    pmax = max(plan.procs)
+    out: list[dict[str, Any]] = []
+
+    def add(name: str, measured: float | None, limit: float, kind: str, how: str) -> None:
+        if measured is None:
+            out.append({"target": name, "measured": None, "limit": limit, "kind": kind,
+                        "ratio": None, "verdict": "n/a", "how": how})  # fmt: skip
+            return
+        ratio = measured / limit
+        ok = ratio <= 1 if kind == "<=" else ratio >= 1
+        out.append({"target": name, "measured": measured, "limit": limit, "kind": kind,
+                    "ratio": ratio, "verdict": "PASS" if ok else "MISS", "how": how})  # fmt: skip
+
+    def row(mode: str, op: str, p: int, layout: str = "shared") -> dict[str, Any] | None:
+        for r in rows:
+            if (r["mode"], r["op"], r["procs"], r["layout"]) == (mode, op, p, layout):
+                found: dict[str, Any] = r
+                return found
+        return None
+
+    a1, a16 = cal["admit_1"]["usec_per_call"], cal["admit_16"]["usec_per_call"]
+    add(
+        "single-item admit, server µs (median)",
+        a1,
+        10.0,
+        "<=",
+        f"EVALSHA usec/calls, median of {plan.calib_reps} x {plan.calib_n} calls, one client",
+    )
+    add("batch of 16 vs single (server time)", a16 / a1 if a1 else None, 3.0, "<=",
+        f"admit_16 {a16:.1f} µs / admit_1 {a1:.1f} µs")  # fmt: skip
+    for mode in plan.modes:
+        refs = [("floor", "bare EVALSHA return 1")]
+        if mode != "pipelined":  # (the pipelined admit row is a bare EVALSHA of admit already)
+            refs.append(("admit_raw", "bare EVALSHA of admit, same args"))
+        for ref_op, ref_name in refs:
+            led_row, ref = row(mode, "admit_1", 1), row(mode, ref_op, 1)
+            m = led_row["cpu_us_per_op"] / ref["cpu_us_per_op"] if led_row and ref else None
+            how = "rows not run"
+            if led_row and ref:
+                wall = 1e6 / led_row["ops_per_s"], 1e6 / ref["ops_per_s"]
+                how = (f"client CPU/op, P=1: admit_1 {led_row['cpu_us_per_op']:.0f} µs / "
+                       f"{ref_op} {ref['cpu_us_per_op']:.0f} µs; wall/op "
+                       f"{wall[0]:.0f} / {wall[1]:.0f} µs")  # fmt: skip
+            add(f"library client cost vs {ref_name} ({mode})", m, 1.25, "<=", how)
+    for mode in ("sync", "asyncio"):
+        if mode not in plan.modes:
+            continue
+        lr, wr = row(mode, "admit_1", pmax), row(mode, "watch", pmax)
+        m = lr["ops_per_s"] / wr["ops_per_s"] if lr and wr else None
+        how = (f"admit_1 {lr['ops_per_s']:,.0f} ops/s / WATCH {wr['ops_per_s']:,.0f} ops/s"
+               if lr and wr else "rows not run")  # fmt: skip
+        add(f"{pmax} processes, one session, vs WATCH/MULTI ({mode})", m, 25.0, ">=", how)
+    for mode in plan.modes:
+        lr = row(mode, "admit_1", pmax)
+        how = "row not run"
+        if lr:
+            # Little's law: with N operations always in flight, mean latency = N / throughput
+            n = pmax * {"sync": 1, "asyncio": plan.concurrency, "pipelined": plan.batch}[mode]
+            how = (f"p50 {lr['p50_ms']:.2f} ms at {lr['ops_per_s']:,.0f} ops/s; {n} in flight "
+                   f"-> mean = {n / lr['ops_per_s'] * 1e3:.1f} ms (Little's law)")  # fmt: skip
+        p99 = lr["p99_ms"] if lr else None
+        add(f"{pmax} processes, one session, admit_1 p99 ms ({mode})", p99, 10.0, "<=", how)
+    mrows = mem["rows"]
+    add(
+        "freshly opened session, bytes",
+        mrows["fresh"]["bytes"],
+        1024.0,
+        "<=",
+        f"MEMORY USAGE of its keys; {mrows['fresh']['fields']} fields, "
+        f"{mrows['fresh']['encoding']}",
+    )
+    short, long_ = mem["turns"]
+    k, ret = mem["after_pause_turns"], mem["retention_s"]
+    sa = mrows[f"{short}_turns_pause_{k}_more_retention_{ret}s"]
+    sb = mrows[f"{long_}_turns_pause_{k}_more_retention_{ret}s"]
+    add(f"journal bounded: {long_} vs {short} turns (retention {ret} s)",
+        sb["bytes"] / sa["bytes"], 1.25, "<=",
+        f"{sb['bytes']:,} B / {sa['bytes']:,} B, both after a {mem['pause_s']:.1f} s pause "
+        f"and {k} more turns; outcomes kept {sb['fields_by_class'].get('outcomes', 0)} vs "
+        f"{sa['fields_by_class'].get('outcomes', 0)}")  # fmt: skip
+    return out
+
+
+# --- output ----------------------------------------------------------------------------
+
+
+def _git(*args: str) -> str:
+    """A read-only git query in the repository."""
+    proc = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10)
+    return proc.stdout.strip()
+
+
+def git_commit() -> str:
+    try:
+        head, dirty = _git("rev-parse", "--short", "HEAD"), _git("status", "--porcelain")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head or "unknown") + (" (+ uncommitted changes)" if dirty else "")
+
+
+def _f(x: float | None, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_report(res: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=210)
+    env, p = res["env"], res["params"]
+    console.print(
+        f"[bold]ledger full bench[/bold]  commit {res['git']}  total {res['elapsed_s']:.0f} s\n"
+        f"machine: nproc={env['nproc']}  cpu={env['cpu_model']}  redis-server "
+        f"{env['redis_version']} ({env['server']})  python {env['python']}, redis-py "
+        f"{env['redis_py']} (hiredis {env['hiredis']})  {env['platform']}\n"
+        f"load avg before/after {env.get('loadavg_before')}/{env.get('loadavg_after')}, "
+        f"CPU steal {env.get('cpu_steal_pct_during_run', 'n/a')} %; CPU used by other "
+        f"processes on the host during the rows: mean {res['other_cpu']['mean_pct']:.0f} %, "
+        f"max {res['other_cpu']['max_pct']:.0f} % of one core (of {env['nproc'] * 100} %)\n"
+        f"rows: {p['duration_s']} s time box each"
+        + (f", {p['ops_per_row']} ops per row" if p["ops_per_row"] else "")
+        + f"; processes {p['procs']} (spawn); asyncio K={p['concurrency']} calls in flight "
+        f"per process; pipeline B={p['batch']} calls; sessions: shared = one for all "
+        "processes, spread = one per process"
+    )
+    sc = res["scripts"]
+    if sc["workers_differ"] or sc["changed_during_run"]:
+        console.print(
+            f"[bold red]warning: lua/ changed during the run: workers ran other versions of "
+            f"{sc['workers_differ']}, files changed since the start: "
+            f"{sc['changed_during_run']}; rows may mix script versions[/bold red]"
+        )
+    for mode in p["modes"]:
+        t = Table(title=f"{mode}: " + {
+            "sync": "one blocking call at a time per process",
+            "asyncio": f"AsyncLedger, asyncio.gather of K={p['concurrency']} per process",
+            "pipelined": f"pipeline of B={p['batch']} EVALSHA (pre-built args); latency = batch",
+        }[mode])  # fmt: skip
+        for name, just in (("op", "left"), ("P", "right"), ("sess", "right"), ("ops", "right"),
+                           ("ops/s", "right"), ("p50\nms", "right"), ("p99\nms", "right"),
+                           ("x floor", "right"), ("x WATCH", "right"), ("x Lock", "right"),
+                           ("srv µs\n/call", "right"), ("srv µs\n/op", "right"),
+                           ("cmds\n/op", "right"), ("redis.call(\nsites", "right"),
+                           ("CPU µs\n/op", "right"), ("redis\nCPU %", "right"),
+                           ("other\nCPU %", "right"), ("notes", "left")):  # fmt: skip
+            t.add_column(name, justify=just, no_wrap=name != "notes")  # type: ignore[arg-type]
+        for r in (r for r in res["rows"] if r["mode"] == mode):
+            st = r["static_redis_call"]
+            sites = "+".join(str(v) for k, v in st.items() if k != "_common.lua")
+            sites = f"{sites} +{st['_common.lua']}" if st else "0" if r["op"] == "floor" else "-"
+            notes = []
+            if r["op"] in ALTERNATIVES and r["retries_per_op"]:
+                notes.append(f"retries/op {r['retries_per_op']:.2f}")
+            if r["capped_workers"] and not p["ops_per_row"]:
+                notes.append(f"[yellow]pre-built state ran out: {r['capped_workers']}/"
+                             f"{r['procs']} workers stopped early[/yellow]")  # fmt: skip
+            if r["unfinished"]:
+                notes.append(f"[yellow]{r['unfinished']} still running {DRAIN_S:g} s after the "
+                             "time box: cancelled, p99 is a lower bound[/yellow]")  # fmt: skip
+            if r["errors"]:
+                notes.append(f"[red]errors {r['errors']}[/red]")
+            if r["check"]:
+                notes.append(f"[red]check: {r['check'][0]}[/red]")
+            elif r["op"] != "floor":
+                notes.append("check ok")
+            if r["op"] == "begin_turn":
+                notes.append(f"hash {r['session_fields_max']:,} fields at end")
+            if r["mode"] == "pipelined" and r["op"] != "floor":
+                notes.append("x WATCH/Lock vs sync")
+            s = r["server"]
+            t.add_row(
+                r["op"], str(r["procs"]), str(r["sessions"]), f"{r['ops']:,}",
+                f"{r['ops_per_s']:,.0f}", f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}",
+                _f(r["vs_floor"]), _f(r["vs_watch"]), _f(r["vs_lock"]),
+                f"{s['usec_per_call']:.1f}", f"{s['usec_per_op']:.1f}",
+                f"{s['commands_per_op']:.2f}", sites, f"{r['cpu_us_per_op']:.0f}",
+                f"{r['redis_cpu_pct']:.0f}", f"{r['other_cpu_pct']:.0f}", ", ".join(notes),
+            )  # fmt: skip
+        console.print(t)
+    console.print(
+        "[dim]x floor / x WATCH / x Lock: this row's ops/s divided by that row's at the same "
+        "mode, processes and layout (> 1: faster). srv µs/call: EVALSHA usec/calls from INFO "
+        "commandstats (scripts include the commands they call); WATCH/Lock rows: the usec of "
+        "all top-level commands / ops (HINCRBY/HSET run inside EXEC and GET/DEL inside the "
+        "Lock's release script are already in EXEC's / EVALSHA's usec, so they are not added "
+        "again; the naive sum is in the JSON). srv µs/op: the same per operation. cmds/op: "
+        "top-level commands per operation. redis.call( sites: static count in the row's "
+        "script(s) + _common.lua. CPU µs/op: process_time of all worker processes / ops. "
+        "redis CPU %: the server process's CPU during the row (100 = one core busy); other "
+        "CPU %: busy time of the machine not used by the server or the workers (other "
+        "processes on the host), % of one core, approximate. "
+        "The alternatives implement single-item admission only: their ratios are meaningful "
+        "for admit_1. Redis's usec is wall time: with several busy client processes on the "
+        "same cores it includes time the server was descheduled; the one-idle-client table "
+        "below is the clean server time.[/dim]"
+    )
+
+    t = Table(title="Server time per call, one idle client (bench_core phases, median)")
+    for c in ("phase", "µs/call median", "min-max", "µs inside redis.call\ncommands",
+              "µs in Lua itself", "x return 1", "calls x reps"):  # fmt: skip
+        t.add_column(c, justify="left" if c == "phase" else "right")
+    cal = res["calibration"]
+    for name, v in cal.items():
+        t.add_row(f"{name}\n[dim]{v['what']}[/dim]", f"{v['usec_per_call']:.2f}",
+                  f"{min(v['reps']):.2f}-{max(v['reps']):.2f}", f"{v['usec_in_commands']:.2f}",
+                  f"{v['usec_per_call'] - v['usec_in_commands']:.2f}",
+                  f"{v['usec_per_call'] / cal['return1']['usec_per_call']:.1f}",
+                  f"{v['n']} x {len(v['reps'])}")  # fmt: skip
+    console.print(t)
+    t = Table(title="Client CPU of the pieces of one ledger call, no I/O (bench_core cpu_parts)")
+    for c in ("piece", "what", "CPU µs/op"):
+        t.add_column(c, justify="right" if c == "CPU µs/op" else "left")
+    for name, v in res["client_cpu_parts"].items():
+        t.add_row(name, v["what"], f"{v['cpu_us_per_op']:.1f}")
+    console.print(t)
+    console.print(
+        "[dim]tenacity is entered only after a failed first try (Ledger.run's fast path); "
+        "its cost is shown for reference, it is not in the rows above.[/dim]"
+    )
+
+    mem = res["memory"]
+    t = Table(title="Memory of one session (MEMORY USAGE SAMPLES 0 of the session hash + its "
+                    "spill keys)")  # fmt: skip
+    for c in ("state", "op retention", "turns", "ledger calls", "run s", "bytes", "fields",
+              "encoding", "fields by class", "partition keys B"):  # fmt: skip
+        t.add_column(
+            c, justify="left" if c in ("state", "encoding", "fields by class") else "right"
+        )
+    for name, v in mem["rows"].items():
+        t.add_row(
+            name, f"{v['op_retention_s']} s", str(v["turns"]), f"{v['ledger_calls']:,}",
+            f"{v['elapsed_s']:.1f}", f"{v['bytes']:,}", str(v["fields"]), v["encoding"],
+            ", ".join(f"{k} {c}" for k, c in v["fields_by_class"].items()),
+            f"{v['partition_keys_bytes']:,}",
+        )  # fmt: skip
+    w = mem["what_if_fresh_small_fields"]
+    t.add_row("what-if: fresh hash minus fields > 64 B (a copy)", "", "", "", "",
+              f"{w['bytes']:,}", str(w["fields"]), w["encoding"],
+              "dropped: " + ", ".join(w["dropped_fields"]), "")  # fmt: skip
+    console.print(t)
+    console.print(
+        f"[dim]A turn: begin_turn, 12-18 admits of one ~400-token chunk, admit_tool_result "
+        f"(300-1200 tokens), record_span, end_turn, and release of the chunks and tool result "
+        f"of the turn {TURN_KEEP} back. 'pause': idle {mem.get('pause_s', 0):.1f} s (> the op "
+        f"retention), then {mem.get('after_pause_turns')} more turns (each call drops at most "
+        "one expired journal chunk).[/dim]"
+    )
+
+    t = Table(title="Targets")
+    for c in ("target", "measured", "target", "measured / target", "verdict", "how"):
+        t.add_column(c, justify="left" if c in ("target", "how") else "right")
+    for g in res["targets"]:
+        v = g["verdict"]
+        colour = {"PASS": "green", "MISS": "red"}.get(v, "yellow")
+        t.add_row(g["target"], _f(g["measured"], ",.2f"), f"{g['kind']} {g['limit']:g}",
+                  _f(g["ratio"]), f"[{colour}]{v}[/{colour}]", g["how"])  # fmt: skip
+    console.print(t)
+
+
+# --- main ------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def own_server() -> Iterator[tuple[str, str, int]]:
+    from tests.servers import standalone
+
+    with standalone() as server:
+        assert server.proc is not None
+        yield server.url, f"self-started on 127.0.0.1:{server.port}", server.proc.pid
+
+
+def run(plan: Plan, progress: Callable[[str], None]) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    load0, ticks0 = loadavg(), cpu_ticks()
+    with (
+        own_server() as (url, where, server_pid),
+        Ledger.from_url(url, prefix=f"bf{uuid.uuid4().hex[:8]}", **CLIENT_TIMEOUTS) as led,
+    ):
+        r: redis.Redis = led.client  # type: ignore[assignment]
+        env = environment(r, where)
+        STATIC.clear()
+        STATIC.update(static_redis_calls())
+        shas = script_shas()
+        progress(f"redis-server {env['redis_version']} {where}; calibrating server time")
+        cal, cpu_parts = calibrate(led, plan.calib_n, plan.calib_reps)
+        rows, worker_shas = run_matrix(plan, url, server_pid, led, progress)
+        mem = memory(url, plan, progress)
+    # Someone editing lua/ during the run would make rows measure different scripts.
+    script_check = {
+        "workers_differ": sorted(
+            {n for ws in worker_shas.values() for n in ws if ws[n] != shas[n]}
+        ),
+        "changed_during_run": sorted(n for n, h in script_shas(fresh=True).items() if h != shas[n]),
+    }
+    ticks1 = cpu_ticks()
+    if ticks0 and ticks1 and ticks1[1] > ticks0[1]:
+        env["cpu_steal_pct_during_run"] = round(
+            100 * (ticks1[0] - ticks0[0]) / (ticks1[1] - ticks0[1]), 2
+        )
+    env["loadavg_before"], env["loadavg_after"] = load0, loadavg()
+    res: dict[str, Any] = {
+        "git": git_commit(),
+        "env": env,
+        "params": {
+            "quick": plan.quick,
+            "procs": list(plan.procs),
+            "modes": list(plan.modes),
+            "duration_s": plan.duration,
+            "ops_per_row": plan.ops_per_row,
+            "concurrency": plan.concurrency,
+            "batch": plan.batch,
+            "calibration": {"n": plan.calib_n, "reps": plan.calib_reps},
+            "lock_poll_s": alt.LOCK_SLEEP,
+            "watch_max_retries": alt.WATCH_MAX_RETRIES,
+        },
+        "static_redis_call": STATIC,
+        "scripts": script_check,
+        "rows": rows,
+        "calibration": cal,
+        "client_cpu_parts": cpu_parts,
+        "memory": mem,
+    }
+    walls = [r["seconds"] for r in rows] or [1.0]
+    res["other_cpu"] = {
+        "mean_pct": sum(r["other_cpu_pct"] * r["seconds"] for r in rows) / sum(walls),
+        "max_pct": max((r["other_cpu_pct"] for r in rows), default=0.0),
+    }
+    res["targets"] = targets(res, plan)
+    res["elapsed_s"] = time.perf_counter() - t0
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.bench_full", description=(__doc__ or "").split("\n")[0]
+    )
+    ap.add_argument("--quick", action="store_true", help="tiny sizes for CI")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead")
+    ap.add_argument("--duration", type=float, help="seconds per row (default 1.25)")
+    ap.add_argument("--procs", help="worker processes per row, e.g. 1,8,32")
+    ap.add_argument("--modes", help="subset of sync,asyncio,pipelined")
+    ap.add_argument("--ops", help=f"subset of {','.join(OPS)}")
+    a = ap.parse_args(argv)
+    plan = make_plan(a)
+
+    def progress(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    res = run(plan, progress)
+    if a.json:
+        print(json.dumps(res, indent=2))
+    else:
+        print_report(res)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
