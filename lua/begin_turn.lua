@@ -31,8 +31,9 @@
 --   (record 003's order); empty when the declared working set cannot fit at all.
 -- Errors: LEDGER_BADARG, LEDGER_CONFIG (the output reserve makes the reserved floor
 --         exceed the window), LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
--- Calls: HMGET, TIME, HGETALL, HDEL, HSET, HINCRBY, XADD when a compaction becomes pending
---        (a PEXPIRE or a journal sweep when due).
+-- Calls: HMGET, TIME, HSET (HGETALL and HDEL only to rotate or reclaim; HINCRBY; XADD when a
+--        compaction becomes pending)
+--        and a PEXPIRE or a journal sweep when due.
 
 local op, fp, epoch, e = op_args(false)
 if e then return e end
@@ -63,17 +64,6 @@ if H.S + H.T + H.F_w + H.F_m + out2 > H.W then
 end
 local now = now_ms()
 
-local items = { w = {}, r = {}, m = {}, s = {} }
-local all = redis.call('HGETALL', key)
-for i = 1, #all, 2 do
-  local c, id = string.match(all[i], '^i:(%a):(.+)$')
-  if c then
-    local t, tn, p, sq = string.match(all[i + 1], '^(%d+)|(%d+)|(%d+)|(%d+)$')
-    local list = items[c]
-    list[#list + 1] = { id = id, f = all[i], t = tonumber(t), tn = tonumber(tn), p = tonumber(p),
-      sq = tonumber(sq) }
-  end
-end
 local A = { w = H.a_w, m = H.a_m, s = H.a_s }
 local U = { w = H.u_w, r = H.u_r, m = H.u_m, s = H.u_s }
 local N = { w = H.n_w, r = H.n_r, m = H.n_m, s = H.n_s }
@@ -91,7 +81,24 @@ end
 local function need() return math.max(ws, A.w, H.F_w) end
 local function occupancy() return H.S + H.T + A.w + A.m + A.s end
 
-if R[3] and R[3] ~= '-' then
+-- The items, read (one HGETALL) only when a turn must rotate or reclaim: a turn that
+-- is already ok costs no scan of the session.
+local rotating = R[3] and R[3] ~= '-'
+local items = { w = {}, r = {}, m = {}, s = {} }
+if rotating or residual() < need() then
+  local all = redis.call('HGETALL', key)
+  for i = 1, #all, 2 do
+    local c, id = string.match(all[i], '^i:(%a):(.+)$')
+    if c then
+      local t, tn, p, sq = string.match(all[i + 1], '^(%d+)|(%d+)|(%d+)|(%d+)$')
+      local list = items[c]
+      list[#list + 1] = { id = id, f = all[i], t = tonumber(t), tn = tonumber(tn), p = tonumber(p),
+        sq = tonumber(sq) }
+    end
+  end
+end
+
+if rotating then
   for c in string.gmatch(R[3], '%a') do
     for _, it in ipairs(items[c]) do rotated = rotated + drop(c, it) end
   end
