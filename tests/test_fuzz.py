@@ -36,6 +36,7 @@ from ledger import (
     SessionBudget,
     UnknownSession,
     protocol,
+    scripts,
 )
 from ledger.core import new_op_id
 from tests.conftest import backend_url, make_settings
@@ -123,22 +124,8 @@ def good_call(name: str, s: Session, turn: int) -> protocol.Call[Any]:
     return calls[name]()
 
 
-MUTATING = [
-    "open",
-    "admit",
-    "release",
-    "reserve",
-    "settle",
-    "void",
-    "expire",
-    "reset",
-    "begin_turn",
-    "record_span",
-    "end_turn",
-    "compact",
-    "admit_tool",
-    "close",
-]
+READ_ONLY = {"snapshot", "audit"}
+MUTATING = [name for name in scripts.NAMES if name not in READ_ONLY]
 
 ARG_VALUES: st.SearchStrategy[str | bytes] = st.one_of(
     st.just(""),
