@@ -94,7 +94,7 @@ for k = 1, n do
 end
 local J = { ol = R[2], gz = H.gz, xp = H.xp }
 -- Refused: 'all' mode that does not fit whole; 'prefix' mode that fits nothing.
-local refused = (mode == 'all' and (fr < 0 or (cap and charged > cap))) or (mode == 'prefix' and admitted == 0
+local refused = (mode == 'all' and (fr < 0 or (cap and charged > 0 and charged > cap))) or (mode == 'prefix' and admitted == 0
   and #skipped > 0)
 if refused then
   local asked = mode == 'all' and charged or first_skip

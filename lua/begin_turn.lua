@@ -53,8 +53,8 @@ e = key_arg(2, 'jobs')
 if e then return e end
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'W', 'S', 'T', 'R0', 'F_w', 'F_m', 'a_w', 'a_m', 'a_s', 'u_w', 'u_r',
-  'u_m', 'u_s', 'n_w', 'n_r', 'n_m', 'n_s', 'EV', 'HW', 'kt', 'rut', 'rup', 'cd', 'gz', 'xp',
-  'o:' .. op, 'ol', 'rel' }, 27)
+  'u_m', 'u_s', 'n_w', 'n_r', 'n_m', 'n_s', 'EV', 'HW', 'kt', 'rut', 'rup', 'cd', 'gz', 'xp', 'fr',
+  'o:' .. op, 'ol', 'rel' }, 28)
 e = gate(H, R, op, fp, epoch)
 if e then return e end
 out2 = out2 or H.R0
@@ -111,7 +111,7 @@ if start_residual < need() then
   table.sort(items.s, function(x, y) return x.sq < y.sq end)
   for _, it in ipairs(items.s) do if not it.gone then order[#order + 1] = { 's', it } end end
   local recall = {}
-  for _, it in ipairs(items.m) do recall[it.id] = true end
+  for _, it in ipairs(items.m) do if not it.gone then recall[it.id] = true end end
   table.sort(items.r, function(x, y)
     local dx, dy = recall[x.id] and 0 or 1, recall[y.id] and 0 or 1
     if dx ~= dy then return dx < dy end
@@ -144,11 +144,10 @@ if start_residual < need() then
     end
     redis.call('HINCRBY', key, 'x:starvation', 1)
     if H.cd ~= 1 then enqueue(KEYS[2], 'compact', sid, H.ep, op, regime) end
-    local fr0 = H.W - H.S - H.T - out2 - math.max(H.a_w, H.F_w) - math.max(H.a_m, H.F_m) - H.a_s
     return commit(key, now, op, fp, table.concat({ 'status=refused|reason=',
       regime == 'loud' and 'compaction_pending' or 'starvation', '|requested=', need(),
       '|residual=', start_residual, '|need=', need(), '|utilization=', util, '|shortfall=', short,
-      '|compact=', table.concat(compact, ','), '|free=', fr0, '|epoch=', H.ep, '|turn=', H.tn }),
+      '|compact=', table.concat(compact, ','), '|free=', H.fr, '|epoch=', H.ep, '|turn=', H.tn }),
       { 'cd', 1 }, { ol = R[2], gz = H.gz, xp = H.xp })
   end
   redis.call('HINCRBY', key, 'x:' .. regime, 1)

@@ -39,7 +39,7 @@ turn, spill preview, failures that escalate, roll-up and amplification threshold
 drawn load of small items. Most rules aim at a rule's edges (the gate's boundary, what
 reclamation can give back, the room and the per-call cap, the fan-out threshold, the
 classes' delta) so that ~25 steps reach them. The test_bug_* tests at the end are
-the defects this model found, pinned (strict xfail) until fixed.
+the defects this model found, kept as regression tests since their fixes.
 """
 
 from __future__ import annotations
@@ -249,10 +249,9 @@ class Model:
             "s": self.used("s"),
         }
 
-    def free(self, out: int | None = None, a: dict[str, int] | None = None) -> int:
+    def free(self, a: dict[str, int] | None = None) -> int:
         a = a or self.active()
-        out = self.out if out is None else out
-        return W - S - T - out - max(a["w"], F_W) - max(a["m"], F_M) - a["s"]
+        return W - S - T - self.out - max(a["w"], F_W) - max(a["m"], F_M) - a["s"]
 
     def occupancy(self, a: dict[str, int] | None = None) -> int:
         a = a or self.active()
@@ -336,9 +335,7 @@ class Model:
         if partial:
             refused = not taken and bool(skipped)
         else:
-            # Defect (test_bug_duplicates_...): charged 0 is refused when the cap is
-            # negative; once fixed, charged > 0 and charged > cap.
-            refused = fr < 0 or (cap is not None and charged > cap)
+            refused = fr < 0 or (cap is not None and charged > 0 and charged > cap)
         if refused:
             asked = first_skip if partial else charged
             assert asked is not None
@@ -361,11 +358,8 @@ class Model:
         out2 = self.b.output_reserve if out is None else out
         if S + T + F_W + F_M + out2 > W:
             return ("error", "ConfigurationError")
-        a0 = self.active()
         items, rotated = self.rotated()
-        # Defect (test_bug_recall_released_each_turn_...): the script takes the ids
-        # recall holds before the rotation; once fixed, set(items["m"]).
-        recall_ids = set(self.items["m"])
+        recall_ids = set(items["m"])
         act = {
             "w": sum(r.tokens for r in items["w"].values()),
             "m": sum(r.tokens for r in items["r"].values())
@@ -418,9 +412,7 @@ class Model:
                     "starved",
                     "compaction_pending" if regime == "loud" else "starvation",
                     need(),
-                    # Defect (test_bug_starvation_refusal_...): free with this turn's
-                    # output reserve; once fixed, self.free().
-                    self.free(out2, a0),
+                    self.free(),
                     start,
                     need(),
                     util / 1000,
@@ -1009,9 +1001,7 @@ def test_rules_match_model_cluster(redis_cluster: list[servers.RedisProcess]) ->
     check(f"redis+cluster://127.0.0.1:{redis_cluster[0].port}", max_examples=8)
 
 
-# --- defects the model found, pinned until fixed -----------------------------------------
-# The model above restates the scripts as they are (see its three "Defect" comments); these
-# tests state what the scripts should do. Fixing one: drop its xfail and its model comment.
+# --- defects the model found, fixed: each stays as a regression test ---------------------
 
 
 def _session(sid: str, **kw: Any) -> tuple[Ledger, Session]:
@@ -1029,11 +1019,6 @@ def _session(sid: str, **kw: Any) -> tuple[Ledger, Session]:
 
 
 @pytest.mark.embedded
-@pytest.mark.xfail(
-    strict=True,
-    reason="lua/begin_turn.lua:147 reports free computed with the refused turn's own output "
-    "reserve (fr0 uses out2), not the session's free: -2600 here",
-)
 def test_bug_starvation_refusal_reports_the_sessions_free() -> None:
     """begin_turn's refusal reports free computed with the refused turn's own output
     reserve (-2600 here) instead of the session's free (250)."""
@@ -1049,11 +1034,6 @@ def test_bug_starvation_refusal_reports_the_sessions_free() -> None:
 
 
 @pytest.mark.embedded
-@pytest.mark.xfail(
-    strict=True,
-    reason="lua/admit.lua:97 refuses an 'all' batch of duplicates (charged 0) as "
-    "compaction_pending when the per-call cap W - out - HW is negative; 'prefix' admits it",
-)
 def test_bug_duplicates_are_not_refused_while_a_compaction_is_pending() -> None:
     """An 'all' batch of duplicates (charged 0) is refused as compaction_pending when
     the per-call cap W - out - HW is negative; 'prefix' admits the same batch."""
@@ -1074,11 +1054,6 @@ def test_bug_duplicates_are_not_refused_while_a_compaction_is_pending() -> None:
 
 
 @pytest.mark.embedded
-@pytest.mark.xfail(
-    strict=True,
-    reason="lua/begin_turn.lua:114 takes the ids recall holds before the rotation, so a "
-    "retrieval chunk whose recall copy is released this turn is still reclaimed first",
-)
 def test_bug_recall_released_each_turn_does_not_make_retrieval_redundant() -> None:
     """The ids recall holds are taken before the rotation, so a retrieval chunk whose
     recall copy is released this turn is still reclaimed first, before older chunks."""
