@@ -83,7 +83,11 @@ TURNS = 40
 # phase name -> (what it is, Lua file it runs)
 SERVER_PHASES: dict[str, tuple[str, str | None]] = {
     "return1": ("bare `return 1` script (floor)", None),
-    "common_return1": ("_common.lua prologue + return 1", "_common.lua"),
+    "prelude_return1": ("admit's prelude (the _common.lua it uses) + return 1", "_common.lua"),
+    "admit_commands": (
+        "admit's HMGET, TIME and HSET alone, constant values (bench/admit_commands.lua)",
+        None,
+    ),
     "admit_1": ("admit 1 new item per call", "admit.lua"),
     "admit_16": ("admit a batch of 16 items", "admit.lua"),
     "release_1": ("release 1 item", "release.lua"),
@@ -192,8 +196,11 @@ class Bench:
         self.n = n
         self.reps = reps
         self.bare = self.r.register_script("return 1")
-        common = (scripts.lua_dir() / "_common.lua").read_text()
-        self.common_bare = self.r.register_script(common + "\nreturn 1")
+        admit_body = (scripts.lua_dir() / "admit.lua").read_text()
+        self.prelude_bare = self.r.register_script(scripts.prelude(admit_body) + "\nreturn 1")
+        self.admit_commands = self.r.register_script(
+            (Path(__file__).with_name("admit_commands.lua")).read_text()
+        )
         self.admit_script = self.r.register_script(scripts.source("admit"))
         self._seq = itertools.count()
         self._pending: tuple[Session, list[str]] | None = None
@@ -245,12 +252,24 @@ class Bench:
 
         return body
 
-    def ph_common_return1(self, n: int) -> Body:
-        script = self.common_bare
+    def ph_prelude_return1(self, n: int) -> Body:
+        script = self.prelude_bare
 
         def body() -> None:
             for _ in range(n):
                 script()
+
+        return body
+
+    def ph_admit_commands(self, n: int) -> Body:
+        """The calls admit_1 would send, to admit_commands.lua: same keys, same ARGV."""
+        s = self.session()
+        calls = [s.admit_call("retrieval", [Item(f"i{k}", 1)]) for k in range(n)]
+        script = self.admit_commands
+
+        def body() -> None:
+            for c in calls:
+                script(keys=c.keys, args=c.args)
 
         return body
 

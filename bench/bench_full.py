@@ -854,7 +854,7 @@ def run_matrix(
 
 # --- server time with one idle client (bench_core's phases) ------------------------------
 
-CALIBRATION = ("return1", "common_return1", "admit_1", "admit_16")
+CALIBRATION = ("return1", "prelude_return1", "admit_commands", "admit_1", "admit_16")
 
 
 def calibrate(led: Ledger, n: int, reps: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -1043,12 +1043,15 @@ def targets(res: dict[str, Any], plan: Plan) -> list[dict[str, Any]]:
         return None
 
     a1, a16 = cal["admit_1"]["usec_per_call"], cal["admit_16"]["usec_per_call"]
+    floor, cmds = cal["return1"]["usec_per_call"], cal["admit_commands"]["usec_per_call"]
     add(
         "single-item admit, server µs (median)",
         a1,
         10.0,
         "<=",
-        f"EVALSHA usec/calls, median of {plan.calib_reps} x {plan.calib_n} calls, one client",
+        f"EVALSHA usec/calls, median of {plan.calib_reps} x {plan.calib_n} calls, one client; "
+        f"on this machine `return 1` takes {floor:.1f} µs and admit's three commands alone "
+        f"{cmds:.1f} µs (admit_commands), so admit's own Lua is {a1 - cmds:.1f} µs",
     )
     add("batch of 16 vs single (server time)", a16 / a1 if a1 else None, 3.0, "<=",
         f"admit_16 {a16:.1f} µs / admit_1 {a1:.1f} µs")  # fmt: skip
@@ -1082,6 +1085,9 @@ def targets(res: dict[str, Any], plan: Plan) -> list[dict[str, Any]]:
             n = pmax * {"sync": 1, "asyncio": plan.concurrency, "pipelined": plan.batch}[mode]
             how = (f"p50 {lr['p50_ms']:.2f} ms at {lr['ops_per_s']:,.0f} ops/s; {n} in flight "
                    f"-> mean = {n / lr['ops_per_s'] * 1e3:.1f} ms (Little's law)")  # fmt: skip
+            fl = row(mode, "floor", pmax)
+            if fl:
+                how += f"; the floor (bare EVALSHA return 1) has p99 {fl['p99_ms']:.1f} ms here"
         p99 = lr["p99_ms"] if lr else None
         add(f"{pmax} processes, one session, admit_1 p99 ms ({mode})", p99, 10.0, "<=", how)
     mrows = mem["rows"]

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import uuid
+import itertools
+import os
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any, Self
@@ -39,8 +40,24 @@ from ledger.protocol import Call
 from ledger.settings import LedgerSettings
 
 
-def new_op_id() -> str:
-    return uuid.uuid4().hex
+class _OpIds:
+    """Op ids: 80 random bits drawn once per process (again in a forked child) and a
+    counter, in hex. Unique like a uuid4 for any realistic fleet, four times cheaper
+    to make, and shorter in the outcome journal."""
+
+    def __init__(self) -> None:
+        self.reseed()
+        os.register_at_fork(after_in_child=self.reseed)
+
+    def reseed(self) -> None:
+        self.prefix = os.urandom(10).hex()
+        self.counter = itertools.count()
+
+    def __call__(self) -> str:
+        return f"{self.prefix}{next(self.counter):x}"
+
+
+new_op_id = _OpIds()
 
 
 def _op(op_id: str | None) -> str:

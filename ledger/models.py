@@ -35,8 +35,8 @@ class Consumer(enum.StrEnum):
     def parse(cls, value: Consumer | str) -> Consumer:
         """A Consumer from itself or its name; anything else is an InvalidArgument."""
         try:
-            return cls(value)
-        except ValueError:
+            return _BY_VALUE[value]
+        except (KeyError, TypeError):
             names = ", ".join(c.value for c in cls)
             raise InvalidArgument(f"unknown consumer {value!r}: use one of {names}") from None
 
@@ -48,6 +48,7 @@ _CODES = {
     Consumer.SCRATCHPAD: "s",
 }
 _BY_CODE = {v: k for k, v in _CODES.items()}
+_BY_VALUE: dict[object, Consumer] = {c.value: c for c in Consumer}
 
 
 class SessionBudget(BaseModel):

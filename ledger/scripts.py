@@ -1,14 +1,20 @@
 """Loading the Lua scripts that ship in the wheel.
 
 Each operation is one file in the top-level ``lua/`` folder (``ledger/lua`` once
-installed). ``_common.lua`` is prepended to each so every script is one chunk;
+installed). The definitions of ``_common.lua`` that a script uses (directly or
+through another definition) are prepended to it, so every script is one chunk;
 redis-py's ``Script`` sends it with EVALSHA and reloads it on NOSCRIPT.
+
+Only the definitions used are prepended because Redis runs the whole chunk on every
+call: each ``local function`` is a closure allocated per call and collected later.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import re
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -43,13 +49,74 @@ def lua_dir() -> Path:
     raise FileNotFoundError(f"ledger Lua scripts not found in {packaged} or {repo}")
 
 
+_DEFINES = re.compile(r"^local\s+(?:function\s+(\w+)|([\w\s,]+?)\s*=)", re.M)
+_WORD = re.compile(r"[A-Za-z_]\w*")
+
+
+@dataclass(frozen=True)
+class Definition:
+    """One top-level definition of _common.lua, with the comment lines above it."""
+
+    names: frozenset[str]
+    text: str
+    uses: frozenset[str]
+
+
+def _words(lua: str) -> frozenset[str]:
+    # Comments are not stripped: a name in a comment costs an unused definition, while
+    # a comment marker inside a string could hide a use.
+    return frozenset(_WORD.findall(lua))
+
+
+@functools.cache
+def definitions() -> tuple[Definition, ...]:
+    """_common.lua cut at each column-0 ``local``: its comment block goes with it; the
+    file's header (everything before the first definition) is dropped."""
+    text = (lua_dir() / "_common.lua").read_text()
+    lines = text.split("\n")
+    starts = [i for i, line in enumerate(lines) if line.startswith("local ")]
+    out: list[Definition] = []
+    for k, i in enumerate(starts):
+        first = i
+        while k > 0 and first - 1 > starts[k - 1] and lines[first - 1].startswith("--"):
+            first -= 1  # its comment (the file's header is no definition's)
+        end = starts[k + 1] if k + 1 < len(starts) else len(lines)
+        while end > i + 1 and lines[end - 1].startswith("--"):
+            end -= 1  # the next definition's comment
+        chunk = "\n".join(lines[first:end]).rstrip() + "\n"
+        m = _DEFINES.match(lines[i])
+        if not m:
+            raise ValueError(f"_common.lua:{i + 1}: cannot tell what this defines: {lines[i]!r}")
+        names = frozenset([m.group(1)] if m.group(1) else re.split(r"\s*,\s*", m.group(2)))
+        body = "\n".join(lines[i:end])
+        out.append(Definition(names, chunk, _words(body) - names))
+    return tuple(out)
+
+
+def prelude(body: str) -> str:
+    """The definitions of _common.lua that `body` uses, directly or through another
+    definition, in their order in the file."""
+    defs = definitions()
+    wanted = set(_words(body))
+    keep: set[int] = set()
+    changed = True
+    while changed:
+        changed = False
+        for k, d in enumerate(defs):
+            if k not in keep and d.names & wanted:
+                keep.add(k)
+                wanted |= d.uses
+                changed = True
+    return "".join(d.text for k, d in enumerate(defs) if k in keep)
+
+
 @functools.cache
 def source(name: str) -> str:
     """The full text sent to Redis for one operation."""
     if name not in NAMES:
         raise KeyError(f"no ledger script named {name!r}")
-    d = lua_dir()
-    return (d / "_common.lua").read_text() + "\n" + (d / f"{name}.lua").read_text()
+    body = (lua_dir() / f"{name}.lua").read_text()
+    return prelude(body) + "\n" + body
 
 
 @functools.cache

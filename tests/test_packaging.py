@@ -69,8 +69,12 @@ USE = textwrap.dedent(
     lua = scripts.lua_dir().resolve()
     assert lua.is_relative_to(site), (lua, site)
     assert Path(ledger.__file__).resolve().is_relative_to(site), ledger.__file__
+    common = (lua / "_common.lua").read_text()
     for name in scripts.NAMES:
-        assert scripts.source(name).startswith((lua / "_common.lua").read_text())
+        src = scripts.source(name)
+        assert src.endswith((lua / f"{name}.lua").read_text()), name
+        assert all(d.text in common for d in scripts.definitions())
+        assert "local function err(" in src, name  # the prelude came from the wheel's file
 
     with Ledger.from_url("embedded://packaging") as led:
         s = led.open_session("pkg/s-1", SessionBudget(window=8_000, system_prompt=500))

@@ -1,0 +1,48 @@
+"""The loader: each script gets exactly the _common.lua definitions it uses."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from ledger import scripts
+
+WORD = re.compile(r"[A-Za-z_]\w*")
+
+
+def test_common_is_cut_into_named_definitions() -> None:
+    defs = scripts.definitions()
+    names = [n for d in defs for n in d.names]
+    assert len(names) == len(set(names))
+    assert {"err", "int_arg", "op_args", "gate", "commit", "GROUP", "NOSESSION"} <= set(names)
+    common = (scripts.lua_dir() / "_common.lua").read_text()
+    for d in defs:
+        assert d.text in common
+        assert d.text.lstrip().startswith(("local ", "--"))
+
+
+@pytest.mark.parametrize("name", scripts.NAMES)
+def test_each_script_has_every_helper_it_names_and_no_other(name: str) -> None:
+    body = (scripts.lua_dir() / f"{name}.lua").read_text()
+    src = scripts.source(name)
+    assert src.endswith(body)
+    prelude = src[: -len(body)]
+    included = [d for d in scripts.definitions() if d.text in prelude]
+    defined = {n for d in included for n in d.names}
+    # Closed: every definition named by the script or by an included definition is there
+    # (a missing one would be a global lookup failing at run time on that path only).
+    used = set(WORD.findall(body)).union(*(d.uses for d in included))
+    every = {n for d in scripts.definitions() for n in d.names}
+    assert used & every <= defined
+    # Minimal: nothing is included that nobody names.
+    for d in included:
+        assert d.names & used, (name, sorted(d.names))
+
+
+def test_rarely_used_helpers_stay_out_of_the_hot_path() -> None:
+    admit = scripts.source("admit")
+    assert "local function open_reservation(" not in admit
+    assert "local function zero_counters(" not in admit
+    assert "local function enqueue(" not in admit
+    assert "local function open_reservation(" in scripts.source("settle")
