@@ -103,7 +103,7 @@ CLIENT_LOOPS: dict[str, str] = {
 }
 CPU_PARTS: dict[str, str] = {
     "tenacity": "for attempt in Retrying(**ledger.retry_policy()): with attempt: pass",
-    "build_call": 'session.admit_call("retrieval", [Item(f"i{k}", 1)]) (uuid4, checks, blake2b)',
+    "build_call": 'session.admit_call("retrieval", [Item(f"i{k}", 1)]) (op id, checks, blake2b)',
     "parse_reply": "call.parse(protocol.decode(raw_reply))",
 }
 IGNORED_STATS = ("cmdstat_evalsha", "cmdstat_info", "cmdstat_config")

@@ -57,7 +57,7 @@ end
 -- given, names the item the number belongs to (joined only on error).
 local function int_arg(v, name, lo, hi, of)
   local n = type(v) == 'string' and #v <= 16 and string.match(v, '^%-?%d+$') and tonumber(v)
-  if n and n >= lo and n <= hi then return n end
+  if n and n >= lo and n <= hi then return n + 0 end  -- + 0: '-0' is 0
   if of then name = name .. ' of ' .. of end
   if not n then return nil, err('BADARG', name .. ' must be an integer, got ' .. show(v)) end
   return nil, err('BADARG', name .. ' must be between ' .. lo .. ' and ' .. hi .. ', got ' .. v)

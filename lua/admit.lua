@@ -22,7 +22,8 @@
 -- 'all' is refused when the new items do not fit together; 'prefix' when not even
 -- the first new item fits (requested is then that item's tokens).
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
--- Calls: HMGET, TIME, HSET (a PEXPIRE or a journal sweep when due; HINCRBY on refusal).
+-- Calls: HMGET, TIME, HSET (a PEXPIRE or a journal sweep when due; HINCRBY on refusal;
+--        HMGET of HW, out, W for retrieval and recall while a compaction is pending).
 
 local op, fp, epoch, e = op_args(false)
 if e then return e end
@@ -39,75 +40,86 @@ if e then return e end
 if #ARGV ~= 6 + 3 * n then
   return err('BADARG', 'expected ' .. (6 + 3 * n) .. ' arguments for ' .. n .. ' items, got ' .. #ARGV)
 end
+-- This is the hot path: fields are read by position, not through load()'s tables.
 local g = GROUP[c]
 local A, F, U, N = 'a_' .. g, 'F_' .. g, 'u_' .. c, 'n_' .. c
-local raws, toks, prios, seen = { 'ep', 'tn', 'sq', 'fr', A, F, U, N, 'gz', 'xp', 'cd', 'o:' .. op, 'ol' }, {}, {}, {}
+local fields = { 'ep', 'tn', 'sq', 'fr', A, F, U, N, 'gz', 'xp', 'cd', 'o:' .. op, 'ol' }
+local toks, prios, seen = {}, {}, n > 1 and {} or nil
 for k = 1, n do
   local b = 4 + 3 * k
   local id
   id, e = id_arg(ARGV[b], 'item id')
   if e then return e end
-  if seen[id] then return err('BADARG', 'item id ' .. id .. ' appears twice in the batch') end
-  seen[id] = true
+  if seen then
+    if seen[id] then return err('BADARG', 'item id ' .. id .. ' appears twice in the batch') end
+    seen[id] = true
+  end
   toks[k], e = int_arg(ARGV[b + 1], 'tokens', 1, TOKENS_MAX, id)
   if e then return e end
   prios[k], e = int_arg(ARGV[b + 2], 'priority', 0, 1000, id)
   if e then return e end
-  raws[k + 13] = 'i:' .. c .. ':' .. id
+  fields[k + 13] = 'i:' .. c .. ':' .. id
 end
 
 local key = KEYS[1]
-local H, R = load(key, raws, 11)
-e = gate(H, R, op, fp, epoch)
+local v = redis.call('HMGET', key, unpack(fields))
+-- v: 1 ep, 2 tn, 3 sq, 4 fr, 5 a, 6 floor, 7 u, 8 n, 9 gz, 10 xp, 11 cd, 12 outcome, 13 ol,
+-- 13 + k: item k when already held.
+local again = replay(v[12], op, fp)
+if again then return again end
+if not v[1] then return err('NOSESSION', NOSESSION) end
+local ep, tn = v[1], v[2]  -- kept as text: the reply and the items repeat them
+e = stale(tonumber(ep), epoch)
 if e then return e end
 local now = now_ms()
 
-local a, floor = H[A], H[F] or 0
+local a, floor, sq, fr = tonumber(v[5]), tonumber(v[6]) or 0, tonumber(v[3]), tonumber(v[4])
+local fr0 = fr
 local charged, admitted, dups, skipped, args = 0, 0, 0, {}, {}
-local fr = H.fr
 -- Record 001: while a compaction is pending, memory is judged on the post-compaction
 -- baseline (occupancy at the high-water mark): at most W - out - HW tokens of it.
-local cap, pending = nil, g == 'm' and H.cd == 1
+local cap, pending = nil, g == 'm' and v[11] == '1'
 if pending then
-  local x = load(key, { 'HW', 'out', 'W' }, 3)
-  cap = x.W - x.out - x.HW
+  local x = redis.call('HMGET', key, 'HW', 'out', 'W')
+  cap = tonumber(x[3]) - tonumber(x[2]) - tonumber(x[1])
 end
-local wanted, first_skip = 0, nil
+local first_skip = nil
 for k = 1, n do
-  if R[k + 2] then
+  local t = toks[k]
+  if v[k + 13] then
     dups = dups + 1
   else
-    local d = claim_delta(a + charged, toks[k], floor)
-    wanted = wanted + toks[k]
-    if mode == 'prefix' and (#skipped > 0 or d > fr or (cap and charged + toks[k] > cap)) then
+    local d = claim_delta(a + charged, t, floor)
+    if mode == 'prefix' and (#skipped > 0 or d > fr or (cap and charged + t > cap)) then
       skipped[#skipped + 1] = ARGV[4 + 3 * k]
-      first_skip = first_skip or toks[k]
+      first_skip = first_skip or t
     else
       fr = fr - d
-      charged = charged + toks[k]
+      charged = charged + t
       admitted = admitted + 1
-      H.sq = H.sq + 1
-      args[#args + 1] = raws[k + 13]
-      args[#args + 1] = table.concat({ toks[k], H.tn, prios[k], H.sq }, '|')
+      sq = sq + 1
+      args[#args + 1] = fields[k + 13]
+      args[#args + 1] = t .. '|' .. tn .. '|' .. prios[k] .. '|' .. sq
     end
   end
 end
-local J = { ol = R[2], gz = H.gz, xp = H.xp }
+local J = { ol = v[13], gz = tonumber(v[9]), xp = tonumber(v[10]) }
 -- Refused: 'all' mode that does not fit whole; 'prefix' mode that fits nothing.
-local refused = (mode == 'all' and (fr < 0 or (cap and charged > 0 and charged > cap))) or (mode == 'prefix' and admitted == 0
-  and #skipped > 0)
+local refused = (mode == 'all' and (fr < 0 or (cap and charged > 0 and charged > cap))) or
+  (mode == 'prefix' and admitted == 0 and #skipped > 0)
 if refused then
   local asked = mode == 'all' and charged or first_skip
   local reason = pending and 'compaction_pending' or refusal_reason(key, asked)
   redis.call('HINCRBY', key, 'x:refused', 1)
   return commit(key, now, op, fp, table.concat({ 'status=refused|reason=', reason, '|requested=', asked,
-    '|free=', H.fr, '|epoch=', H.ep, '|turn=', H.tn }), {}, J)
+    '|free=', fr0, '|epoch=', ep, '|turn=', tn }), {}, J)
 end
 if admitted > 0 then
   local m = #args
-  args[m + 1], args[m + 2], args[m + 3], args[m + 4], args[m + 5] = 'sq', H.sq, 'fr', fr, A
-  args[m + 6], args[m + 7], args[m + 8], args[m + 9], args[m + 10] = a + charged, U, H[U] + charged, N, H[N] + admitted
+  args[m + 1], args[m + 2], args[m + 3], args[m + 4], args[m + 5] = 'sq', sq, 'fr', fr, A
+  args[m + 6], args[m + 7], args[m + 8] = a + charged, U, tonumber(v[7]) + charged
+  args[m + 9], args[m + 10] = N, tonumber(v[8]) + admitted
 end
 return commit(key, now, op, fp, table.concat({ 'status=ok|charged=', charged, '|admitted=', admitted,
-  '|duplicates=', dups, '|skipped=', table.concat(skipped, ','), '|free=', fr, '|epoch=', H.ep,
-  '|turn=', H.tn }), args, J)
+  '|duplicates=', dups, '|skipped=', table.concat(skipped, ','), '|free=', fr, '|epoch=', ep,
+  '|turn=', tn }), args, J)
