@@ -11,6 +11,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, Concatenate, ParamSpec, Self, TypeVar
 
 from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError
 from tenacity import AsyncRetrying
 
 from ledger import protocol, scripts
@@ -54,16 +55,25 @@ class AsyncLedger(LedgerCore):
         script = self._scripts[call.script]
         try:
             try:  # the common case costs no retry machinery
-                raw = await script(keys=call.keys, args=call.args)
+                raw = await self._evalsha(script, call)
             except Exception as first:
                 if not self.retries(first):
                     raise
                 async for attempt in AsyncRetrying(**self.retry_policy()):
                     with attempt:
-                        raw = await script(keys=call.keys, args=call.args)
+                        raw = await self._evalsha(script, call)
         except Exception as exc:
             raise translate(exc) from exc
         return call.parse(protocol.decode(raw))
+
+    async def _evalsha(self, script: AsyncScript, call: Call[Any]) -> Any:
+        """EVALSHA, and on NOSCRIPT load the script and send it again: what calling the
+        ``AsyncScript`` does, without its per-call import and copy of the arguments."""
+        try:
+            return await self.client.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+        except NoScriptError:
+            script.sha = await self.client.script_load(script.script)
+            return await self.client.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
 
     async def open_session(
         self, session_id: str, budget: SessionBudget, *, op_id: str | None = None

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any, Concatenate, ParamSpec, Self, TypeVar
 
 from redis.commands.core import Script
+from redis.exceptions import NoScriptError
 from tenacity import Retrying
 
 from ledger import protocol, scripts
@@ -50,16 +51,25 @@ class Ledger(LedgerCore):
         script = self._scripts[call.script]
         try:
             try:  # the common case costs no retry machinery
-                raw = script(keys=call.keys, args=call.args)
+                raw = self._evalsha(script, call)
             except Exception as first:
                 if not self.retries(first):
                     raise
                 for attempt in Retrying(**self.retry_policy()):
                     with attempt:
-                        raw = script(keys=call.keys, args=call.args)
+                        raw = self._evalsha(script, call)
         except Exception as exc:
             raise translate(exc) from exc
         return call.parse(protocol.decode(raw))
+
+    def _evalsha(self, script: Script, call: Call[Any]) -> Any:
+        """EVALSHA, and on NOSCRIPT load the script and send it again: what calling the
+        ``Script`` does, without its per-call import and copy of the arguments."""
+        try:
+            return self.client.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+        except NoScriptError:
+            script.sha = self.client.script_load(script.script)
+            return self.client.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
 
     def open_session(
         self, session_id: str, budget: SessionBudget, *, op_id: str | None = None
