@@ -19,11 +19,12 @@ What it measures:
    lines give the commands each script issues per call (HMGET, TIME, HSET, ...);
    the static number of ``redis.call(`` sites in every Lua file is counted as well.
 2. Client throughput in a plain loop: ops/s, wall and CPU (time.process_time) per op
-   of a bare redis-py ``Script`` call of ``return 1`` against the ledger's
-   ``session.admit("retrieval", [Item(...)])`` (which goes through tenacity, builds an
-   op id and a fingerprint, and parses the reply), plus the same admit script called
-   as a bare ``Script`` with pre-built arguments, and an I/O-free attribution of the
-   client's CPU (tenacity wrapper, building the call, parsing the reply).
+   of a bare redis-py ``evalsha`` of ``return 1`` against the ledger's
+   ``session.admit("retrieval", [Item(...)])`` (which builds an op id and a
+   fingerprint, sends EVALSHA and parses the reply; tenacity only after a failure),
+   plus a bare ``evalsha`` of the admit script with pre-built arguments, and an
+   I/O-free attribution of the client's CPU (building the call, parsing the reply,
+   and for reference what a tenacity wrapper would cost).
 3. Memory: MEMORY USAGE (SAMPLES 0) of a freshly opened session hash and of one after
    40 turns of (admit 3 items, release 1).
 """
@@ -96,10 +97,9 @@ SERVER_PHASES: dict[str, tuple[str, str | None]] = {
     "snapshot": (f"snapshot, session after {TURNS} turns", "snapshot.lua"),
 }
 CLIENT_LOOPS: dict[str, str] = {
-    "bare_evalsha": "redis-py Script('return 1')()",
+    "bare_evalsha": "redis-py r.evalsha(sha of 'return 1', 0)",
     "ledger_admit": 'session.admit("retrieval", [Item(f"i{k}", 1)])',
-    "admit_no_retry": "admit_call() + Script(admit)() + parse, in the loop, no tenacity",
-    "raw_admit": "redis-py Script(admit)() with pre-built keys/args",
+    "raw_admit": "redis-py r.evalsha(sha of admit, 1, *keys, *args), pre-built calls",
 }
 CPU_PARTS: dict[str, str] = {
     "tenacity": "for attempt in Retrying(**ledger.retry_policy()): with attempt: pass",
@@ -405,11 +405,11 @@ class Bench:
     # -- client throughput
 
     def cl_bare_evalsha(self, n: int) -> Body:
-        bare = self.bare
+        r, sha = self.r, self.bare.sha
 
         def body() -> None:
             for _ in range(n):
-                bare()
+                r.evalsha(sha, 0)
 
         return body
 
@@ -422,26 +422,14 @@ class Bench:
 
         return body
 
-    def cl_admit_no_retry(self, n: int) -> Body:
-        """What Ledger.run does, minus the tenacity wrapper and the error translation."""
-        s = self.session()
-        script = self.admit_script
-
-        def body() -> None:
-            for k in range(n):
-                c = s.admit_call("retrieval", [Item(f"i{k}", 1)])
-                c.parse(protocol.decode(script(keys=c.keys, args=c.args)))
-
-        return body
-
     def cl_raw_admit(self, n: int) -> Body:
         s = self.session()
         calls = [s.admit_call("retrieval", [Item(f"i{k}", 1)]) for k in range(n)]
-        script = self.admit_script
+        r, sha = self.r, self.admit_script.sha
 
         def body() -> None:
             for c in calls:
-                script(keys=c.keys, args=c.args)
+                r.evalsha(sha, len(c.keys), *c.keys, *c.args)
 
         return body
 
@@ -659,13 +647,6 @@ def print_table(res: dict[str, Any]) -> None:
         t.add_row(
             name, v["what"], f"{v['cpu_us_per_op']:.1f}", f"{v['cpu_us_per_op'] / led_cpu:.0%}"
         )
-    d = res["client_derived"]["retry_wrapper_cpu_us_per_op"]
-    t.add_row(
-        "retry wrapper in situ",
-        "ledger_admit minus admit_no_retry (tenacity + try/translate), from table 2",
-        f"{d:.1f}",
-        f"{d / led_cpu:.0%}",
-    )
     console.print(t)
 
     t = Table(title="3. Memory of one session hash (MEMORY USAGE key SAMPLES 0)")
@@ -737,11 +718,6 @@ def run(n: int, reps: int, url: str | None, op_retention: int | None) -> dict[st
             100 * (ticks1[0] - ticks0[0]) / (ticks1[1] - ticks0[1]), 2
         )
     env["loadavg_before"], env["loadavg_after"] = load0, loadavg()
-    led_a, nr = client["ledger_admit"], client["admit_no_retry"]
-    derived = {
-        "retry_wrapper_cpu_us_per_op": led_a["cpu_us_per_op"] - nr["cpu_us_per_op"],
-        "retry_wrapper_wall_us_per_op": led_a["wall_us_per_op"] - nr["wall_us_per_op"],
-    }
     return {
         "env": env,
         "params": {"n": n, "reps": reps, "op_retention_s": retention},
@@ -749,7 +725,6 @@ def run(n: int, reps: int, url: str | None, op_retention: int | None) -> dict[st
         "server": server,
         "client": client,
         "client_cpu_parts": parts,
-        "client_derived": derived,
         "memory": memory,
         "elapsed_s": time.perf_counter() - t0,
     }

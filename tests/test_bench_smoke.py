@@ -25,7 +25,7 @@ SERVER_PHASES = {
     "settle",
     "snapshot",
 }
-CLIENT_LOOPS = {"bare_evalsha", "ledger_admit", "admit_no_retry", "raw_admit"}
+CLIENT_LOOPS = {"bare_evalsha", "ledger_admit", "raw_admit"}
 
 
 def _positive(x: object) -> bool:
