@@ -12,11 +12,12 @@ never the machine's shared Redis), measures:
    admission written with WATCH/MULTI/EXEC and with a redis-py Lock
    (bench/alternatives.py). Client modes: sync (one blocking call at a time per
    process), asyncio (AsyncLedger, K calls in flight per process via asyncio.gather)
-   and pipelined (redis-py pipeline of B EVALSHA of the admit script with arguments
-   pre-built by ledger.protocol.admit; the alternatives cannot be pipelined, their
-   WATCH needs a reply first). Worker processes: 1, 8, 32 (multiprocessing spawn,
-   started once and reused; each builds its own client for each row); with several
-   processes all work on one shared session, or each on its own (spread).
+   and pipelined (Ledger.run_many of B admit calls built in the loop, one pipeline
+   each; admit_raw: a bare redis-py pipeline of B EVALSHA with pre-built arguments;
+   the alternatives cannot be pipelined, their WATCH needs a reply first). Worker
+   processes: 1, 8, 32 (multiprocessing spawn, started once and reused; each builds
+   its own client for each row); with several processes all work on one shared
+   session, or each on its own (spread).
    Each row is time-boxed (--duration). Per row: ops/s, p50/p99 latency of one
    operation (pipelined: of its batch), ops/s as a ratio to the floor and to each
    alternative at the same mode, processes and layout, server time from INFO
@@ -79,7 +80,7 @@ from bench.bench_core import (  # noqa: E402
     loadavg,
     static_redis_calls,
 )
-from ledger import AsyncLedger, Item, Ledger, protocol, scripts  # noqa: E402
+from ledger import AsyncLedger, Item, Ledger, scripts  # noqa: E402
 from ledger.client import Session  # noqa: E402
 from ledger.core import SessionCore  # noqa: E402
 from ledger.protocol import Call  # noqa: E402
@@ -106,15 +107,14 @@ MODES = ("sync", "asyncio", "pipelined")
 MODE_OPS: dict[str, tuple[str, ...]] = {
     "sync": ("floor", "admit_raw", *LEDGER_OPS, *ALTERNATIVES),
     "asyncio": ("floor", "admit_raw", *LEDGER_OPS, *ALTERNATIVES),
-    "pipelined": ("floor", "admit_1", "admit_16"),
+    "pipelined": ("floor", "admit_raw", "admit_1", "admit_16"),
 }
 CALLS_PER_OP = {"reserve_settle": 2}
 # Ceilings (ops/s, whole row) used to size the state a row consumes (items to release,
 # pre-built pipelined calls); a worker that runs out stops early and is flagged.
 ONLY_SINGLE_PROCESS = ("admit_raw",)  # a reference for the library's client cost, P=1 only
 STATE_RATE = {("release", "*"): 12_000, ("admit_raw", "*"): 10_000,
-              ("admit_1", "pipelined"): 30_000,
-              ("admit_16", "pipelined"): 9_000}  # fmt: skip
+              ("admit_raw", "pipelined"): 30_000}  # fmt: skip
 # Every bench client: the ledger's settings but timeouts that an overloaded 2-core machine
 # (32 processes) does not hit: a timeout here would measure the timeout, not the design.
 CLIENT_TIMEOUTS = {"socket_timeout": 120.0, "connect_timeout": 60.0}
@@ -258,21 +258,26 @@ def sync_setup(spec: RowSpec, w: int, stack: contextlib.ExitStack) -> tuple[Sync
     if spec.mode == "pipelined":
         size = 16 if op == "admit_16" else 1
         n = spec.batch
-        nbatch = math.ceil(min(spec.cap, UNCAPPED // 1000) / n)
-        calls = [
-            s.admit_call("retrieval", [Item(f"{tag}.{k}.{j}", 1) for j in range(size)])
-            for k in range(nbatch * n)
-        ]
-        script_sha = led._scripts["admit"].sha
+        if op == "admit_raw":  # the same calls, pre-built, through a bare redis-py pipeline
+            nbatch = math.ceil(min(spec.cap, UNCAPPED // 1000) / n)
+            calls = [s.admit_call("retrieval", [Item(f"{tag}.{k}", 1)]) for k in range(nbatch * n)]
+            script_sha = led._scripts["admit"].sha
+            r.script_load(led._scripts["admit"].script)
+
+            def raw_batch(k: int) -> int:
+                with r.pipeline(transaction=False) as pipe:
+                    for c in calls[k * n : (k + 1) * n]:
+                        pipe.evalsha(script_sha, len(c.keys), *c.keys, *c.args)
+                    pipe.execute()
+                return 0
+
+            return raw_batch, n
 
         def admit_batch(k: int) -> int:
-            batch = calls[k * n : (k + 1) * n]
-            with r.pipeline(transaction=False) as pipe:
-                for c in batch:
-                    pipe.evalsha(script_sha, len(c.keys), *c.keys, *c.args)
-                raws = pipe.execute()
-            for c, raw in zip(batch, raws, strict=True):
-                c.parse(protocol.decode(raw))
+            led.run_many(
+                s.admit_call("retrieval", [Item(f"{tag}.{k}.{i}.{j}", 1) for j in range(size)])
+                for i in range(n)
+            )
             return 0
 
         return admit_batch, n
@@ -1057,8 +1062,7 @@ def targets(res: dict[str, Any], plan: Plan) -> list[dict[str, Any]]:
         f"admit_16 {a16:.1f} µs / admit_1 {a1:.1f} µs")  # fmt: skip
     for mode in plan.modes:
         refs = [("floor", "bare EVALSHA return 1")]
-        if mode != "pipelined":  # (the pipelined admit row is a bare EVALSHA of admit already)
-            refs.append(("admit_raw", "bare EVALSHA of admit, same args"))
+        refs.append(("admit_raw", "bare EVALSHA of admit, same args"))
         for ref_op, ref_name in refs:
             led_row, ref = row(mode, "admit_1", 1), row(mode, ref_op, 1)
             m = led_row["cpu_us_per_op"] / ref["cpu_us_per_op"] if led_row and ref else None
@@ -1166,7 +1170,8 @@ def print_report(res: dict[str, Any]) -> None:
         t = Table(title=f"{mode}: " + {
             "sync": "one blocking call at a time per process",
             "asyncio": f"AsyncLedger, asyncio.gather of K={p['concurrency']} per process",
-            "pipelined": f"pipeline of B={p['batch']} EVALSHA (pre-built args); latency = batch",
+            "pipelined": f"Ledger.run_many of B={p['batch']} calls (admit_raw: bare pipeline of "
+                         "pre-built EVALSHA); latency = batch",
         }[mode])  # fmt: skip
         for name, just in (("op", "left"), ("P", "right"), ("sess", "right"), ("ops", "right"),
                            ("ops/s", "right"), ("p50\nms", "right"), ("p99\nms", "right"),

@@ -7,17 +7,24 @@ It shares everything but the I/O with the sync face (``ledger.core``,
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, Concatenate, ParamSpec, Self, TypeVar
 
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 from tenacity import AsyncRetrying
 
 from ledger import protocol, scripts
 from ledger.backends import AsyncClient, async_client
-from ledger.core import LedgerCore, SessionCore, new_op_id
-from ledger.errors import translate, translated
+from ledger.core import LedgerCore, SessionCore, collect, new_op_id, noscript
+from ledger.errors import (
+    BackendUnavailable,
+    LedgerError,
+    PermissionDenied,
+    translate,
+    translated,
+)
 from ledger.models import AuditReport, Expired, HeldItem, SessionBudget
 from ledger.protocol import Call
 from ledger.settings import LedgerSettings
@@ -52,6 +59,10 @@ class AsyncLedger(LedgerCore):
 
     async def run(self, call: Call[T]) -> T:
         """Send one script call, retrying transient failures with the same op id."""
+        return call.parse(protocol.decode(await self._send(call)))
+
+    async def _send(self, call: Call[Any]) -> object:
+        """The raw reply of one call; transient failures retried, errors translated."""
         script = self._scripts[call.script]
         try:
             try:  # the common case costs no retry machinery
@@ -64,7 +75,59 @@ class AsyncLedger(LedgerCore):
                         raw = await self._evalsha(script, call)
         except Exception as exc:
             raise translate(exc) from exc
-        return call.parse(protocol.decode(raw))
+        return raw
+
+    async def run_many(
+        self, calls: Iterable[Call[Any]], *, return_exceptions: bool = False
+    ) -> list[Any]:
+        """Send many calls in one round trip; see :meth:`ledger.Ledger.run_many`."""
+        batch = list(calls)
+        if isinstance(self.client, AsyncRedisCluster):
+            # redis-py pipelines no EVALSHA on a cluster: one call after the other.
+            return collect(batch, [await self._try(c) for c in batch], return_exceptions)
+        raws: list[object] = [None] * len(batch)
+        todo = list(range(len(batch)))
+        try:
+            try:
+                await self._send_batch(batch, todo, raws)
+            except Exception as first:
+                if not self.retries(first):
+                    raise
+                async for attempt in AsyncRetrying(**self.retry_policy()):
+                    with attempt:
+                        await self._send_batch(batch, todo, raws)
+        except Exception as exc:
+            raise translate(exc) from exc
+        return collect(batch, raws, return_exceptions)
+
+    async def _try(self, call: Call[Any]) -> object:
+        """The raw reply of one call of a batch, or its refusal; an outage stops the batch."""
+        try:
+            return await self._send(call)
+        except (BackendUnavailable, PermissionDenied):
+            raise
+        except LedgerError as exc:
+            return exc
+
+    async def _send_batch(
+        self, batch: list[Call[Any]], todo: list[int], raws: list[object]
+    ) -> None:
+        for _ in range(2):
+            if not todo:
+                return
+            async with self.client.pipeline(transaction=False) as pipe:
+                for i in todo:
+                    c = batch[i]
+                    pipe.evalsha(self._scripts[c.script].sha, len(c.keys), *c.keys, *c.args)
+                replies = await pipe.execute(raise_on_error=False)
+            for i, reply in zip(todo, replies, strict=True):
+                raws[i] = reply
+            todo[:] = [i for i in todo if noscript(raws[i])]
+            for name in {batch[i].script for i in todo}:
+                script = self._scripts[name]
+                script.sha = await self.client.script_load(script.script)
+        if todo:
+            raise NoScriptError("the ledger's scripts were flushed again while loading them")
 
     async def _evalsha(self, script: AsyncScript, call: Call[Any]) -> Any:
         """EVALSHA, and on NOSCRIPT load the script and send it again: what calling the

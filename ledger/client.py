@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Concatenate, ParamSpec, Self, TypeVar
 
+from redis.cluster import RedisCluster
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 from tenacity import Retrying
 
 from ledger import protocol, scripts
 from ledger.backends import SyncClient, sync_client
-from ledger.core import LedgerCore, SessionCore, new_op_id
-from ledger.errors import translate, translated
+from ledger.core import LedgerCore, SessionCore, collect, new_op_id, noscript
+from ledger.errors import (
+    BackendUnavailable,
+    LedgerError,
+    PermissionDenied,
+    translate,
+    translated,
+)
 from ledger.models import AuditReport, Expired, HeldItem, SessionBudget
 from ledger.protocol import Call
 from ledger.settings import LedgerSettings
@@ -48,6 +55,10 @@ class Ledger(LedgerCore):
 
     def run(self, call: Call[T]) -> T:
         """Send one script call, retrying transient failures with the same op id."""
+        return call.parse(protocol.decode(self._send(call)))
+
+    def _send(self, call: Call[Any]) -> object:
+        """The raw reply of one call; transient failures retried, errors translated."""
         script = self._scripts[call.script]
         try:
             try:  # the common case costs no retry machinery
@@ -60,7 +71,63 @@ class Ledger(LedgerCore):
                         raw = self._evalsha(script, call)
         except Exception as exc:
             raise translate(exc) from exc
-        return call.parse(protocol.decode(raw))
+        return raw
+
+    def run_many(self, calls: Iterable[Call[Any]], *, return_exceptions: bool = False) -> list[Any]:
+        """Send many calls in one round trip and return their results in order.
+
+        A pipeline, not a transaction: each call is atomic on its own, the batch is not,
+        and calls of any sessions mix (on a cluster, redis-py routes each by its key). A
+        refused or failed call raises its error once every reply is read, or with
+        ``return_exceptions=True`` takes its place in the list. Transient failures are
+        retried like :meth:`run`; sending the same calls again is always safe, as each
+        op id takes effect once and later sends get its stored outcome."""
+        batch = list(calls)
+        if isinstance(self.client, RedisCluster):
+            # redis-py pipelines no EVALSHA on a cluster: one call after the other.
+            return collect(batch, [self._try(c) for c in batch], return_exceptions)
+        raws: list[object] = [None] * len(batch)
+        todo = list(range(len(batch)))
+        try:
+            try:
+                self._send_batch(batch, todo, raws)
+            except Exception as first:
+                if not self.retries(first):
+                    raise
+                for attempt in Retrying(**self.retry_policy()):
+                    with attempt:
+                        self._send_batch(batch, todo, raws)
+        except Exception as exc:
+            raise translate(exc) from exc
+        return collect(batch, raws, return_exceptions)
+
+    def _try(self, call: Call[Any]) -> object:
+        """The raw reply of one call of a batch, or its refusal; an outage stops the batch."""
+        try:
+            return self._send(call)
+        except (BackendUnavailable, PermissionDenied):
+            raise
+        except LedgerError as exc:
+            return exc
+
+    def _send_batch(self, batch: list[Call[Any]], todo: list[int], raws: list[object]) -> None:
+        """Pipeline the calls at the indices in todo, then once more those refused with
+        NOSCRIPT after loading their scripts. todo keeps what still has no reply."""
+        for _ in range(2):
+            if not todo:
+                return
+            with self.client.pipeline(transaction=False) as pipe:
+                for i in todo:
+                    c = batch[i]
+                    pipe.evalsha(self._scripts[c.script].sha, len(c.keys), *c.keys, *c.args)
+                replies = pipe.execute(raise_on_error=False)
+            for i, reply in zip(todo, replies, strict=True):
+                raws[i] = reply
+            todo[:] = [i for i in todo if noscript(raws[i])]
+            for name in {batch[i].script for i in todo}:
+                self._scripts[name].sha = self.client.script_load(self._scripts[name].script)
+        if todo:
+            raise NoScriptError("the ledger's scripts were flushed again while loading them")
 
     def _evalsha(self, script: Script, call: Call[Any]) -> Any:
         """EVALSHA, and on NOSCRIPT load the script and send it again: what calling the

@@ -8,6 +8,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any, Self
 
+from redis.exceptions import NoScriptError
 from tenacity import (
     retry_if_exception,
     stop_after_attempt,
@@ -16,7 +17,7 @@ from tenacity import (
 )
 
 from ledger import protocol
-from ledger.errors import ConfigurationError, is_transient
+from ledger.errors import ConfigurationError, LedgerError, is_transient, translate
 from ledger.keys import KeySpace, SessionKeys
 from ledger.models import (
     Admitted,
@@ -63,6 +64,34 @@ new_op_id = _OpIds()
 def _op(op_id: str | None) -> str:
     """The caller's op id as given (an empty one is refused later), or a fresh one."""
     return new_op_id() if op_id is None else op_id
+
+
+def collect(
+    calls: Sequence[Call[Any]], raws: Sequence[object], return_exceptions: bool
+) -> list[Any]:
+    """The results of a batch, in order, from its raw replies (a reply, or the driver's
+    error for that call), each read like a single call's. A refusal or error takes its
+    call's place when return_exceptions; otherwise the first one is raised, once every
+    reply is read (the other calls took effect)."""
+    out: list[Any] = []
+    first: LedgerError | None = None
+    for call, raw in zip(calls, raws, strict=True):
+        try:
+            if isinstance(raw, LedgerError):
+                raise raw
+            if isinstance(raw, BaseException):
+                raise translate(raw) from raw
+            out.append(call.parse(protocol.decode(raw)))
+        except LedgerError as exc:
+            first = first or exc
+            out.append(exc)
+    if first is not None and not return_exceptions:
+        raise first
+    return out
+
+
+def noscript(raw: object) -> bool:
+    return isinstance(raw, NoScriptError)
 
 
 class LedgerCore:

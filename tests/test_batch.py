@@ -1,0 +1,134 @@
+"""run_many: many calls in one round trip, on every backend, sync and asyncio."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+import redis
+
+from ledger import (
+    AdmissionRefused,
+    AsyncLedger,
+    Item,
+    Ledger,
+    SessionBudget,
+    StaleEpoch,
+)
+from ledger.models import Admitted, Released, Snapshot
+from tests import servers
+
+
+def _sid() -> str:
+    return f"batch/s-{uuid.uuid4().hex[:10]}"
+
+
+def test_empty_batch(ledger: Ledger) -> None:
+    assert ledger.run_many([]) == []
+
+
+def test_calls_of_several_sessions_come_back_in_order(
+    ledger: Ledger, budget: SessionBudget
+) -> None:
+    a, b = ledger.open_session(_sid(), budget), ledger.open_session(_sid(), budget)
+    a.admit("retrieval", [Item("old", 50)])
+    got = ledger.run_many(
+        [
+            a.admit_call("retrieval", [Item("x", 100)]),
+            b.admit_call("scratchpad", [Item("y", 200), Item("z", 300)]),
+            a.release_call("retrieval", ["old", "never-held"]),
+            b.snapshot_call(),
+        ]
+    )
+    assert [type(r) for r in got] == [Admitted, Admitted, Released, Snapshot]
+    assert (got[0].charged, got[1].charged, got[1].admitted) == (100, 500, 2)
+    assert (got[2].released, got[2].missing) == (50, ("never-held",))
+    assert got[3].used["scratchpad"] == 500  # the batch ran in order
+    assert a.snapshot().used["retrieval"] == 100
+    assert a.audit().clean and b.audit().clean
+
+
+def test_a_refusal_is_raised_after_the_whole_batch_ran(
+    ledger: Ledger, budget: SessionBudget
+) -> None:
+    s = ledger.open_session(_sid(), budget)
+    free = s.snapshot().free
+    calls = [
+        s.admit_call("retrieval", [Item("a", 10)]),
+        s.admit_call("retrieval", [Item("huge", free + 1)]),
+        s.admit_call("retrieval", [Item("b", 20)]),
+    ]
+    with pytest.raises(AdmissionRefused) as caught:
+        ledger.run_many(calls)
+    assert caught.value.requested == free + 1
+    assert s.snapshot().used["retrieval"] == 30  # the calls around it took effect
+
+    # Sending the same calls again is safe: every outcome is the stored one.
+    again = ledger.run_many(calls, return_exceptions=True)
+    assert isinstance(again[1], AdmissionRefused)
+    assert (again[0].charged, again[2].charged) == (10, 20)
+    assert s.snapshot().used["retrieval"] == 30
+    assert s.audit().clean
+
+
+def test_errors_take_their_place_with_return_exceptions(
+    ledger: Ledger, budget: SessionBudget
+) -> None:
+    s = ledger.open_session(_sid(), budget)
+    ledger.session(s.id).reset("test")  # s keeps the old epoch
+    fresh = ledger.session(s.id)
+    got = ledger.run_many(
+        [s.admit_call("retrieval", [Item("a", 1)]), fresh.admit_call("retrieval", [Item("a", 1)])],
+        return_exceptions=True,
+    )
+    assert isinstance(got[0], StaleEpoch)
+    assert isinstance(got[1], Admitted) and got[1].charged == 1
+
+
+async def test_async_batch(aledger: AsyncLedger, budget: SessionBudget) -> None:
+    s = await aledger.open_session(_sid(), budget)
+    calls: list[Any] = [s.admit_call("working_memory", [Item(f"t{k}", 10)]) for k in range(20)]
+    got = await aledger.run_many([*calls, s.snapshot_call()])
+    assert sum(r.charged for r in got[:-1]) == 200
+    assert got[-1].used["working_memory"] == 200
+    again = await aledger.run_many(calls)  # replayed, not charged twice
+    assert [r.charged for r in again] == [10] * 20
+    assert (await s.snapshot()).used["working_memory"] == 200
+
+
+@pytest.mark.redis
+def test_batch_after_script_flush(
+    redis_server: servers.RedisProcess, budget: SessionBudget
+) -> None:
+    """NOSCRIPT replies inside a batch: the scripts are loaded and only those calls sent
+    again (the others already ran)."""
+    from tests.conftest import make_settings
+
+    with Ledger.from_settings(make_settings(redis_server.url)) as led:
+        s = led.open_session(_sid(), budget)
+        redis.Redis.from_url(redis_server.url).script_flush()
+        got = led.run_many([s.admit_call("retrieval", [Item(f"c{k}", 5)]) for k in range(10)])
+        assert sum(r.charged for r in got) == 50
+        assert s.snapshot().used["retrieval"] == 50
+        assert s.audit().clean
+
+
+@pytest.mark.cluster
+def test_batch_spread_over_a_cluster(
+    redis_cluster: list[servers.RedisProcess], budget: SessionBudget
+) -> None:
+    from tests.conftest import make_settings
+
+    url = f"redis+cluster://127.0.0.1:{redis_cluster[0].port}"
+    with Ledger.from_settings(make_settings(url)) as led:
+        sessions = [led.open_session(_sid(), budget) for _ in range(12)]
+        for node in redis_cluster:  # every primary forgets the scripts
+            redis.Redis(port=node.port).script_flush()
+        got = led.run_many(
+            [s.admit_call("scratchpad", [Item("x", 7)]) for s in sessions]
+            + [s.snapshot_call() for s in sessions]
+        )
+        assert [r.charged for r in got[:12]] == [7] * 12
+        assert all(r.used["scratchpad"] == 7 for r in got[12:])
+        assert all(s.audit().clean for s in sessions)
