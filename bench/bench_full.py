@@ -78,6 +78,7 @@ from bench.bench_core import (  # noqa: E402
     cpu_ticks,
     environment,
     loadavg,
+    prelude_sites,
     static_redis_calls,
 )
 from ledger import AsyncLedger, Item, Ledger, scripts  # noqa: E402
@@ -762,7 +763,9 @@ def summarize(spec: RowSpec, results: dict[int, Any], stats: dict[str, Any]) -> 
         "cancel_cleanup_s_max": max(r.get("cleanup_s", 0.0) for r in results.values()),
         "calls_per_op": CALLS_PER_OP.get(spec.op, 1) if spec.op not in ALTERNATIVES else None,
         "static_redis_call": {f"{s}.lua": static[f"{s}.lua"] for s in scripts}
-        | ({"_common.lua": static["_common.lua"]} if scripts else {}),
+        | (  # the sites in the part of _common.lua prepended to the row's scripts
+            {"_common.lua": max(prelude_sites(f"{s}.lua") for s in scripts)} if scripts else {}
+        ),
         "server": server_figures(spec.op, stats, ops),
     }
 
@@ -1222,7 +1225,8 @@ def print_report(res: dict[str, Any]) -> None:
         "Lock's release script are already in EXEC's / EVALSHA's usec, so they are not added "
         "again; the naive sum is in the JSON). srv µs/op: the same per operation. cmds/op: "
         "top-level commands per operation. redis.call( sites: static count in the row's "
-        "script(s) + _common.lua. CPU µs/op: process_time of all worker processes / ops. "
+        "script(s) + its prelude from _common.lua. CPU µs/op: process_time of all worker "
+        "processes / ops. "
         "redis CPU %: the server process's CPU during the row (100 = one core busy); other "
         "CPU %: busy time of the machine not used by the server or the workers (other "
         "processes on the host), % of one core, approximate. "

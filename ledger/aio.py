@@ -17,7 +17,14 @@ from tenacity import AsyncRetrying
 
 from ledger import protocol, scripts
 from ledger.backends import AsyncClient, async_client
-from ledger.core import LedgerCore, SessionCore, collect, new_op_id, noscript
+from ledger.core import (
+    LedgerCore,
+    SessionCore,
+    batch_replies,
+    batch_scripts,
+    collect,
+    new_op_id,
+)
 from ledger.errors import (
     BackendUnavailable,
     LedgerError,
@@ -82,20 +89,20 @@ class AsyncLedger(LedgerCore):
     ) -> list[Any]:
         """Send many calls in one round trip; see :meth:`ledger.Ledger.run_many`."""
         batch = list(calls)
+        if not batch:
+            return []
         if isinstance(self.client, AsyncRedisCluster):
             # redis-py pipelines no EVALSHA on a cluster: one call after the other.
             return collect(batch, [await self._try(c) for c in batch], return_exceptions)
-        raws: list[object] = [None] * len(batch)
-        todo = list(range(len(batch)))
         try:
             try:
-                await self._send_batch(batch, todo, raws)
+                raws = await self._send_batch(batch)
             except Exception as first:
                 if not self.retries(first):
                     raise
                 async for attempt in AsyncRetrying(**self.retry_policy()):
                     with attempt:
-                        await self._send_batch(batch, todo, raws)
+                        raws = await self._send_batch(batch)
         except Exception as exc:
             raise translate(exc) from exc
         return collect(batch, raws, return_exceptions)
@@ -109,25 +116,26 @@ class AsyncLedger(LedgerCore):
         except LedgerError as exc:
             return exc
 
-    async def _send_batch(
-        self, batch: list[Call[Any]], todo: list[int], raws: list[object]
-    ) -> None:
+    async def _send_batch(self, batch: list[Call[Any]]) -> list[object]:
+        """The raw replies of a batch sent as one MULTI/EXEC: it runs in order and at
+        once, so no SCRIPT FLUSH or failover can fall between two of its calls. With
+        several scripts, each is loaded first inside the transaction; with one, a
+        NOSCRIPT reply means no call ran, and the batch is sent again once it is loaded."""
+        names, load = batch_scripts(batch)
         for _ in range(2):
-            if not todo:
-                return
-            async with self.client.pipeline(transaction=False) as pipe:
-                for i in todo:
-                    c = batch[i]
+            async with self.client.pipeline(transaction=True) as pipe:
+                if load:
+                    for name in names:
+                        pipe.script_load(self._scripts[name].script)
+                for c in batch:
                     pipe.evalsha(self._scripts[c.script].sha, len(c.keys), *c.keys, *c.args)
-                replies = await pipe.execute(raise_on_error=False)
-            for i, reply in zip(todo, replies, strict=True):
-                raws[i] = reply
-            todo[:] = [i for i in todo if noscript(raws[i])]
-            for name in {batch[i].script for i in todo}:
+                replies = batch_replies(await pipe.execute(raise_on_error=False), len(names) * load)
+            if replies is not None:
+                return replies
+            for name in names:
                 script = self._scripts[name]
                 script.sha = await self.client.script_load(script.script)
-        if todo:
-            raise NoScriptError("the ledger's scripts were flushed again while loading them")
+        raise NoScriptError("the ledger's scripts were flushed again while loading them")
 
     async def _evalsha(self, script: AsyncScript, call: Call[Any]) -> Any:
         """EVALSHA, and on NOSCRIPT load the script and send it again: what calling the

@@ -13,7 +13,14 @@ from tenacity import Retrying
 
 from ledger import protocol, scripts
 from ledger.backends import SyncClient, sync_client
-from ledger.core import LedgerCore, SessionCore, collect, new_op_id, noscript
+from ledger.core import (
+    LedgerCore,
+    SessionCore,
+    batch_replies,
+    batch_scripts,
+    collect,
+    new_op_id,
+)
 from ledger.errors import (
     BackendUnavailable,
     LedgerError,
@@ -76,27 +83,34 @@ class Ledger(LedgerCore):
     def run_many(self, calls: Iterable[Call[Any]], *, return_exceptions: bool = False) -> list[Any]:
         """Send many calls in one round trip and return their results in order.
 
-        A pipeline, not a transaction: each call is atomic on its own, the batch is not,
-        and calls of any sessions mix (on a cluster, redis-py routes each by its key). A
-        refused or failed call raises its error once every reply is read, or with
-        ``return_exceptions=True`` takes its place in the list. Transient failures are
-        retried like :meth:`run`; sending the same calls again is always safe, as each
-        op id takes effect once and later sends get its stored outcome."""
+        The batch is one MULTI/EXEC: its calls run in order, one after the other, with
+        no other client's command between them; each still decides on its own (a
+        refused call changes nothing, the others take effect). Calls of any sessions
+        mix. A refused or failed call raises its error once every reply is read, or
+        with ``return_exceptions=True`` takes its place in the list. Transient failures
+        are retried like :meth:`run`; sending the same calls again is always safe, as
+        each op id takes effect once and later sends get its stored outcome. Keep
+        batches to tens of calls: Redis serves no one else while one runs.
+
+        On a Redis Cluster (where redis-py pipelines no EVALSHA) the calls are sent one
+        after the other, each atomic on its own. An outage or a permission refusal
+        stops a batch on either backend: it is raised whatever ``return_exceptions``.
+        """
         batch = list(calls)
+        if not batch:
+            return []
         if isinstance(self.client, RedisCluster):
             # redis-py pipelines no EVALSHA on a cluster: one call after the other.
             return collect(batch, [self._try(c) for c in batch], return_exceptions)
-        raws: list[object] = [None] * len(batch)
-        todo = list(range(len(batch)))
         try:
             try:
-                self._send_batch(batch, todo, raws)
+                raws = self._send_batch(batch)
             except Exception as first:
                 if not self.retries(first):
                     raise
                 for attempt in Retrying(**self.retry_policy()):
                     with attempt:
-                        self._send_batch(batch, todo, raws)
+                        raws = self._send_batch(batch)
         except Exception as exc:
             raise translate(exc) from exc
         return collect(batch, raws, return_exceptions)
@@ -110,24 +124,26 @@ class Ledger(LedgerCore):
         except LedgerError as exc:
             return exc
 
-    def _send_batch(self, batch: list[Call[Any]], todo: list[int], raws: list[object]) -> None:
-        """Pipeline the calls at the indices in todo, then once more those refused with
-        NOSCRIPT after loading their scripts. todo keeps what still has no reply."""
+    def _send_batch(self, batch: list[Call[Any]]) -> list[object]:
+        """The raw replies of a batch sent as one MULTI/EXEC: it runs in order and at
+        once, so no SCRIPT FLUSH or failover can fall between two of its calls. With
+        several scripts, each is loaded first inside the transaction; with one, a
+        NOSCRIPT reply means no call ran, and the batch is sent again once it is loaded."""
+        names, load = batch_scripts(batch)
         for _ in range(2):
-            if not todo:
-                return
-            with self.client.pipeline(transaction=False) as pipe:
-                for i in todo:
-                    c = batch[i]
+            with self.client.pipeline(transaction=True) as pipe:
+                if load:
+                    for name in names:
+                        pipe.script_load(self._scripts[name].script)
+                for c in batch:
                     pipe.evalsha(self._scripts[c.script].sha, len(c.keys), *c.keys, *c.args)
-                replies = pipe.execute(raise_on_error=False)
-            for i, reply in zip(todo, replies, strict=True):
-                raws[i] = reply
-            todo[:] = [i for i in todo if noscript(raws[i])]
-            for name in {batch[i].script for i in todo}:
-                self._scripts[name].sha = self.client.script_load(self._scripts[name].script)
-        if todo:
-            raise NoScriptError("the ledger's scripts were flushed again while loading them")
+                replies = batch_replies(pipe.execute(raise_on_error=False), len(names) * load)
+            if replies is not None:
+                return replies
+            for name in names:
+                script = self._scripts[name]
+                script.sha = self.client.script_load(script.script)
+        raise NoScriptError("the ledger's scripts were flushed again while loading them")
 
     def _evalsha(self, script: Script, call: Call[Any]) -> Any:
         """EVALSHA, and on NOSCRIPT load the script and send it again: what calling the

@@ -2,8 +2,9 @@
 
 Each operation is one file in the top-level ``lua/`` folder (``ledger/lua`` once
 installed). The definitions of ``_common.lua`` that a script uses (directly or
-through another definition) are prepended to it, so every script is one chunk;
-redis-py's ``Script`` sends it with EVALSHA and reloads it on NOSCRIPT.
+through another definition) are prepended to it, so every script is one chunk. The
+clients register each through redis-py's ``Script`` and send it with EVALSHA,
+loading it again on NOSCRIPT.
 
 Only the definitions used are prepended because Redis runs the whole chunk on every
 call: each ``local function`` is a closure allocated per call and collected later.
@@ -62,10 +63,24 @@ class Definition:
     uses: frozenset[str]
 
 
+# A quoted string (with its escapes), a long bracket [[...]] / [=[...]=], or a comment.
+_TOKENS = re.compile(
+    r"""(?P<str>'(?:\\.|[^'\\\n])*'|"(?:\\.|[^"\\\n])*")"""
+    r"|--\[(?P<eq>=*)\[.*?\](?P=eq)\]"
+    r"|(?P<long>\[(?P<eq2>=*)\[.*?\](?P=eq2)\])"
+    r"|--[^\n]*",
+    re.S,
+)
+
+
+def strip_comments(lua: str) -> str:
+    """Lua source without its comments (strings, which may hold '--', are kept)."""
+    return _TOKENS.sub(lambda m: m.group(0) if m.group("str") or m.group("long") else " ", lua)
+
+
 def _words(lua: str) -> frozenset[str]:
-    # Comments are not stripped: a name in a comment costs an unused definition, while
-    # a comment marker inside a string could hide a use.
-    return frozenset(_WORD.findall(lua))
+    """The identifiers the code names (words inside strings count: harmless)."""
+    return frozenset(_WORD.findall(strip_comments(lua)))
 
 
 @functools.cache
@@ -74,6 +89,10 @@ def definitions() -> tuple[Definition, ...]:
     file's header (everything before the first definition) is dropped."""
     text = (lua_dir() / "_common.lua").read_text()
     lines = text.split("\n")
+    for i, line in enumerate(lines):
+        if line[:1] not in ("", " ", "-", "}") and not line.startswith(("local ", "end")):
+            # a top-level statement would be glued to the definition above it
+            raise ValueError(f"_common.lua:{i + 1}: only local definitions at top level")
     starts = [i for i, line in enumerate(lines) if line.startswith("local ")]
     out: list[Definition] = []
     for k, i in enumerate(starts):

@@ -1,8 +1,9 @@
 -- _common.lua: helpers shared by every ledger script.
 --
--- The loader (ledger/scripts.py) prepends this file to each operation script,
--- so every shipped script is one self-contained chunk. Nothing here builds a
--- key name: keys arrive only through KEYS.
+-- The loader (ledger/scripts.py) prepends to each operation script the definitions
+-- below that it uses, so every shipped script is one self-contained chunk. Only
+-- `local` definitions at top level: each is cut with the comment lines above it.
+-- Nothing here builds a key name: keys arrive only through KEYS.
 --
 -- Session hash (KEYS[1] of every session script), one Redis hash:
 --   ep tn sq inc        epoch, turn, item sequence, creation time (ms) of this incarnation

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import redis
+import redis.asyncio.cluster
 
 from ledger import (
     AdmissionRefused,
@@ -112,6 +113,36 @@ def test_batch_after_script_flush(
         assert sum(r.charged for r in got) == 50
         assert s.snapshot().used["retrieval"] == 50
         assert s.audit().clean
+
+
+@pytest.mark.parametrize("backend", ["embedded", "redis"], indirect=True)
+def test_calls_keep_their_order_when_only_some_scripts_are_cached(
+    ledger: Ledger, budget: SessionBudget
+) -> None:
+    """After a SCRIPT FLUSH and one admit (which loads admit.lua alone), a batch of a
+    release then an admit that only fits after it: the release must run first."""
+    s = ledger.open_session(_sid(), budget)
+    free = s.snapshot().free
+    s.admit("retrieval", [Item("big", free - 100)])
+    ledger.client.script_flush()
+    s.admit("retrieval", [Item("small", 1)])  # admit.lua is cached again, release.lua not
+    got = ledger.run_many(
+        [s.release_call("retrieval", ["big"]), s.admit_call("retrieval", [Item("next", free - 50)])]
+    )
+    assert got[0].released == free - 100
+    assert got[1].charged == free - 50
+    assert s.audit().clean
+
+
+async def test_async_batch_after_script_flush(aledger: AsyncLedger, budget: SessionBudget) -> None:
+    s = await aledger.open_session(_sid(), budget)
+    if not isinstance(aledger.client, redis.asyncio.cluster.RedisCluster):
+        await aledger.client.script_flush()
+    got = await aledger.run_many(
+        [s.admit_call("retrieval", [Item("a", 5)]), s.release_call("retrieval", ["a"])]
+    )
+    assert (got[0].charged, got[1].released) == (5, 5)
+    assert (await s.audit()).clean
 
 
 @pytest.mark.cluster

@@ -525,6 +525,28 @@ def test_timeout_while_redis_is_paused_is_retried_and_charged_once(
         charged_once(s, Consumer.RETRIEVAL, 777)
 
 
+def test_a_batch_whose_reply_is_lost_is_charged_once(
+    redis_server: servers.RedisProcess, admin: redis.Redis
+) -> None:
+    """run_many: Redis runs the whole MULTI/EXEC, its reply is lost, the retry sends the
+    batch again and every call gets its stored outcome."""
+    with (
+        FlakyProxy(redis_server.port) as proxy,
+        Ledger.from_settings(make_settings(proxy.url, **LOSSY)) as led,
+    ):
+        s = led.open_session("lost-batch", BUDGET)
+        calls = [s.admit_call("retrieval", [Item(f"c{k}", 100)]) for k in range(8)]
+        calls.append(s.release_call("retrieval", ["c0"]))
+        applied = evalsha_calls(admin)
+        proxy.arm("drop")
+        got = led.run_many(calls)
+        assert proxy.fired == 1
+        assert evalsha_calls(admin) - applied >= 2 * len(calls)  # applied, then replayed
+        assert [r.charged for r in got[:8]] == [100] * 8  # the first outcomes, replayed
+        assert got[8].released == 100
+        charged_once(s, Consumer.RETRIEVAL, 700, items=7)
+
+
 def test_lost_replies_of_applied_calls_are_charged_once(
     redis_server: servers.RedisProcess, admin: redis.Redis
 ) -> None:
