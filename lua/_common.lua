@@ -224,7 +224,7 @@ end
 -- them already, cl, ch, ttl, ort.
 local function commit(key, now, op, fp, out, args, J)
   args[#args + 1] = 'o:' .. op
-  args[#args + 1] = table.concat({ now, '|', fp, '|', out })
+  args[#args + 1] = string.format('%d|%s|%s', now, fp, out)
   local ol = (J.ol and J.ol ~= '') and (J.ol .. ',' .. op) or op
   local refresh = now >= J.xp
   if refresh or now >= J.gz or #ol >= CHUNK_BYTES then

@@ -99,7 +99,7 @@ for k = 1, n do
       admitted = admitted + 1
       sq = sq + 1
       args[#args + 1] = fields[k + 13]
-      args[#args + 1] = t .. '|' .. tn .. '|' .. prios[k] .. '|' .. sq
+      args[#args + 1] = string.format('%d|%s|%d|%d', t, tn, prios[k], sq)
     end
   end
 end
@@ -116,10 +116,13 @@ if refused then
 end
 if admitted > 0 then
   local m = #args
-  args[m + 1], args[m + 2], args[m + 3], args[m + 4], args[m + 5] = 'sq', sq, 'fr', fr, A
-  args[m + 6], args[m + 7], args[m + 8] = a + charged, U, tonumber(v[7]) + charged
-  args[m + 9], args[m + 10] = N, tonumber(v[8]) + admitted
+  local f = string.format  -- redis.call converts a number more slowly than %d does
+  args[m + 1], args[m + 2], args[m + 3], args[m + 4] = 'sq', f('%d', sq), 'fr', f('%d', fr)
+  args[m + 5], args[m + 6] = A, f('%d', a + charged)
+  args[m + 7], args[m + 8] = U, f('%d', tonumber(v[7]) + charged)
+  args[m + 9], args[m + 10] = N, f('%d', tonumber(v[8]) + admitted)
 end
-return commit(key, now, op, fp, table.concat({ 'status=ok|charged=', charged, '|admitted=', admitted,
-  '|duplicates=', dups, '|skipped=', table.concat(skipped, ','), '|free=', fr, '|epoch=', ep,
-  '|turn=', tn }), args, J)
+-- string.format: one C call, and %d formats a number faster than a concatenation.
+return commit(key, now, op, fp, string.format(
+  'status=ok|charged=%d|admitted=%d|duplicates=%d|skipped=%s|free=%d|epoch=%s|turn=%s',
+  charged, admitted, dups, table.concat(skipped, ','), fr, ep, tn), args, J)

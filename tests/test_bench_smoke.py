@@ -82,3 +82,18 @@ def test_bench_core_json() -> None:
         assert _positive(v["bytes"]), name
         assert _positive(v["fields"]), name
     assert memory["after_40_turns"]["fields"] > memory["fresh"]["fields"]
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+def test_lua_costs_measures_every_piece() -> None:
+    import redis
+
+    from bench import lua_costs
+    from tests.servers import standalone
+
+    with standalone() as srv:
+        costs = lua_costs.measure(redis.Redis.from_url(srv.url), n=200, reps=1)
+    assert set(costs) == {*lua_costs.PIECES[1:], "empty loop"}
+    assert all(isinstance(v, float) for v in costs.values())
+    assert costs["empty loop"] > 0
