@@ -90,6 +90,9 @@ SERVER_PHASES: dict[str, tuple[str, str | None]] = {
         None,
     ),
     "admit_1": ("admit 1 new item per call", "admit.lua"),
+    "return1_warm": ("return 1, calls back to back in pipelines of 100 (warm)", None),
+    "admit_commands_warm": ("admit_commands, back to back in pipelines of 100 (warm)", None),
+    "admit_1_warm": ("admit 1 item, back to back in pipelines of 100 (warm)", "admit.lua"),
     "admit_16": ("admit a batch of 16 items", "admit.lua"),
     "release_1": ("release 1 item", "release.lua"),
     "reserve": ("reserve (estimate 1 token)", "reserve.lua"),
@@ -211,6 +214,8 @@ class Bench:
             (Path(__file__).with_name("admit_commands.lua")).read_text()
         )
         self.admit_script = self.r.register_script(scripts.source("admit"))
+        for script in (self.bare, self.admit_commands, self.admit_script):
+            self.r.script_load(script.script)  # the warm phases send bare EVALSHA
         self._seq = itertools.count()
         self._pending: tuple[Session, list[str]] | None = None
         self._keys: list[str] = []
@@ -281,6 +286,33 @@ class Bench:
                 script(keys=c.keys, args=c.args)
 
         return body
+
+    def _warm(self, sha: str, calls: list[tuple[tuple[str, ...], tuple[Any, ...]]]) -> Body:
+        """Calls sent back to back in pipelines of 100: Redis runs them one after the
+        other, its caches warm, as on a busy server."""
+
+        def body() -> None:
+            for lo in range(0, len(calls), 100):
+                with self.r.pipeline(transaction=False) as pipe:
+                    for keys, args in calls[lo : lo + 100]:
+                        pipe.evalsha(sha, len(keys), *keys, *args)
+                    pipe.execute()
+
+        return body
+
+    def _admit_calls(self, n: int) -> list[tuple[tuple[str, ...], tuple[Any, ...]]]:
+        s = self.session()
+        built = [s.admit_call("retrieval", [Item(f"w{k}", 1)]) for k in range(n)]
+        return [(c.keys, c.args) for c in built]
+
+    def ph_return1_warm(self, n: int) -> Body:
+        return self._warm(self.bare.sha, [((), ())] * n)
+
+    def ph_admit_commands_warm(self, n: int) -> Body:
+        return self._warm(self.admit_commands.sha, self._admit_calls(n))
+
+    def ph_admit_1_warm(self, n: int) -> Body:
+        return self._warm(self.admit_script.sha, self._admit_calls(n))
 
     def ph_admit_1(self, n: int) -> Body:
         s = self.session()

@@ -862,7 +862,16 @@ def run_matrix(
 
 # --- server time with one idle client (bench_core's phases) ------------------------------
 
-CALIBRATION = ("return1", "prelude_return1", "admit_commands", "admit_1", "admit_16")
+CALIBRATION = (
+    "return1",
+    "prelude_return1",
+    "admit_commands",
+    "admit_1",
+    "admit_16",
+    "return1_warm",
+    "admit_commands_warm",
+    "admit_1_warm",
+)
 
 
 def calibrate(led: Ledger, n: int, reps: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -1059,7 +1068,10 @@ def targets(res: dict[str, Any], plan: Plan) -> list[dict[str, Any]]:
         "<=",
         f"EVALSHA usec/calls, median of {plan.calib_reps} x {plan.calib_n} calls, one client; "
         f"on this machine `return 1` takes {floor:.1f} µs and admit's three commands alone "
-        f"{cmds:.1f} µs (admit_commands), so admit's own Lua is {a1 - cmds:.1f} µs",
+        f"{cmds:.1f} µs (admit_commands), so admit's own Lua is {a1 - cmds:.1f} µs. Back to "
+        f"back (warm): return 1 {cal['return1_warm']['usec_per_call']:.1f}, commands "
+        f"{cal['admit_commands_warm']['usec_per_call']:.1f}, admit "
+        f"{cal['admit_1_warm']['usec_per_call']:.1f} µs",
     )
     add("batch of 16 vs single (server time)", a16 / a1 if a1 else None, 3.0, "<=",
         f"admit_16 {a16:.1f} µs / admit_1 {a1:.1f} µs")  # fmt: skip
