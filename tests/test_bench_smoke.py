@@ -100,3 +100,17 @@ def test_lua_costs_measures_every_piece() -> None:
     assert set(costs) == {*lua_costs.PIECES[1:], "empty loop"}
     assert all(isinstance(v, float) for v in costs.values())
     assert costs["empty loop"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+def test_admit_steps_cuts_admit_at_every_step() -> None:
+    from bench import admit_steps
+    from tests.servers import standalone
+
+    v = admit_steps.variants()
+    assert len(v) == 2 + len(admit_steps.STEPS)  # every marker found in lua/admit.lua
+    with standalone() as srv:
+        per = admit_steps.measure(srv.url, calls=20, rounds=1)
+    assert set(per) == set(v)
+    assert all(len(x) == 1 and x[0] > 0 for x in per.values())
