@@ -13,7 +13,7 @@ never the machine's shared Redis), measures:
    (bench/alternatives.py). Client modes: sync (one blocking call at a time per
    process), asyncio (AsyncLedger, K calls in flight per process via asyncio.gather)
    and pipelined (Ledger.run_many of B admit calls built in the loop, one pipeline
-   each; admit_raw: a bare redis-py pipeline of B EVALSHA with pre-built arguments;
+   each; admit_raw: a bare redis-py MULTI/EXEC pipeline of B EVALSHA, pre-built;
    the alternatives cannot be pipelined, their WATCH needs a reply first). Worker
    processes: 1, 8, 32 (multiprocessing spawn, started once and reused; each builds
    its own client for each row); with several processes all work on one shared
@@ -259,14 +259,14 @@ def sync_setup(spec: RowSpec, w: int, stack: contextlib.ExitStack) -> tuple[Sync
     if spec.mode == "pipelined":
         size = 16 if op == "admit_16" else 1
         n = spec.batch
-        if op == "admit_raw":  # the same calls, pre-built, through a bare redis-py pipeline
+        if op == "admit_raw":  # the same calls, pre-built, in a bare MULTI/EXEC as run_many
             nbatch = math.ceil(min(spec.cap, UNCAPPED // 1000) / n)
             calls = [s.admit_call("retrieval", [Item(f"{tag}.{k}", 1)]) for k in range(nbatch * n)]
             script_sha = led._scripts["admit"].sha
             r.script_load(led._scripts["admit"].script)
 
             def raw_batch(k: int) -> int:
-                with r.pipeline(transaction=False) as pipe:
+                with r.pipeline(transaction=True) as pipe:
                     for c in calls[k * n : (k + 1) * n]:
                         pipe.evalsha(script_sha, len(c.keys), *c.keys, *c.args)
                     pipe.execute()
@@ -1185,8 +1185,8 @@ def print_report(res: dict[str, Any]) -> None:
         t = Table(title=f"{mode}: " + {
             "sync": "one blocking call at a time per process",
             "asyncio": f"AsyncLedger, asyncio.gather of K={p['concurrency']} per process",
-            "pipelined": f"Ledger.run_many of B={p['batch']} calls (admit_raw: bare pipeline of "
-                         "pre-built EVALSHA); latency = batch",
+            "pipelined": f"Ledger.run_many of B={p['batch']} calls, one MULTI/EXEC (admit_raw: "
+                         "the same of pre-built EVALSHA); latency = batch",
         }[mode])  # fmt: skip
         for name, just in (("op", "left"), ("P", "right"), ("sess", "right"), ("ops", "right"),
                            ("ops/s", "right"), ("p50\nms", "right"), ("p99\nms", "right"),

@@ -20,8 +20,9 @@ from ledger.backends import AsyncClient, async_client
 from ledger.core import (
     LedgerCore,
     SessionCore,
+    batch_loads,
     batch_replies,
-    batch_scripts,
+    check_batch,
     collect,
     new_op_id,
 )
@@ -88,7 +89,7 @@ class AsyncLedger(LedgerCore):
         self, calls: Iterable[Call[Any]], *, return_exceptions: bool = False
     ) -> list[Any]:
         """Send many calls in one round trip; see :meth:`ledger.Ledger.run_many`."""
-        batch = list(calls)
+        batch = check_batch(calls)
         if not batch:
             return []
         if isinstance(self.client, AsyncRedisCluster):
@@ -117,22 +118,23 @@ class AsyncLedger(LedgerCore):
             return exc
 
     async def _send_batch(self, batch: list[Call[Any]]) -> list[object]:
-        """The raw replies of a batch sent as one MULTI/EXEC: it runs in order and at
-        once, so no SCRIPT FLUSH or failover can fall between two of its calls. With
-        several scripts, each is loaded first inside the transaction; with one, a
-        NOSCRIPT reply means no call ran, and the batch is sent again once it is loaded."""
-        names, load = batch_scripts(batch)
+        """The raw replies of a batch sent as one MULTI/EXEC, in order, with no other
+        client's command between its calls (see ``batch_loads`` for NOSCRIPT)."""
+        load = batch_loads(batch)
+        raws: list[object] = [None] * len(batch)
+        todo = list(range(len(batch)))
         for _ in range(2):
             async with self.client.pipeline(transaction=True) as pipe:
-                if load:
-                    for name in names:
-                        pipe.script_load(self._scripts[name].script)
-                for c in batch:
+                for name in load:
+                    pipe.script_load(self._scripts[name].script)
+                for i in todo:
+                    c = batch[i]
                     pipe.evalsha(self._scripts[c.script].sha, len(c.keys), *c.keys, *c.args)
-                replies = batch_replies(await pipe.execute(raise_on_error=False), len(names) * load)
-            if replies is not None:
-                return replies
-            for name in names:
+                replies = await pipe.execute(raise_on_error=False)
+            todo = batch_replies(replies, len(load), todo, raws)
+            if not todo:
+                return raws
+            for name in {batch[i].script for i in todo}:
                 script = self._scripts[name]
                 script.sha = await self.client.script_load(script.script)
         raise NoScriptError("the ledger's scripts were flushed again while loading them")

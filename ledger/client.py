@@ -16,8 +16,9 @@ from ledger.backends import SyncClient, sync_client
 from ledger.core import (
     LedgerCore,
     SessionCore,
+    batch_loads,
     batch_replies,
-    batch_scripts,
+    check_batch,
     collect,
     new_op_id,
 )
@@ -88,15 +89,16 @@ class Ledger(LedgerCore):
         refused call changes nothing, the others take effect). Calls of any sessions
         mix. A refused or failed call raises its error once every reply is read, or
         with ``return_exceptions=True`` takes its place in the list. Transient failures
-        are retried like :meth:`run`; sending the same calls again is always safe, as
-        each op id takes effect once and later sends get its stored outcome. Keep
-        batches to tens of calls: Redis serves no one else while one runs.
+        are retried like :meth:`run`; sending the same calls again is safe while their
+        outcomes are kept (``op_retention_seconds``): each op id takes effect once and
+        later sends get its stored outcome. At most 1,000 calls; keep batches to tens
+        of calls: Redis serves no one else while one runs.
 
         On a Redis Cluster (where redis-py pipelines no EVALSHA) the calls are sent one
         after the other, each atomic on its own. An outage or a permission refusal
         stops a batch on either backend: it is raised whatever ``return_exceptions``.
         """
-        batch = list(calls)
+        batch = check_batch(calls)
         if not batch:
             return []
         if isinstance(self.client, RedisCluster):
@@ -125,22 +127,23 @@ class Ledger(LedgerCore):
             return exc
 
     def _send_batch(self, batch: list[Call[Any]]) -> list[object]:
-        """The raw replies of a batch sent as one MULTI/EXEC: it runs in order and at
-        once, so no SCRIPT FLUSH or failover can fall between two of its calls. With
-        several scripts, each is loaded first inside the transaction; with one, a
-        NOSCRIPT reply means no call ran, and the batch is sent again once it is loaded."""
-        names, load = batch_scripts(batch)
+        """The raw replies of a batch sent as one MULTI/EXEC, in order, with no other
+        client's command between its calls (see ``batch_loads`` for NOSCRIPT)."""
+        load = batch_loads(batch)
+        raws: list[object] = [None] * len(batch)
+        todo = list(range(len(batch)))
         for _ in range(2):
             with self.client.pipeline(transaction=True) as pipe:
-                if load:
-                    for name in names:
-                        pipe.script_load(self._scripts[name].script)
-                for c in batch:
+                for name in load:
+                    pipe.script_load(self._scripts[name].script)
+                for i in todo:
+                    c = batch[i]
                     pipe.evalsha(self._scripts[c.script].sha, len(c.keys), *c.keys, *c.args)
-                replies = batch_replies(pipe.execute(raise_on_error=False), len(names) * load)
-            if replies is not None:
-                return replies
-            for name in names:
+                replies = pipe.execute(raise_on_error=False)
+            todo = batch_replies(replies, len(load), todo, raws)
+            if not todo:
+                return raws
+            for name in {batch[i].script for i in todo}:
                 script = self._scripts[name]
                 script.sha = self.client.script_load(script.script)
         raise NoScriptError("the ledger's scripts were flushed again while loading them")

@@ -90,7 +90,7 @@ def definitions() -> tuple[Definition, ...]:
     text = (lua_dir() / "_common.lua").read_text()
     lines = text.split("\n")
     for i, line in enumerate(lines):
-        if line[:1] not in ("", " ", "-", "}") and not line.startswith(("local ", "end")):
+        if line[:1] not in ("", " ", "-", "}") and not re.match(r"local |end\b", line):
             # a top-level statement would be glued to the definition above it
             raise ValueError(f"_common.lua:{i + 1}: only local definitions at top level")
     starts = [i for i, line in enumerate(lines) if line.startswith("local ")]
@@ -109,6 +109,10 @@ def definitions() -> tuple[Definition, ...]:
         names = frozenset([m.group(1)] if m.group(1) else re.split(r"\s*,\s*", m.group(2)))
         body = "\n".join(lines[i:end])
         out.append(Definition(names, chunk, _words(body) - names))
+    # Every line after the header belongs to one definition: none is lost between two.
+    covered = [line for d in out for line in d.text.split("\n") if line.strip()]
+    if covered != [line for line in lines[starts[0] :] if line.strip()]:
+        raise ValueError("_common.lua: a line after the header belongs to no definition")
     return tuple(out)
 
 

@@ -12,11 +12,14 @@ import redis.asyncio.cluster
 from ledger import (
     AdmissionRefused,
     AsyncLedger,
+    InvalidArgument,
     Item,
     Ledger,
     SessionBudget,
     StaleEpoch,
 )
+from ledger.core import SessionCore
+from ledger.keys import KeySpace
 from ledger.models import Admitted, Released, Snapshot
 from tests import servers
 
@@ -102,8 +105,8 @@ async def test_async_batch(aledger: AsyncLedger, budget: SessionBudget) -> None:
 def test_batch_after_script_flush(
     redis_server: servers.RedisProcess, budget: SessionBudget
 ) -> None:
-    """NOSCRIPT replies inside a batch: the scripts are loaded and only those calls sent
-    again (the others already ran)."""
+    """A batch of one script meets NOSCRIPT on every call (inside one EXEC the script
+    cache cannot change): none ran, the script is loaded and the batch sent again."""
     from tests.conftest import make_settings
 
     with Ledger.from_settings(make_settings(redis_server.url)) as led:
@@ -163,3 +166,57 @@ def test_batch_spread_over_a_cluster(
         assert [r.charged for r in got[:12]] == [7] * 12
         assert all(r.used["scratchpad"] == 7 for r in got[12:])
         assert all(s.audit().clean for s in sessions)
+
+
+@pytest.mark.parametrize("backend", ["embedded", "redis"], indirect=True)
+def test_only_the_calls_that_met_noscript_are_sent_again(
+    ledger: Ledger, budget: SessionBudget
+) -> None:
+    """Two sessions, one script each: admit.lua is cached, release.lua is not. The
+    admits run in the first EXEC, the releases in the second; no call runs twice."""
+    a, b = ledger.open_session(_sid(), budget), ledger.open_session(_sid(), budget)
+    b.admit("scratchpad", [Item("x", 40), Item("y", 60)])
+    ledger.client.script_flush()
+    a.admit("retrieval", [Item("warm", 1)])  # loads admit.lua again, not release.lua
+    got = ledger.run_many(
+        [
+            a.admit_call("retrieval", [Item("p", 5)]),
+            b.release_call("scratchpad", ["x"]),
+            a.admit_call("retrieval", [Item("q", 7)]),
+            b.release_call("scratchpad", ["y"]),
+        ]
+    )
+    assert [type(r) for r in got] == [Admitted, Released, Admitted, Released]
+    assert (got[1].released, got[3].released, got[3].free) == (40, 60, b.snapshot().free)
+    assert a.snapshot().used["retrieval"] == 13
+    assert a.audit().clean and b.audit().clean
+
+
+def test_batch_loads_only_for_sessions_reached_by_several_scripts() -> None:
+    from ledger.core import batch_loads
+
+    ks = KeySpace("t", 16)
+    s1, s2 = SessionCore(ks.session("s1"), 1), SessionCore(ks.session("s2"), 1)
+    one_each = [s1.admit_call("retrieval", [Item("a", 1)]), s2.snapshot_call()]
+    assert batch_loads(one_each) == []
+    mixed = [*one_each, s1.release_call("retrieval", ["a"])]
+    assert batch_loads(mixed) == ["admit", "release"]
+
+
+def test_a_batch_has_at_most_1000_calls(ledger: Ledger, budget: SessionBudget) -> None:
+    s = ledger.open_session(_sid(), budget)
+    with pytest.raises(InvalidArgument, match="at most 1000"):
+        ledger.run_many([s.snapshot_call()] * 1001)
+
+
+def test_a_permission_refusal_stops_the_batch_whatever_return_exceptions() -> None:
+    from redis.exceptions import NoPermissionError
+
+    from ledger import PermissionDenied
+    from ledger.core import collect
+
+    s = SessionCore(KeySpace("t", 16).session("s"), 1)
+    calls = [s.admit_call("retrieval", [Item("a", 1)]), s.snapshot_call()]
+    raws = [AdmissionRefused("token_budget_exhausted", 1, 0, {}), NoPermissionError("NOPERM no")]
+    with pytest.raises(PermissionDenied):
+        collect(calls, raws, return_exceptions=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -62,3 +63,18 @@ def test_comments_are_stripped_and_strings_kept() -> None:
     assert not {"gate", "load", "commit", "zz"} & set(WORD.findall(out))
     assert {"a", "b", "c", "d"} <= set(WORD.findall(out))
     assert "local function open_reservation(" in scripts.source("settle")
+
+
+def test_common_lua_may_hold_only_local_definitions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "_common.lua").write_text("local a = 1\nendpoint = 2\n")
+    monkeypatch.setattr(scripts, "lua_dir", lambda: tmp_path)
+    scripts.definitions.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="only local definitions at top level"):
+            scripts.definitions()
+    finally:
+        monkeypatch.undo()
+        scripts.definitions.cache_clear()
+    assert scripts.definitions()  # the real file again
