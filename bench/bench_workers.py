@@ -276,7 +276,8 @@ def throughput(url: str, params: Params, logs: Path, workers: int) -> dict[str, 
 def takeover_once(
     url: str, params: Params, logs: Path, rng: random.Random
 ) -> dict[str, Any] | None:
-    """One kill; None when the victim acknowledged its last jobs just before the kill."""
+    """One kill; None when the victim held no job at the kill (it acknowledged its last
+    ones just before, or the jobs were all done before it was seen holding one)."""
     with run_on(url, params, logs) as run:
         run.open_sessions(min(params.jobs, 1000))
         a, b = run.spawn("victim"), run.spawn("taker")
@@ -286,8 +287,13 @@ def takeover_once(
         time.sleep(rng.uniform(0.02, 0.1))
         deadline = time.monotonic() + 30
         while not run.held_by(a.consumer):  # kill it while it holds jobs
-            if time.monotonic() > deadline or not run.backlog():
+            if time.monotonic() > deadline:
                 raise RuntimeError("the victim never held a job")
+            if not run.backlog():  # all done before the victim was seen holding one
+                a.proc.kill()
+                a.proc.wait(10)
+                b.stop()
+                return None
             time.sleep(0.001)
         t_kill = time.perf_counter()
         a.proc.kill()
