@@ -164,6 +164,9 @@ def translate(exc: BaseException) -> BaseException:
             message = message.split(" script: ", 1)[0]
             return _CODES.get(code, LedgerError)(message)
         return LedgerError(f"Redis refused the call: {text}")
+    if isinstance(exc, rex.RedisError | rex.RedisClusterException):
+        # any other driver error (a misrouted cluster command, a value it cannot encode)
+        return LedgerError(f"Redis client error: {type(exc).__name__}: {exc}")
     return exc
 
 

@@ -34,3 +34,18 @@ def test_op_ids_are_distinct_identifiers_across_calls_and_forks() -> None:
     # Each forked child draws its own random part: none repeats the parent's ids.
     assert len({c[:20] for c in children} | {ids[0][:20]}) == 4
     assert not set(children) & set(ids)
+
+
+def test_every_driver_error_maps_into_the_ledger_tree() -> None:
+    import redis.exceptions as rex
+
+    from ledger import BackendUnavailable, LedgerError, PermissionDenied
+    from ledger.errors import translate
+
+    assert isinstance(translate(rex.ConnectionError("down")), BackendUnavailable)
+    assert isinstance(translate(rex.NoPermissionError("NOPERM")), PermissionDenied)
+    for exc in (rex.RedisClusterException("blocked in a pipeline"), rex.DataError("bad value")):
+        mapped = translate(exc)
+        assert type(mapped) is LedgerError and type(exc).__name__ in str(mapped)
+    plain = ValueError("not the driver's")
+    assert translate(plain) is plain  # the library's own bugs are not disguised
