@@ -145,14 +145,26 @@ local function stale(ep, epoch)
   return err('BADARG', 'epoch ' .. epoch .. ' is newer than the session epoch ' .. ep)
 end
 
--- The checks every mutating call makes once its fields are read (R[1] is the
--- field 'o:<op>'), in this order: a stored outcome is replayed, a missing session
--- and a stale epoch are refused. Returns a reply to send now, or nil to go on.
-local function gate(H, R, op, fp, epoch)
-  local again = replay(R[1], op, fp)
+-- The checks every mutating call makes once its fields are read, given the field
+-- 'o:<op>' (rec) and the session's epoch (ep, a number or nil), in this order: a
+-- stored outcome is replayed, a missing session and a stale epoch are refused.
+-- Returns a reply to send now, or nil to go on.
+local function gate(rec, ep, op, fp, epoch)
+  local again = replay(rec, op, fp)
   if again then return again end
-  if not H.ep then return err('NOSESSION', NOSESSION) end
-  return stale(H.ep, epoch)
+  if not ep then return err('NOSESSION', NOSESSION) end
+  return stale(ep, epoch)
+end
+
+-- record_span and end_turn account only the session's current turn, and only until
+-- it ends: an error reply otherwise.
+local function open_turn(H, turn)
+  if turn ~= H.tn then
+    return err('BADARG', 'turn ' .. turn .. ' is not the current turn ' .. H.tn)
+  end
+  if H.te == turn then
+    return err('BADARG', 'turn ' .. turn .. ' has already ended')
+  end
 end
 
 -- settle and void: the open reservation { c, est, deadline }, or nil and a reply
@@ -160,10 +172,7 @@ end
 -- the reservation, which a reset drops), or no such reservation.
 local function open_reservation(key, op, fp, epoch, rid)
   local v = redis.call('HMGET', key, 'o:' .. op, 'ep', 'r:' .. rid)
-  local again = replay(v[1], op, fp)
-  if again then return nil, again end
-  if not v[2] then return nil, err('NOSESSION', NOSESSION) end
-  local e = stale(tonumber(v[2]), epoch)
+  local e = gate(v[1], tonumber(v[2]), op, fp, epoch)
   if e then return nil, e end
   if not v[3] then return nil, err('NORESERVATION', 'reservation ' .. rid .. ' is not open') end
   local c, est, deadline = string.match(v[3], '^(%a)|(%d+)|(%d+)$')

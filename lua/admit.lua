@@ -65,12 +65,9 @@ local key = KEYS[1]
 local v = redis.call('HMGET', key, unpack(fields))
 -- v: 1 ep, 2 tn, 3 sq, 4 fr, 5 a, 6 floor, 7 u, 8 n, 9 gz, 10 xp, 11 cd, 12 outcome, 13 ol,
 -- 13 + k: item k when already held.
-local again = replay(v[12], op, fp)
-if again then return again end
-if not v[1] then return err('NOSESSION', NOSESSION) end
-local ep, tn = v[1], v[2]  -- kept as text: the reply and the items repeat them
-e = stale(tonumber(ep), epoch)
+e = gate(v[12], tonumber(v[1]), op, fp, epoch)
 if e then return e end
+local ep, tn = v[1], v[2]  -- kept as text: the reply and the items repeat them
 local now = now_ms()
 
 local a, floor, sq, fr = tonumber(v[5]), tonumber(v[6]) or 0, tonumber(v[3]), tonumber(v[4])

@@ -45,7 +45,7 @@ if e then return e end
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'sq', 'fr', 'F_m', 'a_m', 'a_s', 'u_r', 'u_m', 'u_s', 'n_r', 'n_m', 'n_s',
   'pv', 'sttl', 'gz', 'xp', 'o:' .. op, 'ol', 'i:s:' .. call }, 17)
-e = gate(H, R, op, fp, epoch)
+e = gate(R[1], H.ep, op, fp, epoch)
 if e then return e end
 local now = now_ms()
 local J = { ol = R[2], gz = H.gz, xp = H.xp }

@@ -55,7 +55,7 @@ local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'W', 'S', 'T', 'R0', 'F_w', 'F_m', 'a_w', 'a_m', 'a_s', 'u_w', 'u_r',
   'u_m', 'u_s', 'n_w', 'n_r', 'n_m', 'n_s', 'EV', 'HW', 'kt', 'rut', 'rup', 'cd', 'gz', 'xp', 'fr',
   'o:' .. op, 'ol', 'rel' }, 28)
-e = gate(H, R, op, fp, epoch)
+e = gate(R[1], H.ep, op, fp, epoch)
 if e then return e end
 out2 = out2 or H.R0
 if H.S + H.T + H.F_w + H.F_m + out2 > H.W then

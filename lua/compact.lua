@@ -65,7 +65,7 @@ e = key_arg(2, 'jobs')
 if e then return e end
 local key = KEYS[1]
 local H, R = load(key, fields, #NUM)
-e = gate(H, R, op, fp, epoch)
+e = gate(R[1], H.ep, op, fp, epoch)
 if e then return e end
 if R[3] and not seen['w:' .. sum_id] then
   return err('CONFLICT', 'working memory already holds ' .. sum_id .. ' and it is not being replaced')

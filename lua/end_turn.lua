@@ -47,14 +47,10 @@ if e then return e end
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'W', 'S', 'T', 'a_w', 'a_m', 'a_s', 'F_w', 'HW', 'cd', 'kt', 'rut', 'rup',
   'ai', 'an', 'pu', 'ams', 'amf', 'amp', 'gz', 'xp', 'te', 'o:' .. op, 'ol' }, 23)
-e = gate(H, R, op, fp, epoch)
+e = gate(R[1], H.ep, op, fp, epoch)
 if e then return e end
-if turn ~= H.tn then
-  return err('BADARG', 'turn ' .. turn .. ' is not the current turn ' .. H.tn)
-end
-if H.te == turn then
-  return err('BADARG', 'turn ' .. turn .. ' has already ended')
-end
+e = open_turn(H, turn)
+if e then return e end
 if final > H.W then
   return err('BADARG', 'final prompt of ' .. final .. ' tokens is larger than the window ' .. H.W ..
     ': inconsistent accounting')

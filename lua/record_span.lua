@@ -38,14 +38,10 @@ if #ARGV ~= 7 then return err('BADARG', 'expected 7 arguments, got ' .. #ARGV) e
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'S', 'T', 'a_w', 'a_m', 'a_s', 'fr', 'ai', 'ao', 'an', 'amp', 'gz', 'xp',
   'te', 'o:' .. op, 'ol' }, 15)
-e = gate(H, R, op, fp, epoch)
+e = gate(R[1], H.ep, op, fp, epoch)
 if e then return e end
-if turn ~= H.tn then
-  return err('BADARG', 'turn ' .. turn .. ' is not the current turn ' .. H.tn)
-end
-if H.te == turn then
-  return err('BADARG', 'turn ' .. turn .. ' has already ended')
-end
+e = open_turn(H, turn)
+if e then return e end
 local now = now_ms()
 local prompt = math.max(1, H.S + H.T + H.a_w + H.a_m + H.a_s)
 local ratio = math.floor(H.ai * 1000 / prompt)

@@ -36,7 +36,7 @@ end
 
 local key = KEYS[1]
 local H, R = load(key, raws, 9)
-e = gate(H, R, op, fp, epoch)
+e = gate(R[1], H.ep, op, fp, epoch)
 if e then return e end
 local now = now_ms()
 

@@ -39,7 +39,7 @@ if e then return e end
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'fr', 'a_' .. g, 'F_' .. g, 'v_' .. c, 'nv', 'gz', 'xp', 'cd',
   'o:' .. op, 'ol', 'r:' .. rid }, 10)
-e = gate(H, R, op, fp, epoch)
+e = gate(R[1], H.ep, op, fp, epoch)
 if e then return e end
 if R[3] then return err('CONFLICT', 'reservation ' .. rid .. ' is already open') end
 local now = now_ms()

@@ -27,7 +27,7 @@ e = key_arg(2, 'deadlines')
 if e then return e end
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'W', 'S', 'T', 'out', 'F_w', 'F_m', 'gz', 'xp', 'o:' .. op, 'ol' }, 10)
-e = gate(H, R, op, fp, epoch)
+e = gate(R[1], H.ep, op, fp, epoch)
 if e then return e end
 local now = now_ms()
 local all = redis.call('HGETALL', key)
