@@ -29,7 +29,7 @@ from .bench_core import BENCH_BUDGET
 STEPS = (
     ("prelude (the _common.lua it uses)", "local op, fp, epoch, e = op_args(false)"),
     ("check the 9 arguments", "local key = KEYS[1]"),
-    ("read the fields (HMGET)", "local again = replay("),
+    ("read the fields (HMGET)", "e = gate(v[12]"),
     ("replay, session, epoch, TIME", "local a, floor, sq, fr"),
     ("the arithmetic", "local J = {"),
     ("outcome record, journal, reply, HSET", None),
@@ -49,7 +49,9 @@ def variants() -> dict[str, str]:
         if marker is None:
             out[name] = full
             continue
-        cut = next(i for i, line in enumerate(lines) if line.startswith(marker))
+        cut = next((i for i, line in enumerate(lines) if line.startswith(marker)), None)
+        if cut is None:
+            raise ValueError(f"lua/admit.lua has no line starting {marker!r}: update STEPS")
         out[name] = "\n".join(lines[:cut]) + "\nreturn 1\n"
     return out
 

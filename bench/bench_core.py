@@ -277,13 +277,11 @@ class Bench:
 
     def ph_admit_commands(self, n: int) -> Body:
         """The calls admit_1 would send, to admit_commands.lua: same keys, same ARGV."""
-        s = self.session()
-        calls = [s.admit_call("retrieval", [Item(f"i{k}", 1)]) for k in range(n)]
-        script = self.admit_commands
+        calls, script = self._admit_calls(n), self.admit_commands
 
         def body() -> None:
-            for c in calls:
-                script(keys=c.keys, args=c.args)
+            for keys, args in calls:
+                script(keys=keys, args=args)
 
         return body
 
@@ -301,8 +299,9 @@ class Bench:
         return body
 
     def _admit_calls(self, n: int) -> list[tuple[tuple[str, ...], tuple[Any, ...]]]:
+        """KEYS and ARGV of n single-item admits on a new session, built beforehand."""
         s = self.session()
-        built = [s.admit_call("retrieval", [Item(f"w{k}", 1)]) for k in range(n)]
+        built = [s.admit_call("retrieval", [Item(f"i{k}", 1)]) for k in range(n)]
         return [(c.keys, c.args) for c in built]
 
     def ph_return1_warm(self, n: int) -> Body:
@@ -465,13 +464,11 @@ class Bench:
         return body
 
     def cl_raw_admit(self, n: int) -> Body:
-        s = self.session()
-        calls = [s.admit_call("retrieval", [Item(f"i{k}", 1)]) for k in range(n)]
-        r, sha = self.r, self.admit_script.sha
+        calls, r, sha = self._admit_calls(n), self.r, self.admit_script.sha
 
         def body() -> None:
-            for c in calls:
-                r.evalsha(sha, len(c.keys), *c.keys, *c.args)
+            for keys, args in calls:
+                r.evalsha(sha, len(keys), *keys, *args)
 
         return body
 

@@ -211,12 +211,9 @@ def _ok(status: str) -> None:
         raise RuntimeError(f"alternative admission returned {status}")
 
 
-def prebuilt_admits(s: SessionCore, spec: RowSpec, tag: str) -> list[Call[Any]]:
-    """One-item admit calls for k in -concurrency..cap-1 (the negative ones warm up)."""
-    return [
-        s.admit_call("retrieval", [Item(f"{tag}.{k}", 1)])
-        for k in range(-spec.concurrency, spec.cap)
-    ]
+def prebuilt_admits(s: SessionCore, tag: str, ks: range) -> list[Call[Any]]:
+    """One-item admit calls, item ids '<tag>.<k>' for k in ks."""
+    return [s.admit_call("retrieval", [Item(f"{tag}.{k}", 1)]) for k in ks]
 
 
 def sync_setup(spec: RowSpec, w: int, stack: contextlib.ExitStack) -> tuple[SyncOp, int]:
@@ -261,7 +258,7 @@ def sync_setup(spec: RowSpec, w: int, stack: contextlib.ExitStack) -> tuple[Sync
         n = spec.batch
         if op == "admit_raw":  # the same calls, pre-built, in a bare MULTI/EXEC as run_many
             nbatch = math.ceil(min(spec.cap, UNCAPPED // 1000) / n)
-            calls = [s.admit_call("retrieval", [Item(f"{tag}.{k}", 1)]) for k in range(nbatch * n)]
+            calls = prebuilt_admits(s, tag, range(nbatch * n))
             script_sha = led._scripts["admit"].sha
             r.script_load(led._scripts["admit"].script)
 
@@ -290,7 +287,8 @@ def sync_setup(spec: RowSpec, w: int, stack: contextlib.ExitStack) -> tuple[Sync
 
         return admit_1, unit
     if op == "admit_raw":
-        raw_calls, off = prebuilt_admits(s, spec, tag), spec.concurrency
+        off = spec.concurrency  # calls -concurrency..-1 warm up
+        raw_calls = prebuilt_admits(s, tag, range(-off, spec.cap))
         raw_sha = led._scripts["admit"].sha
         r.script_load(led._scripts["admit"].script)
 
@@ -374,7 +372,8 @@ async def async_setup(
 
         return admit_1, ping
     if op == "admit_raw":
-        raw_calls, off = prebuilt_admits(s, spec, tag), spec.concurrency
+        off = spec.concurrency  # calls -concurrency..-1 warm up
+        raw_calls = prebuilt_admits(s, tag, range(-off, spec.cap))
         raw_sha = led._scripts["admit"].sha
         await r.script_load(led._scripts["admit"].script)
 
