@@ -37,9 +37,7 @@ import json
 import os
 import platform
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,6 +55,7 @@ import redis  # noqa: E402
 
 from ledger import Ledger, LedgerSettings, SessionBudget  # noqa: E402
 from tests import servers  # noqa: E402
+from tests.worker_procs import WorkerProc, spawn_worker  # noqa: E402
 
 GROUP = "ledger-workers"
 BUDGET = SessionBudget(window=10_000, system_prompt=500, output_reserve=500)
@@ -69,43 +68,6 @@ class Params:
     claim_idle_ms: int
     poll_interval: float
     reps: int
-
-
-@dataclass
-class WorkerProc:
-    consumer: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-    def records(self) -> list[dict[str, Any]]:
-        out = []
-        for line in self.log.read_text(errors="replace").splitlines():
-            if line.startswith("{"):
-                with contextlib.suppress(json.JSONDecodeError):
-                    out.append(json.loads(line))
-        return out
-
-    def count(self, msg: str) -> int:
-        return sum(1 for r in self.records() if r.get("msg") == msg)
-
-    def wait_started(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"worker {self.consumer} exited: {self.log.read_text()[-2000:]}")
-            if self.count("worker started"):
-                return
-            time.sleep(0.02)
-        raise RuntimeError(f"worker {self.consumer} did not start within {timeout}s")
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait(10)
 
 
 class Run:
@@ -123,35 +85,22 @@ class Run:
 
     def close(self) -> None:
         for w in self.workers:
-            if w.proc.poll() is None:
-                w.proc.kill()
-                w.proc.wait(10)
+            w.kill()
         keys = list(self.r.scan_iter(match=f"{self.prefix}:*", count=1000))
         for k in range(0, len(keys), 500):
             self.r.delete(*keys[k : k + 500])
         self.led.close()
 
     def spawn(self, consumer: str) -> WorkerProc:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("LEDGER_")}
-        env.update(
-            LEDGER_REDIS_URL=self.url,
-            LEDGER_PREFIX=self.prefix,
-            LEDGER_PARTITIONS=str(self.p.partitions),
-            LEDGER_WORKER_CONSUMER=consumer,
-            LEDGER_WORKER_CLAIM_IDLE_MS=str(self.p.claim_idle_ms),
-            LEDGER_WORKER_POLL_INTERVAL=str(self.p.poll_interval),
-            LEDGER_WORKER_SWEEP_INTERVAL="60",  # no lease sweeps in the measurement
-        )
-        log = self.logs / f"{self.prefix}-{consumer}.log"
-        with log.open("wb") as fh:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "ledger.cli", "worker"],
-                cwd=ROOT,
-                env=env,
-                stdout=fh,
-                stderr=subprocess.STDOUT,
-            )
-        w = WorkerProc(consumer, proc, log)
+        env = {
+            "LEDGER_REDIS_URL": self.url,
+            "LEDGER_PREFIX": self.prefix,
+            "LEDGER_PARTITIONS": str(self.p.partitions),
+            "LEDGER_WORKER_CLAIM_IDLE_MS": str(self.p.claim_idle_ms),
+            "LEDGER_WORKER_POLL_INTERVAL": str(self.p.poll_interval),
+            "LEDGER_WORKER_SWEEP_INTERVAL": "60",  # no lease sweeps in the measurement
+        }
+        w = spawn_worker(consumer, env, self.logs / f"{self.prefix}-{consumer}.log")
         self.workers.append(w)
         return w
 
@@ -260,7 +209,7 @@ def throughput(url: str, params: Params, logs: Path, workers: int) -> dict[str, 
         run.check_each_applied_once()
         if run.leftovers():
             raise RuntimeError(f"{run.leftovers()} entries left in the streams")
-        per_worker = {w.consumer: w.count("job done") for w in procs}
+        per_worker = {w.consumer: len(w.messages("job done")) for w in procs}
         if sum(per_worker.values()) != params.jobs or any(codes):
             raise RuntimeError(f"jobs done {per_worker}, exit codes {codes}")
         return {
@@ -290,8 +239,7 @@ def takeover_once(
             if time.monotonic() > deadline:
                 raise RuntimeError("the victim never held a job")
             if not run.backlog():  # all done before the victim was seen holding one
-                a.proc.kill()
-                a.proc.wait(10)
+                a.kill()
                 b.stop()
                 return None
             time.sleep(0.001)

@@ -14,10 +14,8 @@ Every test uses its own key prefix on the session's ``redis_server`` and
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
 import random
 import signal
 import statistics
@@ -38,6 +36,7 @@ from ledger import Item, Ledger, LedgerSettings, SessionBudget
 from ledger.errors import ReservationExpired, UnknownReservation
 from ledger.models import Consumer
 from tests.servers import RedisProcess
+from tests.worker_procs import WorkerProc, spawn_worker
 from workers.compactors import CompactionPlan, CompactionRequest
 from workers.runner import Metrics, Worker, WorkerSettings
 
@@ -279,34 +278,6 @@ def in_process_worker(led: Ledger, **kw: Any) -> Worker:
 # --- worker processes ------------------------------------------------------------------
 
 
-@dataclass
-class WorkerProc:
-    consumer: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-    def records(self) -> list[dict[str, Any]]:
-        out = []
-        for line in self.log.read_text(errors="replace").splitlines():
-            if line.startswith("{"):
-                with contextlib.suppress(json.JSONDecodeError):  # a line cut by SIGKILL
-                    out.append(json.loads(line))
-        return out
-
-    def messages(self, msg: str) -> list[dict[str, Any]]:
-        return [r for r in self.records() if r.get("msg") == msg]
-
-    def wait_started(self, timeout: float = 20.0) -> None:
-        def started() -> bool:
-            assert self.proc.poll() is None, f"{self.consumer} exited: {self.tail()}"
-            return bool(self.messages("worker started"))
-
-        wait_until(started, timeout, f"{self.consumer} to start")
-
-    def tail(self) -> str:
-        return self.log.read_text(errors="replace")[-3000:]
-
-
 class Fleet:
     """Worker processes on one prefix, each logging to its own file; all are killed
     at teardown if still running."""
@@ -316,28 +287,17 @@ class Fleet:
         self.procs: list[WorkerProc] = []
 
     def spawn(self, consumer: str, **env: str) -> WorkerProc:
-        full = {k: v for k, v in os.environ.items() if not k.startswith("LEDGER_")}
-        full.update(
-            LEDGER_REDIS_URL=self.server.url,
-            LEDGER_PREFIX=self.prefix,
-            LEDGER_PARTITIONS=str(PARTITIONS),
-            LEDGER_WORKER_CONSUMER=consumer,
-            LEDGER_WORKER_CLAIM_IDLE_MS=str(CLAIM_IDLE_MS),
-            LEDGER_WORKER_POLL_INTERVAL=str(POLL),
-            LEDGER_WORKER_COMPACTOR=COMPACTOR,
-        )
-        full.update(self.env)
-        full.update(env)
-        log = self.logs / f"{self.prefix}-{consumer}.log"
-        with log.open("wb") as fh:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "ledger.cli", "worker"],
-                cwd=ROOT,
-                env=full,
-                stdout=fh,
-                stderr=subprocess.STDOUT,
-            )
-        wp = WorkerProc(consumer, proc, log)
+        full = {
+            "LEDGER_REDIS_URL": self.server.url,
+            "LEDGER_PREFIX": self.prefix,
+            "LEDGER_PARTITIONS": str(PARTITIONS),
+            "LEDGER_WORKER_CLAIM_IDLE_MS": str(CLAIM_IDLE_MS),
+            "LEDGER_WORKER_POLL_INTERVAL": str(POLL),
+            "LEDGER_WORKER_COMPACTOR": COMPACTOR,
+            **self.env,
+            **env,
+        }
+        wp = spawn_worker(consumer, full, self.logs / f"{self.prefix}-{consumer}.log")
         self.procs.append(wp)
         return wp
 
@@ -355,9 +315,7 @@ class Fleet:
 
     def kill_all(self) -> None:
         for w in self.procs:
-            if w.proc.poll() is None:
-                w.proc.kill()
-                w.proc.wait(10)
+            w.kill()
 
 
 @pytest.fixture
