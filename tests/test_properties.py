@@ -28,23 +28,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (
-    RuleBasedStateMachine,
-    initialize,
-    invariant,
-    precondition,
-    rule,
-    run_state_machine_as_test,
-)
+from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from ledger import (
     AdmissionRefused,
     Admitted,
     Consumer,
     Item,
-    Ledger,
     LedgerError,
     Released,
     Reservation,
@@ -54,7 +45,7 @@ from ledger import (
     Voided,
 )
 from tests import servers
-from tests.conftest import make_settings
+from tests.stateful import ModelMachine, Op, Outcome, run_machine
 
 CONSUMERS = tuple(c.value for c in Consumer)
 GROUP = {"working_memory": "w", "retrieval": "m", "recall": "m", "scratchpad": "s"}
@@ -64,16 +55,7 @@ LEASE_MS = 600_000
 EXHAUSTED = "token_budget_exhausted"
 SESSION_ID = "prop/s-1"
 
-Outcome = Any  # a result dataclass, ("refused", reason, requested, free) or (ErrorName,)
-
-
-@dataclass(frozen=True)
-class Op:
-    """One ledger call: its kind, op id and arguments (what the fingerprint covers)."""
-
-    kind: str
-    op_id: str
-    args: tuple[Any, ...]
+# An Outcome here: a result dataclass, ("refused", reason, requested, free) or (ErrorName,)
 
 
 def stored(out: Outcome) -> bool:
@@ -260,36 +242,18 @@ def same(actual: Outcome, expected: Outcome) -> bool:
     return bool(actual == expected)
 
 
-class LedgerMachine(RuleBasedStateMachine):
-    """One fresh session (fresh key prefix) per example, on the backend at `url`."""
+class LedgerMachine(ModelMachine):
+    """One fresh session per example, on the backend at `url`, beside the Model."""
 
-    url = "embedded://"
+    def send(self, op: Op) -> Outcome:
+        assert self.session is not None
+        return send(self.session, op)
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.ledger = Ledger.from_settings(make_settings(self.url))
-        self.session: Session | None = None
-        self.model: Model | None = None
-        self.history: list[Op] = []
-        self.ops = 0
+    def same(self, actual: Outcome, expected: Outcome) -> bool:
+        return same(actual, expected)
 
-    def teardown(self) -> None:
-        self.ledger.close()
-
-    # --- plumbing ---------------------------------------------------------------------
-
-    def new_op_id(self) -> str:
-        self.ops += 1
-        return f"op-{self.ops}"
-
-    def do(self, op: Op) -> Outcome:
-        assert self.session is not None and self.model is not None
-        expected = self.model.apply(op)
-        actual = send(self.session, op)
-        assert same(actual, expected), f"{op}: ledger gave {actual!r}, model says {expected!r}"
+    def seen(self, op: Op, actual: Outcome) -> None:
         self.model.remember(op, actual)
-        self.history.append(op)
-        return actual
 
     # --- rules --------------------------------------------------------------------------
 
@@ -464,17 +428,7 @@ class LedgerMachine(RuleBasedStateMachine):
 
 
 def check(url: str, max_examples: int) -> None:
-    machine = type("Machine", (LedgerMachine,), {"url": url})
-    run_state_machine_as_test(
-        machine,
-        settings=settings(
-            max_examples=max_examples,
-            stateful_step_count=30,
-            deadline=None,
-            database=None,
-            suppress_health_check=[HealthCheck.too_slow],
-        ),
-    )
+    run_machine(LedgerMachine, url, max_examples, steps=30)
 
 
 @pytest.mark.slow

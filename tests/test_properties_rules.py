@@ -51,16 +51,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (
-    RuleBasedStateMachine,
-    initialize,
-    invariant,
-    precondition,
-    rule,
-    run_state_machine_as_test,
-)
+from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from ledger import AdmissionRefused, Consumer, Item, Ledger, LedgerError, Session, SessionBudget
 from ledger.errors import FanoutRefused, WorkingMemoryStarvation
@@ -76,6 +68,7 @@ from ledger.models import (
 )
 from tests import servers
 from tests.conftest import make_settings
+from tests.stateful import ModelMachine, Op, Outcome, run_machine
 
 # The window: small, so that refusals, reclamation and spills happen within a few steps.
 W, S, T, F_W, F_M, OUT = 4_000, 300, 50, 400, 200, 200
@@ -100,15 +93,6 @@ WM_BATCH = st.lists(
     max_size=3,
     unique_by=lambda t: t[0],
 )
-
-Outcome = Any  # a result dataclass, or a tuple for a refusal or an error
-
-
-@dataclass(frozen=True)
-class Op:
-    kind: str
-    op_id: str
-    args: tuple[Any, ...]
 
 
 @dataclass
@@ -593,35 +577,16 @@ def _text(v: bytes | str) -> str:
     return v.decode() if isinstance(v, bytes) else v
 
 
-class RulesMachine(RuleBasedStateMachine):
-    """One fresh session (fresh key prefix) per example, on the backend at `url`."""
+class RulesMachine(ModelMachine):
+    """One fresh session per example, on the backend at `url`, beside the Model."""
 
-    url = "embedded://"
+    def send(self, op: Op) -> Outcome:
+        assert self.session is not None
+        return send(self.session, op)
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.ledger = Ledger.from_settings(make_settings(self.url))
-        self.session: Session | None = None
-        self.model: Model | None = None
-        self.history: list[Op] = []
-        self.ops = 0
-
-    def teardown(self) -> None:
-        self.ledger.close()
-
-    def new_op_id(self) -> str:
-        self.ops += 1
-        return f"op-{self.ops}"
-
-    def do(self, op: Op) -> Outcome:
-        assert self.session is not None and self.model is not None
-        expected = self.model.apply(op)
-        actual = send(self.session, op)
-        assert actual == expected, f"{op}: ledger gave {actual!r}, model says {expected!r}"
-        self.history.append(op)
+    def seen(self, op: Op, actual: Outcome) -> None:
         if isinstance(actual, ToolResult) and actual.spilled:
             assert self.ledger.read_spill(SESSION_ID, actual.item) == content(*op.args)
-        return actual
 
     # --- rules ------------------------------------------------------------------------
 
@@ -970,17 +935,7 @@ class RulesMachine(RuleBasedStateMachine):
 
 
 def check(url: str, max_examples: int) -> None:
-    machine = type("Machine", (RulesMachine,), {"url": url})
-    run_state_machine_as_test(
-        machine,
-        settings=settings(
-            max_examples=max_examples,
-            stateful_step_count=25,
-            deadline=None,
-            database=None,
-            suppress_health_check=[HealthCheck.too_slow],
-        ),
-    )
+    run_machine(RulesMachine, url, max_examples, steps=25)
 
 
 @pytest.mark.slow
