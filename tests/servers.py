@@ -58,11 +58,16 @@ class RedisProcess:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    def listen_args(self) -> list[str]:
+        return ["--port", str(self.port)]
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, socket_timeout=1)
+
     def start(self) -> RedisProcess:
         args = [
             require_binary("redis-server"),
-            "--port",
-            str(self.port),
+            *self.listen_args(),
             "--bind",
             "127.0.0.1",
             "--dir",
@@ -84,17 +89,18 @@ class RedisProcess:
         while time.monotonic() < deadline:
             assert self.proc is not None
             if self.proc.poll() is not None:
-                log = (
-                    (self.dir / "redis.log").read_text()
-                    if (self.dir / "redis.log").exists()
-                    else ""
-                )
-                raise RuntimeError(f"redis-server on {self.port} exited: {log[-2000:]}")
+                log = self.dir / "redis.log"
+                text = log.read_text() if log.exists() else ""
+                raise RuntimeError(f"{self.url}: redis-server exited: {text[-2000:]}")
             with contextlib.suppress(redis.ConnectionError, redis.BusyLoadingError):
-                if redis.Redis(port=self.port, socket_timeout=1).ping():
-                    return
+                r = self.client()
+                try:
+                    if r.ping():
+                        return
+                finally:
+                    r.close()
             time.sleep(0.05)
-        raise RuntimeError(f"redis-server on {self.port} did not answer within {timeout}s")
+        raise RuntimeError(f"{self.url}: redis-server did not answer within {timeout}s")
 
     def kill(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -259,9 +265,8 @@ class TlsRedisProcess(RedisProcess):
     def url(self) -> str:
         return f"rediss://127.0.0.1:{self.port}/0"
 
-    def start(self) -> RedisProcess:
-        args = [
-            require_binary("redis-server"),
+    def listen_args(self) -> list[str]:
+        return [
             "--port",
             "0",
             "--tls-port",
@@ -274,43 +279,16 @@ class TlsRedisProcess(RedisProcess):
             str(self.cert),
             "--tls-auth-clients",
             "no",
-            "--bind",
-            "127.0.0.1",
-            "--dir",
-            str(self.dir),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--logfile",
-            str(self.dir / "redis.log"),
-            *self.extra,
         ]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.wait_ready()
-        return self
 
-    def wait_ready(self, timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                log = self.dir / "redis.log"
-                text = log.read_text() if log.exists() else ""
-                raise RuntimeError(f"TLS redis-server on {self.port} exited: {text[-2000:]}")
-            with contextlib.suppress(redis.ConnectionError, redis.BusyLoadingError):
-                r = redis.Redis(
-                    port=self.port,
-                    ssl=True,
-                    ssl_cert_reqs="none",
-                    ssl_check_hostname=False,
-                    socket_timeout=1,
-                )
-                if r.ping():
-                    r.close()
-                    return
-            time.sleep(0.05)
-        raise RuntimeError(f"TLS redis-server on {self.port} did not answer within {timeout}s")
+    def client(self) -> redis.Redis:
+        return redis.Redis(
+            port=self.port,
+            ssl=True,
+            ssl_cert_reqs="none",
+            ssl_check_hostname=False,
+            socket_timeout=1,
+        )
 
 
 @contextlib.contextmanager
