@@ -230,17 +230,13 @@ class SessionCore:
     ) -> Call[Admitted]:
         """Admit items for a consumer in one atomic step: all of them (or a refusal), or
         with ``partial=True`` the longest prefix that fits. Items already held charge nothing."""
-        return protocol.admit(
-            self.keys, _op(op_id), self.epoch, Consumer.parse(consumer), items, partial
-        )
+        return protocol.admit(self.keys, _op(op_id), self.epoch, consumer, items, partial)
 
     def release_call(
         self, consumer: Consumer | str, item_ids: Sequence[str], *, op_id: str | None = None
     ) -> Call[Released]:
         """Give back items; ids not held are reported as missing."""
-        return protocol.release(
-            self.keys, _op(op_id), self.epoch, Consumer.parse(consumer), item_ids
-        )
+        return protocol.release(self.keys, _op(op_id), self.epoch, consumer, item_ids)
 
     def reserve_call(
         self,
@@ -256,7 +252,7 @@ class SessionCore:
             self.keys,
             _op(op_id),
             self.epoch,
-            Consumer.parse(consumer),
+            consumer,
             reservation_id,
             tokens,
             lease_ms,

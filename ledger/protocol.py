@@ -184,7 +184,7 @@ def admit(
     keys: SessionKeys,
     op_id: str,
     epoch: int,
-    consumer: Consumer,
+    consumer: Consumer | str,
     items: Sequence[Item],
     partial: bool = False,
 ) -> Call[Admitted]:
@@ -212,7 +212,7 @@ def _released(r: Reply) -> Released:
 
 
 def release(
-    keys: SessionKeys, op_id: str, epoch: int, consumer: Consumer, item_ids: Sequence[str]
+    keys: SessionKeys, op_id: str, epoch: int, consumer: Consumer | str, item_ids: Sequence[str]
 ) -> Call[Released]:
     if not isinstance(item_ids, (list, tuple)) or not item_ids:
         raise InvalidArgument("release needs a non-empty list or tuple of item ids")
@@ -235,7 +235,7 @@ def reserve(
     keys: SessionKeys,
     op_id: str,
     epoch: int,
-    consumer: Consumer,
+    consumer: Consumer | str,
     reservation_id: str,
     tokens: int,
     lease_ms: int,
