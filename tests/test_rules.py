@@ -79,6 +79,15 @@ def numbers(s: Session) -> dict[str, int]:
     return {k: v for k, v in s.snapshot().raw.items() if k != "now" and not k.startswith("x:")}
 
 
+def run_workers(worker: Callable[[str], None], names: tuple[str, ...]) -> None:
+    """worker(name) in one thread per name, started together; returns when all end."""
+    threads = [threading.Thread(target=worker, args=(n,)) for n in names]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def clean(ledger: Ledger, s: Session) -> Snapshot:
     """No over-allocation, and every counter equals its items (audit)."""
     snap = s.snapshot()
@@ -424,11 +433,7 @@ def test_record002_parallel_results_one_admitted_one_spilled(
             barrier.wait()
             results[name] = sess.admit_tool_result(f"call-{name}", size, f"result {name}")
 
-    threads = [threading.Thread(target=worker, args=(n,)) for n in ("a", "b")]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_workers(worker, ("a", "b"))
     outcomes = sorted(r.outcome for r in results.values())
     assert outcomes == ["admitted", "spilled"]
     for r in results.values():
@@ -844,11 +849,7 @@ def test_two_workers_race_on_the_same_turns(ledger: Ledger, settings: LedgerSett
             errors.append(exc)
             barrier.abort()
 
-    threads = [threading.Thread(target=worker, args=(n,)) for n in ("a", "b")]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_workers(worker, ("a", "b"))
     assert not errors, errors
     a, b_ = seen["a"], seen["b"]
     assert len(a) == len(b_) == rounds
@@ -886,11 +887,7 @@ def test_two_workers_distinct_turns_never_collide(ledger: Ledger, settings: Ledg
             errors.append(exc)
             barrier.abort()
 
-    threads = [threading.Thread(target=worker, args=(n,)) for n in ("a", "b")]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_workers(worker, ("a", "b"))
     assert not errors, errors
     all_turns = turns["a"] + turns["b"]
     assert sorted(all_turns) == list(range(1, 2 * rounds + 1))
