@@ -10,7 +10,7 @@
 -- ARGV     the ARGV of a real single-item admit call: [1] op id, [7] item id
 -- Reply:   the reply text of a single-item admit
 
-local key, item, outcome = KEYS[1], 'i:r:' .. ARGV[7], 'o:' .. ARGV[1]
+local key, item, outcome = KEYS[1], 'i:r:' .. ARGV[6], 'o:' .. ARGV[1]
 redis.call('HMGET', key, 'ep', 'tn', 'sq', 'fr', 'a_m', 'F_m', 'u_r', 'n_r', 'gz', 'xp', 'cd',
   outcome, 'ol', item)
 redis.call('TIME')

@@ -27,7 +27,7 @@ from .bench_core import BENCH_BUDGET
 
 # Each step ends before the line that starts with this text (lua/admit.lua).
 STEPS = (
-    ("prelude (the _common.lua it uses)", "local op, fp, epoch, e = op_args(false)"),
+    ("prelude (the _common.lua it uses)", "local op, fp, epoch, e = op_args('admit', false)"),
     ("check the 9 arguments", "local key = KEYS[1]"),
     ("read the fields (HMGET)", "e = gate(v[12]"),
     ("replay, session, epoch, TIME", "local a, floor, sq, fr"),

@@ -117,8 +117,9 @@ ONLY_SINGLE_PROCESS = ("admit_raw",)  # a reference for the library's client cos
 STATE_RATE = {("release", "*"): 12_000, ("admit_raw", "*"): 10_000,
               ("admit_raw", "pipelined"): 30_000}  # fmt: skip
 # Every bench client: the ledger's settings but timeouts that an overloaded 2-core machine
-# (32 processes) does not hit: a timeout here would measure the timeout, not the design.
-CLIENT_TIMEOUTS = {"socket_timeout": 120.0, "connect_timeout": 60.0}
+# (32 processes) does not hit: a timeout here would measure the timeout, not the design;
+# so no retries either.
+CLIENT_TIMEOUTS = {"socket_timeout": 120.0, "connect_timeout": 60.0, "retry_attempts": 1}
 UNCAPPED = 10**9
 DRAIN_S = 2.0  # asyncio: seconds after the time box before operations in flight are cancelled
 EXCLUDED_STATS = ("info", "config", "client", "hello", "ping", "script", "flushdb", "command")

@@ -106,14 +106,13 @@ class Run:
 
     def open_sessions(self, n: int) -> None:
         self.sids = [f"s{i}" for i in range(n)]
-        for sid in self.sids:
-            self.led.open_session(sid, BUDGET)
+        self.epochs = [self.led.open_session(sid, BUDGET).epoch for sid in self.sids]
 
     def enqueue(self) -> None:
         ks = self.led.keyspace
         pipe = self.r.pipeline(transaction=False)
-        for sid in self.sids:
-            fields: dict[Any, Any] = {"kind": "hard_reset", "session": sid, "epoch": 1}
+        for sid, epoch in zip(self.sids, self.epochs, strict=True):
+            fields: dict[Any, Any] = {"kind": "hard_reset", "session": sid, "epoch": epoch}
             fields.update(reason="bench", op="bench")
             pipe.xadd(ks.jobs(ks.partition_of(sid)), fields)
         pipe.execute()
@@ -149,11 +148,12 @@ class Run:
     def check_each_applied_once(self) -> None:
         pipe = self.r.pipeline(transaction=False)
         for sid in self.sids:
-            pipe.hmget(self.led.keyspace.session(sid).session, "ep", "x:resets")
+            pipe.hmget(self.led.keyspace.session(sid).session, "ep", "inc", "x:resets")
+        # A new session's epoch is its creation time ("inc"); a reset adds one.
         bad = [
             sid
-            for sid, (ep, resets) in zip(self.sids, pipe.execute(), strict=True)
-            if (ep, resets) != (b"2", b"1")
+            for sid, (ep, inc, resets) in zip(self.sids, pipe.execute(), strict=True)
+            if (int(ep) - int(inc), resets) != (1, b"1")
         ]
         if bad:
             raise RuntimeError(f"{len(bad)} sessions not reset exactly once, e.g. {bad[:5]}")

@@ -22,7 +22,6 @@ from ledger.core import (
     SessionCore,
     batch_loads,
     batch_replies,
-    check_batch,
     collect,
     new_op_id,
 )
@@ -67,7 +66,7 @@ class AsyncLedger(LedgerCore):
 
     async def run(self, call: Call[T]) -> T:
         """Send one script call, retrying transient failures with the same op id."""
-        return call.parse(protocol.decode(await self._send(call)))
+        return call.parse(protocol.decode(await self._send(self.check_call(call))))
 
     async def _send(self, call: Call[Any]) -> object:
         """The raw reply of one call; transient failures retried, errors translated."""
@@ -89,7 +88,7 @@ class AsyncLedger(LedgerCore):
         self, calls: Iterable[Call[Any]], *, return_exceptions: bool = False
     ) -> list[Any]:
         """Send many calls in one round trip; see :meth:`ledger.Ledger.run_many`."""
-        batch = check_batch(calls)
+        batch = self.check_batch(calls)
         if not batch:
             return []
         if isinstance(self.client, AsyncRedisCluster):
@@ -162,6 +161,7 @@ class AsyncLedger(LedgerCore):
     async def session_ids(self) -> list[str]:
         """Every open session of this prefix (SCAN; closed sessions' tombstones left out)."""
         keys: dict[str, str] = {}
+        self.check_open()
         with translated():
             async for k in self.client.scan_iter(match=self.keyspace.session_pattern(), count=500):
                 name = k.decode() if isinstance(k, bytes) else str(k)
@@ -176,12 +176,14 @@ class AsyncLedger(LedgerCore):
 
     async def items(self, session_id: str) -> list[HeldItem]:
         keys = self.keyspace.session(session_id)
+        self.check_open()
         with translated():
             fields = await self.client.hgetall(keys.session)
         return protocol.held_items(fields)
 
     async def read_spill(self, session_id: str, call_id: str) -> bytes | None:
         keys = self.keyspace.session(session_id)
+        self.check_open()
         with translated():
             value = await self.client.get(keys.spill(protocol.check_id(call_id, "tool-call id")))
         return value.encode() if isinstance(value, str) else value
@@ -190,6 +192,7 @@ class AsyncLedger(LedgerCore):
         return await self.run(protocol.audit(self.keyspace.session(session_id)))
 
     async def expire_due(self, partition: int, limit: int = 500) -> int:
+        self.check_open()
         with translated():
             sec, usec = await self.client.time()
             due = await self.client.zrangebyscore(
@@ -208,6 +211,8 @@ class AsyncLedger(LedgerCore):
         return total
 
     async def aclose(self) -> None:
+        """Close the connection; every later call raises :class:`LedgerClosed`."""
+        self.closed = True
         await self.client.aclose()
 
     async def __aenter__(self) -> AsyncLedger:

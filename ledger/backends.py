@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -51,8 +52,28 @@ def embedded_server(name: str) -> fakeredis.FakeServer:
     """One in-process fakeredis server per name, shared by every client in this process."""
     with _servers_lock:
         if name not in _servers:
-            _servers[name] = fakeredis.FakeServer()
+            server = fakeredis.FakeServer()
+            _add_sha1hex(server)
+            _servers[name] = server
         return _servers[name]
+
+
+def _sha1hex(data: object) -> bytes:
+    raw = data if isinstance(data, bytes) else str(data).encode()
+    return hashlib.sha1(raw).hexdigest().encode()
+
+
+def _add_sha1hex(server: fakeredis.FakeServer) -> None:
+    """Give the embedded server's Lua the ``redis.sha1hex`` every real Redis has (the
+    scripts fingerprint their arguments with it) and fakeredis lacks."""
+    fakeredis.FakeRedis(server=server).eval("return 1", 0)  # creates the Lua runtime
+    runtime = getattr(server, "_lua_runtime", None)
+    if runtime is None:
+        raise ConfigurationError(
+            "this fakeredis version keeps no Lua runtime on its server: the embedded "
+            "backend cannot provide redis.sha1hex (pin fakeredis to a tested version)"
+        )
+    runtime.globals().redis.sha1hex = _sha1hex
 
 
 def _options(settings: LedgerSettings) -> dict[str, Any]:

@@ -31,7 +31,7 @@ def _settings(args: argparse.Namespace) -> LedgerSettings:
         overrides["redis_url"] = args.url
     if args.prefix:
         overrides["prefix"] = args.prefix
-    return LedgerSettings(**overrides)  # type: ignore[arg-type]
+    return LedgerSettings(**overrides)
 
 
 def cmd_demo(args: argparse.Namespace, out: Console) -> int:

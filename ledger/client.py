@@ -18,7 +18,6 @@ from ledger.core import (
     SessionCore,
     batch_loads,
     batch_replies,
-    check_batch,
     collect,
     new_op_id,
 )
@@ -63,7 +62,7 @@ class Ledger(LedgerCore):
 
     def run(self, call: Call[T]) -> T:
         """Send one script call, retrying transient failures with the same op id."""
-        return call.parse(protocol.decode(self._send(call)))
+        return call.parse(protocol.decode(self._send(self.check_call(call))))
 
     def _send(self, call: Call[Any]) -> object:
         """The raw reply of one call; transient failures retried, errors translated."""
@@ -98,7 +97,7 @@ class Ledger(LedgerCore):
         after the other, each atomic on its own. An outage or a permission refusal
         stops a batch on either backend: it is raised whatever ``return_exceptions``.
         """
-        batch = check_batch(calls)
+        batch = self.check_batch(calls)
         if not batch:
             return []
         if isinstance(self.client, RedisCluster):
@@ -174,6 +173,7 @@ class Ledger(LedgerCore):
         """Every open session of this prefix (SCAN; on a cluster, every primary). Closed
         sessions whose tombstone still keeps their last outcome are left out."""
         keys: dict[str, str] = {}
+        self.check_open()
         with translated():
             for k in self.client.scan_iter(match=self.keyspace.session_pattern(), count=500):
                 name = k.decode() if isinstance(k, bytes) else str(k)
@@ -188,6 +188,7 @@ class Ledger(LedgerCore):
 
     def items(self, session_id: str) -> list[HeldItem]:
         """Every item a session holds, oldest first (one atomic HGETALL)."""
+        self.check_open()
         with translated():
             fields = self.client.hgetall(self.keyspace.session(session_id).session)
         return protocol.held_items(fields)
@@ -195,6 +196,7 @@ class Ledger(LedgerCore):
     def read_spill(self, session_id: str, call_id: str) -> bytes | None:
         """The content of a spilled tool result (None once its TTL has passed)."""
         keys = self.keyspace.session(session_id)
+        self.check_open()
         with translated():
             value = self.client.get(keys.spill(protocol.check_id(call_id, "tool-call id")))
         return value.encode() if isinstance(value, str) else value
@@ -204,6 +206,7 @@ class Ledger(LedgerCore):
 
     def expire_due(self, partition: int, limit: int = 500) -> int:
         """Release every reservation of a partition whose deadline passed; returns how many."""
+        self.check_open()
         with translated():
             sec, usec = self.client.time()
             due = self.client.zrangebyscore(
@@ -220,6 +223,8 @@ class Ledger(LedgerCore):
         return total
 
     def close(self) -> None:
+        """Close the connection; every later call raises :class:`LedgerClosed`."""
+        self.closed = True
         self.client.close()
 
     def __enter__(self) -> Ledger:

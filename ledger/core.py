@@ -21,6 +21,7 @@ from ledger.errors import (
     BackendUnavailable,
     ConfigurationError,
     InvalidArgument,
+    LedgerClosed,
     LedgerError,
     PermissionDenied,
     is_transient,
@@ -109,13 +110,6 @@ def collect(
     return out
 
 
-def check_batch(calls: Iterable[Call[Any]]) -> list[Call[Any]]:
-    batch = list(calls)
-    if len(batch) > MAX_BATCH:
-        raise InvalidArgument(f"run_many takes at most {MAX_BATCH} calls, got {len(batch)}")
-    return batch
-
-
 def batch_loads(batch: Sequence[Call[Any]]) -> list[str]:
     """The scripts to load inside a batch's transaction, before its calls: those of
     every session that the batch reaches with more than one script. Inside one EXEC
@@ -154,6 +148,44 @@ class LedgerCore:
     def __init__(self, settings: LedgerSettings) -> None:
         self.settings = settings
         self.keyspace = KeySpace(settings.prefix, settings.partitions)
+        self.closed = False
+        self._owned: set[str] = set()  # session keys checked to be of this key space
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise LedgerClosed(
+                "this ledger was closed; make a new one (e.g. Ledger.from_settings(settings))"
+            )
+
+    def check_call(self, call: object) -> Call[Any]:
+        """The call, if this ledger may send it: a :class:`Call` whose session key is of
+        this ledger's key space (its prefix, and the partition its session id maps to). A
+        call built by a ledger of another prefix or partition count is refused: sent
+        here, it would read or change another tenant's session, or a session that
+        nothing else finds."""
+        self.check_open()
+        if not isinstance(call, Call):
+            raise InvalidArgument(f"expected a ledger Call, got {type(call).__name__}")
+        key = call.keys[0] if call.keys else ""
+        if key not in self._owned:
+            if not self.keyspace.owns(key):
+                raise InvalidArgument(
+                    f"the call's key {key!r} is not a session of this ledger (prefix "
+                    f"{self.keyspace.prefix!r}, {self.keyspace.partitions} partitions): build "
+                    "calls with a session of the ledger that sends them"
+                )
+            if len(self._owned) >= 10_000:
+                self._owned.clear()
+            self._owned.add(key)
+        return call
+
+    def check_batch(self, calls: Iterable[Call[Any]]) -> list[Call[Any]]:
+        batch = list(calls)
+        if len(batch) > MAX_BATCH:
+            raise InvalidArgument(f"run_many takes at most {MAX_BATCH} calls, got {len(batch)}")
+        for call in batch:
+            self.check_call(call)
+        return batch
 
     @classmethod
     def from_settings(cls, settings: LedgerSettings) -> Self:
@@ -262,12 +294,14 @@ class SessionCore:
         self,
         reservation_id: str,
         actual: int,
-        item_id: str,
+        item_id: str | None = None,
         *,
         priority: int = 0,
         op_id: str | None = None,
     ) -> Call[Settled]:
-        """Turn a reservation into an item of its actual size (lower or higher)."""
+        """Turn a reservation into an item of its actual size (lower or higher), named
+        ``item_id`` (by default the reservation's id, which ``reserve`` checks is not
+        held already)."""
         return protocol.settle(
             self.keys, _op(op_id), self.epoch, reservation_id, actual, item_id, priority
         )

@@ -26,6 +26,10 @@ class InvalidArgument(LedgerError, ValueError):
     """An argument was malformed (bad id, negative or non-integer tokens, unknown consumer)."""
 
 
+class LedgerClosed(LedgerError, RuntimeError):
+    """The ledger's connection was closed with ``close()``; make a new ledger to go on."""
+
+
 class UnknownSession(LedgerError, LookupError):
     """The session was never opened, was closed, or expired."""
 

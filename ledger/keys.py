@@ -9,10 +9,12 @@ them on Redis Cluster::
     <prefix>:{p<N>}:deadlines          sorted set of reservation deadlines (ms),
                                        members '<session_id>|<reservation_id>'
     <prefix>:{p<N>}:jobs               stream of jobs for the workers (hard resets)
-    <prefix>:{p<N>}:spill:<session_id>:<call_id>
+    <prefix>:{p<N>}:spill:<session_id>|<call_id>
                                        a spilled tool result (string, with a TTL)
 
-Tenants are isolated by prefix: no key of one prefix is named by another.
+No two (prefix, session, id) triples name the same key. Ids never contain '|' or
+braces, so '|' ends a session id wherever another id follows it; a prefix never
+contains braces, so the first '{p<N>}' is the hash tag and ends the prefix.
 """
 
 from __future__ import annotations
@@ -80,13 +82,23 @@ class KeySpace:
             f"{self.tag(p)}:s:{session_id}",
             self.deadlines(p),
             self.jobs(p),
-            f"{self.tag(p)}:spill:{session_id}:",
+            f"{self.tag(p)}:spill:{session_id}|",
         )
 
     def session_id_of(self, key: str) -> str | None:
         """The session id in a session hash's key name, or None for any other key."""
         m = re.fullmatch(rf"{re.escape(self.prefix)}:\{{p\d+\}}:s:(.+)", key)
         return m.group(1) if m else None
+
+    def owns(self, key: str) -> bool:
+        """Whether ``key`` is the session hash of one of this key space's sessions, in
+        the partition its id maps to."""
+        sid = self.session_id_of(key)
+        return (
+            sid is not None
+            and _SESSION_RE.fullmatch(sid) is not None
+            and (self.tag(self.partition_of(sid)) + ":s:" + sid == key)
+        )
 
     def session_pattern(self) -> str:
         """SCAN pattern matching every session hash of this prefix."""

@@ -104,6 +104,12 @@ class SessionBudget(BaseModel):
                 f"{self.working_memory_floor} + min_memory {self.min_memory} + output_reserve "
                 f"{self.output_reserve}) exceeds window {self.window}: a configuration fault"
             )
+        if self.eviction_threshold < self.high_water_mark:
+            raise ValueError(
+                f"eviction_threshold {self.eviction_threshold} is below high_water_mark "
+                f"{self.high_water_mark}: the loud regime would start before a compaction "
+                "is even due"
+            )
         return self
 
     @property
@@ -280,7 +286,7 @@ class Compaction:
     high_water_mark: int
     dropped: int
     summary: int
-    missing: tuple[str, ...]
+    missing: tuple[tuple[Consumer, str], ...]  # replaced items that were not held
     failures: int
     escalated: bool  # a hard-reset job was enqueued in the same step
     free: int

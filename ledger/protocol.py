@@ -67,13 +67,6 @@ def _num(value: object) -> str:
     return str(value) if type(value) is int else repr(value)
 
 
-def fingerprint(script: str, args: Sequence[str]) -> str:
-    """A short digest of a call's arguments: the same op id with other arguments is refused."""
-    # The script name and each argument, joined by \x1f; 6 bytes: outcomes stay compact.
-    data = "\x1f".join((script, *args)).encode("utf-8", "surrogateescape")
-    return hashlib.blake2b(data, digest_size=6).hexdigest()
-
-
 def decode(raw: object) -> Reply:
     """Split a script reply 'k=v|k=v' into a dict."""
     text = raw.decode() if isinstance(raw, bytes) else str(raw)
@@ -111,12 +104,11 @@ def _mutating(
     keys: Iterable[str],
     op_id: str,
     epoch: int | str,
-    body: Sequence[str],
+    body: Sequence[str | bytes],
     parse: Callable[[Reply], T],
 ) -> Call[T]:
     check_id(op_id, "operation id")
-    args = (_num(epoch) if epoch != "*" else "*", *body)
-    return Call(script, tuple(keys), (op_id, fingerprint(script, args), *args), parse)
+    return Call(script, tuple(keys), (op_id, _num(epoch) if epoch != "*" else "*", *body), parse)
 
 
 # --- open ---------------------------------------------------------------------------
@@ -268,10 +260,11 @@ def settle(
     epoch: int,
     reservation_id: str,
     actual: int,
-    item_id: str,
+    item_id: str | None = None,
     priority: int = 0,
 ) -> Call[Settled]:
-    rid, item = check_id(reservation_id, "reservation id"), check_id(item_id, "item id")
+    rid = check_id(reservation_id, "reservation id")
+    item = rid if item_id is None else check_id(item_id, "item id")
     body = [keys.session_id, rid, _num(actual), item, _num(priority)]
     return _mutating("settle", [keys.session, keys.deadlines], op_id, epoch, body, _settled)
 
@@ -388,7 +381,7 @@ def _compaction(r: Reply) -> Compaction:
         int(r["high_water"]),
         int(r["dropped"]),
         int(r["summary"]),
-        _ids(r["missing"]),
+        _pairs(r["missing"]),
         int(r["failures"]),
         r["escalated"] == "1",
         int(r["free"]),
@@ -443,17 +436,8 @@ def admit_tool(
     if not isinstance(content, (bytes, str)):
         raise InvalidArgument("content must be bytes or str")
     data = content.encode() if isinstance(content, str) else content
-    digest = hashlib.blake2b(data, digest_size=8).hexdigest()
-    call = _mutating(
-        "admit_tool",
-        [keys.session, keys.spill(cid)],
-        op_id,
-        epoch,
-        [cid, _num(tokens), digest],
-        _tool,
-    )
-    # The fingerprint covers the content's digest; the content itself travels as ARGV[6].
-    return Call(call.script, call.keys, (*call.args[:-1], data), call.parse)
+    body: list[str | bytes] = [cid, _num(tokens), data]
+    return _mutating("admit_tool", [keys.session, keys.spill(cid)], op_id, epoch, body, _tool)
 
 
 # --- close, snapshot, audit ---------------------------------------------------------

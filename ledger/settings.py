@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+import math
+from typing import Any, Self
+
+from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from ledger.errors import ConfigurationError
 
 
 class LedgerSettings(BaseSettings):
@@ -33,5 +38,30 @@ class LedgerSettings(BaseSettings):
         default=120,
         ge=1,
         le=86_400,
-        description="seconds an outcome is kept for retries (> retry_max_seconds)",
+        description=(
+            "seconds an outcome is kept for retries: at least retry_max_seconds + "
+            "socket_timeout (a retry sent at the end of the retry window may take a whole "
+            "timeout to arrive), and longer than any window in which you re-send an op id "
+            "yourself"
+        ),
     )
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise ConfigurationError(f"invalid ledger settings: {exc}") from exc
+
+    @model_validator(mode="after")
+    def _retention_covers_retries(self) -> Self:
+        # An op id re-sent after its outcome was dropped is a new call, charged again:
+        # every re-send the ledger makes must reach Redis while the outcome is kept.
+        need = math.ceil(self.retry_max_seconds + self.socket_timeout)
+        if self.retry_attempts > 1 and self.op_retention_seconds < need:
+            raise ValueError(
+                f"op_retention_seconds {self.op_retention_seconds} is shorter than the retry "
+                f"window (retry_max_seconds {self.retry_max_seconds} + socket_timeout "
+                f"{self.socket_timeout}): a retry could arrive after its first outcome was "
+                f"dropped and be charged again; use op_retention_seconds >= {need}"
+            )
+        return self

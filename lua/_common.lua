@@ -70,13 +70,13 @@ local function id_arg(v, name)
   return nil, err('BADARG', name .. ' must be 1-' .. ID_MAX .. ' characters of [A-Za-z0-9._:/@+=#-], got ' .. show(v))
 end
 
--- The session id in ARGV (a member prefix of the deadline index) must name the
--- session whose hash is KEYS[1]: '<prefix>:{p<N>}:s:<session id>'.
+-- The session id in ARGV (a member prefix of the deadline index, a job's session)
+-- must be exactly the one KEYS[1] names: '<prefix>:{p<N>}:s:<session id>' (a prefix
+-- has no braces, so the first '{p<N>}' is the hash tag).
 local function session_arg(v)
   local sid, e = id_arg(v, 'session id')
   if not sid then return nil, e end
-  local tail = ':s:' .. sid
-  if string.sub(KEYS[1], -#tail) ~= tail then
+  if string.match(KEYS[1] or '', '^[^{]*{p%d+}:s:(.+)$') ~= sid then
     return nil, err('BADARG', 'session id ' .. sid .. ' does not name the session key ' .. show(KEYS[1]))
   end
   return sid
@@ -86,7 +86,7 @@ end
 -- ('<prefix>:{p<N>}:s:<session>'); '%s' in suffix stands for the session id. The name
 -- is only compared, never used to reach a key: the scripts use KEYS as given.
 local function key_arg(i, suffix)
-  local tag, sid = string.match(KEYS[1] or '', '^(.-{p%d+}):s:(.+)$')
+  local tag, sid = string.match(KEYS[1] or '', '^([^{]*{p%d+}):s:(.+)$')
   local want = tag and (tag .. ':' .. string.format(suffix, sid))
   if not want or KEYS[i] ~= want or #KEYS ~= i then
     return err('BADARG', 'KEYS must be the session key and ' .. show(want or suffix) .. ', got ' ..
@@ -102,19 +102,19 @@ local function consumer_arg(v)
   return v
 end
 
--- The prologue of every mutating call: ARGV[1] op id, ARGV[2] fingerprint,
--- ARGV[3] epoch the caller believes current ('*' where the script allows an
--- unfenced call). Returns op, fp, epoch (nil for '*'), or nil, nil, nil, error.
-local function op_args(unfenced_ok)
+-- The prologue of every mutating call: ARGV[1] op id, ARGV[2] the epoch the caller
+-- believes current ('*' where the script allows an unfenced call). Returns op, the
+-- call's fingerprint, epoch (nil for '*'), or nil, nil, nil, error. The fingerprint is
+-- computed here, by the server, over the script's name and every argument after the op
+-- id (the first 12 hex digits of their SHA-1): a client cannot claim one, so an op id
+-- sent again with other arguments is always refused, whatever the client.
+local function op_args(name, unfenced_ok)
   local op, e = id_arg(ARGV[1], 'operation id')
   if not op then return nil, nil, nil, e end
-  local fp = ARGV[2]
-  if type(fp) ~= 'string' or #fp > 64 or not string.match(fp, '^%x+$') then
-    return nil, nil, nil, err('BADARG', 'fingerprint must be 1-64 hex digits, got ' .. show(fp))
-  end
-  if unfenced_ok and ARGV[3] == '*' then return op, fp, nil end
+  local fp = string.sub(redis.sha1hex(name .. '\31' .. table.concat(ARGV, '\31', 2)), 1, 12)
+  if unfenced_ok and ARGV[2] == '*' then return op, fp, nil end
   local epoch
-  epoch, e = int_arg(ARGV[3], 'epoch', 0, 1e15)
+  epoch, e = int_arg(ARGV[2], 'epoch', 0, 1e15)
   if not epoch then return nil, nil, nil, e end
   return op, fp, epoch
 end

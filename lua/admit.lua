@@ -2,13 +2,12 @@
 --
 -- KEYS[1]  session hash
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
--- ARGV[2]  argument fingerprint    hex, computed by the client over ARGV[3..]
--- ARGV[3]  epoch                   integer; older than the session's -> LEDGER_STALE
--- ARGV[4]  consumer                w | r | m | s
--- ARGV[5]  mode                    all: every new item or none;
+-- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
+-- ARGV[3]  consumer                w | r | m | s
+-- ARGV[4]  mode                    all: every new item or none;
 --                                  prefix: the longest prefix that fits, the rest skipped
--- ARGV[6]  n                       number of items, 1..1000
--- ARGV[7..6+3n]  n triples         item id, tokens (1..1e8), priority (0..1000)
+-- ARGV[5]  n                       number of items, 1..1000
+-- ARGV[6..5+3n]  n triples         item id, tokens (1..1e8), priority (0..1000)
 --
 -- Reply: status=ok|charged=<tokens>|admitted=<n>|duplicates=<n>|skipped=<id,...>
 --          |free=<tokens>|epoch=<n>|turn=<n>
@@ -25,20 +24,20 @@
 -- Calls: HMGET, TIME, HSET (a PEXPIRE or a journal sweep when due; HINCRBY on refusal;
 --        HMGET of HW, out, W for retrieval and recall while a compaction is pending).
 
-local op, fp, epoch, e = op_args(false)
+local op, fp, epoch, e = op_args('admit', false)
 if e then return e end
 local c
-c, e = consumer_arg(ARGV[4])
+c, e = consumer_arg(ARGV[3])
 if e then return e end
-local mode = ARGV[5]
+local mode = ARGV[4]
 if mode ~= 'all' and mode ~= 'prefix' then
   return err('BADARG', 'mode must be all or prefix, got ' .. show(mode))
 end
 local n
-n, e = int_arg(ARGV[6], 'item count', 1, 1000)
+n, e = int_arg(ARGV[5], 'item count', 1, 1000)
 if e then return e end
-if #ARGV ~= 6 + 3 * n then
-  return err('BADARG', 'expected ' .. (6 + 3 * n) .. ' arguments for ' .. n .. ' items, got ' .. #ARGV)
+if #ARGV ~= 5 + 3 * n then
+  return err('BADARG', 'expected ' .. (5 + 3 * n) .. ' arguments for ' .. n .. ' items, got ' .. #ARGV)
 end
 -- This is the hot path: fields are read by position, not through load()'s tables.
 local g = GROUP[c]
@@ -46,7 +45,7 @@ local A, F, U, N = 'a_' .. g, 'F_' .. g, 'u_' .. c, 'n_' .. c
 local fields = { 'ep', 'tn', 'sq', 'fr', A, F, U, N, 'gz', 'xp', 'cd', 'o:' .. op, 'ol' }
 local toks, prios, seen = {}, {}, n > 1 and {} or nil
 for k = 1, n do
-  local b = 4 + 3 * k
+  local b = 3 + 3 * k
   local id
   id, e = id_arg(ARGV[b], 'item id')
   if e then return e end
@@ -88,7 +87,7 @@ for k = 1, n do
   else
     local d = claim_delta(a + charged, t, floor)
     if mode == 'prefix' and (#skipped > 0 or d > fr or (cap and charged + t > cap)) then
-      skipped[#skipped + 1] = ARGV[4 + 3 * k]
+      skipped[#skipped + 1] = ARGV[3 + 3 * k]
       first_skip = first_skip or t
     else
       fr = fr - d

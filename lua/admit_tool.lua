@@ -15,11 +15,11 @@
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  spill key for this result
--- ARGV[1]  operation id            ARGV[2] argument fingerprint (hex)
--- ARGV[3]  epoch                   integer; older than the session's -> LEDGER_STALE
--- ARGV[4]  tool-call id            the scratchpad item id
--- ARGV[5]  tokens                  the whole result's size, 1..1e8
--- ARGV[6]  content                 the result (bytes, at most 64 MiB), stored only when spilled
+-- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
+-- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
+-- ARGV[3]  tool-call id            the scratchpad item id
+-- ARGV[4]  tokens                  the whole result's size, 1..1e8
+-- ARGV[5]  content                 the result (bytes, at most 64 MiB), stored only when spilled
 --
 -- Reply: status=ok|outcome=<admitted|spilled|duplicate>|item=<id>|charged=<tokens>
 --          |tokens=<tokens>|preview=<tokens>|evicted=<c:id,...>|free=<tokens>|epoch=<n>|turn=<n>
@@ -28,19 +28,19 @@
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
 -- Calls: HMGET, TIME, HSET (HGETALL and HDEL when memory gives way; SET when spilled).
 
-local op, fp, epoch, e = op_args(false)
+local op, fp, epoch, e = op_args('admit_tool', false)
 if e then return e end
 local call, tokens
-call, e = id_arg(ARGV[4], 'tool-call id')
+call, e = id_arg(ARGV[3], 'tool-call id')
 if e then return e end
-tokens, e = int_arg(ARGV[5], 'tokens', 1, TOKENS_MAX)
+tokens, e = int_arg(ARGV[4], 'tokens', 1, TOKENS_MAX)
 if e then return e end
-if type(ARGV[6]) ~= 'string' or #ARGV[6] > 67108864 then
+if type(ARGV[5]) ~= 'string' or #ARGV[5] > 67108864 then
   return err('BADARG', 'content must be at most 64 MiB')
 end
-if #ARGV ~= 6 then return err('BADARG', 'expected 6 arguments, got ' .. #ARGV) end
+if #ARGV ~= 5 then return err('BADARG', 'expected 5 arguments, got ' .. #ARGV) end
 
-e = key_arg(2, 'spill:%s:' .. call)
+e = key_arg(2, 'spill:%s|' .. call)
 if e then return e end
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'sq', 'fr', 'F_m', 'a_m', 'a_s', 'u_r', 'u_m', 'u_s', 'n_r', 'n_m', 'n_s',
@@ -97,7 +97,7 @@ if size > fr then
   redis.call('HINCRBY', key, 'x:evicted_memory', #dead)
 end
 if outcome == 'spilled' then
-  redis.call('SET', KEYS[2], ARGV[6], 'PX', H.sttl)
+  redis.call('SET', KEYS[2], ARGV[5], 'PX', H.sttl)
   redis.call('HINCRBY', key, 'x:spilled', 1)
 end
 local sq = H.sq + 1

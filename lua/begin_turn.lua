@@ -4,11 +4,11 @@
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  partition job stream    a compaction job is appended when one becomes pending
--- ARGV[1]  operation id            ARGV[2] argument fingerprint (hex)
--- ARGV[3]  epoch                   integer; older than the session's -> LEDGER_STALE
--- ARGV[4]  working set             tokens the turn must hold in working memory, 0..1e8
--- ARGV[5]  output reserve          tokens for this turn's output, 0..1e8, or '-' for the budget's
--- ARGV[6]  session id              must name KEYS[1]
+-- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
+-- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
+-- ARGV[3]  working set             tokens the turn must hold in working memory, 0..1e8
+-- ARGV[4]  output reserve          tokens for this turn's output, 0..1e8, or '-' for the budget's
+-- ARGV[5]  session id              must name KEYS[1]
 --
 -- Residual working memory = window - system prompt - tool framing - output reserve
 -- - memory's claim - scratchpad; the turn needs max(working set, working memory's
@@ -35,19 +35,19 @@
 --        compaction becomes pending)
 --        and a PEXPIRE or a journal sweep when due.
 
-local op, fp, epoch, e = op_args(false)
+local op, fp, epoch, e = op_args('begin_turn', false)
 if e then return e end
 local ws, out2
-ws, e = int_arg(ARGV[4], 'working set', 0, TOKENS_MAX)
+ws, e = int_arg(ARGV[3], 'working set', 0, TOKENS_MAX)
 if e then return e end
-if ARGV[5] ~= '-' then
-  out2, e = int_arg(ARGV[5], 'output reserve', 0, TOKENS_MAX)
+if ARGV[4] ~= '-' then
+  out2, e = int_arg(ARGV[4], 'output reserve', 0, TOKENS_MAX)
   if e then return e end
 end
 local sid
-sid, e = session_arg(ARGV[6])
+sid, e = session_arg(ARGV[5])
 if e then return e end
-if #ARGV ~= 6 then return err('BADARG', 'expected 6 arguments, got ' .. #ARGV) end
+if #ARGV ~= 5 then return err('BADARG', 'expected 5 arguments, got ' .. #ARGV) end
 
 e = key_arg(2, 'jobs')
 if e then return e end

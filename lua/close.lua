@@ -2,9 +2,9 @@
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  partition deadline index
--- ARGV[1]  operation id            ARGV[2] argument fingerprint (hex)
--- ARGV[3]  epoch or '*'            '*' closes whatever the epoch (operators)
--- ARGV[4]  session id
+-- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
+-- ARGV[2]  epoch or '*'            '*' closes whatever the epoch (operators)
+-- ARGV[3]  session id
 --
 -- Reply: status=ok|closed=<0|1>
 -- The outcome stays in a tombstone (the op record and the last epoch, for the op
@@ -13,12 +13,12 @@
 -- Errors: LEDGER_BADARG, LEDGER_STALE, LEDGER_OPREUSED.
 -- Calls: HMGET, HGETALL (only with open reservations), ZREM, DEL, TIME, HSET, PEXPIRE.
 
-local op, fp, epoch, e = op_args(true)
+local op, fp, epoch, e = op_args('close', true)
 if e then return e end
 local sid
-sid, e = session_arg(ARGV[4])
+sid, e = session_arg(ARGV[3])
 if e then return e end
-if #ARGV ~= 4 then return err('BADARG', 'expected 4 arguments, got ' .. #ARGV) end
+if #ARGV ~= 3 then return err('BADARG', 'expected 3 arguments, got ' .. #ARGV) end
 e = key_arg(2, 'deadlines')
 if e then return e end
 local key = KEYS[1]

@@ -10,13 +10,13 @@
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  partition job stream
--- ARGV[1]  operation id            ARGV[2] argument fingerprint (hex)
--- ARGV[3]  epoch                   integer; older than the session's -> LEDGER_STALE
--- ARGV[4]  session id              must name KEYS[1]
--- ARGV[5]  summary item id         the working-memory item that replaces them
--- ARGV[6]  summary tokens          0..1e8 (0: nothing replaces them)
--- ARGV[7]  n                       number of items replaced, 0..1000
--- ARGV[8..7+n]                     '<c>:<item id>' with c in w r m s (items not held are
+-- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
+-- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
+-- ARGV[3]  session id              must name KEYS[1]
+-- ARGV[4]  summary item id         the working-memory item that replaces them
+-- ARGV[5]  summary tokens          0..1e8 (0: nothing replaces them)
+-- ARGV[6]  n                       number of items replaced, 0..1000
+-- ARGV[7..6+n]                     '<c>:<item id>' with c in w r m s (items not held are
 --                                  reported as missing)
 --
 -- Reply: status=ok|outcome=<compacted|failed>|occupancy=<tokens>|high_water=<tokens>
@@ -30,19 +30,19 @@
 --         LEDGER_CONFLICT (the summary id is held and not among the replaced items).
 -- Calls: HMGET, TIME, HDEL, HSET, XADD (on escalation), HINCRBY.
 
-local op, fp, epoch, e = op_args(false)
+local op, fp, epoch, e = op_args('compact', false)
 if e then return e end
 local sid, sum_id, sum_t, n
-sid, e = session_arg(ARGV[4])
+sid, e = session_arg(ARGV[3])
 if e then return e end
-sum_id, e = id_arg(ARGV[5], 'summary item id')
+sum_id, e = id_arg(ARGV[4], 'summary item id')
 if e then return e end
-sum_t, e = int_arg(ARGV[6], 'summary tokens', 0, TOKENS_MAX)
+sum_t, e = int_arg(ARGV[5], 'summary tokens', 0, TOKENS_MAX)
 if e then return e end
-n, e = int_arg(ARGV[7], 'item count', 0, 1000)
+n, e = int_arg(ARGV[6], 'item count', 0, 1000)
 if e then return e end
-if #ARGV ~= 7 + n then
-  return err('BADARG', 'expected ' .. (7 + n) .. ' arguments for ' .. n .. ' items, got ' .. #ARGV)
+if #ARGV ~= 6 + n then
+  return err('BADARG', 'expected ' .. (6 + n) .. ' arguments for ' .. n .. ' items, got ' .. #ARGV)
 end
 local NUM = { 'ep', 'tn', 'sq', 'W', 'S', 'T', 'out', 'F_w', 'F_m', 'a_w', 'a_m', 'a_s', 'u_w', 'u_r', 'u_m',
   'u_s', 'n_w', 'n_r', 'n_m', 'n_s', 'HW', 'kf', 'kn', 'cx', 'rq', 'gz', 'xp' }
@@ -50,7 +50,7 @@ local fields = { 'o:' .. op, 'ol', 'i:w:' .. sum_id }
 for i = #NUM, 1, -1 do table.insert(fields, 1, NUM[i]) end
 local seen, refs = {}, {}
 for k = 1, n do
-  local ref = ARGV[7 + k]
+  local ref = ARGV[6 + k]
   local c, id = string.match(type(ref) == 'string' and ref or '', '^([wrms]):(.+)$')
   if not c then return err('BADARG', 'replaced item must be <c>:<id> with c in wrms, got ' .. show(ref)) end
   id, e = id_arg(id, 'item id')
@@ -84,7 +84,7 @@ for k = 1, n do
     A[GROUP[c]], U[c], N[c] = A[GROUP[c]] - t, U[c] - t, N[c] - 1
     dead[#dead + 1] = fields[#NUM + 3 + k]
   else
-    missing[#missing + 1] = ARGV[7 + k]
+    missing[#missing + 1] = ARGV[6 + k]
   end
 end
 A.w = A.w + sum_t

@@ -2,12 +2,12 @@
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  partition job stream    a compaction job is appended when one becomes pending
--- ARGV[1]  operation id            ARGV[2] argument fingerprint (hex)
--- ARGV[3]  epoch                   integer; older than the session's -> LEDGER_STALE
--- ARGV[4]  turn                    the current turn (as begin_turn returned it)
--- ARGV[5]  final prompt tokens     the prompt actually sent, 1..window
--- ARGV[6]  p99 trend               -1 falling, 0 flat or unknown, 1 rising
--- ARGV[7]  session id              must name KEYS[1]
+-- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
+-- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
+-- ARGV[3]  turn                    the current turn (as begin_turn returned it)
+-- ARGV[4]  final prompt tokens     the prompt actually sent, 1..window
+-- ARGV[5]  p99 trend               -1 falling, 0 flat or unknown, 1 rising
+-- ARGV[6]  session id              must name KEYS[1]
 --
 -- ratio = sum of this turn's memory-tool span input tokens / final prompt tokens
 -- (per mille). utilization = final prompt / window; its delta is against the
@@ -28,19 +28,19 @@
 -- Calls: HMGET, TIME, HSET, HINCRBY, XADD when a compaction becomes pending (a PEXPIRE or a
 --        journal sweep when due).
 
-local op, fp, epoch, e = op_args(false)
+local op, fp, epoch, e = op_args('end_turn', false)
 if e then return e end
 local turn, final, trend
-turn, e = int_arg(ARGV[4], 'turn', 0, 1e15)
+turn, e = int_arg(ARGV[3], 'turn', 0, 1e15)
 if e then return e end
-final, e = int_arg(ARGV[5], 'final prompt tokens', 1, TOKENS_MAX)
+final, e = int_arg(ARGV[4], 'final prompt tokens', 1, TOKENS_MAX)
 if e then return e end
-trend, e = int_arg(ARGV[6], 'p99 trend', -1, 1)
+trend, e = int_arg(ARGV[5], 'p99 trend', -1, 1)
 if e then return e end
 local sid
-sid, e = session_arg(ARGV[7])
+sid, e = session_arg(ARGV[6])
 if e then return e end
-if #ARGV ~= 7 then return err('BADARG', 'expected 7 arguments, got ' .. #ARGV) end
+if #ARGV ~= 6 then return err('BADARG', 'expected 6 arguments, got ' .. #ARGV) end
 
 e = key_arg(2, 'jobs')
 if e then return e end

@@ -5,11 +5,11 @@
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  partition deadline index
--- ARGV[1]  operation id            ARGV[2] argument fingerprint (hex)
--- ARGV[3]  epoch or '*'            the sweeper sends '*': expiry is not fenced
--- ARGV[4]  session id
--- ARGV[5]  n                       number of reservation ids, 1..1000
--- ARGV[6..5+n]                     reservation ids
+-- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
+-- ARGV[2]  epoch or '*'            the sweeper sends '*': expiry is not fenced
+-- ARGV[3]  session id
+-- ARGV[4]  n                       number of reservation ids, 1..1000
+-- ARGV[5..4+n]                     reservation ids
 --
 -- Reply: status=ok|expired=<n>|released=<tokens>|pending=<id,...>
 --   pending: ids whose deadline has not passed (left open). Ids that are no longer
@@ -17,21 +17,21 @@
 -- Errors: LEDGER_BADARG, LEDGER_STALE, LEDGER_OPREUSED.
 -- Calls: HMGET, TIME, HSET, HDEL, ZREM (a PEXPIRE or a journal sweep when due).
 
-local op, fp, epoch, e = op_args(true)
+local op, fp, epoch, e = op_args('expire', true)
 if e then return e end
 local sid, n
-sid, e = session_arg(ARGV[4])
+sid, e = session_arg(ARGV[3])
 if e then return e end
-n, e = int_arg(ARGV[5], 'reservation count', 1, 1000)
+n, e = int_arg(ARGV[4], 'reservation count', 1, 1000)
 if e then return e end
-if #ARGV ~= 5 + n then
-  return err('BADARG', 'expected ' .. (5 + n) .. ' arguments for ' .. n .. ' reservation ids, got ' .. #ARGV)
+if #ARGV ~= 4 + n then
+  return err('BADARG', 'expected ' .. (4 + n) .. ' arguments for ' .. n .. ' reservation ids, got ' .. #ARGV)
 end
 local raws = { 'ep', 'fr', 'a_w', 'a_m', 'a_s', 'F_w', 'F_m', 'v_w', 'v_r', 'v_m', 'v_s', 'nv', 'gz', 'xp',
   'o:' .. op, 'ol' }
 for k = 1, n do
   local rid
-  rid, e = id_arg(ARGV[5 + k], 'reservation id')
+  rid, e = id_arg(ARGV[4 + k], 'reservation id')
   if e then return e end
   raws[k + 16] = 'r:' .. rid
 end
@@ -45,7 +45,7 @@ if again then return again end
 local now = now_ms()
 local gone, pending, dead, released, expired = {}, {}, {}, 0, 0
 if not H.ep then
-  for k = 1, n do gone[#gone + 1] = sid .. '|' .. ARGV[5 + k] end
+  for k = 1, n do gone[#gone + 1] = sid .. '|' .. ARGV[4 + k] end
   redis.call('ZREM', KEYS[2], unpack(gone))
   return reply({ 'status=ok', 'expired=0', 'released=0', 'pending=' })
 end
@@ -54,7 +54,7 @@ if e then return e end
 for k = 1, n do
   local rec = R[k + 2]
   if not rec then
-    gone[#gone + 1] = sid .. '|' .. ARGV[5 + k]
+    gone[#gone + 1] = sid .. '|' .. ARGV[4 + k]
   else
     local c, est, deadline = string.match(rec, '^(%a)|(%d+)|(%d+)$')
     if tonumber(deadline) < now then
@@ -66,9 +66,9 @@ for k = 1, n do
       H.nv = H.nv - 1
       released, expired = released + est, expired + 1
       dead[#dead + 1] = raws[k + 16]
-      gone[#gone + 1] = sid .. '|' .. ARGV[5 + k]
+      gone[#gone + 1] = sid .. '|' .. ARGV[4 + k]
     else
-      pending[#pending + 1] = ARGV[5 + k]
+      pending[#pending + 1] = ARGV[4 + k]
     end
   end
 end

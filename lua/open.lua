@@ -1,36 +1,37 @@
 -- open.lua: create a session with its budget, or confirm an identical one.
 --
 -- KEYS[1]  session hash
--- ARGV[1]  operation id            ARGV[2] argument fingerprint (hex)
--- ARGV[3]  epoch                   ignored on open (send 0); a new session starts at epoch 1,
---                                  or one above a closed session's tombstone
--- ARGV[4]  window W                tokens, 1..1e8
--- ARGV[5]  system prompt S         tokens
--- ARGV[6]  tool framing T          tokens
--- ARGV[7]  working-memory floor Fw tokens
--- ARGV[8]  minimum memory Fm       tokens (floor of retrieval + recall)
--- ARGV[9]  output reserve          tokens, the default per turn
--- ARGV[10] high-water mark H       tokens (occupancy above it makes a compaction due)
--- ARGV[11] eviction threshold      tokens (utilization above it is the loud regime)
--- ARGV[12] idle TTL                milliseconds, 1000..31536000000 (one year)
--- ARGV[13] op retention            milliseconds an outcome is kept for retries, 1000..86400000
--- ARGV[14] budget fingerprint      hex over the whole budget (open is idempotent per fingerprint)
--- ARGV[15] budget json             named in a CONFLICT error (only the fingerprint is stored,
+-- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
+-- ARGV[2]  epoch                   ignored on open (send 0); a new session starts at the epoch
+--                                  Redis's clock gives in ms (above any earlier incarnation's),
+--                                  or one above a closed session's tombstone if higher
+-- ARGV[3]  window W                tokens, 1..1e8
+-- ARGV[4]  system prompt S         tokens
+-- ARGV[5]  tool framing T          tokens
+-- ARGV[6]  working-memory floor Fw tokens
+-- ARGV[7]  minimum memory Fm       tokens (floor of retrieval + recall)
+-- ARGV[8]  output reserve          tokens, the default per turn
+-- ARGV[9]  high-water mark H       tokens (occupancy above it makes a compaction due)
+-- ARGV[10] eviction threshold      tokens (utilization above it is the loud regime)
+-- ARGV[11] idle TTL                milliseconds, 1000..31536000000 (one year)
+-- ARGV[12] op retention            milliseconds an outcome is kept for retries, 1000..86400000
+-- ARGV[13] budget fingerprint      hex over the whole budget (open is idempotent per fingerprint)
+-- ARGV[14] budget json             named in a CONFLICT error (only the fingerprint is stored,
 --                                  so a fresh session's hash stays in Redis's compact encoding)
--- ARGV[16] released each turn      consumer codes released at every begin_turn ('-' none), e.g. 'r'
--- ARGV[17] spill preview           tokens admitted in place of a spilled tool result, 1..1e8
--- ARGV[18] spill TTL               milliseconds a spilled result stays readable, 1000..31536000000
--- ARGV[19] failed compactions      consecutive failures that escalate to a hard reset, 1..100
--- ARGV[20] roll-up turns           turns since the last compaction that raise the roll-up hint
--- ARGV[21] roll-up share           per mille of working memory's budget that raises it, 1..1000
--- ARGV[22..24] amplification       saturation, fragmentation, pathological thresholds, per mille
+-- ARGV[15] released each turn      consumer codes released at every begin_turn ('-' none), e.g. 'r'
+-- ARGV[16] spill preview           tokens admitted in place of a spilled tool result, 1..1e8
+-- ARGV[17] spill TTL               milliseconds a spilled result stays readable, 1000..31536000000
+-- ARGV[18] failed compactions      consecutive failures that escalate to a hard reset, 1..100
+-- ARGV[19] roll-up turns           turns since the last compaction that raise the roll-up hint
+-- ARGV[20] roll-up share           per mille of working memory's budget that raises it, 1..1000
+-- ARGV[21..23] amplification       saturation, fragmentation, pathological thresholds, per mille
 --
 -- Reply: status=ok|created=<0|1>|epoch=<n>|turn=<n>
 -- Errors: LEDGER_BADARG, LEDGER_CONFIG (reserved floor larger than the window),
 --         LEDGER_CONFLICT (the session exists with another budget), LEDGER_OPREUSED.
 -- Calls: HMGET, TIME, HSET, PEXPIRE.
 
-local op, fp, _, e = op_args()
+local op, fp, _, e = op_args('open')
 if e then return e end
 local names = { 'window', 'system_prompt', 'tool_framing', 'working_memory_floor', 'min_memory',
   'output_reserve', 'high_water_mark', 'eviction_threshold', 'idle_ttl_ms', 'op_retention_ms' }
@@ -39,10 +40,10 @@ local hi = { TOKENS_MAX, TOKENS_MAX, TOKENS_MAX, TOKENS_MAX, TOKENS_MAX, TOKENS_
   TOKENS_MAX, 31536000000, 86400000 }
 local v = {}
 for k = 1, #names do
-  v[k], e = int_arg(ARGV[3 + k], names[k], lo[k], hi[k])
+  v[k], e = int_arg(ARGV[2 + k], names[k], lo[k], hi[k])
   if e then return e end
 end
-local rel = ARGV[16]
+local rel = ARGV[15]
 if type(rel) ~= 'string' or not (rel == '-' or string.match(rel, '^[wrms]+$')) then
   return err('BADARG', 'released-each-turn consumers must be - or letters of wrms, got ' .. show(rel))
 end
@@ -52,7 +53,7 @@ local names2 = { 'spill_preview_tokens', 'spill_ttl_ms', 'max_failed_compactions
 local lo2 = { 1, 1000, 1, 1, 1, 1, 1, 1 }
 local hi2 = { TOKENS_MAX, 31536000000, 100, 1000000, 1000, 1000000, 1000000, 1000000 }
 for k = 1, #names2 do
-  v[10 + k], e = int_arg(ARGV[16 + k], names2[k], lo2[k], hi2[k])
+  v[10 + k], e = int_arg(ARGV[15 + k], names2[k], lo2[k], hi2[k])
   if e then return e end
 end
 local W, S, T, Fw, Fm, out = v[1], v[2], v[3], v[4], v[5], v[6]
@@ -66,14 +67,14 @@ if v[7] > W or v[8] > W then
   return err('CONFIG', 'high_water_mark ' .. v[7] .. ' and eviction_threshold ' .. v[8] ..
     ' must not exceed window ' .. W)
 end
-local cfp = ARGV[14]
+local cfp = ARGV[13]
 if type(cfp) ~= 'string' or not string.match(cfp, '^%x+$') or #cfp > 64 then
   return err('BADARG', 'budget fingerprint must be 1-64 hex digits, got ' .. show(cfp))
 end
-if type(ARGV[15]) ~= 'string' or #ARGV[15] > 4096 then
+if type(ARGV[14]) ~= 'string' or #ARGV[14] > 4096 then
   return err('BADARG', 'budget json must be at most 4096 bytes')
 end
-if #ARGV ~= 24 then return err('BADARG', 'expected 24 arguments, got ' .. #ARGV) end
+if #ARGV ~= 23 then return err('BADARG', 'expected 23 arguments, got ' .. #ARGV) end
 
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'pe', 'o:' .. op, 'cfg', 'ol' }, 3)
@@ -82,14 +83,19 @@ if again then return again end
 if H.ep then
   if R[2] ~= cfp then
     return err('CONFLICT', 'session is already open with another budget (fingerprint ' ..
-      tostring(R[2]) .. '); asked for ' .. cfp .. ': ' .. ARGV[15])
+      tostring(R[2]) .. '); asked for ' .. cfp .. ': ' .. ARGV[14])
   end
   return reply({ 'status=ok', 'created=0', 'epoch=' .. H.ep, 'turn=' .. H.tn })
 end
 
 local now = now_ms()
 local fr = W - floor
-local epoch = (H.pe or 0) + 1
+-- A new incarnation's epoch is Redis's clock in ms (above a closed session's last
+-- epoch): every epoch of an earlier incarnation of this id, even one whose keys were
+-- lost (a restart without persistence, an eviction, an expiry), is older, so a handle
+-- or a retry from before the loss is refused as stale instead of acting on the new
+-- session.
+local epoch = math.max((H.pe or 0) + 1, now)
 local args = { 'cfg', cfp, 'ep', epoch, 'inc', now, 'tn', 0, 'sq', 0,
   'W', W, 'S', S, 'T', T, 'out', out, 'F_w', Fw, 'F_m', Fm, 'HW', v[7], 'EV', v[8], 'fr', fr,
   'a_w', 0, 'a_m', 0, 'a_s', 0, 'nv', 0, 'ttl', v[9], 'ort', v[10], 'cl', 0, 'ch', 0,

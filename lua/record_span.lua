@@ -7,12 +7,12 @@
 -- the agent should summarize and proceed instead of recalling again.
 --
 -- KEYS[1]  session hash
--- ARGV[1]  operation id            ARGV[2] argument fingerprint (hex)
--- ARGV[3]  epoch                   integer; older than the session's -> LEDGER_STALE
--- ARGV[4]  turn                    the current turn
--- ARGV[5]  kind                    recall, rerank, fetch, write, prune, summarize, ... (an id)
--- ARGV[6]  input tokens            0..1e8
--- ARGV[7]  output tokens           0..1e8
+-- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
+-- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
+-- ARGV[3]  turn                    the current turn
+-- ARGV[4]  kind                    recall, rerank, fetch, write, prune, summarize, ... (an id)
+-- ARGV[5]  input tokens            0..1e8
+-- ARGV[6]  output tokens           0..1e8
 --
 -- Reply: status=ok|turn=<n>|spans=<n>|span_input=<tokens>|ratio=<per mille>|epoch=<n>
 --    or  status=refused|reason=fanout_guard|requested=<input tokens>|ratio=<per mille>
@@ -22,18 +22,18 @@
 --         LEDGER_OPREUSED.
 -- Calls: HMGET, TIME, HSET (HINCRBY on refusal; a PEXPIRE or a journal sweep when due).
 
-local op, fp, epoch, e = op_args(false)
+local op, fp, epoch, e = op_args('record_span', false)
 if e then return e end
 local turn, kind, tin, tout
-turn, e = int_arg(ARGV[4], 'turn', 0, 1e15)
+turn, e = int_arg(ARGV[3], 'turn', 0, 1e15)
 if e then return e end
-kind, e = id_arg(ARGV[5], 'span kind')
+kind, e = id_arg(ARGV[4], 'span kind')
 if e then return e end
-tin, e = int_arg(ARGV[6], 'input tokens', 0, TOKENS_MAX)
+tin, e = int_arg(ARGV[5], 'input tokens', 0, TOKENS_MAX)
 if e then return e end
-tout, e = int_arg(ARGV[7], 'output tokens', 0, TOKENS_MAX)
+tout, e = int_arg(ARGV[6], 'output tokens', 0, TOKENS_MAX)
 if e then return e end
-if #ARGV ~= 7 then return err('BADARG', 'expected 7 arguments, got ' .. #ARGV) end
+if #ARGV ~= 6 then return err('BADARG', 'expected 6 arguments, got ' .. #ARGV) end
 
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'S', 'T', 'a_w', 'a_m', 'a_s', 'fr', 'ai', 'ao', 'an', 'amp', 'gz', 'xp',

@@ -1,33 +1,33 @@
 -- release.lua: give back items a consumer holds.
 --
 -- KEYS[1]  session hash
--- ARGV[1]  operation id            ARGV[2] argument fingerprint (hex)
--- ARGV[3]  epoch                   integer; older than the session's -> LEDGER_STALE
--- ARGV[4]  consumer                w | r | m | s
--- ARGV[5]  n                       number of item ids, 1..1000
--- ARGV[6..5+n]                     item ids
+-- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
+-- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
+-- ARGV[3]  consumer                w | r | m | s
+-- ARGV[4]  n                       number of item ids, 1..1000
+-- ARGV[5..4+n]                     item ids
 --
 -- Reply: status=ok|released=<tokens>|count=<n>|missing=<id,...>|free=<tokens>|epoch=<n>|turn=<n>
 -- Ids the consumer does not hold are listed as missing; they are not an error.
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
 -- Calls: HMGET, TIME, HSET, HDEL (a PEXPIRE or a journal sweep when due).
 
-local op, fp, epoch, e = op_args(false)
+local op, fp, epoch, e = op_args('release', false)
 if e then return e end
 local c
-c, e = consumer_arg(ARGV[4])
+c, e = consumer_arg(ARGV[3])
 if e then return e end
 local n
-n, e = int_arg(ARGV[5], 'item count', 1, 1000)
+n, e = int_arg(ARGV[4], 'item count', 1, 1000)
 if e then return e end
-if #ARGV ~= 5 + n then
-  return err('BADARG', 'expected ' .. (5 + n) .. ' arguments for ' .. n .. ' item ids, got ' .. #ARGV)
+if #ARGV ~= 4 + n then
+  return err('BADARG', 'expected ' .. (4 + n) .. ' arguments for ' .. n .. ' item ids, got ' .. #ARGV)
 end
 local g = GROUP[c]
 local raws, seen = { 'ep', 'tn', 'fr', 'a_' .. g, 'F_' .. g, 'u_' .. c, 'n_' .. c, 'gz', 'xp', 'o:' .. op, 'ol' }, {}
 for k = 1, n do
   local id
-  id, e = id_arg(ARGV[5 + k], 'item id')
+  id, e = id_arg(ARGV[4 + k], 'item id')
   if e then return e end
   if seen[id] then return err('BADARG', 'item id ' .. id .. ' appears twice') end
   seen[id] = true
@@ -48,7 +48,7 @@ for k = 1, n do
     count = count + 1
     dead[#dead + 1] = raws[k + 11]
   else
-    missing[#missing + 1] = ARGV[5 + k]
+    missing[#missing + 1] = ARGV[4 + k]
   end
 end
 local a = H['a_' .. g]

@@ -2,46 +2,51 @@
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  partition deadline index (sorted set: score deadline ms, member '<session>|<reservation>')
--- ARGV[1]  operation id            ARGV[2] argument fingerprint (hex)
--- ARGV[3]  epoch                   integer; older than the session's -> LEDGER_STALE
--- ARGV[4]  session id              the member prefix in the deadline index
--- ARGV[5]  consumer                w | r | m | s
--- ARGV[6]  reservation id          [A-Za-z0-9._:/@+=#-]{1,128}, unique among open ones
--- ARGV[7]  tokens                  estimate, 1..1e8
--- ARGV[8]  lease                   milliseconds until the deadline, 1..86400000, on Redis's clock
+-- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
+-- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
+-- ARGV[3]  session id              the member prefix in the deadline index
+-- ARGV[4]  consumer                w | r | m | s
+-- ARGV[5]  reservation id          [A-Za-z0-9._:/@+=#-]{1,128}, unique among open ones
+-- ARGV[6]  tokens                  estimate, 1..1e8
+-- ARGV[7]  lease                   milliseconds until the deadline, 1..86400000, on Redis's clock
 --
 -- Reply: status=ok|reservation=<id>|deadline_ms=<ms>|free=<tokens>|epoch=<n>|turn=<n>
 --    or  status=refused|reason=<reason>|requested=<tokens>|free=<tokens>|epoch=<n>|turn=<n>
 --   reason: token_budget_exhausted, floor_protected, or compaction_pending (retrieval and
 --   recall while a compaction is pending, judged as admit.lua judges them)
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED,
---         LEDGER_CONFLICT (the reservation id is open already).
+--         LEDGER_CONFLICT (the reservation id is open already, or the consumer holds an
+--         item of that id: settle names the item after the reservation by default).
 -- Calls: HMGET, TIME, HSET, ZADD (a PEXPIRE or a journal sweep when due).
 
-local op, fp, epoch, e = op_args(false)
+local op, fp, epoch, e = op_args('reserve', false)
 if e then return e end
 local sid, c, rid, tokens, lease
-sid, e = session_arg(ARGV[4])
+sid, e = session_arg(ARGV[3])
 if e then return e end
-c, e = consumer_arg(ARGV[5])
+c, e = consumer_arg(ARGV[4])
 if e then return e end
-rid, e = id_arg(ARGV[6], 'reservation id')
+rid, e = id_arg(ARGV[5], 'reservation id')
 if e then return e end
-tokens, e = int_arg(ARGV[7], 'tokens', 1, TOKENS_MAX)
+tokens, e = int_arg(ARGV[6], 'tokens', 1, TOKENS_MAX)
 if e then return e end
-lease, e = int_arg(ARGV[8], 'lease ms', 1, 86400000)
+lease, e = int_arg(ARGV[7], 'lease ms', 1, 86400000)
 if e then return e end
-if #ARGV ~= 8 then return err('BADARG', 'expected 8 arguments, got ' .. #ARGV) end
+if #ARGV ~= 7 then return err('BADARG', 'expected 7 arguments, got ' .. #ARGV) end
 local g = GROUP[c]
 
 e = key_arg(2, 'deadlines')
 if e then return e end
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'fr', 'a_' .. g, 'F_' .. g, 'v_' .. c, 'nv', 'gz', 'xp', 'cd',
-  'o:' .. op, 'ol', 'r:' .. rid }, 10)
+  'o:' .. op, 'ol', 'r:' .. rid, 'i:' .. c .. ':' .. rid }, 10)
 e = gate(R[1], H.ep, op, fp, epoch)
 if e then return e end
 if R[3] then return err('CONFLICT', 'reservation ' .. rid .. ' is already open') end
+if R[4] then
+  return err('CONFLICT', 'consumer ' .. c .. ' already holds an item ' .. rid ..
+    ': the reservation could not be settled under its own id')
+end
 local now = now_ms()
 
 local a = H['a_' .. g]

@@ -4,24 +4,24 @@
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  partition deadline index
--- ARGV[1]  operation id            ARGV[2] argument fingerprint (hex)
--- ARGV[3]  epoch                   the epoch being reset; older -> LEDGER_STALE (a reset
+-- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
+-- ARGV[2]  epoch                   the epoch being reset; older -> LEDGER_STALE (a reset
 --                                  job delivered twice applies once)
--- ARGV[4]  session id
--- ARGV[5]  reason                  [A-Za-z0-9._:/@+=#-]{1,128}, kept in x:last_reset
+-- ARGV[3]  session id
+-- ARGV[4]  reason                  [A-Za-z0-9._:/@+=#-]{1,128}, kept in x:last_reset
 --
 -- Reply: status=ok|epoch=<new epoch>|dropped=<items>|released=<tokens>
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
 -- Calls: HMGET, HGETALL, TIME, HDEL, ZREM, HSET, HINCRBY.
 
-local op, fp, epoch, e = op_args(false)
+local op, fp, epoch, e = op_args('reset', false)
 if e then return e end
 local sid, reason
-sid, e = session_arg(ARGV[4])
+sid, e = session_arg(ARGV[3])
 if e then return e end
-reason, e = id_arg(ARGV[5], 'reason')
+reason, e = id_arg(ARGV[4], 'reason')
 if e then return e end
-if #ARGV ~= 5 then return err('BADARG', 'expected 5 arguments, got ' .. #ARGV) end
+if #ARGV ~= 4 then return err('BADARG', 'expected 4 arguments, got ' .. #ARGV) end
 
 e = key_arg(2, 'deadlines')
 if e then return e end

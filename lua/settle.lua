@@ -2,13 +2,13 @@
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  partition deadline index
--- ARGV[1]  operation id            ARGV[2] argument fingerprint (hex)
--- ARGV[3]  epoch                   integer; older than the session's -> LEDGER_STALE
--- ARGV[4]  session id              the member prefix in the deadline index
--- ARGV[5]  reservation id
--- ARGV[6]  actual tokens           1..1e8, lower or higher than the estimate
--- ARGV[7]  item id                 the item the settled tokens become
--- ARGV[8]  priority                0..1000
+-- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
+-- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
+-- ARGV[3]  session id              the member prefix in the deadline index
+-- ARGV[4]  reservation id
+-- ARGV[5]  actual tokens           1..1e8, lower or higher than the estimate
+-- ARGV[6]  item id                 the item the settled tokens become
+-- ARGV[7]  priority                0..1000
 --
 -- Reply: status=ok|reservation=<id>|item=<id>|charged=<tokens>|free=<tokens>|epoch=<n>|turn=<n>
 --    or  status=refused|reason=<reason>|requested=<tokens>|free=<tokens>|epoch=<n>|turn=<n>
@@ -21,20 +21,20 @@
 --         LEDGER_CONFLICT (the consumer already holds the item id).
 -- Calls: HMGET, TIME, HSET, HDEL, ZREM (a PEXPIRE or a journal sweep when due).
 
-local op, fp, epoch, e = op_args(false)
+local op, fp, epoch, e = op_args('settle', false)
 if e then return e end
 local sid, rid, actual, item, prio
-sid, e = session_arg(ARGV[4])
+sid, e = session_arg(ARGV[3])
 if e then return e end
-rid, e = id_arg(ARGV[5], 'reservation id')
+rid, e = id_arg(ARGV[4], 'reservation id')
 if e then return e end
-actual, e = int_arg(ARGV[6], 'actual tokens', 1, TOKENS_MAX)
+actual, e = int_arg(ARGV[5], 'actual tokens', 1, TOKENS_MAX)
 if e then return e end
-item, e = id_arg(ARGV[7], 'item id')
+item, e = id_arg(ARGV[6], 'item id')
 if e then return e end
-prio, e = int_arg(ARGV[8], 'priority', 0, 1000)
+prio, e = int_arg(ARGV[7], 'priority', 0, 1000)
 if e then return e end
-if #ARGV ~= 8 then return err('BADARG', 'expected 8 arguments, got ' .. #ARGV) end
+if #ARGV ~= 7 then return err('BADARG', 'expected 7 arguments, got ' .. #ARGV) end
 
 e = key_arg(2, 'deadlines')
 if e then return e end

@@ -2,23 +2,23 @@
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  partition deadline index
--- ARGV[1]  operation id            ARGV[2] argument fingerprint (hex)
--- ARGV[3]  epoch                   integer; older than the session's -> LEDGER_STALE
--- ARGV[4]  session id              the member prefix in the deadline index
--- ARGV[5]  reservation id
+-- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
+-- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
+-- ARGV[3]  session id              the member prefix in the deadline index
+-- ARGV[4]  reservation id
 --
 -- Reply: status=ok|reservation=<id>|released=<tokens>|free=<tokens>|epoch=<n>|turn=<n>
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED, LEDGER_NORESERVATION.
 -- Calls: HMGET, TIME, HSET, HDEL, ZREM (a PEXPIRE or a journal sweep when due).
 
-local op, fp, epoch, e = op_args(false)
+local op, fp, epoch, e = op_args('void', false)
 if e then return e end
 local sid, rid
-sid, e = session_arg(ARGV[4])
+sid, e = session_arg(ARGV[3])
 if e then return e end
-rid, e = id_arg(ARGV[5], 'reservation id')
+rid, e = id_arg(ARGV[4], 'reservation id')
 if e then return e end
-if #ARGV ~= 5 then return err('BADARG', 'expected 5 arguments, got ' .. #ARGV) end
+if #ARGV ~= 4 then return err('BADARG', 'expected 4 arguments, got ' .. #ARGV) end
 
 e = key_arg(2, 'deadlines')
 if e then return e end

@@ -150,9 +150,10 @@ BAD_CONSUMERS: dict[str, Any] = {
     "None": None,
     "int": 1,
 }
+NEWER = object()  # stands for the session's epoch + 1
 BAD_EPOCHS: dict[str, Any] = {
     "negative": -1,
-    "newer than the session's": 99,
+    "newer than the session's": NEWER,
     "1e20": 10**20,
     "float": 1.0,
     "bool": True,
@@ -216,9 +217,14 @@ def _fenced(op: str) -> list[Case]:
         Case(f"op id {name}", lambda s, v=v, g=good: g(s, v), local=True)
         for name, v in BAD_OP_IDS.items()
     ]
-    if op != "open":  # open ignores the epoch (a new session starts at 1)
+    if op != "open":  # open ignores the epoch
         cases += [
-            Case(f"epoch {name}", lambda s, v=v, g=good: g(Session(s.ledger, s.keys, v)))
+            Case(
+                f"epoch {name}",
+                lambda s, v=v, g=good: g(
+                    Session(s.ledger, s.keys, s.epoch + 1 if v is NEWER else v)
+                ),
+            )
             for name, v in BAD_EPOCHS.items()
         ]
     return cases
@@ -508,53 +514,53 @@ def ints(lo: int, hi: int) -> list[str | bytes]:
 TOKENS = ints(1, 100_000_000)
 PRIORITY = ints(0, 1000)
 EPOCH_BASE: list[str | bytes] = ["", "-1", "1.0", "abc", b"\xff", "1000000000000001", *HUGE]
-EPOCH_FENCED = [*EPOCH_BASE, "*", "99"]  # '99': newer than the session's epoch
+FUTURE = "99999999999999"  # newer than any session's epoch (Redis's clock in ms)
+EPOCH_FENCED = [*EPOCH_BASE, "*", FUTURE]
 EPOCH_OPEN = [*EPOCH_BASE, "*"]  # open ignores the value, but it must be a number
-EPOCH_OR_STAR = [*EPOCH_BASE, "99"]  # close and expire accept '*'
+EPOCH_OR_STAR = [*EPOCH_BASE, FUTURE]  # close and expire accept '*'
 
 # ARGV position (1-based) -> malformed values, per script (see each script's header).
-COMMON: dict[int, list[str | bytes]] = {1: BAD_ARG_IDS, 2: BAD_FPS, 3: EPOCH_FENCED}
+COMMON: dict[int, list[str | bytes]] = {1: BAD_ARG_IDS, 2: EPOCH_FENCED}
 ARGV_SPEC: dict[str, dict[int, list[str | bytes]]] = {
     "open": {
         1: BAD_ARG_IDS,
-        2: BAD_FPS,
-        3: EPOCH_OPEN,
-        4: ints(1, 100_000_000),  # window
-        5: ints(0, 100_000_000),  # system prompt
-        6: ints(0, 100_000_000),  # tool framing
-        7: ints(0, 100_000_000),  # working-memory floor
-        8: ints(0, 100_000_000),  # minimum memory
-        9: ints(0, 100_000_000),  # output reserve
-        10: ints(0, 100_000_000),  # high-water mark
-        11: ints(0, 100_000_000),  # eviction threshold
-        12: ints(1000, 31_536_000_000),  # idle ttl ms
-        13: ints(1000, 86_400_000),  # op retention ms
-        14: BAD_FPS,  # budget fingerprint
-        15: ["x" * 4097],  # budget json
+        2: EPOCH_OPEN,
+        3: ints(1, 100_000_000),  # window
+        4: ints(0, 100_000_000),  # system prompt
+        5: ints(0, 100_000_000),  # tool framing
+        6: ints(0, 100_000_000),  # working-memory floor
+        7: ints(0, 100_000_000),  # minimum memory
+        8: ints(0, 100_000_000),  # output reserve
+        9: ints(0, 100_000_000),  # high-water mark
+        10: ints(0, 100_000_000),  # eviction threshold
+        11: ints(1000, 31_536_000_000),  # idle ttl ms
+        12: ints(1000, 86_400_000),  # op retention ms
+        13: BAD_FPS,  # budget fingerprint
+        14: ["x" * 4097],  # budget json
     },
     "admit": {
         **COMMON,
-        4: BAD_CONSUMER_ARGS,
-        5: BAD_MODES,
-        6: BAD_COUNTS,
-        7: BAD_ARG_IDS,
-        8: TOKENS,
-        9: PRIORITY,
-    },
-    "release": {**COMMON, 4: BAD_CONSUMER_ARGS, 5: BAD_COUNTS, 6: BAD_ARG_IDS},
-    "reserve": {
-        **COMMON,
-        4: BAD_ARG_IDS,
-        5: BAD_CONSUMER_ARGS,
+        3: BAD_CONSUMER_ARGS,
+        4: BAD_MODES,
+        5: BAD_COUNTS,
         6: BAD_ARG_IDS,
         7: TOKENS,
-        8: ints(1, 86_400_000),
+        8: PRIORITY,
     },
-    "settle": {**COMMON, 4: BAD_ARG_IDS, 5: BAD_ARG_IDS, 6: TOKENS, 7: BAD_ARG_IDS, 8: PRIORITY},
-    "void": {**COMMON, 4: BAD_ARG_IDS, 5: BAD_ARG_IDS},
-    "reset": {**COMMON, 4: BAD_ARG_IDS, 5: BAD_ARG_IDS},
-    "close": {**COMMON, 3: EPOCH_OR_STAR, 4: BAD_ARG_IDS},
-    "expire": {**COMMON, 3: EPOCH_OR_STAR, 4: BAD_ARG_IDS, 5: BAD_COUNTS, 6: BAD_ARG_IDS},
+    "release": {**COMMON, 3: BAD_CONSUMER_ARGS, 4: BAD_COUNTS, 5: BAD_ARG_IDS},
+    "reserve": {
+        **COMMON,
+        3: BAD_ARG_IDS,
+        4: BAD_CONSUMER_ARGS,
+        5: BAD_ARG_IDS,
+        6: TOKENS,
+        7: ints(1, 86_400_000),
+    },
+    "settle": {**COMMON, 3: BAD_ARG_IDS, 4: BAD_ARG_IDS, 5: TOKENS, 6: BAD_ARG_IDS, 7: PRIORITY},
+    "void": {**COMMON, 3: BAD_ARG_IDS, 4: BAD_ARG_IDS},
+    "reset": {**COMMON, 3: BAD_ARG_IDS, 4: BAD_ARG_IDS},
+    "close": {**COMMON, 2: EPOCH_OR_STAR, 3: BAD_ARG_IDS},
+    "expire": {**COMMON, 2: EPOCH_OR_STAR, 3: BAD_ARG_IDS, 4: BAD_COUNTS, 5: BAD_ARG_IDS},
 }
 
 
@@ -585,7 +591,7 @@ def malformed(name: str, good: list[str | bytes]) -> Iterator[tuple[str, list[st
             yield f"ARGV[{pos}]={v!r}"[:80], args
     yield "no ARGV", []
     yield "only an op id", good[:1]
-    yield "prologue only", good[:3]
+    yield "prologue only", good[:2]
     yield "last argument missing", good[:-1]
     yield "one argument too many", [*good, "extra"]
     yield "two arguments too many", [*good, "5", "0"]
@@ -627,7 +633,7 @@ def test_non_string_ids_are_invalid_argument(ledger: Ledger, session: Session, b
         lambda: session.admit("retrieval", [Item(bad, 10)]),
         lambda: session.release("retrieval", [bad]),
         lambda: session.reserve("scratchpad", bad, 50),
-        lambda: session.settle("res1", 450, bad),
+        lambda: session.settle(bad, 450),
         lambda: session.void(bad),
         lambda: session.reset(bad),
     ]

@@ -113,9 +113,14 @@ def check(ledger: Ledger, s: Session, b: SessionBudget) -> Snapshot:
     return snap
 
 
+def assert_new_epoch(epoch: int) -> None:
+    """A new session's epoch is Redis's clock in ms (above every earlier incarnation's)."""
+    assert 1_600_000_000_000 < epoch < 10**14, epoch
+
+
 def open_fresh(ledger: Ledger, b: SessionBudget) -> Session:
     s = ledger.open_session(new_sid(), b)
-    assert s.epoch == 1
+    assert_new_epoch(s.epoch)
     return s
 
 
@@ -125,11 +130,13 @@ def open_fresh(ledger: Ledger, b: SessionBudget) -> Session:
 def test_open_creates_then_confirms(ledger: Ledger, budget: SessionBudget) -> None:
     sid = new_sid()
     first = ledger.run(ledger.open_call(sid, budget, None))
-    assert first == Opened(created=True, epoch=1, turn=0)
+    e0 = first.epoch
+    assert_new_epoch(e0)
+    assert first == Opened(created=True, epoch=e0, turn=0)
     again = ledger.run(ledger.open_call(sid, budget, None))
-    assert again == Opened(created=False, epoch=1, turn=0)
+    assert again == Opened(created=False, epoch=e0, turn=0)
     s = ledger.open_session(sid, budget)
-    assert s.epoch == 1
+    assert s.epoch == e0
     snap = s.snapshot()
     assert (snap.window, snap.system_prompt, snap.tool_framing, snap.output_reserve) == (
         budget.window,
@@ -142,7 +149,7 @@ def test_open_creates_then_confirms(ledger: Ledger, budget: SessionBudget) -> No
     assert snap.high_water_mark == budget.high_water_tokens
     assert snap.eviction_threshold == budget.eviction_tokens
     assert snap.free == base_free(budget)
-    assert snap.epoch == 1 and snap.turn == 0
+    assert snap.epoch == e0 and snap.turn == 0
     assert snap.open_reservations == 0 and snap.refusals == 0 and snap.expirations == 0
     assert all(snap.used[c] == snap.reserved[c] == snap.items[c] == 0 for c in Consumer)
     check(ledger, s, budget)
@@ -204,7 +211,7 @@ def test_admit_charges_a_batch_in_one_call(ledger: Ledger, budget: SessionBudget
     got = s.admit(RET, [Item("doc7#3", 410), Item("doc9#1", 388, priority=5)])
     assert (got.charged, got.admitted, got.duplicates, got.skipped) == (410 + 388, 2, 0, ())
     assert got.free == free0 - 410 - 388
-    assert (got.epoch, got.turn) == (1, 0)
+    assert (got.epoch, got.turn) == (s.epoch, 0)
     snap = check(ledger, s, budget)
     assert snap.used[RET] == 410 + 388 and snap.items[RET] == 2
     assert snap.free == got.free
@@ -391,7 +398,7 @@ def test_release_frees_tokens_and_reports_missing(ledger: Ledger, budget: Sessio
     got = s.release(RET, ["a", "c", "ghost"])
     assert (got.released, got.count, got.missing) == (400, 2, ("ghost",))
     assert got.free == free - 200 - 40
-    assert (got.epoch, got.turn) == (1, 0)
+    assert (got.epoch, got.turn) == (s.epoch, 0)
     snap = check(ledger, s, budget)
     assert (snap.used[RET], snap.items[RET], snap.used[SCR]) == (200, 1, 40)
     # A released id is missing the second time; the scratchpad's "a" is untouched.
@@ -415,7 +422,7 @@ def test_reserve_holds_tokens(ledger: Ledger, budget: SessionBudget) -> None:
     s = open_fresh(ledger, budget)
     free = base_free(budget)
     r = s.reserve(SCR, "tool-1", 500, lease_ms=10_000)
-    assert (r.id, r.free, r.epoch, r.turn) == ("tool-1", free - 500, 1, 0)
+    assert (r.id, r.free, r.epoch, r.turn) == ("tool-1", free - 500, s.epoch, 0)
     snap = check(ledger, s, budget)
     assert 0 < r.deadline_ms - snap.now_ms <= 10_000
     assert snap.free == free - 500
@@ -650,32 +657,33 @@ def test_reset_fences_stale_handles(ledger: Ledger, budget: SessionBudget) -> No
     s = open_fresh(ledger, budget)
     free = base_free(budget)
     old = ledger.session(s.id)
-    assert old.epoch == 1
+    e0 = s.epoch
+    assert old.epoch == e0
     s.admit(RET, [Item("a", 100), Item("b", 200)])
     old.admit(WM, [Item("t1", 50)])
     s.reserve(SCR, "q-old", 300)
     done = s.reset("context-overflow", op_id="reset-1")
-    assert (done.epoch, done.dropped, done.released) == (2, 3, 100 + 200 + 50 + 300)
+    assert (done.epoch, done.dropped, done.released) == (e0 + 1, 3, 100 + 200 + 50 + 300)
     snap = check(ledger, s, budget)
-    assert snap.epoch == 2 and snap.free == free and snap.open_reservations == 0
+    assert snap.epoch == e0 + 1 and snap.free == free and snap.open_reservations == 0
     assert all(snap.used[c] == snap.reserved[c] == snap.items[c] == 0 for c in Consumer)
     assert ledger.client.zcard(s.keys.deadlines) == 0
 
-    assert s.epoch == 1  # every handle, the resetting one too, is stale until refresh()
+    assert s.epoch == e0  # every handle, the resetting one too, is stale until refresh()
 
     # A reset delivered twice applies once: the same request (same op id, same
     # epoch) gets the stored outcome; another op id at the old epoch is fenced.
-    retry = Session(ledger, s.keys, 1)
+    retry = Session(ledger, s.keys, e0)
     assert retry.reset("context-overflow", op_id="reset-1") == done
     assert s.reset("context-overflow", op_id="reset-1") == done
     with pytest.raises(StaleEpoch):
-        Session(ledger, s.keys, 1).reset("context-overflow")
+        Session(ledger, s.keys, e0).reset("context-overflow")
     snap = check(ledger, s, budget)
-    assert snap.epoch == 2 and snap.free == free
+    assert snap.epoch == e0 + 1 and snap.free == free
     assert int(ledger.client.hget(s.keys.session, "x:resets")) == 1
 
     fresh = ledger.session(s.id)
-    assert fresh.epoch == 2
+    assert fresh.epoch == e0 + 1
     fresh.admit(RET, [Item("c", 10)])
     fresh.reserve(SCR, "q-new", 20)
     before = state(s)
@@ -692,16 +700,16 @@ def test_reset_fences_stale_handles(ledger: Ledger, budget: SessionBudget) -> No
             call()
     assert state(s) == before
 
-    assert old.refresh() == 2
+    assert old.refresh() == e0 + 1
     assert old.admit(RET, [Item("d", 1)]).free == free - 10 - 20 - 1
     assert old.settle("q-new", 20, "q-new-item").free == free - 31
     # An epoch from the future is a caller bug, not a fence.
     ahead = ledger.session(s.id)
-    ahead.epoch = 3
+    ahead.epoch = e0 + 2
     with pytest.raises(InvalidArgument):
         ahead.admit(RET, [Item("e", 1)])
     # Reopening with the same budget confirms the session at its current epoch.
-    assert ledger.run(ledger.open_call(s.id, budget, None)) == Opened(False, 2, 0)
+    assert ledger.run(ledger.open_call(s.id, budget, None)) == Opened(False, e0 + 1, 0)
     snap = check(ledger, s, budget)
     assert snap.used[RET] == 11 and snap.used[SCR] == 20 and snap.free == free - 31
 
@@ -714,7 +722,7 @@ def test_reset_retried_on_the_same_handle_applies_once(
     try:
         assert s.reset("why", op_id="reset-1") == done
     finally:
-        assert s.snapshot().epoch == 2
+        assert s.snapshot().epoch == s.epoch + 1
         check(ledger, s, budget)
 
 
@@ -765,7 +773,7 @@ def test_snapshot_fields_are_consistent(ledger: Ledger) -> None:
         b.working_memory_floor,
         b.min_memory,
     )
-    assert snap.epoch == 1 and snap.refusals == 0 and snap.expirations == 0
+    assert snap.epoch == s.epoch and snap.refusals == 0 and snap.expirations == 0
     assert snap.raw["fr"] == free and snap.raw["nv"] == 3
 
 
@@ -802,7 +810,7 @@ def test_close_then_everything_is_unknown(ledger: Ledger, budget: SessionBudget)
     # The id can be opened again, from scratch, at a later epoch: handles of the closed
     # session stay fenced (and so do its queued jobs, by the session's creation stamp).
     again = ledger.run(ledger.open_call(s.id, budget, None))
-    assert again == Opened(True, s.epoch + 1, 0)
+    assert again.created and again.turn == 0 and again.epoch > s.epoch
     snap = check(ledger, s, budget)
     assert snap.free == base_free(budget) and snap.items[RET] == 0
     with pytest.raises(StaleEpoch):
@@ -845,7 +853,7 @@ def test_unknown_session(ledger: Ledger, budget: SessionBudget) -> None:
 async def test_async_admit_reserve_settle(aledger: AsyncLedger, budget: SessionBudget) -> None:
     free = base_free(budget)
     s = await aledger.open_session(new_sid(), budget)
-    assert s.epoch == 1
+    assert_new_epoch(s.epoch)
     got = await s.admit(RET, [Item("a", 300), Item("b", 200)])
     assert (got.charged, got.admitted, got.free) == (500, 2, free - 500)
     r = await s.reserve(SCR, "q1", 400)
@@ -866,6 +874,7 @@ async def test_async_admit_reserve_settle(aledger: AsyncLedger, budget: SessionB
 async def test_async_fencing_and_expiry(aledger: AsyncLedger, budget: SessionBudget) -> None:
     free = base_free(budget)
     s = await aledger.open_session(new_sid(), budget)
+    e0 = s.epoch
     old = await aledger.session(s.id)
     await s.reserve(RET, "short", 100, lease_ms=50)
     first = await s.admit(RET, [Item("a", 10)], op_id="op-a")
@@ -877,15 +886,15 @@ async def test_async_fencing_and_expiry(aledger: AsyncLedger, budget: SessionBud
     with pytest.raises(UnknownReservation):
         await s.settle("short", 100, "x")
     done = await s.reset("async-reset")
-    assert (done.epoch, done.dropped, done.released) == (2, 1, 10)
-    assert s.epoch == 1  # stale until refresh(), like every other handle
+    assert (done.epoch, done.dropped, done.released) == (e0 + 1, 1, 10)
+    assert s.epoch == e0  # stale until refresh(), like every other handle
     with pytest.raises(StaleEpoch):
         await s.admit(RET, [Item("b", 1)])
     with pytest.raises(StaleEpoch):
         await old.admit(RET, [Item("b", 1)])
     with pytest.raises(StaleEpoch):
         await old.close()
-    assert await old.refresh() == 2
+    assert await old.refresh() == e0 + 1
     assert (await old.admit(RET, [Item("b", 1)])).free == free - 1
     report = await aledger.audit(s.id)
     assert report.clean

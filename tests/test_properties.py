@@ -97,6 +97,7 @@ class Model:
     """The ledger's rules for one session, in plain Python."""
 
     budget: SessionBudget
+    ep: int  # the epoch the session was opened at
     # consumer -> item id -> (tokens, priority, sequence number)
     items: dict[str, dict[str, tuple[int, int, int]]] = field(
         default_factory=lambda: {c: {} for c in CONSUMERS}
@@ -194,21 +195,21 @@ class Model:
         for i, t, p in taken:
             self.seq += 1
             held[i] = (t, p, self.seq)
-        return Admitted(charged, len(taken), dups, tuple(skipped), self.free(), 1, 0)
+        return Admitted(charged, len(taken), dups, tuple(skipped), self.free(), self.ep, 0)
 
     def _release(self, c: str, ids: tuple[str, ...]) -> Outcome:
         held = self.items[c]
         missing = tuple(i for i in ids if i not in held)
         gone = [held.pop(i) for i in ids if i in held]
-        return Released(sum(t for t, _, _ in gone), len(gone), missing, self.free(), 1, 0)
+        return Released(sum(t for t, _, _ in gone), len(gone), missing, self.free(), self.ep, 0)
 
     def _reserve(self, c: str, rid: str, tokens: int) -> Outcome:
-        if rid in self.resv:
+        if rid in self.resv or rid in self.items[c]:  # settle names the item after it
             return ("SessionConflict",)
         if self.free(GROUP[c], tokens) < 0:
             return self.refuse(tokens)
         self.resv[rid] = (c, tokens)
-        return Reservation(rid, -1, self.free(), 1, 0)
+        return Reservation(rid, -1, self.free(), self.ep, 0)
 
     def _settle(self, rid: str, actual: int, item: str, prio: int) -> Outcome:
         if rid not in self.resv:
@@ -221,13 +222,13 @@ class Model:
         del self.resv[rid]
         self.seq += 1
         self.items[c][item] = (actual, prio, self.seq)
-        return Settled(rid, item, actual, self.free(), 1, 0)
+        return Settled(rid, item, actual, self.free(), self.ep, 0)
 
     def _void(self, rid: str) -> Outcome:
         if rid not in self.resv:
             return ("UnknownReservation",)
         _, est = self.resv.pop(rid)
-        return Voided(rid, est, self.free(), 1, 0)
+        return Voided(rid, est, self.free(), self.ep, 0)
 
 
 def same(actual: Outcome, expected: Outcome) -> bool:
@@ -284,7 +285,7 @@ class LedgerMachine(ModelMachine):
             min_memory=min_memory,
         )
         self.session = self.ledger.open_session(SESSION_ID, budget)
-        self.model = Model(budget)
+        self.model = Model(budget, self.session.epoch)
 
     @rule(
         consumer=st.sampled_from(CONSUMERS),

@@ -176,7 +176,7 @@ class Model:
     """One session as the scripts keep it (no reservations: a_<group> = items)."""
 
     b: SessionBudget
-    ep: int = 1
+    ep: int = 1  # the epoch the session was opened at
     tn: int = 0
     sq: int = 0
     out: int = OUT
@@ -473,7 +473,7 @@ class Model:
         if sum_id in self.items["w"] and ("w", sum_id) not in refs:
             return ("error", "SessionConflict")
         dropped = sum(self.items[c][i].tokens for c, i in refs if i in self.items[c])
-        missing = tuple(f"{c}:{i}" for c, i in refs if i not in self.items[c])
+        missing = tuple((Consumer.from_code(c), i) for c, i in refs if i not in self.items[c])
         after = {c: dict(self.items[c]) for c in CODES}
         for c, i in refs:
             after[c].pop(i, None)
@@ -634,7 +634,7 @@ class RulesMachine(ModelMachine):
             amplification_pathological=amplification[2],
         )
         self.session = self.ledger.open_session(SESSION_ID, budget)
-        self.model = Model(budget)
+        self.model = Model(budget, ep=self.session.epoch)
         # A loaded window from the first step on: small items, interleaved across the
         # consumers, priorities out of step with age, retrieval and recall sharing ids.
         for n, (c, item, tokens) in enumerate(load):

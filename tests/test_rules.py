@@ -231,7 +231,7 @@ def test_record000_nothing_suffices_raises_and_reclaims_nothing(ledger: Ledger) 
     assert numbers_after == numbers_before
     assert after.turn == 0 and after.compaction_pending
     (job,) = jobs(ledger, s, "compact")
-    assert (job["reason"], job["epoch"]) == ("starvation", "1")
+    assert (job["reason"], job["epoch"]) == ("starvation", str(s.epoch))
     # A second refusal does not enqueue the same compaction twice.
     with pytest.raises(WorkingMemoryStarvation):
         s.begin_turn(ws)
@@ -501,7 +501,7 @@ def pending_001(ledger: Ledger) -> tuple[Session, SessionBudget]:
     assert report.compaction_due
     assert s.snapshot().compaction_pending
     (job,) = jobs(ledger, s, "compact")
-    assert (job["reason"], job["epoch"]) == ("high_water_mark", "1")
+    assert (job["reason"], job["epoch"]) == ("high_water_mark", str(s.epoch))
     return s, b
 
 
@@ -567,7 +567,7 @@ def test_record001_three_failed_compactions_escalate_once(ledger: Ledger) -> Non
                 {
                     "kind": "hard_reset",
                     "session": s.id,
-                    "epoch": "1",
+                    "epoch": str(s.epoch),
                     "reason": "failed_compactions",
                     "op": escalation_op,
                     "inc": str(s.snapshot().raw["inc"]),  # this incarnation of the session
@@ -611,11 +611,12 @@ def test_record001_successful_compaction_resets_failures_and_pending(ledger: Led
 
 def test_record001_reset_starts_the_compaction_state_over(ledger: Ledger) -> None:
     s, _ = pending_001(ledger)
+    e0 = s.epoch
     for k in (1, 2, 3):
         s.compact([f"h{k}"], Item(f"sum{k}", 9_900))
     assert len(jobs(ledger, s, "hard_reset")) == 1
     done = s.reset("failed_compactions")
-    assert done.epoch == 2
+    assert done.epoch == s.epoch + 1
     s.refresh()
     snap = clean(ledger, s)
     assert not snap.compaction_pending and snap.failed_compactions == 0
@@ -626,7 +627,7 @@ def test_record001_reset_starts_the_compaction_state_over(ledger: Ledger) -> Non
     for k in (1, 2, 3):
         c = s.compact([f"h{k}"], Item(f"sum{k}", 9_900))
         assert c.failures == k and c.escalated == (k == 3)
-    assert [j["epoch"] for j in jobs(ledger, s, "hard_reset")] == ["1", "2"]
+    assert [j["epoch"] for j in jobs(ledger, s, "hard_reset")] == [str(e0), str(e0 + 1)]
     clean(ledger, s)
 
 

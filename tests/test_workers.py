@@ -60,7 +60,8 @@ WM_ITEMS = [Item(f"old{k}", 250) for k in range(8)] + [Item("big1", 3_100), Item
 def fleet_compactor(request: CompactionRequest) -> CompactionPlan:
     """The tests' summarizer, deterministic and independent of ``simulated``'s tuning:
     every working-memory item but the two newest gives way to one summary of 10-60% of
-    their size (a hash of session, epoch, turn and newest item picks the share), so a
+    their size (a hash of session, turn and newest item picks the share; not the epoch,
+    which is Redis's clock at the session's creation and differs between runs), so a
     first compaction misses H (summary > 500 tokens) about 70% of the time and a second
     one always makes it. ``easy-*`` sessions get 10% (always compacted at once);
     ``stuck-*`` sessions nothing at all (three failed compactions escalate to a reset)."""
@@ -71,10 +72,10 @@ def fleet_compactor(request: CompactionRequest) -> CompactionPlan:
     newest = wm[-1].seq
     share = 0.10
     if not sid.startswith("easy-"):
-        key = f"{sid}|{request.epoch}|{request.turn}|{newest}".encode()
+        key = f"{sid}|{request.turn}|{newest}".encode()
         share += 0.50 * int.from_bytes(hashlib.blake2b(key, digest_size=2).digest()) / 65535
     tokens = max(1, int(sum(i.tokens for i in old) * share))
-    summary = Item(f"sum-e{request.epoch}-q{newest}", tokens, 1000)
+    summary = Item(f"sum-t{request.turn}-q{newest}", tokens, 1000)
     return CompactionPlan(tuple((i.consumer, i.id) for i in old), summary)
 
 
@@ -123,13 +124,18 @@ def open_resets(led: Ledger, sids: list[str]) -> list[Job]:
 
 
 def enqueue_resets(led: Ledger, sids: list[str]) -> list[Job]:
+    """One hard_reset job per session, at the session's current epoch."""
     pipe = led.client.pipeline(transaction=False)
     for sid in sids:
-        pipe.xadd(jobs_of(led, sid), reset_fields(sid))
+        pipe.hget(led.keyspace.session(sid).session, "ep")
+    epochs = pipe.execute()
+    pipe = led.client.pipeline(transaction=False)
+    for sid, epoch in zip(sids, epochs, strict=True):
+        pipe.xadd(jobs_of(led, sid), reset_fields(sid, int(epoch)))
     return [(sid, _text(x)) for sid, x in zip(sids, pipe.execute(), strict=True)]
 
 
-def reset_fields(sid: str, epoch: int = 1) -> dict[Any, Any]:
+def reset_fields(sid: str, epoch: int) -> dict[Any, Any]:
     return {"kind": "hard_reset", "session": sid, "epoch": epoch, "reason": "test", "op": "x"}
 
 
@@ -196,8 +202,13 @@ def dead_letters(led: Ledger) -> list[dict[str, str]]:
 
 
 def session_hash(led: Ledger, sid: str) -> dict[str, str]:
+    """The session's hash, with "ep" counted from 1 for this incarnation: a new session
+    starts at Redis's clock in ms (its "inc"), each hard reset adds one."""
     raw = led.client.hgetall(led.keyspace.session(sid).session)
-    return {_text(k): _text(v) for k, v in raw.items()}
+    h = {_text(k): _text(v) for k, v in raw.items()}
+    if "ep" in h:
+        h["ep"] = str(int(h["ep"]) - int(h["inc"]) + 1)
+    return h
 
 
 SIG_FIELDS: tuple[str, ...] = ("ep", "tn", "kn", "kf", "cd", "rq", "fr", "a_w", "u_w", "n_w")
@@ -761,7 +772,7 @@ def test_simulated_compactor_chain_drains(led: Ledger) -> None:
 def test_worker_survives_lost_consumer_group(led: Ledger) -> None:
     worker = in_process_worker(led)
     sid = "lost-group"
-    led.open_session(sid, BUDGET)
+    epoch = led.open_session(sid, BUDGET).epoch
     stream = jobs_of(led, sid)
     stop, errors = threading.Event(), []
 
@@ -777,7 +788,7 @@ def test_worker_survives_lost_consumer_group(led: Ledger) -> None:
         wait_until(lambda: bool(led.client.exists(stream)), 5, "the groups")
         time.sleep(0.05)
         led.client.delete(stream)  # as FLUSHDB or a restart without persistence would
-        led.client.xadd(stream, reset_fields(sid))  # a script enqueues a job afterwards
+        led.client.xadd(stream, reset_fields(sid, epoch))  # a script enqueues a job afterwards
         wait_until(
             lambda: bool(errors) or session_hash(led, sid)["ep"] == "2", 5, "the job or a crash"
         )

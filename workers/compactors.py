@@ -42,7 +42,7 @@ def simulated(request: CompactionRequest) -> CompactionPlan:
     It summarizes the session's history: every working-memory item but the two
     newest, and the retrieval chunks and tool results that entered in earlier turns.
     The summary is 10-60% of what it replaces, drawn from a hash of the session,
-    epoch and turn: like a real summarizer it compresses "on average", so some
+    turn and items: like a real summarizer it compresses "on average", so some
     compactions miss the high-water mark (a soft post-condition the ledger makes hard).
     """
     wm = [i for i in request.items if i.consumer is Consumer.WORKING_MEMORY]
@@ -53,10 +53,11 @@ def simulated(request: CompactionRequest) -> CompactionPlan:
     ]
     if not old:
         return CompactionPlan((), None)
+    # Not the epoch: it is Redis's clock at the session's creation, and the same
+    # history must compact alike in every run.
     digest = hashlib.blake2b(
         "|".join(
-            [request.session_id, str(request.epoch), str(request.turn)]
-            + [f"{i.consumer.code}:{i.id}" for i in old]
+            [request.session_id, str(request.turn)] + [f"{i.consumer.code}:{i.id}" for i in old]
         ).encode(),
         digest_size=4,
     ).digest()
@@ -65,7 +66,7 @@ def simulated(request: CompactionRequest) -> CompactionPlan:
     tokens = max(1, int(sum(it.tokens for it in old) * share))
     return CompactionPlan(
         tuple((it.consumer, it.id) for it in old),
-        Item(f"summary-e{request.epoch}-t{request.turn}-{digest.hex()}", tokens, 1000),
+        Item(f"summary-t{request.turn}-{digest.hex()}", tokens, 1000),
     )
 
 
