@@ -5,10 +5,9 @@ from __future__ import annotations
 import hashlib
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
-import fakeredis
 import redis
 import redis.asyncio
 import redis.asyncio.cluster
@@ -17,7 +16,11 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from ledger.errors import ConfigurationError
+from ledger.extras import need
 from ledger.settings import LedgerSettings
+
+if TYPE_CHECKING:
+    import fakeredis
 
 SyncClient = redis.Redis | redis.cluster.RedisCluster
 AsyncClient = redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster
@@ -50,6 +53,7 @@ def parse_url(url: str) -> Target:
 
 def embedded_server(name: str) -> fakeredis.FakeServer:
     """One in-process fakeredis server per name, shared by every client in this process."""
+    fakeredis = _fakeredis()
     with _servers_lock:
         if name not in _servers:
             server = fakeredis.FakeServer()
@@ -63,10 +67,14 @@ def _sha1hex(data: object) -> bytes:
     return hashlib.sha1(raw).hexdigest().encode()
 
 
+def _fakeredis() -> Any:
+    return need("fakeredis", "embedded", "the embedded backend (embedded://)")
+
+
 def _add_sha1hex(server: fakeredis.FakeServer) -> None:
     """Give the embedded server's Lua the ``redis.sha1hex`` every real Redis has (the
     scripts fingerprint their arguments with it) and fakeredis lacks."""
-    fakeredis.FakeRedis(server=server).eval("return 1", 0)  # creates the Lua runtime
+    _fakeredis().FakeRedis(server=server).eval("return 1", 0)  # creates the Lua runtime
     runtime = getattr(server, "_lua_runtime", None)
     if runtime is None:
         raise ConfigurationError(
@@ -89,7 +97,7 @@ def _options(settings: LedgerSettings) -> dict[str, Any]:
 def sync_client(settings: LedgerSettings) -> SyncClient:
     t = parse_url(settings.redis_url)
     if t.kind == "embedded":
-        return fakeredis.FakeRedis(server=embedded_server(t.url))
+        return _fakeredis().FakeRedis(server=embedded_server(t.url))  # type: ignore[no-any-return]
     if t.kind == "cluster":
         return redis.cluster.RedisCluster.from_url(t.url, **_options(settings))
     return redis.Redis.from_url(t.url, **_options(settings))
@@ -98,7 +106,7 @@ def sync_client(settings: LedgerSettings) -> SyncClient:
 def async_client(settings: LedgerSettings) -> AsyncClient:
     t = parse_url(settings.redis_url)
     if t.kind == "embedded":
-        return fakeredis.FakeAsyncRedis(server=embedded_server(t.url))
+        return _fakeredis().FakeAsyncRedis(server=embedded_server(t.url))  # type: ignore[no-any-return]
     if t.kind == "cluster":
         return redis.asyncio.cluster.RedisCluster.from_url(t.url, **_options(settings))
     return redis.asyncio.Redis.from_url(t.url, **_options(settings))
