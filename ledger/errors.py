@@ -108,6 +108,26 @@ class FanoutRefused(AdmissionRefused):
         )
 
 
+class ContextDrift(LedgerError):
+    """The real prompt does not match the ledger: at ``end_turn`` it differed from
+    occupancy by more than the session's ``framing_tolerance``, or it was larger than
+    the window. The turn has ended and the drift is recorded (``snapshot``, ``audit``);
+    ``report`` is the turn's :class:`~ledger.models.TurnReport`. Raised when the
+    setting ``drift_action`` is ``raise``; otherwise :class:`ContextDriftWarning`."""
+
+    def __init__(self, report: object, message: str) -> None:
+        self.report = report
+        super().__init__(message)
+
+
+class ContextDriftWarning(UserWarning):
+    """The warning form of :class:`ContextDrift` (setting ``drift_action="warn"``)."""
+
+    def __init__(self, report: object, message: str) -> None:
+        self.report = report
+        super().__init__(message)
+
+
 _CODES: Final[dict[str, type[LedgerError]]] = {
     "BADARG": InvalidArgument,
     "CONFIG": ConfigurationError,

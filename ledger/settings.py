@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -34,4 +36,8 @@ class LedgerSettings(BaseSettings):
         ge=1,
         le=86_400,
         description="seconds an outcome is kept for retries (> retry_max_seconds)",
+    )
+    drift_action: Literal["warn", "raise"] = Field(
+        default="warn",
+        description="a flagged drift at end_turn: ContextDriftWarning, or raise ContextDrift",
     )
