@@ -446,7 +446,8 @@ def reconcile(
     """Set each named consumer's items to exactly the given ones (see reconcile.lua)."""
     if not isinstance(items, Mapping) or not items:
         raise InvalidArgument("reconcile needs a mapping of consumer to a list of Item")
-    codes, body = [], []
+    codes: list[str] = []
+    body: list[str] = []
     total = 0
     for consumer, its in items.items():
         c = Consumer.parse(consumer)
