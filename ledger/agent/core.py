@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import uuid
 from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ Obj = Any
 Op = Generator["Call[Any] | Sleep", Any, T]
 
 DIGEST_PREFIX = "h."
+_DIGEST_RE = re.compile(r"h\.[0-9a-f]{32}")
 _PLAIN_MAX = 64
 
 
@@ -51,8 +53,9 @@ def ledger_id(app_id: object) -> str:
     text = str(app_id)
     if not text:
         raise InvalidArgument("an app id must not be empty")
-    if len(text) <= _PLAIN_MAX and ID_RE.fullmatch(text) and not text.startswith(DIGEST_PREFIX):
-        return text
+    plain = len(text) <= _PLAIN_MAX and ID_RE.fullmatch(text)
+    if plain and (not text.startswith(DIGEST_PREFIX) or _DIGEST_RE.fullmatch(text)):
+        return text  # a plain id, or a digest already (ledger_id is idempotent)
     return (
         DIGEST_PREFIX
         + hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
