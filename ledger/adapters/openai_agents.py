@@ -122,6 +122,7 @@ class LedgerAgents:
         self.spilled: dict[str, str] = {}  # ledger id of a spilled output -> its preview
         self.last_input: list[Piece] = []
         self.last_prompt: int | None = None
+        self.inserted: list[Piece] = []  # this turn's summary, first in every later input
         self._fresh = False
 
     @staticmethod
@@ -150,6 +151,7 @@ class LedgerAgents:
         self.current, self.last_prompt, self._fresh = turn, None, True
         self.dropped = set(turn.state.started.reclaimed)
         self.spilled.clear()
+        self.inserted = []
         try:
             yield turn
             if self.last_prompt is None:
@@ -163,10 +165,17 @@ class LedgerAgents:
         turn = self.current
         if turn is None:
             raise InvalidArgument("a governed model call ran outside `async with gov.turn():`")
-        rows = [p for p in pieces(data.model_data.input) if (p.consumer, p.id) not in self.dropped]
+        rows, seen = [], set()
+        for p in pieces(data.model_data.input):
+            key = (p.consumer, p.id)
+            if key not in self.dropped and key not in seen:  # the ledger holds an item once
+                seen.add(key)
+                rows.append(p)
         if self._fresh:
             self._fresh = False
             rows = await self._compact(turn, rows)
+        else:  # the run's own input lacks this turn's summary: put it back
+            rows = [*(p for p in self.inserted if (p.consumer, p.id) not in seen), *rows]
         await self._admit(turn, rows)
         kept = []
         for p in rows:
@@ -195,6 +204,9 @@ class LedgerAgents:
                 if got.spilled:
                     self.spilled[p.id] = got.text
         for c, ps in by.items():
+            ps = [p for p in ps if (p.consumer, p.id) not in self.dropped]
+            if not ps:
+                continue
             adm = await turn.admit(c, ps)
             if adm.refused and c is Consumer.WORKING_MEMORY:
                 raise AdmissionRefused(adm.reason or "token_budget_exhausted", 0, adm.free, {})
@@ -221,6 +233,7 @@ class LedgerAgents:
         self.dropped |= gone
         if not done.dropped:
             return rows
+        self.inserted = [summary]
         return [summary, *(p for p in rows if (p.consumer, p.id) not in gone)]
 
     async def history(self, result: Any) -> list[dict[str, Any]]:

@@ -23,7 +23,7 @@ from ledger.agent.core import (
     drive_async,
 )
 from ledger.aio import AsyncSession
-from ledger.errors import InvalidArgument
+from ledger.errors import InvalidArgument, translated
 from ledger.models import Consumer, Reconciled, TurnReport
 
 T = TypeVar("T")
@@ -45,7 +45,12 @@ class AsyncAgent:
         self.core = AgentCore(session, counter, **options)
 
     async def run(self, op: Op[T]) -> T:
-        return await drive_async(op, self.session.ledger.run, asyncio.sleep)
+        return await drive_async(op, self.session.ledger.run, asyncio.sleep, self._held)
+
+    async def _held(self, fields: tuple[str, ...]) -> list[bool]:
+        with translated():
+            values = await self.session.ledger.client.hmget(self.session.keys.session, fields)
+        return [v is not None for v in values]
 
     def turn(self, working_set: int = 0, output_reserve: int | None = None) -> AsyncTurn:
         """``async with agent.turn(working_set) as turn:`` runs begin_turn on entry and end_turn

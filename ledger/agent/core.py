@@ -37,7 +37,7 @@ from ledger.protocol import ID_RE, Call
 
 T = TypeVar("T")
 Obj = Any
-Op = Generator["Call[Any] | Sleep", Any, T]
+Op = Generator["Call[Any] | Sleep | Held", Any, T]
 
 DIGEST_PREFIX = "h."
 _DIGEST_RE = re.compile(r"h\.[0-9a-f]{32}")
@@ -118,6 +118,13 @@ class Sleep:
     """An effect: wait this long (the drivers sleep, sync or async)."""
 
     seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """An effect: which of these items the session holds (a read of the session hash)."""
+
+    fields: tuple[str, ...]  # 'i:<consumer code>:<item id>'
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,10 +277,13 @@ class AgentCore:
         return objs, unknown
 
     def consumer_of(self, obj: Obj) -> Consumer:
+        """The consumer holding an app object: the one it was admitted or tracked under
+        (the same id may be held by two consumers, e.g. a tool call and its result)."""
         iid = self.item_id(obj)
-        for c in Consumer:
-            if (c, iid) in self.known:
-                return c
+        found = [c for c in Consumer if (c, iid) in self.known]
+        same = [c for c in found if self.known[(c, iid)] is obj]
+        if same or found:
+            return (same or found)[0]
         raise InvalidArgument(
             f"{type(obj).__name__} {self.app_id(obj)!s:.60} is not held by this agent"
         )
@@ -332,15 +342,15 @@ class AgentCore:
             got = yield call
         except AdmissionRefused as exc:
             if not (memory and exc.reason == "compaction_pending"):
-                return Admission((), tuple(o for _, o in planned), exc.reason, 0, exc.free)
+                return (yield from self._refused(c, planned, exc))
             # Credit ordering: wait (bounded) for the compaction, then ask once more.
             self.compaction_pending = True
             if not (yield from self._wait_compaction()):
-                return Admission((), tuple(o for _, o in planned), exc.reason, 0, exc.free)
+                return (yield from self._refused(c, planned, exc))
             try:
                 got = yield self.session.admit_call(c, [it for it, _ in planned], partial=True)
             except AdmissionRefused as again:
-                return Admission((), tuple(o for _, o in planned), again.reason, 0, again.free)
+                return (yield from self._refused(c, planned, again))
         skipped = set(got.skipped)
         kept = tuple(o for it, o in planned if it.id not in skipped)
         refused = tuple(o for it, o in planned if it.id in skipped)
@@ -355,6 +365,15 @@ class AgentCore:
                 else "token_budget_exhausted"
             )
         return Admission(kept, refused, reason, got.charged, got.free)
+
+    def _refused(
+        self, c: Consumer, planned: list[tuple[Item, Obj]], exc: AdmissionRefused
+    ) -> Generator[Held, Any, Admission[Any]]:
+        """A refused admission: no new item fitted. Those already held stay in the prompt."""
+        held: list[bool] = yield Held(tuple(f"i:{c.code}:{it.id}" for it, _ in planned))
+        kept = tuple(o for (_, o), h in zip(planned, held, strict=True) if h)
+        refused = tuple(o for (_, o), h in zip(planned, held, strict=True) if not h)
+        return Admission(kept, refused, exc.reason, 0, exc.free)
 
     def _wait_compaction(self) -> Generator[Call[Any] | Sleep, Any, bool]:
         """Wait until no compaction is pending, at most ``compaction_wait`` seconds;
@@ -403,7 +422,7 @@ class AgentCore:
         return out
 
     def compact(self, replaced: Sequence[Obj], summary: Obj | None) -> Op[Compacted]:
-        refs = [(self.consumer_of(o), self.item_id(o)) for o in replaced]
+        refs = list(dict.fromkeys((self.consumer_of(o), self.item_id(o)) for o in replaced))
         item = self.items([summary], priority=1000)[0][0] if summary is not None else None
         done = yield self.session.compact_call(refs, item)
         dropped: list[Obj] = []
@@ -435,7 +454,12 @@ class AgentCore:
         return done
 
 
-def drive_sync(op: Op[T], run: Callable[[Call[Any]], Any], sleep: Callable[[float], None]) -> T:
+def drive_sync(
+    op: Op[T],
+    run: Callable[[Call[Any]], Any],
+    sleep: Callable[[float], None],
+    held: Callable[[tuple[str, ...]], list[bool]],
+) -> T:
     """Run an operation to its result with a sync ledger."""
     try:
         effect = next(op)
@@ -443,6 +467,9 @@ def drive_sync(op: Op[T], run: Callable[[Call[Any]], Any], sleep: Callable[[floa
             if isinstance(effect, Sleep):
                 sleep(effect.seconds)
                 effect = op.send(None)
+                continue
+            if isinstance(effect, Held):
+                effect = op.send(held(effect.fields))
                 continue
             try:
                 result = run(effect)
@@ -455,7 +482,10 @@ def drive_sync(op: Op[T], run: Callable[[Call[Any]], Any], sleep: Callable[[floa
 
 
 async def drive_async(
-    op: Op[T], run: Callable[[Call[Any]], Awaitable[Any]], sleep: Callable[[float], Awaitable[None]]
+    op: Op[T],
+    run: Callable[[Call[Any]], Awaitable[Any]],
+    sleep: Callable[[float], Awaitable[None]],
+    held: Callable[[tuple[str, ...]], Awaitable[list[bool]]],
 ) -> T:
     """Run an operation to its result with an asyncio ledger."""
     try:
@@ -464,6 +494,9 @@ async def drive_async(
             if isinstance(effect, Sleep):
                 await sleep(effect.seconds)
                 effect = op.send(None)
+                continue
+            if isinstance(effect, Held):
+                effect = op.send(await held(effect.fields))
                 continue
             try:
                 result = await run(effect)

@@ -22,7 +22,7 @@ from ledger.agent.core import (
     drive_sync,
 )
 from ledger.client import Session
-from ledger.errors import InvalidArgument
+from ledger.errors import InvalidArgument, translated
 from ledger.models import Consumer, Reconciled, TurnReport
 
 T = TypeVar("T")
@@ -44,7 +44,12 @@ class Agent:
         self.core = AgentCore(session, counter, **options)
 
     def run(self, op: Op[T]) -> T:
-        return drive_sync(op, self.session.ledger.run, time.sleep)
+        return drive_sync(op, self.session.ledger.run, time.sleep, self._held)
+
+    def _held(self, fields: tuple[str, ...]) -> list[bool]:
+        with translated():
+            values = self.session.ledger.client.hmget(self.session.keys.session, fields)
+        return [v is not None for v in values]
 
     def turn(self, working_set: int = 0, output_reserve: int | None = None) -> Turn:
         """``with agent.turn(working_set) as turn:`` runs begin_turn on entry and end_turn
