@@ -8,7 +8,7 @@ a stub (no network); it counts every prompt it is sent, independently of the led
     python examples/langgraph_agent.py --url redis://localhost:6379/0 --workers 2
     python examples/langgraph_agent.py --drift-at 17         # add a note behind the ledger's back
 
-Lines marked `# ledger` are the glue that plugs the ledger in (7 lines).
+Lines marked `# ledger` are the glue that plugs the ledger in (9 lines).
 """
 
 from __future__ import annotations
@@ -31,16 +31,21 @@ from langchain_core.outputs import ChatGeneration, ChatResult
 from langgraph.graph import END, START, StateGraph
 from langgraph.graph.message import add_messages
 
-from ledger import ContextDriftWarning, Ledger, SessionBudget
+from ledger import (  # ledger
+    Agent,
+    ContextDriftWarning,  # (the example's report)
+    Ledger,
+    SessionBudget,
+    TiktokenCounter,
+)
 from ledger.adapters.langgraph import LedgerGraph, merge_docs  # ledger
-from ledger.agent import Agent, TiktokenCounter
 
 WINDOW = 16_000
 OVERHEAD = 4  # tokens of chat framing per message, counted for items and prompts alike
-SYSTEM = "You are a data analyst. Answer from the documents and the SQL results."
-TOKENS = TiktokenCounter()
+SYSTEM = "You are a data analyst. Answer from the documents and the SQL results."  # 15 tokens + 4
+TOKENS = TiktokenCounter()  # the stub model's own count (the glue makes its own counter)
 SEEN: list[int] = []  # every prompt the model was sent, in tokens
-WORDS = "revenue margin churn cohort region quarter pipeline forecast segment".split()
+WORDS = ["revenue", "margin", "churn", "cohort", "region", "quarter", "pipeline", "forecast", "segment"]
 
 
 def counted(messages: list[AnyMessage]) -> int:
@@ -127,18 +132,17 @@ def summarize(objs: list[Any]) -> str:
     return f"Summary of {len(objs)} earlier messages and documents: " + " ".join(WORDS)
 
 
-BUDGET = SessionBudget(window=WINDOW, system_prompt=TOKENS(SYSTEM) + OVERHEAD, output_reserve=1_000,
-                       working_memory_floor=1_500, framing_tolerance=8, spill_preview_tokens=200)
+BUDGET = SessionBudget(window=16_000, system_prompt=19, output_reserve=1_000, working_memory_floor=1_500, framing_tolerance=8)  # ledger
 
 
 class Worker:
     """One process's agent: the ledger session, the governed model and graph."""
 
     def __init__(self, url: str, session_id: str) -> None:
-        session = Ledger.from_url(url).open_session(session_id, BUDGET)
-        self.gov = LedgerGraph(Agent(session, TOKENS, item_overhead=OVERHEAD), summarize=summarize)  # ledger
+        session = Ledger.from_url(url).open_session(session_id, BUDGET)  # ledger
+        self.gov = LedgerGraph(Agent(session, TiktokenCounter(), item_overhead=4), summarize=summarize)  # ledger
         self.model = StubModel()
-        self.graph = build(self.gov.model(self.model), self.gov)  # ledger (gov.model)
+        self.graph = build(self.gov.model(self.model), self.gov)  # ledger
 
     def turn(self, n: int, state: dict[str, Any], inject: bool) -> tuple[dict[str, Any], dict[str, Any]]:
         SEEN.clear()

@@ -9,7 +9,7 @@ sent, independently of the ledger.
     python examples/openai_agents_agent.py --url redis://localhost:6379/0 --workers 2
     python examples/openai_agents_agent.py --drift-at 17       # instructions grow behind the ledger's back
 
-Lines marked `# ledger` are the glue that plugs the ledger in (7 lines).
+Lines marked `# ledger` are the glue that plugs the ledger in (9 lines).
 """
 
 from __future__ import annotations
@@ -28,15 +28,20 @@ from typing import Any
 from agents import Agent, Model, ModelResponse, Runner, Usage, function_tool, set_tracing_disabled
 from agents.testing import assistant_message, function_call
 
-from ledger import AsyncLedger, ContextDriftWarning, SessionBudget
+from ledger import (  # ledger
+    AsyncAgent,
+    AsyncLedger,
+    ContextDriftWarning,  # (the example's report)
+    SessionBudget,
+    TiktokenCounter,
+)
 from ledger.adapters.openai_agents import LedgerAgents  # ledger
-from ledger.agent import AsyncAgent, TiktokenCounter
 
 WINDOW = 16_000
 OVERHEAD = 4
-SYSTEM = "You are a data analyst. Answer from the documents and the SQL results."
-TOKENS = TiktokenCounter()
-WORDS = "revenue margin churn cohort region quarter pipeline forecast segment".split()
+SYSTEM = "You are a data analyst. Answer from the documents and the SQL results."  # 15 tokens + 4
+TOKENS = TiktokenCounter()  # the stub model's own count (the glue makes its own counter)
+WORDS = ["revenue", "margin", "churn", "cohort", "region", "quarter", "pipeline", "forecast", "segment"]
 SEEN: list[int] = []  # every prompt the model was sent, in tokens
 INJECT = {"on": False}
 set_tracing_disabled(True)
@@ -100,8 +105,7 @@ def summarize(items: list[dict[str, Any]]) -> str:
     return f"Summary of {len(items)} earlier items: " + " ".join(WORDS)
 
 
-BUDGET = SessionBudget(window=WINDOW, system_prompt=TOKENS(SYSTEM) + OVERHEAD, output_reserve=1_000,
-                       working_memory_floor=1_500, framing_tolerance=8, spill_preview_tokens=200)
+BUDGET = SessionBudget(window=16_000, system_prompt=19, output_reserve=1_000, working_memory_floor=1_500, framing_tolerance=8)  # ledger
 
 
 class Worker:
@@ -110,8 +114,8 @@ class Worker:
         self.agent = Agent(name="analyst", instructions=instructions, model=StubModel(), tools=[sql])
 
     async def start(self) -> None:
-        session = await AsyncLedger.from_url(self.url).open_session(self.session_id, BUDGET)
-        self.gov = LedgerAgents(AsyncAgent(session, TOKENS, item_overhead=OVERHEAD), summarize=summarize)  # ledger
+        session = await AsyncLedger.from_url(self.url).open_session(self.session_id, BUDGET)  # ledger
+        self.gov = LedgerAgents(AsyncAgent(session, TiktokenCounter(), item_overhead=4), summarize=summarize)  # ledger
 
     async def turn(self, n: int, history: list[Any], inject: bool) -> tuple[list[Any], dict[str, Any]]:
         SEEN.clear()
@@ -121,8 +125,8 @@ class Worker:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", ContextDriftWarning)
             async with self.gov.turn(working_set=1_500) as t:  # ledger
-                result = await Runner.run(self.agent, [*history, *docs, question],
-                                          run_config=self.gov.run_config())  # ledger
+                run_config = self.gov.run_config()  # ledger
+                result = await Runner.run(self.agent, [*history, *docs, question], run_config=run_config)
                 history = await self.gov.history(result)  # ledger
         snap = await self.gov.agent.session.snapshot()
         assert t.report is not None and t.state is not None

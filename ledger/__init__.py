@@ -1,5 +1,6 @@
 """A distributed token-budget ledger for fleets of LLM agents, backed by Redis."""
 
+from ledger.agent import Agent, AsyncAgent, EstimatingCounter, TiktokenCounter
 from ledger.aio import AsyncLedger, AsyncSession
 from ledger.client import Ledger, Session
 from ledger.errors import (
@@ -8,6 +9,7 @@ from ledger.errors import (
     ConfigurationError,
     ContextDrift,
     ContextDriftWarning,
+    ContextOverflow,
     FanoutRefused,
     InvalidArgument,
     LedgerError,
@@ -43,6 +45,10 @@ from ledger.models import (
 from ledger.settings import LedgerSettings
 
 __all__ = [
+    "Agent",
+    "AsyncAgent",
+    "EstimatingCounter",
+    "TiktokenCounter",
     "AdmissionRefused",
     "Admitted",
     "AsyncLedger",
@@ -60,6 +66,7 @@ __all__ = [
     "ConfigurationError",
     "ContextDrift",
     "ContextDriftWarning",
+    "ContextOverflow",
     "Reconciled",
     "Consumer",
     "InvalidArgument",

@@ -120,6 +120,19 @@ class ContextDrift(LedgerError):
         super().__init__(message)
 
 
+class ContextOverflow(LedgerError):
+    """A prompt about to be sent to the model is larger than the window minus the output
+    reserve; the adapters refuse it before the call (``prompt``, ``limit``)."""
+
+    def __init__(self, prompt: int, limit: int) -> None:
+        self.prompt = prompt
+        self.limit = limit
+        super().__init__(
+            f"the prompt about to be sent is {prompt} tokens, over the {limit} tokens the "
+            "window leaves after the output reserve: refused before the model call"
+        )
+
+
 class ContextDriftWarning(UserWarning):
     """The warning form of :class:`ContextDrift` (setting ``drift_action="warn"``)."""
 

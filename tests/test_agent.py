@@ -22,8 +22,7 @@ from ledger import (
     LedgerSettings,
     SessionBudget,
 )
-from ledger.agent import Agent, AsyncAgent, EstimatingCounter, TiktokenCounter, ledger_id
-from ledger.agent import _unasync
+from ledger.agent import Agent, AsyncAgent, EstimatingCounter, TiktokenCounter, _unasync, ledger_id
 from tests.conftest import make_settings
 
 TOK = TiktokenCounter()
@@ -43,7 +42,10 @@ def budget(**kw: Any) -> SessionBudget:
 
 
 def doc(i: int, words: int = 100) -> dict[str, Any]:
-    return {"id": f"https://example.com/docs/{i}?q=x&y=z#chunk-{i}", "content": "alpha beta " * words}
+    return {
+        "id": f"https://example.com/docs/{i}?q=x&y=z#chunk-{i}",
+        "content": "alpha beta " * words,
+    }
 
 
 def state(led: Ledger, sid: str) -> dict[bytes, bytes]:
@@ -103,7 +105,9 @@ def test_spill_preview_is_cut_to_the_budget_and_read_back_by_another_worker(
         out = t.tool_result(result)
         assert out.spilled and out.result is result
         assert TOK(out.text) <= out.charged == s.snapshot().used[ledger_consumer("scratchpad")]
-        assert out.handle in out.text and out.text.endswith(rows[: len(out.text) - out.text.index("\n") - 1])
+        assert out.handle in out.text and out.text.endswith(
+            rows[: len(out.text) - out.text.index("\n") - 1]
+        )
         t.prompt([SYSTEM, out.text])
     with Ledger.from_settings(settings) as other:  # another worker, same session
         assert Agent(other.session(sid), TOK).read_spill(out.handle or "") == rows
@@ -183,9 +187,9 @@ def test_drift_is_flagged_by_setting_and_reconcile_sets_the_ledger_to_the_prompt
 
 def test_drift_warns_by_default(ledger: Ledger) -> None:
     s = ledger.open_session(f"s-{uuid.uuid4().hex[:8]}", budget(framing_tolerance=5))
-    with pytest.warns(ContextDriftWarning, match="differs from the ledger's occupancy"):
-        with Agent(s, TOK).turn() as t:
-            t.prompt(TOK(SYSTEM) + 100)
+    warns = pytest.warns(ContextDriftWarning, match="differs from the ledger's occupancy")
+    with warns, Agent(s, TOK).turn() as t:
+        t.prompt(TOK(SYSTEM) + 100)
 
 
 def test_retrieval_waits_for_a_pending_compaction_then_admits(ledger: Ledger) -> None:
@@ -215,10 +219,14 @@ def test_retrieval_waits_for_a_pending_compaction_then_admits(ledger: Ledger) ->
 
 
 def test_retrieval_refused_honestly_when_the_compaction_does_not_come(ledger: Ledger) -> None:
-    s = ledger.open_session(f"s-{uuid.uuid4().hex[:8]}", budget(high_water_mark=0.2, framing_tolerance=None))
+    s = ledger.open_session(
+        f"s-{uuid.uuid4().hex[:8]}", budget(high_water_mark=0.2, framing_tolerance=None)
+    )
     agent = Agent(s, TOK, compaction_wait=0.2, poll_interval=0.05)
     with agent.turn() as t:
-        t.admit("working_memory", [{"id": f"m{i}", "content": "gamma delta " * 100} for i in range(8)])
+        t.admit(
+            "working_memory", [{"id": f"m{i}", "content": "gamma delta " * 100} for i in range(8)]
+        )
         t.prompt(100)
     with agent.turn() as t:
         started = time.monotonic()

@@ -29,7 +29,12 @@ from typing import Any
 from ledger.agent.core import Obj
 from ledger.agent.counters import count, missing_extra
 from ledger.agent.sync import Agent, Turn
-from ledger.errors import AdmissionRefused, InvalidArgument, WorkingMemoryStarvation
+from ledger.errors import (
+    AdmissionRefused,
+    ContextOverflow,
+    InvalidArgument,
+    WorkingMemoryStarvation,
+)
 from ledger.models import Consumer
 
 try:
@@ -100,6 +105,7 @@ class LedgerGraph:
         self.keep_messages = keep_messages
         self.current: Turn | None = None
         self.last_prompt: int | None = None  # the last prompt sent, plus its answer
+        self.limit: int | None = None  # window minus output reserve, for this turn
         self._fresh = False  # the turn's first node has not run yet
 
     # --- the graph ---------------------------------------------------------------------
@@ -132,6 +138,8 @@ class LedgerGraph:
             if not isinstance(msgs, list):
                 raise InvalidArgument("the governed model takes a list of messages")
             prompt = core.prompt_tokens(msgs)
+            if self.limit is not None and prompt > self.limit:
+                raise ContextOverflow(prompt, self.limit)  # a guard acts before the call
             answer = chat_model.invoke(msgs, config)
             self.last_prompt = prompt + core.prompt_tokens([answer])
             return answer
@@ -144,6 +152,9 @@ class LedgerGraph:
         real prompt (the last one the model was sent, plus its answer)."""
         turn = self.agent.turn(working_set, output_reserve)
         turn.__enter__()
+        snap = self.agent.session.snapshot()
+        reserve = snap.output_reserve if output_reserve is None else output_reserve
+        self.limit = snap.window - reserve
         self.current, self.last_prompt, self._fresh = turn, None, True
         try:
             yield turn

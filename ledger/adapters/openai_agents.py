@@ -28,7 +28,7 @@ from typing import Any
 from ledger.agent.aio import AsyncAgent, AsyncTurn
 from ledger.agent.core import ledger_id
 from ledger.agent.counters import count, missing_extra
-from ledger.errors import AdmissionRefused, InvalidArgument
+from ledger.errors import AdmissionRefused, ContextOverflow, InvalidArgument
 from ledger.models import Consumer
 
 try:
@@ -122,6 +122,7 @@ class LedgerAgents:
         self.spilled: dict[str, str] = {}  # ledger id of a spilled output -> its preview
         self.last_input: list[Piece] = []
         self.last_prompt: int | None = None
+        self.limit: int | None = None  # window minus output reserve, for this turn
         self.inserted: list[Piece] = []  # this turn's summary, first in every later input
         self._fresh = False
 
@@ -148,6 +149,9 @@ class LedgerAgents:
         turn = self.agent.turn(working_set, output_reserve)
         await turn.__aenter__()
         assert turn.state is not None
+        snap = await self.agent.session.snapshot()
+        reserve = snap.output_reserve if output_reserve is None else output_reserve
+        self.limit = snap.window - reserve
         self.current, self.last_prompt, self._fresh = turn, None, True
         self.dropped = set(turn.state.started.reclaimed)
         self.spilled.clear()
@@ -191,6 +195,8 @@ class LedgerAgents:
         self.last_prompt = self.tokens(
             [p.content for p in kept] + ([instructions] if instructions else [])
         )
+        if self.limit is not None and self.last_prompt > self.limit:
+            raise ContextOverflow(self.last_prompt, self.limit)  # a guard acts before the call
         return ModelInputData(input=[p.item for p in kept], instructions=instructions)  # type: ignore[misc]
 
     async def _admit(self, turn: AsyncTurn, rows: list[Piece]) -> None:
