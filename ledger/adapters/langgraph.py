@@ -188,6 +188,16 @@ class LedgerGraph:
         drop = [*turn.dropped, *objs]
         pre: dict[str, list[Any]] = {}
         self._removals(pre, drop)
+        # Messages that entered the state as the graph's input, not through a node:
+        # admitted now (those the ledger holds already are duplicates, charged nothing).
+        gone = {id(o) for o in drop}
+        adopt = [
+            m
+            for m in _get(state, self.messages_key) or []
+            if m.id and id(m) not in gone and not isinstance(m, ToolMessage)
+        ]
+        if adopt:
+            self._admit_messages(turn, adopt)
         if self.summarize is not None and self.agent.core.compaction_pending:
             self._compact(turn, state, pre, {id(o) for o in drop})
         return pre
@@ -266,15 +276,20 @@ class LedgerGraph:
                 new.append(m)
             out.append(m)
         if new:
-            got = turn.admit(Consumer.WORKING_MEMORY, new)
-            if got.refused:
-                raise AdmissionRefused(
-                    got.reason or "token_budget_exhausted",
-                    sum(count(core.counter, core.text_of(m), "a message") for m in got.refused),
-                    got.free,
-                    {"reason": got.reason or "token_budget_exhausted"},
-                )
+            self._admit_messages(turn, new)
         return out
+
+    def _admit_messages(self, turn: Turn, msgs: list[BaseMessage]) -> None:
+        """Admit messages to working memory: all of them, or a refusal."""
+        core = self.agent.core
+        got = turn.admit(Consumer.WORKING_MEMORY, msgs)
+        if got.refused:
+            raise AdmissionRefused(
+                got.reason or "token_budget_exhausted",
+                sum(count(core.counter, core.text_of(m), "a message") for m in got.refused),
+                got.free,
+                {"reason": got.reason or "token_budget_exhausted"},
+            )
 
 
 def _get(state: Any, key: str) -> Any:
