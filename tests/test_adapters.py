@@ -142,3 +142,46 @@ async def test_agents_sdk_guard_refuses_a_prompt_over_the_window_before_the_call
             question = {"role": "user", "content": "Q1: revenue?"}
             await mod.Runner.run(agent, [question], run_config=w.gov.run_config())
     assert len(mod.SEEN) == calls
+
+
+@pytest.mark.embedded
+def test_otel_span_processor_records_genai_spans_after_the_fact() -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from ledger import Ledger, SessionBudget
+    from ledger.adapters.otel import LedgerSpanProcessor
+
+    with Ledger.from_url(f"embedded://{uuid.uuid4().hex}") as led:
+        budget = SessionBudget(window=8_000, system_prompt=100, amplification_pathological=1.0)
+        s = led.open_session("otel", budget)
+        t = s.begin_turn(0)
+        proc = LedgerSpanProcessor(s)
+        provider = TracerProvider()
+        provider.add_span_processor(proc)
+        tracer = provider.get_tracer("test")
+        for tokens in (3_000, 6_000, 9_000):
+            with tracer.start_as_current_span("chat") as span:
+                span.set_attribute("gen_ai.operation.name", "chat")
+                span.set_attribute("gen_ai.usage.input_tokens", tokens)
+                span.set_attribute("gen_ai.usage.output_tokens", 50)
+        with tracer.start_as_current_span("not genai"):
+            pass
+        report = s.end_turn(t.turn, 4_000)
+        # Recorded until the amplification passed the pathological threshold; the spans
+        # after it were refused, kept in errors, never raised into the tracer.
+        assert proc.recorded >= 1 and proc.errors and proc.recorded + len(proc.errors) == 3
+        assert (
+            report.spans == proc.recorded and report.span_input == [3_000, 9_000][proc.recorded - 1]
+        )
+        assert all(type(e).__name__ == "FanoutRefused" for e in proc.errors)
+
+
+def test_otel_missing_extra_names_its_install_line() -> None:
+    code = (
+        "import sys; sys.modules['opentelemetry.sdk'] = None\n"
+        "sys.modules['opentelemetry.sdk.trace'] = None\n"
+        "try:\n    import ledger.adapters.otel\nexcept Exception as e:\n"
+        "    print(type(e).__name__, e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "pip install 'redis-token-ledger[otel]'" in out.stdout

@@ -2,4 +2,6 @@
 
 * :mod:`ledger.adapters.langgraph`: ``pip install 'redis-token-ledger[langgraph]'``
 * :mod:`ledger.adapters.openai_agents`: ``pip install 'redis-token-ledger[openai-agents]'``
+* :mod:`ledger.adapters.otel` (spans into ``record_span``, after the fact):
+  ``pip install 'redis-token-ledger[otel]'``
 """
