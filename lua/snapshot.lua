@@ -17,5 +17,6 @@ local FIELDS = { 'ep', 'tn', 'sq', 'W', 'S', 'T', 'out', 'F_w', 'F_m', 'HW', 'EV
 local v = redis.call('HMGET', KEYS[1], unpack(FIELDS))
 if not v[1] then return err('NOSESSION', NOSESSION) end
 local out = { 'now=' .. now_ms() }
-for i = 1, #FIELDS do out[#out + 1] = FIELDS[i] .. '=' .. (v[i] or '0') end
+-- A session opened before drift detection has no tolerance (dt): -1, not judged.
+for i = 1, #FIELDS do out[#out + 1] = FIELDS[i] .. '=' .. (v[i] or (FIELDS[i] == 'dt' and '-1' or '0')) end
 return reply(out)

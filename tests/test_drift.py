@@ -152,3 +152,14 @@ def test_inspect_top_and_worker_metrics_show_drift(
     assert metrics.registry.get_sample_value("ledger_drift_tokens_max") == 3_400
     assert metrics.registry.get_sample_value("ledger_drift_flagged_sessions") == 1
     ledger.close()
+
+
+def test_a_session_opened_before_drift_detection_judges_no_drift(ledger: Ledger) -> None:
+    s = ledger.open_session(sid(), B)
+    ledger.client.hdel(s.keys.session, "dt")  # as a session opened by an older version
+    assert s.snapshot().framing_tolerance is None
+    t = s.begin_turn(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert s.end_turn(t.turn, 5_000).flag == "none"
+    assert s.audit().clean
