@@ -31,14 +31,9 @@ from langchain_core.outputs import ChatGeneration, ChatResult
 from langgraph.graph import END, START, StateGraph
 from langgraph.graph.message import add_messages
 
-from ledger import (  # ledger
-    Agent,
-    ContextDriftWarning,  # (the example's report)
-    Ledger,
-    SessionBudget,
-    TiktokenCounter,
-)
+from ledger import Agent, Ledger, SessionBudget, TiktokenCounter  # ledger
 from ledger.adapters.langgraph import LedgerGraph, merge_docs  # ledger
+from ledger.errors import ContextDriftWarning  # the example's report
 
 WINDOW = 16_000
 OVERHEAD = 4  # tokens of chat framing per message, counted for items and prompts alike

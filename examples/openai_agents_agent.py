@@ -28,14 +28,9 @@ from typing import Any
 from agents import Agent, Model, ModelResponse, Runner, Usage, function_tool, set_tracing_disabled
 from agents.testing import assistant_message, function_call
 
-from ledger import (  # ledger
-    AsyncAgent,
-    AsyncLedger,
-    ContextDriftWarning,  # (the example's report)
-    SessionBudget,
-    TiktokenCounter,
-)
+from ledger import AsyncAgent, AsyncLedger, SessionBudget, TiktokenCounter  # ledger
 from ledger.adapters.openai_agents import LedgerAgents  # ledger
+from ledger.errors import ContextDriftWarning  # the example's report
 
 WINDOW = 16_000
 OVERHEAD = 4

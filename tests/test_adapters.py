@@ -101,6 +101,10 @@ def test_glue_is_at_most_ten_lines(name: str) -> None:
     (imports, budget, session, adapter, turn, and the lines changed in the graph/run)."""
     glue = [line for line in EXAMPLES[name].read_text().splitlines() if line.endswith("# ledger")]
     assert 5 <= len(glue) <= 10, glue
+    # A marked statement is one line (a formatter splitting one would hide glue lines).
+    assert not [
+        line for line in glue if line.rstrip().removesuffix("# ledger").rstrip()[-1] in "(,[{"
+    ]
     mod = load(name)  # the budget's system prompt is the real one's size
     assert mod.BUDGET.system_prompt == mod.TOKENS(mod.SYSTEM) + 4
 
