@@ -1,11 +1,15 @@
 """A distributed token-budget ledger for fleets of LLM agents, backed by Redis."""
 
+from ledger.agent import Agent, AsyncAgent, EstimatingCounter, TiktokenCounter
 from ledger.aio import AsyncLedger, AsyncSession
 from ledger.client import Ledger, Session
 from ledger.errors import (
     AdmissionRefused,
     BackendUnavailable,
     ConfigurationError,
+    ContextDrift,
+    ContextDriftWarning,
+    ContextOverflow,
     FanoutRefused,
     InvalidArgument,
     LedgerClosed,
@@ -27,6 +31,7 @@ from ledger.models import (
     Consumer,
     HeldItem,
     Item,
+    Reconciled,
     Released,
     Reservation,
     SessionBudget,
@@ -41,6 +46,10 @@ from ledger.models import (
 from ledger.settings import LedgerSettings
 
 __all__ = [
+    "Agent",
+    "AsyncAgent",
+    "EstimatingCounter",
+    "TiktokenCounter",
     "AdmissionRefused",
     "Admitted",
     "AsyncLedger",
@@ -56,6 +65,10 @@ __all__ = [
     "WorkingMemoryStarvation",
     "BackendUnavailable",
     "ConfigurationError",
+    "ContextDrift",
+    "ContextDriftWarning",
+    "ContextOverflow",
+    "Reconciled",
     "Consumer",
     "InvalidArgument",
     "Item",

@@ -226,7 +226,7 @@ class AsyncSession(SessionCore):
     """One agent session's budget, shared by every worker that serves it (asyncio)."""
 
     def __init__(self, ledger: AsyncLedger, keys: Any, epoch: int) -> None:
-        super().__init__(keys, epoch)
+        super().__init__(keys, epoch, ledger.settings.drift_action)
         self.ledger = ledger
 
     admit = _async(SessionCore.admit_call)
@@ -240,6 +240,7 @@ class AsyncSession(SessionCore):
     end_turn = _async(SessionCore.end_turn_call)
     compact = _async(SessionCore.compact_call)
     admit_tool_result = _async(SessionCore.admit_tool_result_call)
+    reconcile = _async(SessionCore.reconcile_call)
     snapshot = _async(SessionCore.snapshot_call)
     close = _async(SessionCore.close_call)
 

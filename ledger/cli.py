@@ -108,6 +108,16 @@ def cmd_inspect(args: argparse.Namespace, out: Console) -> int:
         f"residual working memory {snap.residual_working_memory}"
         + ("  [yellow]compaction pending[/]" if snap.compaction_pending else "")
     )
+    tol = "not judged" if snap.framing_tolerance is None else str(snap.framing_tolerance)
+    out.print(
+        f"last real prompt {snap.last_prompt}  drift {snap.drift:+d} (prompt - occupancy; "
+        f"tolerance {tol})"
+        + (
+            "  [bold red]DRIFT FLAGGED: reconcile the ledger to the prompt[/]"
+            if snap.drift_flagged
+            else ""
+        )
+    )
     t = Table(title="allocations")
     for col in ("consumer", "items", "tokens held", "reserved"):
         t.add_column(col, justify="right")
@@ -157,7 +167,7 @@ def cmd_top(args: argparse.Namespace, out: Console) -> int:
             + (", ".join(f"{k}={v}" for k, v in sorted(totals.items())) or "none")
         )
         t.add_column("session", no_wrap=True)
-        for col in ("epoch", "turn", "util", "free", "resid. wm", "refused", "compaction"):
+        for col in ("epoch", "turn", "util", "free", "resid. wm", "refused", "compaction", "drift"):
             t.add_column(col)
         for sid, snap in rows:
             t.add_row(
@@ -169,6 +179,7 @@ def cmd_top(args: argparse.Namespace, out: Console) -> int:
                 str(snap.residual_working_memory),
                 str(snap.refusals),
                 "pending" if snap.compaction_pending else "",
+                f"{snap.drift:+d}" + (" FLAGGED" if snap.drift_flagged else ""),
             )
         return t
 

@@ -238,7 +238,7 @@ class Session(SessionCore):
     """One agent session's budget, shared by every worker that serves it (sync)."""
 
     def __init__(self, ledger: Ledger, keys: Any, epoch: int) -> None:
-        super().__init__(keys, epoch)
+        super().__init__(keys, epoch, ledger.settings.drift_action)
         self.ledger = ledger
 
     admit = _sync(SessionCore.admit_call)
@@ -252,6 +252,7 @@ class Session(SessionCore):
     end_turn = _sync(SessionCore.end_turn_call)
     compact = _sync(SessionCore.compact_call)
     admit_tool_result = _sync(SessionCore.admit_tool_result_call)
+    reconcile = _sync(SessionCore.reconcile_call)
     snapshot = _sync(SessionCore.snapshot_call)
     close = _sync(SessionCore.close_call)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Self
 
 from redis.exceptions import NoScriptError
@@ -34,6 +34,7 @@ from ledger.models import (
     Compaction,
     Consumer,
     Item,
+    Reconciled,
     Released,
     Reservation,
     ResetDone,
@@ -241,9 +242,10 @@ class LedgerCore:
 class SessionCore:
     """One session's identity and epoch, and the calls it can make (no I/O)."""
 
-    def __init__(self, keys: SessionKeys, epoch: int) -> None:
+    def __init__(self, keys: SessionKeys, epoch: int, drift_action: str = "warn") -> None:
         self.keys = keys
         self.epoch = epoch
+        self.drift_action = drift_action
 
     @property
     def id(self) -> str:
@@ -345,10 +347,33 @@ class SessionCore:
     def end_turn_call(
         self, turn: int, final_prompt_tokens: int, *, p99_trend: int = 0, op_id: str | None = None
     ) -> Call[TurnReport]:
-        """Close a turn: amplification ratio and class (record 004), compaction due?"""
+        """Close a turn: amplification ratio and class (record 004), compaction due?
+
+        ``final_prompt_tokens`` is the real prompt's size, counted from what the model
+        is sent. Its drift from occupancy is stored; beyond the budget's
+        ``framing_tolerance``, or over the window, it is flagged: ContextDriftWarning,
+        or ContextDrift with the setting ``drift_action="raise"`` (the turn has ended)."""
         return protocol.end_turn(
-            self.keys, _op(op_id), self.epoch, turn, final_prompt_tokens, p99_trend
+            self.keys,
+            _op(op_id),
+            self.epoch,
+            turn,
+            final_prompt_tokens,
+            p99_trend,
+            self.drift_action,
         )
+
+    def reconcile_call(
+        self,
+        items: Mapping[Any, Sequence[Item]],
+        *,
+        op_id: str | None = None,
+    ) -> Call[Reconciled]:
+        """Set each named consumer's items to exactly ``items[consumer]`` in one atomic
+        step (releases the others, adds the new, resizes the changed); consumers not
+        named are untouched. Refused (nothing changed) when the result does not fit.
+        Clears a flagged drift."""
+        return protocol.reconcile(self.keys, _op(op_id), self.epoch, items)
 
     def compact_call(
         self,

@@ -112,6 +112,39 @@ class FanoutRefused(AdmissionRefused):
         )
 
 
+class ContextDrift(LedgerError):
+    """The real prompt does not match the ledger: at ``end_turn`` it differed from
+    occupancy by more than the session's ``framing_tolerance``, or it was larger than
+    the window. The turn has ended and the drift is recorded (``snapshot``, ``audit``);
+    ``report`` is the turn's :class:`~ledger.models.TurnReport`. Raised when the
+    setting ``drift_action`` is ``raise``; otherwise :class:`ContextDriftWarning`."""
+
+    def __init__(self, report: object, message: str) -> None:
+        self.report = report
+        super().__init__(message)
+
+
+class ContextOverflow(LedgerError):
+    """A prompt about to be sent to the model is larger than the window minus the output
+    reserve; the adapters refuse it before the call (``prompt``, ``limit``)."""
+
+    def __init__(self, prompt: int, limit: int) -> None:
+        self.prompt = prompt
+        self.limit = limit
+        super().__init__(
+            f"the prompt about to be sent is {prompt} tokens, over the {limit} tokens the "
+            "window leaves after the output reserve: refused before the model call"
+        )
+
+
+class ContextDriftWarning(UserWarning):
+    """The warning form of :class:`ContextDrift` (setting ``drift_action="warn"``)."""
+
+    def __init__(self, report: object, message: str) -> None:
+        self.report = report
+        super().__init__(message)
+
+
 _CODES: Final[dict[str, type[LedgerError]]] = {
     "BADARG": InvalidArgument,
     "CONFIG": ConfigurationError,

@@ -88,6 +88,13 @@ class SessionBudget(BaseModel):
     amplification_saturation: float = Field(default=1.5, gt=0.0, le=1000.0)
     amplification_fragmentation: float = Field(default=3.0, gt=0.0, le=1000.0)
     amplification_pathological: float = Field(default=8.0, gt=0.0, le=1000.0)
+    framing_tolerance: int | None = Field(
+        default=None,
+        ge=0,
+        le=TOKENS_MAX,
+        description="tokens the real prompt may differ from occupancy at end_turn before "
+        "the drift is flagged (message framing the items do not count); None: not judged",
+    )
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -274,6 +281,28 @@ class TurnReport:
     compaction_due: bool
     rollup_hint: bool
     epoch: int
+    occupancy: int = 0
+    drift: int = 0  # the real prompt minus occupancy
+    tolerance: int | None = None
+    flag: str = "none"  # none | drift | over_window
+
+    @property
+    def flagged(self) -> bool:
+        return self.flag != "none"
+
+
+@dataclass(frozen=True, slots=True)
+class Reconciled:
+    """The ledger set to the items the prompt really holds (``reconcile``)."""
+
+    added: int
+    resized: int
+    kept: int
+    removed: tuple[tuple[Consumer, str], ...]
+    delta: int  # tokens the named consumers' items changed by
+    free: int
+    epoch: int
+    turn: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -354,6 +383,10 @@ class Snapshot:
     compaction_pending: bool
     failed_compactions: int
     raw: dict[str, int] = field(repr=False)
+    last_prompt: int = 0  # the real prompt at the last end_turn (0: none yet)
+    drift: int = 0  # that prompt minus occupancy then
+    drift_flagged: bool = False  # beyond the tolerance or over the window, not reconciled
+    framing_tolerance: int | None = None
 
     @property
     def occupancy(self) -> int:

@@ -8,11 +8,19 @@ from __future__ import annotations
 
 import hashlib
 import re
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from ledger.errors import AdmissionRefused, FanoutRefused, InvalidArgument, WorkingMemoryStarvation
+from ledger.errors import (
+    AdmissionRefused,
+    ContextDrift,
+    ContextDriftWarning,
+    FanoutRefused,
+    InvalidArgument,
+    WorkingMemoryStarvation,
+)
 from ledger.keys import SessionKeys
 from ledger.models import (
     Admitted,
@@ -24,6 +32,7 @@ from ledger.models import (
     HeldItem,
     Item,
     Opened,
+    Reconciled,
     Released,
     Reservation,
     ResetDone,
@@ -151,6 +160,7 @@ def open_session(
             round(b.amplification_saturation * 1000),
             round(b.amplification_fragmentation * 1000),
             round(b.amplification_pathological * 1000),
+            -1 if b.framing_tolerance is None else b.framing_tolerance,
         )
     ]
     return _mutating("open", [keys.session], op_id, 0, body, _opened)
@@ -362,14 +372,92 @@ def _report(r: Reply) -> TurnReport:
         r["compaction_due"] == "1",
         r["rollup"] == "1",
         int(r["epoch"]),
+        int(r["occupancy"]),
+        int(r["drift"]),
+        None if int(r["tolerance"]) < 0 else int(r["tolerance"]),
+        r["flag"],
+    )
+
+
+def drift_message(r: TurnReport, prompt: int) -> str:
+    if r.flag == "over_window":
+        return (
+            f"turn {r.turn}: the real prompt of {prompt} tokens is larger than the window "
+            f"(occupancy {r.occupancy}, drift {r.drift:+d})"
+        )
+    return (
+        f"turn {r.turn}: the real prompt of {prompt} tokens differs from the ledger's "
+        f"occupancy {r.occupancy} by {r.drift:+d} tokens, beyond the framing tolerance "
+        f"{r.tolerance}: something is in the prompt that the ledger does not hold (or the "
+        "reverse); reconcile the ledger to the prompt"
     )
 
 
 def end_turn(
-    keys: SessionKeys, op_id: str, epoch: int, turn: int, final_prompt_tokens: int, p99_trend: int
+    keys: SessionKeys,
+    op_id: str,
+    epoch: int,
+    turn: int,
+    final_prompt_tokens: int,
+    p99_trend: int,
+    drift_action: str = "warn",
 ) -> Call[TurnReport]:
     body = [_num(turn), _num(final_prompt_tokens), _num(p99_trend), keys.session_id]
-    return _mutating("end_turn", [keys.session, keys.jobs], op_id, epoch, body, _report)
+
+    def parse(r: Reply) -> TurnReport:
+        report = _report(r)
+        if report.flagged:
+            msg = drift_message(report, report.occupancy + report.drift)
+            if drift_action == "raise":
+                raise ContextDrift(report, msg)
+            warnings.warn(ContextDriftWarning(report, msg), stacklevel=4)
+        return report
+
+    return _mutating("end_turn", [keys.session, keys.jobs], op_id, epoch, body, parse)
+
+
+def _reconciled(r: Reply) -> Reconciled:
+    _refusal(r)
+    return Reconciled(
+        int(r["added"]),
+        int(r["resized"]),
+        int(r["kept"]),
+        _pairs(r["removed"]),
+        int(r["delta"]),
+        int(r["free"]),
+        int(r["epoch"]),
+        int(r["turn"]),
+    )
+
+
+def reconcile(
+    keys: SessionKeys,
+    op_id: str,
+    epoch: int,
+    items: Mapping[Any, Sequence[Item]],
+) -> Call[Reconciled]:
+    """Set each named consumer's items to exactly the given ones (see reconcile.lua)."""
+    if not isinstance(items, Mapping) or not items:
+        raise InvalidArgument("reconcile needs a mapping of consumer to a list of Item")
+    codes: list[str] = []
+    body: list[str] = []
+    total = 0
+    for consumer, its in items.items():
+        c = Consumer.parse(consumer)
+        if c.code in codes:
+            raise InvalidArgument(f"consumer {c.value} is named twice")
+        codes.append(c.code)
+        if not isinstance(its, (list, tuple)):
+            raise InvalidArgument(f"items of {c.value} must be a list or tuple of Item")
+        for it in its:
+            if not isinstance(it, Item):
+                raise InvalidArgument(f"items of {c.value} must be Item, got {type(it).__name__}")
+            body += (c.code, check_id(it.id, "item id"), _num(it.tokens), _num(it.priority))
+            total += 1
+    if total > 1000:
+        raise InvalidArgument(f"reconcile takes at most 1000 items, got {total}")
+    args = ["".join(codes), str(total), *body]
+    return _mutating("reconcile", [keys.session], op_id, epoch, args, _reconciled)
 
 
 def _compaction(r: Reply) -> Compaction:
@@ -482,6 +570,10 @@ def _snapshot(r: Reply) -> Snapshot:
         compaction_pending=n["cd"] == 1,
         failed_compactions=n["kf"],
         raw=n,
+        last_prompt=n["dp"],
+        drift=n["dr"],
+        drift_flagged=n["df"] == 1,
+        framing_tolerance=None if n["dt"] < 0 else n["dt"],
     )
 
 

@@ -33,6 +33,7 @@ NAMES = (
     "end_turn",
     "compact",
     "admit_tool",
+    "reconcile",
     "close",
     "snapshot",
     "audit",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -44,6 +44,10 @@ class LedgerSettings(BaseSettings):
             "timeout to arrive), and longer than any window in which you re-send an op id "
             "yourself"
         ),
+    )
+    drift_action: Literal["warn", "raise"] = Field(
+        default="warn",
+        description="a flagged drift at end_turn: ContextDriftWarning, or raise ContextDrift",
     )
 
     def __init__(self, **data: Any) -> None:

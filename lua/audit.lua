@@ -8,6 +8,9 @@
 --   Checks: per consumer, tokens and counts of items equal u_<c> and n_<c>; open
 --   reservations equal v_<c> and nv; group actives equal items plus reservations;
 --   fr equals the window minus every claim and is not negative (no over-allocation).
+--   The last end_turn's drift, when flagged (df = 1: the real prompt differed from
+--   occupancy beyond the framing tolerance, or was larger than the window) and not
+--   reconciled since, is a problem too: the counters no longer describe the prompt.
 --   overdue lists open reservations whose deadline has passed; the caller judges
 --   them against its sweep interval.
 -- Errors: LEDGER_NOSESSION.
@@ -54,6 +57,10 @@ local free = N('W') - N('S') - N('T') - N('out') - math.max(u.w + v.w, N('F_w'))
   - math.max(u.r + v.r + u.m + v.m, N('F_m')) - u.s - v.s
 check('fr', f.fr, free)
 if free < 0 then problems[#problems + 1] = 'over-allocated by ' .. (-free) .. ' tokens' end
+if f.df == '1' then
+  problems[#problems + 1] = 'drift: the last prompt (' .. f.dp .. ' tokens) differs from occupancy by ' ..
+    f.dr .. ' tokens (tolerance ' .. f.dt .. ', window ' .. f.W .. '), reconcile the ledger to the prompt'
+end
 local tail = { 'overdue=' .. table.concat(overdue, ','), 'now=' .. now }
 if #problems == 0 then return reply({ 'status=clean', tail[1], tail[2] }) end
 return reply({ 'status=violations', 'problems=' .. table.concat(problems, ';'), tail[1], tail[2] })

@@ -5,7 +5,7 @@
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
 -- ARGV[3]  turn                    the current turn (as begin_turn returned it)
--- ARGV[4]  final prompt tokens     the prompt actually sent, 1..window
+-- ARGV[4]  final prompt tokens     the prompt actually sent (the model's own count), 1..1e8
 -- ARGV[5]  p99 trend               -1 falling, 0 flat or unknown, 1 rising
 -- ARGV[6]  session id              must name KEYS[1]
 --
@@ -17,15 +17,20 @@
 --   fragmentation  ratio > fragmentation threshold
 --   ambiguous      none of these
 -- A compaction becomes due when occupancy is above the high-water mark.
+-- Drift: the real prompt minus occupancy (system prompt + framing + items + open
+-- reservations), stored with the prompt (fields dr, dp). It is flagged (field df,
+-- counter x:drift) when the prompt is larger than the window ('over_window', judged
+-- whatever the tolerance), or when |drift| is above the session's framing tolerance
+-- ('drift'; a tolerance of -1 judges nothing). A flag stays until the next end_turn
+-- or a reconcile; audit reports it.
 --
 -- Reply: status=ok|turn=<n>|ratio=<per mille>|class=<name>|utilization=<per mille>
 --          |utilization_delta=<per mille>|spans=<n>|span_input=<tokens>|compaction_due=<0|1>
---          |rollup=<0|1>|epoch=<n>
+--          |rollup=<0|1>|epoch=<n>|occupancy=<tokens>|drift=<tokens>|tolerance=<tokens or -1>
+--          |flag=<none|drift|over_window>
 -- Errors: LEDGER_BADARG (also: not the current turn, or a turn already ended; a final
---         prompt of 0 or larger than
---         the window is inconsistent accounting, not a class), LEDGER_NOSESSION,
---         LEDGER_STALE, LEDGER_OPREUSED.
--- Calls: HMGET, TIME, HSET, HINCRBY, XADD when a compaction becomes pending (a PEXPIRE or a
+--         prompt of 0), LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
+-- Calls: HMGET, TIME, HSET, HINCRBY (class; x:drift when flagged), XADD when a compaction becomes pending (a PEXPIRE or a
 --        journal sweep when due).
 
 local op, fp, epoch, e = op_args('end_turn', false)
@@ -46,15 +51,11 @@ e = key_arg(2, 'jobs')
 if e then return e end
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'W', 'S', 'T', 'a_w', 'a_m', 'a_s', 'F_w', 'HW', 'cd', 'kt', 'rut', 'rup',
-  'ai', 'an', 'pu', 'ams', 'amf', 'amp', 'gz', 'xp', 'te', 'o:' .. op, 'ol' }, 23)
+  'ai', 'an', 'pu', 'ams', 'amf', 'amp', 'gz', 'xp', 'te', 'dt', 'o:' .. op, 'ol' }, 24)
 e = gate(R[1], H.ep, op, fp, epoch)
 if e then return e end
 e = open_turn(H, turn)
 if e then return e end
-if final > H.W then
-  return err('BADARG', 'final prompt of ' .. final .. ' tokens is larger than the window ' .. H.W ..
-    ': inconsistent accounting')
-end
 local now = now_ms()
 local ratio = math.floor(H.ai * 1000 / final)
 local util = math.floor(final * 1000 / H.W)
@@ -67,12 +68,23 @@ elseif delta > 0 and ratio < H.ams then
 elseif ratio > H.amf then
   class = 'fragmentation'
 end
-local due = (H.S + H.T + H.a_w + H.a_m + H.a_s > H.HW or H.cd == 1) and 1 or 0
+local occ = H.S + H.T + H.a_w + H.a_m + H.a_s
+local due = (occ > H.HW or H.cd == 1) and 1 or 0
+local drift, tol = final - occ, H.dt or -1
+local flag = 'none'
+if final > H.W then
+  flag = 'over_window'
+elseif tol >= 0 and math.abs(drift) > tol then
+  flag = 'drift'
+end
+if flag ~= 'none' then redis.call('HINCRBY', key, 'x:drift', 1) end
 local wm_budget = H.F_w > 0 and H.F_w or H.W
 local rollup = (H.tn - H.kt > H.rut or H.a_w * 1000 > H.rup * wm_budget) and 1 or 0
 redis.call('HINCRBY', key, 'x:class:' .. class, 1)
 if due == 1 and H.cd ~= 1 then enqueue(KEYS[2], 'compact', sid, H.ep, op, 'high_water_mark') end
 return commit(key, now, op, fp, table.concat({ 'status=ok|turn=', H.tn, '|ratio=', ratio, '|class=', class,
   '|utilization=', util, '|utilization_delta=', delta, '|spans=', H.an, '|span_input=', H.ai,
-  '|compaction_due=', due, '|rollup=', rollup, '|epoch=', H.ep }), { 'pu', util, 'cd', due, 'te', turn },
+  '|compaction_due=', due, '|rollup=', rollup, '|epoch=', H.ep, '|occupancy=', occ, '|drift=', drift,
+  '|tolerance=', tol, '|flag=', flag }),
+  { 'pu', util, 'cd', due, 'te', turn, 'dp', final, 'dr', drift, 'df', flag == 'none' and 0 or 1 },
   { ol = R[2], gz = H.gz, xp = H.xp })

@@ -4,7 +4,8 @@
 -- (no ARGV)
 --
 -- Reply: now=<ms>|<field>=<value>|... for every numeric field of the session hash
---        (see _common.lua) and x:<counter> telemetry counters; the client derives
+--        (see _common.lua), the last end_turn's drift (dt tolerance, dr drift, dp prompt,
+--        df flagged) and x:<counter> telemetry counters; the client derives
 --        utilization, residual working memory and regime from them.
 -- Errors: LEDGER_NOSESSION.
 -- Calls: HMGET, TIME, HGETALL only when telemetry counters are asked for (never).
@@ -12,9 +13,10 @@
 local FIELDS = { 'ep', 'tn', 'sq', 'W', 'S', 'T', 'out', 'F_w', 'F_m', 'HW', 'EV', 'fr',
   'a_w', 'a_m', 'a_s', 'u_w', 'u_r', 'u_m', 'u_s', 'n_w', 'n_r', 'n_m', 'n_s',
   'v_w', 'v_r', 'v_m', 'v_s', 'nv', 'ttl', 'ort', 'cd', 'kf', 'kn', 'rq', 'ai', 'an', 'ws',
-  'inc', 'x:refused', 'x:expired', 'x:spilled', 'x:starvation', 'x:failed_compactions', 'x:resets' }
+  'inc', 'dt', 'dr', 'dp', 'df', 'x:drift', 'x:reconciled', 'x:refused', 'x:expired', 'x:spilled', 'x:starvation', 'x:failed_compactions', 'x:resets' }
 local v = redis.call('HMGET', KEYS[1], unpack(FIELDS))
 if not v[1] then return err('NOSESSION', NOSESSION) end
 local out = { 'now=' .. now_ms() }
-for i = 1, #FIELDS do out[#out + 1] = FIELDS[i] .. '=' .. (v[i] or '0') end
+-- A session opened before drift detection has no tolerance (dt): -1, not judged.
+for i = 1, #FIELDS do out[#out + 1] = FIELDS[i] .. '=' .. (v[i] or (FIELDS[i] == 'dt' and '-1' or '0')) end
 return reply(out)

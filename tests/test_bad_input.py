@@ -207,6 +207,7 @@ GOOD: dict[str, Callable[..., object]] = {
     "reset": lambda s, op=None: s.reset("operator", op_id=op),
     "close": lambda s, op=None: s.close(op_id=op),
     "open": lambda s, op=None: s.ledger.open_session(s.id, BUDGET, op_id=op),
+    "reconcile": lambda s, op=None: s.reconcile({"retrieval": [Item("doc1", 410)]}, op_id=op),
 }
 
 
@@ -367,7 +368,33 @@ def _open_cases() -> list[Case]:
     return out + _fenced("open")
 
 
+def _reconcile_cases() -> list[Case]:
+    def rec(items: Any) -> Callable[[Session], object]:
+        return lambda s: s.reconcile(items)
+
+    out = [Case(f"item id {n}", rec({"retrieval": [Item(v, 10)]})) for n, v in BAD_IDS.items()]
+    out += [Case(f"tokens {n}", rec({"retrieval": [Item("d", v)]})) for n, v in BAD_TOKENS.items()]
+    out += [
+        Case(f"priority {n}", rec({"retrieval": [Item("d", 5, v)]}))
+        for n, v in BAD_PRIORITIES.items()
+    ]
+    out += [
+        Case(f"consumer {n}", rec({v: [Item("d", 5)]}), local=True)
+        for n, v in BAD_CONSUMERS.items()
+    ]
+    out += [
+        Case("no consumer", rec({}), local=True),
+        Case("not a mapping", rec([Item("d", 5)]), local=True),
+        Case("items not a list", rec({"retrieval": Item("d", 5)}), local=True),
+        Case("item not an Item", rec({"retrieval": [("d", 5)]}), local=True),
+        Case("item twice", rec({"retrieval": [Item("d", 5), Item("d", 6)]})),
+        Case("bad item after a good one", rec({"retrieval": [Item("doc1", 5), Item("d", -1)]})),
+    ]
+    return out + _fenced("reconcile")
+
+
 CASES: dict[str, list[Case]] = {
+    "reconcile": _reconcile_cases(),
     "admit": _admit_cases(),
     "release": _release_cases(),
     "reserve": _reserve_cases(),
@@ -537,6 +564,16 @@ ARGV_SPEC: dict[str, dict[int, list[str | bytes]]] = {
         12: ints(1000, 86_400_000),  # op retention ms
         13: BAD_FPS,  # budget fingerprint
         14: ["x" * 4097],  # budget json
+        24: ints(-1, 100_000_000),  # framing tolerance
+    },
+    "reconcile": {
+        **COMMON,
+        3: [*BAD_CONSUMER_ARGS, "rr", "wrmsw", "s"],
+        4: BAD_COUNTS,
+        5: BAD_CONSUMER_ARGS,
+        6: BAD_ARG_IDS,
+        7: TOKENS,
+        8: PRIORITY,
     },
     "admit": {
         **COMMON,
@@ -577,6 +614,7 @@ def good_call(name: str, s: Session) -> protocol.Call[Any]:
         "reset": lambda: protocol.reset(k, op, ep, "operator"),
         "close": lambda: protocol.close(k, op, ep),
         "expire": lambda: protocol.expire(k, op, ["res1"]),
+        "reconcile": lambda: protocol.reconcile(k, op, ep, {"retrieval": [Item("doc1", 410)]}),
     }
     return calls[name]()
 

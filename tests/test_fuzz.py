@@ -120,6 +120,9 @@ def good_call(name: str, s: Session, turn: int) -> protocol.Call[Any]:
         ),
         "admit_tool": lambda: protocol.admit_tool(k, op, ep, "call-1", 200, b'{"ok": 1}'),
         "close": lambda: protocol.close(k, op, ep),
+        "reconcile": lambda: protocol.reconcile(
+            k, op, ep, {"retrieval": [Item("doc1", 300), Item("new3", 40, 2)]}
+        ),
     }
     return calls[name]()
 
@@ -268,6 +271,9 @@ METHODS: dict[str, dict[str, st.SearchStrategy[Any]]] = {
         "call_id": ID,
         "tokens": TOKENS,
         "content": st.one_of(st.text(max_size=30), st.binary(max_size=30)),
+    },
+    "reconcile": {
+        "items": st.dictionaries(CONSUMER, st.lists(ITEM, max_size=3), min_size=1, max_size=2),
     },
     "reset": {"reason": st.sampled_from(["operator", "fuzz"])},
     "close": {},

@@ -80,6 +80,16 @@ class Metrics:
         self.pending = Gauge(
             "ledger_partition_pending", "Entries delivered, not acked", ["partition"], registry=r
         )
+        self.drift_max = Gauge(
+            "ledger_drift_tokens_max",
+            "Largest |real prompt - occupancy| at the last end_turn, over sessions",
+            registry=r,
+        )
+        self.drift_flagged = Gauge(
+            "ledger_drift_flagged_sessions",
+            "Sessions whose last end_turn flagged drift (not reconciled since)",
+            registry=r,
+        )
         self.indicator = Gauge(
             "ledger_indicator",
             "Seeds' leading indicators, summed over sessions",
@@ -292,14 +302,21 @@ class Worker:
                     self.metrics.lag.labels(str(p)).set(int(g.get("lag") or 0))
                     self.metrics.pending.labels(str(p)).set(int(g.get("pending") or 0))
         totals: dict[str, int] = {}
+        drift_max, flagged = 0, 0
         for sid in self.ledger.session_ids():
             raw = client.hgetall(self.ledger.keyspace.session(sid).session)
             for k, v in raw.items():
                 name = k.decode() if isinstance(k, bytes) else k
                 if name.startswith("x:") and name != "x:last_reset":
                     totals[name[2:]] = totals.get(name[2:], 0) + int(v)
+                elif name == "dr":
+                    drift_max = max(drift_max, abs(int(v)))
+                elif name == "df":
+                    flagged += int(v)
         for name, value in totals.items():
             self.metrics.indicator.labels(name).set(value)
+        self.metrics.drift_max.set(drift_max)
+        self.metrics.drift_flagged.set(flagged)
 
     def run(self, stop: threading.Event, once: bool = False) -> None:
         self.ensure_groups()

@@ -1,0 +1,508 @@
+"""The agent layer's logic, written once with no I/O.
+
+Each operation is a generator: it yields the ledger :class:`~ledger.protocol.Call` it
+needs (or a :class:`Sleep`), is sent the call's result (or thrown its error), and
+returns the operation's result. The sync face (:mod:`ledger.agent.sync`) drives it
+with ``Ledger.run`` and ``time.sleep``, the asyncio face (:mod:`ledger.agent.aio`)
+with ``await AsyncLedger.run`` and ``asyncio.sleep``: the same code decides for both.
+
+App objects (retrieved chunks, messages, tool results) keep their own ids; the
+ledger's item id is derived from the app id by :func:`ledger_id`, the same on every
+worker, so no shared reverse map is needed: each worker maps ledger ids back to the
+objects it knows (those it admitted, or was shown with :meth:`AgentCore.track`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import uuid
+from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from ledger.agent.counters import count, cut_to
+from ledger.core import SessionCore
+from ledger.errors import AdmissionRefused, InvalidArgument
+from ledger.models import (
+    Consumer,
+    Item,
+    Reconciled,
+    Snapshot,
+    TurnReport,
+    TurnStarted,
+)
+from ledger.protocol import ID_RE, Call
+
+T = TypeVar("T")
+Obj = Any
+Op = Generator["Call[Any] | Sleep | Held", Any, T]
+
+DIGEST_PREFIX = "h."
+_DIGEST_RE = re.compile(r"h\.[0-9a-f]{32}")
+_PLAIN_MAX = 64
+
+
+def ledger_id(app_id: object) -> str:
+    """The ledger item id of an app id (a URL, a UUID, a long name, an int...): the app
+    id itself when it is a short plain id, else ``h.`` and a 128-bit BLAKE2b digest of
+    it. Every worker derives the same id from the same app id."""
+    if isinstance(app_id, bool) or not isinstance(app_id, (str, int, uuid.UUID)):
+        raise InvalidArgument(f"an app id must be a str, int or UUID, got {app_id!r}")
+    text = str(app_id)
+    if not text:
+        raise InvalidArgument("an app id must not be empty")
+    plain = len(text) <= _PLAIN_MAX and ID_RE.fullmatch(text)
+    if plain and (not text.startswith(DIGEST_PREFIX) or _DIGEST_RE.fullmatch(text)):
+        return text  # a plain id, or a digest already (ledger_id is idempotent)
+    return (
+        DIGEST_PREFIX
+        + hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+    )
+
+
+def _text_part(content: object) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # multi-part content: the text parts
+        parts = []
+        for p in content:
+            if isinstance(p, str):
+                parts.append(p)
+            elif isinstance(p, Mapping) and isinstance(p.get("text"), str):
+                parts.append(p["text"])
+        return "\n".join(parts)
+    return json.dumps(content, sort_keys=True, default=str)
+
+
+def default_id(obj: Obj) -> object:
+    """An app object's own id: ``id``, ``tool_call_id`` or ``call_id`` (attribute or
+    key), or a Document's ``metadata["id"]``. None when it has none."""
+    for name in ("tool_call_id", "call_id", "id"):
+        v = obj.get(name) if isinstance(obj, Mapping) else getattr(obj, name, None)
+        if v not in (None, ""):
+            return v
+    meta = getattr(obj, "metadata", None)
+    if isinstance(meta, Mapping) and meta.get("id") not in (None, ""):
+        return meta["id"]
+    return None
+
+
+def default_text(obj: Obj) -> str:
+    """The text a model sees of an app object: a string itself, or its
+    ``page_content`` / ``content`` / ``text`` / ``output`` (attribute or key), plus
+    the tool calls a message carries."""
+    if isinstance(obj, str):
+        return obj
+    for name in ("page_content", "content", "text", "output"):
+        v = obj.get(name) if isinstance(obj, Mapping) else getattr(obj, name, None)
+        if v is not None:
+            text = _text_part(v)
+            calls = (
+                obj.get("tool_calls")
+                if isinstance(obj, Mapping)
+                else getattr(obj, "tool_calls", None)
+            )
+            if calls:
+                text += json.dumps(calls, sort_keys=True, default=str)
+            return text
+    raise InvalidArgument(
+        f"cannot tell the text of a {type(obj).__name__}: give it content / page_content / "
+        "text, or pass text_of= to the agent"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    """An effect: wait this long (the drivers sleep, sync or async)."""
+
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """An effect: which of these items the session holds (a read of the session hash)."""
+
+    fields: tuple[str, ...]  # 'i:<consumer code>:<item id>'
+
+
+@dataclass(frozen=True, slots=True)
+class Admission(Generic[T]):
+    """Which app objects made it into the prompt."""
+
+    kept: tuple[T, ...]  # admitted now or already held: put these in the prompt
+    refused: tuple[T, ...]  # not admitted: leave them out
+    reason: str | None  # why the first refused one was refused (a refusal reason), or None
+    charged: int
+    free: int
+
+
+@dataclass(frozen=True, slots=True)
+class ToolOutcome(Generic[T]):
+    """A tool result admitted whole, or spilled: ``text`` is what goes in the prompt
+    (the whole result, or a preview cut to the preview budget with the handle)."""
+
+    result: T
+    text: str
+    spilled: bool
+    handle: str | None  # read the whole result back with Agent.read_spill(handle)
+    tokens: int  # the whole result's tokens
+    charged: int  # tokens the prompt holds for it
+    evicted: tuple[Obj, ...]  # memory items that gave way: drop them from the prompt
+    unresolved: tuple[tuple[Consumer, str], ...]  # evicted items this worker cannot name
+
+
+@dataclass(frozen=True, slots=True)
+class Compacted:
+    compacted: bool
+    outcome: str
+    dropped: tuple[Obj, ...]  # app objects the summary replaced: drop them
+    summary: Obj | None
+    occupancy: int
+
+
+@dataclass
+class TurnState:
+    """What one turn did; the faces' Turn objects expose it."""
+
+    started: TurnStarted
+    dropped: list[Obj] = field(default_factory=list)  # reclaimed at begin_turn: drop them
+    unresolved: list[tuple[Consumer, str]] = field(default_factory=list)
+    admissions: list[Admission[Any]] = field(default_factory=list)
+    tools: list[ToolOutcome[Any]] = field(default_factory=list)
+    prompt_tokens: int | None = None
+    report: TurnReport | None = None
+
+    @property
+    def turn(self) -> int:
+        return self.started.turn
+
+
+class AgentCore:
+    """Maps app objects to ledger items for one session, and plans every call."""
+
+    def __init__(
+        self,
+        session: SessionCore,
+        counter: Callable[[str], int],
+        *,
+        id_of: Callable[[Obj], object] | None = None,
+        text_of: Callable[[Obj], str] | None = None,
+        item_overhead: int = 0,
+        compaction_wait: float = 2.0,
+        poll_interval: float = 0.05,
+    ) -> None:
+        if not callable(counter):
+            raise InvalidArgument(f"counter must be callable text -> int, got {counter!r}")
+        if type(item_overhead) is not int or item_overhead < 0:
+            raise InvalidArgument(
+                f"item_overhead must be a non-negative int, got {item_overhead!r}"
+            )
+        self.session = session
+        self.counter = counter
+        self.id_of = id_of or default_id
+        self.text_of = text_of or default_text
+        self.item_overhead = item_overhead
+        self.compaction_wait = compaction_wait
+        self.poll_interval = poll_interval
+        self.known: dict[tuple[Consumer, str], Obj] = {}
+        self.compaction_pending = False
+
+    # --- pure helpers ---------------------------------------------------------------
+
+    def app_id(self, obj: Obj) -> object:
+        try:
+            v = self.id_of(obj)
+        except Exception as exc:
+            raise InvalidArgument(
+                f"id_of raised {type(exc).__name__} on {obj!r:.80}: {exc}"
+            ) from exc
+        if v is None or v == "":
+            raise InvalidArgument(
+                f"a {type(obj).__name__} without a usable id ({obj!r:.80}): give it an id, "
+                "or pass id_of= to the agent"
+            )
+        return v
+
+    def item_id(self, obj: Obj) -> str:
+        return ledger_id(self.app_id(obj))
+
+    def tokens(self, obj: Obj) -> int:
+        try:
+            text = self.text_of(obj)
+        except InvalidArgument:
+            raise
+        except Exception as exc:
+            raise InvalidArgument(f"text_of raised {type(exc).__name__}: {exc}") from exc
+        return (
+            count(self.counter, text, f"{type(obj).__name__} {self.app_id(obj)!s:.60}")
+            + self.item_overhead
+        )
+
+    def items(self, objs: Iterable[Obj], priority: int = 0) -> list[tuple[Item, Obj]]:
+        """Every object's Item, all checked before anything is sent."""
+        out, seen = [], set()
+        for obj in objs:
+            iid = self.item_id(obj)
+            if iid in seen:
+                continue  # the same object twice: one item
+            seen.add(iid)
+            n = self.tokens(obj)
+            if n == 0:
+                raise InvalidArgument(
+                    f"{type(obj).__name__} {self.app_id(obj)!s:.60} counts 0 tokens"
+                )
+            out.append((Item(iid, n, priority), obj))
+        return out
+
+    def track(self, consumer: Consumer | str, objs: Iterable[Obj]) -> None:
+        """Remember app objects the prompt holds (e.g. the state another worker left), so
+        this worker can hand them back when the ledger reclaims or evicts them."""
+        c = Consumer.parse(consumer)
+        for obj in objs:
+            self.known[(c, self.item_id(obj))] = obj
+
+    def resolve(
+        self, pairs: Iterable[tuple[Consumer, str]]
+    ) -> tuple[list[Obj], list[tuple[Consumer, str]]]:
+        """App objects for ledger (consumer, id) pairs, and the pairs this worker cannot name."""
+        objs, unknown = [], []
+        for pair in pairs:
+            obj = self.known.pop(pair, None)
+            if obj is None:
+                unknown.append(pair)
+            else:
+                objs.append(obj)
+        return objs, unknown
+
+    def consumer_of(self, obj: Obj) -> Consumer:
+        """The consumer holding an app object: the one it was admitted or tracked under
+        (the same id may be held by two consumers, e.g. a tool call and its result)."""
+        iid = self.item_id(obj)
+        found = [c for c in Consumer if (c, iid) in self.known]
+        same = [c for c in found if self.known[(c, iid)] is obj]
+        if same or found:
+            return (same or found)[0]
+        raise InvalidArgument(
+            f"{type(obj).__name__} {self.app_id(obj)!s:.60} is not held by this agent"
+        )
+
+    def preview(self, app_id: object, text: str, tokens: int, budget: int, handle: str) -> str:
+        """The spill preview: a header naming the handle, then the result's start, cut so
+        that the whole counts at most ``budget`` tokens."""
+        head = (
+            f"[tool result {app_id!s:.80} spilled: {tokens} tokens; read it with handle {handle}]\n"
+        )
+        room = budget - self.item_overhead - count(self.counter, head, "the spill header")
+        if room < 0:
+            head = f"[spilled: {handle}]\n"
+            room = budget - self.item_overhead - count(self.counter, head, "the spill header")
+            if room < 0:
+                return cut_to(self.counter, head, budget - self.item_overhead, "the spill header")
+        return head + cut_to(self.counter, text, room, "the spill preview")
+
+    def prompt_tokens(self, prompt: int | str | Sequence[Obj]) -> int:
+        """The real prompt's tokens: a count, a text, or the app objects it is made of."""
+        if type(prompt) is int:
+            if prompt < 0:
+                raise InvalidArgument(f"prompt tokens must not be negative, got {prompt}")
+            return prompt
+        if isinstance(prompt, str):
+            return count(self.counter, prompt, "the prompt")
+        if isinstance(prompt, Sequence):
+            return sum(
+                count(self.counter, self.text_of(o), "a prompt part") + self.item_overhead
+                for o in prompt
+            )
+        raise InvalidArgument(
+            f"prompt must be tokens, text or a list of objects, got {prompt!r:.80}"
+        )
+
+    # --- operations (generators: yield calls, return results) ---------------------------
+
+    def begin(self, working_set: int, output_reserve: int | None) -> Op[TurnState]:
+        started: TurnStarted = yield self.session.begin_turn_call(working_set, output_reserve)
+        self.compaction_pending = started.compaction_due
+        dropped, unknown = self.resolve(started.reclaimed)
+        return TurnState(started, dropped, unknown)
+
+    def admit(
+        self, consumer: Consumer | str, objs: Sequence[Obj], priority: int = 0
+    ) -> Op[Admission[Any]]:
+        c = Consumer.parse(consumer)
+        planned = self.items(objs, priority)
+        if not planned:
+            return Admission((), (), None, 0, -1)
+        memory = c in (Consumer.RETRIEVAL, Consumer.RECALL)
+        if memory and self.compaction_pending:
+            yield from self._wait_compaction()
+        call = self.session.admit_call(c, [it for it, _ in planned], partial=True)
+        try:
+            got = yield call
+        except AdmissionRefused as exc:
+            if not (memory and exc.reason == "compaction_pending"):
+                return (yield from self._refused(c, planned, exc))
+            # Credit ordering: wait (bounded) for the compaction, then ask once more.
+            self.compaction_pending = True
+            if not (yield from self._wait_compaction()):
+                return (yield from self._refused(c, planned, exc))
+            try:
+                got = yield self.session.admit_call(c, [it for it, _ in planned], partial=True)
+            except AdmissionRefused as again:
+                return (yield from self._refused(c, planned, again))
+        skipped = set(got.skipped)
+        kept = tuple(o for it, o in planned if it.id not in skipped)
+        refused = tuple(o for it, o in planned if it.id in skipped)
+        for it, o in planned:
+            if it.id not in skipped:
+                self.known[(c, it.id)] = o
+        reason = None
+        if refused:
+            reason = (
+                "compaction_pending"
+                if memory and self.compaction_pending
+                else "token_budget_exhausted"
+            )
+        return Admission(kept, refused, reason, got.charged, got.free)
+
+    def _refused(
+        self, c: Consumer, planned: list[tuple[Item, Obj]], exc: AdmissionRefused
+    ) -> Generator[Held, Any, Admission[Any]]:
+        """A refused admission: no new item fitted. Those already held stay in the prompt."""
+        held: list[bool] = yield Held(tuple(f"i:{c.code}:{it.id}" for it, _ in planned))
+        kept = tuple(o for (_, o), h in zip(planned, held, strict=True) if h)
+        refused = tuple(o for (_, o), h in zip(planned, held, strict=True) if not h)
+        return Admission(kept, refused, exc.reason, 0, exc.free)
+
+    def _wait_compaction(self) -> Generator[Call[Any] | Sleep, Any, bool]:
+        """Wait until no compaction is pending, at most ``compaction_wait`` seconds;
+        True when it cleared."""
+        waited = 0.0
+        while True:
+            snap: Snapshot = yield self.session.snapshot_call()
+            if not snap.compaction_pending:
+                self.compaction_pending = False
+                return True
+            if waited >= self.compaction_wait:
+                return False
+            yield Sleep(self.poll_interval)
+            waited += self.poll_interval
+
+    def tool_result(self, result: Obj, text: str | None = None) -> Op[ToolOutcome[Any]]:
+        app_id = self.app_id(result)
+        iid = ledger_id(app_id)
+        body = self.text_of(result) if text is None else text
+        if not isinstance(body, str):
+            raise InvalidArgument(f"a tool result's text must be str, got {type(body).__name__}")
+        tokens = count(self.counter, body, f"tool result {app_id!s:.60}") + self.item_overhead
+        if tokens == 0:
+            raise InvalidArgument(f"tool result {app_id!s:.60} counts 0 tokens")
+        got = yield self.session.admit_tool_result_call(iid, tokens, body)
+        evicted, unknown = self.resolve(got.evicted)
+        self.known[(Consumer.SCRATCHPAD, iid)] = result
+        if got.outcome == "spilled":
+            shown = self.preview(app_id, body, tokens, got.preview_tokens, iid)
+            return ToolOutcome(
+                result, shown, True, iid, tokens, got.charged, tuple(evicted), tuple(unknown)
+            )
+        return ToolOutcome(
+            result, body, False, None, tokens, got.charged, tuple(evicted), tuple(unknown)
+        )
+
+    def release(self, objs: Sequence[Obj]) -> Op[list[Obj]]:
+        by: dict[Consumer, list[str]] = {}
+        for o in objs:
+            by.setdefault(self.consumer_of(o), []).append(self.item_id(o))
+        out: list[Obj] = []
+        for c, ids in by.items():
+            yield self.session.release_call(c, ids)
+            objs_c, _ = self.resolve([(c, i) for i in ids])
+            out += objs_c
+        return out
+
+    def compact(self, replaced: Sequence[Obj], summary: Obj | None) -> Op[Compacted]:
+        refs = list(dict.fromkeys((self.consumer_of(o), self.item_id(o)) for o in replaced))
+        item = self.items([summary], priority=1000)[0][0] if summary is not None else None
+        done = yield self.session.compact_call(refs, item)
+        dropped: list[Obj] = []
+        if done.dropped or done.compacted:
+            dropped, _ = self.resolve(refs)
+            if item is not None and done.summary:
+                self.known[(Consumer.WORKING_MEMORY, item.id)] = summary
+        self.compaction_pending = not done.compacted
+        return Compacted(done.compacted, done.outcome, tuple(dropped), summary, done.occupancy)
+
+    def end(self, turn: int, prompt_tokens: int) -> Op[TurnReport]:
+        report: TurnReport = yield self.session.end_turn_call(turn, prompt_tokens)
+        self.compaction_pending = report.compaction_due
+        return report
+
+    def reconcile(self, held: Mapping[Consumer | str, Sequence[Obj]]) -> Op[Reconciled]:
+        """Set the ledger to the app objects the prompt really holds, per consumer named."""
+        plan: dict[Consumer, list[tuple[Item, Obj]]] = {}
+        for consumer, objs in held.items():
+            plan[Consumer.parse(consumer)] = self.items(objs)
+        done: Reconciled = yield self.session.reconcile_call(
+            {c: [it for it, _ in pairs] for c, pairs in plan.items()}
+        )
+        for c, pairs in plan.items():
+            for key in [k for k in self.known if k[0] == c]:
+                del self.known[key]
+            for it, o in pairs:
+                self.known[(c, it.id)] = o
+        return done
+
+
+def drive_sync(
+    op: Op[T],
+    run: Callable[[Call[Any]], Any],
+    sleep: Callable[[float], None],
+    held: Callable[[tuple[str, ...]], list[bool]],
+) -> T:
+    """Run an operation to its result with a sync ledger."""
+    try:
+        effect = next(op)
+        while True:
+            if isinstance(effect, Sleep):
+                sleep(effect.seconds)
+                effect = op.send(None)
+                continue
+            if isinstance(effect, Held):
+                effect = op.send(held(effect.fields))
+                continue
+            try:
+                result = run(effect)
+            except Exception as exc:
+                effect = op.throw(exc)
+                continue
+            effect = op.send(result)
+    except StopIteration as stop:
+        return stop.value  # type: ignore[no-any-return]
+
+
+async def drive_async(
+    op: Op[T],
+    run: Callable[[Call[Any]], Awaitable[Any]],
+    sleep: Callable[[float], Awaitable[None]],
+    held: Callable[[tuple[str, ...]], Awaitable[list[bool]]],
+) -> T:
+    """Run an operation to its result with an asyncio ledger."""
+    try:
+        effect = next(op)
+        while True:
+            if isinstance(effect, Sleep):
+                await sleep(effect.seconds)
+                effect = op.send(None)
+                continue
+            if isinstance(effect, Held):
+                effect = op.send(await held(effect.fields))
+                continue
+            try:
+                result = await run(effect)
+            except Exception as exc:
+                effect = op.throw(exc)
+                continue
+            effect = op.send(result)
+    except StopIteration as stop:
+        return stop.value  # type: ignore[no-any-return]

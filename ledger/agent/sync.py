@@ -1,0 +1,147 @@
+"""The agent layer's synchronous face: :class:`Agent` and its per-turn :class:`Turn`.
+
+GENERATED from ``ledger/agent/aio.py`` by ``python -m ledger.agent._unasync``: edit
+that file, not this one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from types import TracebackType
+from typing import Any, TypeVar
+
+from ledger.agent.core import (
+    Admission,
+    AgentCore,
+    Compacted,
+    Obj,
+    Op,
+    ToolOutcome,
+    TurnState,
+    drive_sync,
+)
+from ledger.client import Session
+from ledger.errors import InvalidArgument, translated
+from ledger.models import Consumer, Reconciled, TurnReport
+
+T = TypeVar("T")
+
+
+class Agent:
+    """Governs one agent session's context with the ledger (sync).
+
+    ``counter`` counts a text's tokens (e.g. :class:`~ledger.agent.TiktokenCounter`);
+    ``id_of`` / ``text_of`` read an app object's id and text (defaults understand
+    ``id`` / ``tool_call_id`` / ``call_id`` and ``content`` / ``page_content`` /
+    ``text``); ``item_overhead`` tokens are added to every item (per-message framing).
+    """
+
+    def __init__(
+        self, session: Session, counter: Callable[[str], int], **options: Any
+    ) -> None:
+        self.session = session
+        self.core = AgentCore(session, counter, **options)
+
+    def run(self, op: Op[T]) -> T:
+        return drive_sync(op, self.session.ledger.run, time.sleep, self._held)
+
+    def _held(self, fields: tuple[str, ...]) -> list[bool]:
+        with translated():
+            values = self.session.ledger.client.hmget(self.session.keys.session, fields)
+        return [v is not None for v in values]
+
+    def turn(self, working_set: int = 0, output_reserve: int | None = None) -> Turn:
+        """``with agent.turn(working_set) as turn:`` runs begin_turn on entry and end_turn
+        on a clean exit, with the prompt given to :meth:`Turn.prompt`."""
+        return Turn(self, working_set, output_reserve)
+
+    def track(self, consumer: Consumer | str, objs: Sequence[Obj]) -> None:
+        self.core.track(consumer, objs)
+
+    def read_spill(self, handle: str) -> str | None:
+        """A spilled tool result's whole text, from any worker (None once expired)."""
+        data = self.session.ledger.read_spill(self.session.id, handle)
+        return None if data is None else data.decode()
+
+    def reconcile(self, held: Mapping[Consumer | str, Sequence[Obj]]) -> Reconciled:
+        """Set the ledger to exactly the app objects the prompt holds (per consumer named)."""
+        return self.run(self.core.reconcile(held))
+
+
+class Turn:
+    """One turn: begin_turn on entry, end_turn on a clean exit. ``dropped`` are the app
+    objects the ledger reclaimed to start the turn: take them out of the prompt."""
+
+    def __init__(self, agent: Agent, working_set: int, output_reserve: int | None) -> None:
+        self.agent = agent
+        self._begin = (working_set, output_reserve)
+        self.state: TurnState | None = None
+        self._prompt: int | None = None
+
+    def __enter__(self) -> Turn:
+        self.state = self.agent.run(self.agent.core.begin(*self._begin))
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if kind is None and self._state.report is None:
+            self.end()
+
+    @property
+    def _state(self) -> TurnState:
+        if self.state is None:
+            raise InvalidArgument(
+                "the turn has not begun: use it as `with agent.turn() as turn:`"
+            )
+        return self.state
+
+    @property
+    def number(self) -> int:
+        return self._state.turn
+
+    @property
+    def dropped(self) -> list[Obj]:
+        return self._state.dropped
+
+    @property
+    def report(self) -> TurnReport | None:
+        return self._state.report
+
+    def admit(
+        self, consumer: Consumer | str, objs: Sequence[Obj], priority: int = 0
+    ) -> Admission[Any]:
+        """Admit app objects (the longest prefix that fits); ``kept`` go in the prompt.
+        Retrieval and recall wait (bounded) for a pending compaction first."""
+        got = self.agent.run(self.agent.core.admit(consumer, objs, priority))
+        self._state.admissions.append(got)
+        return got
+
+    def tool_result(self, result: Obj, text: str | None = None) -> ToolOutcome[Any]:
+        """Admit a tool result whole, or spill it: put ``outcome.text`` in the prompt and
+        drop ``outcome.evicted``."""
+        got = self.agent.run(self.agent.core.tool_result(result, text))
+        self._state.tools.append(got)
+        return got
+
+    def release(self, objs: Sequence[Obj]) -> list[Obj]:
+        return self.agent.run(self.agent.core.release(objs))
+
+    def compact(self, replaced: Sequence[Obj], summary: Obj | None) -> Compacted:
+        return self.agent.run(self.agent.core.compact(replaced, summary))
+
+    def prompt(self, prompt: int | str | Sequence[Obj]) -> int:
+        """Give the real prompt (its tokens, its text, or the objects it is made of)."""
+        self._prompt = self.agent.core.prompt_tokens(prompt)
+        self._state.prompt_tokens = self._prompt
+        return self._prompt
+
+    def end(self, prompt: int | str | Sequence[Obj] | None = None) -> TurnReport:
+        if prompt is not None:
+            self.prompt(prompt)
+        if self._prompt is None:
+            raise InvalidArgument("end_turn needs the real prompt: call turn.prompt(...) first")
+        report = self.agent.run(self.agent.core.end(self._state.turn, self._prompt))
+        self._state.report = report
+        return report

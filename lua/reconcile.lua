@@ -1,0 +1,126 @@
+-- reconcile.lua: set consumers' items to exactly those the real prompt holds, atomically.
+--
+-- For each consumer named in ARGV[3], its items become exactly the listed ones: an item
+-- not listed is released, a listed item not held is added (at this turn), a held item
+-- takes the listed tokens and priority (keeping its turn and sequence). Consumers not
+-- named, open reservations, the system prompt and the framing are untouched. The result
+-- must fit the window with every floor (else refused, nothing changed): the ledger never
+-- over-allocates, so a prompt that does not fit must be cut by the caller first. A
+-- flagged drift (field df, see end_turn.lua) is cleared: the counters now describe the prompt.
+--
+-- KEYS[1]  session hash
+-- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
+-- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
+-- ARGV[3]  consumers               the consumers being set, letters of wrms, each at most once
+-- ARGV[4]  n                       number of items, 0..1000
+-- ARGV[5..4+4n]  n quadruples      consumer (one of ARGV[3]), item id, tokens (1..1e8),
+--                                  priority (0..1000)
+--
+-- Reply: status=ok|added=<n>|resized=<n>|kept=<n>|removed=<c:id,...>|delta=<tokens>
+--          |free=<tokens>|epoch=<n>|turn=<n>
+--    or  status=refused|reason=token_budget_exhausted|requested=<tokens>|free=<tokens>
+--          |epoch=<n>|turn=<n>   (requested: the listed items' tokens)
+-- Errors: LEDGER_BADARG (also: an item twice, an item of a consumer not named),
+--         LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
+-- Calls: HMGET, TIME, HGETALL, HDEL, HSET, HINCRBY (a PEXPIRE or a journal sweep when due).
+
+local op, fp, epoch, e = op_args('reconcile', false)
+if e then return e end
+local set = ARGV[3]
+if type(set) ~= 'string' or not string.match(set, '^[wrms]+$') or #set > 4 then
+  return err('BADARG', 'consumers must be 1-4 letters of wrms, got ' .. show(set))
+end
+local named = {}
+for c in string.gmatch(set, '.') do
+  if named[c] then return err('BADARG', 'consumer ' .. c .. ' appears twice in ' .. set) end
+  named[c] = true
+end
+local n
+n, e = int_arg(ARGV[4], 'item count', 0, 1000)
+if e then return e end
+if #ARGV ~= 4 + 4 * n then
+  return err('BADARG', 'expected ' .. (4 + 4 * n) .. ' arguments for ' .. n .. ' items, got ' .. #ARGV)
+end
+local want, seen, total = {}, {}, 0
+for k = 1, n do
+  local b = 1 + 4 * k
+  local c, id, t, p
+  c, e = consumer_arg(ARGV[b])
+  if e then return e end
+  if not named[c] then return err('BADARG', 'item consumer ' .. c .. ' is not among ' .. set) end
+  id, e = id_arg(ARGV[b + 1], 'item id')
+  if e then return e end
+  local f = 'i:' .. c .. ':' .. id
+  if seen[f] then return err('BADARG', 'item ' .. c .. ':' .. id .. ' appears twice') end
+  seen[f] = true
+  t, e = int_arg(ARGV[b + 2], 'tokens', 1, TOKENS_MAX, id)
+  if e then return e end
+  p, e = int_arg(ARGV[b + 3], 'priority', 0, 1000, id)
+  if e then return e end
+  total = total + t
+  want[#want + 1] = { f = f, c = c, t = t, p = p }
+end
+
+local key = KEYS[1]
+local H, R = load(key, { 'ep', 'tn', 'sq', 'fr', 'W', 'S', 'T', 'out', 'F_w', 'F_m', 'u_w', 'u_r', 'u_m',
+  'u_s', 'n_w', 'n_r', 'n_m', 'n_s', 'v_w', 'v_r', 'v_m', 'v_s', 'gz', 'xp', 'o:' .. op, 'ol' }, 24)
+e = gate(R[1], H.ep, op, fp, epoch)
+if e then return e end
+local now = now_ms()
+local J = { ol = R[2], gz = H.gz, xp = H.xp }
+
+-- The named consumers' items as held now.
+local held = {}
+local all = redis.call('HGETALL', key)
+for i = 1, #all, 2 do
+  local c = string.match(all[i], '^i:(%a):')
+  if c and named[c] then held[all[i]] = all[i + 1] end
+end
+local U = { w = H.u_w, r = H.u_r, m = H.u_m, s = H.u_s }
+local N = { w = H.n_w, r = H.n_r, m = H.n_m, s = H.n_s }
+for c in pairs(named) do U[c], N[c] = 0, 0 end
+local sq, args, added, resized, kept = H.sq, {}, 0, 0, 0
+for _, it in ipairs(want) do
+  U[it.c], N[it.c] = U[it.c] + it.t, N[it.c] + 1
+  local rec = held[it.f]
+  if rec then
+    local t, tn, p, s = string.match(rec, '^(%d+)|(%d+)|(%d+)|(%d+)$')
+    if tonumber(t) ~= it.t or tonumber(p) ~= it.p then
+      resized = resized + 1
+      args[#args + 1], args[#args + 2] = it.f, table.concat({ it.t, tn, it.p, s }, '|')
+    else
+      kept = kept + 1
+    end
+    held[it.f] = nil
+  else
+    sq = sq + 1
+    added = added + 1
+    args[#args + 1], args[#args + 2] = it.f, table.concat({ it.t, H.tn, it.p, sq }, '|')
+  end
+end
+local dead, removed = {}, {}
+for f in pairs(held) do
+  dead[#dead + 1] = f
+  removed[#removed + 1] = string.sub(f, 3)
+end
+table.sort(removed)
+local a_w = U.w + H.v_w
+local a_m = U.r + H.v_r + U.m + H.v_m
+local a_s = U.s + H.v_s
+local fr = H.W - H.S - H.T - H.out - math.max(a_w, H.F_w) - math.max(a_m, H.F_m) - a_s
+if fr < 0 then
+  redis.call('HINCRBY', key, 'x:refused', 1)
+  return commit(key, now, op, fp, table.concat({ 'status=refused|reason=token_budget_exhausted',
+    '|requested=', total, '|free=', H.fr, '|epoch=', H.ep, '|turn=', H.tn }), {}, J)
+end
+local delta = (U.w + U.r + U.m + U.s) - (H.u_w + H.u_r + H.u_m + H.u_s)
+if #dead > 0 then redis.call('HDEL', key, unpack(dead)) end
+redis.call('HINCRBY', key, 'x:reconciled', 1)
+local upd = { 'sq', sq, 'fr', fr, 'a_w', a_w, 'a_m', a_m, 'a_s', a_s, 'df', 0 }
+for _, c in ipairs({ 'w', 'r', 'm', 's' }) do
+  upd[#upd + 1], upd[#upd + 2], upd[#upd + 3], upd[#upd + 4] = 'u_' .. c, U[c], 'n_' .. c, N[c]
+end
+for i = 1, #upd do args[#args + 1] = upd[i] end
+return commit(key, now, op, fp, table.concat({ 'status=ok|added=', added, '|resized=', resized,
+  '|kept=', kept, '|removed=', table.concat(removed, ','), '|delta=', delta, '|free=', fr,
+  '|epoch=', H.ep, '|turn=', H.tn }), args, J)

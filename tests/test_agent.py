@@ -1,0 +1,318 @@
+"""The agent layer (ledger.agent): app objects in and out, ids, spill, credit ordering,
+bad input, on both faces and on embedded, a real Redis and a cluster."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from typing import Any
+
+import pytest
+
+from ledger import (
+    AsyncLedger,
+    ContextDrift,
+    ContextDriftWarning,
+    InvalidArgument,
+    Item,
+    Ledger,
+    LedgerSettings,
+    SessionBudget,
+)
+from ledger.agent import Agent, AsyncAgent, EstimatingCounter, TiktokenCounter, _unasync, ledger_id
+from tests.conftest import make_settings
+
+TOK = TiktokenCounter()
+SYSTEM = "You are a careful analyst."
+
+
+def budget(**kw: Any) -> SessionBudget:
+    base: dict[str, Any] = {
+        "window": 6_000,
+        "system_prompt": TOK(SYSTEM),
+        "output_reserve": 500,
+        "working_memory_floor": 300,
+        "framing_tolerance": 0,
+        "spill_preview_tokens": 80,
+    }
+    return SessionBudget(**{**base, **kw})
+
+
+def doc(i: int, words: int = 100) -> dict[str, Any]:
+    return {
+        "id": f"https://example.com/docs/{i}?q=x&y=z#chunk-{i}",
+        "content": "alpha beta " * words,
+    }
+
+
+def state(led: Ledger, sid: str) -> dict[bytes, bytes]:
+    return led.client.hgetall(led.keyspace.session(sid).session)  # type: ignore[no-any-return]
+
+
+def test_ledger_id_is_a_stable_digest_across_processes() -> None:
+    url = "https://example.com/a very long id/?with=query&and#fragment" + "x" * 200
+    here = [ledger_id(url), ledger_id(uuid.UUID(int=7)), ledger_id("plain-id:1"), ledger_id(12)]
+    code = (
+        "import uuid,sys; from ledger.agent import ledger_id; "
+        f"print(ledger_id({url!r}), ledger_id(uuid.UUID(int=7)), ledger_id('plain-id:1'), "
+        "ledger_id(12))"
+    )
+    there = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert here == there
+    assert here[0].startswith("h.") and len(here[0]) == 34
+    assert here[2] == "plain-id:1" and here[3] == "12"
+    assert ledger_id(here[0]) == here[0]  # idempotent on its own digests
+    assert ledger_id("h.not-a-digest") != "h.not-a-digest"
+    for bad in (None, "", b"x", 1.5, True):
+        with pytest.raises(InvalidArgument):
+            ledger_id(bad)
+
+
+def test_turn_admits_app_objects_and_hands_back_reclaimed_ones(ledger: Ledger) -> None:
+    s = ledger.open_session(f"s-{uuid.uuid4().hex[:8]}", budget(window=3_000))
+    agent = Agent(s, TOK)
+    docs = [doc(i) for i in range(30)]
+    with agent.turn(working_set=200) as t1:
+        got = t1.admit("retrieval", docs)
+        assert got.kept and got.refused and got.reason == "token_budget_exhausted"
+        assert list(got.kept) == docs[: len(got.kept)]  # the app's own objects
+        t1.prompt([SYSTEM, *got.kept])
+    assert t1.report is not None and t1.report.drift == 0 and t1.report.flag == "none"
+    # The next turn needs more working memory: earlier chunks are reclaimed and handed
+    # back as the app's objects.
+    with agent.turn(working_set=1_800) as t2:
+        assert t2.dropped and all(d in got.kept for d in t2.dropped)
+        left = [d for d in got.kept if d not in t2.dropped]
+        t2.prompt([SYSTEM, *left])
+    assert t2.report is not None and t2.report.drift == 0
+    assert s.audit().clean
+
+
+def test_spill_preview_is_cut_to_the_budget_and_read_back_by_another_worker(
+    ledger: Ledger, settings: LedgerSettings
+) -> None:
+    sid = f"s-{uuid.uuid4().hex[:8]}"
+    s = ledger.open_session(sid, budget())
+    agent = Agent(s, TOK)
+    rows = "\n".join(f"{i},name-{i},{i * 3.5}" for i in range(3_000))
+    result = {"id": "call-https://tools.example.com/sql?id=42", "content": rows}
+    with agent.turn() as t:
+        out = t.tool_result(result)
+        assert out.spilled and out.result is result
+        assert TOK(out.text) <= out.charged == s.snapshot().used[ledger_consumer("scratchpad")]
+        assert out.handle in out.text and out.text.endswith(
+            rows[: len(out.text) - out.text.index("\n") - 1]
+        )
+        t.prompt([SYSTEM, out.text])
+    with Ledger.from_settings(settings) as other:  # another worker, same session
+        assert Agent(other.session(sid), TOK).read_spill(out.handle or "") == rows
+
+
+def ledger_consumer(name: str) -> Any:
+    from ledger import Consumer
+
+    return Consumer(name)
+
+
+def test_bad_input_is_typed_and_changes_nothing(ledger: Ledger) -> None:
+    sid = f"s-{uuid.uuid4().hex[:8]}"
+    s = ledger.open_session(sid, budget())
+    agent = Agent(s, TOK)
+
+    def raising(text: str) -> int:
+        raise RuntimeError("tokenizer crashed")
+
+    def with_counter(counter: Any, call: Any) -> object:
+        saved = agent.core.counter
+        agent.core.counter = counter
+        try:
+            return call()
+        finally:
+            agent.core.counter = saved
+
+    with agent.turn() as t:
+        before = state(ledger, sid)
+        cases = [
+            lambda: t.admit("retrieval", [doc(1), {"content": "no id here"}]),
+            lambda: t.admit("retrieval", [doc(1), {"id": None, "content": "x"}]),
+            lambda: t.admit("retrieval", [doc(1), object()]),
+            lambda: with_counter(raising, lambda: t.admit("retrieval", [doc(1)])),
+            lambda: with_counter(lambda _: -3, lambda: t.admit("retrieval", [doc(1)])),
+            lambda: with_counter(lambda _: 2.5, lambda: t.admit("retrieval", [doc(1)])),
+            lambda: with_counter(lambda _: True, lambda: t.admit("retrieval", [doc(1)])),
+            lambda: with_counter(raising, lambda: t.tool_result({"id": "c1", "content": "x"})),
+            lambda: with_counter(lambda _: -1, lambda: t.prompt("the prompt")),
+            lambda: t.tool_result({"content": "no id"}),
+            lambda: t.tool_result({"id": "c1"}, text=b"bytes"),  # type: ignore[arg-type]
+            lambda: t.prompt(-1),
+            lambda: t.admit("nonsense", [doc(1)]),
+            lambda: Agent(s, TOK, item_overhead=-1),
+        ]
+        for i, case in enumerate(cases):
+            with pytest.raises(InvalidArgument) as caught:
+                case()
+                pytest.fail(f"case {i} was accepted")
+            assert str(caught.value), i
+            assert state(ledger, sid) == before, f"case {i} changed the session"
+        t.prompt(TOK(SYSTEM))
+
+
+def test_drift_is_flagged_by_setting_and_reconcile_sets_the_ledger_to_the_prompt(
+    settings: LedgerSettings,
+) -> None:
+    strict = settings.model_copy(update={"drift_action": "raise"})
+    with Ledger.from_settings(strict) as led:
+        s = led.open_session(f"s-{uuid.uuid4().hex[:8]}", budget(framing_tolerance=5))
+        agent = Agent(s, TOK)
+        with agent.turn() as t:
+            got = t.admit("retrieval", [doc(1), doc(2)])
+            t.prompt([SYSTEM, *got.kept])
+        behind = {"id": "note-1", "content": "an unlogged note " * 40}
+        with pytest.raises(ContextDrift) as caught, agent.turn() as t:
+            t.prompt([SYSTEM, *got.kept, behind])
+        report = caught.value.report
+        assert report.flag == "drift" and report.drift == TOK(behind["content"])  # type: ignore[attr-defined]
+        assert not s.audit().clean and s.snapshot().drift_flagged
+        done = agent.reconcile({"retrieval": [*got.kept], "working_memory": [behind]})
+        assert done.added == 1 and done.kept == 2 and not done.removed
+        assert s.audit().clean and not s.snapshot().drift_flagged
+        occupancy = s.snapshot().occupancy
+        assert occupancy == agent.core.prompt_tokens([SYSTEM, *got.kept, behind])
+
+
+def test_drift_warns_by_default(ledger: Ledger) -> None:
+    s = ledger.open_session(f"s-{uuid.uuid4().hex[:8]}", budget(framing_tolerance=5))
+    warns = pytest.warns(ContextDriftWarning, match="differs from the ledger's occupancy")
+    with warns, Agent(s, TOK).turn() as t:
+        t.prompt(TOK(SYSTEM) + 100)
+
+
+def test_retrieval_waits_for_a_pending_compaction_then_admits(ledger: Ledger) -> None:
+    s = ledger.open_session(
+        f"s-{uuid.uuid4().hex[:8]}", budget(high_water_mark=0.2, framing_tolerance=None)
+    )
+    agent = Agent(s, TOK, compaction_wait=5.0, poll_interval=0.02)
+    with agent.turn() as t:
+        wm = [{"id": f"m{i}", "content": "gamma delta " * 100} for i in range(8)]
+        assert not t.admit("working_memory", wm).refused
+        t.prompt([SYSTEM, *wm])
+    assert t.report is not None and t.report.compaction_due
+    with agent.turn() as t:
+        # Another worker commits the compaction a moment later.
+        def compactor() -> None:
+            time.sleep(0.2)
+            s2 = ledger.session(s.id)
+            s2.compact([w["id"] for w in wm[:7]], Item("summary", 50))
+
+        th = threading.Thread(target=compactor)
+        th.start()
+        started = time.monotonic()
+        got = t.admit("retrieval", [doc(5)])
+        th.join()
+        assert got.kept and not got.refused and time.monotonic() - started >= 0.15
+        t.prompt(100)  # (drift not judged here: the compactor's summary is not an app object)
+
+
+def test_retrieval_refused_honestly_when_the_compaction_does_not_come(ledger: Ledger) -> None:
+    s = ledger.open_session(
+        f"s-{uuid.uuid4().hex[:8]}", budget(high_water_mark=0.2, framing_tolerance=None)
+    )
+    agent = Agent(s, TOK, compaction_wait=0.2, poll_interval=0.05)
+    with agent.turn() as t:
+        t.admit(
+            "working_memory", [{"id": f"m{i}", "content": "gamma delta " * 100} for i in range(8)]
+        )
+        t.prompt(100)
+    with agent.turn() as t:
+        started = time.monotonic()
+        got = t.admit("retrieval", [doc(5, words=2_300)])
+        assert not got.kept and got.reason == "compaction_pending"
+        assert time.monotonic() - started >= 0.2
+        t.prompt(100)
+
+
+async def test_async_face_is_the_same_layer(aledger: AsyncLedger) -> None:
+    s = await aledger.open_session(f"s-{uuid.uuid4().hex[:8]}", budget())
+    agent = AsyncAgent(s, TOK)
+    async with agent.turn(working_set=100) as t:
+        got = await t.admit("retrieval", [doc(1), doc(2)])
+        out = await t.tool_result({"id": "call-1", "content": "r," * 20_000})
+        assert out.spilled and TOK(out.text) <= out.charged
+        with pytest.raises(InvalidArgument):
+            await t.admit("retrieval", [{"content": "no id"}])
+        t.prompt([SYSTEM, *got.kept, out.text])
+    assert t.report is not None and t.report.drift == 0
+    assert await agent.read_spill(out.handle or "") == "r," * 20_000
+    assert (await s.audit()).clean
+
+
+def test_sync_face_is_generated_from_the_async_one() -> None:
+    assert _unasync.main(["--check"]) == 0
+
+
+def test_estimating_counter_says_it_is_an_estimate() -> None:
+    c = EstimatingCounter()
+    assert "estimate" in c.name and c("abcdefgh") == 2 and c("") == 0
+
+
+def test_the_tokenizer_runs_offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    import socket
+
+    def no_network(*a: object, **k: object) -> None:
+        raise AssertionError("the tokenizer tried to reach the network")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    import tiktoken.registry
+
+    monkeypatch.setattr(tiktoken.registry, "ENCODINGS", {})
+    c = TiktokenCounter()
+    assert c("hello world") == 2 and c("tiktoken is great!") == 6
+    assert c.truncate("one two three four", 2) == "one two"
+
+
+def test_importing_ledger_imports_no_framework() -> None:
+    code = (
+        "import sys, ledger, ledger.agent; "
+        "bad = [m for m in ('langgraph', 'langchain_core', 'agents', 'tiktoken', 'openai') "
+        "if m in sys.modules]; print(bad)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("module", "blocked", "extra"),
+    [
+        ("ledger.adapters.langgraph", "langchain_core", "langgraph"),
+        ("ledger.adapters.openai_agents", "agents", "openai-agents"),
+    ],
+)
+def test_a_missing_extra_names_its_install_line(module: str, blocked: str, extra: str) -> None:
+    code = (
+        f"import sys; sys.modules[{blocked!r}] = None\n"
+        f"try:\n    import {module}\nexcept Exception as e:\n"
+        "    print(type(e).__name__, e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.startswith("ConfigurationError")
+    assert f"pip install 'redis-token-ledger[{extra}]'" in out.stdout
+
+
+def test_tokenizer_extra_missing_names_its_install_line() -> None:
+    code = (
+        "import sys; sys.modules['tiktoken'] = None\n"
+        "from ledger.agent import TiktokenCounter\n"
+        "try:\n    TiktokenCounter()\nexcept Exception as e:\n    print(type(e).__name__, e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "pip install 'redis-token-ledger[tokenizer]'" in out.stdout
+
+
+def test_settings_fixture_is_fresh(settings: LedgerSettings) -> None:
+    assert make_settings(settings.redis_url).prefix != settings.prefix
