@@ -555,6 +555,16 @@ ARGV_SPEC: dict[str, dict[int, list[str | bytes]]] = {
     "reset": {**COMMON, 4: BAD_ARG_IDS, 5: BAD_ARG_IDS},
     "close": {**COMMON, 3: EPOCH_OR_STAR, 4: BAD_ARG_IDS},
     "expire": {**COMMON, 3: EPOCH_OR_STAR, 4: BAD_ARG_IDS, 5: BAD_COUNTS, 6: BAD_ARG_IDS},
+    # good call: two replaced items (ARGV[8], ARGV[9]), then the job entry id '-'
+    "compact": {
+        **COMMON,
+        4: BAD_ARG_IDS,  # session id
+        5: BAD_ARG_IDS,  # summary item id
+        6: ints(0, 100_000_000),  # summary tokens
+        7: ["0", "1", "3", "1001", "-1", "x", "", "1.0", *HUGE],  # item count
+        8: ["", "turn1", "x:turn1", "w:", "W:turn1", "w:a b", "w:a{b", b"\xff"],
+        10: ["", "*", "1", "1-", "-1", "1-1-1", "a-1", " 1-1", "1-1\n", "9" * 20 + "-0", b"\xff"],
+    },
 }
 
 
@@ -571,6 +581,9 @@ def good_call(name: str, s: Session) -> protocol.Call[Any]:
         "reset": lambda: protocol.reset(k, op, ep, "operator"),
         "close": lambda: protocol.close(k, op, ep),
         "expire": lambda: protocol.expire(k, op, ["res1"]),
+        "compact": lambda: protocol.compact(
+            k, op, ep, ["turn1", (Consumer.RETRIEVAL, "doc2")], Item("sum1", 50)
+        ),
     }
     return calls[name]()
 

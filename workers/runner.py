@@ -9,6 +9,10 @@ worker is taken over with XAUTOCLAIM after ``claim_idle_ms``; an entry delivered
 stream with its error. Effects are idempotent: the stream entry id is the
 operation id of the ledger call the job makes, and every call is fenced by the
 epoch the job was enqueued at, so a job delivered twice changes the state once.
+A compaction job's entry is deleted by ``compact.lua`` in the same step as its
+effect, so it applies once for its whole life in the stream, even when taken over
+after the op retention; a hard-reset job needs no such check (a reset at epoch e
+moves the session to e + 1, so the job, fenced at e, can apply only once).
 """
 
 from __future__ import annotations
@@ -84,6 +88,12 @@ class Metrics:
             "ledger_indicator",
             "Seeds' leading indicators, summed over sessions",
             ["name"],
+            registry=r,
+        )
+        self.skipped = Counter(
+            "ledger_jobs_skipped",
+            "Jobs acknowledged without running: session gone, or a hard reset requested",
+            ["kind"],
             registry=r,
         )
 
@@ -185,12 +195,14 @@ class Worker:
             return 0
         # Delete before acknowledging: a crash in between leaves a pending entry whose
         # body is gone, which the next claim acknowledges (the other order would leave
-        # an acknowledged entry in the stream for ever).
+        # an acknowledged entry in the stream for ever). compact.lua deleted it already.
         client.xdel(stream, eid)
         client.xack(stream, s.group, eid)
         if claimed:  # an earlier attempt may have recorded an error
             client.hdel(f"{self.ledger.keyspace.tag(partition)}:errors", eid)
         self.metrics.processed.labels(kind).inc()
+        if outcome.effect == "skipped":
+            self.metrics.skipped.labels(kind).inc()
         log.info(
             "job done",
             extra={
@@ -236,6 +248,9 @@ class Worker:
         return inc == 0 or snap.raw.get("inc", 0) == inc
 
     def _hard_reset(self, job_id: str, f: Mapping[str, str]) -> JobOutcome:
+        # Applied once however late it is delivered again, even after the op retention
+        # dropped its stored outcome: the reset moves the session from the job's epoch e
+        # to e + 1, and reset.lua refuses a call fenced at e as stale from then on.
         keys = self.ledger.keyspace.session(f["session"])
         try:
             snap = self.ledger.run(protocol.snapshot(keys))
@@ -261,19 +276,28 @@ class Worker:
             return JobOutcome("compact", "skipped")
         if snap.epoch != epoch or not snap.compaction_pending:
             return JobOutcome("compact", "already")
+        if snap.raw.get("rq"):
+            # Failed compactions escalated: a hard reset is coming, which drops what a
+            # compaction would replace. Running the compactor again would only count
+            # failures past the maximum.
+            return JobOutcome("compact", "skipped")
         items = tuple(self.ledger.items(sid))
         plan = self.compactor(
             compactors.CompactionRequest(
                 sid, epoch, snap.turn, items, snap.occupancy, snap.high_water_mark, snap.window
             )
         )
+        # The job's entry id goes with the call: compact.lua deletes the entry with the
+        # effect, and answers 'already' when it is gone (committed before, by a worker
+        # that died before acknowledging it), whatever the op retention.
+        call = protocol.compact(
+            keys, f"job-{job_id}", epoch, plan.replaced, plan.summary, job=job_id
+        )
         try:
-            self.ledger.run(
-                protocol.compact(keys, f"job-{job_id}", epoch, plan.replaced, plan.summary)
-            )
+            done = self.ledger.run(call)
         except (StaleEpoch, UnknownSession, OperationIdReused):
             return JobOutcome("compact", "already")
-        return JobOutcome("compact", "applied")
+        return JobOutcome("compact", "already" if done.outcome == "already" else "applied")
 
     # --- leases, metrics, loop ---------------------------------------------------------
 
