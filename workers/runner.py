@@ -21,7 +21,9 @@ the worker waits (bounded exponential backoff) and tries again, serving meanwhil
 whatever still works. A job stream found missing (NOGROUP: deleted, evicted, lost in
 a restart without persistence) is reported loudly, as its jobs may be lost with it,
 and its group is made again. Anything else that escapes (a bug) is logged with its
-traceback and counted as ``internal``.
+traceback and counted as ``internal``. The Redis settings the ledger needs
+(noeviction, persistence, no evictions so far) are checked at start and every
+``health_interval`` seconds (:mod:`ledger.health`).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from ledger import protocol
+from ledger import health, protocol
 from ledger.client import Ledger
 from ledger.errors import (
     OperationIdReused,
@@ -74,6 +76,9 @@ class WorkerSettings(BaseSettings):
     )
     backoff_max: float = Field(
         default=5.0, gt=0, description="longest wait while Redis errors go on (doubling)"
+    )
+    health_interval: float = Field(
+        default=60.0, gt=0, description="seconds between checks of the Redis settings"
     )
 
 
@@ -123,6 +128,12 @@ class Metrics:
             "Job streams (or their consumer group) found missing: their jobs may be lost",
             registry=r,
         )
+        self.config_ok = Gauge(
+            "ledger_redis_config_ok",
+            "1: the Redis settings the ledger needs are verified (noeviction, persistence, no "
+            "evicted keys); 0: a problem found; -1: could not be verified",
+            registry=r,
+        )
 
 
 @dataclass
@@ -169,6 +180,8 @@ class Worker:
         self.compactor = compactors.load(self.settings.compactor)
         self.partitions = range(ledger.keyspace.partitions)
         self._last_sweep = 0.0
+        self._last_health = float("-inf")
+        self._health_said: tuple[str, ...] | None = None
         self._groups: set[int] = set()  # partitions whose group this worker made or saw
         self._troubled = False  # this pass met a Redis error: back off before the next
         self._said: dict[str, float] = {}  # kind -> when it was last logged
@@ -449,7 +462,7 @@ class Worker:
             return JobOutcome("compact", "already")
         return JobOutcome("compact", "already" if done.outcome == "already" else "applied")
 
-    # --- leases, metrics, loop ---------------------------------------------------------
+    # --- leases, metrics, health, loop -------------------------------------------------
 
     def sweep(self) -> int:
         """Release expired leases in every partition; a Redis error in one partition is
@@ -492,6 +505,25 @@ class Worker:
                     totals[name[2:]] = totals.get(name[2:], 0) + int(v)
         for name, value in totals.items():
             self.metrics.indicator.labels(name).set(value)
+
+    def check_redis(self) -> health.HealthReport:
+        """Check the Redis settings the ledger needs; log a warning when what is wrong
+        changes (and at the first check), set ``ledger_redis_config_ok``."""
+        report = health.check(self.ledger.client, self.ledger.settings.redis_url)
+        self.metrics.config_ok.set(1 if report.embedded else report.gauge)
+        said = tuple(health.describe(report))
+        if said != self._health_said:
+            if said:
+                log.warning(
+                    "Redis settings put the ledger's data at risk: "
+                    + "; ".join(said)
+                    + " (see docs/operations.md)",
+                    extra={"problems": report.problems, "unknown": report.unknown},
+                )
+            elif not report.embedded:
+                log.info("Redis settings checked: noeviction, persistence on, no evicted keys")
+            self._health_said = said
+        return report
 
     def _trouble(self, kind: str, exc: BaseException, **where: object) -> None:
         """Count a Redis error the worker survives; log it (each kind at most every 10 s,
@@ -547,6 +579,8 @@ class Worker:
                 self._survive(exc, "start")
                 if kind_of(exc) in _WHOLE_PASS:
                     break
+        self._guard(self.check_redis, where="health")
+        self._last_health = time.monotonic()
         log.info(
             "worker started",
             extra={"consumer": self.settings.consumer, "partitions": len(self.partitions)},
@@ -555,6 +589,9 @@ class Worker:
         while not stop.is_set():
             self._troubled = False
             now = time.monotonic()
+            if now - self._last_health >= s.health_interval:
+                self._last_health = now
+                self._guard(self.check_redis, where="health")
             if now - self._last_sweep >= s.sweep_interval:
                 self._last_sweep = now
                 self._guard(self.sweep, where="sweep")
