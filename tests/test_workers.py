@@ -14,6 +14,7 @@ Every test uses its own key prefix on the session's ``redis_server`` and
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import random
@@ -350,6 +351,36 @@ def held_by(led: Ledger, consumer: str) -> list[Job]:
     return out
 
 
+def holds_a_job(led: Ledger, consumer: str) -> bool:
+    """Whether any partition has an entry pending for this consumer (XPENDING summary)."""
+    for p in range(PARTITIONS):
+        stream = led.keyspace.jobs(p)
+        if not led.client.exists(stream):
+            continue
+        summary: Any = led.client.xpending(stream, GROUP)
+        for c in summary.get("consumers") or []:
+            if _text(c["name"]) == consumer and int(c["pending"]) > 0:
+                return True
+    return False
+
+
+def wait_until_holding(
+    led: Ledger, consumer: str, feed: Callable[[int], None], feeds: int = 20
+) -> int:
+    """Wait until `consumer` holds a job; every 0.3 s without one, feed(k) more jobs, at
+    most `feeds` times (then give up: the caller's kill finds nothing held). Returns
+    how many times it fed."""
+    for k in range(feeds + 1):
+        deadline = time.monotonic() + 0.3
+        while time.monotonic() < deadline:
+            if holds_a_job(led, consumer):
+                return k
+            time.sleep(0.002)
+        if k < feeds:
+            feed(k)
+    return feeds
+
+
 def job_of(record: dict[str, Any]) -> Job:
     return (str(record["session"]), str(record["job"]))
 
@@ -407,6 +438,12 @@ def test_kill9_many_times_exactly_once_and_takeover(
     assert {e[0] for e in expected.values()} == {"1", "2"}
     assert {"0", "1", "3"} <= failures
 
+    def feed_more(w: int, k: int) -> None:
+        more = [f"r{w}-x{k}-{i}" for i in range(10)]
+        reset_sids[w].extend(more)
+        every_sid.extend(more)
+        open_resets(led, more)
+
     # One survivor, three victim slots: each kill hits a worker started a while ago,
     # and its replacement starts while the others work.
     fleet = fleets(led.settings.prefix)
@@ -424,6 +461,11 @@ def test_kill9_many_times_exactly_once_and_takeover(
         if w == kills:
             break
         time.sleep(rng.uniform(0.0, 0.08))
+        # Kill it while it holds a job (bounded): on a loaded machine the other workers
+        # can take a whole wave before this one reads any, and such a kill shows no
+        # takeover. More jobs are fed (they count in every check below) until it does.
+        extra = wait_until_holding(led, victim.consumer, functools.partial(feed_more, w))
+        print(f"wave {w}: {extra} extra batch(es) before the victim held a job")
         t_kill = time.time()
         victim.proc.kill()
         victim.proc.wait(10)
