@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
@@ -21,6 +22,9 @@ from ledger.errors import (
     UnknownSession,
 )
 from ledger.settings import LedgerSettings
+
+if TYPE_CHECKING:
+    from ledger.client import Ledger
 
 EXIT_OK, EXIT_VIOLATION, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
 
@@ -92,7 +96,19 @@ def cmd_audit(args: argparse.Namespace, out: Console) -> int:
                     f" overdue={list(rep.overdue)}"
                 )
         out.print(f"{len(ids)} session(s) audited, {bad} with violations")
+        _warn_redis_settings(ledger, out)
         return EXIT_VIOLATION if bad else EXIT_OK
+
+
+def _warn_redis_settings(ledger: Ledger, out: Console) -> None:
+    """Print what is wrong, or could not be verified, in the Redis settings the ledger
+    needs (noeviction, persistence, no evicted keys): a warning, not a violation."""
+    from rich.markup import escape
+
+    from ledger import health
+
+    for line in health.describe(health.check(ledger.client, ledger.settings.redis_url)):
+        out.print(f"[yellow]warning:[/] {escape(line)}", soft_wrap=True)
 
 
 def cmd_inspect(args: argparse.Namespace, out: Console) -> int:

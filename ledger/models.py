@@ -310,7 +310,7 @@ class Compaction:
     """A committed compaction, judged against the high-water mark (record 001)."""
 
     compacted: bool  # False: a failed compaction (above the mark, or did not fit)
-    outcome: str  # compacted | failed | did_not_fit
+    outcome: str  # compacted | failed | did_not_fit | already (the job was committed before)
     occupancy: int
     high_water_mark: int
     dropped: int

@@ -484,9 +484,13 @@ def compact(
     epoch: int,
     replaced: Sequence[str | tuple[Consumer | str, str]],
     summary: Item | None,
+    job: str = "-",
 ) -> Call[Compaction]:
     """``replaced``: working-memory item ids, or (consumer, id) pairs for history held
-    by other consumers (stale retrieval chunks, old tool results)."""
+    by other consumers (stale retrieval chunks, old tool results). ``job``: the stream
+    entry id of the compaction job being committed (a worker), deleted in the same step;
+    when it is gone already the call changes nothing (outcome ``already``). '-' for an
+    agent's own compaction."""
     if not isinstance(replaced, (list, tuple)):
         raise InvalidArgument("replaced must be a list or tuple of item ids or (consumer, id)")
     refs = []
@@ -499,7 +503,19 @@ def compact(
         raise InvalidArgument("summary must be an Item or None")
     sid = check_id(summary.id, "summary item id") if summary else "-summary-"
     body = [keys.session_id, sid, _num(summary.tokens) if summary else "0", str(len(refs)), *refs]
+    body.append(check_entry_id(job))
     return _mutating("compact", [keys.session, keys.jobs], op_id, epoch, body, _compaction)
+
+
+_ENTRY_ID_RE = re.compile(r"(\d{1,20})-(\d{1,20})")
+
+
+def check_entry_id(value: object) -> str:
+    """A stream entry id '<ms>-<seq>' (each an unsigned 64-bit number), or '-'."""
+    m = _ENTRY_ID_RE.fullmatch(value) if isinstance(value, str) else None
+    if value == "-" or (m and max(int(m[1]), int(m[2])) < 1 << 64):
+        return str(value)
+    raise InvalidArgument(f"job entry id must be '<ms>-<seq>' or '-', got {value!r}")
 
 
 def _tool(r: Reply) -> ToolResult:

@@ -18,17 +18,28 @@
 -- ARGV[6]  n                       number of items replaced, 0..1000
 -- ARGV[7..6+n]                     '<c>:<item id>' with c in w r m s (items not held are
 --                                  reported as missing)
+-- ARGV[7+n] job entry id           the id ('<ms>-<seq>') of the job's entry in KEYS[2] when
+--                                  a worker commits a compaction job, '-' otherwise (an
+--                                  agent's own compaction). The entry is deleted in the same
+--                                  step as the effect, so a job's effect happens once for
+--                                  its whole life in the stream, whatever the op retention.
 --
 -- Reply: status=ok|outcome=<compacted|failed>|occupancy=<tokens>|high_water=<tokens>
 --          |dropped=<tokens>|summary=<tokens>|missing=<id,...>|failures=<n>|escalated=<0|1>
 --          |free=<tokens>|epoch=<n>|turn=<n>
 --   outcome did_not_fit: the summary does not fit once the items are gone; nothing is
 --   replaced, and it counts as a failed compaction.
+--   outcome already: the job entry named by ARGV[8+n] is no longer in the stream (its
+--   compaction was committed before, or the entry was lost with its stream): nothing is
+--   changed or stored; dropped=0, summary=0, escalated=0, the other fields as they are.
+--   Once a hard reset is requested (escalated before, not yet reset), a failed
+--   compaction is not counted again: failures and x:failed_compactions stay at the
+--   escalation's count until the reset.
 -- Stream entries: on escalation kind=hard_reset session=<id> epoch=<n> reason=failed_compactions
 --   op=<op id>; on a failure that does not escalate, kind=compact (the compaction is retried).
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED,
 --         LEDGER_CONFLICT (the summary id is held and not among the replaced items).
--- Calls: HMGET, TIME, HDEL, HSET, XADD (on escalation), HINCRBY.
+-- Calls: HMGET, XDEL (a job), TIME, HDEL, HSET, XADD (on escalation or retry), HINCRBY.
 
 local op, fp, epoch, e = op_args('compact', false)
 if e then return e end
@@ -41,8 +52,17 @@ sum_t, e = int_arg(ARGV[5], 'summary tokens', 0, TOKENS_MAX)
 if e then return e end
 n, e = int_arg(ARGV[6], 'item count', 0, 1000)
 if e then return e end
-if #ARGV ~= 6 + n then
-  return err('BADARG', 'expected ' .. (6 + n) .. ' arguments for ' .. n .. ' items, got ' .. #ARGV)
+if #ARGV ~= 7 + n then
+  return err('BADARG', 'expected ' .. (7 + n) .. ' arguments for ' .. n .. ' items, got ' .. #ARGV)
+end
+-- A stream entry id: two unsigned 64-bit decimals (an id XDEL would refuse is a BADARG).
+local job = ARGV[7 + n]
+local function u64(d) return d and (#d < 20 or (#d == 20 and d <= '18446744073709551615')) end
+if job ~= '-' then
+  local ms, seq = string.match(type(job) == 'string' and job or '', '^(%d+)%-(%d+)$')
+  if not (u64(ms) and u64(seq)) then
+    return err('BADARG', 'job entry id must be <ms>-<seq> or -, got ' .. show(job))
+  end
 end
 local NUM = { 'ep', 'tn', 'sq', 'W', 'S', 'T', 'out', 'F_w', 'F_m', 'a_w', 'a_m', 'a_s', 'u_w', 'u_r', 'u_m',
   'u_s', 'n_w', 'n_r', 'n_m', 'n_s', 'HW', 'kf', 'kn', 'cx', 'rq', 'gz', 'xp' }
@@ -69,6 +89,14 @@ e = gate(R[1], H.ep, op, fp, epoch)
 if e then return e end
 if R[3] and not seen['w:' .. sum_id] then
   return err('CONFLICT', 'working memory already holds ' .. sum_id .. ' and it is not being replaced')
+end
+-- Every check is done. A job's entry is deleted here, with the effect: when XDEL deletes
+-- nothing (the entry is gone) nothing has been written and the call replies 'already'.
+if job ~= '-' and redis.call('XDEL', KEYS[2], job) == 0 then
+  return reply({ 'status=ok', 'outcome=already', 'occupancy=' .. (H.S + H.T + H.a_w + H.a_m + H.a_s),
+    'high_water=' .. H.HW, 'dropped=0', 'summary=0', 'missing=', 'failures=' .. H.kf, 'escalated=0',
+    'free=' .. (H.W - H.S - H.T - H.out - math.max(H.a_w, H.F_w) - math.max(H.a_m, H.F_m) - H.a_s),
+    'epoch=' .. H.ep, 'turn=' .. H.tn })
 end
 local now = now_ms()
 local J = { ol = R[2], gz = H.gz, xp = H.xp }
@@ -101,7 +129,8 @@ if not fits then
 end
 local occ = H.S + H.T + A.w + A.m + A.s
 local ok = fits and occ <= H.HW
-local kf = ok and 0 or H.kf + 1
+-- no failure counts past an escalation, until the reset
+local kf = ok and 0 or (H.rq == 0 and H.kf + 1 or H.kf)
 local escalate = (not ok) and kf >= H.cx and H.rq == 0
 if #dead > 0 then redis.call('HDEL', key, unpack(dead)) end
 local sq, args = H.sq, {}
@@ -117,7 +146,7 @@ end
 for i = 1, #upd do args[#args + 1] = upd[i] end
 if ok then
   args[#args + 1], args[#args + 2], args[#args + 3], args[#args + 4] = 'kn', H.kn + 1, 'kt', H.tn
-else
+elseif H.rq == 0 then
   redis.call('HINCRBY', key, 'x:failed_compactions', 1)
 end
 if escalate then

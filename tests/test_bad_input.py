@@ -598,6 +598,16 @@ ARGV_SPEC: dict[str, dict[int, list[str | bytes]]] = {
     "reset": {**COMMON, 3: BAD_ARG_IDS, 4: BAD_ARG_IDS},
     "close": {**COMMON, 2: EPOCH_OR_STAR, 3: BAD_ARG_IDS},
     "expire": {**COMMON, 2: EPOCH_OR_STAR, 3: BAD_ARG_IDS, 4: BAD_COUNTS, 5: BAD_ARG_IDS},
+    # good call: two replaced items (ARGV[7], ARGV[8]), then the job entry id '-'
+    "compact": {
+        **COMMON,
+        3: BAD_ARG_IDS,  # session id
+        4: BAD_ARG_IDS,  # summary item id
+        5: ints(0, 100_000_000),  # summary tokens
+        6: ["0", "1", "3", "1001", "-1", "x", "", "1.0", *HUGE],  # item count
+        7: ["", "turn1", "x:turn1", "w:", "W:turn1", "w:a b", "w:a{b", b"\xff"],
+        9: ["", "*", "1", "1-", "-1", "1-1-1", "a-1", " 1-1", "1-1\n", "9" * 20 + "-0", b"\xff"],
+    },
 }
 
 
@@ -615,6 +625,9 @@ def good_call(name: str, s: Session) -> protocol.Call[Any]:
         "close": lambda: protocol.close(k, op, ep),
         "expire": lambda: protocol.expire(k, op, ["res1"]),
         "reconcile": lambda: protocol.reconcile(k, op, ep, {"retrieval": [Item("doc1", 410)]}),
+        "compact": lambda: protocol.compact(
+            k, op, ep, ["turn1", (Consumer.RETRIEVAL, "doc2")], Item("sum1", 50)
+        ),
     }
     return calls[name]()
 

@@ -495,13 +495,14 @@ class Model:
             dropped, sum_t = 0, 0
         occ = self.occupancy()
         ok = fits and occ <= self.HW
-        self.kf = 0 if ok else self.kf + 1
+        # no failure counts past an escalation, until the reset
+        self.kf = 0 if ok else (self.kf + 1 if self.rq == 0 else self.kf)
         escalate = not ok and self.kf >= self.b.max_failed_compactions and self.rq == 0
         self.cd = 0 if ok else 1
         if ok:
             self.kn += 1
             self.kt = self.tn
-        else:
+        elif self.rq == 0:
             self.x["failed_compactions"] += 1
         if escalate:
             self.enqueue("hard_reset", op_id, "failed_compactions")

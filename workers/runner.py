@@ -9,17 +9,33 @@ worker is taken over with XAUTOCLAIM after ``claim_idle_ms``; an entry delivered
 stream with its error. Effects are idempotent: the stream entry id is the
 operation id of the ledger call the job makes, and every call is fenced by the
 epoch the job was enqueued at, so a job delivered twice changes the state once.
+A compaction job's entry is deleted by ``compact.lua`` in the same step as its
+effect, so it applies once for its whole life in the stream, even when taken over
+after the op retention; a hard-reset job needs no such check (a reset at epoch e
+moves the session to e + 1, so the job, fenced at e, can apply only once).
+
+No Redis condition stops the loop. Out of memory, a read-only replica, loading,
+busy, an unreachable server: the job in hand stays pending without counting as a
+delivery, the condition is logged and counted (``ledger_worker_errors{kind}``), and
+the worker waits (bounded exponential backoff) and tries again, serving meanwhile
+whatever still works. A job stream found missing (NOGROUP: deleted, evicted, lost in
+a restart without persistence) is reported loudly, as its jobs may be lost with it,
+and its group is made again. Anything else that escapes (a bug) is logged with its
+traceback and counted as ``internal``. The Redis settings the ledger needs
+(noeviction, persistence, no evictions so far) are checked at start and every
+``health_interval`` seconds (:mod:`ledger.health`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,16 +44,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from ledger import protocol
+from ledger import health, protocol
 from ledger.client import Ledger
 from ledger.errors import (
-    BackendUnavailable,
-    LedgerError,
     OperationIdReused,
     StaleEpoch,
     UnknownSession,
 )
 from workers import compactors
+from workers.trouble import TRANSIENT, Backoff, kind_of
 
 log = logging.getLogger("ledger.worker")
 
@@ -56,6 +71,15 @@ class WorkerSettings(BaseSettings):
     sweep_interval: float = Field(default=1.0, gt=0, description="seconds between lease sweeps")
     compactor: str = "workers.compactors:simulated"
     metrics_port: int = Field(default=0, ge=0, le=65535, description="0: no metrics endpoint")
+    backoff_initial: float = Field(
+        default=0.1, gt=0, description="seconds to wait after a pass that met a Redis error"
+    )
+    backoff_max: float = Field(
+        default=5.0, gt=0, description="longest wait while Redis errors go on (doubling)"
+    )
+    health_interval: float = Field(
+        default=60.0, gt=0, description="seconds between checks of the Redis settings"
+    )
 
 
 class Metrics:
@@ -96,12 +120,64 @@ class Metrics:
             ["name"],
             registry=r,
         )
+        self.skipped = Counter(
+            "ledger_jobs_skipped",
+            "Jobs acknowledged without running: session gone, or a hard reset requested",
+            ["kind"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "ledger_worker_errors",
+            "Errors the worker met and survived, by kind (oom, readonly, loading, busy, "
+            "unavailable, nogroup, noperm, internal, ...)",
+            ["kind"],
+            registry=r,
+        )
+        self.streams_lost = Counter(
+            "ledger_job_streams_lost",
+            "Job streams (or their consumer group) found missing: their jobs may be lost",
+            registry=r,
+        )
+        self.config_ok = Gauge(
+            "ledger_redis_config_ok",
+            "1: the Redis settings the ledger needs are verified (noeviction, persistence, no "
+            "evicted keys); 0: a problem found; -1: could not be verified",
+            registry=r,
+        )
 
 
 @dataclass
 class JobOutcome:
     kind: str
     effect: str  # applied | already | skipped
+
+
+# What the worker says when it meets each kind of Redis trouble (the log line's msg).
+MESSAGES = {
+    "oom": "Redis is out of memory (OOM: used memory is above maxmemory) and refuses "
+    "writes: jobs wait and are retried with backoff; free memory or raise maxmemory "
+    "(keep maxmemory-policy noeviction)",
+    "readonly": "Redis refused a write (READONLY: the server is a replica, e.g. after a "
+    "failover): retrying with backoff",
+    "loading": "Redis is loading its dataset (LOADING): retrying with backoff",
+    "busy": "Redis is busy running a script (BUSY): retrying with backoff",
+    "masterdown": "Redis replica lost its primary (MASTERDOWN): retrying with backoff",
+    "clusterdown": "Redis Cluster is down (CLUSTERDOWN): retrying with backoff",
+    "tryagain": "Redis Cluster slot is moving (TRYAGAIN): retrying with backoff",
+    "cluster": "Redis Cluster error: retrying with backoff",
+    "misconf": "Redis refuses writes because it cannot persist (MISCONF): retrying with backoff",
+    "noreplicas": "Redis refuses writes: not enough replicas (NOREPLICAS): retrying with backoff",
+    "noscript": "Redis lost the ledger's scripts (NOSCRIPT): retrying with backoff",
+    "unavailable": "Redis unavailable: retrying with backoff",
+    "noperm": "Redis refused a command (ACL, NOPERM): check the worker's ACL user",
+    "wrongtype": "a ledger key holds the wrong type (WRONGTYPE): something else wrote to it",
+    "redis": "Redis error: retrying with backoff",
+    "ledger": "ledger error: retrying with backoff",
+}
+
+# Conditions that concern every partition alike: they end a pass (and reach whoever
+# called poll_once or sweep directly); the loop counts them and backs off.
+_WHOLE_PASS = frozenset({"unavailable", "noperm"})
 
 
 class Worker:
@@ -114,6 +190,12 @@ class Worker:
         self.compactor = compactors.load(self.settings.compactor)
         self.partitions = range(ledger.keyspace.partitions)
         self._last_sweep = 0.0
+        self._last_health = float("-inf")
+        self._health_said: tuple[str, ...] | None = None
+        self._groups: set[int] = set()  # partitions whose group this worker made or saw
+        self._troubled = False  # this pass met a Redis error: back off before the next
+        self._said: dict[str, float] = {}  # kind -> when it was last logged
+        self._unsaid: dict[str, int] = {}  # kind -> occurrences not logged since
 
     # --- streams ---------------------------------------------------------------------
 
@@ -123,43 +205,100 @@ class Worker:
     def dead_letter(self, partition: int) -> str:
         return f"{self.ledger.keyspace.tag(partition)}:dead"
 
+    def _errors_hash(self, partition: int) -> str:
+        return f"{self.ledger.keyspace.tag(partition)}:errors"
+
+    def ensure_group(self, partition: int) -> None:
+        """Make the partition's stream and group (nothing if the group exists); raises
+        what Redis answers otherwise (e.g. OOM)."""
+        try:
+            self.ledger.client.xgroup_create(
+                self.stream(partition), self.settings.group, id="0", mkstream=True
+            )
+        except rex.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        self._groups.add(partition)
+
     def ensure_groups(self) -> None:
+        """Every partition's stream and group; raises the first error (see run(), which
+        does not)."""
         for p in self.partitions:
-            try:
-                self.ledger.client.xgroup_create(
-                    self.stream(p), self.settings.group, id="0", mkstream=True
-                )
-            except rex.ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
+            self.ensure_group(p)
+
+    def _stream_lost(self, partition: int, exc: BaseException) -> None:
+        """NOGROUP: the stream, or its group, is gone. Say so loudly once per loss (the
+        jobs in it may be lost), then make the group again (a stream a script has made
+        anew since keeps its entries: the group starts at its beginning)."""
+        self.metrics.errors.labels("nogroup").inc()
+        if partition in self._groups:
+            self._groups.discard(partition)
+            self.metrics.streams_lost.inc()
+            log.warning(
+                "job stream lost: the stream or its consumer group is gone (a DEL, FLUSHDB, "
+                "eviction, or a restart without persistence); jobs it held may be lost with "
+                "it; making the group again",
+                extra={
+                    "stream": self.stream(partition),
+                    "partition": partition,
+                    "kind": "nogroup",
+                    "error": _describe(exc),
+                },
+            )
 
     def poll_once(self) -> int:
-        """One pass over every partition: new jobs, then jobs idle too long elsewhere."""
-        s, client, done = self.settings, self.ledger.client, 0
+        """One pass over every partition: new jobs, then jobs idle too long elsewhere.
+
+        A Redis error in one partition is counted and logged and the pass goes on with
+        the next (an unreachable server or an ACL refusal ends the pass: it is raised); a
+        job stream found missing is reported and its group made again. Returns the
+        number of jobs done."""
+        done = 0
         for p in self.partitions:
-            stream = self.stream(p)
             try:
-                got: Any = client.xreadgroup(s.group, s.consumer, {stream: ">"}, count=s.batch)
-            except rex.ResponseError as exc:
-                if "NOGROUP" not in str(exc):
-                    raise
-                # The stream was deleted (a flush, a restart without persistence) and a
-                # script made it anew: make the group again and read it next pass.
-                self.ensure_groups()
+                done += self._poll_partition(p)
+            except Exception as exc:
+                self._partition_trouble(p, exc)
+        return done
+
+    def _partition_trouble(self, p: int, exc: BaseException) -> None:
+        """A Redis error met in one partition: counted and logged; NOGROUP reported as a
+        lost stream and the group made again. A bug, Redis unreachable or an ACL
+        refusal is raised."""
+        kind = kind_of(exc)
+        if kind is None or kind in _WHOLE_PASS:
+            raise exc
+        if kind != "nogroup":
+            self._trouble(kind, exc, partition=p)
+            return
+        self._stream_lost(p, exc)
+        try:
+            self.ensure_group(p)
+        except Exception as again:
+            kind = kind_of(again)
+            if kind is None or kind in _WHOLE_PASS:
+                raise
+            self._trouble(kind, again, partition=p)  # made on a later pass
+
+    def _poll_partition(self, p: int) -> int:
+        s, client, done = self.settings, self.ledger.client, 0
+        stream = self.stream(p)
+        if p not in self._groups:  # not made yet (e.g. Redis was out of memory at start)
+            self.ensure_group(p)
+        got: Any = client.xreadgroup(s.group, s.consumer, {stream: ">"}, count=s.batch)
+        for _, entries in got or []:
+            for entry_id, fields in entries:
+                done += self._deliver(p, entry_id, fields, claimed=False)
+        auto: Any = client.xautoclaim(
+            stream, s.group, s.consumer, s.claim_idle_ms, start_id="0-0", count=s.batch
+        )
+        claimed = auto[1]
+        for entry_id, fields in claimed:
+            if fields is None:  # deleted while pending (Redis 6.2; 7 drops them itself)
+                client.xack(stream, s.group, entry_id)
                 continue
-            for _, entries in got or []:
-                for entry_id, fields in entries:
-                    done += self._deliver(p, entry_id, fields, claimed=False)
-            auto: Any = client.xautoclaim(
-                stream, s.group, s.consumer, s.claim_idle_ms, start_id="0-0", count=s.batch
-            )
-            claimed = auto[1]
-            for entry_id, fields in claimed:
-                if fields is None:  # deleted while pending
-                    client.xack(stream, s.group, entry_id)
-                    continue
-                self.metrics.takeovers.inc()
-                done += self._deliver(p, entry_id, fields, claimed=True)
+            self.metrics.takeovers.inc()
+            done += self._deliver(p, entry_id, fields, claimed=True)
         return done
 
     def _deliver(
@@ -176,6 +315,7 @@ class Worker:
             for k, v in raw.items()
         }
         kind = fields.get("kind", "?")
+        deliveries = 1
         if claimed:
             info = client.xpending_range(stream, s.group, min=eid, max=eid, count=1)
             deliveries = int(info[0]["times_delivered"]) if info else 1
@@ -185,22 +325,42 @@ class Worker:
                 return 0
         try:
             outcome = self.handle(eid, fields)
-        except BackendUnavailable:
-            raise
-        except Exception as exc:  # the job stays pending; a later claim retries it
+        except Exception as exc:
+            trouble = kind_of(exc)
+            if trouble in TRANSIENT:
+                # Redis could not serve the job now: not a failure of the job. It stays
+                # pending, this delivery uncounted, for a later claim.
+                self._uncount(stream, eid, deliveries)
+                if trouble != "oom":
+                    raise  # the partition's pass ends here
+                # Out of memory: the next job may need no memory, or free some.
+                self._trouble(trouble, exc, partition=partition, job=eid)
+                return 0
+            # The job's own failure: it stays pending; a later claim retries it.
             self.metrics.failed.labels(kind).inc()
-            log.warning("job failed", extra={"job": eid, "kind": kind, "error": repr(exc)})
+            log.warning(
+                "job failed",
+                extra={"job": eid, "kind": kind, "error": _describe(exc)},
+                exc_info=exc if trouble is None else None,  # not a Redis error: show where
+            )
             fields["error"] = repr(exc)[:500]
-            client.hset(f"{self.ledger.keyspace.tag(partition)}:errors", eid, fields["error"])
+            try:
+                client.hset(self._errors_hash(partition), eid, fields["error"])
+            except Exception as rec:
+                if kind_of(rec) is None:
+                    raise
+                self._trouble(kind_of(rec) or "redis", rec, partition=partition, job=eid)
             return 0
         # Delete before acknowledging: a crash in between leaves a pending entry whose
         # body is gone, which the next claim acknowledges (the other order would leave
-        # an acknowledged entry in the stream for ever).
+        # an acknowledged entry in the stream for ever). compact.lua deleted it already.
         client.xdel(stream, eid)
         client.xack(stream, s.group, eid)
         if claimed:  # an earlier attempt may have recorded an error
-            client.hdel(f"{self.ledger.keyspace.tag(partition)}:errors", eid)
+            client.hdel(self._errors_hash(partition), eid)
         self.metrics.processed.labels(kind).inc()
+        if outcome.effect == "skipped":
+            self.metrics.skipped.labels(kind).inc()
         log.info(
             "job done",
             extra={
@@ -212,9 +372,24 @@ class Worker:
         )
         return 1
 
+    def _uncount(self, stream: str, eid: str, deliveries: int) -> None:
+        """Give a pending entry back the delivery count it had before this delivery
+        (XCLAIM RETRYCOUNT to itself), so that Redis trouble does not dead-letter it.
+        Best effort: with Redis unreachable the count stays one higher."""
+        with contextlib.suppress(rex.RedisError):
+            self.ledger.client.xclaim(
+                stream,
+                self.settings.group,
+                self.settings.consumer,
+                min_idle_time=0,
+                message_ids=[eid],
+                retrycount=max(0, deliveries - 1),
+                justid=True,
+            )
+
     def _bury(self, partition: int, eid: str, fields: dict[str, str], why: str) -> None:
         client, s = self.ledger.client, self.settings
-        errors = f"{self.ledger.keyspace.tag(partition)}:errors"
+        errors = self._errors_hash(partition)
         last = client.hget(errors, eid)
         entry: dict[Any, Any] = {
             **fields,
@@ -246,6 +421,9 @@ class Worker:
         return inc == 0 or snap.raw.get("inc", 0) == inc
 
     def _hard_reset(self, job_id: str, f: Mapping[str, str]) -> JobOutcome:
+        # Applied once however late it is delivered again, even after the op retention
+        # dropped its stored outcome: the reset moves the session from the job's epoch e
+        # to e + 1, and reset.lua refuses a call fenced at e as stale from then on.
         keys = self.ledger.keyspace.session(f["session"])
         try:
             snap = self.ledger.run(protocol.snapshot(keys))
@@ -271,24 +449,43 @@ class Worker:
             return JobOutcome("compact", "skipped")
         if snap.epoch != epoch or not snap.compaction_pending:
             return JobOutcome("compact", "already")
+        if snap.raw.get("rq"):
+            # Failed compactions escalated: a hard reset is coming, which drops what a
+            # compaction would replace. Running the compactor again would only count
+            # failures past the maximum.
+            return JobOutcome("compact", "skipped")
         items = tuple(self.ledger.items(sid))
         plan = self.compactor(
             compactors.CompactionRequest(
                 sid, epoch, snap.turn, items, snap.occupancy, snap.high_water_mark, snap.window
             )
         )
+        # The job's entry id goes with the call: compact.lua deletes the entry with the
+        # effect, and answers 'already' when it is gone (committed before, by a worker
+        # that died before acknowledging it), whatever the op retention.
+        call = protocol.compact(
+            keys, f"job-{job_id}", epoch, plan.replaced, plan.summary, job=job_id
+        )
         try:
-            self.ledger.run(
-                protocol.compact(keys, f"job-{job_id}", epoch, plan.replaced, plan.summary)
-            )
+            done = self.ledger.run(call)
         except (StaleEpoch, UnknownSession, OperationIdReused):
             return JobOutcome("compact", "already")
-        return JobOutcome("compact", "applied")
+        return JobOutcome("compact", "already" if done.outcome == "already" else "applied")
 
-    # --- leases, metrics, loop ---------------------------------------------------------
+    # --- leases, metrics, health, loop -------------------------------------------------
 
     def sweep(self) -> int:
-        released = sum(self.ledger.expire_due(p) for p in self.partitions)
+        """Release expired leases in every partition; a Redis error in one partition is
+        counted and the sweep goes on (an unreachable server or an ACL refusal ends it)."""
+        released = 0
+        for p in self.partitions:
+            try:
+                released += self.ledger.expire_due(p)
+            except Exception as exc:
+                kind = kind_of(exc)
+                if kind is None or kind in _WHOLE_PASS:
+                    raise
+                self._trouble(kind, exc, partition=p, where="sweep")
         self.metrics.expired.inc(released)
         return released
 
@@ -296,11 +493,19 @@ class Worker:
         """Refresh lag gauges and the seeds' leading indicators (a SCAN: not every poll)."""
         client, s = self.ledger.client, self.settings
         for p in self.partitions:
-            for g in client.xinfo_groups(self.stream(p)):
+            try:
+                groups = client.xinfo_groups(self.stream(p))
+            except rex.ResponseError as exc:
+                if "no such key" not in str(exc).lower():
+                    raise
+                groups = []  # the stream is gone: the next poll reports it and makes it again
+            lag = pending = 0
+            for g in groups:
                 name = g["name"].decode() if isinstance(g["name"], bytes) else g["name"]
                 if name == s.group:
-                    self.metrics.lag.labels(str(p)).set(int(g.get("lag") or 0))
-                    self.metrics.pending.labels(str(p)).set(int(g.get("pending") or 0))
+                    lag, pending = int(g.get("lag") or 0), int(g.get("pending") or 0)
+            self.metrics.lag.labels(str(p)).set(lag)
+            self.metrics.pending.labels(str(p)).set(pending)
         totals: dict[str, int] = {}
         drift_max, flagged = 0, 0
         for sid in self.ledger.session_ids():
@@ -318,34 +523,113 @@ class Worker:
         self.metrics.drift_max.set(drift_max)
         self.metrics.drift_flagged.set(flagged)
 
+    def check_redis(self) -> health.HealthReport:
+        """Check the Redis settings the ledger needs; log a warning when what is wrong
+        changes (and at the first check), set ``ledger_redis_config_ok``."""
+        report = health.check(self.ledger.client, self.ledger.settings.redis_url)
+        self.metrics.config_ok.set(1 if report.embedded else report.gauge)
+        said = tuple(health.describe(report))
+        if said != self._health_said:
+            if said:
+                log.warning(
+                    "Redis settings put the ledger's data at risk: "
+                    + "; ".join(said)
+                    + " (see docs/operations.md)",
+                    extra={"problems": report.problems, "unknown": report.unknown},
+                )
+            elif not report.embedded:
+                log.info("Redis settings checked: noeviction, persistence on, no evicted keys")
+            self._health_said = said
+        return report
+
+    def _trouble(self, kind: str, exc: BaseException, **where: object) -> None:
+        """Count a Redis error the worker survives; log it (each kind at most every 10 s,
+        with the number of occurrences not logged in between)."""
+        self._troubled = True
+        self.metrics.errors.labels(kind).inc()
+        now = time.monotonic()
+        if now - self._said.get(kind, float("-inf")) < 10:
+            self._unsaid[kind] = self._unsaid.get(kind, 0) + 1
+            return
+        self._said[kind] = now
+        log.warning(
+            MESSAGES.get(kind, MESSAGES["redis"]),
+            extra={
+                "kind": kind,
+                "error": _describe(exc),
+                "not_logged_since": self._unsaid.pop(kind, 0),
+                **where,
+            },
+        )
+
+    def _survive(self, exc: BaseException, where: str) -> None:
+        """Whatever escaped a step of the loop: a Redis or ledger error is counted and
+        logged by kind, anything else (a bug) logged with its traceback, as internal."""
+        kind = kind_of(exc)
+        if kind is None:
+            self._troubled = True
+            self.metrics.errors.labels("internal").inc()
+            log.error(
+                "unexpected error in the worker loop (a bug?); going on after a backoff",
+                extra={"where": where, "kind": "internal", "error": _describe(exc)},
+                exc_info=exc,
+            )
+        else:
+            self._trouble(kind, exc, where=where)
+
+    def _guard(self, step: Callable[[], object], **where: object) -> object:
+        """step(), with whatever escapes it counted and logged (see _survive)."""
+        try:
+            return step()
+        except Exception as exc:
+            self._survive(exc, str(where.get("where", where)))
+            return None
+
     def run(self, stop: threading.Event, once: bool = False) -> None:
-        self.ensure_groups()
+        s = self.settings
+        backoff = Backoff(s.backoff_initial, max(s.backoff_initial, s.backoff_max))
+        self._troubled = False
+        for p in self.partitions:  # a partition whose group is not made is tried each pass
+            try:
+                self.ensure_group(p)
+            except Exception as exc:
+                self._survive(exc, "start")
+                if kind_of(exc) in _WHOLE_PASS:
+                    break
+        self._guard(self.check_redis, where="health")
+        self._last_health = time.monotonic()
         log.info(
             "worker started",
             extra={"consumer": self.settings.consumer, "partitions": len(self.partitions)},
         )
         last_observe = 0.0
         while not stop.is_set():
-            try:
-                now = time.monotonic()
-                if now - self._last_sweep >= self.settings.sweep_interval:
-                    self.sweep()
-                    self._last_sweep = now
-                if self.settings.metrics_port and now - last_observe >= 15:
-                    self.observe()
-                    last_observe = now
-                worked = self.poll_once()
-            except (BackendUnavailable, rex.ConnectionError, rex.TimeoutError) as exc:
-                log.warning("redis unavailable", extra={"error": repr(exc)})
-                worked = 0
-            except LedgerError as exc:
-                log.error("ledger error", extra={"error": repr(exc)})
-                worked = 0
+            self._troubled = False
+            now = time.monotonic()
+            if now - self._last_health >= s.health_interval:
+                self._last_health = now
+                self._guard(self.check_redis, where="health")
+            if now - self._last_sweep >= s.sweep_interval:
+                self._last_sweep = now
+                self._guard(self.sweep, where="sweep")
+            if s.metrics_port and now - last_observe >= 15:
+                last_observe = now
+                self._guard(self.observe, where="observe")
+            worked = self._guard(self.poll_once, where="poll")
             if once:
                 break
-            if not worked:
-                stop.wait(self.settings.poll_interval)
+            if self._troubled:
+                stop.wait(backoff.next())
+            else:
+                backoff.reset()
+                if not worked:
+                    stop.wait(s.poll_interval)
         log.info("worker stopped", extra={"consumer": self.settings.consumer})
+
+
+def _describe(exc: BaseException) -> str:
+    """'Type: message' (redis-py's repr of its errors omits the message)."""
+    return f"{type(exc).__name__}: {exc}"[:500]
 
 
 class JsonFormatter(logging.Formatter):
@@ -360,4 +644,6 @@ class JsonFormatter(logging.Formatter):
             "msg": record.getMessage(),
         }
         data.update({k: v for k, v in record.__dict__.items() if k not in self._skip})
+        if record.exc_info:
+            data["traceback"] = self.formatException(record.exc_info)
         return json.dumps(data, default=str)
