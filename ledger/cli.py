@@ -106,8 +106,11 @@ def _warn_redis_settings(ledger: Ledger, out: Console) -> None:
     from rich.markup import escape
 
     from ledger import health
+    from ledger.errors import translated
 
-    for line in health.describe(health.check(ledger.client, ledger.settings.redis_url)):
+    with translated():  # Redis gone meanwhile: BackendUnavailable, exit 3
+        report = health.check(ledger.client, ledger.settings.redis_url)
+    for line in health.describe(report):
         out.print(f"[yellow]warning:[/] {escape(line)}", soft_wrap=True)
 
 

@@ -228,8 +228,8 @@ class Worker:
 
     def _stream_lost(self, partition: int, exc: BaseException) -> None:
         """NOGROUP: the stream, or its group, is gone. Say so loudly once per loss (the
-        jobs in it may be lost), then make the group again (a stream a script has made
-        anew since keeps its entries: the group starts at its beginning)."""
+        jobs in it may be lost); the caller makes the group again (on a stream a script
+        has made anew since, the group starts at its first entry)."""
         self.metrics.errors.labels("nogroup").inc()
         if partition in self._groups:
             self._groups.discard(partition)
@@ -577,12 +577,12 @@ class Worker:
         else:
             self._trouble(kind, exc, where=where)
 
-    def _guard(self, step: Callable[[], object], **where: object) -> object:
+    def _guard(self, step: Callable[[], object], where: str) -> object:
         """step(), with whatever escapes it counted and logged (see _survive)."""
         try:
             return step()
         except Exception as exc:
-            self._survive(exc, str(where.get("where", where)))
+            self._survive(exc, where)
             return None
 
     def run(self, stop: threading.Event, once: bool = False) -> None:
@@ -596,7 +596,7 @@ class Worker:
                 self._survive(exc, "start")
                 if kind_of(exc) in _WHOLE_PASS:
                     break
-        self._guard(self.check_redis, where="health")
+        self._guard(self.check_redis, "health")
         self._last_health = time.monotonic()
         log.info(
             "worker started",
@@ -608,14 +608,14 @@ class Worker:
             now = time.monotonic()
             if now - self._last_health >= s.health_interval:
                 self._last_health = now
-                self._guard(self.check_redis, where="health")
+                self._guard(self.check_redis, "health")
             if now - self._last_sweep >= s.sweep_interval:
                 self._last_sweep = now
-                self._guard(self.sweep, where="sweep")
+                self._guard(self.sweep, "sweep")
             if s.metrics_port and now - last_observe >= 15:
                 last_observe = now
-                self._guard(self.observe, where="observe")
-            worked = self._guard(self.poll_once, where="poll")
+                self._guard(self.observe, "observe")
+            worked = self._guard(self.poll_once, "poll")
             if once:
                 break
             if self._troubled:
