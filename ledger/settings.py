@@ -40,9 +40,8 @@ class LedgerSettings(BaseSettings):
         le=86_400,
         description=(
             "seconds an outcome is kept for retries: at least retry_max_seconds + "
-            "socket_timeout (a retry sent at the end of the retry window may take a whole "
-            "timeout to arrive), and longer than any window in which you re-send an op id "
-            "yourself"
+            "socket_timeout + retry_max_backoff (the span in which the ledger may re-send a "
+            "call), and longer than any window in which you re-send an op id yourself"
         ),
     )
     drift_action: Literal["warn", "raise"] = Field(
@@ -60,12 +59,15 @@ class LedgerSettings(BaseSettings):
     def _retention_covers_retries(self) -> Self:
         # An op id re-sent after its outcome was dropped is a new call, charged again:
         # every re-send the ledger makes must reach Redis while the outcome is kept.
-        need = math.ceil(self.retry_max_seconds + self.socket_timeout)
+        # The first try may take a whole timeout; retries start until retry_max_seconds
+        # after it, each after up to retry_max_backoff of sleep.
+        need = math.ceil(self.retry_max_seconds + self.socket_timeout + self.retry_max_backoff)
         if self.retry_attempts > 1 and self.op_retention_seconds < need:
             raise ValueError(
                 f"op_retention_seconds {self.op_retention_seconds} is shorter than the retry "
                 f"window (retry_max_seconds {self.retry_max_seconds} + socket_timeout "
-                f"{self.socket_timeout}): a retry could arrive after its first outcome was "
-                f"dropped and be charged again; use op_retention_seconds >= {need}"
+                f"{self.socket_timeout} + retry_max_backoff {self.retry_max_backoff}): a retry "
+                "could arrive after its first outcome was dropped and be charged again; use "
+                f"op_retention_seconds >= {need}"
             )
         return self

@@ -22,6 +22,7 @@
 -- ARGV[5]  content                 the result (bytes, at most 64 MiB), stored only when spilled
 --
 -- Reply: status=ok|outcome=<admitted|spilled|duplicate>|item=<id>|charged=<tokens>
+--          (duplicate: already held; preview is the held preview when it was spilled, else 0)
 --          |tokens=<tokens>|preview=<tokens>|evicted=<c:id,...>|free=<tokens>|epoch=<n>|turn=<n>
 --    or  status=refused|reason=<token_budget_exhausted|floor_protected>|requested=<tokens>
 --          |free=<tokens>|epoch=<n>|turn=<n>
@@ -54,7 +55,12 @@ local function done(outcome, charged, preview, evicted, fr, args)
     '|charged=', charged, '|tokens=', tokens, '|preview=', preview, '|evicted=', evicted,
     '|free=', fr, '|epoch=', H.ep, '|turn=', H.tn }), args, J)
 end
-if R[3] then return done('duplicate', 0, 0, '', H.fr, {}) end
+if R[3] then
+  -- Held already (a retry, another worker): a held size below the result's means it
+  -- was spilled, and that preview is what the prompt may show.
+  local held = tonumber(string.match(R[3], '^(%d+)|'))
+  return done('duplicate', 0, held < tokens and held or 0, '', H.fr, {})
+end
 
 -- Tokens memory can give back: its claim above its floor, items only (not reservations).
 local held = H.u_r + H.u_m

@@ -50,7 +50,7 @@ if #members > 0 then redis.call('ZREM', KEYS[2], unpack(members)) end
 redis.call('HINCRBY', key, 'x:resets', 1)
 local args = { 'ep', H.ep + 1, 'fr', H.W - H.S - H.T - H.out - H.F_w - H.F_m, 'nv', 0,
   'a_w', 0, 'a_m', 0, 'a_s', 0, 'x:last_reset', reason, 'cd', 0, 'kf', 0, 'rq', 0, 'kt', H.tn,
-  'ai', 0, 'ao', 0, 'an', 0 }
+  'ai', 0, 'ao', 0, 'an', 0, 'df', 0, 'dr', 0 }
 zero_counters(args)
 return commit(key, now, op, fp, reply({ 'status=ok', 'epoch=' .. (H.ep + 1), 'dropped=' .. dropped,
   'released=' .. released }), args, { ol = R[2], gz = H.gz, xp = H.xp })

@@ -101,10 +101,12 @@ def test_1_no_two_ids_name_one_key() -> None:
 def test_5_retention_shorter_than_the_retry_window_is_refused() -> None:
     with pytest.raises(ConfigurationError, match="op_retention_seconds 5 is shorter"):
         LedgerSettings(op_retention_seconds=5)
-    with pytest.raises(ConfigurationError, match=r">= 65\b"):
+    with pytest.raises(ConfigurationError, match=r">= 66\b"):
         LedgerSettings(op_retention_seconds=60, retry_max_seconds=60, socket_timeout=5)
     # The defaults hold; no retries, no window.
-    assert LedgerSettings().op_retention_seconds >= 15
+    assert LedgerSettings().op_retention_seconds >= 16
+    with pytest.raises(ConfigurationError, match=r">= 16\b"):  # the backoff counts too
+        LedgerSettings(op_retention_seconds=15, socket_timeout=5, retry_max_seconds=10)
     assert LedgerSettings(op_retention_seconds=1, retry_attempts=1).op_retention_seconds == 1
 
 
@@ -335,3 +337,44 @@ def test_12_an_op_acknowledged_before_a_data_loss_is_not_charged_again(
         s.admit(RET, [Item("doc2", 10)])
     assert again.snapshot().used[RET] == 0
     assert again.audit().clean
+
+
+# --- found by reviewing the change -------------------------------------------------------------
+
+
+def test_a_spilled_tool_result_seen_again_is_still_the_preview(ledger: Ledger) -> None:
+    """A retry (or another worker) admitting a result the session already holds as a
+    spill's preview gets the preview and the handle back, not the whole text."""
+    from ledger.agent import Agent, EstimatingCounter
+
+    s = ledger.open_session(_sid("dup-spill"), SMALL)
+    agent = Agent(s, EstimatingCounter())
+    result = {"id": "call-big", "content": "r," * 20_000}
+    with agent.turn() as t:
+        first = t.tool_result(result)
+        again = t.tool_result(result)
+        assert first.spilled and again.spilled
+        assert (again.handle, again.text) == (first.handle, first.text)
+        t.prompt(again.text)
+    assert s.snapshot().used[SCR] == first.charged == 50
+
+
+def test_a_hard_reset_clears_the_drift_flag(ledger: Ledger, budget: SessionBudget) -> None:
+    s = ledger.open_session(_sid("drift-reset"), budget.model_copy(update={"framing_tolerance": 0}))
+    s.admit(WM, [Item("t1", 1_000)])
+    with pytest.warns(Warning):
+        s.end_turn(s.begin_turn(0).turn, 5_000)
+    assert s.snapshot().drift_flagged
+    s.reset("operator")
+    s.refresh()
+    assert not s.snapshot().drift_flagged and s.audit().clean
+
+
+async def test_the_span_processor_refuses_an_async_session(
+    aledger: AsyncLedger, budget: SessionBudget
+) -> None:
+    from ledger.adapters.otel import LedgerSpanProcessor
+
+    s = await aledger.open_session(_sid("otel"), budget)
+    with pytest.raises(InvalidArgument, match="sync Session"):
+        LedgerSpanProcessor(s)  # type: ignore[arg-type]

@@ -23,7 +23,7 @@ from typing import Any
 
 from ledger.agent.counters import missing_extra
 from ledger.client import Session
-from ledger.errors import LedgerError
+from ledger.errors import InvalidArgument, LedgerError
 
 try:
     from opentelemetry.context import Context
@@ -40,6 +40,11 @@ class LedgerSpanProcessor(SpanProcessor):
     """Records GenAI spans with ``record_span`` once they end (after the fact)."""
 
     def __init__(self, session: Session, turn: Callable[[], int] | None = None) -> None:
+        if not isinstance(session, Session):
+            raise InvalidArgument(
+                "LedgerSpanProcessor records through a sync Session (a span processor's "
+                f"on_end cannot await), got {type(session).__name__}"
+            )
         self.session = session
         self.turn = turn or (lambda: session.snapshot().turn)
         self.errors: list[LedgerError] = []

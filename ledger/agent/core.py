@@ -401,7 +401,7 @@ class AgentCore:
         got = yield self.session.admit_tool_result_call(iid, tokens, body)
         evicted, unknown = self.resolve(got.evicted)
         self.known[(Consumer.SCRATCHPAD, iid)] = result
-        if got.outcome == "spilled":
+        if got.outcome == "spilled" or got.preview_tokens > 0:  # spilled, now or before
             shown = self.preview(app_id, body, tokens, got.preview_tokens, iid)
             return ToolOutcome(
                 result, shown, True, iid, tokens, got.charged, tuple(evicted), tuple(unknown)

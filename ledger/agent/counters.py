@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from ledger.errors import ConfigurationError, InvalidArgument
+from ledger.extras import MissingExtra
 
 
 @runtime_checkable
@@ -25,11 +26,9 @@ class TokenCounter(Protocol):
     def __call__(self, text: str, /) -> int: ...
 
 
-def missing_extra(extra: str, module: str) -> ConfigurationError:
+def missing_extra(extra: str, module: str) -> MissingExtra:
     """The error for an optional dependency that is not installed."""
-    return ConfigurationError(
-        f"{module} is not installed: pip install 'redis-token-ledger[{extra}]'"
-    )
+    return MissingExtra(f"{module} is not installed: pip install 'redis-token-ledger[{extra}]'")
 
 
 class EstimatingCounter:
