@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import redis.exceptions as rex
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -47,6 +48,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from ledger import health, protocol
 from ledger.client import Ledger
 from ledger.errors import (
+    ConfigurationError,
     OperationIdReused,
     StaleEpoch,
     UnknownSession,
@@ -69,7 +71,15 @@ class WorkerSettings(BaseSettings):
     max_deliveries: int = Field(default=5, ge=1, description="then dead-letter the job")
     batch: int = Field(default=16, ge=1, le=1000)
     sweep_interval: float = Field(default=1.0, gt=0, description="seconds between lease sweeps")
-    compactor: str = "workers.compactors:simulated"
+    compactor: str | None = Field(
+        default=None,
+        description="import path 'module:attr' of the compactor for worker-owned sessions, "
+        "or 'none' (this worker serves no compaction: a fleet of agent-owned sessions). No "
+        "default: the worker refuses to start without one named explicitly",
+    )
+    max_in_flight: int = Field(
+        default=16, ge=1, le=1024, description="compactions running at once in this worker"
+    )
     metrics_port: int = Field(default=0, ge=0, le=65535, description="0: no metrics endpoint")
     backoff_initial: float = Field(
         default=0.1, gt=0, description="seconds to wait after a pass that met a Redis error"
@@ -187,7 +197,11 @@ class Worker:
         self.ledger = ledger
         self.settings = settings or WorkerSettings()
         self.metrics = metrics or Metrics()
-        self.compactor = compactors.load(self.settings.compactor)
+        if self.settings.compactor is None:
+            raise ConfigurationError(compactors.NO_COMPACTOR)
+        self.compactor: compactors.Compactor | None = (
+            None if self.settings.compactor == "none" else compactors.load(self.settings.compactor)
+        )
         self.partitions = range(ledger.keyspace.partitions)
         self._last_sweep = 0.0
         self._last_health = float("-inf")
@@ -449,6 +463,15 @@ class Worker:
             return JobOutcome("compact", "skipped")
         if snap.epoch != epoch or not snap.compaction_pending:
             return JobOutcome("compact", "already")
+        if snap.raw.get("ca"):
+            # The agent compacts this session inline (a job from before an ownership
+            # change, or written by hand): the worker keeps out.
+            return JobOutcome("compact", "skipped")
+        if self.compactor is None:
+            raise ConfigurationError(
+                f"worker-owned session {sid!r} has a compaction due and this worker runs no "
+                "compactor (--compactor none): run a worker with a compactor"
+            )
         if snap.raw.get("rq"):
             # Failed compactions escalated: a hard reset is coming, which drops what a
             # compaction would replace. Running the compactor again would only count
@@ -589,6 +612,18 @@ class Worker:
         s = self.settings
         backoff = Backoff(s.backoff_initial, max(s.backoff_initial, s.backoff_max))
         self._troubled = False
+        log.info(
+            "worker starting",
+            extra={
+                "url": mask_url(self.ledger.settings.redis_url or ""),
+                "prefix": self.ledger.settings.prefix,
+                "partitions": len(self.partitions),
+                "compactor": s.compactor,
+                "max_in_flight": s.max_in_flight,
+                "consumer": s.consumer,
+                "group": s.group,
+            },
+        )
         for p in self.partitions:  # a partition whose group is not made is tried each pass
             try:
                 self.ensure_group(p)
@@ -625,6 +660,16 @@ class Worker:
                 if not worked:
                     stop.wait(s.poll_interval)
         log.info("worker stopped", extra={"consumer": self.settings.consumer})
+
+
+def mask_url(url: str) -> str:
+    """The URL with its password (if any) replaced by ``***``."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 def _describe(exc: BaseException) -> str:
