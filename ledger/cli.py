@@ -256,9 +256,12 @@ def cmd_worker(args: argparse.Namespace, out: Console) -> int:
         worker = Worker(ledger, wsettings)
         if wsettings.metrics_port:
             start_http_server(wsettings.metrics_port, registry=worker.metrics.registry)
-        worker.run(stop, once=args.once)
-        if args.once:
-            worker.sweep()
+        try:
+            worker.run(stop, once=args.once)
+            if args.once:
+                worker.sweep()
+        finally:
+            worker.close()
     return EXIT_OK
 
 

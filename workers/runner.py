@@ -28,16 +28,19 @@ traceback and counted as ``internal``. The Redis settings the ledger needs
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import inspect
 import json
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import redis.exceptions as rex
@@ -57,6 +60,7 @@ from workers import compactors
 from workers.trouble import TRANSIENT, Backoff, kind_of
 
 log = logging.getLogger("ledger.worker")
+T = TypeVar("T")
 
 
 class WorkerSettings(BaseSettings):
@@ -199,7 +203,7 @@ class Worker:
         self.metrics = metrics or Metrics()
         if self.settings.compactor is None:
             raise ConfigurationError(compactors.NO_COMPACTOR)
-        self.compactor: compactors.Compactor | None = (
+        self.compactor: compactors.AnyCompactor | None = (
             None if self.settings.compactor == "none" else compactors.load(self.settings.compactor)
         )
         self.partitions = range(ledger.keyspace.partitions)
@@ -210,6 +214,32 @@ class Worker:
         self._troubled = False  # this pass met a Redis error: back off before the next
         self._said: dict[str, float] = {}  # kind -> when it was last logged
         self._unsaid: dict[str, int] = {}  # kind -> occurrences not logged since
+        self._pool = ThreadPoolExecutor(self.settings.max_in_flight, "ledger-job")
+        self._loop: asyncio.AbstractEventLoop | None = None  # for async compactors
+        self._loop_lock = threading.Lock()
+
+    def close(self) -> None:
+        """Stop the job threads and the async compactors' event loop."""
+        self._pool.shutdown(wait=True)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+
+    def _run_compactor(
+        self, compactor: compactors.AnyCompactor, request: compactors.CompactionRequest
+    ) -> compactors.CompactionPlan:
+        """A sync compactor in this job thread; an async one on the worker's event loop
+        (one loop, many summaries in flight), this thread waiting for its result."""
+        got = compactor(request)
+        if not inspect.isawaitable(got):
+            return got
+        with self._loop_lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                threading.Thread(
+                    target=loop.run_forever, name="ledger-compact", daemon=True
+                ).start()
+                self._loop = loop
+        return asyncio.run_coroutine_threadsafe(_awaited(got), self._loop).result()
 
     # --- streams ---------------------------------------------------------------------
 
@@ -263,17 +293,48 @@ class Worker:
     def poll_once(self) -> int:
         """One pass over every partition: new jobs, then jobs idle too long elsewhere.
 
-        A Redis error in one partition is counted and logged and the pass goes on with
-        the next (an unreachable server or an ACL refusal ends the pass: it is raised); a
-        job stream found missing is reported and its group made again. Returns the
-        number of jobs done."""
-        done = 0
+        The jobs read are run up to ``max_in_flight`` at once, those of one session one
+        after the other, in the order read (a 2 s summarizer does not hold up the
+        fleet's other sessions). A Redis error in one partition is counted and logged and
+        the pass goes on with the next (an unreachable server or an ACL refusal ends the
+        pass: it is raised); a job stream found missing is reported and its group made
+        again. Returns the number of jobs done."""
+        groups: dict[tuple[int, str], list[tuple[bytes | str, Any, bool]]] = {}
         for p in self.partitions:
             try:
-                done += self._poll_partition(p)
+                for entry_id, fields, claimed in self._read_partition(p):
+                    sid = _field(fields, "session")
+                    groups.setdefault((p, sid), []).append((entry_id, fields, claimed))
             except Exception as exc:
                 self._partition_trouble(p, exc)
+        if not groups:
+            return 0
+        done = 0
+        if len(groups) == 1 or self.settings.max_in_flight == 1:
+            for (p, _), jobs in groups.items():
+                try:
+                    done += self._deliver_all(p, jobs)
+                except Exception as exc:
+                    self._partition_trouble(p, exc)
+            return done
+        futures = {
+            self._pool.submit(self._deliver_all, p, jobs): p for (p, _), jobs in groups.items()
+        }
+        whole: BaseException | None = None
+        for fut, p in futures.items():
+            try:
+                done += fut.result()
+            except Exception as exc:
+                try:
+                    self._partition_trouble(p, exc)
+                except Exception as again:
+                    whole = whole or again
+        if whole is not None:
+            raise whole
         return done
+
+    def _deliver_all(self, p: int, jobs: list[tuple[bytes | str, Any, bool]]) -> int:
+        return sum(self._deliver(p, eid, fields, claimed=claimed) for eid, fields, claimed in jobs)
 
     def _partition_trouble(self, p: int, exc: BaseException) -> None:
         """A Redis error met in one partition: counted and logged; NOGROUP reported as a
@@ -295,25 +356,28 @@ class Worker:
             self._trouble(kind, again, partition=p)  # made on a later pass
 
     def _poll_partition(self, p: int) -> int:
-        s, client, done = self.settings, self.ledger.client, 0
+        return self._deliver_all(p, self._read_partition(p))
+
+    def _read_partition(self, p: int) -> list[tuple[bytes | str, Any, bool]]:
+        """New jobs of a partition, then its jobs idle too long elsewhere (taken over)."""
+        s, client, out = self.settings, self.ledger.client, []
         stream = self.stream(p)
         if p not in self._groups:  # not made yet (e.g. Redis was out of memory at start)
             self.ensure_group(p)
         got: Any = client.xreadgroup(s.group, s.consumer, {stream: ">"}, count=s.batch)
         for _, entries in got or []:
             for entry_id, fields in entries:
-                done += self._deliver(p, entry_id, fields, claimed=False)
+                out.append((entry_id, fields, False))
         auto: Any = client.xautoclaim(
             stream, s.group, s.consumer, s.claim_idle_ms, start_id="0-0", count=s.batch
         )
-        claimed = auto[1]
-        for entry_id, fields in claimed:
+        for entry_id, fields in auto[1]:
             if fields is None:  # deleted while pending (Redis 6.2; 7 drops them itself)
                 client.xack(stream, s.group, entry_id)
                 continue
             self.metrics.takeovers.inc()
-            done += self._deliver(p, entry_id, fields, claimed=True)
-        return done
+            out.append((entry_id, fields, True))
+        return out
 
     def _deliver(
         self,
@@ -478,11 +542,23 @@ class Worker:
             # failures past the maximum.
             return JobOutcome("compact", "skipped")
         items = tuple(self.ledger.items(sid))
-        plan = self.compactor(
+        contents = self._contents(keys.content, items)
+        plan = self._run_compactor(
+            self.compactor,
             compactors.CompactionRequest(
-                sid, epoch, snap.turn, items, snap.occupancy, snap.high_water_mark, snap.window
-            )
+                sid,
+                epoch,
+                snap.turn,
+                items,
+                snap.occupancy,
+                snap.high_water_mark,
+                snap.window,
+                contents,
+            ),
         )
+        if plan.summary is not None and plan.summary_text is not None:
+            # Before the commit: whenever the summary item exists, so does its text.
+            self._record_summary(keys, plan, int(snap.raw.get("ttl") or 86_400_000))
         # The job's entry id goes with the call: compact.lua deletes the entry with the
         # effect, and answers 'already' when it is gone (committed before, by a worker
         # that died before acknowledging it), whatever the op retention.
@@ -493,7 +569,50 @@ class Worker:
             done = self.ledger.run(call)
         except (StaleEpoch, UnknownSession, OperationIdReused):
             return JobOutcome("compact", "already")
+        if plan.summary is not None and plan.summary_text is not None:
+            self._tidy_summaries(keys, plan, applied=bool(done.summary))
         return JobOutcome("compact", "already" if done.outcome == "already" else "applied")
+
+    def _contents(self, key: str, items: tuple[Any, ...]) -> dict[str, str]:
+        """The stored texts of the held items ('<c>:<id>' -> text)."""
+        if not items:
+            return {}
+        fields = [f"{i.consumer.code}:{i.id}" for i in items]
+        values = self.ledger.client.hmget(key, fields)
+        return {f: _str(v) for f, v in zip(fields, values, strict=True) if v is not None}
+
+    def _record_summary(self, keys: Any, plan: compactors.CompactionPlan, ttl_ms: int) -> None:
+        assert plan.summary is not None and plan.summary_text is not None
+        record = json.dumps(
+            {
+                "text": plan.summary_text,
+                "replaced": [f"{c.code}:{i}" for c, i in plan.replaced],
+                "at": time.time_ns() // 1_000_000,
+            }
+        )
+        pipe = self.ledger.client.pipeline(transaction=False)
+        pipe.hset(keys.compacted, plan.summary.id, record)
+        pipe.pexpire(keys.compacted, ttl_ms)
+        pipe.hset(keys.content, f"w:{plan.summary.id}", plan.summary_text)
+        pipe.pexpire(keys.content, ttl_ms)
+        pipe.execute()
+
+    def _tidy_summaries(self, keys: Any, plan: compactors.CompactionPlan, applied: bool) -> None:
+        """After the commit: the replaced items' texts and records go (a summary replaced
+        by a later one is applied through the later one); a summary not applied goes."""
+        assert plan.summary is not None
+        pipe = self.ledger.client.pipeline(transaction=False)
+        if applied:
+            gone = [f"{c.code}:{i}" for c, i in plan.replaced]
+            if gone:
+                pipe.hdel(keys.content, *gone)
+            olds = [i for c, i in plan.replaced if c.code == "w"]
+            if olds:
+                pipe.hdel(keys.compacted, *olds)
+        else:
+            pipe.hdel(keys.compacted, plan.summary.id)
+            pipe.hdel(keys.content, f"w:{plan.summary.id}")
+        pipe.execute()
 
     # --- leases, metrics, health, loop -------------------------------------------------
 
@@ -660,6 +779,21 @@ class Worker:
                 if not worked:
                     stop.wait(s.poll_interval)
         log.info("worker stopped", extra={"consumer": self.settings.consumer})
+
+
+async def _awaited(aw: Awaitable[T]) -> T:
+    return await aw
+
+
+def _str(x: object) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+def _field(fields: Any, name: str) -> str:
+    for k, v in (fields or {}).items():
+        if _str(k) == name:
+            return _str(v)
+    return ""
 
 
 def mask_url(url: str) -> str:
