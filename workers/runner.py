@@ -216,13 +216,18 @@ class Worker:
         self._unsaid: dict[str, int] = {}  # kind -> occurrences not logged since
         self._pool = ThreadPoolExecutor(self.settings.max_in_flight, "ledger-job")
         self._loop: asyncio.AbstractEventLoop | None = None  # for async compactors
+        self._loop_thread: threading.Thread | None = None
         self._loop_lock = threading.Lock()
 
     def close(self) -> None:
         """Stop the job threads and the async compactors' event loop."""
         self._pool.shutdown(wait=True)
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
+        with self._loop_lock:
+            loop, thread, self._loop = self._loop, self._loop_thread, None
+        if loop is not None and thread is not None:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(10)
+            loop.close()
 
     def _run_compactor(
         self, compactor: compactors.AnyCompactor, request: compactors.CompactionRequest
@@ -235,11 +240,13 @@ class Worker:
         with self._loop_lock:
             if self._loop is None:
                 loop = asyncio.new_event_loop()
-                threading.Thread(
+                self._loop_thread = threading.Thread(
                     target=loop.run_forever, name="ledger-compact", daemon=True
-                ).start()
+                )
+                self._loop_thread.start()
                 self._loop = loop
-        return asyncio.run_coroutine_threadsafe(_awaited(got), self._loop).result()
+            loop = self._loop
+        return asyncio.run_coroutine_threadsafe(_awaited(got), loop).result()
 
     # --- streams ---------------------------------------------------------------------
 

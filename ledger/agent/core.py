@@ -359,9 +359,11 @@ class AgentCore:
 
     def begin(self, working_set: int, output_reserve: int | None) -> Op[TurnState]:
         worker = yield from self._worker_owned()
-        if worker and self.compaction_pending and self.await_compaction > 0:
-            # the worker's summary, bounded: a turn that starts before it lands would end
-            # with a prompt the compaction changed under it
+        if worker and self.await_compaction > 0:
+            # the worker's summary, bounded (a snapshot; polled while one is pending): a
+            # turn that starts before it lands would end with a prompt the compaction
+            # changed under it. Asked of the ledger, as another worker may have served
+            # the turn that made it due.
             wait, self.compaction_wait = self.compaction_wait, self.await_compaction
             try:
                 yield from self._wait_compaction()
@@ -385,8 +387,12 @@ class AgentCore:
                 continue
             try:
                 rec = json.loads(raw)
-                fresh.append((int(rec.get("at", 0)), sid, str(rec["text"]), list(rec["replaced"])))
-            except (ValueError, KeyError, TypeError):
+                pairs = [
+                    (Consumer.from_code(code), iid)
+                    for code, _, iid in (str(r).partition(":") for r in rec["replaced"])
+                ]
+                fresh.append((int(rec.get("at", 0)), sid, str(rec["text"]), pairs))
+            except (ValueError, KeyError, TypeError, AttributeError):
                 continue  # not a record this version wrote
         if not fresh:
             return
@@ -394,11 +400,7 @@ class AgentCore:
         for (_, sid, text, replaced), h in sorted(zip(fresh, held, strict=True)):
             if not h:
                 continue  # replaced since by a later summary, or reset away
-            pairs = []
-            for ref in replaced:
-                code, _, iid = str(ref).partition(":")
-                pairs.append((Consumer.parse(code), iid))
-            objs, _ = self.resolve(pairs)
+            objs, _ = self.resolve(replaced)
             state.dropped.extend(objs)
             summary = self.summary_of(sid, text)
             self.known[(Consumer.WORKING_MEMORY, sid)] = summary
