@@ -196,16 +196,21 @@ _WHOLE_PASS = frozenset({"unavailable", "noperm"})
 
 class Worker:
     def __init__(
-        self, ledger: Ledger, settings: WorkerSettings | None = None, metrics: Metrics | None = None
+        self,
+        ledger: Ledger,
+        settings: WorkerSettings | None = None,
+        metrics: Metrics | None = None,
+        compactor: compactors.AnyCompactor | None = None,
     ) -> None:
         self.ledger = ledger
         self.settings = settings or WorkerSettings()
         self.metrics = metrics or Metrics()
-        if self.settings.compactor is None:
+        # A compactor object given in code (in-process use) wins over settings.compactor.
+        if compactor is None and self.settings.compactor is None:
             raise ConfigurationError(compactors.NO_COMPACTOR)
-        self.compactor: compactors.AnyCompactor | None = (
-            None if self.settings.compactor == "none" else compactors.load(self.settings.compactor)
-        )
+        self.compactor: compactors.AnyCompactor | None = compactor
+        if compactor is None and self.settings.compactor != "none":
+            self.compactor = compactors.load(str(self.settings.compactor))
         self.partitions = range(ledger.keyspace.partitions)
         self._last_sweep = 0.0
         self._last_health = float("-inf")
@@ -744,7 +749,7 @@ class Worker:
                 "url": mask_url(self.ledger.settings.redis_url or ""),
                 "prefix": self.ledger.settings.prefix,
                 "partitions": len(self.partitions),
-                "compactor": s.compactor,
+                "compactor": s.compactor or f"{type(self.compactor).__name__} (in code)",
                 "max_in_flight": s.max_in_flight,
                 "consumer": s.consumer,
                 "group": s.group,
