@@ -171,3 +171,34 @@ def test_e2e_two_agent_processes_worker_killed(redis_server: Any) -> None:
     assert res["failures"] == [], res
     assert res["agent_processes"] == 2 and res["worker_kills"] == 1
     assert res["compactions"] >= 2 and res["max_abs_drift"] == 0 and res["resets"] == 0
+
+
+def test_openai_compatible_chat_and_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """openai_from_env: refuses without its settings; with them, one POST per summary to
+    an OpenAI-compatible endpoint (a stub transport here)."""
+    import httpx
+
+    from ledger.adapters import summarizer as mod
+    from ledger.errors import ConfigurationError
+
+    monkeypatch.delenv("LEDGER_SUMMARIZER_BASE_URL", raising=False)
+    with pytest.raises(ConfigurationError, match="LEDGER_SUMMARIZER_BASE_URL"):
+        mod._FromEnv().make()
+    seen: list[dict[str, Any]] = []
+
+    def reply(request: httpx.Request) -> httpx.Response:
+        import json
+
+        seen.append({"url": str(request.url), **json.loads(request.content)})
+        return httpx.Response(200, json={"choices": [{"message": {"content": "short gist"}}]})
+
+    real = httpx.AsyncClient
+    monkeypatch.setattr(
+        httpx, "AsyncClient", lambda **kw: real(transport=httpx.MockTransport(reply), **kw)
+    )
+    chat = mod.OpenAICompatibleChat("http://llm.local/v1/", "m1", api_key="k")
+    s = LLMSummarizer(chat, words, keep_last=0)
+    items = (HeldItem(Consumer.WORKING_MEMORY, "m0", 100, 1, 0, 1),)
+    plan = asyncio.run(s(CompactionRequest("s", 1, 2, items, 100, 50, 1000, {"w:m0": "x"})))
+    assert plan.summary_text == "short gist" and plan.summary is not None
+    assert seen[0]["url"] == "http://llm.local/v1/chat/completions" and seen[0]["model"] == "m1"

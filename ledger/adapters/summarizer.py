@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ledger.errors import ConfigurationError
+from ledger.extras import need
 from ledger.models import Consumer, HeldItem, Item
 from workers.compactors import CompactionPlan, CompactionRequest
 
@@ -114,7 +115,7 @@ class OpenAICompatibleChat:
         self.timeout = timeout
 
     async def ainvoke(self, messages: list[dict[str, str]]) -> _Reply:
-        import httpx
+        httpx = need("httpx", "summarizer", "the OpenAI-compatible summarizer")
 
         async with httpx.AsyncClient(timeout=self.timeout) as client:
             r = await client.post(
