@@ -6,13 +6,17 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Any
+from typing import Annotated, Any, TypedDict
 
 import pytest
 from langchain_core.language_models import GenericFakeChatModel
-from langchain_core.messages import AIMessage
+from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, SystemMessage
+from langgraph.checkpoint.memory import MemorySaver
+from langgraph.graph import END, START, StateGraph
+from langgraph.graph.message import add_messages
 
 from ledger import Agent, Ledger, SessionBudget
+from ledger.adapters.langgraph import LedgerGraph
 from ledger.adapters.summarizer import LLMSummarizer
 from ledger.models import Consumer, HeldItem
 from tests import jobs
@@ -202,3 +206,47 @@ def test_openai_compatible_chat_and_from_env(monkeypatch: pytest.MonkeyPatch) ->
     plan = asyncio.run(s(CompactionRequest("s", 1, 2, items, 100, 50, 1000, {"w:m0": "x"})))
     assert plan.summary_text == "short gist" and plan.summary is not None
     assert seen[0]["url"] == "http://llm.local/v1/chat/completions" and seen[0]["model"] == "m1"
+
+
+class State(TypedDict):
+    messages: Annotated[list[AnyMessage], add_messages]
+
+
+def test_langgraph_applies_the_workers_summary(ledger: Ledger) -> None:
+    """A LangGraph agent on a worker-owned session: the worker's summary enters the
+    graph's state as a system message, the messages it replaced leave it, drift 0."""
+    session = ledger.open_session("comp/lg", BUDGET)
+    gov = LedgerGraph(Agent(session, words))
+    model = gov.model(
+        GenericFakeChatModel(messages=iter([AIMessage("ok", id=f"a{i}") for i in range(20)]))
+    )
+
+    def answer(state: State) -> dict[str, Any]:
+        return {"messages": [model.invoke([SystemMessage(SYSTEM), *state["messages"]])]}
+
+    builder = StateGraph(State)  # the first node's update carries the ledger's changes
+    builder.add_node("plan", lambda state: {})
+    builder.add_node("answer", answer)
+    builder.add_edge(START, "plan")
+    builder.add_edge("plan", "answer")
+    builder.add_edge("answer", END)
+    graph = gov.govern(builder).compile(checkpointer=MemorySaver())
+    config: Any = {"configurable": {"thread_id": "t"}}
+    worker = jobs.new_worker(ledger, compactor="tests.test_compaction:summarizer")
+    compacted_at = None
+    for n in range(8):
+        with gov.turn() as turn:
+            graph.invoke({"messages": [HumanMessage("word " * 500, id=f"q{n}")]}, config)
+        assert turn.report is not None and turn.report.drift == 0, turn.report
+        ids = [m.id for m in graph.get_state(config).values["messages"]]
+        if compacted_at is not None and n == compacted_at + 1:
+            assert any(str(i).startswith("summary-") for i in ids), ids
+            assert "q0" not in ids
+        if turn.report.compaction_due and compacted_at is None:
+            compacted_at = n
+            jobs.drain(ledger, worker)
+    assert compacted_at is not None
+    assert {i.id for i in ledger.items("comp/lg")} == set(
+        str(m.id) for m in graph.get_state(config).values["messages"]
+    )
+    worker.close()

@@ -400,8 +400,9 @@ class AgentCore:
         for (_, sid, text, replaced), h in sorted(zip(fresh, held, strict=True)):
             if not h:
                 continue  # replaced since by a later summary, or reset away
-            objs, _ = self.resolve(replaced)
+            objs, unknown = self.resolve(replaced)
             state.dropped.extend(objs)
+            state.unresolved.extend(unknown)  # an adapter resolves them once it tracks
             summary = self.summary_of(sid, text)
             self.known[(Consumer.WORKING_MEMORY, sid)] = summary
             state.summaries.append(summary)
