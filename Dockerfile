@@ -14,7 +14,7 @@ COPY pyproject.toml README.md ./
 COPY ledger ./ledger
 COPY workers ./workers
 COPY lua ./lua
-RUN pip install . \
+RUN pip install ".[summarizer]" \
     && rm -rf /src \
     && useradd --create-home --uid 10001 ledger
 

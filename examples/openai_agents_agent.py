@@ -100,7 +100,7 @@ def summarize(items: list[dict[str, Any]]) -> str:
     return f"Summary of {len(items)} earlier items: " + " ".join(WORDS)
 
 
-BUDGET = SessionBudget(window=16_000, system_prompt=19, output_reserve=1_000, working_memory_floor=1_500, framing_tolerance=8)  # ledger
+BUDGET = SessionBudget(window=16_000, system_prompt=19, output_reserve=1_000, working_memory_floor=1_500, framing_tolerance=8, compaction="agent")  # ledger
 
 
 class Worker:

@@ -17,7 +17,7 @@ from redis.retry import Retry
 
 from ledger.errors import ConfigurationError
 from ledger.extras import need
-from ledger.settings import LedgerSettings
+from ledger.settings import LedgerSettings, require_url
 
 if TYPE_CHECKING:
     import fakeredis
@@ -95,7 +95,7 @@ def _options(settings: LedgerSettings) -> dict[str, Any]:
 
 
 def sync_client(settings: LedgerSettings) -> SyncClient:
-    t = parse_url(settings.redis_url)
+    t = parse_url(require_url(settings))
     if t.kind == "embedded":
         return _fakeredis().FakeRedis(server=embedded_server(t.url))  # type: ignore[no-any-return]
     if t.kind == "cluster":
@@ -104,7 +104,7 @@ def sync_client(settings: LedgerSettings) -> SyncClient:
 
 
 def async_client(settings: LedgerSettings) -> AsyncClient:
-    t = parse_url(settings.redis_url)
+    t = parse_url(require_url(settings))
     if t.kind == "embedded":
         return _fakeredis().FakeAsyncRedis(server=embedded_server(t.url))  # type: ignore[no-any-return]
     if t.kind == "cluster":

@@ -1,7 +1,11 @@
 """The ``ledger`` command: ``demo``, ``inspect``, ``top``, ``audit``, ``worker``.
 
 Exit codes: 0 success; 1 an audit found violations or the demo's checks failed;
-2 bad usage or configuration; 3 Redis unavailable.
+2 bad usage or configuration (among them: no Redis URL for worker, audit, inspect or top,
+and a worker with no compactor named); 3 Redis unavailable.
+
+Only ``demo`` runs in-process (``embedded://``) when no URL is set; the other commands
+need ``--url`` or ``LEDGER_REDIS_URL`` (``embedded://`` only when asked for by name).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from ledger.errors import (
     LedgerError,
     UnknownSession,
 )
-from ledger.settings import LedgerSettings
+from ledger.settings import LedgerSettings, require_url
 
 if TYPE_CHECKING:
     from ledger.client import Ledger
@@ -49,6 +53,8 @@ def cmd_demo(args: argparse.Namespace, out: Console) -> int:
 
     logging.getLogger("ledger.worker").setLevel(logging.ERROR)
     settings = _settings(args)
+    if settings.redis_url is None:  # the demo alone runs in-process when no URL is set
+        settings = settings.model_copy(update={"redis_url": "embedded://"})
     config = FleetConfig(
         sessions=args.sessions, workers=args.workers, max_turns=args.max_turns, seed=args.seed
     )
@@ -224,29 +230,38 @@ def cmd_worker(args: argparse.Namespace, out: Console) -> int:
     from prometheus_client import start_http_server
 
     from ledger.client import Ledger
+    from workers.compactors import NO_COMPACTOR
     from workers.runner import JsonFormatter, Worker, WorkerSettings
 
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter())
     logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
     overrides: dict[str, object] = {}
-    for name in ("compactor", "consumer", "metrics_port", "claim_idle_ms", "max_deliveries"):
+    names = ("compactor", "consumer", "metrics_port", "claim_idle_ms", "max_deliveries")
+    for name in (*names, "max_in_flight"):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
     if args.interval is not None:
         overrides["sweep_interval"] = args.interval
     wsettings = WorkerSettings(**overrides)  # type: ignore[arg-type]
+    settings = _settings(args)
+    require_url(settings)
+    if wsettings.compactor is None:
+        raise ConfigurationError(NO_COMPACTOR)
     stop = threading.Event()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
-    with Ledger.from_settings(_settings(args)) as ledger:
+    with Ledger.from_settings(settings) as ledger:
         worker = Worker(ledger, wsettings)
         if wsettings.metrics_port:
             start_http_server(wsettings.metrics_port, registry=worker.metrics.registry)
-        worker.run(stop, once=args.once)
-        if args.once:
-            worker.sweep()
+        try:
+            worker.run(stop, once=args.once)
+            if args.once:
+                worker.sweep()
+        finally:
+            worker.close()
     return EXIT_OK
 
 
@@ -254,7 +269,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ledger", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--url", help="Redis URL (default: LEDGER_REDIS_URL or embedded://)")
+    p.add_argument(
+        "--url",
+        help="Redis URL (default: LEDGER_REDIS_URL; required except for demo, which "
+        "defaults to embedded://)",
+    )
     p.add_argument("--prefix", help="key prefix (default: LEDGER_PREFIX or 'ledger')")
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser(
@@ -298,7 +317,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     w.add_argument("--interval", type=float, help="seconds between lease sweeps (default 1)")
     w.add_argument("--once", action="store_true", help="one pass over every partition, then exit")
-    w.add_argument("--compactor", help="import path 'module:attr' (default the simulated one)")
+    w.add_argument(
+        "--compactor",
+        help="import path 'module:attr' of the compactor for worker-owned sessions, or "
+        "'none' (required, or LEDGER_WORKER_COMPACTOR)",
+    )
+    w.add_argument("--max-in-flight", type=int, help="compactions at once (default 16)")
     w.add_argument("--consumer", help="consumer name in the group (default host-pid)")
     w.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     w.add_argument("--claim-idle-ms", type=int, help="take over jobs idle this long")

@@ -195,7 +195,8 @@ class LedgerCore:
     @classmethod
     def from_url(cls, url: str | None = None, **overrides: Any) -> Self:
         """``Ledger.from_url("redis://localhost:6379/0")``; ``None`` reads
-        ``LEDGER_REDIS_URL`` (default ``embedded://``); other settings as keywords."""
+        ``LEDGER_REDIS_URL`` (no default: :class:`ConfigurationError` when it is unset;
+        ``"embedded://"`` asks for the in-process backend); other settings as keywords."""
         if url is not None:
             overrides["redis_url"] = url
         return cls.from_settings(LedgerSettings(**overrides))

@@ -11,6 +11,14 @@ them on Redis Cluster::
     <prefix>:{p<N>}:jobs               stream of jobs for the workers (hard resets)
     <prefix>:{p<N>}:spill:<session_id>|<call_id>
                                        a spilled tool result (string, with a TTL)
+    <prefix>:{p<N>}:content:<session_id>
+                                       hash '<consumer code>:<item id>' -> the item's text
+                                       (the agent layer writes it; the worker's compactor
+                                       reads it); the session's idle TTL
+    <prefix>:{p<N>}:compacted:<session_id>
+                                       hash summary item id -> JSON {"text", "replaced"}:
+                                       the worker's committed summaries, for the agent
+                                       layer to apply at its next turn; the session's TTL
 
 No two (prefix, session, id) triples name the same key. Ids never contain '|' or
 braces, so '|' ends a session id wherever another id follows it; a prefix never
@@ -37,6 +45,8 @@ class SessionKeys:
     deadlines: str
     jobs: str
     spill_prefix: str
+    content: str
+    compacted: str
 
     def spill(self, call_id: str) -> str:
         return self.spill_prefix + call_id
@@ -83,6 +93,8 @@ class KeySpace:
             self.deadlines(p),
             self.jobs(p),
             f"{self.tag(p)}:spill:{session_id}|",
+            f"{self.tag(p)}:content:{session_id}",
+            f"{self.tag(p)}:compacted:{session_id}",
         )
 
     def session_id_of(self, key: str) -> str | None:

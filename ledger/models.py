@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -88,6 +88,12 @@ class SessionBudget(BaseModel):
     amplification_saturation: float = Field(default=1.5, gt=0.0, le=1000.0)
     amplification_fragmentation: float = Field(default=3.0, gt=0.0, le=1000.0)
     amplification_pathological: float = Field(default=8.0, gt=0.0, le=1000.0)
+    compaction: Literal["worker", "agent"] = Field(
+        default="worker",
+        description="who compacts the session: 'worker' (the background worker runs its "
+        "compactor on due compactions) or 'agent' (the ledger reports a compaction due and "
+        "the agent commits it inline through compact; the worker never compacts it)",
+    )
     framing_tolerance: int | None = Field(
         default=None,
         ge=0,

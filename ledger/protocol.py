@@ -149,20 +149,24 @@ def open_session(
     ]
     body += [hashlib.blake2b(cfg.encode(), digest_size=8).hexdigest(), cfg]
     released = "".join(sorted(c.code for c in b.release_each_turn)) or "-"
-    body += [released] + [
-        str(x)
-        for x in (
-            b.spill_preview_tokens,
-            b.spill_ttl_seconds * 1000,
-            b.max_failed_compactions,
-            b.rollup_turns,
-            round(b.rollup_fraction * 1000),
-            round(b.amplification_saturation * 1000),
-            round(b.amplification_fragmentation * 1000),
-            round(b.amplification_pathological * 1000),
-            -1 if b.framing_tolerance is None else b.framing_tolerance,
-        )
-    ]
+    body += (
+        [released]
+        + [
+            str(x)
+            for x in (
+                b.spill_preview_tokens,
+                b.spill_ttl_seconds * 1000,
+                b.max_failed_compactions,
+                b.rollup_turns,
+                round(b.rollup_fraction * 1000),
+                round(b.amplification_saturation * 1000),
+                round(b.amplification_fragmentation * 1000),
+                round(b.amplification_pathological * 1000),
+                -1 if b.framing_tolerance is None else b.framing_tolerance,
+            )
+        ]
+        + [b.compaction]
+    )
     return _mutating("open", [keys.session], op_id, 0, body, _opened)
 
 

@@ -14,14 +14,17 @@ from ledger.errors import ConfigurationError
 class LedgerSettings(BaseSettings):
     """Connection, key layout and retry policy.
 
-    ``LEDGER_REDIS_URL`` picks the backend: ``embedded://`` (fakeredis in this
-    process, no server), ``redis://``, ``rediss://``, ``unix://``, or
-    ``redis+cluster://host:port`` (``rediss+cluster://`` with TLS) for Redis Cluster.
+    ``LEDGER_REDIS_URL`` picks the backend: ``redis://``, ``rediss://``, ``unix://``,
+    ``redis+cluster://host:port`` (``rediss+cluster://`` with TLS) for Redis Cluster, or
+    ``embedded://`` (fakeredis in this process, no server). There is no default: a
+    ledger with no URL refuses to connect (:func:`require_url`), because an implicit
+    in-process backend gives every process its own ledger, the over-allocation the
+    ledger exists to prevent. Ask for ``embedded://`` by name for the demo and tests.
     """
 
     model_config = SettingsConfigDict(env_prefix="LEDGER_", frozen=True, extra="forbid")
 
-    redis_url: str = "embedded://"
+    redis_url: str | None = None
     prefix: str = Field(default="ledger", pattern=r"^[A-Za-z0-9._:-]{1,64}$")
     partitions: int = Field(default=64, ge=1, le=16384)
     socket_timeout: float = Field(default=5.0, gt=0, description="seconds per command")
@@ -71,3 +74,17 @@ class LedgerSettings(BaseSettings):
                 f"op_retention_seconds >= {need}"
             )
         return self
+
+
+NO_URL = (
+    "no Redis URL: set LEDGER_REDIS_URL (or pass --url / a url) to the Redis every "
+    "process of the fleet shares, or 'embedded://' explicitly for an in-process ledger "
+    "(one per process: for the demo and tests only)"
+)
+
+
+def require_url(settings: LedgerSettings) -> str:
+    """The settings' Redis URL; :class:`ConfigurationError` when none is set."""
+    if not settings.redis_url:
+        raise ConfigurationError(NO_URL)
+    return settings.redis_url

@@ -219,6 +219,12 @@ end
 
 -- Append a job for the workers to the partition's stream (KEYS of the caller), in
 -- the same atomic step as the state change that needs it (DESIGN invariant 9).
+-- Whether the background worker compacts the session (compaction jobs are enqueued for
+-- it); an agent-owned session ('ca' = 1) compacts inline and gets no compaction jobs.
+local function worker_compacts(key)
+  return redis.call('HGET', key, 'ca') ~= '1'
+end
+
 local function enqueue(stream, kind, sid, epoch, op, reason)
   local inc = redis.call('HGET', KEYS[1], 'inc')
   redis.call('XADD', stream, '*', 'kind', kind, 'session', sid, 'epoch', epoch, 'reason', reason,

@@ -4,6 +4,7 @@
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  partition job stream    a compaction job is appended when one becomes pending
+--                                  (worker-owned sessions only)
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
 -- ARGV[3]  working set             tokens the turn must hold in working memory, 0..1e8
@@ -31,7 +32,7 @@
 --   (record 003's order); empty when the declared working set cannot fit at all.
 -- Errors: LEDGER_BADARG, LEDGER_CONFIG (the output reserve makes the reserved floor
 --         exceed the window), LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
--- Calls: HMGET, TIME, HSET (HGETALL and HDEL only to rotate or reclaim; HINCRBY; XADD when a
+-- Calls: HMGET, TIME, HSET (HGET when a compaction becomes pending; HGETALL and HDEL only to rotate or reclaim; HINCRBY; XADD when a
 --        compaction becomes pending)
 --        and a PEXPIRE or a journal sweep when due.
 
@@ -143,7 +144,7 @@ if start_residual < need() then
       end
     end
     redis.call('HINCRBY', key, 'x:starvation', 1)
-    if H.cd ~= 1 then enqueue(KEYS[2], 'compact', sid, H.ep, op, regime) end
+    if H.cd ~= 1 and worker_compacts(key) then enqueue(KEYS[2], 'compact', sid, H.ep, op, regime) end
     return commit(key, now, op, fp, table.concat({ 'status=refused|reason=',
       regime == 'loud' and 'compaction_pending' or 'starvation', '|requested=', need(),
       '|residual=', start_residual, '|need=', need(), '|utilization=', util, '|shortfall=', short,
@@ -172,7 +173,7 @@ end
 if due == 1 and H.cd ~= 1 then
   args[#args + 1] = 'cd'
   args[#args + 1] = 1
-  enqueue(KEYS[2], 'compact', sid, H.ep, op, 'high_water_mark')
+  if worker_compacts(key) then enqueue(KEYS[2], 'compact', sid, H.ep, op, 'high_water_mark') end
 end
 return commit(key, now, op, fp, table.concat({ 'status=ok|regime=', regime, '|turn=', turn,
   '|residual=', residual(), '|need=', need(), '|utilization=', util, '|reclaimed=',

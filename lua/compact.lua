@@ -36,10 +36,11 @@
 --   compaction is not counted again: failures and x:failed_compactions stay at the
 --   escalation's count until the reset.
 -- Stream entries: on escalation kind=hard_reset session=<id> epoch=<n> reason=failed_compactions
---   op=<op id>; on a failure that does not escalate, kind=compact (the compaction is retried).
+--   op=<op id>; on a failure that does not escalate, kind=compact (the compaction is retried:
+--   a new compaction request, a new attempt), for worker-owned sessions only.
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED,
 --         LEDGER_CONFLICT (the summary id is held and not among the replaced items).
--- Calls: HMGET, XDEL (a job), TIME, HDEL, HSET, XADD (on escalation or retry), HINCRBY.
+-- Calls: HMGET, XDEL (a job), TIME, HDEL, HSET, HGET and XADD (on escalation or retry), HINCRBY.
 
 local op, fp, epoch, e = op_args('compact', false)
 if e then return e end
@@ -153,7 +154,7 @@ if escalate then
   enqueue(KEYS[2], 'hard_reset', sid, H.ep, op, 'failed_compactions')
   redis.call('HINCRBY', key, 'x:escalations', 1)
   args[#args + 1], args[#args + 2] = 'rq', 1
-elseif not ok and H.rq == 0 then
+elseif not ok and H.rq == 0 and worker_compacts(key) then
   enqueue(KEYS[2], 'compact', sid, H.ep, op, 'failed_compaction')
 end
 return commit(key, now, op, fp, table.concat({ 'status=ok|outcome=',

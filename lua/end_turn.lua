@@ -30,7 +30,7 @@
 --          |flag=<none|drift|over_window>
 -- Errors: LEDGER_BADARG (also: not the current turn, or a turn already ended; a final
 --         prompt of 0), LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
--- Calls: HMGET, TIME, HSET, HINCRBY (class; x:drift when flagged), XADD when a compaction becomes pending (a PEXPIRE or a
+-- Calls: HMGET, TIME, HSET, HINCRBY (class; x:drift when flagged), HGET and XADD when a compaction becomes pending (worker-owned sessions) (a PEXPIRE or a
 --        journal sweep when due).
 
 local op, fp, epoch, e = op_args('end_turn', false)
@@ -81,7 +81,9 @@ if flag ~= 'none' then redis.call('HINCRBY', key, 'x:drift', 1) end
 local wm_budget = H.F_w > 0 and H.F_w or H.W
 local rollup = (H.tn - H.kt > H.rut or H.a_w * 1000 > H.rup * wm_budget) and 1 or 0
 redis.call('HINCRBY', key, 'x:class:' .. class, 1)
-if due == 1 and H.cd ~= 1 then enqueue(KEYS[2], 'compact', sid, H.ep, op, 'high_water_mark') end
+if due == 1 and H.cd ~= 1 and worker_compacts(key) then
+  enqueue(KEYS[2], 'compact', sid, H.ep, op, 'high_water_mark')
+end
 return commit(key, now, op, fp, table.concat({ 'status=ok|turn=', H.tn, '|ratio=', ratio, '|class=', class,
   '|utilization=', util, '|utilization_delta=', delta, '|spans=', H.an, '|span_input=', H.ai,
   '|compaction_due=', due, '|rollup=', rollup, '|epoch=', H.ep, '|occupancy=', occ, '|drift=', drift,

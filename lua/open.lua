@@ -27,6 +27,9 @@
 -- ARGV[21..23] amplification       saturation, fragmentation, pathological thresholds, per mille
 -- ARGV[24] framing tolerance       tokens the real prompt may differ from occupancy at end_turn
 --                                  before the drift is flagged, 0..1e8; -1: drift is not judged
+-- ARGV[25] compaction owner        'worker' (the background worker compacts: compaction jobs
+--                                  are enqueued) or 'agent' (the agent compacts inline through
+--                                  compact; only a hard-reset escalation is enqueued)
 --
 -- Reply: status=ok|created=<0|1>|epoch=<n>|turn=<n>
 -- Errors: LEDGER_BADARG, LEDGER_CONFIG (reserved floor larger than the window),
@@ -79,7 +82,11 @@ end
 local tol
 tol, e = int_arg(ARGV[24], 'framing tolerance', -1, TOKENS_MAX)
 if e then return e end
-if #ARGV ~= 24 then return err('BADARG', 'expected 24 arguments, got ' .. #ARGV) end
+local owner = ARGV[25]
+if owner ~= 'worker' and owner ~= 'agent' then
+  return err('BADARG', 'compaction owner must be worker or agent, got ' .. show(owner))
+end
+if #ARGV ~= 25 then return err('BADARG', 'expected 25 arguments, got ' .. #ARGV) end
 
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'pe', 'o:' .. op, 'cfg', 'ol' }, 3)
@@ -105,7 +112,7 @@ local args = { 'cfg', cfp, 'ep', epoch, 'inc', now, 'tn', 0, 'sq', 0,
   'W', W, 'S', S, 'T', T, 'out', out, 'F_w', Fw, 'F_m', Fm, 'HW', v[7], 'EV', v[8], 'fr', fr,
   'a_w', 0, 'a_m', 0, 'a_s', 0, 'nv', 0, 'ttl', v[9], 'ort', v[10], 'cl', 0, 'ch', 0,
   'R0', out, 'rel', rel, 'pv', v[11], 'sttl', v[12], 'cx', v[13], 'rut', v[14], 'rup', v[15],
-  'ams', v[16], 'amf', v[17], 'amp', v[18], 'dt', tol,
+  'ams', v[16], 'amf', v[17], 'amp', v[18], 'dt', tol, 'ca', owner == 'agent' and 1 or 0,
   'cd', 0, 'kf', 0, 'kn', 0, 'kt', 0, 'rq', 0, 'ws', 0, 'ai', 0, 'ao', 0, 'an', 0, 'pu', -1 }
 zero_counters(args)
 -- xp = 0 and gz = NEVER: the first commit refreshes the idle TTL.

@@ -565,6 +565,7 @@ ARGV_SPEC: dict[str, dict[int, list[str | bytes]]] = {
         13: BAD_FPS,  # budget fingerprint
         14: ["x" * 4097],  # budget json
         24: ints(-1, 100_000_000),  # framing tolerance
+        25: ["", "Worker", "none", "w", b"\xff"],  # compaction owner
     },
     "reconcile": {
         **COMMON,

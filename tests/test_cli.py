@@ -77,7 +77,21 @@ def test_worker_once_releases_expired(redis_server: RedisProcess, prefix: str) -
         s = led.open_session("w", SessionBudget(window=1000, system_prompt=10))
         s.reserve("scratchpad", "r1", 100, lease_ms=20)
         time.sleep(0.1)
-        assert cli.main(["--url", redis_server.url, "--prefix", prefix, "worker", "--once"]) == 0
+        assert (
+            cli.main(
+                [
+                    "--url",
+                    redis_server.url,
+                    "--prefix",
+                    prefix,
+                    "worker",
+                    "--once",
+                    "--compactor",
+                    "workers.compactors:simulated",
+                ]
+            )
+            == 0
+        )
         snap = s.snapshot()
         assert snap.open_reservations == 0
         assert snap.expirations == 1

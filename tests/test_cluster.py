@@ -155,7 +155,12 @@ def test_mixed_workload_over_all_partitions_has_no_crossslot(
             s.reserve(SCR, "lease", 10, lease_ms=1)
             touched.add(owners[keyslot(nodes[0], led.keyspace.jobs(s.keys.partition))])
         time.sleep(0.01)
-        worker = Worker(led, WorkerSettings(consumer="w1", claim_idle_ms=10))
+        worker = Worker(
+            led,
+            WorkerSettings(
+                consumer="w1", claim_idle_ms=10, compactor="workers.compactors:simulated"
+            ),
+        )
         worker.ensure_groups()
         processed = 0
         for _ in range(10):  # bounded: a few passes drain every job

@@ -235,7 +235,10 @@ def test_dockerfile_base_image_and_command(services: dict[str, dict[str, Any]]) 
     cmd = instructions("CMD")
     assert len(cmd) == 1
     assert json.loads(cmd[0]) == argv(services["worker"]["command"])
-    assert any(re.search(r"\bpip install \.(\s|$)", run) for run in instructions("RUN"))
+    assert any(
+        re.search(r"\bpip install \"?\.(\[[a-z,-]+\])?\"?(\s|$)", run)
+        for run in instructions("RUN")
+    )
     env = " ".join(instructions("ENV"))
     assert f"LEDGER_REDIS_URL={services['worker']['environment']['LEDGER_REDIS_URL']}" in env
 

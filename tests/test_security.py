@@ -206,7 +206,10 @@ def exercise_everything(
     h.admit(WM, [Item(f"m{i}", 650) for i in range(10)])
     for _ in range(b.max_failed_compactions):
         h.compact([], None)  # occupancy stays above the mark: a failed compaction
-    worker = Worker(ledger, WorkerSettings(consumer="good", claim_idle_ms=10))
+    worker = Worker(
+        ledger,
+        WorkerSettings(consumer="good", claim_idle_ms=10, compactor="workers.compactors:simulated"),
+    )
     for _ in range(20):  # bounded: a few passes drain every job
         if not worker.poll_once():
             break

@@ -67,6 +67,7 @@ class WorkerProc:
 def spawn_worker(consumer: str, env: Mapping[str, str], log: Path) -> WorkerProc:
     """A worker process with the LEDGER_* settings in env only (none inherited)."""
     full = {k: v for k, v in os.environ.items() if not k.startswith("LEDGER_")}
+    full["LEDGER_WORKER_COMPACTOR"] = "workers.compactors:simulated"  # env may override
     full.update(env)
     full["LEDGER_WORKER_CONSUMER"] = consumer
     with log.open("wb") as fh:

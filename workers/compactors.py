@@ -1,16 +1,21 @@
 """Compactors: what turns working-memory items into a summary, off the request path.
 
-A compactor is any callable ``(CompactionRequest) -> CompactionPlan``, named to the
-worker by import path (``module:attribute``). The ledger judges its result: a plan
-that leaves occupancy above the high-water mark is a failed compaction (record 001).
+A compactor is any callable ``(CompactionRequest) -> CompactionPlan``, or an ``async
+def`` one (an LLM summarizer: the worker runs up to ``max_in_flight`` at once), named to
+the worker by import path (``module:attribute``). The request carries the text of the
+items the agent layer stored in the session's content store (``request.contents``,
+keyed ``'<consumer code>:<item id>'``); the plan names the items replaced and the
+summary item, with the summary's text (``summary_text``) counted by the same counter
+the agent uses. The ledger judges the result: a plan that leaves occupancy above the
+high-water mark is a failed compaction.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 
 from ledger.errors import ConfigurationError
 from ledger.models import Consumer, HeldItem, Item
@@ -25,15 +30,32 @@ class CompactionRequest:
     occupancy: int
     high_water_mark: int
     window: int
+    # '<consumer code>:<item id>' -> the item's text, for the items whose text the agent
+    # layer stored (worker-owned sessions); items missing here have no stored text
+    contents: Mapping[str, str] = field(default_factory=dict)
+
+    def text_of(self, item: HeldItem) -> str | None:
+        return self.contents.get(f"{item.consumer.code}:{item.id}")
 
 
 @dataclass(frozen=True, slots=True)
 class CompactionPlan:
     replaced: tuple[tuple[Consumer, str], ...]
     summary: Item | None
+    summary_text: str | None = None  # what the agent puts in its prompt for the summary
 
 
 Compactor = Callable[[CompactionRequest], CompactionPlan]
+AsyncCompactor = Callable[[CompactionRequest], Awaitable[CompactionPlan]]
+AnyCompactor = Callable[[CompactionRequest], CompactionPlan | Awaitable[CompactionPlan]]
+
+NO_COMPACTOR = (
+    "the worker needs a compactor named explicitly: --compactor module:attr (or "
+    "LEDGER_WORKER_COMPACTOR), e.g. a summarizer built with "
+    "ledger.adapters.summarizer; 'none' for a fleet whose sessions compact inline "
+    "(compaction='agent'); workers.compactors:simulated only for the demo and tests (it "
+    "sees no content and would drop items the agent still has in its prompt)"
+)
 
 
 def simulated(request: CompactionRequest) -> CompactionPlan:
@@ -70,7 +92,7 @@ def simulated(request: CompactionRequest) -> CompactionPlan:
     )
 
 
-def load(path: str) -> Compactor:
+def load(path: str) -> AnyCompactor:
     """Import a compactor named 'package.module:attribute'."""
     module, _, attr = path.partition(":")
     if not module or not attr:

@@ -28,16 +28,20 @@ traceback and counted as ``internal``. The Redis settings the ledger needs
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import inspect
 import json
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
 import redis.exceptions as rex
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -47,6 +51,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from ledger import health, protocol
 from ledger.client import Ledger
 from ledger.errors import (
+    ConfigurationError,
     OperationIdReused,
     StaleEpoch,
     UnknownSession,
@@ -55,6 +60,7 @@ from workers import compactors
 from workers.trouble import TRANSIENT, Backoff, kind_of
 
 log = logging.getLogger("ledger.worker")
+T = TypeVar("T")
 
 
 class WorkerSettings(BaseSettings):
@@ -69,7 +75,15 @@ class WorkerSettings(BaseSettings):
     max_deliveries: int = Field(default=5, ge=1, description="then dead-letter the job")
     batch: int = Field(default=16, ge=1, le=1000)
     sweep_interval: float = Field(default=1.0, gt=0, description="seconds between lease sweeps")
-    compactor: str = "workers.compactors:simulated"
+    compactor: str | None = Field(
+        default=None,
+        description="import path 'module:attr' of the compactor for worker-owned sessions, "
+        "or 'none' (this worker serves no compaction: a fleet of agent-owned sessions). No "
+        "default: the worker refuses to start without one named explicitly",
+    )
+    max_in_flight: int = Field(
+        default=16, ge=1, le=1024, description="compactions running at once in this worker"
+    )
     metrics_port: int = Field(default=0, ge=0, le=65535, description="0: no metrics endpoint")
     backoff_initial: float = Field(
         default=0.1, gt=0, description="seconds to wait after a pass that met a Redis error"
@@ -182,12 +196,21 @@ _WHOLE_PASS = frozenset({"unavailable", "noperm"})
 
 class Worker:
     def __init__(
-        self, ledger: Ledger, settings: WorkerSettings | None = None, metrics: Metrics | None = None
+        self,
+        ledger: Ledger,
+        settings: WorkerSettings | None = None,
+        metrics: Metrics | None = None,
+        compactor: compactors.AnyCompactor | None = None,
     ) -> None:
         self.ledger = ledger
         self.settings = settings or WorkerSettings()
         self.metrics = metrics or Metrics()
-        self.compactor = compactors.load(self.settings.compactor)
+        # A compactor object given in code (in-process use) wins over settings.compactor.
+        if compactor is None and self.settings.compactor is None:
+            raise ConfigurationError(compactors.NO_COMPACTOR)
+        self.compactor: compactors.AnyCompactor | None = compactor
+        if compactor is None and self.settings.compactor != "none":
+            self.compactor = compactors.load(str(self.settings.compactor))
         self.partitions = range(ledger.keyspace.partitions)
         self._last_sweep = 0.0
         self._last_health = float("-inf")
@@ -196,6 +219,39 @@ class Worker:
         self._troubled = False  # this pass met a Redis error: back off before the next
         self._said: dict[str, float] = {}  # kind -> when it was last logged
         self._unsaid: dict[str, int] = {}  # kind -> occurrences not logged since
+        self._pool = ThreadPoolExecutor(self.settings.max_in_flight, "ledger-job")
+        self._loop: asyncio.AbstractEventLoop | None = None  # for async compactors
+        self._loop_thread: threading.Thread | None = None
+        self._loop_lock = threading.Lock()
+
+    def close(self) -> None:
+        """Stop the job threads and the async compactors' event loop."""
+        self._pool.shutdown(wait=True)
+        with self._loop_lock:
+            loop, thread, self._loop = self._loop, self._loop_thread, None
+        if loop is not None and thread is not None:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(10)
+            loop.close()
+
+    def _run_compactor(
+        self, compactor: compactors.AnyCompactor, request: compactors.CompactionRequest
+    ) -> compactors.CompactionPlan:
+        """A sync compactor in this job thread; an async one on the worker's event loop
+        (one loop, many summaries in flight), this thread waiting for its result."""
+        got = compactor(request)
+        if not inspect.isawaitable(got):
+            return got
+        with self._loop_lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                self._loop_thread = threading.Thread(
+                    target=loop.run_forever, name="ledger-compact", daemon=True
+                )
+                self._loop_thread.start()
+                self._loop = loop
+            loop = self._loop
+        return asyncio.run_coroutine_threadsafe(_awaited(got), loop).result()
 
     # --- streams ---------------------------------------------------------------------
 
@@ -249,17 +305,48 @@ class Worker:
     def poll_once(self) -> int:
         """One pass over every partition: new jobs, then jobs idle too long elsewhere.
 
-        A Redis error in one partition is counted and logged and the pass goes on with
-        the next (an unreachable server or an ACL refusal ends the pass: it is raised); a
-        job stream found missing is reported and its group made again. Returns the
-        number of jobs done."""
-        done = 0
+        The jobs read are run up to ``max_in_flight`` at once, those of one session one
+        after the other, in the order read (a 2 s summarizer does not hold up the
+        fleet's other sessions). A Redis error in one partition is counted and logged and
+        the pass goes on with the next (an unreachable server or an ACL refusal ends the
+        pass: it is raised); a job stream found missing is reported and its group made
+        again. Returns the number of jobs done."""
+        groups: dict[tuple[int, str], list[tuple[bytes | str, Any, bool]]] = {}
         for p in self.partitions:
             try:
-                done += self._poll_partition(p)
+                for entry_id, fields, claimed in self._read_partition(p):
+                    sid = _field(fields, "session")
+                    groups.setdefault((p, sid), []).append((entry_id, fields, claimed))
             except Exception as exc:
                 self._partition_trouble(p, exc)
+        if not groups:
+            return 0
+        done = 0
+        if len(groups) == 1 or self.settings.max_in_flight == 1:
+            for (p, _), jobs in groups.items():
+                try:
+                    done += self._deliver_all(p, jobs)
+                except Exception as exc:
+                    self._partition_trouble(p, exc)
+            return done
+        futures = {
+            self._pool.submit(self._deliver_all, p, jobs): p for (p, _), jobs in groups.items()
+        }
+        whole: BaseException | None = None
+        for fut, p in futures.items():
+            try:
+                done += fut.result()
+            except Exception as exc:
+                try:
+                    self._partition_trouble(p, exc)
+                except Exception as again:
+                    whole = whole or again
+        if whole is not None:
+            raise whole
         return done
+
+    def _deliver_all(self, p: int, jobs: list[tuple[bytes | str, Any, bool]]) -> int:
+        return sum(self._deliver(p, eid, fields, claimed=claimed) for eid, fields, claimed in jobs)
 
     def _partition_trouble(self, p: int, exc: BaseException) -> None:
         """A Redis error met in one partition: counted and logged; NOGROUP reported as a
@@ -281,25 +368,28 @@ class Worker:
             self._trouble(kind, again, partition=p)  # made on a later pass
 
     def _poll_partition(self, p: int) -> int:
-        s, client, done = self.settings, self.ledger.client, 0
+        return self._deliver_all(p, self._read_partition(p))
+
+    def _read_partition(self, p: int) -> list[tuple[bytes | str, Any, bool]]:
+        """New jobs of a partition, then its jobs idle too long elsewhere (taken over)."""
+        s, client, out = self.settings, self.ledger.client, []
         stream = self.stream(p)
         if p not in self._groups:  # not made yet (e.g. Redis was out of memory at start)
             self.ensure_group(p)
         got: Any = client.xreadgroup(s.group, s.consumer, {stream: ">"}, count=s.batch)
         for _, entries in got or []:
             for entry_id, fields in entries:
-                done += self._deliver(p, entry_id, fields, claimed=False)
+                out.append((entry_id, fields, False))
         auto: Any = client.xautoclaim(
             stream, s.group, s.consumer, s.claim_idle_ms, start_id="0-0", count=s.batch
         )
-        claimed = auto[1]
-        for entry_id, fields in claimed:
+        for entry_id, fields in auto[1]:
             if fields is None:  # deleted while pending (Redis 6.2; 7 drops them itself)
                 client.xack(stream, s.group, entry_id)
                 continue
             self.metrics.takeovers.inc()
-            done += self._deliver(p, entry_id, fields, claimed=True)
-        return done
+            out.append((entry_id, fields, True))
+        return out
 
     def _deliver(
         self,
@@ -449,17 +539,38 @@ class Worker:
             return JobOutcome("compact", "skipped")
         if snap.epoch != epoch or not snap.compaction_pending:
             return JobOutcome("compact", "already")
+        if snap.raw.get("ca"):
+            # The agent compacts this session inline (a job from before an ownership
+            # change, or written by hand): the worker keeps out.
+            return JobOutcome("compact", "skipped")
+        if self.compactor is None:
+            raise ConfigurationError(
+                f"worker-owned session {sid!r} has a compaction due and this worker runs no "
+                "compactor (--compactor none): run a worker with a compactor"
+            )
         if snap.raw.get("rq"):
             # Failed compactions escalated: a hard reset is coming, which drops what a
             # compaction would replace. Running the compactor again would only count
             # failures past the maximum.
             return JobOutcome("compact", "skipped")
         items = tuple(self.ledger.items(sid))
-        plan = self.compactor(
+        contents = self._contents(keys.content, items)
+        plan = self._run_compactor(
+            self.compactor,
             compactors.CompactionRequest(
-                sid, epoch, snap.turn, items, snap.occupancy, snap.high_water_mark, snap.window
-            )
+                sid,
+                epoch,
+                snap.turn,
+                items,
+                snap.occupancy,
+                snap.high_water_mark,
+                snap.window,
+                contents,
+            ),
         )
+        if plan.summary is not None and plan.summary_text is not None:
+            # Before the commit: whenever the summary item exists, so does its text.
+            self._record_summary(keys, plan, int(snap.raw.get("ttl") or 86_400_000))
         # The job's entry id goes with the call: compact.lua deletes the entry with the
         # effect, and answers 'already' when it is gone (committed before, by a worker
         # that died before acknowledging it), whatever the op retention.
@@ -470,7 +581,50 @@ class Worker:
             done = self.ledger.run(call)
         except (StaleEpoch, UnknownSession, OperationIdReused):
             return JobOutcome("compact", "already")
+        if plan.summary is not None and plan.summary_text is not None:
+            self._tidy_summaries(keys, plan, applied=bool(done.summary))
         return JobOutcome("compact", "already" if done.outcome == "already" else "applied")
+
+    def _contents(self, key: str, items: tuple[Any, ...]) -> dict[str, str]:
+        """The stored texts of the held items ('<c>:<id>' -> text)."""
+        if not items:
+            return {}
+        fields = [f"{i.consumer.code}:{i.id}" for i in items]
+        values = self.ledger.client.hmget(key, fields)
+        return {f: _str(v) for f, v in zip(fields, values, strict=True) if v is not None}
+
+    def _record_summary(self, keys: Any, plan: compactors.CompactionPlan, ttl_ms: int) -> None:
+        assert plan.summary is not None and plan.summary_text is not None
+        record = json.dumps(
+            {
+                "text": plan.summary_text,
+                "replaced": [f"{c.code}:{i}" for c, i in plan.replaced],
+                "at": time.time_ns() // 1_000_000,
+            }
+        )
+        pipe = self.ledger.client.pipeline(transaction=False)
+        pipe.hset(keys.compacted, plan.summary.id, record)
+        pipe.pexpire(keys.compacted, ttl_ms)
+        pipe.hset(keys.content, f"w:{plan.summary.id}", plan.summary_text)
+        pipe.pexpire(keys.content, ttl_ms)
+        pipe.execute()
+
+    def _tidy_summaries(self, keys: Any, plan: compactors.CompactionPlan, applied: bool) -> None:
+        """After the commit: the replaced items' texts and records go (a summary replaced
+        by a later one is applied through the later one); a summary not applied goes."""
+        assert plan.summary is not None
+        pipe = self.ledger.client.pipeline(transaction=False)
+        if applied:
+            gone = [f"{c.code}:{i}" for c, i in plan.replaced]
+            if gone:
+                pipe.hdel(keys.content, *gone)
+            olds = [i for c, i in plan.replaced if c.code == "w"]
+            if olds:
+                pipe.hdel(keys.compacted, *olds)
+        else:
+            pipe.hdel(keys.compacted, plan.summary.id)
+            pipe.hdel(keys.content, f"w:{plan.summary.id}")
+        pipe.execute()
 
     # --- leases, metrics, health, loop -------------------------------------------------
 
@@ -589,6 +743,18 @@ class Worker:
         s = self.settings
         backoff = Backoff(s.backoff_initial, max(s.backoff_initial, s.backoff_max))
         self._troubled = False
+        log.info(
+            "worker starting",
+            extra={
+                "url": mask_url(self.ledger.settings.redis_url or ""),
+                "prefix": self.ledger.settings.prefix,
+                "partitions": len(self.partitions),
+                "compactor": s.compactor or f"{type(self.compactor).__name__} (in code)",
+                "max_in_flight": s.max_in_flight,
+                "consumer": s.consumer,
+                "group": s.group,
+            },
+        )
         for p in self.partitions:  # a partition whose group is not made is tried each pass
             try:
                 self.ensure_group(p)
@@ -625,6 +791,31 @@ class Worker:
                 if not worked:
                     stop.wait(s.poll_interval)
         log.info("worker stopped", extra={"consumer": self.settings.consumer})
+
+
+async def _awaited(aw: Awaitable[T]) -> T:
+    return await aw
+
+
+def _str(x: object) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+def _field(fields: Any, name: str) -> str:
+    for k, v in (fields or {}).items():
+        if _str(k) == name:
+            return _str(v)
+    return ""
+
+
+def mask_url(url: str) -> str:
+    """The URL with its password (if any) replaced by ``***``."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 def _describe(exc: BaseException) -> str:

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from ledger.agent.core import Obj
+from ledger.agent.core import Obj, default_summary
 from ledger.agent.counters import count, missing_extra
 from ledger.agent.sync import Agent, Turn
 from ledger.errors import (
@@ -103,6 +103,9 @@ class LedgerGraph:
         self.retrieval_keys = tuple(retrieval_keys)
         self.summarize = summarize
         self.keep_messages = keep_messages
+        if agent.core.summary_of is default_summary:
+            # the worker's summaries enter the state as system messages
+            agent.core.summary_of = lambda sid, text: SystemMessage(content=text, id=sid)
         self.current: Turn | None = None
         self.last_prompt: int | None = None  # the last prompt sent, plus its answer
         self.limit: int | None = None  # window minus output reserve, for this turn
@@ -190,14 +193,19 @@ class LedgerGraph:
         self._removals(pre, drop)
         # Messages that entered the state as the graph's input, not through a node:
         # admitted now (those the ledger holds already are duplicates, charged nothing).
-        gone = {id(o) for o in drop}
+        # By ledger id: the state's objects may be copies of those dropped (a checkpointer)
+        gone_ids = {self.agent.core.item_id(o) for o in drop if getattr(o, "id", None)}
         adopt = [
             m
             for m in _get(state, self.messages_key) or []
-            if m.id and id(m) not in gone and not isinstance(m, ToolMessage)
+            if m.id
+            and self.agent.core.item_id(m) not in gone_ids
+            and not isinstance(m, ToolMessage)
         ]
         if adopt:
             self._admit_messages(turn, adopt)
+        for summary in turn.summaries:  # the worker's, committed since the last turn
+            pre.setdefault(self.messages_key, []).append(summary)
         if self.summarize is not None and self.agent.core.compaction_pending:
             self._compact(turn, state, pre, {id(o) for o in drop})
         return pre

@@ -16,8 +16,11 @@ from ledger.agent.core import (
     Admission,
     AgentCore,
     Compacted,
+    Fetch,
+    Held,
     Obj,
     Op,
+    Store,
     ToolOutcome,
     TurnState,
     drive_async,
@@ -27,6 +30,10 @@ from ledger.errors import InvalidArgument, translated
 from ledger.models import Consumer, Reconciled, TurnReport
 
 T = TypeVar("T")
+
+
+def _text(x: object) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
 
 
 class AsyncAgent:
@@ -43,14 +50,30 @@ class AsyncAgent:
     ) -> None:
         self.session = session
         self.core = AgentCore(session, counter, **options)
+        self._ttl_ms: int | None = None
 
     async def run(self, op: Op[T]) -> T:
-        return await drive_async(op, self.session.ledger.run, asyncio.sleep, self._held)
+        return await drive_async(op, self.session.ledger.run, asyncio.sleep, self._io)
 
-    async def _held(self, fields: tuple[str, ...]) -> list[bool]:
+    async def _io(self, effect: Held | Store | Fetch) -> Any:
+        """The reads and writes outside the ledger's scripts: which items are held, the
+        content store (texts for the worker's compactor), the worker's summaries."""
+        client, keys = self.session.ledger.client, self.session.keys
         with translated():
-            values = await self.session.ledger.client.hmget(self.session.keys.session, fields)
-        return [v is not None for v in values]
+            if isinstance(effect, Held):
+                values = await client.hmget(keys.session, effect.fields)
+                return [v is not None for v in values]
+            if isinstance(effect, Store):
+                if self._ttl_ms is None:
+                    self._ttl_ms = int(await client.hget(keys.session, "ttl") or 86_400_000)
+                if effect.texts:
+                    pipe = client.pipeline(transaction=False)
+                    pipe.hset(keys.content, mapping=dict(effect.texts))
+                    pipe.pexpire(keys.content, self._ttl_ms)
+                    await pipe.execute()
+                return None
+            raw = await client.hgetall(keys.compacted)
+            return {_text(k): _text(v) for k, v in raw.items()}
 
     def turn(self, working_set: int = 0, output_reserve: int | None = None) -> AsyncTurn:
         """``async with agent.turn(working_set) as turn:`` runs begin_turn on entry and end_turn
@@ -109,6 +132,12 @@ class AsyncTurn:
     @property
     def report(self) -> TurnReport | None:
         return self._state.report
+
+    @property
+    def summaries(self) -> list[Obj]:
+        """The worker's summaries committed since this agent's last turn: put them in the
+        prompt (the objects they replaced are in ``dropped``)."""
+        return self._state.summaries
 
     async def admit(
         self, consumer: Consumer | str, objs: Sequence[Obj], priority: int = 0

@@ -37,7 +37,8 @@ from ledger.protocol import ID_RE, Call
 
 T = TypeVar("T")
 Obj = Any
-Op = Generator["Call[Any] | Sleep | Held", Any, T]
+Op = Generator["Call[Any] | Sleep | Held | Store | Fetch", Any, T]
+Effect = Any  # Held | Store | Fetch: the reads and writes outside the ledger's scripts
 
 DIGEST_PREFIX = "h."
 _DIGEST_RE = re.compile(r"h\.[0-9a-f]{32}")
@@ -128,6 +129,24 @@ class Held:
 
 
 @dataclass(frozen=True, slots=True)
+class Store:
+    """An effect: write item texts to the session's content store (the hash the
+    worker's compactor reads), refreshing its TTL to the session's idle TTL."""
+
+    texts: tuple[tuple[str, str], ...]  # ('<consumer code>:<item id>', text)
+
+
+@dataclass(frozen=True, slots=True)
+class Fetch:
+    """An effect: the worker's committed summaries (summary id -> JSON record)."""
+
+
+def default_summary(summary_id: str, text: str) -> Obj:
+    """The app object a worker's summary becomes: a system message dict."""
+    return {"id": summary_id, "role": "system", "content": text}
+
+
+@dataclass(frozen=True, slots=True)
 class Admission(Generic[T]):
     """Which app objects made it into the prompt."""
 
@@ -173,6 +192,9 @@ class TurnState:
     tools: list[ToolOutcome[Any]] = field(default_factory=list)
     prompt_tokens: int | None = None
     report: TurnReport | None = None
+    # the worker's summaries committed since: put them in the prompt (``dropped`` holds
+    # the objects they replaced)
+    summaries: list[Obj] = field(default_factory=list)
 
     @property
     def turn(self) -> int:
@@ -192,6 +214,9 @@ class AgentCore:
         item_overhead: int = 0,
         compaction_wait: float = 2.0,
         poll_interval: float = 0.05,
+        store_content: bool | None = None,
+        summary_of: Callable[[str, str], Obj] | None = None,
+        await_compaction: float = 0.0,
     ) -> None:
         if not callable(counter):
             raise InvalidArgument(f"counter must be callable text -> int, got {counter!r}")
@@ -208,6 +233,11 @@ class AgentCore:
         self.poll_interval = poll_interval
         self.known: dict[tuple[Consumer, str], Obj] = {}
         self.compaction_pending = False
+        # Whether the worker compacts this session: then admitted texts are stored for
+        # its compactor and its summaries applied at begin. None: asked of the session.
+        self.store_content = store_content
+        self.summary_of = summary_of or default_summary
+        self.await_compaction = await_compaction
 
     # --- pure helpers ---------------------------------------------------------------
 
@@ -321,11 +351,65 @@ class AgentCore:
 
     # --- operations (generators: yield calls, return results) ---------------------------
 
+    def _worker_owned(self) -> Generator[Call[Any], Any, bool]:
+        if self.store_content is None:
+            snap: Snapshot = yield self.session.snapshot_call()
+            self.store_content = not snap.raw.get("ca")
+        return self.store_content
+
     def begin(self, working_set: int, output_reserve: int | None) -> Op[TurnState]:
+        worker = yield from self._worker_owned()
+        if worker and self.await_compaction > 0:
+            # the worker's summary, bounded (a snapshot; polled while one is pending): a
+            # turn that starts before it lands would end with a prompt the compaction
+            # changed under it. Asked of the ledger, as another worker may have served
+            # the turn that made it due.
+            wait, self.compaction_wait = self.compaction_wait, self.await_compaction
+            try:
+                yield from self._wait_compaction()
+            finally:
+                self.compaction_wait = wait
         started: TurnStarted = yield self.session.begin_turn_call(working_set, output_reserve)
         self.compaction_pending = started.compaction_due
         dropped, unknown = self.resolve(started.reclaimed)
-        return TurnState(started, dropped, unknown)
+        state = TurnState(started, dropped, unknown)
+        if worker:
+            yield from self._apply_summaries(state)
+        return state
+
+    def _apply_summaries(self, state: TurnState) -> Generator[Fetch | Held, Any, None]:
+        """The worker's summaries this agent does not hold yet: their replaced objects go
+        to ``state.dropped``, the summary objects to ``state.summaries``."""
+        records: dict[str, str] = yield Fetch()
+        fresh = []
+        for sid, raw in records.items():
+            if (Consumer.WORKING_MEMORY, sid) in self.known:
+                continue
+            try:
+                rec = json.loads(raw)
+                pairs = [
+                    (Consumer.from_code(code), iid)
+                    for code, _, iid in (str(r).partition(":") for r in rec["replaced"])
+                ]
+                fresh.append((int(rec.get("at", 0)), sid, str(rec["text"]), pairs))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue  # not a record this version wrote
+        if not fresh:
+            return
+        held: list[bool] = yield Held(tuple(f"i:w:{sid}" for _, sid, _, _ in fresh))
+        for (_, sid, text, replaced), h in sorted(zip(fresh, held, strict=True)):
+            if not h:
+                continue  # replaced since by a later summary, or reset away
+            objs, unknown = self.resolve(replaced)
+            state.dropped.extend(objs)
+            state.unresolved.extend(unknown)  # an adapter resolves them once it tracks
+            summary = self.summary_of(sid, text)
+            self.known[(Consumer.WORKING_MEMORY, sid)] = summary
+            state.summaries.append(summary)
+
+    def _store(self, c: Consumer, planned: Sequence[tuple[Item, Obj]]) -> Generator[Any, Any, None]:
+        if (yield from self._worker_owned()):
+            yield Store(tuple((f"{c.code}:{it.id}", self.text_of(o)) for it, o in planned))
 
     def admit(
         self, consumer: Consumer | str, objs: Sequence[Obj], priority: int = 0
@@ -337,6 +421,7 @@ class AgentCore:
         memory = c in (Consumer.RETRIEVAL, Consumer.RECALL)
         if memory and self.compaction_pending:
             yield from self._wait_compaction()
+        yield from self._store(c, planned)
         call = self.session.admit_call(c, [it for it, _ in planned], partial=True)
         try:
             got = yield call
@@ -398,6 +483,8 @@ class AgentCore:
         tokens = count(self.counter, body, f"tool result {app_id!s:.60}") + self.item_overhead
         if tokens == 0:
             raise InvalidArgument(f"tool result {app_id!s:.60} counts 0 tokens")
+        if (yield from self._worker_owned()):
+            yield Store(((f"{Consumer.SCRATCHPAD.code}:{iid}", body),))
         got = yield self.session.admit_tool_result_call(iid, tokens, body)
         evicted, unknown = self.resolve(got.evicted)
         self.known[(Consumer.SCRATCHPAD, iid)] = result
@@ -458,7 +545,7 @@ def drive_sync(
     op: Op[T],
     run: Callable[[Call[Any]], Any],
     sleep: Callable[[float], None],
-    held: Callable[[tuple[str, ...]], list[bool]],
+    io: Callable[[Effect], Any],
 ) -> T:
     """Run an operation to its result with a sync ledger."""
     try:
@@ -468,8 +555,8 @@ def drive_sync(
                 sleep(effect.seconds)
                 effect = op.send(None)
                 continue
-            if isinstance(effect, Held):
-                effect = op.send(held(effect.fields))
+            if isinstance(effect, (Held, Store, Fetch)):
+                effect = op.send(io(effect))
                 continue
             try:
                 result = run(effect)
@@ -485,7 +572,7 @@ async def drive_async(
     op: Op[T],
     run: Callable[[Call[Any]], Awaitable[Any]],
     sleep: Callable[[float], Awaitable[None]],
-    held: Callable[[tuple[str, ...]], Awaitable[list[bool]]],
+    io: Callable[[Effect], Awaitable[Any]],
 ) -> T:
     """Run an operation to its result with an asyncio ledger."""
     try:
@@ -495,8 +582,8 @@ async def drive_async(
                 await sleep(effect.seconds)
                 effect = op.send(None)
                 continue
-            if isinstance(effect, Held):
-                effect = op.send(await held(effect.fields))
+            if isinstance(effect, (Held, Store, Fetch)):
+                effect = op.send(await io(effect))
                 continue
             try:
                 result = await run(effect)

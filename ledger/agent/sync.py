@@ -15,8 +15,11 @@ from ledger.agent.core import (
     Admission,
     AgentCore,
     Compacted,
+    Fetch,
+    Held,
     Obj,
     Op,
+    Store,
     ToolOutcome,
     TurnState,
     drive_sync,
@@ -26,6 +29,10 @@ from ledger.errors import InvalidArgument, translated
 from ledger.models import Consumer, Reconciled, TurnReport
 
 T = TypeVar("T")
+
+
+def _text(x: object) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
 
 
 class Agent:
@@ -42,14 +49,30 @@ class Agent:
     ) -> None:
         self.session = session
         self.core = AgentCore(session, counter, **options)
+        self._ttl_ms: int | None = None
 
     def run(self, op: Op[T]) -> T:
-        return drive_sync(op, self.session.ledger.run, time.sleep, self._held)
+        return drive_sync(op, self.session.ledger.run, time.sleep, self._io)
 
-    def _held(self, fields: tuple[str, ...]) -> list[bool]:
+    def _io(self, effect: Held | Store | Fetch) -> Any:
+        """The reads and writes outside the ledger's scripts: which items are held, the
+        content store (texts for the worker's compactor), the worker's summaries."""
+        client, keys = self.session.ledger.client, self.session.keys
         with translated():
-            values = self.session.ledger.client.hmget(self.session.keys.session, fields)
-        return [v is not None for v in values]
+            if isinstance(effect, Held):
+                values = client.hmget(keys.session, effect.fields)
+                return [v is not None for v in values]
+            if isinstance(effect, Store):
+                if self._ttl_ms is None:
+                    self._ttl_ms = int(client.hget(keys.session, "ttl") or 86_400_000)
+                if effect.texts:
+                    pipe = client.pipeline(transaction=False)
+                    pipe.hset(keys.content, mapping=dict(effect.texts))
+                    pipe.pexpire(keys.content, self._ttl_ms)
+                    pipe.execute()
+                return None
+            raw = client.hgetall(keys.compacted)
+            return {_text(k): _text(v) for k, v in raw.items()}
 
     def turn(self, working_set: int = 0, output_reserve: int | None = None) -> Turn:
         """``with agent.turn(working_set) as turn:`` runs begin_turn on entry and end_turn
@@ -108,6 +131,12 @@ class Turn:
     @property
     def report(self) -> TurnReport | None:
         return self._state.report
+
+    @property
+    def summaries(self) -> list[Obj]:
+        """The worker's summaries committed since this agent's last turn: put them in the
+        prompt (the objects they replaced are in ``dropped``)."""
+        return self._state.summaries
 
     def admit(
         self, consumer: Consumer | str, objs: Sequence[Obj], priority: int = 0

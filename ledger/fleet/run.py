@@ -15,7 +15,7 @@ from ledger.backends import parse_url
 from ledger.client import Ledger
 from ledger.fleet import ledger_arbiter, naive
 from ledger.fleet.workload import BUDGET, SessionPlan, session_plan
-from ledger.settings import LedgerSettings
+from ledger.settings import LedgerSettings, require_url
 from workers.compactors import simulated
 from workers.runner import Worker, WorkerSettings
 
@@ -102,7 +102,7 @@ def run(
         for p in plans
     ]
     max_turn = max(len(p.turns) for p in plans)
-    embedded = parse_url(settings.redis_url).kind == "embedded"
+    embedded = parse_url(require_url(settings)).kind == "embedded"
 
     naive_runs = [naive.run_session(BUDGET, p, simulated) for p in plans]
 
@@ -111,7 +111,11 @@ def run(
     worker = Worker(
         worker_ledger,
         WorkerSettings(
-            poll_interval=0.01, sweep_interval=0.5, claim_idle_ms=2_000, consumer="demo-worker"
+            poll_interval=0.01,
+            sweep_interval=0.5,
+            claim_idle_ms=2_000,
+            consumer="demo-worker",
+            compactor="workers.compactors:simulated",
         ),
     )
     worker.ensure_groups()
@@ -158,7 +162,7 @@ def run(
     turns = sum(len(p.turns) for p in plans)
     return FleetReport(
         config=config,
-        backend=settings.redis_url.split("://")[0],
+        backend=require_url(settings).split("://")[0],
         naive=ArbiterSummary(
             "naive", n_points, n_curve, n_resid, _sum(r.counts for r in naive_runs), {}, turns
         ),
