@@ -438,7 +438,10 @@ class Model:
     def _tool(self, op_id: str, call: str, tokens: int) -> Outcome:
         fr = self.free()
         if call in self.items["s"]:
-            return ToolResult("duplicate", call, 0, tokens, 0, (), fr, self.ep, self.tn)
+            # held smaller than the result (a spill's preview): that is what may be shown
+            held = self.items["s"][call].tokens
+            shown = held if held < tokens else 0
+            return ToolResult("duplicate", call, 0, tokens, shown, (), fr, self.ep, self.tn)
         a_m = self.active()["m"]
         held = self.used("r") + self.used("m")
         gain = max(a_m, F_M) - max(a_m - held, F_M)

@@ -57,6 +57,7 @@ class Agent:
     def _io(self, effect: Held | Store | Fetch) -> Any:
         """The reads and writes outside the ledger's scripts: which items are held, the
         content store (texts for the worker's compactor), the worker's summaries."""
+        self.session.ledger.check_open()
         client, keys = self.session.ledger.client, self.session.keys
         with translated():
             if isinstance(effect, Held):
