@@ -66,7 +66,7 @@ if job ~= '-' then
   end
 end
 local NUM = { 'ep', 'tn', 'sq', 'W', 'S', 'T', 'out', 'F_w', 'F_m', 'a_w', 'a_m', 'a_s', 'u_w', 'u_r', 'u_m',
-  'u_s', 'n_w', 'n_r', 'n_m', 'n_s', 'HW', 'kf', 'kn', 'cx', 'rq', 'gz', 'xp' }
+  'u_s', 'n_w', 'n_r', 'n_m', 'n_s', 'HW', 'kf', 'kn', 'cx', 'rq', 'gz', 'xp', 'cd' }
 local fields = { 'o:' .. op, 'ol', 'i:w:' .. sum_id }
 for i = #NUM, 1, -1 do table.insert(fields, 1, NUM[i]) end
 local seen, refs = {}, {}
@@ -154,7 +154,8 @@ if escalate then
   enqueue(KEYS[2], 'hard_reset', sid, H.ep, op, 'failed_compactions')
   redis.call('HINCRBY', key, 'x:escalations', 1)
   args[#args + 1], args[#args + 2] = 'rq', 1
-elseif not ok and H.rq == 0 and worker_compacts(key) then
+elseif not ok and H.rq == 0 and worker_compacts(key) and (job ~= '-' or H.cd ~= 1) then
+  -- (an agent's own failed compaction while a job is queued already adds no second one)
   enqueue(KEYS[2], 'compact', sid, H.ep, op, 'failed_compaction')
 end
 return commit(key, now, op, fp, table.concat({ 'status=ok|outcome=',

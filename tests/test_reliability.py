@@ -378,3 +378,15 @@ async def test_the_span_processor_refuses_an_async_session(
     s = await aledger.open_session(_sid("otel"), budget)
     with pytest.raises(InvalidArgument, match="sync Session"):
         LedgerSpanProcessor(s)  # type: ignore[arg-type]
+
+
+def test_an_agents_failed_compaction_while_a_job_is_queued_adds_no_second_job(
+    ledger: Ledger,
+) -> None:
+    b = SessionBudget(window=10_000, system_prompt=500, output_reserve=500, compaction="worker")
+    s = ledger.open_session(_sid("dup-job"), b)
+    s.admit(WM, [Item(f"m{k}", 1_000) for k in range(8)])
+    assert s.end_turn(s.begin_turn(0).turn, 9_000).compaction_due
+    assert ledger.client.xlen(s.keys.jobs) == 1
+    assert not s.compact(["m0"], Item("sum1", 10)).compacted  # still above the mark
+    assert ledger.client.xlen(s.keys.jobs) == 1
