@@ -1,4 +1,4 @@
-"""The seeds' rules, replayed with each record's own numbers on every backend.
+"""The records' rules, replayed with each record's own numbers on every backend.
 
 Each test rebuilds the load a record describes under "What was observed", then shows
 the ledger's rule firing and the failure not happening:
