@@ -11,9 +11,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from ledger import Item, Ledger, cli
+from ledger import Agent, Ledger, cli
 from ledger.fleet import checks, decay, report
-from ledger.fleet.agent import SimAgent
+from ledger.fleet.agent import Doc, SimAgent
 from ledger.fleet.run import DEFAULT_SESSIONS, background_worker
 from ledger.models import Consumer
 from tests.conftest import make_settings
@@ -41,8 +41,7 @@ def test_naive_arbiter_reproduces_record_001(seed: int) -> None:
     green SLO, on the default fleet of each seed."""
     lengths = decay.session_lengths(seed, DEFAULT_SESSIONS, 130)
     runs = [
-        decay.run_naive(f"decay-{seed}-{i}", decay.plan(seed, i, n))
-        for i, n in enumerate(lengths)
+        decay.run_naive(f"decay-{seed}-{i}", decay.plan(seed, i, n)) for i, n in enumerate(lengths)
     ]
     s = report._decay_summary(runs, ledger=False)
     rates = [s["retrieval_admission"][str(t)]["rate"] for t in (10, 60, 120)]
@@ -71,23 +70,36 @@ def led() -> Iterator[Ledger]:
 
 
 @pytest.mark.embedded
-def test_agent_waits_for_the_pending_compaction(led: Ledger) -> None:
-    """Refused as compaction_pending, the simulated agent waits (bounded) for the
-    background worker and is admitted once the compaction lands."""
+def test_simulated_agent_is_the_agent_layer_and_waits_for_the_compaction(led: Ledger) -> None:
+    """The demo's agents are ledger.agent.Agent: at a pending compaction, retrieval
+    waits (bounded) for the background worker, then is admitted against the landed
+    baseline; the ledger's refusal reasons reach the demo with their bound."""
     agent = SimAgent(led, "agent/wait", decay.BUDGET)
+    assert isinstance(agent.agent, Agent)
     agent.begin(1_000)
-    agent.admit(Consumer.WORKING_MEMORY, [Item(f"h{k}", 10_000) for k in range(10)])
+    agent.admit(Consumer.WORKING_MEMORY, [Doc(f"h{k}", 10_000) for k in range(10)])
     agent.end(100_000)
     assert agent.snapshot().compaction_pending
-    agent.begin(1_000)  # the worker compacts the earlier turns' history
-    agent.admit(Consumer.RETRIEVAL, [Item("a", 15_000)])  # within W - out - H, counted
+    agent.begin(1_000)
     with background_worker(led.settings, "ledger.fleet.decay:compactor"):
-        got = agent.admit_memory(Consumer.RETRIEVAL, [Item("c", 20_000)], wait_s=10.0)
-    assert got.ok and got.waited
-    (refusal,) = got.refusals
-    assert (refusal.reason, refusal.bound) == ("compaction_pending", "pending")
+        got, waited = agent.admit_waiting(Consumer.RETRIEVAL, [Doc("c", 30_000)])
+    assert waited and [d.id for d in got.kept] == ["c"]
     assert not agent.snapshot().compaction_pending
-    assert agent.waits == 1 and led.audit("agent/wait").clean
+    assert led.audit("agent/wait").clean
+    # Past the post-compaction bound with no worker: the agent's wait runs out and the
+    # ledger's honest refusal comes back, bound and all.
+    agent.end(50_000)
+    agent.begin(1_000)
+    agent.admit(Consumer.WORKING_MEMORY, [Doc(f"k{k}", 10_000) for k in range(6)])
+    agent.end(110_000)
+    agent.agent.core.compaction_wait = 0.05
+    agent.begin(1_000)
+    got, waited = agent.admit_waiting(Consumer.RECALL, [Doc("r", 40_000)])
+    assert waited and not got.kept and got.reason == "compaction_pending"
+    assert (agent.refusals[-1].reason, agent.refusals[-1].bound) == (
+        "compaction_pending",
+        "pending",
+    )
 
 
 @pytest.mark.embedded

@@ -1,137 +1,163 @@
-"""The simulated agents' view of the ledger: one small interface over a session.
+"""The simulated agents: the package's agent layer (``ledger.agent``) on synthetic text.
 
-The demo's agents do what an agent built on the ledger does each turn: open the turn
-at its declared working set, admit what the turn puts in the prompt, wait a bounded
-time for a pending compaction instead of piling memory onto a baseline that is about
-to change, spill oversized tool results, account memory-tool spans, and close the
-turn with its final prompt. Everything goes through :class:`SimAgent`, so when the
-package's agent layer (``ledger.agent``) is available the demo switches to it here,
-in one place. Kept thin on purpose: it holds no allocation logic of its own.
+Each simulated agent is an :class:`ledger.agent.Agent`, the code users adopt: turns
+begin and end through it, it admits app objects by their token counts, waits (bounded)
+for a pending compaction before it asks for retrieval or recall, spills oversized tool
+results and hands back what the ledger reclaimed. The objects are synthetic: a
+:class:`Doc` of n tokens has n characters of text and the counter is ``len``. The
+wrapper here only counts what the demo measures (calls, refusals, waits) and adds
+the two calls the agent layer leaves to the caller (``record_span``, and
+``end_turn`` with a p99 trend).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
+from ledger.agent import Admission, Agent, ToolOutcome, Turn
+from ledger.agent.core import Op, drive_sync
 from ledger.client import Ledger, Session
-from ledger.errors import AdmissionRefused, FanoutRefused, StaleEpoch
-from ledger.models import (
-    Admitted,
-    Consumer,
-    Item,
-    SessionBudget,
-    Snapshot,
-    ToolResult,
-    TurnReport,
-    TurnStarted,
-)
+from ledger.errors import AdmissionRefused, FanoutRefused
+from ledger.models import Consumer, SessionBudget, Snapshot, TurnReport, TurnStarted
+from ledger.protocol import Call
 
+T = TypeVar("T")
 POLL_S = 0.004
 
 
-@dataclass
-class MemoryOutcome:
-    """What became of one memory admission (retrieval or recall) in a turn."""
+@dataclass(frozen=True, slots=True)
+class Doc:
+    """An app object of the simulation: an id and a size in tokens."""
 
-    admitted: Admitted | None
-    refusals: list[AdmissionRefused] = field(default_factory=list)
-    waited: bool = False  # waited for a pending compaction before the verdict
+    id: str
+    tokens: int
 
-    @property
-    def ok(self) -> bool:
-        return self.admitted is not None
+
+def _text(obj: Any) -> str:
+    tokens: int = obj.tokens
+    return "x" * tokens  # one token a character: the counter is len
+
+
+class _CountingAgent(Agent):
+    """The agent layer, its ledger calls counted and its refusals kept."""
+
+    def __init__(self, session: Session, compaction_wait: float) -> None:
+        super().__init__(
+            session,
+            len,
+            id_of=lambda o: o.id,
+            text_of=_text,
+            compaction_wait=compaction_wait,
+            poll_interval=POLL_S,
+        )
+        self.calls = 0
+        self.snapshots = 0
+        self.refusals: list[AdmissionRefused] = []
+
+    def run(self, op: Op[T]) -> T:
+        return drive_sync(op, self._send, time.sleep, self._held)
+
+    def _send(self, call: Call[Any]) -> Any:
+        self.calls += 1
+        if call.script == "snapshot":
+            self.snapshots += 1
+        try:
+            return self.session.ledger.run(call)
+        except AdmissionRefused as exc:
+            self.refusals.append(exc)
+            raise
 
 
 class SimAgent:
-    """One agent session on the ledger (sync). Calls after a hard reset raise
-    :class:`StaleEpoch` once; :meth:`adopt_reset` takes the new epoch."""
+    """One simulated agent session. After a hard reset its calls raise
+    :class:`~ledger.errors.StaleEpoch`; :meth:`adopt_reset` takes the new epoch."""
 
-    def __init__(self, ledger: Ledger, session_id: str, budget: SessionBudget) -> None:
-        self.ledger = ledger
-        self.session: Session = ledger.open_session(session_id, budget)
-        self.turn = 0
-        self.calls = 0
-        self.refusals: list[AdmissionRefused] = []  # every memory refusal, in order
-        self.waits = 0  # bounded waits for a pending compaction
+    def __init__(
+        self,
+        ledger: Ledger,
+        session_id: str,
+        budget: SessionBudget,
+        compaction_wait: float = 2.0,
+    ) -> None:
+        self.session = ledger.open_session(session_id, budget)
+        self.agent = _CountingAgent(self.session, compaction_wait)
+        self.current: Turn | None = None
+        self.waited = False  # waited for a compaction since the caller last cleared it
 
-    # --- the turn ------------------------------------------------------------------
+    @property
+    def calls(self) -> int:
+        return self.agent.calls + 1  # and the open
+
+    @property
+    def refusals(self) -> list[AdmissionRefused]:
+        return self.agent.refusals
+
+    @property
+    def turn(self) -> Turn:
+        if self.current is None:
+            raise RuntimeError("no turn has begun")
+        return self.current
+
+    # --- a turn, through the agent layer -----------------------------------------------
 
     def begin(self, working_set: int, output_reserve: int | None = None) -> TurnStarted:
-        self.calls += 1
-        t = self.session.begin_turn(working_set, output_reserve)
-        self.turn = t.turn
-        return t
+        turn = self.agent.turn(working_set, output_reserve)
+        self.current = turn.__enter__()
+        assert turn.state is not None
+        return turn.state.started
 
-    def admit(self, consumer: Consumer, items: Sequence[Item]) -> Admitted:
-        self.calls += 1
-        return self.session.admit(consumer, list(items))
+    def admit(self, consumer: Consumer, docs: Sequence[Doc]) -> Admission[Any]:
+        """The longest prefix that fits; memory waits for a pending compaction first."""
+        return self.turn.admit(consumer, list(docs))
 
-    def admit_memory(
-        self, consumer: Consumer, items: Sequence[Item], wait_s: float
-    ) -> MemoryOutcome:
-        """Admit a set of memory items whole. Refused because a compaction is pending:
-        wait up to ``wait_s`` for it to land, then ask once more."""
-        out = MemoryOutcome(None)
-        for attempt in range(2):
-            try:
-                out.admitted = self.admit(consumer, items)
-                return out
-            except StaleEpoch:
-                raise
-            except AdmissionRefused as exc:
-                out.refusals.append(exc)
-                self.refusals.append(exc)
-                if exc.reason != "compaction_pending" or attempt == 1:
-                    return out
-                out.waited = True
-                self.waits += 1
-                if not self.wait_compaction(wait_s):
-                    return out
-        return out
+    def admit_waiting(self, consumer: Consumer, docs: Sequence[Doc]) -> tuple[Admission[Any], bool]:
+        """As :meth:`admit`, and whether the agent waited for a compaction to get there."""
+        before = self.agent.snapshots
+        try:
+            got = self.admit(consumer, docs)
+        finally:
+            waited = self.agent.snapshots > before
+            self.waited = self.waited or waited  # kept when a hard reset cuts the turn short
+        return got, waited
 
-    def release(self, consumer: Consumer, ids: Sequence[str]) -> None:
-        if ids:
-            self.calls += 1
-            self.session.release(consumer, list(ids))
+    def release(self, docs: Sequence[Doc]) -> None:
+        if docs:
+            self.turn.release(list(docs))
 
-    def tool_result(self, call_id: str, tokens: int, content: bytes) -> ToolResult:
-        self.calls += 1
-        return self.session.admit_tool_result(call_id, tokens, content)
+    def tool_result(self, doc: Doc) -> ToolOutcome[Any]:
+        return self.turn.tool_result(doc)
 
     def span(self, kind: str, input_tokens: int, output_tokens: int) -> bool:
         """Account a memory-tool span before making the call; False: the fan-out guard
         says summarize and proceed instead."""
-        self.calls += 1
+        self.agent.calls += 1
         try:
-            self.session.record_span(self.turn, kind, input_tokens, output_tokens)
+            self.session.record_span(self.turn.number, kind, input_tokens, output_tokens)
         except FanoutRefused:
             return False
         return True
 
-    def end(self, final_prompt_tokens: int, p99_trend: int = 0) -> TurnReport:
-        self.calls += 1
-        return self.session.end_turn(self.turn, final_prompt_tokens, p99_trend=p99_trend)
+    def end(self, prompt_tokens: int, p99_trend: int = 0) -> TurnReport:
+        turn = self.turn
+        if p99_trend == 0:
+            report = turn.end(prompt_tokens)
+        else:  # the agent layer passes no trend: the same end_turn, with one
+            self.agent.calls += 1
+            report = self.session.end_turn(turn.number, prompt_tokens, p99_trend=p99_trend)
+            assert turn.state is not None
+            turn.state.report = report
+            self.agent.core.compaction_pending = report.compaction_due
+        self.current = None
+        return report
 
     def snapshot(self) -> Snapshot:
-        self.calls += 1
+        self.agent.calls += 1
         return self.session.snapshot()
 
-    # --- compactions run by the background worker ------------------------------------
-
-    def wait_compaction(self, timeout_s: float) -> bool:
-        """Wait (bounded) until no compaction is pending: one landed, or the failed ones
-        escalated to a hard reset. True when memory may be asked for again."""
-        first = self.snapshot()
-        deadline = time.monotonic() + timeout_s
-        snap = first
-        while snap.compaction_pending and snap.epoch == first.epoch:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(POLL_S)
-            snap = self.snapshot()
-        return True
+    # --- compactions run by the background worker --------------------------------------
 
     def wait_attempt(self, before: Snapshot, timeout_s: float) -> bool:
         """Wait (bounded) for the worker's next verdict on the pending compaction: a
@@ -151,8 +177,7 @@ class SimAgent:
 
     def adopt_reset(self) -> int:
         """After a hard reset: take the session's new epoch (its items are gone)."""
-        self.calls += 1
+        self.current = None
+        self.agent.calls += 1
+        self.agent.core.compaction_pending = False
         return self.session.refresh()
-
-    def close(self) -> None:
-        self.session.close()

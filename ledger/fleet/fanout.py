@@ -18,8 +18,8 @@ import random
 from dataclasses import dataclass, field
 
 from ledger.client import Ledger
-from ledger.fleet.agent import SimAgent
-from ledger.models import Consumer, Item, SessionBudget
+from ledger.fleet.agent import Doc, SimAgent
+from ledger.models import Consumer, SessionBudget
 
 WM = Consumer.WORKING_MEMORY
 SESSIONS, TURNS = 2, 60
@@ -98,11 +98,13 @@ def run_naive(turns: tuple[TurnPlan, ...]) -> list[TurnRow]:
 def run_ledger(agent: SimAgent, turns: tuple[TurnPlan, ...]) -> list[TurnRow]:
     rows: list[TurnRow] = []
     lat: list[float] = []
+    held: list[Doc] = []
     for p in turns:
         agent.begin(1_000)
-        prompt = p.final_prompt - BUDGET.system_prompt  # the context the spans inflate
-        agent.release(WM, [f"ctx{p.turn - 1}"] if p.turn > 1 else [])
-        agent.admit(WM, [Item(f"ctx{p.turn}", prompt)])
+        ctx = Doc(f"ctx{p.turn}", p.final_prompt - BUDGET.system_prompt)  # the summarized context
+        agent.release(held)
+        agent.admit(WM, [ctx])
+        held = [ctx]
         made, stops = 0, 0
         for k, tokens in enumerate(p.spans):
             if not agent.span("recall", tokens, 300):

@@ -3,7 +3,7 @@
 Record 000's conditions, on a 32k window with a 2.1k system prompt: each turn's
 query pulls 12-18 chunks of ~400 tokens (~6k) and the retriever keeps them "for
 reference" up to its own 8.5k prefetch budget; tool output (2.5-4k a turn) is kept in
-the scratchpad up to 8k; a synthesis turn reserves 11.5-13.4k for its answer and
+the scratchpad up to 8k; a synthesis turn reserves 11.6-13.4k for its answer and
 declares a working set of 5.5-6.5k (one turn in five, a larger step of 8.5-9.5k).
 Retrieval and scratchpad are sticky (written by policy, released by no reasoning step).
 
@@ -19,9 +19,9 @@ import random
 from dataclasses import dataclass, field
 
 from ledger.client import Ledger
-from ledger.errors import AdmissionRefused, WorkingMemoryStarvation
-from ledger.fleet.agent import SimAgent
-from ledger.models import Consumer, Item, SessionBudget
+from ledger.errors import WorkingMemoryStarvation
+from ledger.fleet.agent import Doc, SimAgent
+from ledger.models import Consumer, SessionBudget
 
 WM, RET, SCR = Consumer.WORKING_MEMORY, Consumer.RETRIEVAL, Consumer.SCRATCHPAD
 SESSIONS, TURNS = 6, 30
@@ -31,7 +31,7 @@ BUDGET = SessionBudget(
     system_prompt=2_100,
     tool_framing=150,
     working_memory_floor=1_000,
-    output_reserve=11_500,
+    output_reserve=11_600,
 )
 FIXED = BUDGET.system_prompt + BUDGET.tool_framing
 
@@ -51,7 +51,7 @@ def plan(seed: int, index: int) -> tuple[TurnPlan, ...]:
         TurnPlan(
             t,
             rng.randint(8_500, 9_500) if rng.random() < 0.2 else rng.randint(5_500, 6_500),
-            rng.randint(11_500, 13_400),
+            rng.randint(11_600, 13_400),
             tuple(rng.randint(340, 460) for _ in range(rng.randint(12, 18))),
             rng.randint(2_500, 4_000),
         )
@@ -105,8 +105,8 @@ def run_naive(turns: tuple[TurnPlan, ...]) -> list[TurnRow]:
 def run_ledger(agent: SimAgent, turns: tuple[TurnPlan, ...]) -> list[TurnRow]:
     """The same turns and retention policies; working memory is the turn's declared
     working set, gated by begin_turn (no item of its own)."""
-    ret: list[tuple[str, int]] = []
-    scr: list[tuple[str, int]] = []
+    ret: list[Doc] = []
+    scr: list[Doc] = []
     rows = []
     for p in turns:
         try:
@@ -114,27 +114,29 @@ def run_ledger(agent: SimAgent, turns: tuple[TurnPlan, ...]) -> list[TurnRow]:
         except WorkingMemoryStarvation as exc:  # pragma: no cover - reclamation suffices here
             rows.append(TurnRow(p.turn, p.working_set, exc.residual, exc.utilization, "refused"))
             continue
-        gone = {i for _, i in t.reclaimed}
-        ret = [x for x in ret if x[0] not in gone]
-        scr = [x for x in scr if x[0] not in gone]
+        gone = {i for _, i in t.reclaimed}  # what the ledger reclaimed leaves the prompt
+        ret = [d for d in ret if d.id not in gone]
+        scr = [d for d in scr if d.id not in gone]
         reclaimed = tuple(f"{c.code}:{i}" for c, i in t.reclaimed)
         rows.append(TurnRow(p.turn, p.working_set, t.residual, t.utilization, t.regime, reclaimed))
-        chunks = [(f"c{p.turn}-{k}", c) for k, c in enumerate(p.chunks)]
-        kept = _keep(ret + chunks, RETRIEVAL_KEEP)
-        agent.release(RET, [i for i, tok in ret if (i, tok) not in kept])
-        fresh = [Item(i, c) for i, c in chunks if (i, c) in kept]
-        try:
-            if fresh:
-                agent.admit(RET, fresh)
-            ret = kept
-        except AdmissionRefused:
-            ret = [x for x in kept if x not in chunks]
-        res = agent.tool_result(f"tool{p.turn}", p.tool, b"{}")
-        kept_s = _keep([*scr, (f"tool{p.turn}", res.charged)], SCRATCHPAD_KEEP)
-        agent.release(SCR, [i for i, tok in scr if (i, tok) not in kept_s])
+        chunks = [Doc(f"c{p.turn}-{k}", c) for k, c in enumerate(p.chunks)]
+        kept = _keep_docs(ret + chunks, RETRIEVAL_KEEP)
+        agent.release([d for d in ret if d not in kept])
+        got = agent.admit(RET, [d for d in chunks if d in kept])
+        ret = [d for d in kept if d not in chunks or d in got.kept]
+        res = agent.tool_result(Doc(f"tool{p.turn}", p.tool))
+        held = [*scr, res.result] if res.charged else scr
+        kept_s = _keep_docs(held, SCRATCHPAD_KEEP)
+        agent.release([d for d in scr if d not in kept_s])
         scr = kept_s
         agent.end(max(1, agent.snapshot().occupancy))
     return rows
+
+
+def _keep_docs(pool: list[Doc], cap: int) -> list[Doc]:
+    while sum(d.tokens for d in pool) > cap:
+        pool = pool[1:]
+    return pool
 
 
 def run(ledger: Ledger, seed: int, tag: str) -> Result:

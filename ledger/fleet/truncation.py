@@ -1,7 +1,7 @@
 """Scenario 002, truncation loop: token-count-valid but broken contexts.
 
 Record 002's pipeline: a 32k window, a 2.1k system prompt whose 600-token
-permission paragraph forbids one file-read tool, a memory retriever returning 10-40
+permission paragraph forbids one file-read tool, a memory retriever returning 20-40
 chunks of ~300 tokens a turn, tool results of median 4.5k with a p99 near 28k (the
 last two kept in the scratchpad), and now and then a file read of ~24k.
 
@@ -12,7 +12,7 @@ agent issues the forbidden read (~20k) on its next turn; truncated, the agent la
 it and issues the same call again (at most twice more), until the paragraph is
 restored when room allows. The ledger's agent keeps the same policies; the system
 prompt is a reserved floor, a result is admitted whole or spilled with a preview,
-memory is refused when it does not fit whole.
+memory gets the longest run of chunks that fits, and is refused what does not.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 
 from ledger.client import Ledger
 from ledger.errors import AdmissionRefused
-from ledger.fleet.agent import SimAgent
-from ledger.models import Consumer, Item, SessionBudget
+from ledger.fleet.agent import Doc, SimAgent
+from ledger.models import Consumer, SessionBudget
 
-RET, SCR = Consumer.RETRIEVAL, Consumer.SCRATCHPAD
+RET = Consumer.RETRIEVAL
 SESSIONS, TURNS = 6, 30
 CLAUSE = 600  # the permission paragraph a naive allocator drops
 FORBIDDEN = 20_000  # what the forbidden read returns
@@ -39,6 +39,8 @@ BUDGET = SessionBudget(
     working_memory_floor=2_000,
     output_reserve=1_024,
     spill_preview_tokens=300,
+    high_water_mark=0.90,  # the record's pipeline compacts nothing
+    eviction_threshold=0.95,
 )
 
 
@@ -60,7 +62,7 @@ def plan(seed: int, index: int) -> tuple[TurnPlan, ...]:
             tool = rng.randint(23_000, 25_000)
         elif rng.random() < 0.6:
             tool = min(28_000, max(300, round(rng.lognormvariate(math.log(4_500), sigma))))
-        out.append(TurnPlan(t, rng.randint(10, 40), tool))
+        out.append(TurnPlan(t, rng.randint(20, 40), tool))
     return tuple(out)
 
 
@@ -128,25 +130,22 @@ def run_naive(turns: tuple[TurnPlan, ...], c: Counts) -> None:
 
 
 def run_ledger(agent: SimAgent, turns: tuple[TurnPlan, ...], c: Counts) -> None:
-    results: list[str] = []
-    memory: list[str] = []
+    results: list[Doc] = []
+    memory: list[Doc] = []
     for p in turns:
         t = agent.begin(2_000)
         gone = {i for _, i in t.reclaimed}
-        results = [r for r in results if r not in gone]
-        agent.release(RET, [m for m in memory if m not in gone])
-        chunks = [Item(f"m{p.turn}-{k}", 300) for k in range(p.chunks)]
-        try:
-            agent.admit(RET, chunks)
-            memory = [i.id for i in chunks]
-        except AdmissionRefused:
-            c.refusals += 1
-            memory = []
+        results = [r for r in results if r.id not in gone]
+        agent.release([m for m in memory if m.id not in gone])
+        got = agent.admit(RET, [Doc(f"m{p.turn}-{k}", 300) for k in range(p.chunks)])
+        memory = list(got.kept)
+        if got.refused:
+            c.refusals += 1  # memory, the only elastic source, is what gives way
         if agent.snapshot().system_prompt != BUDGET.system_prompt:  # never: a floor
             c.damaged_turns += 1
         if p.tool:
             try:
-                res = agent.tool_result(f"tool{p.turn}", p.tool, b'{"rows": []}')
+                res = agent.tool_result(Doc(f"tool{p.turn}", p.tool))
             except AdmissionRefused:
                 c.refusals += 1
             else:
@@ -156,11 +155,10 @@ def run_ledger(agent: SimAgent, turns: tuple[TurnPlan, ...], c: Counts) -> None:
                     c.admitted_whole += 1
                 if res.charged < p.tool and not res.spilled:
                     c.truncated += 1  # never: admitted whole or spilled
-                evicted = {i for _, i in res.evicted}
-                memory = [m for m in memory if m not in evicted]
-                results.append(res.item)
+                memory = [m for m in memory if m not in res.evicted]
+                results.append(res.result)
         drop = results[: max(0, len(results) - KEEP_RESULTS)]
-        agent.release(SCR, drop)
+        agent.release(drop)
         results = results[len(drop) :]
         agent.end(max(1, agent.snapshot().occupancy))
 
