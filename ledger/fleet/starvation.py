@@ -125,6 +125,7 @@ def run_ledger(agent: SimAgent, turns: tuple[TurnPlan, ...]) -> list[TurnRow]:
         got = agent.admit(RET, [d for d in chunks if d in kept])
         ret = [d for d in kept if d not in chunks or d in got.kept]
         res = agent.tool_result(Doc(f"tool{p.turn}", p.tool))
+        ret = [d for d in ret if d not in res.evicted]  # memory that gave way to the result
         held = [*scr, res.result] if res.charged else scr
         kept_s = _keep_docs(held, SCRATCHPAD_KEEP)
         agent.release([d for d in scr if d not in kept_s])
