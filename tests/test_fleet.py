@@ -60,7 +60,7 @@ def test_summarizer_is_soft_and_deterministic() -> None:
     assert a == decay.summary_tokens("s@y", 5, items)  # the run tag does not matter
     raw = decay.summary_tokens("s", 5, items[:1])
     summary = decay.summary_tokens("s", 5, items[1:2])
-    assert 250 <= raw <= 460 and summary >= 9_850  # summaries barely shrink
+    assert 215 <= raw <= 430 and summary >= 9_600  # summaries barely shrink
 
 
 @pytest.fixture

@@ -52,13 +52,16 @@ class _CountingAgent(Agent):
             text_of=_text,
             compaction_wait=compaction_wait,
             poll_interval=POLL_S,
+            # The synthetic texts are not stored for the worker: the demo's summarizers
+            # work on sizes alone (and the agents need no summary text back).
+            store_content=False,
         )
         self.calls = 0
         self.snapshots = 0
         self.refusals: list[AdmissionRefused] = []
 
     def run(self, op: Op[T]) -> T:
-        return drive_sync(op, self._send, time.sleep, self._held)
+        return drive_sync(op, self._send, time.sleep, self._io)
 
     def _send(self, call: Call[Any]) -> Any:
         self.calls += 1
