@@ -49,31 +49,34 @@ def cmd_demo(args: argparse.Namespace, out: Console) -> int:
     from rich.progress import Progress
 
     from ledger.fleet import report as fleet_report
-    from ledger.fleet.run import FleetConfig, as_json, run
+    from ledger.fleet.run import LARGE_SESSIONS, FleetConfig, run
 
     logging.getLogger("ledger.worker").setLevel(logging.ERROR)
     settings = _settings(args)
     if settings.redis_url is None:  # the demo alone runs in-process when no URL is set
         settings = settings.model_copy(update={"redis_url": "embedded://"})
+    sessions = args.sessions or (LARGE_SESSIONS if args.large else FleetConfig.sessions)
     config = FleetConfig(
-        sessions=args.sessions, workers=args.workers, max_turns=args.max_turns, seed=args.seed
+        sessions=sessions, workers=args.workers, max_turns=args.max_turns, seed=args.seed
     )
     if not args.json:
         out.print(
-            f"[bold]ledger demo[/]: {config.sessions} agent sessions (median 40 turns, "
-            f"capped at {config.max_turns}) on {config.workers} workers against "
-            f"[cyan]{settings.redis_url}[/], naive arbiter vs the ledger, seed {config.seed}"
+            f"[bold]ledger demo[/]: each record's scenario under its naive arbiter and under "
+            f"the ledger, against [cyan]{settings.redis_url}[/], seed {config.seed}; "
+            f"scenario 001 on {config.sessions} agent sessions (median 40 turns, capped at "
+            f"{config.max_turns}) and {config.workers} workers"
         )
     with Progress(console=Console(stderr=True), transient=True, disable=args.json) as bar:
-        task = bar.add_task("sessions", total=config.sessions)
+        task = bar.add_task("001 sessions", total=config.sessions)
         res = run(settings, config, progress=lambda n: bar.advance(task, n))
+    summary = fleet_report.summarize(res)
     if args.json:
-        print(json.dumps(as_json(res), indent=2, default=str))
+        print(json.dumps(summary, indent=2, default=str))
     else:
-        out.print(fleet_report.table(res))
-        out.print(fleet_report.footer(res))
+        out.print(fleet_report.table(summary))
+        out.print(fleet_report.footer(summary))
     if args.plot:
-        fleet_report.plot(res, args.plot)
+        fleet_report.plot(summary, args.plot)
         if not args.json:
             out.print(f"plot written to {args.plot}")
     clean = res.audits_clean == res.audits_total and res.over_allocations == 0
@@ -279,11 +282,20 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser(
         "demo",
         help="a fleet of agent sessions: naive arbiter vs the ledger",
-        description="Replay the seeds' workloads on a fleet of simulated agent sessions, once "
-        "with a naive arbiter and once with the ledger (and its background worker), and "
-        "compare. Embedded: worker threads in this process; a Redis URL: worker processes.",
+        description="Run each incident record's scenario (starvation, compaction-decay, "
+        "truncation-loop, fan-out) once under a naive arbiter with the record's conditions "
+        "and once under the ledger (and its background worker), and compare them with the "
+        "record's own figures (docs/demo.md). Embedded: agents are threads in this process; "
+        "a Redis URL: OS processes.",
     )
-    d.add_argument("--sessions", type=int, default=24, help="agent sessions (default 24)")
+    d.add_argument(
+        "--sessions",
+        type=int,
+        help="scenario 001's fleet (default 48; --large: 330, about 20 alive at turn 120)",
+    )
+    d.add_argument(
+        "--large", action="store_true", help="the large fleet for scenario 001 (330 sessions)"
+    )
     d.add_argument("--workers", type=int, default=4, help="fleet workers (default 4)")
     d.add_argument("--max-turns", type=int, default=130, help="cap on session length")
     d.add_argument("--seed", type=int, default=7)
@@ -291,8 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--plot",
         metavar="FILE.png",
-        help="draw retrieval admission and residual "
-        "working memory per turn (needs matplotlib: pip install '.[plot]')",
+        help="draw scenario 001's retrieval admission and compaction interval per turn "
+        "(needs matplotlib: pip install '.[plot]')",
     )
     d.set_defaults(func=cmd_demo)
     a = sub.add_parser("audit", help="prove counters equal items (exit 1 on any violation)")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
-from typing import Final
+from typing import Final, Literal, get_args
 
 import redis.exceptions as rex
 
@@ -62,18 +62,40 @@ class BackendUnavailable(LedgerError, ConnectionError):
     """Redis could not be reached, or did not answer, after the bounded retries."""
 
 
+RefusalReason = Literal[
+    "token_budget_exhausted",
+    "floor_protected",
+    "compaction_pending",
+    "starvation",
+    "fanout_guard",
+]
+REFUSAL_REASONS: Final[frozenset[str]] = frozenset(get_args(RefusalReason))
+PendingBound = Literal["pending", "failed"]
+
+
 class AdmissionRefused(LedgerError):
     """The ledger refused an admission; nothing was allocated.
 
-    ``reason`` is one of the documented reason codes (e.g. ``token_budget_exhausted``),
-    ``requested`` the tokens asked for and ``free`` the tokens that were free.
+    ``reason`` is one of the documented reason codes (:data:`RefusalReason`),
+    ``requested`` the tokens asked for and ``free`` the tokens that were free. For
+    ``compaction_pending`` refusals of memory, ``bound`` says which rule of record 001
+    refused it: ``"pending"`` (the post-compaction baseline, high-water mark plus the
+    memory admitted since the compaction became pending, plus the request and the
+    output reserve, would pass the window) or ``"failed"`` (the last compaction failed:
+    no memory until one succeeds); ``baseline`` is that baseline in tokens. ``None``
+    for every other refusal.
     """
 
     def __init__(self, reason: str, requested: int, free: int, detail: Mapping[str, str]) -> None:
-        self.reason = reason
+        if reason not in REFUSAL_REASONS:
+            raise ValueError(f"undocumented refusal reason {reason!r}")
+        self.reason: RefusalReason = reason  # type: ignore[assignment]
         self.requested = requested
         self.free = free
         self.detail = dict(detail)
+        bound = detail.get("bound")
+        self.bound: PendingBound | None = bound if bound in ("pending", "failed") else None  # type: ignore[assignment]
+        self.baseline: int | None = int(detail["baseline"]) if "baseline" in detail else None
         super().__init__(f"{reason}: requested {requested} tokens, {free} free")
 
 

@@ -101,6 +101,13 @@ class SessionBudget(BaseModel):
         description="tokens the real prompt may differ from occupancy at end_turn before "
         "the drift is flagged (message framing the items do not count); None: not judged",
     )
+    compaction_min_gain: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="share of the window a compaction must free; one that frees less is a "
+        "deferral, counted as a failed compaction (record 001); 0: no minimum",
+    )
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -142,6 +149,10 @@ class SessionBudget(BaseModel):
     @property
     def eviction_tokens(self) -> int:
         return int(self.window * self.eviction_threshold)
+
+    @property
+    def compaction_min_gain_tokens(self) -> int:
+        return int(self.window * self.compaction_min_gain)
 
     def canonical_json(self) -> str:
         data = self.model_dump()
@@ -315,8 +326,8 @@ class Reconciled:
 class Compaction:
     """A committed compaction, judged against the high-water mark (record 001)."""
 
-    compacted: bool  # False: a failed compaction (above the mark, or did not fit)
-    outcome: str  # compacted | failed | did_not_fit | already (the job was committed before)
+    compacted: bool  # False: a failed compaction (above the mark, too small a gain, no fit)
+    outcome: str  # compacted | failed | deferred | did_not_fit | already (committed before)
     occupancy: int
     high_water_mark: int
     dropped: int
@@ -327,6 +338,7 @@ class Compaction:
     free: int
     epoch: int
     turn: int
+    gain: int = 0  # occupancy before minus after (0 when nothing was applied)
 
 
 @dataclass(frozen=True, slots=True)

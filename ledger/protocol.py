@@ -165,7 +165,7 @@ def open_session(
                 -1 if b.framing_tolerance is None else b.framing_tolerance,
             )
         ]
-        + [b.compaction]
+        + [b.compaction, str(b.compaction_min_gain_tokens)]
     )
     return _mutating("open", [keys.session], op_id, 0, body, _opened)
 
@@ -312,7 +312,7 @@ def reset(keys: SessionKeys, op_id: str, epoch: int, reason: str) -> Call[ResetD
     return _mutating("reset", [keys.session, keys.deadlines], op_id, epoch, body, parse)
 
 
-# --- turns and the seeds' rules ----------------------------------------------------
+# --- turns and the records' rules --------------------------------------------------
 
 
 def _turn_started(r: Reply) -> TurnStarted:
@@ -479,6 +479,7 @@ def _compaction(r: Reply) -> Compaction:
         int(r["free"]),
         int(r["epoch"]),
         int(r["turn"]),
+        int(r.get("gain", 0)),
     )
 
 

@@ -25,6 +25,8 @@
 --                       pathological
 --   cd kf kn kt rq      compaction pending, consecutive failed compactions, compactions
 --                       done, turn of the last one, hard reset requested
+--   kg pm               a compaction's minimum gain (tokens); memory (retrieval + recall)
+--                       tokens admitted since the pending compaction became pending
 --   ws ai ao an pu      this turn's working set, span input and output tokens, span
 --                       count; utilization (per mille) at the last end_turn
 --   cfg                 the budget's fingerprint

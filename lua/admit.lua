@@ -14,15 +14,20 @@
 --    or  status=refused|reason=<reason>|requested=<tokens>|free=<tokens>|epoch=<n>|turn=<n>
 --   reason: token_budget_exhausted; floor_protected (the room exists but lies inside
 --   another consumer's floor); compaction_pending (retrieval or recall while a
---   compaction is pending: judged on the post-compaction baseline, occupancy at the
---   high-water mark, record 001).
+--   compaction is pending, record 001: refused outright while the last compaction
+--   failed, bound=failed; else judged on the post-compaction baseline,
+--   bound=pending: H + memory admitted since the compaction became pending + the
+--   request + the turn's output reserve must not exceed the window). A request that
+--   passes that bound but not the free room gets the free-room reason
+--   (token_budget_exhausted or floor_protected), never compaction_pending.
+--   A compaction_pending refusal adds |bound=<pending|failed>|baseline=<tokens> (H + pm).
 -- An item id the consumer already holds charges nothing (a duplicate). A refusal
 -- changes no allocation; its outcome is kept under the op id like any other.
 -- 'all' is refused when the new items do not fit together; 'prefix' when not even
 -- the first new item fits (requested is then that item's tokens).
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
 -- Calls: HMGET, TIME, HSET (a PEXPIRE or a journal sweep when due; HINCRBY on refusal;
---        HMGET of HW, out, W for retrieval and recall while a compaction is pending).
+--        HMGET of HW, out, W, kf, pm for retrieval and recall while a compaction is pending).
 
 local op, fp, epoch, e = op_args('admit', false)
 if e then return e end
@@ -74,21 +79,29 @@ local fr0 = fr
 local charged, admitted, dups, skipped, args = 0, 0, 0, {}, {}
 -- Record 001: while a compaction is pending, memory is judged on the post-compaction
 -- baseline (occupancy at the high-water mark): at most W - out - HW tokens of it.
-local cap, pending = nil, g == 'm' and v[11] == '1'
+-- Record 001: while a compaction is pending, memory is judged on the post-compaction
+-- baseline: the high-water mark plus the memory admitted since the compaction became
+-- pending (pm); at most W - out - HW - pm more tokens. None while the last one failed.
+local cap, pending, bound, pm, base = nil, g == 'm' and v[11] == '1', nil, 0, 0
 if pending then
-  local x = redis.call('HMGET', key, 'HW', 'out', 'W')
-  cap = tonumber(x[3]) - tonumber(x[2]) - tonumber(x[1])
+  local x = redis.call('HMGET', key, 'HW', 'out', 'W', 'kf', 'pm')
+  pm = tonumber(x[5]) or 0
+  base = tonumber(x[1]) + pm
+  cap = tonumber(x[3]) - tonumber(x[2]) - base
+  bound = 'pending'
+  if (tonumber(x[4]) or 0) > 0 then cap, bound = 0, 'failed' end
 end
-local first_skip = nil
+local first_skip, by_bound = nil, false
 for k = 1, n do
   local t = toks[k]
   if v[k + 13] then
     dups = dups + 1
   else
     local d = claim_delta(a + charged, t, floor)
-    if mode == 'prefix' and (#skipped > 0 or d > fr or (cap and charged + t > cap)) then
+    local over = cap and charged + t > cap
+    if mode == 'prefix' and (#skipped > 0 or d > fr or over) then
+      if not first_skip then first_skip, by_bound = t, over end
       skipped[#skipped + 1] = ARGV[3 + 3 * k]
-      first_skip = first_skip or t
     else
       fr = fr - d
       charged = charged + t
@@ -101,14 +114,23 @@ for k = 1, n do
 end
 local J = { ol = v[13], gz = tonumber(v[9]), xp = tonumber(v[10]) }
 -- Refused: 'all' mode that does not fit whole; 'prefix' mode that fits nothing.
-local refused = (mode == 'all' and (fr < 0 or (cap and charged > 0 and charged > cap))) or
+if mode == 'all' then by_bound = cap ~= nil and charged > 0 and charged > cap end
+local refused = (mode == 'all' and (fr < 0 or by_bound)) or
   (mode == 'prefix' and admitted == 0 and #skipped > 0)
 if refused then
   local asked = mode == 'all' and charged or first_skip
-  local reason = pending and 'compaction_pending' or refusal_reason(key, asked)
+  local extra = ''
+  local reason
+  if by_bound then
+    reason = 'compaction_pending'
+    extra = '|bound=' .. bound .. '|baseline=' .. base
+    redis.call('HINCRBY', key, 'x:refused_pending', 1)
+  else
+    reason = refusal_reason(key, asked)
+  end
   redis.call('HINCRBY', key, 'x:refused', 1)
   return commit(key, now, op, fp, table.concat({ 'status=refused|reason=', reason, '|requested=', asked,
-    '|free=', fr0, '|epoch=', ep, '|turn=', tn }), {}, J)
+    '|free=', fr0, '|epoch=', ep, '|turn=', tn, extra }), {}, J)
 end
 if admitted > 0 then
   local m = #args
@@ -117,6 +139,7 @@ if admitted > 0 then
   args[m + 5], args[m + 6] = A, f('%d', a + charged)
   args[m + 7], args[m + 8] = U, f('%d', tonumber(v[7]) + charged)
   args[m + 9], args[m + 10] = N, f('%d', tonumber(v[8]) + admitted)
+  if pending then args[m + 11], args[m + 12] = 'pm', f('%d', pm + charged) end
 end
 -- string.format: one C call, and %d formats a number faster than a concatenation.
 return commit(key, now, op, fp, string.format(

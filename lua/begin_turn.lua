@@ -149,7 +149,7 @@ if start_residual < need() then
       regime == 'loud' and 'compaction_pending' or 'starvation', '|requested=', need(),
       '|residual=', start_residual, '|need=', need(), '|utilization=', util, '|shortfall=', short,
       '|compact=', table.concat(compact, ','), '|free=', H.fr, '|epoch=', H.ep, '|turn=', H.tn }),
-      { 'cd', 1 }, { ol = R[2], gz = H.gz, xp = H.xp })
+      H.cd == 1 and { 'cd', 1 } or { 'cd', 1, 'pm', 0 }, { ol = R[2], gz = H.gz, xp = H.xp })
   end
   redis.call('HINCRBY', key, 'x:' .. regime, 1)
 end
@@ -173,6 +173,9 @@ end
 if due == 1 and H.cd ~= 1 then
   args[#args + 1] = 'cd'
   args[#args + 1] = 1
+  -- the post-compaction baseline (admit.lua, reserve.lua) counts memory from now on
+  args[#args + 1] = 'pm'
+  args[#args + 1] = 0
   if worker_compacts(key) then enqueue(KEYS[2], 'compact', sid, H.ep, op, 'high_water_mark') end
 end
 return commit(key, now, op, fp, table.concat({ 'status=ok|regime=', regime, '|turn=', turn,

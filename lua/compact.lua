@@ -24,11 +24,13 @@
 --                                  step as the effect, so a job's effect happens once for
 --                                  its whole life in the stream, whatever the op retention.
 --
--- Reply: status=ok|outcome=<compacted|failed>|occupancy=<tokens>|high_water=<tokens>
---          |dropped=<tokens>|summary=<tokens>|missing=<id,...>|failures=<n>|escalated=<0|1>
---          |free=<tokens>|epoch=<n>|turn=<n>
+-- Reply: status=ok|outcome=<compacted|failed|deferred|did_not_fit|already>|occupancy=<tokens>
+--          |high_water=<tokens>|dropped=<tokens>|summary=<tokens>|missing=<id,...>|failures=<n>
+--          |escalated=<0|1>|free=<tokens>|epoch=<n>|turn=<n>|gain=<tokens>
 --   outcome did_not_fit: the summary does not fit once the items are gone; nothing is
---   replaced, and it counts as a failed compaction.
+--   replaced, and it counts as a failed compaction. deferred: occupancy is at or under
+--   the mark but the compaction freed (gain: occupancy before minus after) less than the
+--   session's compaction min gain (kg); applied, and counted as a failed compaction.
 --   outcome already: the job entry named by ARGV[8+n] is no longer in the stream (its
 --   compaction was committed before, or the entry was lost with its stream): nothing is
 --   changed or stored; dropped=0, summary=0, escalated=0, the other fields as they are.
@@ -66,7 +68,7 @@ if job ~= '-' then
   end
 end
 local NUM = { 'ep', 'tn', 'sq', 'W', 'S', 'T', 'out', 'F_w', 'F_m', 'a_w', 'a_m', 'a_s', 'u_w', 'u_r', 'u_m',
-  'u_s', 'n_w', 'n_r', 'n_m', 'n_s', 'HW', 'kf', 'kn', 'cx', 'rq', 'gz', 'xp', 'cd' }
+  'u_s', 'n_w', 'n_r', 'n_m', 'n_s', 'HW', 'kf', 'kn', 'cx', 'rq', 'gz', 'xp', 'kg', 'cd' }
 local fields = { 'o:' .. op, 'ol', 'i:w:' .. sum_id }
 for i = #NUM, 1, -1 do table.insert(fields, 1, NUM[i]) end
 local seen, refs = {}, {}
@@ -129,7 +131,9 @@ if not fits then
   dead, dropped, sum_t = {}, 0, 0
 end
 local occ = H.S + H.T + A.w + A.m + A.s
-local ok = fits and occ <= H.HW
+local gain = H.S + H.T + H.a_w + H.a_m + H.a_s - occ
+local deferred = fits and occ <= H.HW and gain < (H.kg or 0)  -- bought too little: a deferral
+local ok = fits and occ <= H.HW and not deferred
 -- no failure counts past an escalation, until the reset
 local kf = ok and 0 or (H.rq == 0 and H.kf + 1 or H.kf)
 local escalate = (not ok) and kf >= H.cx and H.rq == 0
@@ -159,7 +163,7 @@ elseif not ok and H.rq == 0 and worker_compacts(key) and (job ~= '-' or H.cd ~= 
   enqueue(KEYS[2], 'compact', sid, H.ep, op, 'failed_compaction')
 end
 return commit(key, now, op, fp, table.concat({ 'status=ok|outcome=',
-  ok and 'compacted' or (fits and 'failed' or 'did_not_fit'),
+  ok and 'compacted' or (deferred and 'deferred' or (fits and 'failed' or 'did_not_fit')),
   '|occupancy=', occ, '|high_water=', H.HW, '|dropped=', dropped, '|summary=', sum_t, '|missing=',
   table.concat(missing, ','), '|failures=', kf, '|escalated=', escalate and 1 or 0, '|free=', fr,
-  '|epoch=', H.ep, '|turn=', H.tn }), args, J)
+  '|epoch=', H.ep, '|turn=', H.tn, '|gain=', gain }), args, J)

@@ -88,5 +88,7 @@ return commit(key, now, op, fp, table.concat({ 'status=ok|turn=', H.tn, '|ratio=
   '|utilization=', util, '|utilization_delta=', delta, '|spans=', H.an, '|span_input=', H.ai,
   '|compaction_due=', due, '|rollup=', rollup, '|epoch=', H.ep, '|occupancy=', occ, '|drift=', drift,
   '|tolerance=', tol, '|flag=', flag }),
-  { 'pu', util, 'cd', due, 'te', turn, 'dp', final, 'dr', drift, 'df', flag == 'none' and 0 or 1 },
+  (due == 1 and H.cd ~= 1)
+    and { 'pu', util, 'cd', due, 'te', turn, 'dp', final, 'dr', drift, 'df', flag == 'none' and 0 or 1, 'pm', 0 }
+    or { 'pu', util, 'cd', due, 'te', turn, 'dp', final, 'dr', drift, 'df', flag == 'none' and 0 or 1 },
   { ol = R[2], gz = H.gz, xp = H.xp })

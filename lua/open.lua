@@ -30,9 +30,13 @@
 -- ARGV[25] compaction owner        'worker' (the background worker compacts: compaction jobs
 --                                  are enqueued) or 'agent' (the agent compacts inline through
 --                                  compact; only a hard-reset escalation is enqueued)
+-- ARGV[26] compaction min gain     tokens a compaction must free (occupancy before minus after);
+--                                  one that frees less is a deferral, a failed compaction
+--                                  (record 001); 0..window, 0: no minimum
 --
 -- Reply: status=ok|created=<0|1>|epoch=<n>|turn=<n>
--- Errors: LEDGER_BADARG, LEDGER_CONFIG (reserved floor larger than the window),
+-- Errors: LEDGER_BADARG, LEDGER_CONFIG (reserved floor, high-water mark, eviction threshold
+--         or compaction min gain larger than the window),
 --         LEDGER_CONFLICT (the session exists with another budget), LEDGER_OPREUSED.
 -- Calls: HMGET, TIME, HSET, PEXPIRE.
 
@@ -86,7 +90,13 @@ local owner = ARGV[25]
 if owner ~= 'worker' and owner ~= 'agent' then
   return err('BADARG', 'compaction owner must be worker or agent, got ' .. show(owner))
 end
-if #ARGV ~= 25 then return err('BADARG', 'expected 25 arguments, got ' .. #ARGV) end
+local gain
+gain, e = int_arg(ARGV[26], 'compaction_min_gain', 0, TOKENS_MAX)
+if e then return e end
+if gain > W then
+  return err('CONFIG', 'compaction_min_gain ' .. gain .. ' must not exceed window ' .. W)
+end
+if #ARGV ~= 26 then return err('BADARG', 'expected 26 arguments, got ' .. #ARGV) end
 
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'pe', 'o:' .. op, 'cfg', 'ol' }, 3)
@@ -113,6 +123,7 @@ local args = { 'cfg', cfp, 'ep', epoch, 'inc', now, 'tn', 0, 'sq', 0,
   'a_w', 0, 'a_m', 0, 'a_s', 0, 'nv', 0, 'ttl', v[9], 'ort', v[10], 'cl', 0, 'ch', 0,
   'R0', out, 'rel', rel, 'pv', v[11], 'sttl', v[12], 'cx', v[13], 'rut', v[14], 'rup', v[15],
   'ams', v[16], 'amf', v[17], 'amp', v[18], 'dt', tol, 'ca', owner == 'agent' and 1 or 0,
+  'kg', gain, 'pm', 0,
   'cd', 0, 'kf', 0, 'kn', 0, 'kt', 0, 'rq', 0, 'ws', 0, 'ai', 0, 'ao', 0, 'an', 0, 'pu', -1 }
 zero_counters(args)
 -- xp = 0 and gz = NEVER: the first commit refreshes the idle TTL.

@@ -13,11 +13,14 @@
 -- Reply: status=ok|reservation=<id>|deadline_ms=<ms>|free=<tokens>|epoch=<n>|turn=<n>
 --    or  status=refused|reason=<reason>|requested=<tokens>|free=<tokens>|epoch=<n>|turn=<n>
 --   reason: token_budget_exhausted, floor_protected, or compaction_pending (retrieval and
---   recall while a compaction is pending, judged as admit.lua judges them)
+--   recall while a compaction is pending, judged as admit.lua judges them: refused while
+--   the last compaction failed, else H + pm + tokens + output reserve <= window; a
+--   compaction_pending refusal adds |bound=<pending|failed>|baseline=<tokens>; a request
+--   within that bound but above the free room gets the free-room reason)
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED,
 --         LEDGER_CONFLICT (the reservation id is open already, or the consumer holds an
 --         item of that id: settle names the item after the reservation by default).
--- Calls: HMGET, TIME, HSET, ZADD (a PEXPIRE or a journal sweep when due).
+-- Calls: HMGET, TIME, HSET, ZADD (a PEXPIRE or a journal sweep when due; HINCRBY on refusal).
 
 local op, fp, epoch, e = op_args('reserve', false)
 if e then return e end
@@ -52,21 +55,28 @@ local now = now_ms()
 local a = H['a_' .. g]
 local d = claim_delta(a, tokens, H['F_' .. g] or 0)
 local J = { ol = R[2], gz = H.gz, xp = H.xp }
-local reason
+local reason, extra, pm
 if g == 'm' and H.cd == 1 then  -- record 001: memory waits for the pending compaction
-  local x = load(key, { 'HW', 'out', 'W' }, 3)
-  if d > H.fr or tokens > x.W - x.out - x.HW then reason = 'compaction_pending' end
-elseif d > H.fr then
-  reason = refusal_reason(key, tokens)
+  local x = load(key, { 'HW', 'out', 'W', 'kf', 'pm' }, 5)
+  pm = x.pm or 0
+  local bound = (x.kf or 0) > 0 and 'failed' or 'pending'
+  if bound == 'failed' or tokens > x.W - x.out - x.HW - pm then
+    reason, extra = 'compaction_pending', { 'bound=' .. bound, 'baseline=' .. (x.HW + pm) }
+    redis.call('HINCRBY', key, 'x:refused_pending', 1)
+  end
 end
+if not reason and d > H.fr then reason = refusal_reason(key, tokens) end
 if reason then
   redis.call('HINCRBY', key, 'x:refused', 1)
-  return commit(key, now, op, fp, reply({ 'status=refused', 'reason=' .. reason,
-    'requested=' .. tokens, 'free=' .. H.fr, 'epoch=' .. H.ep, 'turn=' .. H.tn }), {}, J)
+  local out = { 'status=refused', 'reason=' .. reason, 'requested=' .. tokens, 'free=' .. H.fr,
+    'epoch=' .. H.ep, 'turn=' .. H.tn }
+  for _, kv in ipairs(extra or {}) do out[#out + 1] = kv end
+  return commit(key, now, op, fp, reply(out), {}, J)
 end
 local deadline = now + lease
 redis.call('ZADD', KEYS[2], deadline, sid .. '|' .. rid)
+local args = { 'r:' .. rid, c .. '|' .. tokens .. '|' .. deadline, 'fr', H.fr - d, 'a_' .. g, a + tokens,
+  'v_' .. c, H['v_' .. c] + tokens, 'nv', H.nv + 1 }
+if pm then args[#args + 1], args[#args + 2] = 'pm', pm + tokens end
 return commit(key, now, op, fp, reply({ 'status=ok', 'reservation=' .. rid, 'deadline_ms=' .. deadline,
-  'free=' .. (H.fr - d), 'epoch=' .. H.ep, 'turn=' .. H.tn }),
-  { 'r:' .. rid, c .. '|' .. tokens .. '|' .. deadline, 'fr', H.fr - d, 'a_' .. g, a + tokens,
-    'v_' .. c, H['v_' .. c] + tokens, 'nv', H.nv + 1 }, J)
+  'free=' .. (H.fr - d), 'epoch=' .. H.ep, 'turn=' .. H.tn }), args, J)

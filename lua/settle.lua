@@ -14,12 +14,14 @@
 --    or  status=refused|reason=<reason>|requested=<tokens>|free=<tokens>|epoch=<n>|turn=<n>
 --        (the actual size does not fit; the reservation stays open until voided or expired;
 --        reason token_budget_exhausted, floor_protected, or compaction_pending for memory
---        growing past its reservation while a compaction is pending)
+--        growing past its reservation while a compaction is pending, judged as admit.lua
+--        judges it, with |bound=<pending|failed>|baseline=<tokens>)
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED,
 --         LEDGER_NORESERVATION (not open: settled, voided, expired and swept, or never made),
 --         LEDGER_EXPIRED (its deadline has passed on Redis's clock),
 --         LEDGER_CONFLICT (the consumer already holds the item id).
--- Calls: HMGET, TIME, HSET, HDEL, ZREM (a PEXPIRE or a journal sweep when due).
+-- Calls: HMGET, TIME, HSET, HDEL, ZREM (a PEXPIRE or a journal sweep when due; HINCRBY and
+--        HMGET of HW, out, W, kf, pm on refusal or while a compaction is pending).
 
 local op, fp, epoch, e = op_args('settle', false)
 if e then return e end
@@ -55,23 +57,30 @@ if R[2] then return err('CONFLICT', 'consumer ' .. c .. ' already holds item ' .
 local a = H['a_' .. g]
 local d = claim_delta(a, actual - est, H['F_' .. g] or 0)
 local J = { ol = R[1], gz = H.gz, xp = H.xp }
-local reason
+local reason, extra, pm
 if g == 'm' and H.cd == 1 and actual > est then  -- record 001, as admit.lua judges memory
-  local x = load(key, { 'HW', 'out', 'W' }, 3)
-  if d > H.fr or actual > x.W - x.out - x.HW then reason = 'compaction_pending' end
-elseif d > H.fr then
-  reason = refusal_reason(key, actual - est)
+  local x = load(key, { 'HW', 'out', 'W', 'kf', 'pm' }, 5)
+  pm = x.pm or 0
+  local bound = (x.kf or 0) > 0 and 'failed' or 'pending'
+  if bound == 'failed' or actual - est > x.W - x.out - x.HW - pm then
+    reason, extra = 'compaction_pending', { 'bound=' .. bound, 'baseline=' .. (x.HW + pm) }
+    redis.call('HINCRBY', key, 'x:refused_pending', 1)
+  end
 end
+if not reason and d > H.fr then reason = refusal_reason(key, actual - est) end
 if reason then
   redis.call('HINCRBY', key, 'x:refused', 1)
-  return commit(key, now, op, fp, reply({ 'status=refused', 'reason=' .. reason,
-    'requested=' .. actual, 'free=' .. H.fr, 'epoch=' .. H.ep, 'turn=' .. H.tn }), {}, J)
+  local out = { 'status=refused', 'reason=' .. reason, 'requested=' .. actual, 'free=' .. H.fr,
+    'epoch=' .. H.ep, 'turn=' .. H.tn }
+  for _, kv in ipairs(extra or {}) do out[#out + 1] = kv end
+  return commit(key, now, op, fp, reply(out), {}, J)
 end
 redis.call('HDEL', key, 'r:' .. rid)
 redis.call('ZREM', KEYS[2], sid .. '|' .. rid)
 local fr = H.fr - d
+local args = { 'i:' .. c .. ':' .. item, actual .. '|' .. H.tn .. '|' .. prio .. '|' .. (H.sq + 1),
+  'sq', H.sq + 1, 'fr', fr, 'a_' .. g, a - est + actual, 'u_' .. c, H['u_' .. c] + actual,
+  'n_' .. c, H['n_' .. c] + 1, 'v_' .. c, H['v_' .. c] - est, 'nv', H.nv - 1 }
+if pm then args[#args + 1], args[#args + 2] = 'pm', pm + actual - est end
 return commit(key, now, op, fp, reply({ 'status=ok', 'reservation=' .. rid, 'item=' .. item,
-  'charged=' .. actual, 'free=' .. fr, 'epoch=' .. H.ep, 'turn=' .. H.tn }),
-  { 'i:' .. c .. ':' .. item, actual .. '|' .. H.tn .. '|' .. prio .. '|' .. (H.sq + 1), 'sq', H.sq + 1,
-    'fr', fr, 'a_' .. g, a - est + actual, 'u_' .. c, H['u_' .. c] + actual, 'n_' .. c, H['n_' .. c] + 1,
-    'v_' .. c, H['v_' .. c] - est, 'nv', H.nv - 1 }, J)
+  'charged=' .. actual, 'free=' .. fr, 'epoch=' .. H.ep, 'turn=' .. H.tn }), args, J)

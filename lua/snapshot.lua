@@ -13,7 +13,8 @@
 local FIELDS = { 'ep', 'tn', 'sq', 'W', 'S', 'T', 'out', 'F_w', 'F_m', 'HW', 'EV', 'fr',
   'a_w', 'a_m', 'a_s', 'u_w', 'u_r', 'u_m', 'u_s', 'n_w', 'n_r', 'n_m', 'n_s',
   'v_w', 'v_r', 'v_m', 'v_s', 'nv', 'ttl', 'ort', 'cd', 'kf', 'kn', 'rq', 'ai', 'an', 'ws',
-  'inc', 'ca', 'dt', 'dr', 'dp', 'df', 'x:drift', 'x:reconciled', 'x:refused', 'x:expired', 'x:spilled', 'x:starvation', 'x:failed_compactions', 'x:resets' }
+  'inc', 'ca', 'dt', 'dr', 'dp', 'df', 'kg', 'pm', 'x:drift', 'x:reconciled', 'x:refused',
+  'x:refused_pending', 'x:expired', 'x:spilled', 'x:starvation', 'x:failed_compactions', 'x:resets' }
 local v = redis.call('HMGET', KEYS[1], unpack(FIELDS))
 if not v[1] then return err('NOSESSION', NOSESSION) end
 local out = { 'now=' .. now_ms() }

@@ -566,6 +566,7 @@ ARGV_SPEC: dict[str, dict[int, list[str | bytes]]] = {
         14: ["x" * 4097],  # budget json
         24: ints(-1, 100_000_000),  # framing tolerance
         25: ["", "Worker", "none", "w", b"\xff"],  # compaction owner
+        26: ints(0, 100_000_000),  # compaction min gain
     },
     "reconcile": {
         **COMMON,

@@ -1,4 +1,4 @@
-"""Stateful property test of the seeds' rules: the ledger against a model of the scripts.
+"""Stateful property test of the records' rules: the ledger against a model of the scripts.
 
 tests/test_properties.py checks admit / release / reserve / settle / void. This file
 restates, in plain Python, what lua/begin_turn.lua, admit.lua, admit_tool.lua,
@@ -17,7 +17,9 @@ begin_turn   residual = W - S - T - out' - max(memory, F_m) - scratchpad against
              this turn's output reserve, and a compaction is due above the high-water mark.
 admit        'all' / 'prefix', duplicates, floor_protected vs token_budget_exhausted, and
              while a compaction is pending memory (retrieval, recall) is capped at
-             W - out - HW per call with reason compaction_pending.
+             W - out - HW - pm (pm: memory admitted since it became pending), none at
+             all while the last compaction failed, with reason compaction_pending; a
+             request within that cap but not the free room gets the free-room reason.
 admit_tool   whole; whole once memory gives way (retrieval before recall, lowest priority
              then oldest); spilled with a preview; refused (judged on the preview);
              duplicate tool-call ids.
@@ -186,6 +188,7 @@ class Model:
     items: dict[str, dict[str, Rec]] = field(default_factory=lambda: {c: {} for c in CODES})
     cd: int = 0  # compaction pending
     kf: int = 0  # consecutive failed compactions
+    pm: int = 0  # memory admitted since the pending compaction became pending
     kn: int = 0  # compactions done
     kt: int = 0  # turn of the last one
     rq: int = 0  # hard reset requested
@@ -305,17 +308,19 @@ class Model:
         a, floor = self.active()[g], {"w": F_W, "m": F_M, "s": 0}[g]
         fr = self.free()
         pending = g == "m" and self.cd == 1
-        cap = W - self.out - self.HW if pending else None
+        cap = (0 if self.kf > 0 else W - self.out - self.HW - self.pm) if pending else None
         charged, dups, skipped, taken = 0, 0, [], []
-        first_skip = None
+        first_skip, by_cap = None, False
         for i, t, p in batch:
             if i in self.items[c]:
                 dups += 1
                 continue
             d = max(a + charged + t, floor) - max(a + charged, floor)
-            if partial and (skipped or d > fr or (cap is not None and charged + t > cap)):
+            over = cap is not None and charged + t > cap
+            if partial and (skipped or d > fr or over):
+                if first_skip is None:
+                    first_skip, by_cap = t, over
                 skipped.append(i)
-                first_skip = t if first_skip is None else first_skip
             else:
                 fr -= d
                 charged += t
@@ -323,13 +328,18 @@ class Model:
         if partial:
             refused = not taken and bool(skipped)
         else:
-            refused = fr < 0 or (cap is not None and charged > 0 and charged > cap)
+            by_cap = cap is not None and charged > 0 and charged > cap
+            refused = fr < 0 or by_cap
         if refused:
             asked = first_skip if partial else charged
             assert asked is not None
             self.x["refused"] += 1
-            why = "compaction_pending" if pending else self.reason(asked)
+            if by_cap:
+                self.x["refused_pending"] += 1
+            why = "compaction_pending" if by_cap else self.reason(asked)
             return ("refused", why, asked, self.free())
+        if pending:
+            self.pm += charged
         for i, t, p in taken:
             self.add(c, i, t, p)
         assert fr == self.free()
@@ -395,6 +405,7 @@ class Model:
                 self.x["starvation"] += 1
                 if self.cd != 1:
                     self.enqueue("compact", op_id, regime)
+                    self.pm = 0
                 self.cd = 1
                 return (
                     "starved",
@@ -418,7 +429,7 @@ class Model:
             or act["w"] * 1000 > self.permille["rup"] * wm_budget
         )
         if due and self.cd != 1:
-            self.cd = 1
+            self.cd, self.pm = 1, 0
             self.enqueue("compact", op_id, "high_water_mark")
         return TurnStarted(
             regime,
@@ -479,6 +490,7 @@ class Model:
         sum_id, sum_t = summary if summary is not None else (NO_SUMMARY, 0)
         if sum_id in self.items["w"] and ("w", sum_id) not in refs:
             return ("error", "SessionConflict")
+        before = self.occupancy()
         dropped = sum(self.items[c][i].tokens for c, i in refs if i in self.items[c])
         missing = tuple((Consumer.from_code(c), i) for c, i in refs if i not in self.items[c])
         after = {c: dict(self.items[c]) for c in CODES}
@@ -497,7 +509,9 @@ class Model:
         else:
             dropped, sum_t = 0, 0
         occ = self.occupancy()
-        ok = fits and occ <= self.HW
+        gain = before - occ
+        deferred = fits and occ <= self.HW and gain < self.b.compaction_min_gain_tokens
+        ok = fits and occ <= self.HW and not deferred
         # no failure counts past an escalation, until the reset
         self.kf = 0 if ok else (self.kf + 1 if self.rq == 0 else self.kf)
         escalate = not ok and self.kf >= self.b.max_failed_compactions and self.rq == 0
@@ -513,7 +527,9 @@ class Model:
             self.rq = 1
         elif not ok and self.rq == 0:
             self.enqueue("compact", op_id, "failed_compaction")
-        outcome = "compacted" if ok else ("failed" if fits else "did_not_fit")
+        outcome = (
+            "compacted" if ok else "deferred" if deferred else ("failed" if fits else "did_not_fit")
+        )
         return Compaction(
             ok,
             outcome,
@@ -527,6 +543,7 @@ class Model:
             self.free(),
             self.ep,
             self.tn,
+            gain,
         )
 
     def _span(self, op_id: str, turn: int, tin: int, tout: int) -> Outcome:
@@ -566,6 +583,7 @@ class Model:
         self.x[f"class:{cls}"] += 1
         if due and self.cd != 1:
             self.enqueue("compact", op_id, "high_water_mark")
+            self.pm = 0
         occ = self.occupancy()
         flag = "over_window" if final > W else "none"  # the budget judges no drift
         if flag != "none":
@@ -615,6 +633,7 @@ class RulesMachine(ModelMachine):
         max_failed=st.sampled_from([1, 2, 3]),
         rollup=st.sampled_from([(20, 0.6), (2, 0.3)]),
         amplification=st.sampled_from([(1.5, 3.0, 8.0), (0.5, 1.0, 2.0)]),
+        min_gain=st.sampled_from([0.0, 0.0, 0.05, 0.3]),
         load=st.lists(st.sampled_from(CODES), max_size=16).flatmap(
             lambda cs: st.tuples(
                 *(st.tuples(st.just(c), st.sampled_from(ITEM_IDS), st.integers(1, 400)) for c in cs)
@@ -629,6 +648,7 @@ class RulesMachine(ModelMachine):
         max_failed: int,
         rollup: tuple[int, float],
         amplification: tuple[float, float, float],
+        min_gain: float,
         load: tuple[tuple[str, str, int], ...],
     ) -> None:
         budget = SessionBudget(
@@ -648,6 +668,7 @@ class RulesMachine(ModelMachine):
             amplification_saturation=amplification[0],
             amplification_fragmentation=amplification[1],
             amplification_pathological=amplification[2],
+            compaction_min_gain=min_gain,
         )
         self.session = self.ledger.open_session(SESSION_ID, budget)
         self.model = Model(budget, ep=self.session.epoch)
@@ -915,6 +936,7 @@ class RulesMachine(ModelMachine):
             "ai": m.ai,
             "an": m.an,
             "nv": 0,
+            "pm": m.pm,
             "x:refused": m.x["refused"],
             "x:spilled": m.x["spilled"],
             "x:starvation": m.x["starvation"],

@@ -1,4 +1,4 @@
-"""The seeds' rules, replayed with each record's own numbers on every backend.
+"""The records' rules, replayed with each record's own numbers on every backend.
 
 Each test rebuilds the load a record describes under "What was observed", then shows
 the ledger's rule firing and the failure not happening:
@@ -508,11 +508,20 @@ def pending_001(ledger: Ledger) -> tuple[Session, SessionBudget]:
 def test_record001_retrieval_refused_while_compaction_pending(ledger: Ledger) -> None:
     s, b = pending_001(ledger)
     free = s.snapshot().free
+    cap = b.window - b.output_reserve - b.high_water_tokens
+    assert free < cap  # occupancy is above the mark
     for consumer in (RET, REC):
         with pytest.raises(AdmissionRefused) as info:
-            s.admit(consumer, [Item("doc", free + 1)])
-        # The honest reason, not token_budget_exhausted.
+            s.admit(consumer, [Item("doc", cap + 1)])
+        # The honest reason, not token_budget_exhausted: the post-compaction bound.
         assert info.value.reason == "compaction_pending"
+        assert info.value.bound == "pending"
+        assert info.value.baseline == b.high_water_tokens
+        # Within the bound but not the free room: labelled apart, as a free-room refusal.
+        with pytest.raises(AdmissionRefused) as info:
+            s.admit(consumer, [Item("doc", free + 1)])
+        assert info.value.reason == "token_budget_exhausted"
+        assert info.value.bound is None
     # Working memory is not judged against the pending compaction.
     assert s.admit(WM, [Item("note", 100)]).charged == 100
     # begin_turn also marks it: a compaction due with the occupancy above the mark.
@@ -544,6 +553,87 @@ def test_record001_retrieval_up_to_the_post_compaction_baseline(ledger: Ledger) 
     assert s.snapshot().free > cap
     assert s.admit(RET, [Item("doc", cap)]).charged == cap  # H + t_retrieval + t_output <= B
     clean(ledger, s)
+
+
+def test_record001_memory_admitted_while_pending_counts_on_the_baseline(ledger: Ledger) -> None:
+    """Each admission within W - out - H alone, but together past it: the post-compaction
+    occupancy carries the memory admitted since the compaction became pending."""
+    s, b = pending_001(ledger)
+    s.release(WM, ["h7", "h8", "h9"])  # room now, still pending
+    cap = b.window - b.output_reserve - b.high_water_tokens
+    first = cap // 2 + 1
+    assert s.admit(RET, [Item("a", first)]).charged == first
+    assert s.snapshot().raw["pm"] == first
+    assert s.snapshot().free > first  # the free room would take the second one too
+    with pytest.raises(AdmissionRefused) as info:
+        s.admit(REC, [Item("b", first)])
+    assert (info.value.reason, info.value.bound) == ("compaction_pending", "pending")
+    assert info.value.baseline == b.high_water_tokens + first
+    with pytest.raises(AdmissionRefused) as info:  # a reservation is judged alike
+        s.reserve(RET, "res-b", first)
+    assert (info.value.reason, info.value.bound) == ("compaction_pending", "pending")
+    assert s.admit(REC, [Item("c", cap - first)]).charged == cap - first  # exactly the rest
+    snap = clean(ledger, s)
+    assert snap.raw["x:refused_pending"] == 2
+    # The next compaction episode starts its own count.
+    done = s.compact(["h1", "h2", "h3", "h4", "h5", "h6"], Item("sum", 1_000))
+    assert done.compacted and not s.snapshot().compaction_pending
+    assert s.admit(RET, [Item("d", first)]).charged == first  # no longer pending
+
+
+def test_record001_no_memory_while_the_last_compaction_failed(ledger: Ledger) -> None:
+    s, _ = pending_001(ledger)
+    failed = s.compact(["h1"], Item("sum1", 9_000))  # still above the mark
+    assert not failed.compacted and failed.outcome == "failed"
+    s.release(WM, ["h8", "h9"])  # room, and well within the pending bound
+    for consumer in (RET, REC):
+        with pytest.raises(AdmissionRefused) as info:
+            s.admit(consumer, [Item("doc", 100)])
+        assert (info.value.reason, info.value.bound) == ("compaction_pending", "failed")
+    with pytest.raises(AdmissionRefused) as info:
+        s.reserve(REC, "res-1", 100)
+    assert info.value.bound == "failed"
+    assert s.admit(WM, [Item("note", 100)]).charged == 100  # working memory is not judged
+    done = s.compact(["h2", "h3", "h4", "sum1"], Item("sum2", 2_000))
+    assert done.compacted
+    assert s.admit(RET, [Item("doc", 100)]).charged == 100
+    clean(ledger, s)
+
+
+def test_record001_a_compaction_below_the_min_gain_is_a_deferral(ledger: Ledger) -> None:
+    b = SessionBudget(
+        window=WINDOW_001,
+        system_prompt=4_000,
+        tool_framing=200,
+        output_reserve=8_000,
+        compaction_min_gain=0.25,
+    )
+    assert b.compaction_min_gain_tokens == 32_000
+    s = ledger.open_session(new_sid(), b)
+    t = s.begin_turn(4_000)
+    s.admit(WM, HISTORY)
+    assert s.end_turn(t.turn, 40_000).compaction_due
+    # Under the mark, but it frees only 20k - 1k = 19k: a deferral, a failed compaction.
+    small = s.compact(["h1", "h2"], Item("sum1", 1_000))
+    assert (small.compacted, small.outcome, small.gain) == (False, "deferred", 19_000)
+    assert small.occupancy <= b.high_water_tokens and small.failures == 1
+    assert s.snapshot().compaction_pending
+    assert [j["reason"] for j in jobs(ledger, s, "compact")] == [
+        "high_water_mark",
+        "failed_compaction",
+    ]
+    with pytest.raises(AdmissionRefused) as info:  # retrieval waits for a real one
+        s.admit(RET, [Item("doc", 100)])
+    assert info.value.bound == "failed"
+    big = s.compact(["h3", "h4", "h5", "h6", "sum1"], Item("sum2", 2_000))
+    assert (big.compacted, big.outcome, big.gain, big.failures) == (True, "compacted", 39_000, 0)
+    assert not s.snapshot().compaction_pending
+    clean(ledger, s)
+
+
+def test_record001_min_gain_above_the_window_is_refused() -> None:
+    with pytest.raises(ConfigurationError):
+        SessionBudget(window=1_000, system_prompt=10, compaction_min_gain=1.5)
 
 
 def test_record001_three_failed_compactions_escalate_once(ledger: Ledger) -> None:

@@ -644,7 +644,7 @@ class Worker:
         return released
 
     def observe(self) -> None:
-        """Refresh lag gauges and the seeds' leading indicators (a SCAN: not every poll)."""
+        """Refresh lag gauges and the records' leading indicators (a SCAN: not every poll)."""
         client, s = self.ledger.client, self.settings
         for p in self.partitions:
             try:

@@ -1,2 +1,2 @@
-"""The fleet simulator behind ``ledger demo``: many multi-turn agent sessions, two
-arbiters (naive and the ledger) on the same seeded workload, one comparison table."""
+"""The simulator behind ``ledger demo``: one scenario per incident record, each run
+under a naive arbiter with the record's conditions and under the ledger."""

@@ -1,0 +1,186 @@
+"""The simulated agents: the package's agent layer (``ledger.agent``) on synthetic text.
+
+Each simulated agent is an :class:`ledger.agent.Agent`, the code users adopt: turns
+begin and end through it, it admits app objects by their token counts, waits (bounded)
+for a pending compaction before it asks for retrieval or recall, spills oversized tool
+results and hands back what the ledger reclaimed. The objects are synthetic: a
+:class:`Doc` of n tokens has n characters of text and the counter is ``len``. The
+wrapper here only counts what the demo measures (calls, refusals, waits) and adds
+the two calls the agent layer leaves to the caller (``record_span``, and
+``end_turn`` with a p99 trend).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from ledger.agent import Admission, Agent, ToolOutcome, Turn
+from ledger.agent.core import Op, drive_sync
+from ledger.client import Ledger, Session
+from ledger.errors import AdmissionRefused, FanoutRefused
+from ledger.models import Consumer, SessionBudget, Snapshot, TurnReport, TurnStarted
+from ledger.protocol import Call
+
+T = TypeVar("T")
+POLL_S = 0.004
+
+
+@dataclass(frozen=True, slots=True)
+class Doc:
+    """An app object of the simulation: an id and a size in tokens."""
+
+    id: str
+    tokens: int
+
+
+def _text(obj: Any) -> str:
+    tokens: int = obj.tokens
+    return "x" * tokens  # one token a character: the counter is len
+
+
+class _CountingAgent(Agent):
+    """The agent layer, its ledger calls counted and its refusals kept."""
+
+    def __init__(self, session: Session, compaction_wait: float) -> None:
+        super().__init__(
+            session,
+            len,
+            id_of=lambda o: o.id,
+            text_of=_text,
+            compaction_wait=compaction_wait,
+            poll_interval=POLL_S,
+            # The synthetic texts are not stored for the worker: the demo's summarizers
+            # work on sizes alone (and the agents need no summary text back).
+            store_content=False,
+        )
+        self.calls = 0
+        self.snapshots = 0
+        self.refusals: list[AdmissionRefused] = []
+
+    def run(self, op: Op[T]) -> T:
+        return drive_sync(op, self._send, time.sleep, self._io)
+
+    def _send(self, call: Call[Any]) -> Any:
+        self.calls += 1
+        if call.script == "snapshot":
+            self.snapshots += 1
+        try:
+            return self.session.ledger.run(call)
+        except AdmissionRefused as exc:
+            self.refusals.append(exc)
+            raise
+
+
+class SimAgent:
+    """One simulated agent session. After a hard reset its calls raise
+    :class:`~ledger.errors.StaleEpoch`; :meth:`adopt_reset` takes the new epoch."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        session_id: str,
+        budget: SessionBudget,
+        compaction_wait: float = 2.0,
+    ) -> None:
+        self.session = ledger.open_session(session_id, budget)
+        self.agent = _CountingAgent(self.session, compaction_wait)
+        self.current: Turn | None = None
+        self.waited = False  # waited for a compaction since the caller last cleared it
+
+    @property
+    def calls(self) -> int:
+        return self.agent.calls + 1  # and the open
+
+    @property
+    def refusals(self) -> list[AdmissionRefused]:
+        return self.agent.refusals
+
+    @property
+    def turn(self) -> Turn:
+        if self.current is None:
+            raise RuntimeError("no turn has begun")
+        return self.current
+
+    # --- a turn, through the agent layer -----------------------------------------------
+
+    def begin(self, working_set: int, output_reserve: int | None = None) -> TurnStarted:
+        turn = self.agent.turn(working_set, output_reserve)
+        self.current = turn.__enter__()
+        assert turn.state is not None
+        return turn.state.started
+
+    def admit(self, consumer: Consumer, docs: Sequence[Doc]) -> Admission[Any]:
+        """The longest prefix that fits; memory waits for a pending compaction first."""
+        return self.turn.admit(consumer, list(docs))
+
+    def admit_waiting(self, consumer: Consumer, docs: Sequence[Doc]) -> tuple[Admission[Any], bool]:
+        """As :meth:`admit`, and whether the agent waited for a compaction to get there."""
+        before = self.agent.snapshots
+        try:
+            got = self.admit(consumer, docs)
+        finally:
+            waited = self.agent.snapshots > before
+            self.waited = self.waited or waited  # kept when a hard reset cuts the turn short
+        return got, waited
+
+    def release(self, docs: Sequence[Doc]) -> None:
+        if docs:
+            self.turn.release(list(docs))
+
+    def tool_result(self, doc: Doc) -> ToolOutcome[Any]:
+        return self.turn.tool_result(doc)
+
+    def span(self, kind: str, input_tokens: int, output_tokens: int) -> bool:
+        """Account a memory-tool span before making the call; False: the fan-out guard
+        says summarize and proceed instead."""
+        self.agent.calls += 1
+        try:
+            self.session.record_span(self.turn.number, kind, input_tokens, output_tokens)
+        except FanoutRefused:
+            return False
+        return True
+
+    def end(self, prompt_tokens: int, p99_trend: int = 0) -> TurnReport:
+        turn = self.turn
+        if p99_trend == 0:
+            report = turn.end(prompt_tokens)
+        else:  # the agent layer passes no trend: the same end_turn, with one
+            self.agent.calls += 1
+            report = self.session.end_turn(turn.number, prompt_tokens, p99_trend=p99_trend)
+            assert turn.state is not None
+            turn.state.report = report
+            self.agent.core.compaction_pending = report.compaction_due
+        self.current = None
+        return report
+
+    def snapshot(self) -> Snapshot:
+        self.agent.calls += 1
+        return self.session.snapshot()
+
+    # --- compactions run by the background worker --------------------------------------
+
+    def wait_attempt(self, before: Snapshot, timeout_s: float) -> bool:
+        """Wait (bounded) for the worker's next verdict on the pending compaction: a
+        compaction, a failed one, or a hard reset. True if one arrived in time."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            snap = self.snapshot()
+            if (
+                not snap.compaction_pending
+                or snap.epoch != before.epoch
+                or snap.raw.get("x:failed_compactions", 0)
+                != before.raw.get("x:failed_compactions", 0)
+            ):
+                return True
+            time.sleep(POLL_S)
+        return False
+
+    def adopt_reset(self) -> int:
+        """After a hard reset: take the session's new epoch (its items are gone)."""
+        self.current = None
+        self.agent.calls += 1
+        self.agent.core.compaction_pending = False
+        return self.session.refresh()

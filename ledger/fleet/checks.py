@@ -1,0 +1,137 @@
+"""The demo's acceptance checks: does each scenario show its record's failure under the
+naive arbiter and its cure under the ledger, with the record's figures? Read from the
+summary (the JSON of ``ledger demo --json``), so a run can be judged after the fact."""
+
+from __future__ import annotations
+
+from typing import Any
+
+Check = dict[str, Any]  # {"pass": bool, "measured": str}
+
+
+def _c(ok: bool, measured: str) -> Check:
+    return {"pass": bool(ok), "measured": measured}
+
+
+def _rate(a: dict[str, Any], turn: int) -> float:
+    r = a["retrieval_admission"][str(turn)]["rate"]
+    return float("nan") if r is None else float(r)
+
+
+def acceptance(s: dict[str, Any], large: bool = False) -> dict[str, Check]:
+    n, lg = s["naive"], s["ledger"]
+    out: dict[str, Check] = {}
+    r10, r60, r120 = (_rate(n, t) for t in (10, 60, 120))
+    out["001 naive retrieval admission"] = _c(
+        r10 >= 0.85 and 0.25 <= r60 <= 0.45 and r120 <= 0.15,
+        f"{r10:.2f} / {r60:.2f} / {r120:.2f} at turns 10/60/120",
+    )
+    e, late = n["compaction_interval"]["early"], n["compaction_interval"]["late"]
+    out["001 naive compaction interval"] = _c(
+        e is not None and late is not None and e >= 7 and late <= 4,
+        f"early {e:.1f}, after turn 80 {late:.1f}" if e and late else f"{e} / {late}",
+    )
+    post = n["post_compaction_occupancy"]
+    rise = (post["late"] or 0) - (post["first"] or 0)
+    out["001 naive post-compaction occupancy rises"] = _c(
+        rise >= 0.2, f"{post['first']:.2f} -> {post['late']:.2f} of the window"
+    )
+    head = n["refusal_latency_headroom_ms"]
+    out["001 naive refusals token_budget_exhausted with headroom"] = _c(
+        set(n["retrieval_refusals"]) == {"token_budget_exhausted"}
+        and head is not None
+        and head["min"] > 0,
+        f"{n['retrieval_refusals']}, headroom min {head['min']:.0f} ms" if head else "none",
+    )
+    out["001 naive SLO"] = _c(
+        n["slo"]["over_share"] <= 0.001, f"{100 * n['slo']['over_share']:.3f}% over 900 ms"
+    )
+    l10, l60, l120 = (_rate(lg, t) for t in (10, 60, 120))
+    trend = lg["retrieval_trend_per_100_turns"] or 0.0
+    out["001 ledger retrieval admission"] = _c(
+        min(l10, l60, l120) >= 0.88 and trend >= -0.05 and l120 >= l10 - 0.05,
+        f"{l10:.2f} / {l60:.2f} / {l120:.2f}, trend {trend:+.3f} per 100 turns",
+    )
+    out["001 ledger refusals only compaction_pending"] = _c(
+        all(k.startswith("compaction_pending") for k in lg["retrieval_refusals"]),
+        str(lg["retrieval_refusals"] or "none"),
+    )
+    le, ll = lg["compaction_interval"]["early"], lg["compaction_interval"]["late"]
+    out["001 ledger late compaction interval >= 0.7 x early"] = _c(
+        le is not None and ll is not None and ll >= 0.7 * le,
+        f"early {le:.1f}, after turn 80 {ll:.1f}" if le and ll else f"{le} / {ll}",
+    )
+    out["001 ledger hard resets present"] = _c(lg["resets"] > 0, f"{lg['resets']} resets")
+    slo = lg["slo"]
+    out["001 ledger SLO 1-3%, compaction or reset turns"] = _c(
+        0.01 <= slo["over_share"] <= 0.03 and slo["over_not_compaction_or_reset"] == 0,
+        f"{100 * slo['over_share']:.2f}% over, {slo['over_not_compaction_or_reset']} other",
+    )
+    ns, ls = n["starvation"], lg["starvation"]
+    util = ns["utilization"]
+    out["000 naive silent starvation"] = _c(
+        ns["regimes"].get("silent", 0) > ns["turns_after_5"] / 2
+        and util[0] >= 0.58
+        and util[1] <= 0.64
+        and ns["residual_mean"] < ns["working_set_mean"],
+        f"{ns['regimes'].get('silent', 0)}/{ns['turns_after_5']} turns, utilization "
+        f"{util[0]:.2f}-{util[1]:.2f}, residual {ns['residual_mean']:.0f} < working set "
+        f"{ns['working_set_mean']:.0f}",
+    )
+    out["000 ledger classes starvation, reclaims, restores"] = _c(
+        ls["regimes"].get("starvation", 0) > ls["turns_after_5"] / 2
+        and ls["regimes"].get("loud", 0) == 0
+        and ls["reclaimed_scratchpad"] > 0
+        and ls["reclaimed_retrieval"] > 0
+        and ls["reclaim_order_ok"]
+        and ls["restored"] == ls["turns_after_5"],
+        f"starvation {ls['regimes'].get('starvation', 0)}, loud {ls['regimes'].get('loud', 0)}"
+        f", reclaimed {ls['reclaimed_scratchpad']} scratchpad then "
+        f"{ls['reclaimed_retrieval']} retrieval, restored {ls['restored']}/"
+        f"{ls['turns_after_5']}",
+    )
+    nt, lt = n["truncation_loop"], lg["truncation_loop"]
+    ev = nt["compression_events"]
+    out["002 naive loop per compression event"] = _c(
+        ev > 0 and nt["truncated"] >= ev and nt["repeated_calls"] >= ev,
+        f"{ev} events, {nt['truncated']} truncations, {nt['repeated_calls']} repeats",
+    )
+    out["002 ledger no truncation, spills and refusals"] = _c(
+        lt["truncated"] == 0
+        and lt["repeated_calls"] == 0
+        and lt["compression_events"] == 0
+        and lt["spilled"] > 0
+        and lt["refusals"] > 0,
+        f"truncated {lt['truncated']}, repeats {lt['repeated_calls']}, spilled "
+        f"{lt['spilled']}, refused {lt['refusals']}",
+    )
+    nf, lf = n["fanout"], lg["fanout"]
+    out["004 naive gauge raises nothing"] = _c(
+        nf["alerts"] == 0
+        and nf["ratio_last"] > 8
+        and nf["utilization_last"] < nf["utilization_first"],
+        f"alerts {nf['alerts']}, ratio {nf['ratio_first']:.1f} -> {nf['ratio_last']:.1f}, "
+        f"utilization {nf['utilization_first']:.2f} -> {nf['utilization_last']:.2f}",
+    )
+    frag_lag = (lf["first_fragmentation"] or 999) - (lf["first_ratio_over_3"] or 0)
+    path_ok = lf["first_pathological"] is not None and lf["first_ratio_over_8"] is not None
+    ctl = lf["control_classes"]
+    out["004 ledger classes fragmentation, pathological, guard ~8"] = _c(
+        0 <= frag_lag <= 3
+        and path_ok
+        and lf["first_pathological"] >= lf["first_ratio_over_8"]
+        and (lf["ratio_after_guard_max"] or 99) <= 9.0
+        and ctl.get("saturation", 0) > sum(ctl.values()) / 2,
+        f"fragmentation {frag_lag} turns after ratio 3; pathological from turn "
+        f"{lf['first_pathological']} (ratio > 8 at {lf['first_ratio_over_8']}); guarded max "
+        f"{lf['ratio_after_guard_max']}; control {ctl}",
+    )
+    out["all: 0 over-allocations, clean audits"] = _c(
+        s["over_allocations"] == 0 and s["audits_clean"] == s["audits_total"],
+        f"{s['over_allocations']} over-allocations, {s['audits_clean']}/{s['audits_total']} clean",
+    )
+    if large:
+        out["large fleet: >= 20 sessions alive at turn 120"] = _c(
+            lg["sessions_at_120"] >= 20, f"{lg['sessions_at_120']} sessions"
+        )
+    return out

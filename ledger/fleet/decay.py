@@ -1,0 +1,364 @@
+"""Scenario 001, compaction decay: retrieval starved under a green latency SLO.
+
+The regime of record 001: a 128k window, sessions of median 40 and p99 210 turns,
+a 900 ms per-turn latency SLO, a high-water mark H = 0.72 of the window. Each turn
+adds a user message, a recall lookup, 4-8 retrieved chunks and the model's
+generation to the history: 2-5% of the window a turn. A summarizer compacts the
+history "on average": raw history shrinks to 21.5-43% of its size, but a summary
+summarized again keeps 96-99% of itself and long answers from stale memory keep
+50-70%, so a session's summaries accumulate (the soft post-condition).
+
+The naive arbiter has exactly the record's conditions: compaction is synchronous,
+on the request path, its latency charged to the turn that triggers it; the latency
+check is per turn; nothing checks what the summarizer produced; operations are
+ranked by estimated latency per token, with compaction's latency amortized over
+the turns it is expected to last; feasibility is judged on the current occupancy
+(the summary is written before the history it replaces is dropped); a turn without
+retrieval answers from stale parametric memory, with generations four times longer.
+
+The ledger runs the same turns: compaction is asynchronous (the background worker,
+the same summarizer), judged against H and the minimum gain, escalated to a hard
+reset after three failures; the agent waits a bounded time for a pending compaction.
+
+Latency model (both): 100 ms + prefill 2.2 ms per 1k prompt tokens + recall 50 ms +
+retrieval 180 ms + generation 0.055 ms per token; a synchronous compaction 120 ms +
+1.2 ms per 1k tokens summarized; the ledger's agent pays the same for a compaction it
+waited for in a turn, and 700 ms to rebuild its context after a hard reset (re-query,
+re-summarize the durable transcript, prefill).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from statistics import NormalDist
+
+from ledger.errors import StaleEpoch
+from ledger.fleet.agent import Doc, SimAgent
+from ledger.models import Consumer, Item, SessionBudget
+from workers.compactors import CompactionPlan, CompactionRequest
+
+WM, RET, REC = Consumer.WORKING_MEMORY, Consumer.RETRIEVAL, Consumer.RECALL
+
+WINDOW = 128_000
+SYSTEM = 3_000
+SLO_MS = 900.0
+MEDIAN_TURNS, P99_TURNS = 40, 210
+STALE = 4  # generations without retrieval are this many times longer
+OUTPUT_MARGIN = 1.25  # the output reserve: the expected generation and a margin
+
+BUDGET = SessionBudget(
+    window=WINDOW,
+    system_prompt=SYSTEM,
+    output_reserve=2_000,
+    high_water_mark=0.72,
+    eviction_threshold=0.90,
+    max_failed_compactions=3,
+    compaction_min_gain=0.25,
+)
+H = BUDGET.high_water_tokens
+
+# Summarizer: share of its size each kind of item keeps once summarized (lo, hi).
+RAW_KEEP = (0.215, 0.43)
+SUMMARY_KEEP = (0.96, 0.99)
+LONG_KEEP = (0.50, 0.70)
+
+# Latency model, ms.
+BASE_MS, PREFILL_MS_PER_K, GEN_MS_PER_TOKEN = 100.0, 2.2, 0.055
+RECALL_MS, RETRIEVAL_MS = 50.0, 180.0
+COMPACT_MS, COMPACT_MS_PER_K = 120.0, 1.2
+REBUILD_MS = 700.0
+AMORTIZE_TURNS = 9  # the naive arbiter's estimate of the turns a compaction lasts
+
+
+@dataclass(frozen=True, slots=True)
+class TurnPlan:
+    turn: int
+    message: int
+    recall: int
+    chunks: tuple[int, ...]
+    generation: int  # tokens of the answer when retrieval is in the prompt
+
+
+@dataclass
+class TurnRecord:
+    """One turn as an observer sees it (the arbiters do not all see these)."""
+
+    turn: int
+    retrieval: bool  # retrieval admitted into the final prompt
+    compaction: bool = False  # a compaction took effect before this turn's prompt
+    post_compaction: int | None = None  # occupancy right after it, tokens
+    latency_ms: float = 0.0
+    refusal: str | None = None  # why retrieval was not admitted
+    bound: str | None = None  # compaction_pending: which bound
+    headroom_ms: float | None = None  # latency headroom the arbiter saw at a refusal
+    waited: bool = False  # the agent waited for a compaction in this turn
+    reset: bool = False  # the turn rebuilt its context after a hard reset
+
+    @property
+    def over_slo(self) -> bool:
+        return self.latency_ms > SLO_MS
+
+
+@dataclass
+class SessionRun:
+    session_id: str
+    records: list[TurnRecord] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def count(self, name: str, n: int = 1) -> None:
+        self.counts[name] = self.counts.get(name, 0) + n
+
+
+# --- workload ---------------------------------------------------------------------
+
+
+def session_lengths(seed: int, n: int, cap: int) -> list[int]:
+    """Session lengths at evenly spaced quantiles of a lognormal of median 40 and p99
+    210 turns (so a fleet of n sessions has its share of long ones), capped, shuffled."""
+    sigma = math.log(P99_TURNS / MEDIAN_TURNS) / NormalDist().inv_cdf(0.99)
+    q = [NormalDist().inv_cdf((i + 0.5) / n) for i in range(n)]
+    out = [max(3, min(cap, round(MEDIAN_TURNS * math.exp(sigma * z)))) for z in q]
+    random.Random(seed).shuffle(out)
+    return out
+
+
+def plan(seed: int, index: int, turns: int) -> tuple[TurnPlan, ...]:
+    rng = random.Random(seed * 1_000_003 + index)
+    return tuple(
+        TurnPlan(
+            turn=t,
+            message=rng.randint(300, 700),
+            recall=rng.randint(800, 1_600),
+            chunks=tuple(rng.randint(300, 420) for _ in range(rng.randint(4, 8))),
+            generation=rng.randint(600, 1_100),
+        )
+        for t in range(1, turns + 1)
+    )
+
+
+# --- the summarizer (both arbiters; the ledger's worker runs it as its compactor) ----
+
+
+def _unit(*parts: object) -> float:
+    d = hashlib.blake2b("|".join(map(str, parts)).encode(), digest_size=4).digest()
+    return int.from_bytes(d, "big") / 2**32
+
+
+def summary_tokens(session_id: str, turn: int, items: Sequence[tuple[str, int]]) -> int:
+    """What the soft summarizer makes of (id, tokens) items: deterministic, per item."""
+    total = 0.0
+    for iid, tokens in items:
+        lo, hi = (
+            SUMMARY_KEEP
+            if iid.startswith("sum-")
+            else LONG_KEEP
+            if iid.startswith("long-")
+            else RAW_KEEP
+        )
+        total += tokens * (lo + (hi - lo) * _unit(session_id.rsplit("@", 1)[0], turn, iid))
+    return int(total)
+
+
+def compactor(request: CompactionRequest) -> CompactionPlan:
+    """The worker's compactor for this scenario: every item from before the current
+    turn becomes one summary (a working-memory item)."""
+    old = [i for i in request.items if i.turn < request.turn]
+    if not old:
+        return CompactionPlan((), None)
+    tokens = summary_tokens(request.session_id, request.turn, [(i.id, i.tokens) for i in old])
+    return CompactionPlan(
+        tuple((i.consumer, i.id) for i in old),
+        Item(f"sum-{request.turn}-{len(old)}", max(1, tokens), 1000),
+    )
+
+
+# --- latency -----------------------------------------------------------------------
+
+
+def prefill_ms(tokens: int) -> float:
+    return PREFILL_MS_PER_K * tokens / 1000
+
+
+def compaction_ms(tokens: int) -> float:
+    return COMPACT_MS + COMPACT_MS_PER_K * tokens / 1000
+
+
+# --- the naive arbiter ----------------------------------------------------------------
+
+
+@dataclass
+class _Held:
+    id: str
+    tokens: int
+    turn: int
+
+
+def run_naive(session_id: str, turns: Sequence[TurnPlan]) -> SessionRun:
+    run = SessionRun(session_id)
+    items: list[_Held] = []
+    shed_before = False
+    for p in turns:
+        occ = SYSTEM + sum(i.tokens for i in items)
+        expected = p.generation * (STALE if shed_before else 1)
+        t_out = int(expected * OUTPUT_MARGIN)
+        rec = TurnRecord(p.turn, retrieval=False)
+        # Candidates with (latency estimate, real latency, tokens); ranked by estimated
+        # latency per token, compaction amortized over the turns it should last.
+        old: list[_Held] = []
+        summary = 0
+        if occ > H:
+            # the history before the last turn, and every earlier summary
+            old = [i for i in items if i.turn < p.turn - 1 or i.id.startswith("sum-")]
+            summary = summary_tokens(session_id, p.turn, [(i.id, i.tokens) for i in old])
+        ret_tokens = sum(p.chunks)
+        ops: list[tuple[float, str, float, int]] = []
+        if old:
+            saved = max(1, sum(i.tokens for i in old) - summary)
+            real = compaction_ms(sum(i.tokens for i in old))
+            ops.append((real / AMORTIZE_TURNS / saved, "compaction", real, summary))
+        ops.append((RECALL_MS / p.recall, "recall", RECALL_MS, p.recall))
+        ret_ms = RETRIEVAL_MS + prefill_ms(ret_tokens)
+        ops.append((ret_ms / ret_tokens, "retrieval", ret_ms, ret_tokens))
+        ops.sort()
+        used, est = occ, BASE_MS + prefill_ms(occ) + GEN_MS_PER_TOKEN * expected
+        real_ms = BASE_MS
+        admitted: set[str] = set()
+        for _, name, lat, tokens in ops:
+            if name == "compaction":  # the summary is written before the history goes
+                admitted.add(name)
+                used += tokens
+                est += lat / AMORTIZE_TURNS
+                real_ms += lat
+                continue
+            if used + tokens + t_out > WINDOW:  # feasibility on the current occupancy
+                if name == "retrieval":
+                    rec.refusal, rec.headroom_ms = "token_budget_exhausted", SLO_MS - est
+                run.count(f"{name}_refused_token_budget_exhausted")
+                continue
+            if est + lat > SLO_MS:  # the per-turn latency check
+                if name == "retrieval":
+                    rec.refusal, rec.headroom_ms = "latency", SLO_MS - est
+                run.count(f"{name}_refused_latency")
+                continue
+            admitted.add(name)
+            used += tokens
+            est += lat
+        if "compaction" in admitted:  # unchecked: whatever the summarizer produced
+            gone = {i.id for i in old}
+            items = [i for i in items if i.id not in gone]
+            items.append(_Held(f"sum-{p.turn}", summary, p.turn))
+            rec.compaction = True
+            rec.post_compaction = SYSTEM + sum(i.tokens for i in items)
+            run.count("compactions")
+            if rec.post_compaction > H:
+                run.count("failed_compactions")  # nobody looks
+        prompt = SYSTEM + sum(i.tokens for i in items) + p.message
+        items.append(_Held(f"m{p.turn}", p.message, p.turn))
+        if "recall" in admitted:
+            items.append(_Held(f"r{p.turn}", p.recall, p.turn))
+            prompt += p.recall
+            real_ms += RECALL_MS
+        rec.retrieval = "retrieval" in admitted
+        if rec.retrieval:
+            items.append(_Held(f"c{p.turn}", ret_tokens, p.turn))
+            prompt += ret_tokens
+            real_ms += RETRIEVAL_MS
+        gen = p.generation * (1 if rec.retrieval else STALE)
+        items.append(_Held(f"{'' if rec.retrieval else 'long-'}g{p.turn}", gen, p.turn))
+        real_ms += prefill_ms(prompt) + GEN_MS_PER_TOKEN * gen
+        rec.latency_ms = real_ms
+        # Past the window the oldest history is dropped to fit; a summary is cut, not dropped.
+        over = SYSTEM + sum(i.tokens for i in items) + t_out - WINDOW
+        while over > 0:
+            k = next((n for n, i in enumerate(items) if not i.id.startswith("sum-")), None)
+            if k is None:
+                items[0].tokens -= min(over, items[0].tokens)
+            else:
+                del items[k]
+            over = SYSTEM + sum(i.tokens for i in items) + t_out - WINDOW
+            run.count("history_truncated")
+        shed_before = not rec.retrieval
+        run.records.append(rec)
+    return run
+
+
+# --- the ledger ---------------------------------------------------------------------
+
+
+def run_ledger(agent: SimAgent, turns: Sequence[TurnPlan], think_s: float = 5.0) -> SessionRun:
+    run = SessionRun(agent.session.id)
+    shed_before = False
+    last_kn = 0
+    state = {"rebuild": False}
+    for p in turns:
+        refused = len(agent.refusals)
+        agent.waited = False  # across the attempts of one turn
+        for _attempt in range(4):
+            try:
+                rec, kn = _ledger_turn(agent, run, p, shed_before, last_kn, think_s, state)
+                break
+            except StaleEpoch:  # a hard reset by the worker: new epoch, empty context
+                agent.adopt_reset()
+                run.count("resets_seen")
+                state["rebuild"] = True
+        else:  # pragma: no cover - the worker never resets the same session 4 times a turn
+            raise RuntimeError(f"turn {p.turn} of {run.session_id} could not run")
+        state["rebuild"] = False
+        for exc in agent.refusals[refused:]:
+            run.count(f"refused_{exc.reason}" + (f"_{exc.bound}" if exc.bound else ""))
+        if agent.waited:  # waited for a compaction, in this attempt or one a reset cut short
+            rec.waited = True
+            rec.latency_ms += compaction_ms(H)
+        last_kn = kn
+        shed_before = not rec.retrieval
+        run.records.append(rec)
+    return run
+
+
+def _ledger_turn(
+    agent: SimAgent,
+    run: SessionRun,
+    p: TurnPlan,
+    shed_before: bool,
+    last_kn: int,
+    think_s: float,
+    state: dict[str, bool],
+) -> tuple[TurnRecord, int]:
+    expected = p.generation * (STALE if shed_before else 1)
+    t = agent.begin(1_000, int(expected * OUTPUT_MARGIN))
+    rec = TurnRecord(p.turn, retrieval=False, reset=state["rebuild"])
+    start = round(t.utilization * WINDOW)
+    agent.admit(WM, [Doc(f"m{p.turn}", p.message)])
+    recall, _ = agent.admit_waiting(REC, [Doc(f"r{p.turn}", p.recall)])
+    chunks = [Doc(f"c{p.turn}-{k}", c) for k, c in enumerate(p.chunks)]
+    ret, _ = agent.admit_waiting(RET, chunks)
+    rec.retrieval = bool(ret.kept)
+    if not ret.kept:
+        rec.refusal = ret.reason
+        if agent.refusals and agent.refusals[-1].reason == ret.reason:
+            rec.bound = agent.refusals[-1].bound
+    gen = p.generation * (1 if ret.kept else STALE)
+    if not agent.admit(WM, [Doc(f"{'' if ret.kept else 'long-'}g{p.turn}", gen)]).kept:
+        run.count("generation_refused")  # the reserve covered it; counted if it ever does not
+    snap = agent.snapshot()
+    kn = snap.raw.get("kn", 0)
+    if kn > last_kn:
+        rec.compaction, rec.post_compaction = True, start
+    prompt = max(1, snap.occupancy - gen)
+    rec.latency_ms = (
+        BASE_MS
+        + prefill_ms(prompt)
+        + (RECALL_MS if recall.kept else 0.0)
+        + (RETRIEVAL_MS if ret.kept else 0.0)
+        + GEN_MS_PER_TOKEN * gen
+        + (REBUILD_MS if rec.reset else 0.0)
+    )
+    report = agent.end(prompt)
+    if report.compaction_due:
+        # The user's think time: the worker compacts off the request path meanwhile.
+        agent.wait_attempt(snap, think_s)
+    return rec, kn

@@ -1,0 +1,153 @@
+"""Scenario 000, starvation: working memory starved while total use looks healthy.
+
+Record 000's conditions, on a 32k window with a 2.1k system prompt: each turn's
+query pulls 12-18 chunks of ~400 tokens (~6k) and the retriever keeps them "for
+reference" up to its own 8.5k prefetch budget; tool output (2.5-4k a turn) is kept in
+the scratchpad up to 8k; a synthesis turn reserves 11.6-13.4k for its answer and
+declares a working set of 5.5-6.5k (one turn in five, a larger step of 8.5-9.5k).
+Retrieval and scratchpad are sticky (written by policy, released by no reasoning step).
+
+The naive arbiter gives working memory what is left and watches total utilization
+against the 0.90 eviction threshold only. The ledger's agent keeps the same
+retention policies; ``begin_turn`` compares the residual against the declared
+working set, classes the turn, and reclaims scratchpad, then stale retrieval.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from ledger.client import Ledger
+from ledger.errors import WorkingMemoryStarvation
+from ledger.fleet.agent import Doc, SimAgent
+from ledger.models import Consumer, SessionBudget
+
+WM, RET, SCR = Consumer.WORKING_MEMORY, Consumer.RETRIEVAL, Consumer.SCRATCHPAD
+SESSIONS, TURNS = 6, 30
+RETRIEVAL_KEEP, SCRATCHPAD_KEEP = 8_500, 8_000  # the sticky pools' own budgets
+BUDGET = SessionBudget(
+    window=32_000,
+    system_prompt=2_100,
+    tool_framing=150,
+    working_memory_floor=1_000,
+    output_reserve=11_600,
+)
+FIXED = BUDGET.system_prompt + BUDGET.tool_framing
+
+
+@dataclass(frozen=True, slots=True)
+class TurnPlan:
+    turn: int
+    working_set: int
+    output: int  # the answer's reserve
+    chunks: tuple[int, ...]
+    tool: int
+
+
+def plan(seed: int, index: int) -> tuple[TurnPlan, ...]:
+    rng = random.Random(seed * 7_919 + index)
+    return tuple(
+        TurnPlan(
+            t,
+            rng.randint(8_500, 9_500) if rng.random() < 0.2 else rng.randint(5_500, 6_500),
+            rng.randint(11_600, 13_400),
+            tuple(rng.randint(340, 460) for _ in range(rng.randint(12, 18))),
+            rng.randint(2_500, 4_000),
+        )
+        for t in range(1, TURNS + 1)
+    )
+
+
+@dataclass
+class TurnRow:
+    turn: int
+    working_set: int
+    residual: int  # residual working memory when the turn's prompt is built
+    utilization: float
+    regime: str  # naive: silent | loud | ok; ledger: begin_turn's regime
+    reclaimed: tuple[str, ...] = ()  # ledger: 's:<id>' / 'r:<id>', in order
+
+
+@dataclass
+class Result:
+    naive: list[TurnRow] = field(default_factory=list)
+    ledger: list[TurnRow] = field(default_factory=list)
+    calls: int = 0
+    session_ids: list[str] = field(default_factory=list)
+
+
+def _keep(pool: list[tuple[str, int]], cap: int) -> list[tuple[str, int]]:
+    """The pool's own retention: drop its oldest beyond its budget (what it releases)."""
+    while sum(t for _, t in pool) > cap:
+        pool = pool[1:]
+    return pool
+
+
+def run_naive(turns: tuple[TurnPlan, ...]) -> list[TurnRow]:
+    ret: list[tuple[str, int]] = []
+    scr: list[tuple[str, int]] = []
+    rows = []
+    for p in turns:
+        held = sum(t for _, t in ret) + sum(t for _, t in scr)
+        residual = BUDGET.window - FIXED - p.output - held  # working memory gets the rest
+        wm = max(0, min(p.working_set, residual))
+        util = (FIXED + held + wm) / BUDGET.window
+        regime = "loud" if util >= BUDGET.eviction_threshold else "ok"
+        if regime == "ok" and residual < p.working_set:
+            regime = "silent"  # the arbiter watches the ceiling only: nothing is raised
+        rows.append(TurnRow(p.turn, p.working_set, residual, util, regime))
+        ret = _keep(ret + [(f"c{p.turn}-{k}", c) for k, c in enumerate(p.chunks)], RETRIEVAL_KEEP)
+        scr = _keep([*scr, (f"tool{p.turn}", p.tool)], SCRATCHPAD_KEEP)
+    return rows
+
+
+def run_ledger(agent: SimAgent, turns: tuple[TurnPlan, ...]) -> list[TurnRow]:
+    """The same turns and retention policies; working memory is the turn's declared
+    working set, gated by begin_turn (no item of its own)."""
+    ret: list[Doc] = []
+    scr: list[Doc] = []
+    rows = []
+    for p in turns:
+        try:
+            t = agent.begin(p.working_set, p.output)
+        except WorkingMemoryStarvation as exc:  # pragma: no cover - reclamation suffices here
+            rows.append(TurnRow(p.turn, p.working_set, exc.residual, exc.utilization, "refused"))
+            continue
+        gone = {i for _, i in t.reclaimed}  # what the ledger reclaimed leaves the prompt
+        ret = [d for d in ret if d.id not in gone]
+        scr = [d for d in scr if d.id not in gone]
+        reclaimed = tuple(f"{c.code}:{i}" for c, i in t.reclaimed)
+        rows.append(TurnRow(p.turn, p.working_set, t.residual, t.utilization, t.regime, reclaimed))
+        chunks = [Doc(f"c{p.turn}-{k}", c) for k, c in enumerate(p.chunks)]
+        kept = _keep_docs(ret + chunks, RETRIEVAL_KEEP)
+        agent.release([d for d in ret if d not in kept])
+        got = agent.admit(RET, [d for d in chunks if d in kept])
+        ret = [d for d in kept if d not in chunks or d in got.kept]
+        res = agent.tool_result(Doc(f"tool{p.turn}", p.tool))
+        ret = [d for d in ret if d not in res.evicted]  # memory that gave way to the result
+        held = [*scr, res.result] if res.charged else scr
+        kept_s = _keep_docs(held, SCRATCHPAD_KEEP)
+        agent.release([d for d in scr if d not in kept_s])
+        scr = kept_s
+        agent.end(max(1, agent.snapshot().occupancy))
+    return rows
+
+
+def _keep_docs(pool: list[Doc], cap: int) -> list[Doc]:
+    while sum(d.tokens for d in pool) > cap:
+        pool = pool[1:]
+    return pool
+
+
+def run(ledger: Ledger, seed: int, tag: str) -> Result:
+    out = Result()
+    for i in range(SESSIONS):
+        turns = plan(seed, i)
+        out.naive += run_naive(turns)
+        sid = f"starvation-{seed}-{i}@{tag}"
+        agent = SimAgent(ledger, sid, BUDGET)
+        out.ledger += run_ledger(agent, turns)
+        out.calls += agent.calls
+        out.session_ids.append(sid)
+    return out

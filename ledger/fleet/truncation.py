@@ -1,0 +1,176 @@
+"""Scenario 002, truncation loop: token-count-valid but broken contexts.
+
+Record 002's pipeline: a 32k window, a 2.1k system prompt whose 600-token
+permission paragraph forbids one file-read tool, a memory retriever returning 20-40
+chunks of ~300 tokens a turn, tool results of median 4.5k with a p99 near 28k (the
+last two kept in the scratchpad), and now and then a file read of ~24k.
+
+The naive arbiter treats everything as slack: when a result does not fit it evicts
+memory, then "compresses" the system prompt by dropping the permission paragraph
+(a compression event), then truncates the result to fit. With the paragraph gone the
+agent issues the forbidden read (~20k) on its next turn; truncated, the agent lacks
+it and issues the same call again (at most twice more), until the paragraph is
+restored when room allows. The ledger's agent keeps the same policies; the system
+prompt is a reserved floor, a result is admitted whole or spilled with a preview,
+memory gets the longest run of chunks that fits, and is refused what does not.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+from ledger.client import Ledger
+from ledger.errors import AdmissionRefused
+from ledger.fleet.agent import Doc, SimAgent
+from ledger.models import Consumer, SessionBudget
+
+RET = Consumer.RETRIEVAL
+SESSIONS, TURNS = 6, 30
+CLAUSE = 600  # the permission paragraph a naive allocator drops
+FORBIDDEN = 20_000  # what the forbidden read returns
+REPEATS = 2  # the agent re-issues a truncated call at most this many times
+KEEP_RESULTS = 2
+BUDGET = SessionBudget(
+    window=32_000,
+    system_prompt=2_100,
+    tool_framing=150,
+    working_memory_floor=2_000,
+    output_reserve=1_024,
+    spill_preview_tokens=300,
+    high_water_mark=0.90,  # the record's pipeline compacts nothing
+    eviction_threshold=0.95,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TurnPlan:
+    turn: int
+    chunks: int  # memory chunks of 300 tokens this turn
+    tool: int  # the turn's tool result (0: none)
+
+
+def plan(seed: int, index: int) -> tuple[TurnPlan, ...]:
+    rng = random.Random(seed * 104_729 + index)
+    big = set(rng.sample(range(4, TURNS - 4), 2))  # two large file reads a session
+    sigma = math.log(28_000 / 4_500) / 2.326
+    out = []
+    for t in range(1, TURNS + 1):
+        tool = 0
+        if t in big:
+            tool = rng.randint(23_000, 25_000)
+        elif rng.random() < 0.6:
+            tool = min(28_000, max(300, round(rng.lognormvariate(math.log(4_500), sigma))))
+        out.append(TurnPlan(t, rng.randint(20, 40), tool))
+    return tuple(out)
+
+
+@dataclass
+class Counts:
+    compression_events: int = 0  # the system prompt lost its permission paragraph
+    damaged_turns: int = 0  # turns run with it missing
+    forbidden_calls: int = 0
+    truncated: int = 0
+    repeated_calls: int = 0
+    spilled: int = 0
+    refusals: int = 0
+    admitted_whole: int = 0
+
+
+@dataclass
+class Result:
+    naive: Counts = field(default_factory=Counts)
+    ledger: Counts = field(default_factory=Counts)
+    calls: int = 0
+    session_ids: list[str] = field(default_factory=list)
+
+
+def run_naive(turns: tuple[TurnPlan, ...], c: Counts) -> None:
+    b = BUDGET
+    system, memory = b.system_prompt, 0
+    results: list[int] = []  # the scratchpad, oldest first
+
+    def room() -> int:
+        return b.window - b.output_reserve - b.tool_framing - system - memory - sum(results)
+
+    def take(tokens: int) -> bool:
+        """Admit a result; False when it had to be truncated."""
+        nonlocal memory, system
+        if tokens <= room():
+            results.append(tokens)
+            return True
+        memory = 0  # memory goes first
+        if tokens > room() and system == b.system_prompt:
+            system -= CLAUSE  # "redundant boilerplate": the permission paragraph
+            c.compression_events += 1
+        if tokens <= room():
+            results.append(tokens)
+            return True
+        results.append(max(0, room()))  # cut mid-JSON
+        c.truncated += 1
+        return False
+
+    for p in turns:
+        memory = min(p.chunks * 300, max(0, room()))  # memory is slack: what fits
+        if system < b.system_prompt and room() >= CLAUSE:
+            system = b.system_prompt  # room to spare: the full prompt is back
+        if system < b.system_prompt:
+            c.damaged_turns += 1
+            c.forbidden_calls += 1  # nothing in the prompt forbids it any more
+            whole = take(FORBIDDEN)
+            for _ in range(REPEATS):
+                if whole:
+                    break
+                c.repeated_calls += 1  # lacking the result, the agent asks again
+                whole = take(FORBIDDEN)
+        elif p.tool:
+            take(p.tool)
+        del results[: max(0, len(results) - KEEP_RESULTS)]
+
+
+def run_ledger(agent: SimAgent, turns: tuple[TurnPlan, ...], c: Counts) -> None:
+    results: list[Doc] = []
+    memory: list[Doc] = []
+    for p in turns:
+        t = agent.begin(2_000)
+        gone = {i for _, i in t.reclaimed}
+        results = [r for r in results if r.id not in gone]
+        agent.release([m for m in memory if m.id not in gone])
+        got = agent.admit(RET, [Doc(f"m{p.turn}-{k}", 300) for k in range(p.chunks)])
+        memory = list(got.kept)
+        if got.refused:
+            c.refusals += 1  # memory, the only elastic source, is what gives way
+        if agent.snapshot().system_prompt != BUDGET.system_prompt:  # never: a floor
+            c.damaged_turns += 1
+        if p.tool:
+            try:
+                res = agent.tool_result(Doc(f"tool{p.turn}", p.tool))
+            except AdmissionRefused:
+                c.refusals += 1
+            else:
+                if res.spilled:
+                    c.spilled += 1
+                elif res.charged == p.tool:
+                    c.admitted_whole += 1
+                if res.charged < p.tool and not res.spilled:
+                    c.truncated += 1  # never: admitted whole or spilled
+                memory = [m for m in memory if m not in res.evicted]
+                results.append(res.result)
+        drop = results[: max(0, len(results) - KEEP_RESULTS)]
+        agent.release(drop)
+        results = results[len(drop) :]
+        agent.end(max(1, agent.snapshot().occupancy))
+
+
+def run(ledger: Ledger, seed: int, tag: str) -> Result:
+    out = Result()
+    for i in range(SESSIONS):
+        turns = plan(seed, i)
+        run_naive(turns, out.naive)
+        sid = f"truncation-{seed}-{i}@{tag}"
+        agent = SimAgent(ledger, sid, BUDGET)
+        run_ledger(agent, turns, out.ledger)
+        out.calls += agent.calls
+        out.session_ids.append(sid)
+    return out
