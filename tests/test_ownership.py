@@ -94,13 +94,14 @@ def test_agent_owned_session_gets_no_compaction_jobs(ledger: Ledger) -> None:
     assert [r.failures for r in replies] == [1, 2, 3]
     kinds = [f["kind"] for _, f in jobs.entries_for(ledger, "own/agent")]
     assert kinds == ["hard_reset"]
-    # a worker-owned session with the same history gets the job and the retries
+    # a worker-owned session with the same history gets the job; an agent's own failed
+    # compaction while that job is queued adds no second one
     w = ledger.open_session("own/worker", jobs.BUDGET)
     w.admit("working_memory", jobs.WM_ITEMS)
     assert w.end_turn(0, 8_000).compaction_due
     w.compact([], None)
     kinds = [f["kind"] for _, f in jobs.entries_for(ledger, "own/worker")]
-    assert kinds == ["compact", "compact"]
+    assert kinds == ["compact"]
 
 
 def test_worker_skips_compact_jobs_of_agent_owned_sessions(ledger: Ledger) -> None:
