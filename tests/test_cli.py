@@ -38,7 +38,7 @@ def test_demo_on_real_redis(
     )
     out = capsys.readouterr().out
     assert code == cli.EXIT_OK
-    assert "acceptance" in out and "001 compaction-decay" in out
+    assert "acceptance" in out and "scenario" in out and "naive arbiter" in out
 
 
 def test_audit_fails_on_corrupted_counters(

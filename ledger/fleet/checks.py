@@ -32,9 +32,10 @@ def acceptance(s: dict[str, Any], large: bool = False) -> dict[str, Check]:
         f"early {e:.1f}, after turn 80 {late:.1f}" if e and late else f"{e} / {late}",
     )
     post = n["post_compaction_occupancy"]
-    rise = (post["late"] or 0) - (post["first"] or 0)
+    known = post["first"] is not None and post["late"] is not None
     out["001 naive post-compaction occupancy rises"] = _c(
-        rise >= 0.2, f"{post['first']:.2f} -> {post['late']:.2f} of the window"
+        known and post["late"] - post["first"] >= 0.2,
+        f"{post['first']:.2f} -> {post['late']:.2f} of the window" if known else "n/a",
     )
     head = n["refusal_latency_headroom_ms"]
     out["001 naive refusals token_budget_exhausted with headroom"] = _c(

@@ -227,11 +227,8 @@ def table(s: dict[str, Any]) -> Table:
     n, lg = s["naive"], s["ledger"]
     cfg = s["config"]
     t = Table(title=f"seed {cfg['seed']}: each record's figure, its naive arbiter, the ledger")
-    t.add_column("scenario", style="bold")
-    t.add_column("measure")
-    t.add_column("record")
-    t.add_column("naive arbiter")
-    t.add_column("ledger")
+    for name in ("scenario", "measure", "record", "naive arbiter", "ledger"):
+        t.add_column(name, overflow="fold", style="bold" if name == "scenario" else None)
     rec_rates = {10: "0.91 -> 0.88-0.94", 60: "0.34 -> 0.88-0.94", 120: "0.07 -> 0.88-0.94"}
     for turn in CHECKPOINTS:
         t.add_row(
