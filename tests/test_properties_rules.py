@@ -515,6 +515,7 @@ class Model:
         # no failure counts past an escalation, until the reset
         self.kf = 0 if ok else (self.kf + 1 if self.rq == 0 else self.kf)
         escalate = not ok and self.kf >= self.b.max_failed_compactions and self.rq == 0
+        queued = self.cd == 1  # a compaction job is queued already
         self.cd = 0 if ok else 1
         if ok:
             self.kn += 1
@@ -525,7 +526,7 @@ class Model:
             self.enqueue("hard_reset", op_id, "failed_compactions")
             self.x["escalations"] += 1
             self.rq = 1
-        elif not ok and self.rq == 0:
+        elif not ok and self.rq == 0 and not queued:
             self.enqueue("compact", op_id, "failed_compaction")
         outcome = (
             "compacted" if ok else "deferred" if deferred else ("failed" if fits else "did_not_fit")
