@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import IO, TYPE_CHECKING
 
-from rich.console import Console
+from rich.console import Console, Group
 from rich.table import Table
+from rich.text import Text
 
 from ledger.errors import (
     BackendUnavailable,
@@ -85,16 +87,15 @@ def cmd_demo(args: argparse.Namespace, out: Console) -> int:
 
 def cmd_audit(args: argparse.Namespace, out: Console) -> int:
     from ledger.client import Ledger
+    from ledger.inspect import audits
 
     with Ledger.from_settings(_settings(args)) as ledger:
         ids = args.session or ledger.session_ids()
         bad = 0
-        for sid in ids:
-            try:
-                rep = ledger.audit(sid)
-            except UnknownSession:
+        for sid, rep in audits(ledger, ids):
+            if isinstance(rep, UnknownSession):
                 if args.session:  # asked for by name: that is an error
-                    raise
+                    raise rep
                 continue  # closed or expired since it was listed
             if rep.clean and not rep.overdue:
                 out.print(f"{sid}: clean")
@@ -180,46 +181,154 @@ def cmd_inspect(args: argparse.Namespace, out: Console) -> int:
     return EXIT_OK
 
 
-def cmd_top(args: argparse.Namespace, out: Console) -> int:
+def _age(ms: int) -> str:
+    s = max(ms, 0) // 1000
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{s // size}{unit}"
+    return f"{s}s"
+
+
+class TopView:
+    """The frames of ``ledger top``: the busiest sessions, with rates since the
+    previous frame (turns and refusals per second; '-' on the first frame)."""
+
+    COLUMNS = (
+        "regime",
+        "util",
+        "free",
+        "resid",
+        "turn",
+        "turn/s",
+        "refused",
+        "ref/s",
+        "drift",
+        "age",
+    )
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.prev: dict[str, tuple[int, int, int]] = {}  # sid -> now_ms, turn, refusals
+
+    def frame(self, ledger: Ledger, width: int = 80) -> Group:
+        import time
+
+        from rich import box
+
+        from ledger.inspect import busiest, regime
+
+        rows, totals = busiest(ledger, self.limit)
+        cells: list[list[str]] = []
+        seen: dict[str, tuple[int, int, int]] = {}
+        for sid, snap in rows:
+            seen[sid] = (snap.now_ms, snap.turn, snap.refusals)
+            turn_rate = ref_rate = "-"
+            before = self.prev.get(sid)
+            if before and snap.now_ms > before[0]:
+                dt = (snap.now_ms - before[0]) / 1000
+                turn_rate = f"{(snap.turn - before[1]) / dt:.1f}"
+                ref_rate = f"{(snap.refusals - before[2]) / dt:.1f}"
+            cells.append(
+                [
+                    regime(snap, snap.raw.get("ws", 0)) + ("*" if snap.compaction_pending else ""),
+                    f"{snap.utilization:.2f}",
+                    str(snap.free),
+                    str(snap.residual_working_memory),
+                    str(snap.turn),
+                    turn_rate,
+                    str(snap.refusals),
+                    ref_rate,
+                    f"{snap.drift:+d}" + ("!" if snap.drift_flagged else ""),
+                    _age(snap.now_ms - snap.raw.get("inc", snap.now_ms)),
+                ]
+            )
+        self.prev = seen
+        t = Table(
+            title=f"ledger top {time.strftime('%H:%M:%S')}: busiest {len(rows)} sessions",
+            box=box.SIMPLE_HEAD,
+            show_edge=False,
+            padding=(0, 0),
+        )
+        # Numbers are never cut: each column is as wide as its widest value; the
+        # session id takes what is left and is cut with an ellipsis.
+        widths = [
+            max([len(col)] + [len(row[i]) for row in cells]) for i, col in enumerate(self.COLUMNS)
+        ]
+        rest = width - sum(widths) - len(widths)  # one space between columns
+        longest = max([len("session")] + [len(sid) for sid, _ in rows])
+        sid_width = max(8, min(longest, rest))
+        t.add_column("session", no_wrap=True, overflow="ellipsis", width=sid_width)
+        for col, w in zip(self.COLUMNS, widths, strict=True):
+            t.add_column(col, justify="right", no_wrap=True, width=w)
+        for (sid, _), row in zip(rows, cells, strict=True):
+            t.add_row(sid, *row)
+        indicators = ", ".join(f"{k}={v}" for k, v in sorted(totals.items())) or "none"
+        return Group(t, Text(f"* compaction pending; indicators: {indicators}; q quits"))
+
+
+def wait_for_key(stream: IO[str] | None, timeout: float) -> str | None:
+    """The key pressed on ``stream`` within ``timeout`` seconds, or None (the whole
+    timeout waited). No stream, or one at its end: just waits."""
+    import os
+    import select
     import time
 
+    if stream is None:
+        time.sleep(timeout)
+        return None
+    try:
+        ready, _, _ = select.select([stream], [], [], timeout)
+        if not ready:
+            return None
+        ch = os.read(stream.fileno(), 1)
+    except (OSError, ValueError):  # no file descriptor (captured, closed)
+        time.sleep(timeout)
+        return None
+    if not ch:  # end of input: no more keys will come
+        time.sleep(timeout)
+        return None
+    return ch.decode(errors="replace")
+
+
+@contextmanager
+def _cbreak(stream: IO[str] | None) -> Iterator[None]:
+    """Keys arrive one by one, unechoed, while the live view runs (a terminal only)."""
+    try:
+        import termios
+        import tty
+
+        fd = stream.fileno() if stream is not None and stream.isatty() else None
+    except (ImportError, OSError, ValueError):
+        fd = None
+    if fd is None:
+        yield
+        return
+    saved = termios.tcgetattr(fd)
+    try:
+        tty.setcbreak(fd)
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+
+
+def cmd_top(args: argparse.Namespace, out: Console, keys: IO[str] | None = None) -> int:
     from rich.live import Live
 
     from ledger.client import Ledger
-    from ledger.inspect import busiest
 
-    def frame(ledger: Ledger) -> Table:
-        rows, totals = busiest(ledger, args.limit)
-        t = Table(
-            title="busiest sessions; indicators: "
-            + (", ".join(f"{k}={v}" for k, v in sorted(totals.items())) or "none")
-        )
-        t.add_column("session", no_wrap=True)
-        for col in ("epoch", "turn", "util", "free", "resid. wm", "refused", "compaction", "drift"):
-            t.add_column(col)
-        for sid, snap in rows:
-            t.add_row(
-                sid,
-                str(snap.epoch),
-                str(snap.turn),
-                f"{snap.utilization:.2f}",
-                str(snap.free),
-                str(snap.residual_working_memory),
-                str(snap.refusals),
-                "pending" if snap.compaction_pending else "",
-                f"{snap.drift:+d}" + (" FLAGGED" if snap.drift_flagged else ""),
-            )
-        return t
-
+    view = TopView(args.limit)
+    keys = sys.stdin if keys is None else keys
     with Ledger.from_settings(_settings(args)) as ledger:
         if args.once:
-            out.print(frame(ledger))
+            out.print(view.frame(ledger, out.width))
             return EXIT_OK
-        with Live(frame(ledger), console=out, refresh_per_second=4) as live:
+        with (
+            _cbreak(keys),
+            Live(view.frame(ledger, out.width), console=out, refresh_per_second=4) as live,
+        ):
             try:
-                while True:
-                    time.sleep(args.interval)
-                    live.update(frame(ledger))
+                while wait_for_key(keys, args.interval) not in ("q", "Q"):
+                    live.update(view.frame(ledger, out.width))
             except KeyboardInterrupt:
                 pass
     return EXIT_OK
@@ -315,7 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--items", type=int, default=20, help="newest items shown (default 20)")
     i.add_argument("--journal", type=int, default=10, help="journal entries shown (default 10)")
     i.set_defaults(func=cmd_inspect)
-    tp = sub.add_parser("top", help="live view of the busiest sessions and the indicators")
+    tp = sub.add_parser(
+        "top", help="live view of the busiest sessions and the indicators (q quits)"
+    )
     tp.add_argument("--limit", type=int, default=15)
     tp.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
     tp.add_argument("--once", action="store_true", help="print one frame and exit")

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from ledger import protocol
 from ledger.client import Ledger
 from ledger.errors import UnknownSession, translated
-from ledger.models import Consumer, HeldItem, Snapshot
+from ledger.models import AuditReport, Consumer, HeldItem, Snapshot
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,17 +74,50 @@ def view(ledger: Ledger, session_id: str, journal: int = 10) -> SessionView:
     )
 
 
+BATCH = 100  # calls per round trip: one MULTI/EXEC; Redis serves no one else meanwhile
+
+
+def _batches(ids: Sequence[str], size: int = BATCH) -> Iterator[Sequence[str]]:
+    for i in range(0, len(ids), size):
+        yield ids[i : i + size]
+
+
+def snapshots(ledger: Ledger, ids: Sequence[str]) -> list[tuple[str, Snapshot]]:
+    """A snapshot of each session, ``BATCH`` sessions per round trip (each snapshot is
+    atomic on its own); sessions closed or expired since they were listed are left out."""
+    out: list[tuple[str, Snapshot]] = []
+    for chunk in _batches(ids):
+        calls = [protocol.snapshot(ledger.keyspace.session(sid)) for sid in chunk]
+        for sid, res in zip(chunk, ledger.run_many(calls, return_exceptions=True), strict=True):
+            if isinstance(res, UnknownSession):
+                continue
+            if isinstance(res, BaseException):
+                raise res
+            out.append((sid, res))
+    return out
+
+
+def audits(
+    ledger: Ledger, ids: Sequence[str]
+) -> Iterator[tuple[str, AuditReport | UnknownSession]]:
+    """Each session's audit, in order, ``BATCH`` sessions per round trip: the report,
+    or the UnknownSession error of a session closed or expired since it was listed."""
+    for chunk in _batches(ids):
+        calls = [protocol.audit(ledger.keyspace.session(sid)) for sid in chunk]
+        for sid, res in zip(chunk, ledger.run_many(calls, return_exceptions=True), strict=True):
+            if isinstance(res, AuditReport | UnknownSession):
+                yield sid, res
+            elif isinstance(res, BaseException):
+                raise res
+            else:
+                raise TypeError(f"unexpected audit result {res!r}")
+
+
 def busiest(ledger: Ledger, limit: int = 10) -> tuple[list[tuple[str, Snapshot]], dict[str, int]]:
     """The sessions with the highest utilization, and the indicators summed over all."""
-    rows: list[tuple[str, Snapshot]] = []
+    rows = snapshots(ledger, ledger.session_ids())
     totals: dict[str, int] = {}
-    for sid in ledger.session_ids():
-        keys = ledger.keyspace.session(sid)
-        try:
-            snap = ledger.run(protocol.snapshot(keys))
-        except UnknownSession:  # closed or expired between SCAN and read
-            continue
-        rows.append((sid, snap))
+    for _, snap in rows:
         for name, value in snap.raw.items():
             if name.startswith("x:"):
                 totals[name[2:]] = totals.get(name[2:], 0) + value

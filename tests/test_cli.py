@@ -96,3 +96,115 @@ def test_worker_once_releases_expired(redis_server: RedisProcess, prefix: str) -
         assert snap.open_reservations == 0
         assert snap.expirations == 1
         assert led.audit("w").clean
+
+
+def _open_many(led: Ledger, ids: list[str]) -> None:
+    budget = SessionBudget(window=100_000, system_prompt=10)
+    for i in range(0, len(ids), 100):
+        led.run_many([led.open_call(sid, budget, None) for sid in ids[i : i + 100]])
+
+
+def test_audit_in_batches_names_every_session(
+    redis_server: RedisProcess, prefix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ledger import inspect
+
+    ids = [f"s{i:04d}" for i in range(inspect.BATCH * 2 + 7)]
+    with Ledger.from_settings(LedgerSettings(redis_url=redis_server.url, prefix=prefix)) as led:
+        _open_many(led, ids)
+        victim = led.session(ids[inspect.BATCH + 3])
+        victim.admit("retrieval", [Item("a", 5)])
+        redis.Redis.from_url(redis_server.url).hset(victim.keys.session, "u_r", 6)
+        led.session(ids[-1]).close()  # listed by name below: refused
+    code = cli.main(["--url", redis_server.url, "--prefix", prefix, "audit"])
+    out = capsys.readouterr().out
+    assert code == cli.EXIT_VIOLATION
+    assert out.count(": clean") == len(ids) - 2
+    assert f"{ids[inspect.BATCH + 3]}: " in out and "u_r is 6, items say 5" in out
+    assert f"{len(ids) - 1} session(s) audited, 1 with violations" in out
+    code = cli.main(["--url", redis_server.url, "--prefix", prefix, "audit", ids[0], ids[-1]])
+    assert code == cli.EXIT_VIOLATION
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_top_fits_80_columns_cuts_ids_never_numbers(
+    redis_server: RedisProcess,
+    prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    long_id = "agent-fleet-eu-west-1/tenant-4711/run-2026-11-30T23:59:59Z/session-" + "x" * 30
+    with Ledger.from_settings(LedgerSettings(redis_url=redis_server.url, prefix=prefix)) as led:
+        s = led.open_session(long_id, SessionBudget(window=1_234_567, system_prompt=10))
+        s.admit("working_memory", [Item("a", 987_654)])
+        s.begin_turn(100)
+        snap = s.snapshot()
+    assert cli.main(["--url", redis_server.url, "--prefix", prefix, "top", "--once"]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    assert "…" in out and long_id not in out  # the id is cut ...
+    row = next(line for line in out.splitlines() if line.lstrip().startswith("agent-fleet"))
+    cells = row.split()
+    assert snap.compaction_pending  # above the high-water mark: "*"
+    assert str(snap.free) in cells and str(snap.residual_working_memory) in cells
+    assert "0.80" in cells and "ok*" in cells  # ... numbers never
+    assert "regime" in out and "turn/s" in out and "age" in out
+
+
+def test_top_rates_between_frames(redis_server: RedisProcess, prefix: str) -> None:
+    import io
+
+    from rich.console import Console
+
+    with Ledger.from_settings(LedgerSettings(redis_url=redis_server.url, prefix=prefix)) as led:
+        s = led.open_session("r", SessionBudget(window=10_000, system_prompt=10))
+        view = cli.TopView(limit=5)
+
+        def render() -> list[str]:
+            buf = io.StringIO()
+            Console(file=buf, width=80).print(view.frame(led, 80))
+            return next(
+                ln for ln in buf.getvalue().splitlines() if ln.lstrip().startswith("r ")
+            ).split()
+
+        first = render()
+        for _ in range(3):
+            s.begin_turn(10)
+        second = render()
+    turn_rate = cli.TopView.COLUMNS.index("turn/s") + 1
+    assert first[turn_rate] == "-"
+    assert float(second[turn_rate]) > 0
+    assert second[cli.TopView.COLUMNS.index("turn") + 1] == "3"
+
+
+def test_top_quits_on_q(redis_server: RedisProcess, prefix: str) -> None:
+    import io
+    import os
+    import threading
+
+    from rich.console import Console
+
+    with Ledger.from_settings(LedgerSettings(redis_url=redis_server.url, prefix=prefix)) as led:
+        led.open_session("q", SessionBudget(window=10_000, system_prompt=10))
+    r, w = os.pipe()
+    args = cli.build_parser().parse_args(
+        ["--url", redis_server.url, "--prefix", prefix, "top", "--interval", "0.05"]
+    )
+    buf = io.StringIO()
+    codes: list[int] = []
+    with os.fdopen(r) as keys:
+        t = threading.Thread(
+            target=lambda: codes.append(cli.cmd_top(args, Console(file=buf, width=80), keys))
+        )
+        t.start()
+        t.join(0.5)
+        assert t.is_alive()  # refreshing until a key says otherwise
+        os.write(w, b"x")
+        t.join(0.5)
+        assert t.is_alive()  # another key does not quit
+        os.write(w, b"q")
+        t.join(10)
+        os.close(w)
+    assert not t.is_alive() and codes == [cli.EXIT_OK]
+    assert "q" in buf.getvalue()
