@@ -86,26 +86,31 @@ def cmd_demo(args: argparse.Namespace, out: Console) -> int:
 
 
 def cmd_audit(args: argparse.Namespace, out: Console) -> int:
+    from rich.markup import escape
+
     from ledger.client import Ledger
-    from ledger.inspect import audits
+    from ledger.inspect import audits, listed
 
     with Ledger.from_settings(_settings(args)) as ledger:
-        ids = args.session or ledger.session_ids()
-        bad = 0
+        ids = args.session or listed(ledger)
+        bad = audited = 0
+        clean: list[str] = []  # written in bulk: one rich print per line is slow at scale
         for sid, rep in audits(ledger, ids):
             if isinstance(rep, UnknownSession):
                 if args.session:  # asked for by name: that is an error
                     raise rep
-                continue  # closed or expired since it was listed
+                continue  # closed (a tombstone) or expired since it was listed
+            audited += 1
             if rep.clean and not rep.overdue:
-                out.print(f"{sid}: clean")
-            else:
-                bad += 1
-                out.print(
-                    f"{sid}: [red]{'; '.join(rep.problems) or 'overdue reservations'}[/]"
-                    f" overdue={list(rep.overdue)}"
-                )
-        out.print(f"{len(ids)} session(s) audited, {bad} with violations")
+                clean.append(f"{sid}: clean\n")
+                continue
+            bad += 1
+            out.out("".join(clean), end="", highlight=False)
+            clean.clear()
+            why = escape("; ".join(rep.problems) or "overdue reservations")
+            out.print(f"{escape(sid)}: [red]{why}[/] overdue={escape(str(list(rep.overdue)))}")
+        out.out("".join(clean), end="", highlight=False)
+        out.print(f"{audited} session(s) audited, {bad} with violations")
         _warn_redis_settings(ledger, out)
         return EXIT_VIOLATION if bad else EXIT_OK
 

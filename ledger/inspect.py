@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from redis.cluster import RedisCluster
+from redis.exceptions import NoScriptError
 
 from ledger import protocol
 from ledger.client import Ledger
+from ledger.core import batch_replies, collect
 from ledger.errors import UnknownSession, translated
 from ledger.models import AuditReport, Consumer, HeldItem, Snapshot
+from ledger.protocol import Call
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,12 +81,57 @@ def view(ledger: Ledger, session_id: str, journal: int = 10) -> SessionView:
     )
 
 
-BATCH = 100  # calls per round trip: one MULTI/EXEC; Redis serves no one else meanwhile
+BATCH = 500  # calls per round trip; read-only calls, each atomic on its own
 
 
 def _batches(ids: Sequence[str], size: int = BATCH) -> Iterator[Sequence[str]]:
     for i in range(0, len(ids), size):
         yield ids[i : i + size]
+
+
+def listed(ledger: Ledger) -> list[str]:
+    """The session ids SCAN finds (on a cluster, on every primary), tombstones of
+    closed sessions included: the read-only scripts below refuse those (NOSESSION),
+    which saves confirming each id first."""
+    ledger.check_open()
+    out = []
+    with translated():
+        for k in ledger.client.scan_iter(match=ledger.keyspace.session_pattern(), count=1000):
+            sid = ledger.keyspace.session_id_of(k.decode() if isinstance(k, bytes) else str(k))
+            if sid is not None:
+                out.append(sid)
+    return sorted(out)
+
+
+def raw_many(ledger: Ledger, calls: Sequence[Call[Any]]) -> list[object]:
+    """The raw replies of read-only calls (snapshot, audit), each one's reply or its
+    error, in one pipelined round trip without MULTI/EXEC: each call is atomic on its
+    own and they need no order between them. On a cluster, where redis-py pipelines no
+    EVALSHA, one call after the other."""
+    if isinstance(ledger.client, RedisCluster):
+        return [ledger._try(c) for c in calls]
+    ledger.check_open()
+    raws: list[object] = [None] * len(calls)
+    todo = list(range(len(calls)))
+    with translated():
+        for _ in range(2):
+            pipe = ledger.client.pipeline(transaction=False)
+            for i in todo:
+                c = calls[i]
+                pipe.evalsha(ledger._scripts[c.script].sha, len(c.keys), *c.keys, *c.args)
+            replies = pipe.execute(raise_on_error=False)
+            todo = batch_replies(replies, 0, todo, raws)
+            if not todo:
+                return raws
+            for name in {calls[i].script for i in todo}:
+                script = ledger._scripts[name]
+                script.sha = ledger.client.script_load(script.script)
+    raise NoScriptError("the ledger's scripts were flushed again while loading them")
+
+
+def read_many(ledger: Ledger, calls: Sequence[Call[Any]]) -> list[Any]:
+    """Read-only calls (see ``raw_many``): each one's result or its error."""
+    return collect(calls, raw_many(ledger, calls), return_exceptions=True)
 
 
 def snapshots(ledger: Ledger, ids: Sequence[str]) -> list[tuple[str, Snapshot]]:
@@ -88,7 +140,7 @@ def snapshots(ledger: Ledger, ids: Sequence[str]) -> list[tuple[str, Snapshot]]:
     out: list[tuple[str, Snapshot]] = []
     for chunk in _batches(ids):
         calls = [protocol.snapshot(ledger.keyspace.session(sid)) for sid in chunk]
-        for sid, res in zip(chunk, ledger.run_many(calls, return_exceptions=True), strict=True):
+        for sid, res in zip(chunk, read_many(ledger, calls), strict=True):
             if isinstance(res, UnknownSession):
                 continue
             if isinstance(res, BaseException):
@@ -102,20 +154,64 @@ def audits(
 ) -> Iterator[tuple[str, AuditReport | UnknownSession]]:
     """Each session's audit, in order, ``BATCH`` sessions per round trip: the report,
     or the UnknownSession error of a session closed or expired since it was listed."""
-    for chunk in _batches(ids):
+    for chunk in _batches(ids, 100):  # an audit reads the whole session hash
         calls = [protocol.audit(ledger.keyspace.session(sid)) for sid in chunk]
-        for sid, res in zip(chunk, ledger.run_many(calls, return_exceptions=True), strict=True):
-            if isinstance(res, AuditReport | UnknownSession):
+        for sid, res in zip(chunk, read_many(ledger, calls), strict=True):
+            if isinstance(res, UnknownSession) or not isinstance(res, BaseException):
                 yield sid, res
-            elif isinstance(res, BaseException):
-                raise res
             else:
-                raise TypeError(f"unexpected audit result {res!r}")
+                raise res
+
+
+# The fields a row of `top` is ranked by: utilization = (S + T + a_w + a_m + a_s) / W.
+_RANK = ("W", "S", "T", "a_w", "a_m", "a_s")
 
 
 def busiest(ledger: Ledger, limit: int = 10) -> tuple[list[tuple[str, Snapshot]], dict[str, int]]:
-    """The sessions with the highest utilization, and the indicators summed over all."""
-    rows = snapshots(ledger, ledger.session_ids())
+    """The sessions with the highest utilization, and the indicators summed over all.
+    Every session's snapshot is read (``BATCH`` per round trip); only the rows shown
+    are parsed whole, the others only for their rank and counters."""
+    totals: dict[str, int] = {}
+    ranked: list[tuple[float, str, object]] = []
+    where: dict[str, int] = {}  # field -> position in the reply (its order is fixed)
+    for chunk in _batches(listed(ledger)):
+        calls = [protocol.snapshot(ledger.keyspace.session(sid)) for sid in chunk]
+        for sid, call, raw in zip(chunk, calls, raw_many(ledger, calls), strict=True):
+            if isinstance(raw, BaseException):
+                res = collect([call], [raw], return_exceptions=True)[0]
+                if isinstance(res, UnknownSession):  # closed or expired
+                    continue
+                raise res
+            text = raw.decode() if isinstance(raw, bytes) else str(raw)
+            parts = text.split("|")
+            if not where:
+                where = {
+                    p.partition("=")[0]: i
+                    for i, p in enumerate(parts)
+                    if p.partition("=")[0] in _RANK or p.startswith("x:")
+                }
+            v = {}
+            for name, i in where.items():
+                k, _, val = parts[i].partition("=")
+                if k != name:  # another layout: read it by name
+                    return _busiest_by_name(ledger, limit)
+                v[name] = int(val)
+            for name, n in v.items():
+                if name.startswith("x:"):
+                    totals[name[2:]] = totals.get(name[2:], 0) + n
+            taken = v["S"] + v["T"] + v["a_w"] + v["a_m"] + v["a_s"]
+            ranked.append((taken / v["W"], sid, raw))
+    top = heapq.nlargest(limit, ranked, key=lambda row: row[0])
+    return [
+        (sid, collect([protocol.snapshot(ledger.keyspace.session(sid))], [raw], False)[0])
+        for _, sid, raw in top
+    ], totals
+
+
+def _busiest_by_name(
+    ledger: Ledger, limit: int
+) -> tuple[list[tuple[str, Snapshot]], dict[str, int]]:
+    rows = snapshots(ledger, listed(ledger))
     totals: dict[str, int] = {}
     for _, snap in rows:
         for name, value in snap.raw.items():
