@@ -618,10 +618,8 @@ def test_record001_a_compaction_below_the_min_gain_is_a_deferral(ledger: Ledger)
     assert (small.compacted, small.outcome, small.gain) == (False, "deferred", 19_000)
     assert small.occupancy <= b.high_water_tokens and small.failures == 1
     assert s.snapshot().compaction_pending
-    assert [j["reason"] for j in jobs(ledger, s, "compact")] == [
-        "high_water_mark",
-        "failed_compaction",
-    ]
+    # the pending job stays the one job: an agent's own failure while it is queued adds none
+    assert [j["reason"] for j in jobs(ledger, s, "compact")] == ["high_water_mark"]
     with pytest.raises(AdmissionRefused) as info:  # retrieval waits for a real one
         s.admit(RET, [Item("doc", 100)])
     assert info.value.bound == "failed"
@@ -665,12 +663,8 @@ def test_record001_three_failed_compactions_escalate_once(ledger: Ledger) -> Non
             ]
         snap = s.snapshot()
         assert snap.compaction_pending and snap.failed_compactions == min(k, 3)
-    # The pending job, plus one retry job for each failure that did not escalate.
-    assert [j["reason"] for j in jobs(ledger, s, "compact")] == [
-        "high_water_mark",
-        "failed_compaction",
-        "failed_compaction",
-    ]
+    # The pending job only: the agent's own failures while it is queued add no retry jobs.
+    assert [j["reason"] for j in jobs(ledger, s, "compact")] == ["high_water_mark"]
     with pytest.raises(AdmissionRefused) as info:
         s.admit(RET, [Item("doc", s.snapshot().free + 1)])
     assert info.value.reason == "compaction_pending"
