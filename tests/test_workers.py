@@ -36,11 +36,12 @@ from prometheus_client import generate_latest
 from ledger import Item, Ledger, LedgerSettings, SessionBudget
 from ledger.errors import ReservationExpired, UnknownReservation
 from ledger.models import Consumer
+from tests import jobs
 from tests.jobs import session_hash
 from tests.servers import RedisProcess
 from tests.worker_procs import WorkerProc, spawn_worker
 from workers.compactors import CompactionPlan, CompactionRequest
-from workers.runner import Metrics, Worker, WorkerSettings
+from workers.runner import Worker
 
 pytestmark = pytest.mark.redis
 
@@ -267,15 +268,8 @@ def drain_in_process(led: Ledger, worker: Worker, timeout: float = 20.0) -> None
     assert backlog(led) == Backlog()
 
 
-def in_process_worker(led: Ledger, **kw: Any) -> Worker:
-    opts: dict[str, Any] = {
-        "consumer": f"inproc-{uuid.uuid4().hex[:6]}",
-        "claim_idle_ms": 50,
-        "poll_interval": 0.01,
-        "compactor": COMPACTOR,
-        **kw,
-    }
-    return Worker(led, WorkerSettings(**opts), Metrics())
+def in_process_worker(led: Ledger, compactor: str = COMPACTOR, **kw: Any) -> Worker:
+    return jobs.new_worker(led, compactor, **kw)
 
 
 # --- worker processes ------------------------------------------------------------------
