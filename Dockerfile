@@ -9,7 +9,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /src
-# Only what the wheel is built from (pyproject.toml: ledger, workers, lua -> ledger/lua).
+# Only what the wheel is built from: ledger/, whose links ledger/workers and ledger/lua
+# point at the repository's workers/ and lua/ (one import name, `ledger`).
 COPY pyproject.toml README.md ./
 COPY ledger ./ledger
 COPY workers ./workers

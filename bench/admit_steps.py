@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ledger import Item, Ledger, LedgerSettings, scripts
-from tests.servers import standalone
+from ledger.testing import standalone
 
 from .bench_core import BENCH_BUDGET
 

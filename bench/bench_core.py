@@ -2,7 +2,7 @@
 
     python -m bench.bench_core [--n N] [--reps R] [--json] [--url redis://host:port/0]
 
-Without ``--url`` it starts its own redis-server on a free port (tests.servers.standalone)
+Without ``--url`` it starts its own redis-server on a free port (ledger.testing.standalone)
 and stops it afterwards. With ``--url`` it runs CONFIG RESETSTAT on that server many
 times (its INFO commandstats are lost) and writes keys under a fresh ``bench<hex>``
 prefix, deleted at the end; use a server nobody else is using.
@@ -40,7 +40,6 @@ import platform
 import shutil
 import statistics
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -49,8 +48,6 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # so `tests.servers` imports from any working directory
-    sys.path.insert(0, str(ROOT))
 
 import redis  # noqa: E402
 import redis.utils  # noqa: E402
@@ -727,7 +724,7 @@ def target(url: str | None) -> Iterator[tuple[str, str]]:
     if url:
         yield url, redact(url)
         return
-    from tests.servers import standalone
+    from ledger.testing import standalone
 
     with standalone() as server:
         yield server.url, f"self-started on 127.0.0.1:{server.port}"

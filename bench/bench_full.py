@@ -2,7 +2,7 @@
 
     python -m bench.bench_full [--quick] [--json]
 
-One run, on one redis-server it starts itself (tests.servers.standalone, a free port;
+One run, on one redis-server it starts itself (ledger.testing.standalone, a free port;
 never the machine's shared Redis), measures:
 
 1. A matrix of rows: operation x client mode x worker processes x session layout.
@@ -63,8 +63,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # so `tests.servers` and `bench` import from anywhere
-    sys.path.insert(0, str(ROOT))
 
 import redis  # noqa: E402
 
@@ -1315,7 +1313,7 @@ def print_report(res: dict[str, Any]) -> None:
 
 @contextlib.contextmanager
 def own_server() -> Iterator[tuple[str, str, int]]:
-    from tests.servers import standalone
+    from ledger.testing import standalone
 
     with standalone() as server:
         assert server.proc is not None

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import redis
 
 from ledger import Item, Ledger, LedgerSettings, SessionBudget
-from tests.servers import standalone
+from ledger.testing import standalone
 
 BUDGET = SessionBudget(
     window=100_000_000,

@@ -32,7 +32,7 @@ import redis
 
 from ledger import Item, Ledger, LedgerSettings, SessionBudget, cli
 from ledger.client import Session
-from tests.servers import standalone
+from ledger.testing import standalone
 
 BUDGET = SessionBudget(window=100_000_000, system_prompt=100)
 RECLAIM = SessionBudget(window=10_000, system_prompt=100, working_memory_floor=0)

@@ -3,7 +3,7 @@
     python -m bench.bench_workers [--jobs N] [--json] [--reps R] [--partitions P]
                                   [--claim-idle-ms MS] [--poll-interval S]
 
-It starts its own redis-server on a free port (tests.servers.standalone) and stops it
+It starts its own redis-server on a free port (ledger.testing.standalone) and stops it
 afterwards; the workers are real ``python -m ledger.cli worker`` processes configured
 through ``LEDGER_*`` / ``LEDGER_WORKER_*`` environment variables, each logging JSON to
 its own file.
@@ -48,14 +48,12 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # so `tests.servers` imports from any working directory
-    sys.path.insert(0, str(ROOT))
 
 import redis  # noqa: E402
 
 from ledger import Ledger, LedgerSettings, SessionBudget  # noqa: E402
-from tests import servers  # noqa: E402
-from tests.worker_procs import WorkerProc, spawn_worker  # noqa: E402
+from ledger import testing as servers  # noqa: E402
+from ledger.testing import WorkerProc, spawn_worker  # noqa: E402
 
 GROUP = "ledger-workers"
 BUDGET = SessionBudget(window=10_000, system_prompt=500, output_reserve=500)

@@ -218,7 +218,7 @@ def main() -> int:
     if args.url:
         res = run(args.url, args.turns, args.kills)
     else:
-        from tests.servers import standalone
+        from ledger.testing import standalone
 
         with standalone() as server:
             res = run(server.url, args.turns, args.kills)

@@ -17,7 +17,7 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
-from tests.servers import standalone
+from ledger.testing import standalone
 
 PIECES = (
     "empty",

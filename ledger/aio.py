@@ -242,7 +242,7 @@ class AsyncSession(SessionCore):
     admit_tool_result = _async(SessionCore.admit_tool_result_call)
     reconcile = _async(SessionCore.reconcile_call)
     snapshot = _async(SessionCore.snapshot_call)
-    close = _async(SessionCore.close_call)
+    delete = _async(SessionCore.delete_call)
 
     async def refresh(self) -> int:
         self.epoch = (await self.snapshot()).epoch

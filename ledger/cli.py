@@ -89,7 +89,7 @@ def cmd_audit(args: argparse.Namespace, out: Console) -> int:
     from rich.markup import escape
 
     from ledger.client import Ledger
-    from ledger.inspect import audits, listed
+    from ledger.views import audits, listed
 
     with Ledger.from_settings(_settings(args)) as ledger:
         ids = args.session or listed(ledger)
@@ -131,7 +131,7 @@ def _warn_redis_settings(ledger: Ledger, out: Console) -> None:
 
 def cmd_inspect(args: argparse.Namespace, out: Console) -> int:
     from ledger.client import Ledger
-    from ledger.inspect import view
+    from ledger.views import view
 
     with Ledger.from_settings(_settings(args)) as ledger:
         v = view(ledger, args.session, journal=args.journal)
@@ -220,7 +220,7 @@ class TopView:
 
         from rich import box
 
-        from ledger.inspect import busiest, regime
+        from ledger.views import busiest, regime
 
         rows, totals = busiest(ledger, self.limit)
         cells: list[list[str]] = []
@@ -347,8 +347,8 @@ def cmd_worker(args: argparse.Namespace, out: Console) -> int:
     from prometheus_client import start_http_server
 
     from ledger.client import Ledger
-    from workers.compactors import NO_COMPACTOR
-    from workers.runner import JsonFormatter, Worker, WorkerSettings
+    from ledger.workers.compactors import NO_COMPACTOR
+    from ledger.workers.runner import JsonFormatter, Worker, WorkerSettings
 
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter())

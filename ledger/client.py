@@ -254,7 +254,7 @@ class Session(SessionCore):
     admit_tool_result = _sync(SessionCore.admit_tool_result_call)
     reconcile = _sync(SessionCore.reconcile_call)
     snapshot = _sync(SessionCore.snapshot_call)
-    close = _sync(SessionCore.close_call)
+    delete = _sync(SessionCore.delete_call)
 
     def refresh(self) -> int:
         """Adopt the session's current epoch (after a StaleEpoch); returns it."""

@@ -30,9 +30,9 @@ from ledger.errors import (
 from ledger.keys import KeySpace, SessionKeys
 from ledger.models import (
     Admitted,
-    Closed,
     Compaction,
     Consumer,
+    Deleted,
     Item,
     Reconciled,
     Released,
@@ -400,6 +400,8 @@ class SessionCore:
         """A consistent reading of the session's numbers."""
         return protocol.snapshot(self.keys)
 
-    def close_call(self, *, op_id: str | None = None) -> Call[Closed]:
-        """Delete the session and its index entries."""
-        return protocol.close(self.keys, _op(op_id), self.epoch)
+    def delete_call(self, *, op_id: str | None = None) -> Call[Deleted]:
+        """Delete the session for every worker and handle: its items, reservations and
+        index entries (a short tombstone keeps the retry's answer and fences old epochs).
+        Not to be confused with ``Ledger.close()``, which closes a connection."""
+        return protocol.delete(self.keys, _op(op_id), self.epoch)

@@ -361,8 +361,8 @@ class ToolResult:
 
 
 @dataclass(frozen=True, slots=True)
-class Closed:
-    closed: bool
+class Deleted:
+    deleted: bool
 
 
 @dataclass(frozen=True, slots=True)

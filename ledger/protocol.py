@@ -25,9 +25,9 @@ from ledger.keys import SessionKeys
 from ledger.models import (
     Admitted,
     AuditReport,
-    Closed,
     Compaction,
     Consumer,
+    Deleted,
     Expired,
     HeldItem,
     Item,
@@ -552,14 +552,14 @@ def admit_tool(
 # --- close, snapshot, audit ---------------------------------------------------------
 
 
-def close(keys: SessionKeys, op_id: str, epoch: int | str) -> Call[Closed]:
+def delete(keys: SessionKeys, op_id: str, epoch: int | str) -> Call[Deleted]:
     return _mutating(
-        "close",
+        "delete",
         [keys.session, keys.deadlines],
         op_id,
         epoch,
         [keys.session_id],
-        lambda r: Closed(r["closed"] == "1"),
+        lambda r: Deleted(r["deleted"] == "1"),
     )
 
 

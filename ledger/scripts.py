@@ -34,21 +34,18 @@ NAMES = (
     "compact",
     "admit_tool",
     "reconcile",
-    "close",
+    "delete",
     "snapshot",
     "audit",
 )
 
 
 def lua_dir() -> Path:
-    """Where the .lua files are: inside the installed package, or the repo's lua/."""
+    """Where the .lua files are: ``ledger/lua`` (in the repository, a link to ``lua/``)."""
     packaged = Path(str(resources.files("ledger"))) / "lua"
-    if (packaged / "_common.lua").is_file():
-        return packaged
-    repo = Path(__file__).resolve().parent.parent / "lua"
-    if (repo / "_common.lua").is_file():
-        return repo
-    raise FileNotFoundError(f"ledger Lua scripts not found in {packaged} or {repo}")
+    if not (packaged / "_common.lua").is_file():
+        raise FileNotFoundError(f"ledger Lua scripts not found in {packaged}")
+    return packaged
 
 
 _DEFINES = re.compile(r"^local\s+(?:function\s+(\w+)|([\w\s,]+?)\s*=)", re.M)

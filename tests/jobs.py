@@ -15,8 +15,8 @@ import redis
 
 from ledger import Item, Ledger, SessionBudget
 from ledger.models import Consumer
-from workers.compactors import CompactionPlan, CompactionRequest
-from workers.runner import Metrics, Worker, WorkerSettings
+from ledger.workers.compactors import CompactionPlan, CompactionRequest
+from ledger.workers.runner import Metrics, Worker, WorkerSettings
 
 GROUP = "ledger-workers"
 # H = 7_200. Working memory 8 x 250 (old) + 2 x 3_100 (newest): occupancy 8_700 > H, so

@@ -205,7 +205,7 @@ GOOD: dict[str, Callable[..., object]] = {
     "settle": lambda s, op=None: s.settle("res1", 450, "out1", priority=3, op_id=op),
     "void": lambda s, op=None: s.void("res1", op_id=op),
     "reset": lambda s, op=None: s.reset("operator", op_id=op),
-    "close": lambda s, op=None: s.close(op_id=op),
+    "delete": lambda s, op=None: s.delete(op_id=op),
     "open": lambda s, op=None: s.ledger.open_session(s.id, BUDGET, op_id=op),
     "reconcile": lambda s, op=None: s.reconcile({"retrieval": [Item("doc1", 410)]}, op_id=op),
 }
@@ -322,8 +322,8 @@ def _reset_cases() -> list[Case]:
     return out + _fenced("reset")
 
 
-def _close_cases() -> list[Case]:
-    return _fenced("close")
+def _delete_cases() -> list[Case]:
+    return _fenced("delete")
 
 
 def _open_cases() -> list[Case]:
@@ -401,7 +401,7 @@ CASES: dict[str, list[Case]] = {
     "settle": _settle_cases(),
     "void": _void_cases(),
     "reset": _reset_cases(),
-    "close": _close_cases(),
+    "delete": _delete_cases(),
     "open": _open_cases(),
 }
 
@@ -598,7 +598,7 @@ ARGV_SPEC: dict[str, dict[int, list[str | bytes]]] = {
     "settle": {**COMMON, 3: BAD_ARG_IDS, 4: BAD_ARG_IDS, 5: TOKENS, 6: BAD_ARG_IDS, 7: PRIORITY},
     "void": {**COMMON, 3: BAD_ARG_IDS, 4: BAD_ARG_IDS},
     "reset": {**COMMON, 3: BAD_ARG_IDS, 4: BAD_ARG_IDS},
-    "close": {**COMMON, 2: EPOCH_OR_STAR, 3: BAD_ARG_IDS},
+    "delete": {**COMMON, 2: EPOCH_OR_STAR, 3: BAD_ARG_IDS},
     "expire": {**COMMON, 2: EPOCH_OR_STAR, 3: BAD_ARG_IDS, 4: BAD_COUNTS, 5: BAD_ARG_IDS},
     # good call: two replaced items (ARGV[7], ARGV[8]), then the job entry id '-'
     "compact": {
@@ -624,7 +624,7 @@ def good_call(name: str, s: Session) -> protocol.Call[Any]:
         "settle": lambda: protocol.settle(k, op, ep, "res1", 450, "out1", 3),
         "void": lambda: protocol.void(k, op, ep, "res1"),
         "reset": lambda: protocol.reset(k, op, ep, "operator"),
-        "close": lambda: protocol.close(k, op, ep),
+        "delete": lambda: protocol.delete(k, op, ep),
         "expire": lambda: protocol.expire(k, op, ["res1"]),
         "reconcile": lambda: protocol.reconcile(k, op, ep, {"retrieval": [Item("doc1", 410)]}),
         "compact": lambda: protocol.compact(

@@ -87,7 +87,7 @@ def test_worker_once_releases_expired(redis_server: RedisProcess, prefix: str) -
                     "worker",
                     "--once",
                     "--compactor",
-                    "workers.compactors:simulated",
+                    "ledger.workers.compactors:simulated",
                 ]
             )
             == 0
@@ -107,20 +107,20 @@ def _open_many(led: Ledger, ids: list[str]) -> None:
 def test_audit_in_batches_names_every_session(
     redis_server: RedisProcess, prefix: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from ledger import inspect
+    from ledger import views
 
-    ids = [f"s{i:04d}" for i in range(inspect.BATCH * 2 + 7)]
+    ids = [f"s{i:04d}" for i in range(views.BATCH * 2 + 7)]
     with Ledger.from_settings(LedgerSettings(redis_url=redis_server.url, prefix=prefix)) as led:
         _open_many(led, ids)
-        victim = led.session(ids[inspect.BATCH + 3])
+        victim = led.session(ids[views.BATCH + 3])
         victim.admit("retrieval", [Item("a", 5)])
         redis.Redis.from_url(redis_server.url).hset(victim.keys.session, "u_r", 6)
-        led.session(ids[-1]).close()  # listed by name below: refused
+        led.session(ids[-1]).delete()  # listed by name below: refused
     code = cli.main(["--url", redis_server.url, "--prefix", prefix, "audit"])
     out = capsys.readouterr().out
     assert code == cli.EXIT_VIOLATION
     assert out.count(": clean") == len(ids) - 2
-    assert f"{ids[inspect.BATCH + 3]}: " in out and "u_r is 6, items say 5" in out
+    assert f"{ids[views.BATCH + 3]}: " in out and "u_r is 6, items say 5" in out
     assert f"{len(ids) - 1} session(s) audited, 1 with violations" in out
     code = cli.main(["--url", redis_server.url, "--prefix", prefix, "audit", ids[0], ids[-1]])
     assert code == cli.EXIT_VIOLATION

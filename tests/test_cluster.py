@@ -22,7 +22,7 @@ from redis.exceptions import RedisClusterException
 
 from ledger import Consumer, Item, Ledger, LedgerError, LedgerSettings, SessionBudget
 from ledger import cli as ledger_cli
-from workers.runner import Worker, WorkerSettings
+from ledger.workers.runner import Worker, WorkerSettings
 
 from . import servers
 from .test_faults import Agent, assert_replays, check_invariants, run_agents
@@ -158,7 +158,7 @@ def test_mixed_workload_over_all_partitions_has_no_crossslot(
         worker = Worker(
             led,
             WorkerSettings(
-                consumer="w1", claim_idle_ms=10, compactor="workers.compactors:simulated"
+                consumer="w1", claim_idle_ms=10, compactor="ledger.workers.compactors:simulated"
             ),
         )
         worker.ensure_groups()
@@ -183,7 +183,7 @@ def test_mixed_workload_over_all_partitions_has_no_crossslot(
         # xfail in test_faults.py)
         assert ledger_cli.main(["--url", url, "--prefix", prefix, "audit"]) == 0
         for sid in job_sids:
-            assert led.session(f"{sid}/jobs").close().closed
+            assert led.session(f"{sid}/jobs").delete().deleted
     after = errorstats(nodes)
     delta = after - before
     calls = sum(len(a.acks) for a in agents)

@@ -19,8 +19,8 @@ from ledger import Agent, Ledger, SessionBudget
 from ledger.adapters.langgraph import LedgerGraph
 from ledger.adapters.summarizer import LLMSummarizer
 from ledger.models import Consumer, HeldItem
+from ledger.workers.compactors import CompactionRequest
 from tests import jobs
-from workers.compactors import CompactionRequest
 
 
 def words(text: str) -> int:

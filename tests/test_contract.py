@@ -618,7 +618,7 @@ def test_same_op_id_with_other_arguments_is_refused(ledger: Ledger, budget: Sess
         lambda: s.settle("q1", 10, "x", op_id="op-2"),
         lambda: s.void("q1", op_id="op-2"),
         lambda: s.reset("why", op_id="op-1"),
-        lambda: s.close(op_id="op-2"),
+        lambda: s.delete(op_id="op-2"),
     ]
     for call in reuses:
         with pytest.raises(OperationIdReused):
@@ -693,7 +693,7 @@ def test_reset_fences_stale_handles(ledger: Ledger, budget: SessionBudget) -> No
         lambda: old.reserve(SCR, "q-x", 1),
         lambda: old.settle("q-new", 20, "q-new-item"),
         lambda: old.void("q-new"),
-        lambda: old.close(),
+        lambda: old.delete(),
     ]
     for call in stale_calls:
         with pytest.raises(StaleEpoch):
@@ -785,9 +785,9 @@ def test_close_then_everything_is_unknown(ledger: Ledger, budget: SessionBudget)
     s.admit(RET, [Item("a", 10)])
     s.reserve(SCR, "q1", 20, lease_ms=50)
     check(ledger, s, budget)
-    assert s.close(op_id="close-1").closed is True
-    assert s.close(op_id="close-1").closed is True  # the retry gets closed=1 back
-    assert s.close().closed is False  # a new close finds nothing
+    assert s.delete(op_id="delete-1").deleted is True
+    assert s.delete(op_id="delete-1").deleted is True  # the retry gets deleted=1 back
+    assert s.delete().deleted is False  # a new delete finds nothing
     # Closing dropped the reservation's deadline-index entry.
     assert ledger.client.zcard(s.keys.deadlines) == 0
     time.sleep(0.1)
@@ -822,10 +822,10 @@ def test_close_is_fenced_by_epoch(ledger: Ledger, budget: SessionBudget) -> None
     old = ledger.session(s.id)
     s.reset("why")
     with pytest.raises(StaleEpoch):
-        old.close()
+        old.delete()
     check(ledger, s, budget)
     s.refresh()
-    assert s.close().closed is True
+    assert s.delete().deleted is True
     with pytest.raises(UnknownSession):
         s.snapshot()
 
@@ -844,7 +844,7 @@ def test_unknown_session(ledger: Ledger, budget: SessionBudget) -> None:
         ghost.snapshot()
     with pytest.raises(UnknownSession):
         ledger.session(ghost.id)
-    assert ghost.close().closed is False
+    assert ghost.delete().deleted is False
 
 
 # --- asyncio face ---------------------------------------------------------------------
@@ -893,13 +893,13 @@ async def test_async_fencing_and_expiry(aledger: AsyncLedger, budget: SessionBud
     with pytest.raises(StaleEpoch):
         await old.admit(RET, [Item("b", 1)])
     with pytest.raises(StaleEpoch):
-        await old.close()
+        await old.delete()
     assert await old.refresh() == e0 + 1
     assert (await old.admit(RET, [Item("b", 1)])).free == free - 1
     report = await aledger.audit(s.id)
     assert report.clean
-    assert (await old.close(op_id="close-1")).closed is True
-    assert (await old.close(op_id="close-1")).closed is True
+    assert (await old.delete(op_id="delete-1")).deleted is True
+    assert (await old.delete(op_id="delete-1")).deleted is True
     with pytest.raises(UnknownSession):
         await old.snapshot()
 

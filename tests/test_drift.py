@@ -19,10 +19,10 @@ from ledger import (
     SessionBudget,
     cli,
 )
-from ledger.inspect import busiest
+from ledger.views import busiest
+from ledger.workers.runner import Metrics, Worker, WorkerSettings
 from tests import servers
 from tests.conftest import make_settings
-from workers.runner import Metrics, Worker, WorkerSettings
 
 B = SessionBudget(
     window=10_000,
@@ -146,7 +146,9 @@ def test_inspect_top_and_worker_metrics_show_drift(
     rows, totals = busiest(ledger)
     assert totals["drift"] == 1 and rows[0][1].drift == 3_400
     metrics = Metrics()
-    worker = Worker(ledger, WorkerSettings(compactor="workers.compactors:simulated"), metrics)
+    worker = Worker(
+        ledger, WorkerSettings(compactor="ledger.workers.compactors:simulated"), metrics
+    )
     worker.ensure_groups()
     worker.observe()
     assert metrics.registry.get_sample_value("ledger_drift_tokens_max") == 3_400

@@ -602,6 +602,6 @@ def test_cli_audit_after_a_session_was_closed(server: servers.RedisProcess) -> N
     prefix = new_prefix()
     with Ledger.from_settings(LedgerSettings(redis_url=server.url, prefix=prefix)) as led:
         led.open_session("kept", roomy_budget()).admit(RET, [Item("doc", 10)])
-        assert led.open_session("closed", roomy_budget()).close().closed
+        assert led.open_session("closed", roomy_budget()).delete().deleted
         assert led.session_ids() == ["kept"]
     assert_cli_audit_clean(server.url, prefix)

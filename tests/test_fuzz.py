@@ -119,7 +119,7 @@ def good_call(name: str, s: Session, turn: int) -> protocol.Call[Any]:
             k, op, ep, ["turn1", (Consumer.RETRIEVAL, "doc2")], Item("sum1", 50)
         ),
         "admit_tool": lambda: protocol.admit_tool(k, op, ep, "call-1", 200, b'{"ok": 1}'),
-        "close": lambda: protocol.close(k, op, ep),
+        "delete": lambda: protocol.delete(k, op, ep),
         "reconcile": lambda: protocol.reconcile(
             k, op, ep, {"retrieval": [Item("doc1", 300), Item("new3", 40, 2)]}
         ),
@@ -276,7 +276,7 @@ METHODS: dict[str, dict[str, st.SearchStrategy[Any]]] = {
         "items": st.dictionaries(CONSUMER, st.lists(ITEM, max_size=3), min_size=1, max_size=2),
     },
     "reset": {"reason": st.sampled_from(["operator", "fuzz"])},
-    "close": {},
+    "delete": {},
 }
 OP_ID = st.one_of(*[st.none()] * 6, st.just("fuzz-op"), FUZZ)
 

@@ -18,7 +18,7 @@ def _fleet(ledger: Ledger) -> None:
         if sid == "mid":
             with pytest.raises(AdmissionRefused):  # counted in x:refused
                 s.reserve("scratchpad", "r1", 10_000)
-    ledger.session("gone").close()
+    ledger.session("gone").delete()
 
 
 def test_busiest_ranks_by_utilization_and_sums_indicators(ledger: Ledger) -> None:
@@ -36,7 +36,7 @@ def test_audits_in_batches_report_every_session(ledger: Ledger) -> None:
     ids = [f"a{i:03d}" for i in range(inspect.BATCH + 5)]
     for sid in ids:
         ledger.open_session(sid, budget)
-    ledger.session(ids[3]).close()
+    ledger.session(ids[3]).delete()
     if not isinstance(ledger.client, RedisCluster):
         ledger.client.script_flush()  # the batch loads its script again
     got = dict(inspect.audits(ledger, inspect.listed(ledger)))

@@ -12,9 +12,9 @@ import pytest
 
 from ledger import Item, Ledger, LedgerSettings, SessionBudget, cli
 from ledger.errors import ConfigurationError
+from ledger.workers.compactors import CompactionPlan, CompactionRequest
+from ledger.workers.runner import Metrics, Worker, WorkerSettings, mask_url
 from tests import jobs
-from workers.compactors import CompactionPlan, CompactionRequest
-from workers.runner import Metrics, Worker, WorkerSettings, mask_url
 
 AGENT_BUDGET = SessionBudget(
     window=10_000, system_prompt=500, output_reserve=500, compaction="agent"
@@ -66,7 +66,7 @@ def test_first_log_line_names_url_prefix_partitions_compactor(
 ) -> None:
     s = LedgerSettings(redis_url="embedded://first-line", prefix="fl", partitions=3)
     with Ledger.from_settings(s) as led, caplog.at_level(logging.INFO, "ledger.worker"):
-        w = Worker(led, WorkerSettings(compactor="workers.compactors:simulated"), Metrics())
+        w = Worker(led, WorkerSettings(compactor="ledger.workers.compactors:simulated"), Metrics())
         w.run(threading.Event(), once=True)
     first = caplog.records[0]
     assert first.getMessage() == "worker starting"
@@ -75,7 +75,7 @@ def test_first_log_line_names_url_prefix_partitions_compactor(
         "url": "embedded://first-line",
         "prefix": "fl",
         "partitions": 3,
-        "compactor": "workers.compactors:simulated",
+        "compactor": "ledger.workers.compactors:simulated",
     }
     json.dumps(got)
 

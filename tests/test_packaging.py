@@ -52,7 +52,7 @@ def test_wheel_ships_the_scripts(wheel: Path) -> None:
         for name in sorted(n for n in names if n.startswith("ledger/lua/")):
             repo_file = ROOT / "lua" / name.removeprefix("ledger/lua/")
             assert z.read(name) == repo_file.read_bytes(), f"{name} differs from the repo's"
-        assert "workers/runner.py" in names
+        assert "ledger/workers/runner.py" in names
         (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
         assert "ledger = ledger.cli:main" in z.read(entry_points).decode()
 

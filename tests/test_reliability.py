@@ -122,7 +122,7 @@ def test_7_calls_built_under_another_prefix_are_refused(
     ):
         sb = b.open_session(_sid("tenant-b"), budget)
         before = _dump(b)
-        for call in (sb.admit_call(RET, [Item("x", 10)]), sb.snapshot_call(), sb.close_call()):
+        for call in (sb.admit_call(RET, [Item("x", 10)]), sb.snapshot_call(), sb.delete_call()):
             with pytest.raises(InvalidArgument, match="not a session of this ledger"):
                 a.run(call)
             with pytest.raises(InvalidArgument, match="not a session of this ledger"):
@@ -168,7 +168,7 @@ async def test_7_async_calls_of_another_prefix_are_refused(
 # --- 8. the session id in ARGV is exactly KEYS[1]'s ------------------------------------------
 
 
-@pytest.mark.parametrize("script", ["reserve", "reset", "compact", "close"])
+@pytest.mark.parametrize("script", ["reserve", "reset", "compact", "delete"])
 def test_8_a_session_id_that_is_only_a_suffix_of_the_key_is_refused(
     ledger: Ledger, budget: SessionBudget, script: str
 ) -> None:
@@ -179,7 +179,7 @@ def test_8_a_session_id_that_is_only_a_suffix_of_the_key_is_refused(
         "reserve": protocol.reserve(suffix, "op-8", s.epoch, SCR, "lease-1", 10, 60_000),
         "reset": protocol.reset(suffix, "op-8", s.epoch, "why"),
         "compact": protocol.compact(suffix, "op-8", s.epoch, [], None),
-        "close": protocol.close(suffix, "op-8", s.epoch),
+        "delete": protocol.delete(suffix, "op-8", s.epoch),
     }[script]
     keys = [s.keys.session, *(_same_kind(s.keys, k) for k in built.keys[1:])]
     before = _dump(ledger)

@@ -27,8 +27,8 @@ from ledger import (
     protocol,
 )
 from ledger import cli as ledger_cli
-from workers.compactors import CompactionPlan, CompactionRequest
-from workers.runner import Worker, WorkerSettings
+from ledger.workers.compactors import CompactionPlan, CompactionRequest
+from ledger.workers.runner import Worker, WorkerSettings
 
 from . import servers
 
@@ -208,7 +208,9 @@ def exercise_everything(
         h.compact([], None)  # occupancy stays above the mark: a failed compaction
     worker = Worker(
         ledger,
-        WorkerSettings(consumer="good", claim_idle_ms=10, compactor="workers.compactors:simulated"),
+        WorkerSettings(
+            consumer="good", claim_idle_ms=10, compactor="ledger.workers.compactors:simulated"
+        ),
     )
     for _ in range(20):  # bounded: a few passes drain every job
         if not worker.poll_once():
@@ -224,8 +226,8 @@ def exercise_everything(
     assert ledger_cli.main(["--url", url, "--prefix", p, "audit"]) == ledger_cli.EXIT_OK
     s.reset("operator")
     s.refresh()
-    assert s.close().closed
-    done += ["cli audit", "reset", "refresh", "close"]
+    assert s.delete().deleted
+    done += ["cli audit", "reset", "refresh", "delete"]
     return Exercised(done, dead)
 
 

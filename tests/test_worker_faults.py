@@ -27,9 +27,9 @@ from redis._parsers.base import BaseParser
 
 from ledger import Ledger, LedgerSettings
 from ledger.errors import BackendUnavailable, LedgerError, UnknownSession
+from ledger.testing import WorkerProc, spawn_worker
+from ledger.workers.trouble import TRANSIENT, Backoff, kind_of
 from tests import jobs, servers
-from tests.worker_procs import WorkerProc, spawn_worker
-from workers.trouble import TRANSIENT, Backoff, kind_of
 
 PARTITIONS = 4
 
@@ -198,7 +198,7 @@ def test_loop_survives_every_kind_of_redis_error_and_a_bug(
 
 @pytest.mark.redis
 def test_json_log_lines_carry_the_traceback() -> None:
-    from workers.runner import JsonFormatter
+    from ledger.workers.runner import JsonFormatter
 
     try:
         raise TypeError("a bug")

@@ -36,12 +36,12 @@ from prometheus_client import generate_latest
 from ledger import Item, Ledger, LedgerSettings, SessionBudget
 from ledger.errors import ReservationExpired, UnknownReservation
 from ledger.models import Consumer
+from ledger.testing import WorkerProc, spawn_worker
+from ledger.workers.compactors import CompactionPlan, CompactionRequest
+from ledger.workers.runner import Worker
 from tests import jobs
 from tests.jobs import session_hash
 from tests.servers import RedisProcess
-from tests.worker_procs import WorkerProc, spawn_worker
-from workers.compactors import CompactionPlan, CompactionRequest
-from workers.runner import Worker
 
 pytestmark = pytest.mark.redis
 
@@ -784,7 +784,9 @@ def test_simulated_compactor_chain_drains(led: Ledger) -> None:
     sids = [f"sim-{i}" for i in range(12)]
     for sid in sids:
         open_compaction(led, sid)
-    worker = in_process_worker(led, compactor="workers.compactors:simulated", max_deliveries=2)
+    worker = in_process_worker(
+        led, compactor="ledger.workers.compactors:simulated", max_deliveries=2
+    )
     drain_in_process(led, worker)
     assert dead_letters(led) == []
     assert (

@@ -53,7 +53,7 @@ NO_COMPACTOR = (
     "the worker needs a compactor named explicitly: --compactor module:attr (or "
     "LEDGER_WORKER_COMPACTOR), e.g. a summarizer built with "
     "ledger.adapters.summarizer; 'none' for a fleet whose sessions compact inline "
-    "(compaction='agent'); workers.compactors:simulated only for the demo and tests (it "
+    "(compaction='agent'); ledger.workers.compactors:simulated only for the demo and tests (it "
     "sees no content and would drop items the agent still has in its prompt)"
 )
 

@@ -56,8 +56,8 @@ from ledger.errors import (
     StaleEpoch,
     UnknownSession,
 )
-from workers import compactors
-from workers.trouble import TRANSIENT, Backoff, kind_of
+from ledger.workers import compactors
+from ledger.workers.trouble import TRANSIENT, Backoff, kind_of
 
 log = logging.getLogger("ledger.worker")
 T = TypeVar("T")

@@ -28,7 +28,7 @@ from typing import Any
 from ledger.errors import ConfigurationError
 from ledger.extras import need
 from ledger.models import Consumer, HeldItem, Item
-from workers.compactors import CompactionPlan, CompactionRequest
+from ledger.workers.compactors import CompactionPlan, CompactionRequest
 
 PROMPT = (
     "Summarize the conversation history below for an assistant that will continue it. "

@@ -39,7 +39,7 @@ from statistics import NormalDist
 from ledger.errors import StaleEpoch
 from ledger.fleet.agent import Doc, SimAgent
 from ledger.models import Consumer, Item, SessionBudget
-from workers.compactors import CompactionPlan, CompactionRequest
+from ledger.workers.compactors import CompactionPlan, CompactionRequest
 
 WM, RET, REC = Consumer.WORKING_MEMORY, Consumer.RETRIEVAL, Consumer.RECALL
 

@@ -22,7 +22,7 @@ from ledger.client import Ledger
 from ledger.fleet import decay, fanout, starvation, truncation
 from ledger.fleet.agent import SimAgent
 from ledger.settings import LedgerSettings, require_url
-from workers.runner import Worker, WorkerSettings
+from ledger.workers.runner import Worker, WorkerSettings
 
 CHECKPOINTS = (10, 60, 120)
 WINDOW_TURNS = 5  # checkpoints are read over turn +- this
@@ -166,7 +166,7 @@ def run(settings: LedgerSettings, config: FleetConfig, progress: Progress = None
     calls += sum(c for _, c in results)
     session_ids = [j.session_id for j in jobs]
 
-    with background_worker(settings, "workers.compactors:simulated") as worker:
+    with background_worker(settings, "ledger.workers.compactors:simulated") as worker:
         with Ledger.from_settings(settings) as led:
             starv = starvation.run(led, config.seed, tag)
             trunc = truncation.run(led, config.seed, tag)
@@ -185,7 +185,7 @@ def run(settings: LedgerSettings, config: FleetConfig, progress: Progress = None
             over += snap.free < 0 or any("over-allocated" in p for p in report.problems)
             if sid.startswith("decay-"):
                 failed += snap.raw.get("x:failed_compactions", 0)
-            led.session(sid).close()
+            led.session(sid).delete()
     return DemoReport(
         config=config,
         backend=require_url(settings).split("://")[0],

@@ -1,19 +1,19 @@
--- close.lua: delete a session and its reservations' index entries.
+-- delete.lua: delete a session and its reservations' index entries.
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  partition deadline index
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
--- ARGV[2]  epoch or '*'            '*' closes whatever the epoch (operators)
+-- ARGV[2]  epoch or '*'            '*' deletes whatever the epoch (operators)
 -- ARGV[3]  session id
 --
--- Reply: status=ok|closed=<0|1>
+-- Reply: status=ok|deleted=<0|1>
 -- The outcome stays in a tombstone (the op record and the last epoch, for the op
--- retention) so that a retry gets closed=1 back and a session opened again under
--- the same id starts at a later epoch: handles and jobs of the closed one stay fenced.
+-- retention) so that a retry gets deleted=1 back and a session opened again under
+-- the same id starts at a later epoch: handles and jobs of the deleted one stay fenced.
 -- Errors: LEDGER_BADARG, LEDGER_STALE, LEDGER_OPREUSED.
 -- Calls: HMGET, HGETALL (only with open reservations), ZREM, DEL, TIME, HSET, PEXPIRE.
 
-local op, fp, epoch, e = op_args('close', true)
+local op, fp, epoch, e = op_args('delete', true)
 if e then return e end
 local sid
 sid, e = session_arg(ARGV[3])
@@ -25,7 +25,7 @@ local key = KEYS[1]
 local H, R = load(key, { 'ep', 'nv', 'ort', 'o:' .. op }, 3)
 local again = replay(R[1], op, fp)
 if again then return again end
-if not H.ep then return reply({ 'status=ok', 'closed=0' }) end
+if not H.ep then return reply({ 'status=ok', 'deleted=0' }) end
 e = stale(H.ep, epoch)
 if e then return e end
 if H.nv > 0 then
@@ -37,7 +37,7 @@ if H.nv > 0 then
   if #members > 0 then redis.call('ZREM', KEYS[2], unpack(members)) end
 end
 redis.call('DEL', key)
-local out = reply({ 'status=ok', 'closed=1' })
+local out = reply({ 'status=ok', 'deleted=1' })
 redis.call('HSET', key, 'o:' .. op, now_ms() .. '|' .. fp .. '|' .. out, 'ol', op, 'pe', H.ep)
 redis.call('PEXPIRE', key, H.ort)
 return out

@@ -1,0 +1,259 @@
+"""Throwaway Redis servers and worker processes for tests and benchmarks.
+
+``standalone()`` starts a ``redis-server`` on a free port in a temporary directory and
+stops it afterwards; ``cluster(n)`` makes an n-primary Redis Cluster the same way;
+``spawn_worker()`` runs ``ledger worker`` as a child process logging JSON lines to a
+file. Nothing here touches a server you already run: every server is a child process
+with its own port. Needs the ``redis-server`` and ``redis-cli`` binaries.
+
+    from ledger import Ledger
+    from ledger.testing import standalone
+
+    with standalone() as server, Ledger.from_url(server.url) as ledger:
+        ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(bus: bool = False) -> int:
+    """A free port (and, for cluster nodes, port + 10000 free too)."""
+    for _ in range(200):
+        port = random.randint(20000, 40000)
+        if _port_free(port) and (not bus or _port_free(port + 10000)):
+            return port
+    raise RuntimeError("no free port found")
+
+
+def require_binary(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise RuntimeError(
+            f"{name} is not installed: the real-server tests need it (apt-get install redis-server)"
+        )
+    return path
+
+
+@dataclass
+class RedisProcess:
+    port: int
+    dir: Path
+    extra: Sequence[str] = ()
+    proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def listen_args(self) -> list[str]:
+        return ["--port", str(self.port)]
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, socket_timeout=1)
+
+    def start(self) -> RedisProcess:
+        args = [
+            require_binary("redis-server"),
+            *self.listen_args(),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.dir),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--logfile",
+            str(self.dir / "redis.log"),
+            *self.extra,
+        ]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                log = self.dir / "redis.log"
+                text = log.read_text() if log.exists() else ""
+                raise RuntimeError(f"{self.url}: redis-server exited: {text[-2000:]}")
+            with contextlib.suppress(redis.ConnectionError, redis.BusyLoadingError):
+                r = self.client()
+                try:
+                    if r.ping():
+                        return
+                finally:
+                    r.close()
+            time.sleep(0.05)
+        raise RuntimeError(f"{self.url}: redis-server did not answer within {timeout}s")
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def restart(self, timeout: float = 15.0) -> RedisProcess:
+        """Start a stopped (or killed) server again with the same port, dir and options
+        (with ``appendonly yes`` it reloads its AOF)."""
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError(f"redis-server on {self.port} is still running")
+        # redis-server binds with SO_REUSEADDR: the killed server's connections in
+        # TIME_WAIT do not keep it from listening on the same port again.
+        self.start()
+        self.wait_ready(timeout)  # loading a long AOF can take a while
+        return self
+
+
+@contextlib.contextmanager
+def standalone(*extra: str) -> Iterator[RedisProcess]:
+    with tempfile.TemporaryDirectory(prefix="ledger-redis-") as d:
+        server = RedisProcess(free_port(), Path(d), extra).start()
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+@contextlib.contextmanager
+def cluster(primaries: int = 3) -> Iterator[list[RedisProcess]]:
+    """A Redis Cluster of `primaries` primaries made by `redis-cli --cluster create`."""
+    cli = require_binary("redis-cli")
+    with tempfile.TemporaryDirectory(prefix="ledger-cluster-") as d:
+        nodes: list[RedisProcess] = []
+        try:
+            for i in range(primaries):
+                nd = Path(d) / f"n{i}"
+                nd.mkdir()
+                nodes.append(
+                    RedisProcess(
+                        free_port(bus=True),
+                        nd,
+                        (
+                            "--cluster-enabled",
+                            "yes",
+                            "--cluster-config-file",
+                            str(nd / "nodes.conf"),
+                            "--cluster-node-timeout",
+                            "2000",
+                        ),
+                    ).start()
+                )
+            addrs = [f"127.0.0.1:{n.port}" for n in nodes]
+            subprocess.run(
+                [cli, "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"],
+                check=True,
+                capture_output=True,
+                timeout=60,
+            )
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                infos = [redis.Redis(port=n.port).cluster("info") for n in nodes]
+                if all(i.get("cluster_state") == "ok" for i in infos):
+                    break
+                time.sleep(0.1)
+            else:
+                raise RuntimeError("cluster did not reach state ok")
+            yield nodes
+        finally:
+            for n in nodes:
+                n.stop()
+
+
+@dataclass
+class WorkerProc:
+    consumer: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def records(self) -> list[dict[str, Any]]:
+        out = []
+        for line in self.log.read_text(errors="replace").splitlines():
+            if line.startswith("{"):
+                with contextlib.suppress(json.JSONDecodeError):  # a line cut by SIGKILL
+                    out.append(json.loads(line))
+        return out
+
+    def messages(self, msg: str) -> list[dict[str, Any]]:
+        return [r for r in self.records() if r.get("msg") == msg]
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+    def wait_started(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker {self.consumer} exited: {self.tail()}")
+            if self.messages("worker started"):
+                return
+            time.sleep(0.02)
+        raise RuntimeError(f"worker {self.consumer} did not start within {timeout}s")
+
+    def stop(self) -> int:
+        """SIGTERM, then SIGKILL after 20 s; the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(10)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def spawn_worker(consumer: str, env: Mapping[str, str], log: Path) -> WorkerProc:
+    """A worker process with the LEDGER_* settings in env only (none inherited)."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith("LEDGER_")}
+    full["LEDGER_WORKER_COMPACTOR"] = "ledger.workers.compactors:simulated"  # env may override
+    full.update(env)
+    full["LEDGER_WORKER_CONSUMER"] = consumer
+    with log.open("wb") as fh:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ledger.cli", "worker"],
+            cwd=log.parent,
+            env=full,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+        )
+    return WorkerProc(consumer, proc, log)
