@@ -176,6 +176,7 @@ def test_drift_is_flagged_by_setting_and_reconcile_sets_the_ledger_to_the_prompt
         with pytest.raises(ContextDrift) as caught, agent.turn() as t:
             t.prompt([SYSTEM, *got.kept, behind])
         report = caught.value.report
+        assert t.report is report  # the turn ended: its report is kept though end raised
         assert report.flag == "drift" and report.drift == TOK(behind["content"])  # type: ignore[attr-defined]
         assert not s.audit().clean and s.snapshot().drift_flagged
         done = agent.reconcile({"retrieval": [*got.kept], "working_memory": [behind]})

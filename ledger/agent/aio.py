@@ -26,7 +26,7 @@ from ledger.agent.core import (
     drive_async,
 )
 from ledger.aio import AsyncSession
-from ledger.errors import InvalidArgument, translated
+from ledger.errors import ContextDrift, InvalidArgument, translated
 from ledger.models import Consumer, Reconciled, TurnReport
 
 T = TypeVar("T")
@@ -173,6 +173,12 @@ class AsyncTurn:
             self.prompt(prompt)
         if self._prompt is None:
             raise InvalidArgument("end_turn needs the real prompt: call turn.prompt(...) first")
-        report = await self.agent.run(self.agent.core.end(self._state.turn, self._prompt))
+        try:
+            report = await self.agent.run(self.agent.core.end(self._state.turn, self._prompt))
+        except ContextDrift as exc:
+            # The turn has ended (drift_action="raise"): keep its report all the same.
+            if isinstance(exc.report, TurnReport):
+                self._state.report = exc.report
+            raise
         self._state.report = report
         return report

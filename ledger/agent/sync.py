@@ -25,7 +25,7 @@ from ledger.agent.core import (
     drive_sync,
 )
 from ledger.client import Session
-from ledger.errors import InvalidArgument, translated
+from ledger.errors import ContextDrift, InvalidArgument, translated
 from ledger.models import Consumer, Reconciled, TurnReport
 
 T = TypeVar("T")
@@ -172,6 +172,12 @@ class Turn:
             self.prompt(prompt)
         if self._prompt is None:
             raise InvalidArgument("end_turn needs the real prompt: call turn.prompt(...) first")
-        report = self.agent.run(self.agent.core.end(self._state.turn, self._prompt))
+        try:
+            report = self.agent.run(self.agent.core.end(self._state.turn, self._prompt))
+        except ContextDrift as exc:
+            # The turn has ended (drift_action="raise"): keep its report all the same.
+            if isinstance(exc.report, TurnReport):
+                self._state.report = exc.report
+            raise
         self._state.report = report
         return report

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from redis.cluster import RedisCluster
 
-from ledger import Item, Ledger, SessionBudget, inspect
+from ledger import Item, Ledger, SessionBudget, views
 from ledger.errors import AdmissionRefused, UnknownSession
 
 
@@ -23,23 +23,23 @@ def _fleet(ledger: Ledger) -> None:
 
 def test_busiest_ranks_by_utilization_and_sums_indicators(ledger: Ledger) -> None:
     _fleet(ledger)
-    rows, totals = inspect.busiest(ledger, limit=2)
+    rows, totals = views.busiest(ledger, limit=2)
     assert [sid for sid, _ in rows] == ["high", "mid"]
     assert rows[0][1].utilization == 0.7 and rows[1][1].utilization == 0.4
     assert totals["refused"] == 1
-    everyone = [sid for sid, _ in inspect.busiest(ledger, limit=10)[0]]
+    everyone = [sid for sid, _ in views.busiest(ledger, limit=10)[0]]
     assert everyone == ["high", "mid", "low"]  # the closed one left out
 
 
 def test_audits_in_batches_report_every_session(ledger: Ledger) -> None:
     budget = SessionBudget(window=1_000, system_prompt=100)
-    ids = [f"a{i:03d}" for i in range(inspect.BATCH + 5)]
+    ids = [f"a{i:03d}" for i in range(views.BATCH + 5)]
     for sid in ids:
         ledger.open_session(sid, budget)
     ledger.session(ids[3]).delete()
     if not isinstance(ledger.client, RedisCluster):
         ledger.client.script_flush()  # the batch loads its script again
-    got = dict(inspect.audits(ledger, inspect.listed(ledger)))
+    got = dict(views.audits(ledger, views.listed(ledger)))
     assert set(got) == set(ids)
     assert isinstance(got[ids[3]], UnknownSession)  # a tombstone: listed, refused
     assert all(not isinstance(r, UnknownSession) and r.clean for k, r in got.items() if k != ids[3])
