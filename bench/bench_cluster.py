@@ -1,7 +1,7 @@
 """Cost at fleet scale: the same load on Redis Clusters of 1, 2 and 3 primaries.
 
-    python -m bench.bench_cluster [--primaries 1,2,3] [--sessions 2000] [--turns 10]
-                                  [--threads 4] [--seed 1] [--json]
+    python -m bench.bench_cluster [--primaries 1,2,3] [--sessions 1500] [--turns 10]
+                                  [--threads 4] [--seed 1] [--rounds 1] [--json]
 
 Per size N: a throwaway cluster (ledger.testing.cluster; ``redis-cli --cluster
 create`` needs 3 masters, so for N < 3 every slot is then given to the first N of 3
@@ -10,17 +10,16 @@ RESETSTAT, then one fixed load through the sync Ledger in --threads threads:
 --sessions sessions with seeded random ids (the same at every N), each opened, then
 --turns cycles of begin_turn, admit (one retrieval item) and end_turn. Per primary,
 from INFO commandstats (evalsha, eval, fcall: the ledger's calls) and INFO cpu: its
-share of the calls, server usec per call, the partitions (``{p<N>}`` hash tags,
-LedgerSettings.partitions of them) whose slots it owns and the share of the session
-ids in them. Then
+share of the calls, server usec per call, the partitions (``{p<N>}`` hash tags, P =
+LedgerSettings.partitions) whose slots it owns and the share of the ids in them. Then
 
     capacity(N) = server usec per op of the whole N=1 cluster
                   / max over primaries of that primary's server usec per op at N
 
-the throughput the busiest primary allows relative to one primary (N if the load
-spreads evenly and a call costs the same everywhere); ``cpu_capacity``, the same
-ratio of server CPU time (which also counts the network I/O commandstats leaves out);
-``balance_capacity`` = 1 / the largest share, the bound from the spread alone.
+the throughput the busiest primary allows relative to one (N if calls spread evenly
+and cost the same); ``cpu_capacity``: the same ratio of server CPU time (INFO cpu, which
+counts the network I/O too); ``balance_capacity``: 1 / the largest share, the bound from
+the spread alone. --rounds R: every size R times, interleaved, and the medians.
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -42,11 +42,7 @@ BUDGET = SessionBudget(
 )
 LEDGER_CMDS = ("evalsha", "eval", "fcall")
 PREFIX = "bench-cluster"
-
-
-def session_ids(n: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    return [f"agent-{rng.getrandbits(64):016x}" for _ in range(n)]
+METRICS = ("capacity", "cpu_capacity", "balance_capacity")
 
 
 def drive(url: str, ids: list[str], turns: int) -> None:
@@ -61,8 +57,7 @@ def drive(url: str, ids: list[str], turns: int) -> None:
 
 
 def node_stats(r: redis.Redis) -> dict[str, float]:
-    cs = r.info("commandstats")
-    cpu = r.info("cpu")
+    cs, cpu = r.info("commandstats"), r.info("cpu")
     led = [cs.get(f"cmdstat_{c}", {}) for c in LEDGER_CMDS]
     return {
         "ledger_calls": sum(int(s.get("calls", 0)) for s in led),
@@ -81,17 +76,14 @@ def keep_slots_on(nodes: list[RedisProcess], n: int) -> None:
         r.cluster("addslotsrange", i * 16384 // n, (i + 1) * 16384 // n - 1)
     want = {nd.port for nd in nodes[:n]}
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        views = [
-            {sh[b"nodes"][0][b"port"] for sh in r.cluster("shards") if sh[b"slots"]} for r in rs
-        ]
-        if all(v == want for v in views) and all(
-            r.cluster("info")["cluster_state"] == "ok" for r in rs
-        ):
-            break
+    while not all(
+        {sh[b"nodes"][0][b"port"] for sh in r.cluster("shards") if sh[b"slots"]} == want
+        and r.cluster("info")["cluster_state"] == "ok"
+        for r in rs
+    ):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"slots did not settle on {n} nodes")
         time.sleep(0.1)
-    else:
-        raise RuntimeError(f"slots did not settle on {n} nodes")
     for r in rs:
         r.close()
 
@@ -106,6 +98,7 @@ def run_size(n: int, ids: list[str], turns: int, threads: int) -> dict[str, Any]
         for r in rs:
             for name in scripts.NAMES:
                 r.script_load(scripts.source(name))
+            r.config_resetstat()  # after setup; the load below is all the stats hold
         settings = LedgerSettings(redis_url=url, prefix=PREFIX)
         with Ledger.from_settings(settings) as led:  # which primary owns each partition
             parts = [led.keyspace.partition_of(sid) for sid in ids]
@@ -113,8 +106,6 @@ def run_size(n: int, ids: list[str], turns: int, threads: int) -> dict[str, Any]
                 led.client.get_node_from_key(led.keyspace.deadlines(p)).port  # type: ignore[union-attr]
                 for p in range(settings.partitions)
             ]
-        for r in rs:
-            r.config_resetstat()
         cpu0 = [node_stats(r)["cpu_s"] for r in rs]
         t0 = time.perf_counter()
         with ThreadPoolExecutor(threads) as ex:
@@ -146,12 +137,13 @@ def run_size(n: int, ids: list[str], turns: int, threads: int) -> dict[str, Any]
     return out | {"ops_per_s": ops / wall, "ledger_usec": usec, "cpu_s": cpu, "nodes": prims}
 
 
-def add_capacity(results: list[dict[str, Any]]) -> None:
+def add_capacity(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     base = next(r for r in results if r["primaries"] == 1)
     for r in results:
         r["capacity"] = base["ledger_usec"] / max(p["ledger_usec"] for p in r["nodes"])
         r["balance_capacity"] = 1 / max(p["share"] for p in r["nodes"])
         r["cpu_capacity"] = base["cpu_s"] / max(p["cpu_s"] for p in r["nodes"])
+    return results
 
 
 def table(results: list[dict[str, Any]]) -> str:
@@ -164,7 +156,7 @@ def table(results: list[dict[str, Any]]) -> str:
             row += [f"{p['ledger_usec'] / 1e6:.3f}", f"{p['cpu_s']:.2f}"]
             lines.append(" ".join(f"{c:>8}" for c in row))
         lines.append(
-            f"   N={r['primaries']}: {r['ops']} ops in {r['wall_s']:.1f} s "
+            f"   N={r['primaries']}, round {r['round']}: {r['ops']} ops in {r['wall_s']:.1f} s "
             f"({r['ops_per_s']:.0f}/s client-bound), server {r['ledger_usec'] / 1e6:.3f} s, "
             f"cpu {r['cpu_s']:.2f} s; capacity {r['capacity']:.2f}x, "
             f"cpu_capacity {r['cpu_capacity']:.2f}x, 1/max share {r['balance_capacity']:.2f}x"
@@ -175,21 +167,32 @@ def table(results: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--primaries", default="1,2,3")
-    ap.add_argument("--sessions", type=int, default=2000)
+    ap.add_argument("--sessions", type=int, default=1500)
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=1, help="repeat every size, interleaved")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     sizes = sorted({int(x) for x in a.primaries.split(",") if x} | {1})
-    ids = session_ids(a.sessions, a.seed)
-    results = [run_size(n, ids, a.turns, a.threads) for n in sizes]
-    add_capacity(results)
-    out = {
-        "params": {"sessions": a.sessions, "turns": a.turns, "threads": a.threads, "seed": a.seed},
-        "results": results,
+    rng = random.Random(a.seed)
+    ids = [f"agent-{rng.getrandbits(64):016x}" for _ in range(a.sessions)]
+    results: list[dict[str, Any]] = []
+    for k in range(a.rounds):  # each round: every size, its capacity against its own N=1
+        results += add_capacity(
+            [run_size(n, ids, a.turns, a.threads) | {"round": k} for n in sizes]
+        )
+    med = {
+        n: {m: statistics.median(r[m] for r in results if r["primaries"] == n) for m in METRICS}
+        for n in sizes
     }
-    print(json.dumps(out, indent=2) if a.json else table(results))
+    out = {"params": vars(a), "results": results, "median": med}
+    summary = [
+        f"median of {a.rounds} round(s), N={n}: "
+        + ", ".join(f"{m} {v:.2f}x" for m, v in med[n].items())
+        for n in sizes
+    ]
+    print(json.dumps(out, indent=2) if a.json else "\n".join([table(results), *summary]))
 
 
 if __name__ == "__main__":

@@ -137,3 +137,4 @@ def test_bench_cluster_spreads_the_calls(capsys: pytest.CaptureFixture[str]) -> 
         assert all(p["usec_per_call"] > 0 and p["all_calls"] >= p["ledger_calls"] for p in nodes)
         assert r["capacity"] > 0 and 0 < r["balance_capacity"] <= n + 1e-9
     assert all(p["ledger_calls"] > 0 for p in by_n[3]["nodes"])
+    assert res["median"]["3"]["capacity"] == by_n[3]["capacity"]
