@@ -114,3 +114,27 @@ def test_admit_steps_cuts_admit_at_every_step() -> None:
         per = admit_steps.measure(srv.url, calls=20, rounds=1)
     assert set(per) == set(v)
     assert all(len(x) == 1 and x[0] > 0 for x in per.values())
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_bench_cluster_spreads_the_calls(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import bench_cluster
+
+    bench_cluster.main(["--sessions", "40", "--turns", "2", "--threads", "2", "--json"])
+    res = json.loads(capsys.readouterr().out)
+    by_n = {r["primaries"]: r for r in res["results"]}
+    assert set(by_n) == {1, 2, 3}
+    assert by_n[1]["capacity"] == pytest.approx(1.0)
+    for n, r in by_n.items():
+        nodes = r["nodes"]
+        assert len(nodes) == n
+        assert r["ops"] == 40 * (1 + 3 * 2) == sum(p["ledger_calls"] for p in nodes)
+        assert sum(p["share"] for p in nodes) == pytest.approx(1.0)
+        assert sum(p["session_share"] for p in nodes) == pytest.approx(1.0)
+        assert sorted(q for p in nodes for q in p["partitions"]) == list(range(r["partitions"]))
+        assert all(p["usec_per_call"] > 0 and p["all_calls"] >= p["ledger_calls"] for p in nodes)
+        assert r["capacity"] > 0 and 0 < r["balance_capacity"] <= n + 1e-9
+    assert all(p["ledger_calls"] > 0 for p in by_n[3]["nodes"])
+    assert res["median"]["3"]["capacity"] == by_n[3]["capacity"]
