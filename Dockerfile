@@ -15,7 +15,9 @@ COPY pyproject.toml README.md ./
 COPY ledger ./ledger
 COPY workers ./workers
 COPY lua ./lua
-RUN pip install ".[summarizer]" \
+# The worker's extras only: its metrics (worker) and the LLM compactor docker-compose.yml
+# names (summarizer); not the embedded backend nor the cli's rich output.
+RUN pip install ".[worker,summarizer]" \
     && rm -rf /src \
     && useradd --create-home --uid 10001 ledger
 

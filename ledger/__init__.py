@@ -24,6 +24,7 @@ from ledger.errors import (
     UnknownSession,
     WorkingMemoryStarvation,
 )
+from ledger.extras import MissingExtra
 from ledger.keys import KeySpace
 from ledger.models import (
     Admitted,
@@ -81,6 +82,7 @@ __all__ = [
     "LedgerClosed",
     "LedgerError",
     "LedgerSettings",
+    "MissingExtra",
     "OperationIdReused",
     "PermissionDenied",
     "Released",

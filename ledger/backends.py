@@ -68,7 +68,10 @@ def _sha1hex(data: object) -> bytes:
 
 
 def _fakeredis() -> Any:
-    return need("fakeredis", "embedded", "the embedded backend (embedded://)")
+    """fakeredis, with lupa for its Lua: the ``embedded`` extra, imported on first use."""
+    feature = "the embedded backend (embedded://)"
+    need("lupa", "embedded", feature)
+    return need("fakeredis", "embedded", feature)
 
 
 def _add_sha1hex(server: fakeredis.FakeServer) -> None:

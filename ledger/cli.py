@@ -6,6 +6,10 @@ and a worker with no compactor named); 3 Redis unavailable.
 
 Only ``demo`` runs in-process (``embedded://``) when no URL is set; the other commands
 need ``--url`` or ``LEDGER_REDIS_URL`` (``embedded://`` only when asked for by name).
+
+Extras (ledger/extras.py): ``demo`` needs ``redis-token-ledger[demo]``; ``top``,
+``inspect`` and ``audit`` need ``[cli]``; ``worker`` needs ``[worker]``. A missing one is
+a usage error (exit 2) whose message is the line that installs it.
 """
 
 from __future__ import annotations
@@ -16,10 +20,6 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import IO, TYPE_CHECKING
 
-from rich.console import Console, Group
-from rich.table import Table
-from rich.text import Text
-
 from ledger.errors import (
     BackendUnavailable,
     ConfigurationError,
@@ -27,9 +27,12 @@ from ledger.errors import (
     LedgerError,
     UnknownSession,
 )
+from ledger.extras import need
 from ledger.settings import LedgerSettings, require_url
 
 if TYPE_CHECKING:
+    from rich.console import Console, Group
+
     from ledger.client import Ledger
 
 EXIT_OK, EXIT_VIOLATION, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
@@ -48,15 +51,25 @@ def cmd_demo(args: argparse.Namespace, out: Console) -> int:
     import json
     import logging
 
+    settings = _settings(args)
+    if settings.redis_url is None:  # the demo alone runs in-process when no URL is set
+        settings = settings.model_copy(update={"redis_url": "embedded://"})
+    # The demo's extra is named before anything runs, not one missing module at a time.
+    modules = ["prometheus_client"]  # the background worker the demo runs
+    if _embedded(settings):
+        modules += ["fakeredis", "lupa"]
+    for module in modules:
+        need(module, "demo", "ledger demo")
+    if args.plot:
+        need("matplotlib", "plot", "ledger demo --plot")
+
+    from rich.console import Console
     from rich.progress import Progress
 
     from ledger.fleet import report as fleet_report
     from ledger.fleet.run import LARGE_SESSIONS, FleetConfig, run
 
     logging.getLogger("ledger.worker").setLevel(logging.ERROR)
-    settings = _settings(args)
-    if settings.redis_url is None:  # the demo alone runs in-process when no URL is set
-        settings = settings.model_copy(update={"redis_url": "embedded://"})
     sessions = args.sessions or (LARGE_SESSIONS if args.large else FleetConfig.sessions)
     config = FleetConfig(
         sessions=sessions, workers=args.workers, max_turns=args.max_turns, seed=args.seed
@@ -83,6 +96,12 @@ def cmd_demo(args: argparse.Namespace, out: Console) -> int:
             out.print(f"plot written to {args.plot}")
     clean = res.audits_clean == res.audits_total and res.over_allocations == 0
     return EXIT_OK if clean else EXIT_VIOLATION
+
+
+def _embedded(settings: LedgerSettings) -> bool:
+    from ledger.backends import parse_url
+
+    return parse_url(require_url(settings)).kind == "embedded"
 
 
 def cmd_audit(args: argparse.Namespace, out: Console) -> int:
@@ -130,6 +149,8 @@ def _warn_redis_settings(ledger: Ledger, out: Console) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace, out: Console) -> int:
+    from rich.table import Table
+
     from ledger.client import Ledger
     from ledger.views import view
 
@@ -219,6 +240,9 @@ class TopView:
         import time
 
         from rich import box
+        from rich.console import Group
+        from rich.table import Table
+        from rich.text import Text
 
         from ledger.views import busiest, regime
 
@@ -339,16 +363,17 @@ def cmd_top(args: argparse.Namespace, out: Console, keys: IO[str] | None = None)
     return EXIT_OK
 
 
-def cmd_worker(args: argparse.Namespace, out: Console) -> int:
+def cmd_worker(args: argparse.Namespace) -> int:
+    """The worker logs JSON lines and prints nothing else: it needs no console."""
     import logging
     import signal
     import threading
 
-    from prometheus_client import start_http_server
-
     from ledger.client import Ledger
     from ledger.workers.compactors import NO_COMPACTOR
     from ledger.workers.runner import JsonFormatter, Worker, WorkerSettings
+
+    prometheus = need("prometheus_client", "worker", "ledger worker")
 
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter())
@@ -372,7 +397,7 @@ def cmd_worker(args: argparse.Namespace, out: Console) -> int:
     with Ledger.from_settings(settings) as ledger:
         worker = Worker(ledger, wsettings)
         if wsettings.metrics_port:
-            start_http_server(wsettings.metrics_port, registry=worker.metrics.registry)
+            prometheus.start_http_server(wsettings.metrics_port, registry=worker.metrics.registry)
         try:
             worker.run(stop, once=args.once)
             if args.once:
@@ -418,7 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot",
         metavar="FILE.png",
         help="draw scenario 001's retrieval admission and compaction interval per turn "
-        "(needs matplotlib: pip install '.[plot]')",
+        '(needs matplotlib: pip install "redis-token-ledger[plot]")',
     )
     d.set_defaults(func=cmd_demo)
     a = sub.add_parser("audit", help="prove counters equal items (exit 1 on any violation)")
@@ -461,19 +486,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    out = Console()
-    err = Console(stderr=True)
     try:
-        return int(args.func(args, out))
+        if args.command == "worker":
+            return cmd_worker(args)
+        extra = "demo" if args.command == "demo" else "cli"
+        console = need("rich.console", extra, f"ledger {args.command}").Console()
+        return int(args.func(args, console))
     except (ConfigurationError, InvalidArgument, ValueError) as exc:
-        err.print(f"ledger: {exc}")
-        return EXIT_USAGE
+        return _fail(exc, EXIT_USAGE)
     except BackendUnavailable as exc:
-        err.print(f"ledger: {exc}")
-        return EXIT_UNAVAILABLE
+        return _fail(exc, EXIT_UNAVAILABLE)
     except LedgerError as exc:
-        err.print(f"ledger: {exc}")
-        return EXIT_VIOLATION
+        return _fail(exc, EXIT_VIOLATION)
+
+
+def _fail(exc: Exception, code: int) -> int:
+    # Plain text: rich would read the "[demo]" of an install line as markup and drop it.
+    print(f"ledger: {exc}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

@@ -188,4 +188,4 @@ def test_otel_missing_extra_names_its_install_line() -> None:
         "    print(type(e).__name__, e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert "pip install 'redis-token-ledger[otel]'" in out.stdout
+    assert 'pip install "redis-token-ledger[otel]"' in out.stdout

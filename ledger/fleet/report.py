@@ -10,6 +10,7 @@ from typing import Any
 
 from rich.table import Table
 
+from ledger.extras import need
 from ledger.fleet import decay, fanout, starvation, truncation
 from ledger.fleet.checks import acceptance
 from ledger.fleet.run import CHECKPOINTS, LARGE_SESSIONS, WINDOW_TURNS, DemoReport
@@ -350,13 +351,9 @@ def footer(s: dict[str, Any]) -> str:
 
 
 def plot(s: dict[str, Any], path: str) -> None:
-    try:
-        import matplotlib
+    need("matplotlib", "plot", "ledger demo --plot").use("Agg")
+    import matplotlib.pyplot as plt
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:  # an optional extra
-        raise SystemExit("--plot needs matplotlib: pip install '.[plot]'") from exc
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
     for name, style in (("naive", "--"), ("ledger", "-")):
         curve = s[name]["curve"]
