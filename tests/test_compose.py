@@ -243,6 +243,49 @@ def test_dockerfile_base_image_and_command(services: dict[str, dict[str, Any]]) 
     assert f"LEDGER_REDIS_URL={services['worker']['environment']['LEDGER_REDIS_URL']}" in env
 
 
+def installed_extras() -> set[str]:
+    """The extras of the Dockerfile's `pip install ".[...]"`."""
+    found = [
+        m.group(1)
+        for run in instructions("RUN")
+        if (m := re.search(r"\bpip install \"?\.\[([a-z,-]+)\]\"?(\s|$)", run))
+    ]
+    assert len(found) == 1, found
+    return set(found[0].split(","))
+
+
+def requirements(extras: set[str]) -> set[str]:
+    """The distributions the package's core and ``extras`` name, extras of extras too."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    optional: dict[str, list[str]] = project["optional-dependencies"]
+    names, todo, seen = set(), list(extras), set()
+    for req in project["dependencies"]:
+        names.add(re.split(r"[\[<>=!~ ;]", req, maxsplit=1)[0].lower())
+    while todo:
+        extra = todo.pop()
+        assert extra in optional, f"the Dockerfile installs an unknown extra {extra!r}"
+        seen.add(extra)
+        for req in optional[extra]:
+            name = re.split(r"[\[<>=!~ ;]", req, maxsplit=1)[0].lower()
+            if name == project["name"]:  # "redis-token-ledger[tokenizer]"
+                todo += set(req.partition("[")[2].partition("]")[0].split(",")) - seen
+            else:
+                names.add(name)
+    return names
+
+
+def test_dockerfile_installs_what_the_worker_needs(services: dict[str, dict[str, Any]]) -> None:
+    """The image runs `ledger worker` (its metrics: the `worker` extra) with the compactor
+    compose names (ledger.adapters.summarizer: httpx and a tokenizer, the `summarizer`
+    extra), and nothing the worker does not use."""
+    for name in ("worker", "worker-cluster"):
+        compactor = services[name]["environment"]["LEDGER_WORKER_COMPACTOR"]
+        assert compactor.split(":")[0] == "ledger.adapters.summarizer", compactor
+    names = requirements(installed_extras())
+    assert {"prometheus-client", "httpx", "tiktoken", "redis"} <= names, names
+    assert not names & {"fakeredis", "rich", "matplotlib"}, names  # embedded, cli, plot
+
+
 @pytest.mark.slow
 def test_dockerfile_copies_enough_to_build_the_wheel(tmp_path: Path) -> None:
     """The image is built from the COPY'd files only: they must make the whole wheel."""
