@@ -8,6 +8,13 @@ loading it again on NOSCRIPT.
 
 Only the definitions used are prepended because Redis runs the whole chunk on every
 call: each ``local function`` is a closure allocated per call and collected later.
+
+The operation's own code runs as one function under ``xpcall``: a check that refuses
+the call raises ``fail(code, msg)`` (``_common.lua``), a tagged table that the wrapper
+turns into the error reply ``LEDGER_<CODE> message`` (mapped to an exception by
+``ledger.errors.translate``); any other error (a Redis command's, a Lua runtime error)
+is raised again unchanged. Not ``pcall``: Redis's own pcall turns a Redis command's
+error into a string, which raised again would reach the client as ``ERR ERR ...``.
 """
 
 from __future__ import annotations
@@ -131,13 +138,30 @@ def prelude(body: str) -> str:
     return "".join(d.text for k, d in enumerate(defs) if k in keep)
 
 
+# The opener shares the body's first line, so the body keeps its line numbers.
+_OPEN = "local ok, out = xpcall(function() "
+_CLOSE = """
+end, function(e) return e end)
+if ok then return out end
+if type(out) == 'table' and out.ledger then
+  return redis.error_reply('LEDGER_' .. out.ledger .. ' ' .. out.msg)
+end
+error(out, 0)
+"""
+
+
+def wrap(body: str) -> str:
+    """`body` (an operation's code, run after its prelude) under the one error wrapper."""
+    return _OPEN + body + _CLOSE
+
+
 @functools.cache
 def source(name: str) -> str:
     """The full text sent to Redis for one operation."""
     if name not in NAMES:
         raise KeyError(f"no ledger script named {name!r}")
     body = (lua_dir() / f"{name}.lua").read_text()
-    return prelude(body) + "\n" + body
+    return prelude(body) + "\n" + wrap(body)
 
 
 @functools.cache

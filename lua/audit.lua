@@ -19,7 +19,7 @@
 local all = redis.call('HGETALL', KEYS[1])
 local f = {}
 for i = 1, #all, 2 do f[all[i]] = all[i + 1] end
-if not f.ep then return err('NOSESSION', NOSESSION) end
+if not f.ep then fail('NOSESSION', NOSESSION) end
 local now = now_ms()
 local u, n, v = { w = 0, r = 0, m = 0, s = 0 }, { w = 0, r = 0, m = 0, s = 0 }, { w = 0, r = 0, m = 0, s = 0 }
 local nv, overdue = 0, {}
