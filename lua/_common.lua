@@ -100,9 +100,15 @@ end
 
 local function consumer_arg(v)
   if type(v) ~= 'string' or not GROUP[v] then
-    fail('BADARG', 'consumer must be one of w, r, m, s, got ' .. show(v))
+    fail('BADARG', 'consumer must be one of w (working_memory), r (retrieval), m (recall), ' ..
+      's (scratchpad), got ' .. show(v))
   end
   return v
+end
+
+-- A consumer's name as the clients spell it, for messages (built only when asked).
+local function consumer_name(c)
+  return ({ w = 'working_memory', r = 'retrieval', m = 'recall', s = 'scratchpad' })[c] or c
 end
 
 -- The prologue of every mutating call: ARGV[1] op id, ARGV[2] the epoch the caller

@@ -72,7 +72,7 @@ for k = 1, n do
   local c, id = string.match(type(ref) == 'string' and ref or '', '^([wrms]):(.+)$')
   if not c then fail('BADARG', 'replaced item must be <c>:<id> with c in wrms, got ' .. show(ref)) end
   id = id_arg(id, 'item id')
-  if seen[ref] then fail('BADARG', 'item ' .. ref .. ' appears twice') end
+  if seen[ref] then fail('BADARG', 'item ' .. id .. ' of ' .. consumer_name(c) .. ' appears twice') end
   seen[ref] = true
   refs[k] = { c = c, id = id }
   fields[#fields + 1] = 'i:' .. ref

@@ -31,7 +31,7 @@ if type(set) ~= 'string' or not string.match(set, '^[wrms]+$') or #set > 4 then
 end
 local named = {}
 for c in string.gmatch(set, '.') do
-  if named[c] then fail('BADARG', 'consumer ' .. c .. ' appears twice in ' .. set) end
+  if named[c] then fail('BADARG', 'consumer ' .. consumer_name(c) .. ' is named twice') end
   named[c] = true
 end
 local n
@@ -44,10 +44,10 @@ for k = 1, n do
   local b = 1 + 4 * k
   local c, id, t, p
   c = consumer_arg(ARGV[b])
-  if not named[c] then fail('BADARG', 'item consumer ' .. c .. ' is not among ' .. set) end
+  if not named[c] then fail('BADARG', consumer_name(c) .. ' has an item but is not among the consumers reconciled') end
   id = id_arg(ARGV[b + 1], 'item id')
   local f = 'i:' .. c .. ':' .. id
-  if seen[f] then fail('BADARG', 'item ' .. c .. ':' .. id .. ' appears twice') end
+  if seen[f] then fail('BADARG', 'item ' .. id .. ' of ' .. consumer_name(c) .. ' appears twice') end
   seen[f] = true
   t = int_arg(ARGV[b + 2], 'tokens', 1, TOKENS_MAX, id)
   p = int_arg(ARGV[b + 3], 'priority', 0, 1000, id)

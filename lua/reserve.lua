@@ -40,7 +40,7 @@ local again = gate(R[1], H.ep, op, fp, epoch)
 if again then return again end
 if R[3] then fail('CONFLICT', 'reservation ' .. rid .. ' is already open') end
 if R[4] then
-  fail('CONFLICT', 'consumer ' .. c .. ' already holds an item ' .. rid ..
+  fail('CONFLICT', consumer_name(c) .. ' already holds an item ' .. rid ..
     ': the reservation could not be settled under its own id')
 end
 local now = now_ms()

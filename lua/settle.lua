@@ -44,7 +44,7 @@ local now = now_ms()
 if now > deadline then
   fail('EXPIRED', 'reservation ' .. rid .. ' expired at ' .. deadline .. ' ms, ' .. (now - deadline) .. ' ms ago')
 end
-if R[2] then fail('CONFLICT', 'consumer ' .. c .. ' already holds item ' .. item) end
+if R[2] then fail('CONFLICT', consumer_name(c) .. ' already holds item ' .. item) end
 
 local a = H['a_' .. g]
 local d = claim_delta(a, actual - est, H['F_' .. g] or 0)
