@@ -1,7 +1,7 @@
 """What the pieces of a ledger script cost inside Redis's Lua.
 
     python -m bench.lua_costs [--n 20000]
-    python -m bench.lua_costs --against <git revision> [--n 2000] [--reps 12]
+    python -m bench.lua_costs --against <git revision> [--n 1000] [--reps 20]
 
 Starts its own redis-server and runs each piece of ``bench/lua_costs.lua`` N times
 inside one EVALSHA; the cost of a piece is (EVALSHA usec from INFO commandstats -
@@ -12,9 +12,11 @@ With ``--against REV`` it compares instead the server time of whole scripts (adm
 of one item, begin_turn, end_turn) as assembled at git revision REV (its ``lua/``
 and ``ledger/scripts.py``) and in the working tree, on the same server, in one
 process: each phase is N calls on a fresh session, CONFIG RESETSTAT before, EVALSHA
-usec / calls from INFO commandstats after; the phases of both versions interleaved
-(their order rotated each repetition), a first round for warm-up dropped, the median
-over repetitions reported with the ratio working tree / REV. end_turn's phase opens
+usec / calls from INFO commandstats after; each repetition runs every script's two
+versions back to back (scripts in rotated order), a first round for warm-up dropped, the
+median over repetitions reported, and the median of the ratio working tree / REV within
+each pair of back-to-back phases (which runs first alternates). Each phase's calls
+are built beforehand and sent back to back in pipelines of 100; end_turn's phase opens
 each turn with an EVAL of begin_turn, which the evalsha line does not count.
 """
 
@@ -31,6 +33,7 @@ import tarfile
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import redis
 from rich.console import Console
@@ -52,6 +55,7 @@ PIECES = (
     "table of 13 strings",
     "reply of 17 parts",
     "closure",
+    "error wrapper (xpcall)",
     "TIME",
     "HGET, field present",
     "HGET, field missing",
@@ -116,25 +120,29 @@ def sources_at(rev: str, names: tuple[str, ...] = COMPARED) -> dict[str, str]:
 
 
 def _phase(led: Ledger, name: str, sha: str, n: int, seq: Callable[[], int]) -> float:
-    """Server usec per EVALSHA of `sha` (one version of script `name`) over n calls."""
+    """Server usec per EVALSHA of `sha` (one version of script `name`) over n calls,
+    built beforehand and sent back to back in pipelines of 100."""
     r: redis.Redis = led.client  # type: ignore[assignment]
     s = led.open_session(f"cmp{seq()}", BUDGET)
-    try:
+    sends: list[tuple[str, protocol.Call[Any]]] = []  # (sha, or '' for EVAL of begin_turn)
+    for k in range(1, n + 1):
         if name == "admit":
-            calls = [s.admit_call("retrieval", [Item(f"i{k}", 1)]) for k in range(n)]
+            sends.append((sha, s.admit_call("retrieval", [Item(f"i{k}", 1)])))
         elif name == "begin_turn":
-            calls = [s.begin_turn_call(100) for _ in range(n)]
+            sends.append((sha, s.begin_turn_call(100)))
+        else:  # a fresh session: the k-th begin_turn opens turn k
+            sends += [("", s.begin_turn_call(100)), (sha, s.end_turn_call(k, FINAL_PROMPT))]
+    begin = scripts.source("begin_turn")
+    try:
         r.config_resetstat()
-        if name == "end_turn":
-            begin = scripts.source("begin_turn")
-            for _ in range(n):
-                b = s.begin_turn_call(100)
-                turn = int(protocol.decode(r.eval(begin, len(b.keys), *b.keys, *b.args))["turn"])
-                c = s.end_turn_call(turn, FINAL_PROMPT)
-                r.evalsha(sha, len(c.keys), *c.keys, *c.args)
-        else:
-            for c in calls:
-                r.evalsha(sha, len(c.keys), *c.keys, *c.args)
+        for lo in range(0, len(sends), 100):
+            with r.pipeline(transaction=False) as pipe:
+                for h, c in sends[lo : lo + 100]:
+                    if h:
+                        pipe.evalsha(h, len(c.keys), *c.keys, *c.args)
+                    else:
+                        pipe.eval(begin, len(c.keys), *c.keys, *c.args)
+                pipe.execute()
         st = r.info("commandstats")["cmdstat_evalsha"]
         if int(st["calls"]) != n or int(st.get("failed_calls", 0)):
             raise RuntimeError(f"{name}: {st} for n={n}: another client, or a refused call")
@@ -144,38 +152,46 @@ def _phase(led: Ledger, name: str, sha: str, n: int, seq: Callable[[], int]) -> 
 
 
 def compare(led: Ledger, rev: str, n: int, reps: int) -> dict[str, dict[str, float]]:
-    """{script: {rev usec, working tree usec, ratio}} (medians over reps)."""
+    """{script: {rev usec, working tree usec, ratio}}: medians over reps of each
+    version's usec per call and of the ratio within each pair of back-to-back phases."""
     r: redis.Redis = led.client  # type: ignore[assignment]
     versions = {"rev": sources_at(rev), "tree": {m: scripts.source(m) for m in COMPARED}}
     sha = {(m, v): r.script_load(src[m]) for v, src in versions.items() for m in COMPARED}
-    units = list(sha)
-    per: dict[tuple[str, str], list[float]] = {u: [] for u in units}
+    per: dict[tuple[str, str], list[float]] = {u: [] for u in sha}
+    ratios: dict[str, list[float]] = {m: [] for m in COMPARED}
     counter = itertools.count()
     for rep in range(reps + 1):  # round 0 warms up and is dropped
-        k = rep % len(units)
-        for name, version in units[k:] + units[:k]:
-            usec = _phase(
-                led, name, sha[(name, version)], n if rep else min(n, 200), counter.__next__
-            )
+        k = rep % len(COMPARED)
+        for name in COMPARED[k:] + COMPARED[:k]:
+            pair = ("rev", "tree") if rep % 2 else ("tree", "rev")
+            got = {
+                v: _phase(led, name, sha[(name, v)], n if rep else min(n, 200), counter.__next__)
+                for v in pair
+            }
             if rep:
-                per[(name, version)].append(usec)
-    out = {}
-    for m in COMPARED:
-        old, new = statistics.median(per[(m, "rev")]), statistics.median(per[(m, "tree")])
-        out[m] = {"rev": old, "tree": new, "ratio": new / old}
-    return out
+                for v, usec in got.items():
+                    per[(name, v)].append(usec)
+                ratios[name].append(got["tree"] / got["rev"])
+    return {
+        m: {
+            "rev": statistics.median(per[(m, "rev")]),
+            "tree": statistics.median(per[(m, "tree")]),
+            "ratio": statistics.median(ratios[m]),
+        }
+        for m in COMPARED
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument(
-        "--n", type=int, default=None, help="iterations (default 20000; 2000 with --against)"
+        "--n", type=int, default=None, help="iterations (default 20000; 1000 with --against)"
     )
     ap.add_argument("--against", metavar="REV", help="compare whole scripts with git revision REV")
-    ap.add_argument("--reps", type=int, default=12, help="repetitions with --against (median)")
+    ap.add_argument("--reps", type=int, default=20, help="repetitions with --against (median)")
     a = ap.parse_args()
     if a.against:
-        n = a.n or 2_000
+        n = a.n or 1_000
         with standalone() as srv, Ledger.from_url(srv.url) as led:
             res = compare(led, a.against, n, a.reps)
         t = Table(

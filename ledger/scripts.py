@@ -138,7 +138,9 @@ def prelude(body: str) -> str:
     return "".join(d.text for k, d in enumerate(defs) if k in keep)
 
 
-# The opener shares the body's first line, so the body keeps its line numbers.
+# The prelude goes inside the function too: its definitions are then locals of the
+# operation's function, not upvalues of a closure made on every call. The opener
+# shares the first line, so the lines keep their numbers.
 _OPEN = "local ok, out = xpcall(function() "
 _CLOSE = """
 end, function(e) return e end)
@@ -150,9 +152,9 @@ error(out, 0)
 """
 
 
-def wrap(body: str) -> str:
-    """`body` (an operation's code, run after its prelude) under the one error wrapper."""
-    return _OPEN + body + _CLOSE
+def wrap(chunk: str) -> str:
+    """`chunk` (an operation's prelude and code) under the one error wrapper."""
+    return _OPEN + chunk + _CLOSE
 
 
 @functools.cache
@@ -161,7 +163,7 @@ def source(name: str) -> str:
     if name not in NAMES:
         raise KeyError(f"no ledger script named {name!r}")
     body = (lua_dir() / f"{name}.lua").read_text()
-    return prelude(body) + "\n" + wrap(body)
+    return wrap(prelude(body) + "\n" + body)
 
 
 @functools.cache

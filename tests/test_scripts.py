@@ -29,9 +29,8 @@ def test_common_is_cut_into_named_definitions() -> None:
 def test_each_script_has_every_helper_it_names_and_no_other(name: str) -> None:
     body = (scripts.lua_dir() / f"{name}.lua").read_text()
     src = scripts.source(name)
-    wrapped = scripts.wrap(body)
-    assert body in wrapped and src.endswith(wrapped)
-    prelude = src[: -len(wrapped)]
+    prelude = scripts.prelude(body)
+    assert src == scripts.wrap(prelude + "\n" + body) and body in src
     included = [d for d in scripts.definitions() if d.text in prelude]
     defined = {n for d in included for n in d.names}
     # Closed: every definition named by the script or by an included definition is there
@@ -86,7 +85,7 @@ def test_common_lua_may_hold_only_local_definitions(
 def _run(r: redis.Redis, body: str, *keys: str) -> str:
     """EVAL of `body` under the wrapper, with its prelude: the error text, or ''."""
     try:
-        r.eval(scripts.prelude(body) + "\n" + scripts.wrap(body), len(keys), *keys)
+        r.eval(scripts.wrap(scripts.prelude(body) + "\n" + body), len(keys), *keys)
     except redis.exceptions.ResponseError as exc:
         return str(exc)
     return ""
