@@ -9,11 +9,11 @@ loading it again on NOSCRIPT.
 Only the definitions used are prepended because Redis runs the whole chunk on every
 call: each ``local function`` is a closure allocated per call and collected later.
 
-The operation's own code runs as one function under ``xpcall``: a check that refuses
-the call raises ``fail(code, msg)`` (``_common.lua``), a tagged table that the wrapper
-turns into the error reply ``LEDGER_<CODE> message`` (mapped to an exception by
-``ledger.errors.translate``); any other error (a Redis command's, a Lua runtime error)
-is raised again unchanged. Not ``pcall``: Redis's own pcall turns a Redis command's
+Each script, prelude and code, runs as one function under ``xpcall``: a check that
+refuses the call raises ``fail(code, msg)`` (``_common.lua``), a tagged table that the
+wrapper turns into the error reply ``LEDGER_<CODE> message`` (mapped to an exception
+by ``ledger.errors.translate``); any other error (a Redis command's, a Lua runtime
+error) is raised again unchanged. Not ``pcall``: Redis's own pcall turns a Redis command's
 error into a string, which raised again would reach the client as ``ERR ERR ...``.
 """
 
