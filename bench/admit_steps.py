@@ -27,9 +27,9 @@ from .bench_core import BENCH_BUDGET
 
 # Each step ends before the line that starts with this text (lua/admit.lua).
 STEPS = (
-    ("prelude (the _common.lua it uses)", "local op, fp, epoch, e = op_args('admit', false)"),
+    ("prelude (the _common.lua it uses)", "local op, fp, epoch = op_args('admit', false)"),
     ("check the 9 arguments", "local key = KEYS[1]"),
-    ("read the fields (HMGET)", "e = gate(v[12]"),
+    ("read the fields (HMGET)", "local again = gate(v[12]"),
     ("replay, session, epoch, TIME", "local a, floor, sq, fr"),
     ("the arithmetic", "local J = {"),
     ("outcome record, journal, reply, HSET", None),
@@ -37,10 +37,11 @@ STEPS = (
 
 
 def variants() -> dict[str, str]:
-    """name -> Lua source: the floor, the commands alone, then admit cut after each step."""
+    """name -> Lua source: the floor, the commands alone, then admit cut after each step
+    (each under the error wrapper every script runs in)."""
     body = (scripts.lua_dir() / "admit.lua").read_text()
-    full = scripts.prelude(body) + "\n" + body
-    lines = full.split("\n")
+    full = scripts.source("admit")
+    lines = (scripts.prelude(body) + "\n" + body).split("\n")
     out = {
         "return 1": "return 1",
         "admit's commands alone": Path(__file__).with_name("admit_commands.lua").read_text(),
@@ -52,7 +53,7 @@ def variants() -> dict[str, str]:
         cut = next((i for i, line in enumerate(lines) if line.startswith(marker)), None)
         if cut is None:
             raise ValueError(f"lua/admit.lua has no line starting {marker!r}: update STEPS")
-        out[name] = "\n".join(lines[:cut]) + "\nreturn 1\n"
+        out[name] = scripts.wrap("\n".join(lines[:cut]) + "\nreturn 1\n")
     return out
 
 

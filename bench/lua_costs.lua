@@ -29,6 +29,11 @@ local pieces = {
       '|skipped=', '', '|free=', 12345, '|epoch=', 1, '|turn=', 40 })
   end,
   ['closure'] = function() local function f() return 1 end return f end,
+  -- what ledger/scripts.py wraps every script in, around an empty body
+  ['error wrapper (xpcall)'] = function()
+    local ok, out = xpcall(function() return 1 end, function(e) return e end)
+    if ok then return out end
+  end,
   ['TIME'] = function() redis.call('TIME') end,
   ['HGET, field present'] = function() redis.call('HGET', ht, 'f7') end,
   ['HGET, field missing'] = function() redis.call('HGET', ht, 'nope') end,

@@ -1,23 +1,48 @@
 """What the pieces of a ledger script cost inside Redis's Lua.
 
     python -m bench.lua_costs [--n 20000]
+    python -m bench.lua_costs --against <git revision> [--n 1000] [--reps 20]
 
 Starts its own redis-server and runs each piece of ``bench/lua_costs.lua`` N times
 inside one EVALSHA; the cost of a piece is (EVALSHA usec from INFO commandstats -
 the same for the empty piece) / N, best of 3. These are warm, in-loop costs: a fresh
 call pays them again with cold caches, several times over (see the README).
+
+With ``--against REV`` it compares instead the server time of whole scripts (admit
+of one item, begin_turn, end_turn) as assembled at git revision REV (its ``lua/``
+and ``ledger/scripts.py``) and in the working tree, on the same server, in one
+process: each phase is N calls on a fresh session, CONFIG RESETSTAT before, EVALSHA
+usec / calls from INFO commandstats after; each repetition runs every script's two
+versions back to back (scripts in rotated order), a first round for warm-up dropped, the
+median over repetitions reported, and the median of the ratio working tree / REV within
+each pair of back-to-back phases (which runs first alternates). Each phase's calls
+are built beforehand and sent back to back in pipelines of 100; end_turn's phase opens
+each turn with an EVAL of begin_turn, which the evalsha line does not count.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import io
+import itertools
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import redis
 from rich.console import Console
 from rich.table import Table
 
+from ledger import Item, Ledger, SessionBudget, protocol, scripts
 from ledger.testing import standalone
+
+ROOT = Path(__file__).resolve().parents[1]
 
 PIECES = (
     "empty",
@@ -30,6 +55,7 @@ PIECES = (
     "table of 13 strings",
     "reply of 17 parts",
     "closure",
+    "error wrapper (xpcall)",
     "TIME",
     "HGET, field present",
     "HGET, field missing",
@@ -60,10 +86,125 @@ def measure(r: redis.Redis, n: int, reps: int = 3) -> dict[str, float]:
     return {piece: ns - base for piece, ns in raw.items()} | {"empty loop": base}
 
 
+# --- whole scripts: a git revision against the working tree ---------------------------
+
+COMPARED = ("admit", "begin_turn", "end_turn")
+# Window large enough that no call is refused; a final prompt of S + T: no drift.
+BUDGET = SessionBudget(window=100_000_000, system_prompt=2_100, tool_framing=150)
+FINAL_PROMPT = 2_250
+
+
+def sources_at(rev: str, names: tuple[str, ...] = COMPARED) -> dict[str, str]:
+    """Each script's text as sent to Redis at git revision `rev`: that revision's
+    loader (ledger/scripts.py) run on that revision's lua/ folder."""
+    tar = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", "--format=tar", rev, "lua", "ledger/scripts.py"],
+        check=True,
+        capture_output=True,
+    ).stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        with tarfile.open(fileobj=io.BytesIO(tar)) as tf:
+            tf.extractall(tmp, filter="data")
+        spec = importlib.util.spec_from_file_location(
+            "_scripts_at_rev", Path(tmp, "ledger", "scripts.py")
+        )
+        assert spec and spec.loader
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod  # dataclasses look their module up
+        try:
+            spec.loader.exec_module(mod)
+            mod.lua_dir = lambda: Path(tmp, "lua")  # type: ignore[attr-defined]
+            return {name: str(mod.source(name)) for name in names}
+        finally:
+            del sys.modules[spec.name]
+
+
+def _phase(led: Ledger, name: str, sha: str, n: int, seq: Callable[[], int]) -> float:
+    """Server usec per EVALSHA of `sha` (one version of script `name`) over n calls,
+    built beforehand and sent back to back in pipelines of 100."""
+    r: redis.Redis = led.client  # type: ignore[assignment]
+    s = led.open_session(f"cmp{seq()}", BUDGET)
+    sends: list[tuple[str, protocol.Call[Any]]] = []  # (sha, or '' for EVAL of begin_turn)
+    for k in range(1, n + 1):
+        if name == "admit":
+            sends.append((sha, s.admit_call("retrieval", [Item(f"i{k}", 1)])))
+        elif name == "begin_turn":
+            sends.append((sha, s.begin_turn_call(100)))
+        else:  # a fresh session: the k-th begin_turn opens turn k
+            sends += [("", s.begin_turn_call(100)), (sha, s.end_turn_call(k, FINAL_PROMPT))]
+    begin = scripts.source("begin_turn")
+    try:
+        r.config_resetstat()
+        for lo in range(0, len(sends), 100):
+            with r.pipeline(transaction=False) as pipe:
+                for h, c in sends[lo : lo + 100]:
+                    if h:
+                        pipe.evalsha(h, len(c.keys), *c.keys, *c.args)
+                    else:
+                        pipe.eval(begin, len(c.keys), *c.keys, *c.args)
+                pipe.execute()
+        st = r.info("commandstats")["cmdstat_evalsha"]
+        if int(st["calls"]) != n or int(st.get("failed_calls", 0)):
+            raise RuntimeError(f"{name}: {st} for n={n}: another client, or a refused call")
+        return float(st["usec"]) / n
+    finally:
+        r.delete(s.keys.session)
+
+
+def compare(led: Ledger, rev: str, n: int, reps: int) -> dict[str, dict[str, float]]:
+    """{script: {rev usec, working tree usec, ratio}}: medians over reps of each
+    version's usec per call and of the ratio within each pair of back-to-back phases."""
+    r: redis.Redis = led.client  # type: ignore[assignment]
+    versions = {"rev": sources_at(rev), "tree": {m: scripts.source(m) for m in COMPARED}}
+    sha = {(m, v): r.script_load(src[m]) for v, src in versions.items() for m in COMPARED}
+    per: dict[tuple[str, str], list[float]] = {u: [] for u in sha}
+    ratios: dict[str, list[float]] = {m: [] for m in COMPARED}
+    counter = itertools.count()
+    for rep in range(reps + 1):  # round 0 warms up and is dropped
+        k = rep % len(COMPARED)
+        for name in COMPARED[k:] + COMPARED[:k]:
+            pair = ("rev", "tree") if rep % 2 else ("tree", "rev")
+            got = {
+                v: _phase(led, name, sha[(name, v)], n if rep else min(n, 200), counter.__next__)
+                for v in pair
+            }
+            if rep:
+                for v, usec in got.items():
+                    per[(name, v)].append(usec)
+                ratios[name].append(got["tree"] / got["rev"])
+    return {
+        m: {
+            "rev": statistics.median(per[(m, "rev")]),
+            "tree": statistics.median(per[(m, "tree")]),
+            "ratio": statistics.median(ratios[m]),
+        }
+        for m in COMPARED
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--n", type=int, default=20_000)
-    n = ap.parse_args().n
+    ap.add_argument(
+        "--n", type=int, default=None, help="iterations (default 20000; 1000 with --against)"
+    )
+    ap.add_argument("--against", metavar="REV", help="compare whole scripts with git revision REV")
+    ap.add_argument("--reps", type=int, default=20, help="repetitions with --against (median)")
+    a = ap.parse_args()
+    if a.against:
+        n = a.n or 1_000
+        with standalone() as srv, Ledger.from_url(srv.url) as led:
+            res = compare(led, a.against, n, a.reps)
+        t = Table(
+            title=f"Server time per EVALSHA, {a.against} vs working tree ({n:,} calls per phase, "
+            f"median of {a.reps}, interleaved)"
+        )
+        for col in ("script", f"{a.against} us", "working tree us", "ratio"):
+            t.add_column(col, justify="left" if col == "script" else "right")
+        for m, v in res.items():
+            t.add_row(m, f"{v['rev']:.2f}", f"{v['tree']:.2f}", f"{v['ratio']:.3f}")
+        Console().print(t)
+        return
+    n = a.n or 20_000
     with standalone() as srv:
         r = redis.Redis.from_url(srv.url)
         costs = measure(r, n)

@@ -191,9 +191,13 @@ def cmd_inspect(args: argparse.Namespace, out: Console) -> int:
         res = Table(title="open reservations")
         for col in ("id", "consumer", "tokens", "deadline (ms)", "overdue"):
             res.add_column(col)
-        for rid, code, tokens, deadline in v.reservations:
+        for rid, consumer, tokens, deadline in v.reservations:
             res.add_row(
-                rid, code, str(tokens), str(deadline), "yes" if deadline < snap.now_ms else ""
+                rid,
+                consumer.value,
+                str(tokens),
+                str(deadline),
+                "yes" if deadline < snap.now_ms else "",
             )
         out.print(res)
     j = Table(title="recent journal (newest first)")

@@ -8,6 +8,13 @@ loading it again on NOSCRIPT.
 
 Only the definitions used are prepended because Redis runs the whole chunk on every
 call: each ``local function`` is a closure allocated per call and collected later.
+
+Each script, prelude and code, runs as one function under ``xpcall``: a check that
+refuses the call raises ``fail(code, msg)`` (``_common.lua``), a tagged table that the
+wrapper turns into the error reply ``LEDGER_<CODE> message`` (mapped to an exception
+by ``ledger.errors.translate``); any other error (a Redis command's, a Lua runtime
+error) is raised again unchanged. Not ``pcall``: Redis's own pcall turns a Redis command's
+error into a string, which raised again would reach the client as ``ERR ERR ...``.
 """
 
 from __future__ import annotations
@@ -131,13 +138,32 @@ def prelude(body: str) -> str:
     return "".join(d.text for k, d in enumerate(defs) if k in keep)
 
 
+# The prelude goes inside the function too: its definitions are then locals of the
+# operation's function, not upvalues of a closure made on every call. The opener
+# shares the first line, so the lines keep their numbers.
+_OPEN = "local ok, out = xpcall(function() "
+_CLOSE = """
+end, function(e) return e end)
+if ok then return out end
+if type(out) == 'table' and out.ledger then
+  return redis.error_reply('LEDGER_' .. out.ledger .. ' ' .. out.msg)
+end
+error(out, 0)
+"""
+
+
+def wrap(chunk: str) -> str:
+    """`chunk` (an operation's prelude and code) under the one error wrapper."""
+    return _OPEN + chunk + _CLOSE
+
+
 @functools.cache
 def source(name: str) -> str:
     """The full text sent to Redis for one operation."""
     if name not in NAMES:
         raise KeyError(f"no ledger script named {name!r}")
     body = (lua_dir() / f"{name}.lua").read_text()
-    return prelude(body) + "\n" + body
+    return wrap(prelude(body) + "\n" + body)
 
 
 @functools.cache

@@ -31,7 +31,7 @@ class SessionView:
     snapshot: Snapshot
     regime: str
     items: list[HeldItem]
-    reservations: list[tuple[str, str, int, int]]  # id, consumer code, tokens, deadline ms
+    reservations: list[tuple[str, Consumer, int, int]]  # id, consumer, tokens, deadline ms
     journal: list[JournalEntry]  # newest first
     counters: dict[str, int]
 
@@ -62,7 +62,7 @@ def view(ledger: Ledger, session_id: str, journal: int = 10) -> SessionView:
     for name, value in raw.items():
         if name.startswith("r:"):
             code, tokens, deadline = value.split("|")
-            reservations.append((name[2:], code, int(tokens), int(deadline)))
+            reservations.append((name[2:], Consumer.from_code(code), int(tokens), int(deadline)))
         elif name.startswith("o:"):
             ts, _, rest = value.partition("|")
             _, _, reply = rest.partition("|")

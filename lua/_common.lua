@@ -45,8 +45,11 @@ local TOKENS_MAX = 100000000      -- 1e8 tokens: above any model's window
 local CHUNK_BYTES = 512           -- journal chunk size
 local NEVER = 999999999999999
 
-local function err(code, msg)
-  return redis.error_reply('LEDGER_' .. code .. ' ' .. msg)
+-- Refuse the call: raise a tagged error, which the wrapper every script runs in (see
+-- ledger/scripts.py) sends as the error reply 'LEDGER_<code> <msg>'. Any other error
+-- (a Redis command's) passes through the wrapper unchanged.
+local function fail(code, msg)
+  error({ ledger = code, msg = msg })
 end
 
 local function show(v)
@@ -56,30 +59,29 @@ local function show(v)
   return "'" .. s .. "'"
 end
 
--- A decimal integer in [lo, hi]; returns n, or nil and an error reply. `of`, when
+-- A decimal integer in [lo, hi]; returns n, or fails with BADARG. `of`, when
 -- given, names the item the number belongs to (joined only on error).
 local function int_arg(v, name, lo, hi, of)
   local n = type(v) == 'string' and #v <= 16 and string.match(v, '^%-?%d+$') and tonumber(v)
   if n and n >= lo and n <= hi then return n + 0 end  -- + 0: '-0' is 0
   if of then name = name .. ' of ' .. of end
-  if not n then return nil, err('BADARG', name .. ' must be an integer, got ' .. show(v)) end
-  return nil, err('BADARG', name .. ' must be between ' .. lo .. ' and ' .. hi .. ', got ' .. v)
+  if not n then fail('BADARG', name .. ' must be an integer, got ' .. show(v)) end
+  fail('BADARG', name .. ' must be between ' .. lo .. ' and ' .. hi .. ', got ' .. v)
 end
 
 -- An identifier: 1..128 characters of [A-Za-z0-9._:/@+=#-]: no braces, no separators.
 local function id_arg(v, name)
   if type(v) == 'string' and #v <= ID_MAX and string.find(v, '^[%w%._:/@%+=#%-]+$') then return v end
-  return nil, err('BADARG', name .. ' must be 1-' .. ID_MAX .. ' characters of [A-Za-z0-9._:/@+=#-], got ' .. show(v))
+  fail('BADARG', name .. ' must be 1-' .. ID_MAX .. ' characters of [A-Za-z0-9._:/@+=#-], got ' .. show(v))
 end
 
 -- The session id in ARGV (a member prefix of the deadline index, a job's session)
 -- must be exactly the one KEYS[1] names: '<prefix>:{p<N>}:s:<session id>' (a prefix
 -- has no braces, so the first '{p<N>}' is the hash tag).
 local function session_arg(v)
-  local sid, e = id_arg(v, 'session id')
-  if not sid then return nil, e end
+  local sid = id_arg(v, 'session id')
   if string.match(KEYS[1] or '', '^[^{]*{p%d+}:s:(.+)$') ~= sid then
-    return nil, err('BADARG', 'session id ' .. sid .. ' does not name the session key ' .. show(KEYS[1]))
+    fail('BADARG', 'session id ' .. sid .. ' does not name the session key ' .. show(KEYS[1]))
   end
   return sid
 end
@@ -91,34 +93,35 @@ local function key_arg(i, suffix)
   local tag, sid = string.match(KEYS[1] or '', '^([^{]*{p%d+}):s:(.+)$')
   local want = tag and (tag .. ':' .. string.format(suffix, sid))
   if not want or KEYS[i] ~= want or #KEYS ~= i then
-    return err('BADARG', 'KEYS must be the session key and ' .. show(want or suffix) .. ', got ' ..
+    fail('BADARG', 'KEYS must be the session key and ' .. show(want or suffix) .. ', got ' ..
       #KEYS .. ' keys: ' .. show(KEYS[i]))
   end
-  return nil
 end
 
 local function consumer_arg(v)
   if type(v) ~= 'string' or not GROUP[v] then
-    return nil, err('BADARG', 'consumer must be one of w, r, m, s, got ' .. show(v))
+    fail('BADARG', 'consumer must be one of w (working_memory), r (retrieval), m (recall), ' ..
+      's (scratchpad), got ' .. show(v))
   end
   return v
 end
 
+-- A consumer's name as the clients spell it, for messages (built only when asked).
+local function consumer_name(c)
+  return ({ w = 'working_memory', r = 'retrieval', m = 'recall', s = 'scratchpad' })[c] or c
+end
+
 -- The prologue of every mutating call: ARGV[1] op id, ARGV[2] the epoch the caller
 -- believes current ('*' where the script allows an unfenced call). Returns op, the
--- call's fingerprint, epoch (nil for '*'), or nil, nil, nil, error. The fingerprint is
+-- call's fingerprint and epoch (nil for '*'), or fails with BADARG. The fingerprint is
 -- computed here, by the server, over the script's name and every argument after the op
 -- id (the first 12 hex digits of their SHA-1): a client cannot claim one, so an op id
 -- sent again with other arguments is always refused, whatever the client.
 local function op_args(name, unfenced_ok)
-  local op, e = id_arg(ARGV[1], 'operation id')
-  if not op then return nil, nil, nil, e end
+  local op = id_arg(ARGV[1], 'operation id')
   local fp = string.sub(redis.sha1hex(name .. '\31' .. table.concat(ARGV, '\31', 2)), 1, 12)
   if unfenced_ok and ARGV[2] == '*' then return op, fp, nil end
-  local epoch
-  epoch, e = int_arg(ARGV[2], 'epoch', 0, 1e15)
-  if not epoch then return nil, nil, nil, e end
-  return op, fp, epoch
+  return op, fp, int_arg(ARGV[2], 'epoch', 0, 1e15)
 end
 
 local function now_ms()
@@ -126,13 +129,13 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
--- A stored outcome for this op id: the reply to send again, an error reply when
--- the id was used with other arguments, or nil when the op is new.
+-- A stored outcome for this op id: the reply to send again, or nil when the op is
+-- new; fails with OPREUSED when the id was used with other arguments.
 local function replay(rec, op, fp)
   if not rec then return nil end
   local rfp, out = string.match(rec, '^%d+|(%x+)|(.*)$')
   if rfp ~= fp then
-    return err('OPREUSED', 'operation id ' .. op .. ' was already used with other arguments')
+    fail('OPREUSED', 'operation id ' .. op .. ' was already used with other arguments')
   end
   return out
 end
@@ -140,43 +143,43 @@ end
 local NOSESSION = 'session does not exist (never opened, closed or expired)'
 
 local function stale(ep, epoch)
-  if epoch == nil or epoch == ep then return nil end
+  if epoch == nil or epoch == ep then return end
   if epoch < ep then
-    return err('STALE', 'epoch ' .. epoch .. ' is older than the session epoch ' .. ep)
+    fail('STALE', 'epoch ' .. epoch .. ' is older than the session epoch ' .. ep)
   end
-  return err('BADARG', 'epoch ' .. epoch .. ' is newer than the session epoch ' .. ep)
+  fail('BADARG', 'epoch ' .. epoch .. ' is newer than the session epoch ' .. ep)
 end
 
 -- The checks every mutating call makes once its fields are read, given the field
 -- 'o:<op>' (rec) and the session's epoch (ep, a number or nil), in this order: a
 -- stored outcome is replayed, a missing session and a stale epoch are refused.
--- Returns a reply to send now, or nil to go on.
+-- Returns the stored reply to send again, or nil to go on (else it fails).
 local function gate(rec, ep, op, fp, epoch)
   local again = replay(rec, op, fp)
   if again then return again end
-  if not ep then return err('NOSESSION', NOSESSION) end
-  return stale(ep, epoch)
+  if not ep then fail('NOSESSION', NOSESSION) end
+  stale(ep, epoch)
 end
 
 -- record_span and end_turn account only the session's current turn, and only until
--- it ends: an error reply otherwise.
+-- it ends: BADARG otherwise.
 local function open_turn(H, turn)
   if turn ~= H.tn then
-    return err('BADARG', 'turn ' .. turn .. ' is not the current turn ' .. H.tn)
+    fail('BADARG', 'turn ' .. turn .. ' is not the current turn ' .. H.tn)
   end
   if H.te == turn then
-    return err('BADARG', 'turn ' .. turn .. ' has already ended')
+    fail('BADARG', 'turn ' .. turn .. ' has already ended')
   end
 end
 
--- settle and void: the open reservation { c, est, deadline }, or nil and a reply
--- to send now: a stored outcome, a missing session, a stale epoch (checked before
+-- settle and void: the open reservation { c, est, deadline }, or nil and the stored
+-- reply to send again; fails on a missing session, a stale epoch (checked before
 -- the reservation, which a reset drops), or no such reservation.
 local function open_reservation(key, op, fp, epoch, rid)
   local v = redis.call('HMGET', key, 'o:' .. op, 'ep', 'r:' .. rid)
-  local e = gate(v[1], tonumber(v[2]), op, fp, epoch)
-  if e then return nil, e end
-  if not v[3] then return nil, err('NORESERVATION', 'reservation ' .. rid .. ' is not open') end
+  local again = gate(v[1], tonumber(v[2]), op, fp, epoch)
+  if again then return nil, again end
+  if not v[3] then fail('NORESERVATION', 'reservation ' .. rid .. ' is not open') end
   local c, est, deadline = string.match(v[3], '^(%a)|(%d+)|(%d+)$')
   return { c = c, est = tonumber(est), deadline = tonumber(deadline) }
 end

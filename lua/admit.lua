@@ -29,20 +29,17 @@
 -- Calls: HMGET, TIME, HSET (a PEXPIRE or a journal sweep when due; HINCRBY on refusal;
 --        HMGET of HW, out, W, kf, pm for retrieval and recall while a compaction is pending).
 
-local op, fp, epoch, e = op_args('admit', false)
-if e then return e end
+local op, fp, epoch = op_args('admit', false)
 local c
-c, e = consumer_arg(ARGV[3])
-if e then return e end
+c = consumer_arg(ARGV[3])
 local mode = ARGV[4]
 if mode ~= 'all' and mode ~= 'prefix' then
-  return err('BADARG', 'mode must be all or prefix, got ' .. show(mode))
+  fail('BADARG', 'mode must be all or prefix, got ' .. show(mode))
 end
 local n
-n, e = int_arg(ARGV[5], 'item count', 1, 1000)
-if e then return e end
+n = int_arg(ARGV[5], 'item count', 1, 1000)
 if #ARGV ~= 5 + 3 * n then
-  return err('BADARG', 'expected ' .. (5 + 3 * n) .. ' arguments for ' .. n .. ' items, got ' .. #ARGV)
+  fail('BADARG', 'expected ' .. (5 + 3 * n) .. ' arguments for ' .. n .. ' items, got ' .. #ARGV)
 end
 -- This is the hot path: fields are read by position, not through load()'s tables.
 local g = GROUP[c]
@@ -52,16 +49,13 @@ local toks, prios, seen = {}, {}, n > 1 and {} or nil
 for k = 1, n do
   local b = 3 + 3 * k
   local id
-  id, e = id_arg(ARGV[b], 'item id')
-  if e then return e end
+  id = id_arg(ARGV[b], 'item id')
   if seen then
-    if seen[id] then return err('BADARG', 'item id ' .. id .. ' appears twice in the batch') end
+    if seen[id] then fail('BADARG', 'item id ' .. id .. ' appears twice in the batch') end
     seen[id] = true
   end
-  toks[k], e = int_arg(ARGV[b + 1], 'tokens', 1, TOKENS_MAX, id)
-  if e then return e end
-  prios[k], e = int_arg(ARGV[b + 2], 'priority', 0, 1000, id)
-  if e then return e end
+  toks[k] = int_arg(ARGV[b + 1], 'tokens', 1, TOKENS_MAX, id)
+  prios[k] = int_arg(ARGV[b + 2], 'priority', 0, 1000, id)
   fields[k + 13] = 'i:' .. c .. ':' .. id
 end
 
@@ -69,8 +63,8 @@ local key = KEYS[1]
 local v = redis.call('HMGET', key, unpack(fields))
 -- v: 1 ep, 2 tn, 3 sq, 4 fr, 5 a, 6 floor, 7 u, 8 n, 9 gz, 10 xp, 11 cd, 12 outcome, 13 ol,
 -- 13 + k: item k when already held.
-e = gate(v[12], tonumber(v[1]), op, fp, epoch)
-if e then return e end
+local again = gate(v[12], tonumber(v[1]), op, fp, epoch)
+if again then return again end
 local ep, tn = v[1], v[2]  -- kept as text: the reply and the items repeat them
 local now = now_ms()
 

@@ -29,25 +29,21 @@
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
 -- Calls: HMGET, TIME, HSET (HGETALL and HDEL when memory gives way; SET when spilled).
 
-local op, fp, epoch, e = op_args('admit_tool', false)
-if e then return e end
+local op, fp, epoch = op_args('admit_tool', false)
 local call, tokens
-call, e = id_arg(ARGV[3], 'tool-call id')
-if e then return e end
-tokens, e = int_arg(ARGV[4], 'tokens', 1, TOKENS_MAX)
-if e then return e end
+call = id_arg(ARGV[3], 'tool-call id')
+tokens = int_arg(ARGV[4], 'tokens', 1, TOKENS_MAX)
 if type(ARGV[5]) ~= 'string' or #ARGV[5] > 67108864 then
-  return err('BADARG', 'content must be at most 64 MiB')
+  fail('BADARG', 'content must be at most 64 MiB')
 end
-if #ARGV ~= 5 then return err('BADARG', 'expected 5 arguments, got ' .. #ARGV) end
+if #ARGV ~= 5 then fail('BADARG', 'expected 5 arguments, got ' .. #ARGV) end
 
-e = key_arg(2, 'spill:%s|' .. call)
-if e then return e end
+key_arg(2, 'spill:%s|' .. call)
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'sq', 'fr', 'F_m', 'a_m', 'a_s', 'u_r', 'u_m', 'u_s', 'n_r', 'n_m', 'n_s',
   'pv', 'sttl', 'gz', 'xp', 'o:' .. op, 'ol', 'i:s:' .. call }, 17)
-e = gate(R[1], H.ep, op, fp, epoch)
-if e then return e end
+local again = gate(R[1], H.ep, op, fp, epoch)
+if again then return again end
 local now = now_ms()
 local J = { ol = R[2], gz = H.gz, xp = H.xp }
 local function done(outcome, charged, preview, evicted, fr, args)

@@ -19,7 +19,7 @@
 local all = redis.call('HGETALL', KEYS[1])
 local f = {}
 for i = 1, #all, 2 do f[all[i]] = all[i + 1] end
-if not f.ep then return err('NOSESSION', NOSESSION) end
+if not f.ep then fail('NOSESSION', NOSESSION) end
 local now = now_ms()
 local u, n, v = { w = 0, r = 0, m = 0, s = 0 }, { w = 0, r = 0, m = 0, s = 0 }, { w = 0, r = 0, m = 0, s = 0 }
 local nv, overdue = 0, {}
@@ -38,24 +38,26 @@ for name, val in pairs(f) do
   end
 end
 local problems = {}
-local function check(name, have, want)
+-- A stored total (have) against the one its items or reservations add up to (want).
+local function check(name, have, want, by)
   if tonumber(have) ~= want then
-    problems[#problems + 1] = name .. ' is ' .. tostring(have) .. ', items say ' .. want
+    problems[#problems + 1] = name .. ' is ' .. tostring(have) .. ', ' .. (by or 'items') .. ' say ' .. want
   end
 end
 for _, c in ipairs({ 'w', 'r', 'm', 's' }) do
-  check('u_' .. c, f['u_' .. c], u[c])
-  check('n_' .. c, f['n_' .. c], n[c])
-  check('v_' .. c, f['v_' .. c], v[c])
+  local name = consumer_name(c)
+  check(name .. ' used', f['u_' .. c], u[c])
+  check(name .. ' item count', f['n_' .. c], n[c])
+  check(name .. ' reserved', f['v_' .. c], v[c], 'reservations')
 end
-check('nv', f.nv, nv)
-check('a_w', f.a_w, u.w + v.w)
-check('a_m', f.a_m, u.r + v.r + u.m + v.m)
-check('a_s', f.a_s, u.s + v.s)
+check('open reservations', f.nv, nv, 'reservations')
+check('working_memory active', f.a_w, u.w + v.w, 'items and reservations')
+check('memory (retrieval + recall) active', f.a_m, u.r + v.r + u.m + v.m, 'items and reservations')
+check('scratchpad active', f.a_s, u.s + v.s, 'items and reservations')
 local N = function(x) return tonumber(f[x]) end
 local free = N('W') - N('S') - N('T') - N('out') - math.max(u.w + v.w, N('F_w'))
   - math.max(u.r + v.r + u.m + v.m, N('F_m')) - u.s - v.s
-check('fr', f.fr, free)
+check('free', f.fr, free, 'items and reservations')
 if free < 0 then problems[#problems + 1] = 'over-allocated by ' .. (-free) .. ' tokens' end
 if f.df == '1' then
   problems[#problems + 1] = 'drift: the last prompt (' .. f.dp .. ' tokens) differs from occupancy by ' ..

@@ -36,31 +36,26 @@
 --        compaction becomes pending)
 --        and a PEXPIRE or a journal sweep when due.
 
-local op, fp, epoch, e = op_args('begin_turn', false)
-if e then return e end
+local op, fp, epoch = op_args('begin_turn', false)
 local ws, out2
-ws, e = int_arg(ARGV[3], 'working set', 0, TOKENS_MAX)
-if e then return e end
+ws = int_arg(ARGV[3], 'working set', 0, TOKENS_MAX)
 if ARGV[4] ~= '-' then
-  out2, e = int_arg(ARGV[4], 'output reserve', 0, TOKENS_MAX)
-  if e then return e end
+  out2 = int_arg(ARGV[4], 'output reserve', 0, TOKENS_MAX)
 end
 local sid
-sid, e = session_arg(ARGV[5])
-if e then return e end
-if #ARGV ~= 5 then return err('BADARG', 'expected 5 arguments, got ' .. #ARGV) end
+sid = session_arg(ARGV[5])
+if #ARGV ~= 5 then fail('BADARG', 'expected 5 arguments, got ' .. #ARGV) end
 
-e = key_arg(2, 'jobs')
-if e then return e end
+key_arg(2, 'jobs')
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'W', 'S', 'T', 'R0', 'F_w', 'F_m', 'a_w', 'a_m', 'a_s', 'u_w', 'u_r',
   'u_m', 'u_s', 'n_w', 'n_r', 'n_m', 'n_s', 'EV', 'HW', 'kt', 'rut', 'rup', 'cd', 'gz', 'xp', 'fr',
   'o:' .. op, 'ol', 'rel' }, 28)
-e = gate(R[1], H.ep, op, fp, epoch)
-if e then return e end
+local again = gate(R[1], H.ep, op, fp, epoch)
+if again then return again end
 out2 = out2 or H.R0
 if H.S + H.T + H.F_w + H.F_m + out2 > H.W then
-  return err('CONFIG', 'output reserve ' .. out2 .. ' makes the reserved floor ' ..
+  fail('CONFIG', 'output reserve ' .. out2 .. ' makes the reserved floor ' ..
     (H.S + H.T + H.F_w + H.F_m + out2) .. ' exceed the window ' .. H.W)
 end
 local now = now_ms()

@@ -44,19 +44,14 @@
 --         LEDGER_CONFLICT (the summary id is held and not among the replaced items).
 -- Calls: HMGET, XDEL (a job), TIME, HDEL, HSET, HGET and XADD (on escalation or retry), HINCRBY.
 
-local op, fp, epoch, e = op_args('compact', false)
-if e then return e end
+local op, fp, epoch = op_args('compact', false)
 local sid, sum_id, sum_t, n
-sid, e = session_arg(ARGV[3])
-if e then return e end
-sum_id, e = id_arg(ARGV[4], 'summary item id')
-if e then return e end
-sum_t, e = int_arg(ARGV[5], 'summary tokens', 0, TOKENS_MAX)
-if e then return e end
-n, e = int_arg(ARGV[6], 'item count', 0, 1000)
-if e then return e end
+sid = session_arg(ARGV[3])
+sum_id = id_arg(ARGV[4], 'summary item id')
+sum_t = int_arg(ARGV[5], 'summary tokens', 0, TOKENS_MAX)
+n = int_arg(ARGV[6], 'item count', 0, 1000)
 if #ARGV ~= 7 + n then
-  return err('BADARG', 'expected ' .. (7 + n) .. ' arguments for ' .. n .. ' items, got ' .. #ARGV)
+  fail('BADARG', 'expected ' .. (7 + n) .. ' arguments for ' .. n .. ' items, got ' .. #ARGV)
 end
 -- A stream entry id: two unsigned 64-bit decimals (an id XDEL would refuse is a BADARG).
 local job = ARGV[7 + n]
@@ -64,7 +59,7 @@ local function u64(d) return d and (#d < 20 or (#d == 20 and d <= '1844674407370
 if job ~= '-' then
   local ms, seq = string.match(type(job) == 'string' and job or '', '^(%d+)%-(%d+)$')
   if not (u64(ms) and u64(seq)) then
-    return err('BADARG', 'job entry id must be <ms>-<seq> or -, got ' .. show(job))
+    fail('BADARG', 'job entry id must be <ms>-<seq> or -, got ' .. show(job))
   end
 end
 local NUM = { 'ep', 'tn', 'sq', 'W', 'S', 'T', 'out', 'F_w', 'F_m', 'a_w', 'a_m', 'a_s', 'u_w', 'u_r', 'u_m',
@@ -75,23 +70,21 @@ local seen, refs = {}, {}
 for k = 1, n do
   local ref = ARGV[6 + k]
   local c, id = string.match(type(ref) == 'string' and ref or '', '^([wrms]):(.+)$')
-  if not c then return err('BADARG', 'replaced item must be <c>:<id> with c in wrms, got ' .. show(ref)) end
-  id, e = id_arg(id, 'item id')
-  if e then return e end
-  if seen[ref] then return err('BADARG', 'item ' .. ref .. ' appears twice') end
+  if not c then fail('BADARG', 'replaced item must be <c>:<id> with c in wrms, got ' .. show(ref)) end
+  id = id_arg(id, 'item id')
+  if seen[ref] then fail('BADARG', 'item ' .. id .. ' of ' .. consumer_name(c) .. ' appears twice') end
   seen[ref] = true
   refs[k] = { c = c, id = id }
   fields[#fields + 1] = 'i:' .. ref
 end
 
-e = key_arg(2, 'jobs')
-if e then return e end
+key_arg(2, 'jobs')
 local key = KEYS[1]
 local H, R = load(key, fields, #NUM)
-e = gate(R[1], H.ep, op, fp, epoch)
-if e then return e end
+local again = gate(R[1], H.ep, op, fp, epoch)
+if again then return again end
 if R[3] and not seen['w:' .. sum_id] then
-  return err('CONFLICT', 'working memory already holds ' .. sum_id .. ' and it is not being replaced')
+  fail('CONFLICT', 'working memory already holds ' .. sum_id .. ' and it is not being replaced')
 end
 -- Every check is done. A job's entry is deleted here, with the effect: when XDEL deletes
 -- nothing (the entry is gone) nothing has been written and the call replies 'already'.

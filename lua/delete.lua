@@ -13,21 +13,17 @@
 -- Errors: LEDGER_BADARG, LEDGER_STALE, LEDGER_OPREUSED.
 -- Calls: HMGET, HGETALL (only with open reservations), ZREM, DEL, TIME, HSET, PEXPIRE.
 
-local op, fp, epoch, e = op_args('delete', true)
-if e then return e end
+local op, fp, epoch = op_args('delete', true)
 local sid
-sid, e = session_arg(ARGV[3])
-if e then return e end
-if #ARGV ~= 3 then return err('BADARG', 'expected 3 arguments, got ' .. #ARGV) end
-e = key_arg(2, 'deadlines')
-if e then return e end
+sid = session_arg(ARGV[3])
+if #ARGV ~= 3 then fail('BADARG', 'expected 3 arguments, got ' .. #ARGV) end
+key_arg(2, 'deadlines')
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'nv', 'ort', 'o:' .. op }, 3)
 local again = replay(R[1], op, fp)
 if again then return again end
 if not H.ep then return reply({ 'status=ok', 'deleted=0' }) end
-e = stale(H.ep, epoch)
-if e then return e end
+stale(H.ep, epoch)
 if H.nv > 0 then
   local all, members = redis.call('HGETALL', key), {}
   for i = 1, #all, 2 do

@@ -33,29 +33,22 @@
 -- Calls: HMGET, TIME, HSET, HINCRBY (class; x:drift when flagged), HGET and XADD when a compaction becomes pending (worker-owned sessions) (a PEXPIRE or a
 --        journal sweep when due).
 
-local op, fp, epoch, e = op_args('end_turn', false)
-if e then return e end
+local op, fp, epoch = op_args('end_turn', false)
 local turn, final, trend
-turn, e = int_arg(ARGV[3], 'turn', 0, 1e15)
-if e then return e end
-final, e = int_arg(ARGV[4], 'final prompt tokens', 1, TOKENS_MAX)
-if e then return e end
-trend, e = int_arg(ARGV[5], 'p99 trend', -1, 1)
-if e then return e end
+turn = int_arg(ARGV[3], 'turn', 0, 1e15)
+final = int_arg(ARGV[4], 'final prompt tokens', 1, TOKENS_MAX)
+trend = int_arg(ARGV[5], 'p99 trend', -1, 1)
 local sid
-sid, e = session_arg(ARGV[6])
-if e then return e end
-if #ARGV ~= 6 then return err('BADARG', 'expected 6 arguments, got ' .. #ARGV) end
+sid = session_arg(ARGV[6])
+if #ARGV ~= 6 then fail('BADARG', 'expected 6 arguments, got ' .. #ARGV) end
 
-e = key_arg(2, 'jobs')
-if e then return e end
+key_arg(2, 'jobs')
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'W', 'S', 'T', 'a_w', 'a_m', 'a_s', 'F_w', 'HW', 'cd', 'kt', 'rut', 'rup',
   'ai', 'an', 'pu', 'ams', 'amf', 'amp', 'gz', 'xp', 'te', 'dt', 'o:' .. op, 'ol' }, 24)
-e = gate(R[1], H.ep, op, fp, epoch)
-if e then return e end
-e = open_turn(H, turn)
-if e then return e end
+local again = gate(R[1], H.ep, op, fp, epoch)
+if again then return again end
+open_turn(H, turn)
 local now = now_ms()
 local ratio = math.floor(H.ai * 1000 / final)
 local util = math.floor(final * 1000 / H.W)

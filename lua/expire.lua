@@ -17,27 +17,22 @@
 -- Errors: LEDGER_BADARG, LEDGER_STALE, LEDGER_OPREUSED.
 -- Calls: HMGET, TIME, HSET, HDEL, ZREM (a PEXPIRE or a journal sweep when due).
 
-local op, fp, epoch, e = op_args('expire', true)
-if e then return e end
+local op, fp, epoch = op_args('expire', true)
 local sid, n
-sid, e = session_arg(ARGV[3])
-if e then return e end
-n, e = int_arg(ARGV[4], 'reservation count', 1, 1000)
-if e then return e end
+sid = session_arg(ARGV[3])
+n = int_arg(ARGV[4], 'reservation count', 1, 1000)
 if #ARGV ~= 4 + n then
-  return err('BADARG', 'expected ' .. (4 + n) .. ' arguments for ' .. n .. ' reservation ids, got ' .. #ARGV)
+  fail('BADARG', 'expected ' .. (4 + n) .. ' arguments for ' .. n .. ' reservation ids, got ' .. #ARGV)
 end
 local raws = { 'ep', 'fr', 'a_w', 'a_m', 'a_s', 'F_w', 'F_m', 'v_w', 'v_r', 'v_m', 'v_s', 'nv', 'gz', 'xp',
   'o:' .. op, 'ol' }
 for k = 1, n do
   local rid
-  rid, e = id_arg(ARGV[4 + k], 'reservation id')
-  if e then return e end
+  rid = id_arg(ARGV[4 + k], 'reservation id')
   raws[k + 16] = 'r:' .. rid
 end
 
-e = key_arg(2, 'deadlines')
-if e then return e end
+key_arg(2, 'deadlines')
 local key = KEYS[1]
 local H, R = load(key, raws, 14)
 local again = replay(R[1], op, fp)
@@ -49,8 +44,7 @@ if not H.ep then
   redis.call('ZREM', KEYS[2], unpack(gone))
   return reply({ 'status=ok', 'expired=0', 'released=0', 'pending=' })
 end
-e = stale(H.ep, epoch)
-if e then return e end
+stale(H.ep, epoch)
 for k = 1, n do
   local rec = R[k + 2]
   if not rec then

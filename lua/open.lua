@@ -40,8 +40,7 @@
 --         LEDGER_CONFLICT (the session exists with another budget), LEDGER_OPREUSED.
 -- Calls: HMGET, TIME, HSET, PEXPIRE.
 
-local op, fp, _, e = op_args('open')
-if e then return e end
+local op, fp = op_args('open')
 local names = { 'window', 'system_prompt', 'tool_framing', 'working_memory_floor', 'min_memory',
   'output_reserve', 'high_water_mark', 'eviction_threshold', 'idle_ttl_ms', 'op_retention_ms' }
 local lo = { 1, 0, 0, 0, 0, 0, 0, 0, 1000, 1000 }
@@ -49,12 +48,11 @@ local hi = { TOKENS_MAX, TOKENS_MAX, TOKENS_MAX, TOKENS_MAX, TOKENS_MAX, TOKENS_
   TOKENS_MAX, 31536000000, 86400000 }
 local v = {}
 for k = 1, #names do
-  v[k], e = int_arg(ARGV[2 + k], names[k], lo[k], hi[k])
-  if e then return e end
+  v[k] = int_arg(ARGV[2 + k], names[k], lo[k], hi[k])
 end
 local rel = ARGV[15]
 if type(rel) ~= 'string' or not (rel == '-' or string.match(rel, '^[wrms]+$')) then
-  return err('BADARG', 'released-each-turn consumers must be - or letters of wrms, got ' .. show(rel))
+  fail('BADARG', 'released-each-turn consumers must be - or letters of wrms, got ' .. show(rel))
 end
 local names2 = { 'spill_preview_tokens', 'spill_ttl_ms', 'max_failed_compactions', 'rollup_turns',
   'rollup_permille', 'amplification_saturation', 'amplification_fragmentation',
@@ -62,41 +60,38 @@ local names2 = { 'spill_preview_tokens', 'spill_ttl_ms', 'max_failed_compactions
 local lo2 = { 1, 1000, 1, 1, 1, 1, 1, 1 }
 local hi2 = { TOKENS_MAX, 31536000000, 100, 1000000, 1000, 1000000, 1000000, 1000000 }
 for k = 1, #names2 do
-  v[10 + k], e = int_arg(ARGV[15 + k], names2[k], lo2[k], hi2[k])
-  if e then return e end
+  v[10 + k] = int_arg(ARGV[15 + k], names2[k], lo2[k], hi2[k])
 end
 local W, S, T, Fw, Fm, out = v[1], v[2], v[3], v[4], v[5], v[6]
 local floor = S + T + Fw + Fm + out
 if floor > W then
-  return err('CONFIG', 'reserved floor ' .. floor .. ' (system_prompt ' .. S .. ' + tool_framing ' .. T ..
+  fail('CONFIG', 'reserved floor ' .. floor .. ' (system_prompt ' .. S .. ' + tool_framing ' .. T ..
     ' + working_memory_floor ' .. Fw .. ' + min_memory ' .. Fm .. ' + output_reserve ' .. out ..
     ') exceeds window ' .. W)
 end
 if v[7] > W or v[8] > W then
-  return err('CONFIG', 'high_water_mark ' .. v[7] .. ' and eviction_threshold ' .. v[8] ..
+  fail('CONFIG', 'high_water_mark ' .. v[7] .. ' and eviction_threshold ' .. v[8] ..
     ' must not exceed window ' .. W)
 end
 local cfp = ARGV[13]
 if type(cfp) ~= 'string' or not string.match(cfp, '^%x+$') or #cfp > 64 then
-  return err('BADARG', 'budget fingerprint must be 1-64 hex digits, got ' .. show(cfp))
+  fail('BADARG', 'budget fingerprint must be 1-64 hex digits, got ' .. show(cfp))
 end
 if type(ARGV[14]) ~= 'string' or #ARGV[14] > 4096 then
-  return err('BADARG', 'budget json must be at most 4096 bytes')
+  fail('BADARG', 'budget json must be at most 4096 bytes')
 end
 local tol
-tol, e = int_arg(ARGV[24], 'framing tolerance', -1, TOKENS_MAX)
-if e then return e end
+tol = int_arg(ARGV[24], 'framing tolerance', -1, TOKENS_MAX)
 local owner = ARGV[25]
 if owner ~= 'worker' and owner ~= 'agent' then
-  return err('BADARG', 'compaction owner must be worker or agent, got ' .. show(owner))
+  fail('BADARG', 'compaction owner must be worker or agent, got ' .. show(owner))
 end
 local gain
-gain, e = int_arg(ARGV[26], 'compaction_min_gain', 0, TOKENS_MAX)
-if e then return e end
+gain = int_arg(ARGV[26], 'compaction_min_gain', 0, TOKENS_MAX)
 if gain > W then
-  return err('CONFIG', 'compaction_min_gain ' .. gain .. ' must not exceed window ' .. W)
+  fail('CONFIG', 'compaction_min_gain ' .. gain .. ' must not exceed window ' .. W)
 end
-if #ARGV ~= 26 then return err('BADARG', 'expected 26 arguments, got ' .. #ARGV) end
+if #ARGV ~= 26 then fail('BADARG', 'expected 26 arguments, got ' .. #ARGV) end
 
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'pe', 'o:' .. op, 'cfg', 'ol' }, 3)
@@ -104,7 +99,7 @@ local again = replay(R[1], op, fp)
 if again then return again end
 if H.ep then
   if R[2] ~= cfp then
-    return err('CONFLICT', 'session is already open with another budget (fingerprint ' ..
+    fail('CONFLICT', 'session is already open with another budget (fingerprint ' ..
       tostring(R[2]) .. '); asked for ' .. cfp .. ': ' .. ARGV[14])
   end
   return reply({ 'status=ok', 'created=0', 'epoch=' .. H.ep, 'turn=' .. H.tn })

@@ -24,39 +24,33 @@
 --         LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
 -- Calls: HMGET, TIME, HGETALL, HDEL, HSET, HINCRBY (a PEXPIRE or a journal sweep when due).
 
-local op, fp, epoch, e = op_args('reconcile', false)
-if e then return e end
+local op, fp, epoch = op_args('reconcile', false)
 local set = ARGV[3]
 if type(set) ~= 'string' or not string.match(set, '^[wrms]+$') or #set > 4 then
-  return err('BADARG', 'consumers must be 1-4 letters of wrms, got ' .. show(set))
+  fail('BADARG', 'consumers must be 1-4 letters of wrms, got ' .. show(set))
 end
 local named = {}
 for c in string.gmatch(set, '.') do
-  if named[c] then return err('BADARG', 'consumer ' .. c .. ' appears twice in ' .. set) end
+  if named[c] then fail('BADARG', 'consumer ' .. consumer_name(c) .. ' is named twice') end
   named[c] = true
 end
 local n
-n, e = int_arg(ARGV[4], 'item count', 0, 1000)
-if e then return e end
+n = int_arg(ARGV[4], 'item count', 0, 1000)
 if #ARGV ~= 4 + 4 * n then
-  return err('BADARG', 'expected ' .. (4 + 4 * n) .. ' arguments for ' .. n .. ' items, got ' .. #ARGV)
+  fail('BADARG', 'expected ' .. (4 + 4 * n) .. ' arguments for ' .. n .. ' items, got ' .. #ARGV)
 end
 local want, seen, total = {}, {}, 0
 for k = 1, n do
   local b = 1 + 4 * k
   local c, id, t, p
-  c, e = consumer_arg(ARGV[b])
-  if e then return e end
-  if not named[c] then return err('BADARG', 'item consumer ' .. c .. ' is not among ' .. set) end
-  id, e = id_arg(ARGV[b + 1], 'item id')
-  if e then return e end
+  c = consumer_arg(ARGV[b])
+  if not named[c] then fail('BADARG', consumer_name(c) .. ' has an item but is not among the consumers reconciled') end
+  id = id_arg(ARGV[b + 1], 'item id')
   local f = 'i:' .. c .. ':' .. id
-  if seen[f] then return err('BADARG', 'item ' .. c .. ':' .. id .. ' appears twice') end
+  if seen[f] then fail('BADARG', 'item ' .. id .. ' of ' .. consumer_name(c) .. ' appears twice') end
   seen[f] = true
-  t, e = int_arg(ARGV[b + 2], 'tokens', 1, TOKENS_MAX, id)
-  if e then return e end
-  p, e = int_arg(ARGV[b + 3], 'priority', 0, 1000, id)
-  if e then return e end
+  t = int_arg(ARGV[b + 2], 'tokens', 1, TOKENS_MAX, id)
+  p = int_arg(ARGV[b + 3], 'priority', 0, 1000, id)
   total = total + t
   want[#want + 1] = { f = f, c = c, t = t, p = p }
 end
@@ -64,8 +58,8 @@ end
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'sq', 'fr', 'W', 'S', 'T', 'out', 'F_w', 'F_m', 'u_w', 'u_r', 'u_m',
   'u_s', 'n_w', 'n_r', 'n_m', 'n_s', 'v_w', 'v_r', 'v_m', 'v_s', 'gz', 'xp', 'o:' .. op, 'ol' }, 24)
-e = gate(R[1], H.ep, op, fp, epoch)
-if e then return e end
+local again = gate(R[1], H.ep, op, fp, epoch)
+if again then return again end
 local now = now_ms()
 local J = { ol = R[2], gz = H.gz, xp = H.xp }
 

@@ -22,26 +22,20 @@
 --         LEDGER_OPREUSED.
 -- Calls: HMGET, TIME, HSET (HINCRBY on refusal; a PEXPIRE or a journal sweep when due).
 
-local op, fp, epoch, e = op_args('record_span', false)
-if e then return e end
+local op, fp, epoch = op_args('record_span', false)
 local turn, kind, tin, tout
-turn, e = int_arg(ARGV[3], 'turn', 0, 1e15)
-if e then return e end
-kind, e = id_arg(ARGV[4], 'span kind')
-if e then return e end
-tin, e = int_arg(ARGV[5], 'input tokens', 0, TOKENS_MAX)
-if e then return e end
-tout, e = int_arg(ARGV[6], 'output tokens', 0, TOKENS_MAX)
-if e then return e end
-if #ARGV ~= 6 then return err('BADARG', 'expected 6 arguments, got ' .. #ARGV) end
+turn = int_arg(ARGV[3], 'turn', 0, 1e15)
+kind = id_arg(ARGV[4], 'span kind')
+tin = int_arg(ARGV[5], 'input tokens', 0, TOKENS_MAX)
+tout = int_arg(ARGV[6], 'output tokens', 0, TOKENS_MAX)
+if #ARGV ~= 6 then fail('BADARG', 'expected 6 arguments, got ' .. #ARGV) end
 
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'S', 'T', 'a_w', 'a_m', 'a_s', 'fr', 'ai', 'ao', 'an', 'amp', 'gz', 'xp',
   'te', 'o:' .. op, 'ol' }, 15)
-e = gate(R[1], H.ep, op, fp, epoch)
-if e then return e end
-e = open_turn(H, turn)
-if e then return e end
+local again = gate(R[1], H.ep, op, fp, epoch)
+if again then return again end
+open_turn(H, turn)
 local now = now_ms()
 local prompt = math.max(1, H.S + H.T + H.a_w + H.a_m + H.a_s)
 local ratio = math.floor(H.ai * 1000 / prompt)

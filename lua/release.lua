@@ -12,32 +12,28 @@
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
 -- Calls: HMGET, TIME, HSET, HDEL (a PEXPIRE or a journal sweep when due).
 
-local op, fp, epoch, e = op_args('release', false)
-if e then return e end
+local op, fp, epoch = op_args('release', false)
 local c
-c, e = consumer_arg(ARGV[3])
-if e then return e end
+c = consumer_arg(ARGV[3])
 local n
-n, e = int_arg(ARGV[4], 'item count', 1, 1000)
-if e then return e end
+n = int_arg(ARGV[4], 'item count', 1, 1000)
 if #ARGV ~= 4 + n then
-  return err('BADARG', 'expected ' .. (4 + n) .. ' arguments for ' .. n .. ' item ids, got ' .. #ARGV)
+  fail('BADARG', 'expected ' .. (4 + n) .. ' arguments for ' .. n .. ' item ids, got ' .. #ARGV)
 end
 local g = GROUP[c]
 local raws, seen = { 'ep', 'tn', 'fr', 'a_' .. g, 'F_' .. g, 'u_' .. c, 'n_' .. c, 'gz', 'xp', 'o:' .. op, 'ol' }, {}
 for k = 1, n do
   local id
-  id, e = id_arg(ARGV[4 + k], 'item id')
-  if e then return e end
-  if seen[id] then return err('BADARG', 'item id ' .. id .. ' appears twice') end
+  id = id_arg(ARGV[4 + k], 'item id')
+  if seen[id] then fail('BADARG', 'item id ' .. id .. ' appears twice') end
   seen[id] = true
   raws[k + 11] = 'i:' .. c .. ':' .. id
 end
 
 local key = KEYS[1]
 local H, R = load(key, raws, 9)
-e = gate(R[1], H.ep, op, fp, epoch)
-if e then return e end
+local again = gate(R[1], H.ep, op, fp, epoch)
+if again then return again end
 local now = now_ms()
 
 local tokens, count, missing, dead = 0, 0, {}, {}

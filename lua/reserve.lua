@@ -22,32 +22,25 @@
 --         item of that id: settle names the item after the reservation by default).
 -- Calls: HMGET, TIME, HSET, ZADD (a PEXPIRE or a journal sweep when due; HINCRBY on refusal).
 
-local op, fp, epoch, e = op_args('reserve', false)
-if e then return e end
+local op, fp, epoch = op_args('reserve', false)
 local sid, c, rid, tokens, lease
-sid, e = session_arg(ARGV[3])
-if e then return e end
-c, e = consumer_arg(ARGV[4])
-if e then return e end
-rid, e = id_arg(ARGV[5], 'reservation id')
-if e then return e end
-tokens, e = int_arg(ARGV[6], 'tokens', 1, TOKENS_MAX)
-if e then return e end
-lease, e = int_arg(ARGV[7], 'lease ms', 1, 86400000)
-if e then return e end
-if #ARGV ~= 7 then return err('BADARG', 'expected 7 arguments, got ' .. #ARGV) end
+sid = session_arg(ARGV[3])
+c = consumer_arg(ARGV[4])
+rid = id_arg(ARGV[5], 'reservation id')
+tokens = int_arg(ARGV[6], 'tokens', 1, TOKENS_MAX)
+lease = int_arg(ARGV[7], 'lease ms', 1, 86400000)
+if #ARGV ~= 7 then fail('BADARG', 'expected 7 arguments, got ' .. #ARGV) end
 local g = GROUP[c]
 
-e = key_arg(2, 'deadlines')
-if e then return e end
+key_arg(2, 'deadlines')
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'fr', 'a_' .. g, 'F_' .. g, 'v_' .. c, 'nv', 'gz', 'xp', 'cd',
   'o:' .. op, 'ol', 'r:' .. rid, 'i:' .. c .. ':' .. rid }, 10)
-e = gate(R[1], H.ep, op, fp, epoch)
-if e then return e end
-if R[3] then return err('CONFLICT', 'reservation ' .. rid .. ' is already open') end
+local again = gate(R[1], H.ep, op, fp, epoch)
+if again then return again end
+if R[3] then fail('CONFLICT', 'reservation ' .. rid .. ' is already open') end
 if R[4] then
-  return err('CONFLICT', 'consumer ' .. c .. ' already holds an item ' .. rid ..
+  fail('CONFLICT', consumer_name(c) .. ' already holds an item ' .. rid ..
     ': the reservation could not be settled under its own id')
 end
 local now = now_ms()

@@ -14,21 +14,17 @@
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
 -- Calls: HMGET, HGETALL, TIME, HDEL, ZREM, HSET, HINCRBY.
 
-local op, fp, epoch, e = op_args('reset', false)
-if e then return e end
+local op, fp, epoch = op_args('reset', false)
 local sid, reason
-sid, e = session_arg(ARGV[3])
-if e then return e end
-reason, e = id_arg(ARGV[4], 'reason')
-if e then return e end
-if #ARGV ~= 4 then return err('BADARG', 'expected 4 arguments, got ' .. #ARGV) end
+sid = session_arg(ARGV[3])
+reason = id_arg(ARGV[4], 'reason')
+if #ARGV ~= 4 then fail('BADARG', 'expected 4 arguments, got ' .. #ARGV) end
 
-e = key_arg(2, 'deadlines')
-if e then return e end
+key_arg(2, 'deadlines')
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'W', 'S', 'T', 'out', 'F_w', 'F_m', 'gz', 'xp', 'o:' .. op, 'ol' }, 10)
-e = gate(R[1], H.ep, op, fp, epoch)
-if e then return e end
+local again = gate(R[1], H.ep, op, fp, epoch)
+if again then return again end
 local now = now_ms()
 local all = redis.call('HGETALL', key)
 local dead, members, dropped, released = {}, {}, 0, 0

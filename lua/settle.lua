@@ -23,36 +23,28 @@
 -- Calls: HMGET, TIME, HSET, HDEL, ZREM (a PEXPIRE or a journal sweep when due; HINCRBY and
 --        HMGET of HW, out, W, kf, pm on refusal or while a compaction is pending).
 
-local op, fp, epoch, e = op_args('settle', false)
-if e then return e end
+local op, fp, epoch = op_args('settle', false)
 local sid, rid, actual, item, prio
-sid, e = session_arg(ARGV[3])
-if e then return e end
-rid, e = id_arg(ARGV[4], 'reservation id')
-if e then return e end
-actual, e = int_arg(ARGV[5], 'actual tokens', 1, TOKENS_MAX)
-if e then return e end
-item, e = id_arg(ARGV[6], 'item id')
-if e then return e end
-prio, e = int_arg(ARGV[7], 'priority', 0, 1000)
-if e then return e end
-if #ARGV ~= 7 then return err('BADARG', 'expected 7 arguments, got ' .. #ARGV) end
+sid = session_arg(ARGV[3])
+rid = id_arg(ARGV[4], 'reservation id')
+actual = int_arg(ARGV[5], 'actual tokens', 1, TOKENS_MAX)
+item = id_arg(ARGV[6], 'item id')
+prio = int_arg(ARGV[7], 'priority', 0, 1000)
+if #ARGV ~= 7 then fail('BADARG', 'expected 7 arguments, got ' .. #ARGV) end
 
-e = key_arg(2, 'deadlines')
-if e then return e end
+key_arg(2, 'deadlines')
 local key = KEYS[1]
-local res
-res, e = open_reservation(key, op, fp, epoch, rid)
-if e then return e end
+local res, again = open_reservation(key, op, fp, epoch, rid)
+if again then return again end
 local c, est, deadline = res.c, res.est, res.deadline
 local g = GROUP[c]
 local H, R = load(key, { 'ep', 'tn', 'sq', 'fr', 'a_' .. g, 'F_' .. g, 'u_' .. c, 'n_' .. c, 'v_' .. c,
   'nv', 'gz', 'xp', 'cd', 'ol', 'i:' .. c .. ':' .. item }, 13)
 local now = now_ms()
 if now > deadline then
-  return err('EXPIRED', 'reservation ' .. rid .. ' expired at ' .. deadline .. ' ms, ' .. (now - deadline) .. ' ms ago')
+  fail('EXPIRED', 'reservation ' .. rid .. ' expired at ' .. deadline .. ' ms, ' .. (now - deadline) .. ' ms ago')
 end
-if R[2] then return err('CONFLICT', 'consumer ' .. c .. ' already holds item ' .. item) end
+if R[2] then fail('CONFLICT', consumer_name(c) .. ' already holds item ' .. item) end
 
 local a = H['a_' .. g]
 local d = claim_delta(a, actual - est, H['F_' .. g] or 0)

@@ -16,7 +16,7 @@ local FIELDS = { 'ep', 'tn', 'sq', 'W', 'S', 'T', 'out', 'F_w', 'F_m', 'HW', 'EV
   'inc', 'ca', 'dt', 'dr', 'dp', 'df', 'kg', 'pm', 'x:drift', 'x:reconciled', 'x:refused',
   'x:refused_pending', 'x:expired', 'x:spilled', 'x:starvation', 'x:failed_compactions', 'x:resets' }
 local v = redis.call('HMGET', KEYS[1], unpack(FIELDS))
-if not v[1] then return err('NOSESSION', NOSESSION) end
+if not v[1] then fail('NOSESSION', NOSESSION) end
 local out = { 'now=' .. now_ms() }
 -- A session opened before drift detection has no tolerance (dt): -1, not judged.
 for i = 1, #FIELDS do out[#out + 1] = FIELDS[i] .. '=' .. (v[i] or (FIELDS[i] == 'dt' and '-1' or '0')) end

@@ -11,21 +11,16 @@
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED, LEDGER_NORESERVATION.
 -- Calls: HMGET, TIME, HSET, HDEL, ZREM (a PEXPIRE or a journal sweep when due).
 
-local op, fp, epoch, e = op_args('void', false)
-if e then return e end
+local op, fp, epoch = op_args('void', false)
 local sid, rid
-sid, e = session_arg(ARGV[3])
-if e then return e end
-rid, e = id_arg(ARGV[4], 'reservation id')
-if e then return e end
-if #ARGV ~= 4 then return err('BADARG', 'expected 4 arguments, got ' .. #ARGV) end
+sid = session_arg(ARGV[3])
+rid = id_arg(ARGV[4], 'reservation id')
+if #ARGV ~= 4 then fail('BADARG', 'expected 4 arguments, got ' .. #ARGV) end
 
-e = key_arg(2, 'deadlines')
-if e then return e end
+key_arg(2, 'deadlines')
 local key = KEYS[1]
-local res
-res, e = open_reservation(key, op, fp, epoch, rid)
-if e then return e end
+local res, again = open_reservation(key, op, fp, epoch, rid)
+if again then return again end
 local c, est = res.c, res.est
 local g = GROUP[c]
 local H, R = load(key, { 'ep', 'tn', 'fr', 'a_' .. g, 'F_' .. g, 'v_' .. c, 'nv', 'gz', 'xp', 'ol' }, 9)

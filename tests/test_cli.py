@@ -54,7 +54,7 @@ def test_audit_fails_on_corrupted_counters(
     code = cli.main(["--url", redis_server.url, "--prefix", prefix, "audit"])
     out = capsys.readouterr().out
     assert code == cli.EXIT_VIOLATION
-    assert "u_r is 6, items say 5" in out
+    assert "retrieval used is 6, items say 5" in out
     assert "healthy: clean" in out
 
 
@@ -120,7 +120,7 @@ def test_audit_in_batches_names_every_session(
     out = capsys.readouterr().out
     assert code == cli.EXIT_VIOLATION
     assert out.count(": clean") == len(ids) - 2
-    assert f"{ids[views.BATCH + 3]}: " in out and "u_r is 6, items say 5" in out
+    assert f"{ids[views.BATCH + 3]}: " in out and "retrieval used is 6, items say 5" in out
     assert f"{len(ids) - 1} session(s) audited, 1 with violations" in out
     code = cli.main(["--url", redis_server.url, "--prefix", prefix, "audit", ids[0], ids[-1]])
     assert code == cli.EXIT_VIOLATION

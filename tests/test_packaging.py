@@ -294,9 +294,10 @@ USE = textwrap.dedent(
     common = (lua / "_common.lua").read_text()
     for name in scripts.NAMES:
         src = scripts.source(name)
-        assert src.endswith((lua / f"{name}.lua").read_text()), name
+        body = (lua / f"{name}.lua").read_text()
+        assert src == scripts.wrap(scripts.prelude(body) + "\\n" + body), name
         assert all(d.text in common for d in scripts.definitions())
-        assert "local function err(" in src, name  # the prelude came from the wheel's file
+        assert "local function fail(" in src, name  # the prelude came from the wheel's file
 
     with Ledger.from_url("embedded://packaging") as led:
         s = led.open_session("pkg/s-1", SessionBudget(window=8_000, system_prompt=500))

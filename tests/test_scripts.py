@@ -6,8 +6,10 @@ import re
 from pathlib import Path
 
 import pytest
+import redis
 
 from ledger import scripts
+from ledger.testing import RedisProcess
 
 WORD = re.compile(r"[A-Za-z_]\w*")
 
@@ -16,7 +18,7 @@ def test_common_is_cut_into_named_definitions() -> None:
     defs = scripts.definitions()
     names = [n for d in defs for n in d.names]
     assert len(names) == len(set(names))
-    assert {"err", "int_arg", "op_args", "gate", "commit", "GROUP", "NOSESSION"} <= set(names)
+    assert {"fail", "int_arg", "op_args", "gate", "commit", "GROUP", "NOSESSION"} <= set(names)
     common = (scripts.lua_dir() / "_common.lua").read_text()
     for d in defs:
         assert d.text in common
@@ -27,8 +29,8 @@ def test_common_is_cut_into_named_definitions() -> None:
 def test_each_script_has_every_helper_it_names_and_no_other(name: str) -> None:
     body = (scripts.lua_dir() / f"{name}.lua").read_text()
     src = scripts.source(name)
-    assert src.endswith(body)
-    prelude = src[: -len(body)]
+    prelude = scripts.prelude(body)
+    assert src == scripts.wrap(prelude + "\n" + body) and body in src
     included = [d for d in scripts.definitions() if d.text in prelude]
     defined = {n for d in included for n in d.names}
     # Closed: every definition named by the script or by an included definition is there
@@ -78,3 +80,46 @@ def test_common_lua_may_hold_only_local_definitions(
         monkeypatch.undo()
         scripts.definitions.cache_clear()
     assert scripts.definitions()  # the real file again
+
+
+def _run(r: redis.Redis, body: str, *keys: str) -> str:
+    """EVAL of `body` under the wrapper, with its prelude: the error text, or ''."""
+    try:
+        r.eval(scripts.wrap(scripts.prelude(body) + "\n" + body), len(keys), *keys)
+    except redis.exceptions.ResponseError as exc:
+        return str(exc)
+    return ""
+
+
+def test_the_wrapper_sends_a_refusal_as_its_error_reply_and_passes_other_errors_on(
+    redis_server: RedisProcess,
+) -> None:
+    r = redis.Redis.from_url(redis_server.url)
+    r.set("wrap:s", "text")
+    # fail(): exactly 'LEDGER_<code> <msg>', the text the clients parse, nothing appended
+    assert _run(r, "fail('BADARG', 'count must be an integer, got x')") == (
+        "LEDGER_BADARG count must be an integer, got x"
+    )
+    assert _run(r, "local n = int_arg('x', 'count', 0, 9)\nreturn n") == (
+        "LEDGER_BADARG count must be an integer, got 'x'"
+    )
+    # A Redis command's error (its code too) and a Lua runtime error reach the client as
+    # without the wrapper, but for the line Redis appends. These bodies use no
+    # definition: the prelude is empty and the body starts on line 2 in both.
+    bodies = (
+        "return redis.call('INCR', KEYS[1])",
+        "return redis.call('HGET', KEYS[1], 'f')",
+        "local t = nil\nreturn t.x",
+        "error({ err = 'X y' })",
+    )
+    for body in bodies:
+        assert scripts.prelude(body) == ""
+        bare = ""
+        try:
+            r.eval("\n" + body, 1, "wrap:s")
+        except redis.exceptions.ResponseError as exc:
+            bare = str(exc)
+        wrapped = _run(r, body, "wrap:s")
+        assert bare and wrapped.split(" script: ")[0] == bare.split(" script: ")[0]
+    assert r.get("wrap:s") == b"text"
+    r.delete("wrap:s")
