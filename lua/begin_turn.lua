@@ -30,7 +30,8 @@
 --          |free=<tokens>|epoch=<n>|turn=<n>
 --   compact: working-memory items to compact, lowest priority then oldest first,
 --   enough to cover the shortfall where compacting working memory can cover it
---   (docs/rules.md#working-memory-practice); empty when the declared working set cannot fit at all.
+--   (docs/rules.md#working-memory-practice); empty when the declared working set
+--   cannot fit at all.
 -- Errors: LEDGER_BADARG, LEDGER_CONFIG (the output reserve makes the reserved floor
 --         exceed the window), LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
 -- Calls: HMGET, TIME, HSET (HGET when a compaction becomes pending; HGETALL and HDEL only to rotate or reclaim; HINCRBY; XADD when a
