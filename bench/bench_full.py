@@ -1,4 +1,4 @@
-"""Full benchmark of the ledger against the round-trip floor and two conventional designs.
+"""Full benchmark of the ledger against the round-trip floor and two conventional implementations.
 
     python -m bench.bench_full [--quick] [--json]
 
@@ -115,7 +115,7 @@ ONLY_SINGLE_PROCESS = ("admit_raw",)  # a reference for the library's client cos
 STATE_RATE = {("release", "*"): 12_000, ("admit_raw", "*"): 10_000,
               ("admit_raw", "pipelined"): 30_000}  # fmt: skip
 # Every bench client: the ledger's settings but timeouts that an overloaded 2-core machine
-# (32 processes) does not hit: a timeout here would measure the timeout, not the design;
+# (32 processes) does not hit: a timeout here would measure the timeout, not the ledger;
 # so no retries either.
 CLIENT_TIMEOUTS = {"socket_timeout": 120.0, "connect_timeout": 60.0, "retry_attempts": 1}
 UNCAPPED = 10**9

@@ -1,4 +1,4 @@
-"""Server time of the records' rule scripts, from INFO commandstats.
+"""Server time of the rule scripts (docs/rules.md), from INFO commandstats.
 
     python -m bench.bench_rules [--n 1000]
 

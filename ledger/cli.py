@@ -425,10 +425,10 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser(
         "demo",
         help="a fleet of agent sessions: naive arbiter vs the ledger",
-        description="Run each incident record's scenario (starvation, compaction-decay, "
-        "truncation-loop, fan-out) once under a naive arbiter with the record's conditions "
+        description="Run each scenario (starvation, compaction-decay, "
+        "truncation-loop, fan-out) once under a naive arbiter with the scenario's conditions "
         "and once under the ledger (and its background worker), and compare them with the "
-        "record's own figures (docs/demo.md). Embedded: agents are threads in this process; "
+        "figures docs/demo.md states. Embedded: agents are threads in this process; "
         "a Redis URL: OS processes.",
     )
     d.add_argument(

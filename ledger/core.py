@@ -323,7 +323,8 @@ class SessionCore:
     def begin_turn_call(
         self, working_set: int, output_reserve: int | None = None, *, op_id: str | None = None
     ) -> Call[TurnStarted]:
-        """Start a turn: gate on residual working memory vs ``working_set`` (record 000).
+        """Start a turn: gate on residual working memory vs ``working_set``
+        (docs/rules.md#working-memory-starvation).
 
         Reclaims scratchpad (oldest first), then stale retrieval, when short; raises
         WorkingMemoryStarvation when that is not enough (a compaction is then pending).
@@ -340,7 +341,7 @@ class SessionCore:
         op_id: str | None = None,
     ) -> Call[SpanRecorded]:
         """Account a memory-tool span before making it; FanoutRefused once the turn's
-        amplification passed the pathological threshold (record 004)."""
+        amplification passed the pathological threshold (docs/rules.md#amplification)."""
         return protocol.record_span(
             self.keys, _op(op_id), self.epoch, turn, kind, input_tokens, output_tokens
         )
@@ -348,7 +349,8 @@ class SessionCore:
     def end_turn_call(
         self, turn: int, final_prompt_tokens: int, *, p99_trend: int = 0, op_id: str | None = None
     ) -> Call[TurnReport]:
-        """Close a turn: amplification ratio and class (record 004), compaction due?
+        """Close a turn: amplification ratio and class, compaction due?
+        (docs/rules.md#amplification, docs/rules.md#compaction-credit)
 
         ``final_prompt_tokens`` is the real prompt's size, counted from what the model
         is sent. Its drift from occupancy is stored; beyond the budget's
@@ -386,14 +388,14 @@ class SessionCore:
         """Commit a compaction: ``replaced`` items (working-memory ids, or (consumer, id)
         pairs for stale chunks and tool results) give way to one working-memory
         ``summary``. Above the high-water mark it is a failed compaction, and repeated
-        failures enqueue a hard reset (record 001)."""
+        failures enqueue a hard reset (docs/rules.md#compaction-credit)."""
         return protocol.compact(self.keys, _op(op_id), self.epoch, replaced, summary)
 
     def admit_tool_result_call(
         self, call_id: str, tokens: int, content: bytes | str, *, op_id: str | None = None
     ) -> Call[ToolResult]:
         """Admit a tool result whole, or spill it to a handle with a bounded preview
-        (record 002); never truncated. Memory gives way first."""
+        (docs/rules.md#admission-with-spill); never truncated. Memory gives way first."""
         return protocol.admit_tool(self.keys, _op(op_id), self.epoch, call_id, tokens, content)
 
     def snapshot_call(self) -> Call[Snapshot]:

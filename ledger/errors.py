@@ -78,8 +78,9 @@ class AdmissionRefused(LedgerError):
 
     ``reason`` is one of the documented reason codes (:data:`RefusalReason`),
     ``requested`` the tokens asked for and ``free`` the tokens that were free. For
-    ``compaction_pending`` refusals of memory, ``bound`` says which rule of record 001
-    refused it: ``"pending"`` (the post-compaction baseline, high-water mark plus the
+    ``compaction_pending`` refusals of memory, ``bound`` says which bound of the
+    compaction-credit rule (docs/rules.md#compaction-credit) refused it:
+    ``"pending"`` (the post-compaction baseline, high-water mark plus the
     memory admitted since the compaction became pending, plus the request and the
     output reserve, would pass the window) or ``"failed"`` (the last compaction failed:
     no memory until one succeeds); ``baseline`` is that baseline in tokens. ``None``
@@ -101,8 +102,8 @@ class AdmissionRefused(LedgerError):
 
 class WorkingMemoryStarvation(AdmissionRefused):
     """The turn cannot start: residual working memory is below its working set even
-    after reclaiming scratchpad and stale retrieval (record 000). A working-memory
-    compaction has been requested; ``compact`` lists the items to compact first."""
+    after reclaiming scratchpad and stale retrieval (docs/rules.md#working-memory-starvation).
+    A working-memory compaction has been requested; ``compact`` lists the items to compact first."""
 
     def __init__(self, detail: Mapping[str, str]) -> None:
         super().__init__(detail["reason"], int(detail["requested"]), int(detail["free"]), detail)
@@ -120,7 +121,8 @@ class WorkingMemoryStarvation(AdmissionRefused):
 
 
 class FanoutRefused(AdmissionRefused):
-    """The turn's amplification passed the pathological threshold (record 004):
+    """The turn's amplification passed the pathological threshold
+    (docs/rules.md#amplification):
     summarize and proceed instead of another memory-tool call."""
 
     def __init__(self, detail: Mapping[str, str]) -> None:

@@ -56,7 +56,7 @@ class SessionBudget(BaseModel):
 
     The reserved floor (system prompt + tool framing + working-memory floor +
     minimum memory + output reserve) is subtracted before any dynamic allocation;
-    a floor larger than the window is a configuration fault (record 002).
+    a floor larger than the window is a configuration fault (docs/rules.md#budget-and-claims).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
@@ -106,7 +106,7 @@ class SessionBudget(BaseModel):
         ge=0.0,
         le=1.0,
         description="share of the window a compaction must free; one that frees less is a "
-        "deferral, counted as a failed compaction (record 001); 0: no minimum",
+        "deferral, counted as a failed compaction (docs/rules.md#compaction-credit); 0: no minimum",
     )
 
     def __init__(self, **data: Any) -> None:
@@ -255,7 +255,8 @@ class ResetDone:
 
 @dataclass(frozen=True, slots=True)
 class TurnStarted:
-    """The begin-turn gate's verdict (record 000), and what was reclaimed to reach it.
+    """The begin-turn gate's verdict (docs/rules.md#working-memory-starvation), and what
+    was reclaimed to reach it.
 
     ``reclaimed`` names every item released to make room, so the agent drops exactly
     those from its prompt; ``rotated`` counts tokens released because their consumer
@@ -286,7 +287,7 @@ class SpanRecorded:
 
 @dataclass(frozen=True, slots=True)
 class TurnReport:
-    """A turn's amplification ratio and class (record 004)."""
+    """A turn's amplification ratio and class (docs/rules.md#amplification)."""
 
     turn: int
     ratio: float
@@ -324,7 +325,8 @@ class Reconciled:
 
 @dataclass(frozen=True, slots=True)
 class Compaction:
-    """A committed compaction, judged against the high-water mark (record 001)."""
+    """A committed compaction, judged against the high-water mark
+    (docs/rules.md#compaction-credit)."""
 
     compacted: bool  # False: a failed compaction (above the mark, too small a gain, no fit)
     outcome: str  # compacted | failed | deferred | did_not_fit | already (committed before)

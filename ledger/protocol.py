@@ -312,7 +312,7 @@ def reset(keys: SessionKeys, op_id: str, epoch: int, reason: str) -> Call[ResetD
     return _mutating("reset", [keys.session, keys.deadlines], op_id, epoch, body, parse)
 
 
-# --- turns and the records' rules --------------------------------------------------
+# --- turns and the rules (docs/rules.md) --------------------------------------------
 
 
 def _turn_started(r: Reply) -> TurnStarted:

@@ -37,7 +37,8 @@ class SessionView:
 
 
 def regime(snap: Snapshot, working_set: int) -> str:
-    """Record 000's regime for a declared working set (the last begin_turn's)."""
+    """The starvation gate's regime for a declared working set (the last begin_turn's):
+    docs/rules.md#working-memory-starvation."""
     wm = Consumer.WORKING_MEMORY
     need = max(working_set, snap.used[wm] + snap.reserved[wm], snap.working_memory_floor)
     if snap.residual_working_memory >= need:

@@ -223,7 +223,7 @@ local function refusal_reason(key, requested)
 end
 
 -- Append a job for the workers to the partition's stream (KEYS of the caller), in
--- the same atomic step as the state change that needs it (DESIGN invariant 9).
+-- the same atomic step as the state change that needs it (docs/rules.md#jobs-in-the-same-step).
 -- Whether the background worker compacts the session (compaction jobs are enqueued for
 -- it); an agent-owned session ('ca' = 1) compacts inline and gets no compaction jobs.
 local function worker_compacts(key)

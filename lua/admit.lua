@@ -14,8 +14,8 @@
 --    or  status=refused|reason=<reason>|requested=<tokens>|free=<tokens>|epoch=<n>|turn=<n>
 --   reason: token_budget_exhausted; floor_protected (the room exists but lies inside
 --   another consumer's floor); compaction_pending (retrieval or recall while a
---   compaction is pending, record 001: refused outright while the last compaction
---   failed, bound=failed; else judged on the post-compaction baseline,
+--   compaction is pending, docs/rules.md#compaction-credit: refused outright while
+--   the last compaction failed, bound=failed; else judged on the post-compaction baseline,
 --   bound=pending: H + memory admitted since the compaction became pending + the
 --   request + the turn's output reserve must not exceed the window). A request that
 --   passes that bound but not the free room gets the free-room reason
@@ -71,11 +71,10 @@ local now = now_ms()
 local a, floor, sq, fr = tonumber(v[5]), tonumber(v[6]) or 0, tonumber(v[3]), tonumber(v[4])
 local fr0 = fr
 local charged, admitted, dups, skipped, args = 0, 0, 0, {}, {}
--- Record 001: while a compaction is pending, memory is judged on the post-compaction
--- baseline (occupancy at the high-water mark): at most W - out - HW tokens of it.
--- Record 001: while a compaction is pending, memory is judged on the post-compaction
--- baseline: the high-water mark plus the memory admitted since the compaction became
--- pending (pm); at most W - out - HW - pm more tokens. None while the last one failed.
+-- Compaction credit (docs/rules.md#compaction-credit): while a compaction is pending,
+-- memory is judged on the post-compaction baseline: the high-water mark plus the
+-- memory admitted since the compaction became pending (pm); at most W - out - HW - pm
+-- more tokens. None while the last one failed.
 local cap, pending, bound, pm, base = nil, g == 'm' and v[11] == '1', nil, 0, 0
 if pending then
   local x = redis.call('HMGET', key, 'HW', 'out', 'W', 'kf', 'pm')

@@ -1,4 +1,5 @@
--- admit_tool.lua: admit one tool result whole, spill it, or refuse it (record 002).
+-- admit_tool.lua: admit one tool result whole, spill it, or refuse it
+-- (the admission-with-spill rule, docs/rules.md#admission-with-spill).
 --
 -- Never truncated. In order:
 --   1. it fits: admitted whole as a scratchpad item;

@@ -1,5 +1,6 @@
 -- begin_turn.lua: gate a turn on residual working memory against its declared
--- working set (record 000), reclaiming in the record's order when short, and
+-- working set (docs/rules.md#working-memory-starvation), reclaiming scratchpad then
+-- earlier retrieval when short, and
 -- advance the turn.
 --
 -- KEYS[1]  session hash
@@ -29,7 +30,8 @@
 --          |free=<tokens>|epoch=<n>|turn=<n>
 --   compact: working-memory items to compact, lowest priority then oldest first,
 --   enough to cover the shortfall where compacting working memory can cover it
---   (record 003's order); empty when the declared working set cannot fit at all.
+--   (docs/rules.md#working-memory-practice); empty when the declared working set
+--   cannot fit at all.
 -- Errors: LEDGER_BADARG, LEDGER_CONFIG (the output reserve makes the reserved floor
 --         exceed the window), LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
 -- Calls: HMGET, TIME, HSET (HGET when a compaction becomes pending; HGETALL and HDEL only to rotate or reclaim; HINCRBY; XADD when a

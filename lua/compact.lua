@@ -1,4 +1,5 @@
--- compact.lua: commit a compaction of the session's history and judge it (record 001).
+-- compact.lua: commit a compaction of the session's history and judge it
+-- (the compaction-credit rule, docs/rules.md#compaction-credit).
 --
 -- The compactor replaced some items (old working-memory turns, and stale retrieval
 -- chunks or tool results, which are history too) by one working-memory summary. The post-

@@ -1,4 +1,4 @@
--- end_turn.lua: close a turn with its amplification ratio and class (record 004).
+-- end_turn.lua: close a turn with its amplification ratio and class (docs/rules.md#amplification).
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  partition job stream    a compaction job is appended when one becomes pending
@@ -11,7 +11,7 @@
 --
 -- ratio = sum of this turn's memory-tool span input tokens / final prompt tokens
 -- (per mille). utilization = final prompt / window; its delta is against the
--- previous end_turn. Class, in the record's order:
+-- previous end_turn. Class, first match in this order:
 --   pathological   ratio > pathological threshold, utilization falling, p99 rising
 --   saturation     utilization rising and ratio < saturation threshold
 --   fragmentation  ratio > fragmentation threshold

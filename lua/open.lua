@@ -32,7 +32,7 @@
 --                                  compact; only a hard-reset escalation is enqueued)
 -- ARGV[26] compaction min gain     tokens a compaction must free (occupancy before minus after);
 --                                  one that frees less is a deferral, a failed compaction
---                                  (record 001); 0..window, 0: no minimum
+--                                  (docs/rules.md#compaction-credit); 0..window, 0: no minimum
 --
 -- Reply: status=ok|created=<0|1>|epoch=<n>|turn=<n>
 -- Errors: LEDGER_BADARG, LEDGER_CONFIG (reserved floor, high-water mark, eviction threshold

@@ -1,5 +1,5 @@
 -- record_span.lua: account one memory-tool span of the current turn, behind the
--- fan-out guard (record 004).
+-- fan-out guard (the amplification rule, docs/rules.md#amplification).
 --
 -- Call it before the memory-tool call it describes. Once the turn's amplification
 -- (span input tokens so far / the context's current occupancy) is above the

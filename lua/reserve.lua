@@ -49,7 +49,7 @@ local a = H['a_' .. g]
 local d = claim_delta(a, tokens, H['F_' .. g] or 0)
 local J = { ol = R[2], gz = H.gz, xp = H.xp }
 local reason, extra, pm
-if g == 'm' and H.cd == 1 then  -- record 001: memory waits for the pending compaction
+if g == 'm' and H.cd == 1 then  -- compaction credit: memory waits for the pending compaction
   local x = load(key, { 'HW', 'out', 'W', 'kf', 'pm' }, 5)
   pm = x.pm or 0
   local bound = (x.kf or 0) > 0 and 'failed' or 'pending'

@@ -50,7 +50,7 @@ local a = H['a_' .. g]
 local d = claim_delta(a, actual - est, H['F_' .. g] or 0)
 local J = { ol = R[1], gz = H.gz, xp = H.xp }
 local reason, extra, pm
-if g == 'm' and H.cd == 1 and actual > est then  -- record 001, as admit.lua judges memory
+if g == 'm' and H.cd == 1 and actual > est then  -- compaction credit, as admit.lua judges memory
   local x = load(key, { 'HW', 'out', 'W', 'kf', 'pm' }, 5)
   pm = x.pm or 0
   local bound = (x.kf or 0) > 0 and 'failed' or 'pending'

@@ -73,7 +73,7 @@ async def aledger(settings: LedgerSettings) -> AsyncIterator[AsyncLedger]:
 
 @pytest.fixture
 def budget() -> SessionBudget:
-    """Record 002's pipeline: 32k window, 2.1k system prompt."""
+    """The truncation-loop scenario's pipeline (docs/demo.md): 32k window, 2.1k system prompt."""
     return SessionBudget(
         window=32_000,
         system_prompt=2_100,

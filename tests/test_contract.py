@@ -904,7 +904,7 @@ async def test_async_fencing_and_expiry(aledger: AsyncLedger, budget: SessionBud
         await old.snapshot()
 
 
-# --- invariant 1 under a mixed random sequence ----------------------------------------
+# --- no over-allocation (docs/rules.md#budget-and-claims), a mixed random sequence -----
 
 
 @dataclass

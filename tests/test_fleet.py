@@ -1,5 +1,5 @@
-"""The demo (`ledger demo`): each record's scenario shows the record's failure under
-its naive arbiter and the cure under the ledger, with the record's figures."""
+"""The demo (`ledger demo`): each scenario shows its failure under its naive
+arbiter and the cure under the ledger, with the figures docs/demo.md states."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _quiet_worker() -> None:
 
 
 def test_session_lengths_follow_the_record() -> None:
-    """Median 40 and p99 210 turns (record 001), before the cap."""
+    """Median 40 and p99 210 turns (the compaction-decay scenario), before the cap."""
     lengths = decay.session_lengths(7, 1_000, 10_000)
     assert statistics.median(lengths) == 40
     assert 200 <= sorted(lengths)[989] <= 220
@@ -37,8 +37,8 @@ def test_session_lengths_follow_the_record() -> None:
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_naive_arbiter_reproduces_record_001(seed: int) -> None:
-    """The naive arbiter alone (pure, no I/O): record 001's decay, its thrash and its
-    green SLO, on the default fleet of each seed."""
+    """The naive arbiter alone (pure, no I/O): the compaction-decay scenario's decay, its
+    thrash and its green SLO, on the default fleet of each seed."""
     lengths = decay.session_lengths(seed, DEFAULT_SESSIONS, 130)
     runs = [
         decay.run_naive(f"decay-{seed}-{i}", decay.plan(seed, i, n)) for i, n in enumerate(lengths)
@@ -115,7 +115,7 @@ def test_demo_json_default_run_meets_the_acceptance_checks(
     failed = {k: v["measured"] for k, v in data["acceptance"].items() if not v["pass"]}
     assert not failed
     assert data["acceptance"] == checks.acceptance(data)
-    for arbiter in ("naive", "ledger"):  # the path kept from before, with the record's meaning
+    for arbiter in ("naive", "ledger"):  # the path kept from before, with the scenario's meaning
         for turn in ("10", "60", "120"):
             assert 0.0 <= data[arbiter]["retrieval_admission"][turn]["rate"] <= 1.0
     assert data["ledger"]["retrieval_admission"]["120"]["sessions"] >= 2

@@ -1,4 +1,4 @@
-"""Stateful property test of the records' rules: the ledger against a model of the scripts.
+"""Stateful property test of the rules (docs/rules.md): the ledger against a model of the scripts.
 
 tests/test_properties.py checks admit / release / reserve / settle / void. This file
 restates, in plain Python, what lua/begin_turn.lua, admit.lua, admit_tool.lua,

@@ -1,4 +1,4 @@
-"""The records' rules, replayed with each record's own numbers on every backend.
+"""The rules of docs/rules.md, replayed with the demo scenarios' numbers on every backend.
 
 Each test rebuilds the load a record describes under "What was observed", then shows
 the ledger's rule firing and the failure not happening:
@@ -101,23 +101,23 @@ def held(ledger: Ledger, s: Session) -> list[tuple[Consumer, str, int]]:
     return [(i.consumer, i.id, i.tokens) for i in ledger.items(s.id)]
 
 
-# --- record 000: working-memory starvation under a satisfied total ------------------------
+# --- working-memory starvation under a satisfied total (rules.md#working-memory-starvation)
 
 WINDOW_000 = 32_000
 SYSTEM_000 = 2_100
 FRAMING_000 = 150
-OUTPUT_000 = 9_000  # with the record's load this leaves a residual under 6k
+OUTPUT_000 = 9_000  # with the scenario's load this leaves a residual under 6k
 WORKING_SET = 6_000  # "a task that required holding ~6k tokens of intermediate state"
 CHUNKS, CHUNK = 15, 400  # "12-18 chunks per turn at ~400 tokens each (~6k tokens)"
 SCRATCH, SCRATCH_ITEMS = 3_000, 3  # "~9k tokens of raw tool output retained"
-# Working memory 2.5k, as four turns with priorities (record 003's order):
+# Working memory 2.5k, as four turns with priorities (rules.md#working-memory-practice):
 # compact order is lowest priority first, then oldest: t2, t4, t3, t1.
 WM_000 = [Item("t1", 1_000, 2), Item("t2", 500, 0), Item("t3", 500, 1), Item("t4", 500, 0)]
 COMPACT_ORDER = ("t2", "t4", "t3", "t1")
 
 
 def budget_000(**kw: Any) -> SessionBudget:
-    """Record 000's instance: no working-memory floor (its condition 3)."""
+    """The starvation scenario: no working-memory floor."""
     return SessionBudget(
         window=WINDOW_000,
         system_prompt=SYSTEM_000,
@@ -128,7 +128,7 @@ def budget_000(**kw: Any) -> SessionBudget:
 
 
 def load_000(s: Session, *, chunks: int = CHUNKS) -> None:
-    """The record's sticky load: working memory, retrieval chunks, scratchpad results."""
+    """The scenario's sticky load: working memory, retrieval chunks, scratchpad results."""
     s.admit(WM, WM_000)
     s.admit(RET, [Item(f"c{i:02d}", CHUNK) for i in range(chunks)])
     for k in range(1, SCRATCH_ITEMS + 1):
@@ -336,7 +336,7 @@ def test_record000_release_each_turn_rotates_retrieval(ledger: Ledger) -> None:
     assert clean(ledger, s).used[RET] == 0
 
 
-# --- record 002: admission control for tool results ------------------------------------
+# --- admission control for tool results (rules.md#admission-with-spill) ---------------
 
 
 def budget_002() -> SessionBudget:
@@ -476,7 +476,7 @@ def test_record002_duplicate_call_id_charges_nothing(ledger: Ledger) -> None:
     clean(ledger, s)
 
 
-# --- record 001: the compaction-credit ordering invariant ------------------------------
+# --- the compaction-credit rule (rules.md#compaction-credit) -----------------------------
 
 WINDOW_001 = 128_000  # "a 128k token window"
 HISTORY = [Item(f"h{i}", 10_000) for i in range(1, 10)]  # 90k of history
@@ -715,7 +715,7 @@ def test_record001_reset_starts_the_compaction_state_over(ledger: Ledger) -> Non
     clean(ledger, s)
 
 
-# --- record 004: amplification ratio and the fan-out guard -----------------------------
+# --- amplification ratio and the fan-out guard (rules.md#amplification) -----------------
 
 WINDOW_004 = 32_000
 
@@ -809,7 +809,7 @@ def test_record004_inconsistent_final_prompt_and_wrong_turn(ledger: Ledger) -> N
     assert s.snapshot().drift_flagged and not s.audit().clean
 
 
-# --- record 003: the roll-up hint --------------------------------------------------------
+# --- the roll-up hint (rules.md#working-memory-practice) -------------------------------
 
 
 def test_record003_rollup_after_more_than_rollup_turns(ledger: Ledger) -> None:

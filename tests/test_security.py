@@ -156,7 +156,7 @@ def exercise_everything(
     assert ledger.expire_due(s.keys.partition) == 1
     done += ["open", "admit", "release", "reserve", "settle", "void", "expire_due"]
 
-    # turns and the records' rules
+    # turns and the rules (docs/rules.md)
     t = s.begin_turn(500)
     s.record_span(t.turn, "recall", 800, 50)
     s.end_turn(t.turn, 1_500)

@@ -135,7 +135,7 @@ class Metrics:
         )
         self.indicator = Gauge(
             "ledger_indicator",
-            "Seeds' leading indicators, summed over sessions",
+            "Leading indicators of the rules (docs/rules.md), summed over sessions",
             ["name"],
             registry=r,
         )
@@ -649,7 +649,7 @@ class Worker:
         return released
 
     def observe(self) -> None:
-        """Refresh lag gauges and the records' leading indicators (a SCAN: not every poll)."""
+        """Refresh lag gauges and the rules' leading indicators (a SCAN: not every poll)."""
         client, s = self.ledger.client, self.settings
         for p in self.partitions:
             try:

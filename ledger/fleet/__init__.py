@@ -1,2 +1,2 @@
-"""The simulator behind ``ledger demo``: one scenario per incident record, each run
-under a naive arbiter with the record's conditions and under the ledger."""
+"""The simulator behind ``ledger demo``: one scenario per failure the rules prevent
+(docs/rules.md), each run under a naive arbiter and under the ledger (docs/demo.md)."""

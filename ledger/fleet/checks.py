@@ -1,5 +1,5 @@
-"""The demo's acceptance checks: does each scenario show its record's failure under the
-naive arbiter and its cure under the ledger, with the record's figures? Read from the
+"""The demo's acceptance checks: does each scenario show its failure under the
+naive arbiter and its cure under the ledger, with the figures docs/demo.md states? Read from the
 summary (the JSON of ``ledger demo --json``), so a run can be judged after the fact."""
 
 from __future__ import annotations

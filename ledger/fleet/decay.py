@@ -1,6 +1,6 @@
 """Scenario 001, compaction decay: retrieval starved under a green latency SLO.
 
-The regime of record 001: a 128k window, sessions of median 40 and p99 210 turns,
+The regime of this scenario (docs/demo.md): a 128k window, sessions of median 40 and p99 210 turns,
 a 900 ms per-turn latency SLO, a high-water mark H = 0.72 of the window. Each turn
 adds a user message, a recall lookup, 4-8 retrieved chunks and the model's
 generation to the history: 2-5% of the window a turn. A summarizer compacts the
@@ -8,7 +8,7 @@ history "on average": raw history shrinks to 21.5-43% of its size, but a summary
 summarized again keeps 96-99% of itself and long answers from stale memory keep
 50-70%, so a session's summaries accumulate (the soft post-condition).
 
-The naive arbiter has exactly the record's conditions: compaction is synchronous,
+The naive arbiter has exactly the scenario's conditions: compaction is synchronous,
 on the request path, its latency charged to the turn that triggers it; the latency
 check is per turn; nothing checks what the summarizer produced; operations are
 ranked by estimated latency per token, with compaction's latency amortized over

@@ -1,6 +1,6 @@
 """Scenario 004, fan-out: memory-tool fragmentation behind a falling utilization gauge.
 
-Record 004's conditions on a 32k window, 60 turns a session: the memory-tool fan-out
+The scenario's conditions on a 32k window, 60 turns a session: the memory-tool fan-out
 per turn grows from 4 to 23 spans (recall spans re-injecting a 6-8k snippet each,
 serialized), while a summarizer shrinks the final prompt from 0.61 to 0.44 of the
 window. Turn latency: 300 ms + 300 ms a span; the p99 trend is that of the last ten
@@ -53,7 +53,7 @@ def plan(seed: int, index: int, control: bool = False) -> tuple[TurnPlan, ...]:
 @dataclass
 class TurnRow:
     turn: int
-    ratio: float  # span input / final prompt: what the record calls amplification
+    ratio: float  # span input / final prompt: amplification (docs/rules.md#amplification)
     utilization: float
     p99_ms: float
     alert: bool = False  # naive: the gauge raised something

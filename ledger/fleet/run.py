@@ -1,4 +1,4 @@
-"""Run the demo: each record's scenario under its naive arbiter and under the ledger.
+"""Run the demo: each scenario under its naive arbiter and under the ledger.
 
 The ledger side of every scenario runs on the configured backend with the
 background worker (a thread of this process) compacting and resetting alongside;

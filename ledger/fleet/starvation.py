@@ -1,6 +1,6 @@
 """Scenario 000, starvation: working memory starved while total use looks healthy.
 
-Record 000's conditions, on a 32k window with a 2.1k system prompt: each turn's
+The scenario's conditions (docs/demo.md), on a 32k window with a 2.1k system prompt: each turn's
 query pulls 12-18 chunks of ~400 tokens (~6k) and the retriever keeps them "for
 reference" up to its own 8.5k prefetch budget; tool output (2.5-4k a turn) is kept in
 the scratchpad up to 8k; a synthesis turn reserves 11.6-13.4k for its answer and

@@ -1,6 +1,6 @@
 """Scenario 002, truncation loop: token-count-valid but broken contexts.
 
-Record 002's pipeline: a 32k window, a 2.1k system prompt whose 600-token
+The pipeline of this scenario (docs/demo.md): a 32k window, a 2.1k system prompt whose 600-token
 permission paragraph forbids one file-read tool, a memory retriever returning 20-40
 chunks of ~300 tokens a turn, tool results of median 4.5k with a p99 near 28k (the
 last two kept in the scratchpad), and now and then a file read of ~24k.
@@ -39,7 +39,7 @@ BUDGET = SessionBudget(
     working_memory_floor=2_000,
     output_reserve=1_024,
     spill_preview_tokens=300,
-    high_water_mark=0.90,  # the record's pipeline compacts nothing
+    high_water_mark=0.90,  # this scenario's pipeline compacts nothing
     eviction_threshold=0.95,
 )
 
