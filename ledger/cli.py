@@ -76,7 +76,7 @@ def cmd_demo(args: argparse.Namespace, out: Console) -> int:
     )
     if not args.json:
         out.print(
-            f"[bold]ledger demo[/]: each record's scenario under its naive arbiter and under "
+            f"[bold]ledger demo[/]: each incident's scenario under its naive arbiter and under "
             f"the ledger, against [cyan]{settings.redis_url}[/], seed {config.seed}; "
             f"scenario 001 on {config.sessions} agent sessions (median 40 turns, capped at "
             f"{config.max_turns}) and {config.workers} workers"

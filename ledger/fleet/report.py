@@ -1,4 +1,4 @@
-"""What the demo measured, per record: one summary (the JSON), the table and the plot."""
+"""What the demo measured, per incident scenario: one summary (the JSON), the table and the plot."""
 
 from __future__ import annotations
 
@@ -227,8 +227,8 @@ def _rate(a: dict[str, Any], turn: int) -> str:
 def table(s: dict[str, Any]) -> Table:
     n, lg = s["naive"], s["ledger"]
     cfg = s["config"]
-    t = Table(title=f"seed {cfg['seed']}: each record's figure, its naive arbiter, the ledger")
-    for name in ("scenario", "measure", "record", "naive arbiter", "ledger"):
+    t = Table(title=f"seed {cfg['seed']}: each incident's figure, its naive arbiter, the ledger")
+    for name in ("scenario", "measure", "incident", "naive arbiter", "ledger"):
         t.add_column(name, overflow="fold", style="bold" if name == "scenario" else None)
     rec_rates = {10: "0.91 -> 0.88-0.94", 60: "0.34 -> 0.88-0.94", 120: "0.07 -> 0.88-0.94"}
     for turn in CHECKPOINTS:
