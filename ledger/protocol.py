@@ -6,7 +6,6 @@ The sync and asyncio clients only differ in how they send a call.
 
 from __future__ import annotations
 
-import hashlib
 import re
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -147,7 +146,7 @@ def open_session(
             op_retention_ms,
         )
     ]
-    body += [hashlib.blake2b(cfg.encode(), digest_size=8).hexdigest(), cfg]
+    body += [budget.fingerprint(), cfg]
     released = "".join(sorted(c.code for c in b.release_each_turn)) or "-"
     body += (
         [released]
