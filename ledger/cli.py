@@ -1,4 +1,4 @@
-"""The ``ledger`` command: ``demo``, ``inspect``, ``top``, ``audit``, ``worker``.
+"""The ``ledger`` command: ``demo``, ``inspect``, ``top``, ``audit``, ``worker``, ``scripts``.
 
 Exit codes: 0 success; 1 an audit found violations or the demo's checks failed;
 2 bad usage or configuration (among them: no Redis URL for worker, audit, inspect or top,
@@ -18,6 +18,7 @@ import argparse
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from ledger.errors import (
@@ -108,22 +109,39 @@ def cmd_audit(args: argparse.Namespace, out: Console) -> int:
     from rich.markup import escape
 
     from ledger.client import Ledger
-    from ledger.views import audits, listed
+    from ledger.views import audits, placements
 
     with Ledger.from_settings(_settings(args)) as ledger:
-        ids = args.session or listed(ledger)
-        bad = audited = 0
+        where = placements(ledger, set(args.session) if args.session else None)
+        ids = args.session or sorted(where)
+        # An id under two partitions: clients with different partition counts opened it,
+        # and each sees only its own copy. Reported whatever the audit of this key
+        # space's copy (which may be neither of them) says.
+        split = {sid: ps for sid, ps in where.items() if len(ps) > 1}
+        for sid, ps in sorted(split.items()):
+            keys = ", ".join(f"{ledger.keyspace.tag(p)}:s:{sid}" for p in ps)
+            out.print(
+                f"{escape(sid)}: [red]under {len(ps)} partitions "
+                f"({', '.join(f'p{p}' for p in ps)}): {escape(keys)}[/]; clients with "
+                f"different partition counts opened it (this one: "
+                f"{ledger.keyspace.partitions}, p{ledger.keyspace.partition_of(sid)})",
+                highlight=False,
+                soft_wrap=True,
+            )
+        bad = len(split)
+        audited = 0
         clean: list[str] = []  # written in bulk: one rich print per line is slow at scale
         for sid, rep in audits(ledger, ids):
             if isinstance(rep, UnknownSession):
-                if args.session:  # asked for by name: that is an error
+                if args.session and sid not in split:  # asked for by name: an error
                     raise rep
                 continue  # closed (a tombstone) or expired since it was listed
             audited += 1
             if rep.clean and not rep.overdue:
-                clean.append(f"{sid}: clean\n")
+                if sid not in split:
+                    clean.append(f"{sid}: clean\n")
                 continue
-            bad += 1
+            bad += sid not in split
             out.out("".join(clean), end="", highlight=False)
             clean.clear()
             why = escape("; ".join(rep.problems) or "overdue reservations")
@@ -132,6 +150,14 @@ def cmd_audit(args: argparse.Namespace, out: Console) -> int:
         out.print(f"{audited} session(s) audited, {bad} with violations")
         _warn_redis_settings(ledger, out)
         return EXIT_VIOLATION if bad else EXIT_OK
+
+
+def cmd_scripts(args: argparse.Namespace, out: Console) -> int:
+    from ledger import scripts
+
+    for path in scripts.dump(args.dir):
+        out.print(f"{scripts.sha(path.stem)} {path}", highlight=False, markup=False, soft_wrap=True)
+    return EXIT_OK
 
 
 def _warn_redis_settings(ledger: Ledger, out: Console) -> None:
@@ -465,6 +491,15 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
     tp.add_argument("--once", action="store_true", help="print one frame and exit")
     tp.set_defaults(func=cmd_top)
+    sc = sub.add_parser(
+        "scripts",
+        help="write every Lua script as the clients send it to DIR/<name>.lua",
+        description="Each operation's full text (the _common.lua definitions it uses, then "
+        "its own file), for a client in another language to send with EVAL or SCRIPT LOAD "
+        "(docs/protocol.md). Prints '<sha1> <path>' per script. Needs no Redis.",
+    )
+    sc.add_argument("dir", type=Path, metavar="DIR")
+    sc.set_defaults(func=cmd_scripts)
     w = sub.add_parser(
         "worker",
         help="background worker: compaction and hard-reset jobs, lease expiry",

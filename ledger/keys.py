@@ -97,10 +97,16 @@ class KeySpace:
             f"{self.tag(p)}:compacted:{session_id}",
         )
 
+    def session_key_parts(self, key: str) -> tuple[int, str] | None:
+        """The partition and the session id in a session hash's key name, whatever
+        partition count named it, or None for any other key."""
+        m = re.fullmatch(rf"{re.escape(self.prefix)}:\{{p(\d+)\}}:s:(.+)", key)
+        return (int(m.group(1)), m.group(2)) if m else None
+
     def session_id_of(self, key: str) -> str | None:
         """The session id in a session hash's key name, or None for any other key."""
-        m = re.fullmatch(rf"{re.escape(self.prefix)}:\{{p\d+\}}:s:(.+)", key)
-        return m.group(1) if m else None
+        parts = self.session_key_parts(key)
+        return parts[1] if parts else None
 
     def owns(self, key: str) -> bool:
         """Whether ``key`` is the session hash of one of this key space's sessions, in

@@ -169,3 +169,15 @@ def source(name: str) -> str:
 @functools.cache
 def sha(name: str) -> str:
     return hashlib.sha1(source(name).encode()).hexdigest()
+
+
+def dump(directory: Path) -> list[Path]:
+    """Write each operation's full text (what the clients send) to ``<directory>/<name>.lua``,
+    for a client in another language to load as it is (docs/protocol.md)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    out = []
+    for name in NAMES:
+        path = directory / f"{name}.lua"
+        path.write_bytes(source(name).encode())
+        out.append(path)
+    return out

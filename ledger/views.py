@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,18 +90,28 @@ def _batches(ids: Sequence[str], size: int = BATCH) -> Iterator[Sequence[str]]:
         yield ids[i : i + size]
 
 
+def placements(ledger: Ledger, only: Collection[str] | None = None) -> dict[str, list[int]]:
+    """Every session id SCAN finds (on a cluster, on every primary), or only those of
+    ``only``, with the partitions a session hash of it is under, in ascending order.
+    An id under two or more partitions was opened by clients configured with different
+    partition counts: each client sees only its own copy (see ``ledger audit``)."""
+    ledger.check_open()
+    out: dict[str, list[int]] = {}
+    with translated():
+        for k in ledger.client.scan_iter(match=ledger.keyspace.session_pattern(), count=1000):
+            parts = ledger.keyspace.session_key_parts(
+                k.decode() if isinstance(k, bytes) else str(k)
+            )
+            if parts is not None and (only is None or parts[1] in only):
+                out.setdefault(parts[1], []).append(parts[0])
+    return {sid: sorted(ps) for sid, ps in out.items()}
+
+
 def listed(ledger: Ledger) -> list[str]:
     """The session ids SCAN finds (on a cluster, on every primary), tombstones of
     closed sessions included: the read-only scripts below refuse those (NOSESSION),
     which saves confirming each id first."""
-    ledger.check_open()
-    out = []
-    with translated():
-        for k in ledger.client.scan_iter(match=ledger.keyspace.session_pattern(), count=1000):
-            sid = ledger.keyspace.session_id_of(k.decode() if isinstance(k, bytes) else str(k))
-            if sid is not None:
-                out.append(sid)
-    return sorted(out)
+    return sorted(placements(ledger))
 
 
 def raw_many(ledger: Ledger, calls: Sequence[Call[Any]]) -> list[object]:
