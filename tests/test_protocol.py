@@ -1,0 +1,243 @@
+"""The wire protocol of docs/protocol.md: its test vectors hold for the code, and a client
+that only has the dumped script text and a Redis connection can speak it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import uuid
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from ledger import Ledger, LedgerSettings, SessionBudget, cli, protocol, scripts, views
+from ledger.keys import KeySpace
+from ledger.models import Consumer, Item, canonical_json
+from tests.servers import RedisProcess
+
+ROOT = Path(__file__).resolve().parent.parent
+VECTORS: dict[str, Any] = json.loads((ROOT / "tests" / "protocol_vectors.json").read_text())
+DOC = (ROOT / "docs" / "protocol.md").read_text()
+
+
+def op_fingerprint(script: str, argv: list[str]) -> str:
+    """The rule of docs/protocol.md, written out independently of the Lua."""
+    return hashlib.sha1("\x1f".join([script, *argv[1:]]).encode()).hexdigest()[:12]
+
+
+def test_vectors_are_protocol_version_1() -> None:
+    assert VECTORS["protocol_version"] == 1
+    assert "protocol version 1" in DOC.lower()
+
+
+@pytest.mark.parametrize("v", VECTORS["numbers"], ids=lambda v: v["float"])
+def test_number_vectors(v: dict[str, str]) -> None:
+    assert canonical_json(float(v["float"])) == v["json"]
+    assert float(v["json"]) == float(v["float"])  # it reads back as the same double
+
+
+@pytest.mark.parametrize("v", VECTORS["partition"], ids=lambda v: v["session_id"])
+def test_partition_vectors(v: dict[str, Any]) -> None:
+    assert zlib.crc32(v["session_id"].encode("utf-8")) == v["crc32"]
+    for n, p in v["partitions"].items():
+        assert KeySpace("ledger", int(n)).partition_of(v["session_id"]) == p
+        assert v["crc32"] % int(n) == p
+
+
+def test_key_vectors() -> None:
+    v = VECTORS["keys"]
+    ks = KeySpace(v["prefix"], v["partitions"])
+    k = ks.session(v["session_id"])
+    assert k.partition == v["partition"]
+    assert (k.session, k.deadlines, k.jobs, k.content, k.compacted) == (
+        v["session"],
+        v["deadlines"],
+        v["jobs"],
+        v["content"],
+        v["compacted"],
+    )
+    assert k.spill(v["spill"]["call_id"]) == v["spill"]["key"]
+    assert ks.session_key_parts(v["session"]) == (v["partition"], v["session_id"])
+    # The worker's own keys in the partition (dead letters, job errors).
+    assert f"{ks.tag(k.partition)}:dead" == v["dead_letter"]
+    assert f"{ks.tag(k.partition)}:errors" == v["errors"]
+
+
+@pytest.mark.parametrize("v", VECTORS["budgets"], ids=lambda v: v["sha256"][:8])
+def test_budget_vectors(v: dict[str, Any]) -> None:
+    b = SessionBudget(**v["given"])
+    text = b.canonical_json()
+    assert text == v["canonical_json"]
+    assert b.fingerprint() == v["sha256"] == hashlib.sha256(text.encode()).hexdigest()
+    # The rules, checked on the text: no whitespace, sorted keys, no '.0'.
+    assert not re.search(r"\s", text)
+    data = json.loads(text)
+    assert list(data) == sorted(data) == sorted(SessionBudget.model_fields)
+    assert not re.search(r"\d\.0*[,}\]]", text)
+
+
+def test_integral_floats_and_key_order_do_not_change_the_fingerprint() -> None:
+    a = SessionBudget(window=8000, system_prompt=500, amplification_fragmentation=3)
+    b = SessionBudget(amplification_fragmentation=3.0, system_prompt=500, window=8000)
+    assert a.canonical_json() == b.canonical_json() and a.fingerprint() == b.fingerprint()
+    assert '"amplification_fragmentation":3,' in a.canonical_json()
+    c = SessionBudget(window=8000, system_prompt=500, amplification_fragmentation=3.5)
+    assert c.fingerprint() != a.fingerprint()
+
+
+def test_canonical_json_of_strings_and_nesting() -> None:
+    assert canonical_json({"b": [1, 2.0, None, True], "a": 'é\n"x"'}) == (
+        '{"a":"é\\n\\"x\\"","b":[1,2,null,true]}'
+    )
+
+
+def test_call_vectors() -> None:
+    k = KeySpace(VECTORS["keys"]["prefix"], VECTORS["keys"]["partitions"])
+    for v in VECTORS["calls"]:
+        keys = k.session(v["session_id"])
+        call: protocol.Call[Any]
+        if v["script"] == "open":
+            budget = SessionBudget(**VECTORS["budgets"][v["budget"]]["given"])
+            call = protocol.open_session(keys, v["argv"][0], budget, v["op_retention_ms"])
+        else:
+            items = [Item(i, t, priority=p) for i, t, p in v["items"]]
+            epoch = int(v["argv"][1])
+            call = protocol.admit(keys, v["argv"][0], epoch, v["consumer"], items, v["partial"])
+        assert call.script == v["script"]
+        assert list(call.keys) == v["keys"]
+        assert list(call.args) == v["argv"]
+        assert op_fingerprint(v["script"], v["argv"]) == v["op_fingerprint"]
+
+
+def test_the_doc_names_every_scripts_keys_and_argv_as_its_lua_header_does() -> None:
+    """docs/protocol.md and the Lua headers list the same KEYS and ARGV positions."""
+    where = re.compile(r"(?:KEYS|ARGV)\[[^\]]+\]")
+    for name in scripts.NAMES:
+        header = (scripts.lua_dir() / f"{name}.lua").read_text().split("\n\n", 1)[0]
+        section = re.search(rf"^### `{name}`\n(.*?)(?=^### |\Z)", DOC, re.S | re.M)
+        assert section is not None, f"docs/protocol.md has no section for {name}"
+        lua = set(where.findall(header.split("-- Reply")[0]))
+        assert set(where.findall(section.group(1))) >= lua, name
+
+
+# --- a client with no ledger code: raw EVAL of the dumped text ------------------------------
+
+
+def _reply(raw: bytes) -> dict[str, str]:
+    return dict(part.partition("=")[::2] for part in raw.decode().split("|"))
+
+
+def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
+    redis_server: RedisProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["scripts", str(tmp_path)]) == cli.EXIT_OK
+    printed = dict(line.split()[::-1] for line in capsys.readouterr().out.splitlines())
+    text = {name: (tmp_path / f"{name}.lua").read_bytes() for name in scripts.NAMES}
+    r = redis.Redis.from_url(redis_server.url)
+    for name, body in text.items():  # EVALSHA digests: what SCRIPT LOAD answers
+        assert r.script_load(body) == printed[str(tmp_path / f"{name}.lua")]
+    opened, other, admit = VECTORS["calls"]
+    key = opened["keys"][0]
+    r.delete(key)
+    try:
+        got = _reply(r.eval(text["open"], 1, key, *opened["argv"]))
+        assert (got["status"], got["created"], got["turn"]) == ("ok", "1", "0")
+        epoch = got["epoch"]
+        # What the server stored: the budget fingerprint as sent, and its own fingerprint
+        # of the call under the op id.
+        assert r.hget(key, "cfg") == VECTORS["budgets"][0]["sha256"].encode()
+        record = r.hget(key, "o:" + opened["argv"][0])
+        assert record is not None
+        assert record.split(b"|")[1].decode() == opened["op_fingerprint"]
+        # The same call again is answered from the record.
+        assert _reply(r.eval(text["open"], 1, key, *opened["argv"]))["epoch"] == epoch
+        # Another budget under another op id: the session exists with another budget.
+        with pytest.raises(redis.ResponseError, match=r"^LEDGER_CONFLICT "):
+            r.eval(text["open"], 1, key, *other["argv"])
+        # The first op id with other arguments.
+        with pytest.raises(redis.ResponseError, match=r"^LEDGER_OPREUSED "):
+            r.eval(text["open"], 1, key, opened["argv"][0], *other["argv"][1:])
+        # admit, fenced by the epoch open answered.
+        argv = [admit["argv"][0], epoch, *admit["argv"][2:]]
+        got = _reply(r.evalsha(printed[str(tmp_path / "admit.lua")], 1, key, *argv))
+        assert (got["status"], got["charged"], got["admitted"]) == ("ok", "200", "2")
+        record = r.hget(key, "o:" + argv[0])
+        assert record is not None
+        assert record.split(b"|")[1].decode() == op_fingerprint("admit", argv)
+        with pytest.raises(redis.ResponseError, match=r"^LEDGER_STALE "):
+            r.eval(text["admit"], 1, key, "op-admit-2", str(int(epoch) - 1), *argv[2:])
+        # The Python client agrees: the same budget is the same session.
+        settings = LedgerSettings(
+            redis_url=redis_server.url,
+            prefix=VECTORS["keys"]["prefix"],
+            partitions=VECTORS["keys"]["partitions"],
+        )
+        with Ledger.from_settings(settings) as led:
+            budget = SessionBudget(**VECTORS["budgets"][0]["given"])
+            s = led.open_session(opened["session_id"], budget)
+            assert s.epoch == int(epoch)
+            assert s.snapshot().used[Consumer.RETRIEVAL] == 200
+    finally:
+        r.delete(key)
+
+
+# --- one session id under two partitions ------------------------------------------------------
+
+
+def _split_id(stem: str) -> str:
+    """An id that 64, 3 and 9 partitions put in three different partitions."""
+    for i in range(1000):
+        sid = f"{stem}-{i}"
+        if len({zlib.crc32(sid.encode()) % n for n in (64, 3, 9)}) == 3:
+            return sid
+    raise AssertionError("no such id among 1000")
+
+
+def test_audit_reports_a_session_under_two_partitions(
+    redis_server: RedisProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prefix = f"t{uuid.uuid4().hex[:12]}"
+    budget = SessionBudget(window=1000, system_prompt=10)
+
+    def ledger(partitions: int) -> Ledger:
+        return Ledger.from_settings(
+            LedgerSettings(redis_url=redis_server.url, prefix=prefix, partitions=partitions)
+        )
+
+    twice, elsewhere = _split_id("twice"), _split_id("elsewhere")
+    with ledger(64) as led, ledger(3) as three, ledger(9) as nine:
+        led.open_session("solo", budget)
+        led.open_session(twice, budget)
+        three.open_session(twice, budget)
+        three.open_session(elsewhere, budget)  # neither copy where 64 partitions put it
+        nine.open_session(elsewhere, budget)
+        where = views.placements(led)
+        assert where["solo"] == [led.keyspace.partition_of("solo")]
+        assert where[twice] == sorted(
+            [led.keyspace.partition_of(twice), three.keyspace.partition_of(twice)]
+        )
+        assert views.listed(led) == sorted(["solo", twice, elsewhere])
+        argv = ["--url", redis_server.url, "--prefix", prefix, "audit"]
+        assert cli.main([*argv, "solo"]) == cli.EXIT_OK
+        capsys.readouterr()
+        assert cli.main(argv) == cli.EXIT_VIOLATION
+        out = capsys.readouterr().out
+        assert "solo: clean" in out and f"{twice}: clean" not in out
+        for sid, clients in ((twice, (led, three)), (elsewhere, (three, nine))):
+            line = next(x for x in out.splitlines() if x.startswith(f"{sid}: "))
+            for c in clients:
+                p = c.keyspace.partition_of(sid)
+                assert f"p{p}" in line and c.keyspace.session(sid).session in line
+        assert "session(s) audited, 2 with violations" in out
+        # Asked for by name: found the same way.
+        assert cli.main([*argv, elsewhere]) == cli.EXIT_VIOLATION
+        assert f"{elsewhere}: under 2 partitions" in capsys.readouterr().out
+        # Once one copy is deleted, the id is clean again.
+        three.session(twice).delete()
+        r = redis.Redis.from_url(redis_server.url)
+        r.delete(three.keyspace.session(twice).session)  # the tombstone too
+        assert cli.main([*argv, "solo", twice]) == cli.EXIT_OK
