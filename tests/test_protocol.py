@@ -142,7 +142,7 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
         assert r.script_load(body) == printed[str(tmp_path / f"{name}.lua")]
     opened, other, admit = VECTORS["calls"]
     key = opened["keys"][0]
-    r.delete(key)
+    r.delete(key, VECTORS["keys"]["jobs"])
     try:
         got = _reply(r.eval(text["open"], 1, key, *opened["argv"]))
         assert (got["status"], got["created"], got["turn"]) == ("ok", "1", "0")
@@ -170,6 +170,24 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
         assert record.split(b"|")[1].decode() == op_fingerprint("admit", argv)
         with pytest.raises(redis.ResponseError, match=r"^LEDGER_STALE "):
             r.eval(text["admit"], 1, key, "op-admit-2", str(int(epoch) - 1), *argv[2:])
+        # A turn that ends above the high-water mark (5760 of 8000) writes a compaction
+        # job to the partition's stream, with the fields of docs/protocol.md, in order.
+        sid, jobs = opened["session_id"], VECTORS["keys"]["jobs"]
+        got = _reply(r.eval(text["begin_turn"], 2, key, jobs, "op-b1", epoch, "0", "-", sid))
+        assert (got["status"], got["turn"]) == ("ok", "1")
+        r.eval(text["admit"], 1, key, "op-w1", epoch, "w", "all", "1", "turn-1", "6000", "0")
+        end = [key, jobs, "op-e1", epoch, "1", "6700", "0", sid]
+        assert _reply(r.eval(text["end_turn"], 2, *end))["compaction_due"] == "1"
+        [(_, fields)] = r.xrange(jobs)
+        table = re.search(
+            r"## The job stream\n.*?\| field \| value \|\n\| --- \| --- \|\n(.*?)\n\n", DOC, re.S
+        )
+        assert table is not None
+        names = re.findall(r"^\| `(\w+)` \|", table.group(1), re.M)
+        assert [k.decode() for k in fields] == names
+        assert fields[b"kind"] == b"compact" and fields[b"session"] == sid.encode()
+        assert fields[b"epoch"] == epoch.encode() and fields[b"op"] == b"op-e1"
+        assert fields[b"reason"] == b"high_water_mark" and fields[b"inc"] == r.hget(key, "inc")
         # The Python client agrees: the same budget is the same session.
         settings = LedgerSettings(
             redis_url=redis_server.url,
@@ -182,7 +200,7 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
             assert s.epoch == int(epoch)
             assert s.snapshot().used[Consumer.RETRIEVAL] == 200
     finally:
-        r.delete(key)
+        r.delete(key, VECTORS["keys"]["jobs"])
 
 
 # --- one session id under two partitions ------------------------------------------------------
