@@ -8,8 +8,8 @@ Only ``demo`` runs in-process (``embedded://``) when no URL is set; the other co
 need ``--url`` or ``LEDGER_REDIS_URL`` (``embedded://`` only when asked for by name).
 
 Extras (ledger/extras.py): ``demo`` needs ``redis-token-ledger[demo]``; ``top``,
-``inspect`` and ``audit`` need ``[cli]``; ``worker`` needs ``[worker]``. A missing one is
-a usage error (exit 2) whose message is the line that installs it.
+``inspect`` and ``audit`` need ``[cli]``; ``worker`` needs ``[worker]``; ``scripts`` none.
+A missing one is a usage error (exit 2) whose message is the line that installs it.
 """
 
 from __future__ import annotations
@@ -152,11 +152,12 @@ def cmd_audit(args: argparse.Namespace, out: Console) -> int:
         return EXIT_VIOLATION if bad else EXIT_OK
 
 
-def cmd_scripts(args: argparse.Namespace, out: Console) -> int:
+def cmd_scripts(args: argparse.Namespace) -> int:
+    """Plain output and no extra: a client in another language needs only the package."""
     from ledger import scripts
 
     for path in scripts.dump(args.dir):
-        out.print(f"{scripts.sha(path.stem)} {path}", highlight=False, markup=False, soft_wrap=True)
+        print(scripts.sha(path.stem), path)
     return EXIT_OK
 
 
@@ -528,6 +529,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "worker":
             return cmd_worker(args)
+        if args.command == "scripts":
+            return cmd_scripts(args)
         extra = "demo" if args.command == "demo" else "cli"
         console = need("rich.console", extra, f"ledger {args.command}").Console()
         return int(args.func(args, console))
