@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import os
@@ -323,21 +324,20 @@ class operation(Generic[P, T]):
         self.name = name
 
     def _method(self, session: Any) -> Callable[..., Any]:
-        """The plain function behind the face's method (one per face class)."""
+        """The function behind the method, for the session's class: a coroutine
+        function when its ledger's ``run`` is one (the asyncio face)."""
         build = self.build
 
-        def method(self: Any, /, *args: Any, **kwargs: Any) -> Any:
+        def call(self: Any, /, *args: Any, **kwargs: Any) -> Any:
             return self.ledger.run(build(self, *args, **kwargs))
 
         async def coroutine(self: Any, /, *args: Any, **kwargs: Any) -> Any:
             return await self.ledger.run(build(self, *args, **kwargs))
 
-        if inspect.iscoroutinefunction(session.ledger.run):
-            method = coroutine
+        method = coroutine if inspect.iscoroutinefunction(session.ledger.run) else call
+        functools.update_wrapper(method, build)  # its doc, and its signature for inspect
         method.__name__ = self.name
         method.__qualname__ = f"{type(session).__qualname__}.{self.name}"
-        method.__doc__ = build.__doc__
-        method.__wrapped__ = build  # type: ignore[attr-defined]
         return self._methods.setdefault(type(session), method)
 
     @overload
