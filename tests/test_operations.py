@@ -137,7 +137,7 @@ def probe_call(self: SessionCore) -> Call[Probed]:  # core.py: the session metho
 
 PROBE_LUA = """-- probe.lua: a test's read-only operation: the session's epoch.
 local ep = redis.call('HGET', KEYS[1], 'ep')
-if not ep then return err('NOSESSION', NOSESSION) end
+if not ep then fail('NOSESSION', NOSESSION) end
 return reply({ 'epoch=' .. ep })
 """
 
