@@ -1,5 +1,6 @@
 """A distributed token-budget ledger for fleets of LLM agents, backed by Redis."""
 
+from ledger import models
 from ledger.agent import Agent, AsyncAgent, EstimatingCounter, TiktokenCounter
 from ledger.aio import AsyncLedger, AsyncSession
 from ledger.client import Ledger, Session
@@ -26,26 +27,7 @@ from ledger.errors import (
 )
 from ledger.extras import MissingExtra
 from ledger.keys import KeySpace
-from ledger.models import (
-    Admitted,
-    AuditReport,
-    Compaction,
-    Consumer,
-    Deleted,
-    HeldItem,
-    Item,
-    Reconciled,
-    Released,
-    Reservation,
-    SessionBudget,
-    Settled,
-    Snapshot,
-    SpanRecorded,
-    ToolResult,
-    TurnReport,
-    TurnStarted,
-    Voided,
-)
+from ledger.models import *  # noqa: F403 (models.__all__)
 from ledger.settings import LedgerSettings
 
 __all__ = [
@@ -55,28 +37,16 @@ __all__ = [
     "TiktokenCounter",
     "AdmissionRefused",
     "RefusalReason",
-    "Admitted",
     "AsyncLedger",
     "AsyncSession",
-    "AuditReport",
-    "Compaction",
-    "Deleted",
     "FanoutRefused",
-    "HeldItem",
-    "SpanRecorded",
-    "ToolResult",
-    "TurnReport",
-    "TurnStarted",
     "WorkingMemoryStarvation",
     "BackendUnavailable",
     "ConfigurationError",
     "ContextDrift",
     "ContextDriftWarning",
     "ContextOverflow",
-    "Reconciled",
-    "Consumer",
     "InvalidArgument",
-    "Item",
     "KeySpace",
     "Ledger",
     "LedgerClosed",
@@ -85,17 +55,12 @@ __all__ = [
     "MissingExtra",
     "OperationIdReused",
     "PermissionDenied",
-    "Released",
-    "Reservation",
     "ReservationExpired",
     "Session",
-    "SessionBudget",
     "SessionConflict",
-    "Settled",
-    "Snapshot",
     "StaleEpoch",
     "UnknownReservation",
     "UnknownSession",
-    "Voided",
 ]
+__all__ += models.__all__
 __version__ = "0.1.0"

@@ -6,14 +6,14 @@ It shares everything but the I/O with the sync face (``ledger.core``,
 
 from __future__ import annotations
 
+import asyncio
 import functools
-from collections.abc import Callable, Coroutine, Iterable
-from typing import Any, Concatenate, ParamSpec, Self, TypeVar
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, Self, TypeVar
 
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
-from tenacity import AsyncRetrying
 
 from ledger import protocol, scripts
 from ledger.backends import AsyncClient, async_client
@@ -29,25 +29,13 @@ from ledger.errors import (
     BackendUnavailable,
     LedgerError,
     PermissionDenied,
-    translate,
     translated,
 )
 from ledger.models import AuditReport, Expired, HeldItem, SessionBudget
 from ledger.protocol import Call
 from ledger.settings import LedgerSettings
 
-P = ParamSpec("P")
 T = TypeVar("T")
-
-
-def _async(
-    build: Callable[Concatenate[SessionCore, P], Call[T]],
-) -> Callable[Concatenate[AsyncSession, P], Coroutine[Any, Any, T]]:
-    @functools.wraps(build)
-    async def method(self: AsyncSession, /, *args: P.args, **kwargs: P.kwargs) -> T:
-        return await self.ledger.run(build(self, *args, **kwargs))
-
-    return method
 
 
 class AsyncLedger(LedgerCore):
@@ -70,19 +58,30 @@ class AsyncLedger(LedgerCore):
 
     async def _send(self, call: Call[Any]) -> object:
         """The raw reply of one call; transient failures retried, errors translated."""
-        script = self._scripts[call.script]
+        return await self._sent(functools.partial(self._evalsha, self._scripts[call.script], call))
+
+    async def _sent(self, send: Callable[[], Awaitable[Any]]) -> Any:
+        """``await send()``, and after a failure the tries that ``retried`` asks for,
+        waiting with ``asyncio.sleep``; errors translated."""
         try:
-            try:  # the common case costs no retry machinery
-                raw = await self._evalsha(script, call)
-            except Exception as first:
-                if not self.retries(first):
-                    raise
-                async for attempt in AsyncRetrying(**self.retry_policy()):
-                    with attempt:
-                        raw = await self._evalsha(script, call)
-        except Exception as exc:
-            raise translate(exc) from exc
-        return raw
+            return await send()
+        except Exception as first:
+            tries = self.retried(first, send)
+        try:
+            step = next(tries)
+            while True:
+                if isinstance(step, float):
+                    await asyncio.sleep(step)
+                    step = tries.send(None)
+                    continue
+                try:
+                    reply = await step()
+                except Exception as exc:
+                    step = tries.throw(exc)
+                else:
+                    step = tries.send(reply)
+        except StopIteration as done:
+            return done.value
 
     async def run_many(
         self, calls: Iterable[Call[Any]], *, return_exceptions: bool = False
@@ -94,17 +93,7 @@ class AsyncLedger(LedgerCore):
         if isinstance(self.client, AsyncRedisCluster):
             # redis-py pipelines no EVALSHA on a cluster: one call after the other.
             return collect(batch, [await self._try(c) for c in batch], return_exceptions)
-        try:
-            try:
-                raws = await self._send_batch(batch)
-            except Exception as first:
-                if not self.retries(first):
-                    raise
-                async for attempt in AsyncRetrying(**self.retry_policy()):
-                    with attempt:
-                        raws = await self._send_batch(batch)
-        except Exception as exc:
-            raise translate(exc) from exc
+        raws = await self._sent(functools.partial(self._send_batch, batch))
         return collect(batch, raws, return_exceptions)
 
     async def _try(self, call: Call[Any]) -> object:
@@ -228,21 +217,6 @@ class AsyncSession(SessionCore):
     def __init__(self, ledger: AsyncLedger, keys: Any, epoch: int) -> None:
         super().__init__(keys, epoch, ledger.settings.drift_action)
         self.ledger = ledger
-
-    admit = _async(SessionCore.admit_call)
-    release = _async(SessionCore.release_call)
-    reserve = _async(SessionCore.reserve_call)
-    settle = _async(SessionCore.settle_call)
-    void = _async(SessionCore.void_call)
-    reset = _async(SessionCore.reset_call)
-    begin_turn = _async(SessionCore.begin_turn_call)
-    record_span = _async(SessionCore.record_span_call)
-    end_turn = _async(SessionCore.end_turn_call)
-    compact = _async(SessionCore.compact_call)
-    admit_tool_result = _async(SessionCore.admit_tool_result_call)
-    reconcile = _async(SessionCore.reconcile_call)
-    snapshot = _async(SessionCore.snapshot_call)
-    delete = _async(SessionCore.delete_call)
 
     async def refresh(self) -> int:
         self.epoch = (await self.snapshot()).epoch

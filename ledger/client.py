@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Iterable
-from typing import Any, Concatenate, ParamSpec, Self, TypeVar
+from typing import Any, Self, TypeVar
 
 from redis.cluster import RedisCluster
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
-from tenacity import Retrying
 
 from ledger import protocol, scripts
 from ledger.backends import SyncClient, sync_client
@@ -25,25 +25,13 @@ from ledger.errors import (
     BackendUnavailable,
     LedgerError,
     PermissionDenied,
-    translate,
     translated,
 )
 from ledger.models import AuditReport, Expired, HeldItem, SessionBudget
 from ledger.protocol import Call
 from ledger.settings import LedgerSettings
 
-P = ParamSpec("P")
 T = TypeVar("T")
-
-
-def _sync(
-    build: Callable[Concatenate[SessionCore, P], Call[T]],
-) -> Callable[Concatenate[Session, P], T]:
-    @functools.wraps(build)
-    def method(self: Session, /, *args: P.args, **kwargs: P.kwargs) -> T:
-        return self.ledger.run(build(self, *args, **kwargs))
-
-    return method
 
 
 class Ledger(LedgerCore):
@@ -66,19 +54,30 @@ class Ledger(LedgerCore):
 
     def _send(self, call: Call[Any]) -> object:
         """The raw reply of one call; transient failures retried, errors translated."""
-        script = self._scripts[call.script]
+        return self._sent(functools.partial(self._evalsha, self._scripts[call.script], call))
+
+    def _sent(self, send: Callable[[], Any]) -> Any:
+        """``send()``, and after a failure the tries that ``retried`` asks for, waiting
+        with ``time.sleep``; errors translated."""
         try:
-            try:  # the common case costs no retry machinery
-                raw = self._evalsha(script, call)
-            except Exception as first:
-                if not self.retries(first):
-                    raise
-                for attempt in Retrying(**self.retry_policy()):
-                    with attempt:
-                        raw = self._evalsha(script, call)
-        except Exception as exc:
-            raise translate(exc) from exc
-        return raw
+            return send()
+        except Exception as first:
+            tries = self.retried(first, send)
+        try:
+            step = next(tries)
+            while True:
+                if isinstance(step, float):
+                    time.sleep(step)
+                    step = tries.send(None)
+                    continue
+                try:
+                    reply = step()
+                except Exception as exc:
+                    step = tries.throw(exc)
+                else:
+                    step = tries.send(reply)
+        except StopIteration as done:
+            return done.value
 
     def run_many(self, calls: Iterable[Call[Any]], *, return_exceptions: bool = False) -> list[Any]:
         """Send many calls in one round trip and return their results in order.
@@ -103,17 +102,7 @@ class Ledger(LedgerCore):
         if isinstance(self.client, RedisCluster):
             # redis-py pipelines no EVALSHA on a cluster: one call after the other.
             return collect(batch, [self._try(c) for c in batch], return_exceptions)
-        try:
-            try:
-                raws = self._send_batch(batch)
-            except Exception as first:
-                if not self.retries(first):
-                    raise
-                for attempt in Retrying(**self.retry_policy()):
-                    with attempt:
-                        raws = self._send_batch(batch)
-        except Exception as exc:
-            raise translate(exc) from exc
+        raws = self._sent(functools.partial(self._send_batch, batch))
         return collect(batch, raws, return_exceptions)
 
     def _try(self, call: Call[Any]) -> object:
@@ -240,21 +229,6 @@ class Session(SessionCore):
     def __init__(self, ledger: Ledger, keys: Any, epoch: int) -> None:
         super().__init__(keys, epoch, ledger.settings.drift_action)
         self.ledger = ledger
-
-    admit = _sync(SessionCore.admit_call)
-    release = _sync(SessionCore.release_call)
-    reserve = _sync(SessionCore.reserve_call)
-    settle = _sync(SessionCore.settle_call)
-    void = _sync(SessionCore.void_call)
-    reset = _sync(SessionCore.reset_call)
-    begin_turn = _sync(SessionCore.begin_turn_call)
-    record_span = _sync(SessionCore.record_span_call)
-    end_turn = _sync(SessionCore.end_turn_call)
-    compact = _sync(SessionCore.compact_call)
-    admit_tool_result = _sync(SessionCore.admit_tool_result_call)
-    reconcile = _sync(SessionCore.reconcile_call)
-    snapshot = _sync(SessionCore.snapshot_call)
-    delete = _sync(SessionCore.delete_call)
 
     def refresh(self) -> int:
         """Adopt the session's current epoch (after a StaleEpoch); returns it."""

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
 import os
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Self
+from collections.abc import Callable, Coroutine, Generator, Iterable, Mapping, Sequence
+from types import MethodType
+from typing import Any, Concatenate, Generic, ParamSpec, Protocol, Self, TypeVar, overload
 
 from redis.exceptions import NoScriptError
 from tenacity import (
+    DoAttempt,
+    DoSleep,
+    RetryCallState,
+    Retrying,
     retry_if_exception,
     stop_after_attempt,
     stop_after_delay,
@@ -49,6 +56,11 @@ from ledger.models import (
 )
 from ledger.protocol import Call
 from ledger.settings import LedgerSettings
+
+P = ParamSpec("P")
+T = TypeVar("T")
+R = TypeVar("R")
+S = TypeVar("S", bound=Callable[[], Any])
 
 
 class _OpIds:
@@ -219,6 +231,35 @@ class LedgerCore:
             "reraise": True,
         }
 
+    def retried(self, first: Exception, send: S) -> Generator[S | float, Any, Any]:
+        """What follows a failed first try of ``send`` (one call, or one batch): the one
+        body of the retry policy, whatever the I/O. It yields ``send`` for each further
+        try (the face makes it, then sends its reply back or throws its error in) or the
+        seconds to wait before one (the face sleeps); it returns the reply. Only
+        transient failures are tried again, within ``retry_policy``; the error that ends
+        the tries is raised translated. The first try, made by the face, costs no retry
+        machinery."""
+        try:
+            if not self.retries(first):
+                raise first
+            retrying = Retrying(**self.retry_policy())
+            retrying.begin()
+            state = RetryCallState(retrying, None, (), {})
+            while True:
+                do = retrying.iter(state)
+                if isinstance(do, DoAttempt):
+                    try:
+                        state.set_result((yield send))
+                    except Exception as exc:
+                        state.set_exception((type(exc), exc, exc.__traceback__))
+                elif isinstance(do, DoSleep):
+                    state.prepare_for_next_attempt()
+                    yield float(do)
+                else:
+                    return do
+        except Exception as exc:
+            raise translate(exc) from exc
+
     def open_call(self, session_id: str, budget: SessionBudget, op_id: str | None) -> Call[Any]:
         if not isinstance(budget, SessionBudget):
             raise ConfigurationError(f"budget must be a SessionBudget, got {type(budget).__name__}")
@@ -240,8 +281,86 @@ class LedgerCore:
         return out
 
 
+class _Runs(Protocol):
+    def run(self, call: Call[R], /) -> R: ...
+
+
+class _AwaitsRun(Protocol):
+    def run(self, call: Call[R], /) -> Coroutine[Any, Any, R]: ...
+
+
+class SyncFace(Protocol):
+    """A session whose ledger runs a call and returns its result (:class:`Session`)."""
+
+    @property
+    def ledger(self) -> _Runs: ...
+
+
+class AsyncFace(Protocol):
+    """A session whose ledger runs a call as a coroutine (:class:`AsyncSession`)."""
+
+    @property
+    def ledger(self) -> _AwaitsRun: ...
+
+
+class operation(Generic[P, T]):
+    """A session operation, defined once by the method that builds its call.
+
+    ``admit = operation(admit_call)`` in :class:`SessionCore` gives every face its
+    ``admit``: on a :class:`Session` a method returning the result, on an
+    :class:`AsyncSession` a coroutine function; each sends the built call with its
+    ledger's ``run``. The face decides how I/O happens, and static types follow it:
+    the method takes the builder's parameters and returns ``T`` or a coroutine of
+    ``T`` (see the overloads of ``__get__``). ``admit_call`` stays, for ``run_many``.
+    """
+
+    def __init__(self, build: Callable[Concatenate[SessionCore, P], Call[T]]) -> None:
+        self.build = build
+        self.__doc__ = build.__doc__
+        self.name = build.__name__.removesuffix("_call")
+        self._methods: dict[type, Callable[..., Any]] = {}
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def _method(self, session: Any) -> Callable[..., Any]:
+        """The function behind the method, for the session's class: a coroutine
+        function when its ledger's ``run`` is one (the asyncio face)."""
+        build = self.build
+
+        def call(self: Any, /, *args: Any, **kwargs: Any) -> Any:
+            return self.ledger.run(build(self, *args, **kwargs))
+
+        async def coroutine(self: Any, /, *args: Any, **kwargs: Any) -> Any:
+            return await self.ledger.run(build(self, *args, **kwargs))
+
+        method = coroutine if inspect.iscoroutinefunction(session.ledger.run) else call
+        functools.update_wrapper(method, build)  # its doc, and its signature for inspect
+        method.__name__ = self.name
+        method.__qualname__ = f"{type(session).__qualname__}.{self.name}"
+        return self._methods.setdefault(type(session), method)
+
+    @overload
+    def __get__(self, session: None, owner: type[Any] | None = None) -> Self: ...
+    @overload
+    def __get__(
+        self, session: AsyncFace, owner: type[Any] | None = None
+    ) -> Callable[P, Coroutine[Any, Any, T]]: ...
+    @overload
+    def __get__(self, session: SyncFace, owner: type[Any] | None = None) -> Callable[P, T]: ...
+    def __get__(self, session: Any, owner: type[Any] | None = None) -> Any:
+        if session is None:
+            return self
+        method = self._methods.get(type(session)) or self._method(session)
+        return MethodType(method, session)
+
+
 class SessionCore:
-    """One session's identity and epoch, and the calls it can make (no I/O)."""
+    """One session's identity and epoch, and the calls it can make (no I/O).
+
+    Each operation is a ``*_call`` method that builds its :class:`Call` and the line
+    ``name = operation(name_call)`` that gives it to every face (see ``operation``).
+    """
 
     def __init__(self, keys: SessionKeys, epoch: int, drift_action: str = "warn") -> None:
         self.keys = keys
@@ -267,11 +386,15 @@ class SessionCore:
         with ``partial=True`` the longest prefix that fits. Items already held charge nothing."""
         return protocol.admit(self.keys, _op(op_id), self.epoch, consumer, items, partial)
 
+    admit = operation(admit_call)
+
     def release_call(
         self, consumer: Consumer | str, item_ids: Sequence[str], *, op_id: str | None = None
     ) -> Call[Released]:
         """Give back items; ids not held are reported as missing."""
         return protocol.release(self.keys, _op(op_id), self.epoch, consumer, item_ids)
+
+    release = operation(release_call)
 
     def reserve_call(
         self,
@@ -293,6 +416,8 @@ class SessionCore:
             lease_ms,
         )
 
+    reserve = operation(reserve_call)
+
     def settle_call(
         self,
         reservation_id: str,
@@ -309,9 +434,13 @@ class SessionCore:
             self.keys, _op(op_id), self.epoch, reservation_id, actual, item_id, priority
         )
 
+    settle = operation(settle_call)
+
     def void_call(self, reservation_id: str, *, op_id: str | None = None) -> Call[Voided]:
         """Cancel a reservation and give its tokens back."""
         return protocol.void(self.keys, _op(op_id), self.epoch, reservation_id)
+
+    void = operation(void_call)
 
     def reset_call(self, reason: str, *, op_id: str | None = None) -> Call[ResetDone]:
         """Hard reset: advance the epoch, drop every item and reservation, keep the budget.
@@ -319,6 +448,8 @@ class SessionCore:
         Fenced by this handle's epoch, so a reset delivered twice applies once. Afterwards
         every handle of the session, this one included, is stale until ``refresh()``."""
         return protocol.reset(self.keys, _op(op_id), self.epoch, reason)
+
+    reset = operation(reset_call)
 
     def begin_turn_call(
         self, working_set: int, output_reserve: int | None = None, *, op_id: str | None = None
@@ -330,6 +461,8 @@ class SessionCore:
         WorkingMemoryStarvation when that is not enough (a compaction is then pending).
         ``output_reserve`` defaults to the budget's."""
         return protocol.begin_turn(self.keys, _op(op_id), self.epoch, working_set, output_reserve)
+
+    begin_turn = operation(begin_turn_call)
 
     def record_span_call(
         self,
@@ -345,6 +478,8 @@ class SessionCore:
         return protocol.record_span(
             self.keys, _op(op_id), self.epoch, turn, kind, input_tokens, output_tokens
         )
+
+    record_span = operation(record_span_call)
 
     def end_turn_call(
         self, turn: int, final_prompt_tokens: int, *, p99_trend: int = 0, op_id: str | None = None
@@ -366,6 +501,8 @@ class SessionCore:
             self.drift_action,
         )
 
+    end_turn = operation(end_turn_call)
+
     def reconcile_call(
         self,
         items: Mapping[Any, Sequence[Item]],
@@ -377,6 +514,8 @@ class SessionCore:
         named are untouched. Refused (nothing changed) when the result does not fit.
         Clears a flagged drift."""
         return protocol.reconcile(self.keys, _op(op_id), self.epoch, items)
+
+    reconcile = operation(reconcile_call)
 
     def compact_call(
         self,
@@ -391,6 +530,8 @@ class SessionCore:
         failures enqueue a hard reset (docs/rules.md#compaction-credit)."""
         return protocol.compact(self.keys, _op(op_id), self.epoch, replaced, summary)
 
+    compact = operation(compact_call)
+
     def admit_tool_result_call(
         self, call_id: str, tokens: int, content: bytes | str, *, op_id: str | None = None
     ) -> Call[ToolResult]:
@@ -398,12 +539,18 @@ class SessionCore:
         (docs/rules.md#admission-with-spill); never truncated. Memory gives way first."""
         return protocol.admit_tool(self.keys, _op(op_id), self.epoch, call_id, tokens, content)
 
+    admit_tool_result = operation(admit_tool_result_call)
+
     def snapshot_call(self) -> Call[Snapshot]:
         """A consistent reading of the session's numbers."""
         return protocol.snapshot(self.keys)
+
+    snapshot = operation(snapshot_call)
 
     def delete_call(self, *, op_id: str | None = None) -> Call[Deleted]:
         """Delete the session for every worker and handle: its items, reservations and
         index entries (a short tombstone keeps the retry's answer and fences old epochs).
         Not to be confused with ``Ledger.close()``, which closes a connection."""
         return protocol.delete(self.keys, _op(op_id), self.epoch)
+
+    delete = operation(delete_call)

@@ -15,6 +15,31 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ledger.errors import ConfigurationError, InvalidArgument
 
+# Exported by ``ledger`` as they are: a new result model is added here, nowhere else.
+__all__ = [
+    "Consumer",
+    "SessionBudget",
+    "Item",
+    "HeldItem",
+    "Opened",
+    "Admitted",
+    "Released",
+    "Reservation",
+    "Settled",
+    "Voided",
+    "Expired",
+    "ResetDone",
+    "TurnStarted",
+    "SpanRecorded",
+    "TurnReport",
+    "Reconciled",
+    "Compaction",
+    "ToolResult",
+    "Deleted",
+    "AuditReport",
+    "Snapshot",
+]
+
 TOKENS_MAX = 100_000_000
 
 

@@ -26,26 +26,6 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-NAMES = (
-    "open",
-    "admit",
-    "release",
-    "reserve",
-    "settle",
-    "void",
-    "expire",
-    "reset",
-    "begin_turn",
-    "record_span",
-    "end_turn",
-    "compact",
-    "admit_tool",
-    "reconcile",
-    "delete",
-    "snapshot",
-    "audit",
-)
-
 
 def lua_dir() -> Path:
     """Where the .lua files are: ``ledger/lua`` (in the repository, a link to ``lua/``)."""
@@ -54,6 +34,16 @@ def lua_dir() -> Path:
         raise FileNotFoundError(f"ledger Lua scripts not found in {packaged}")
     return packaged
 
+
+def script_names(folder: Path | None = None) -> tuple[str, ...]:
+    """The operations' scripts: every ``*.lua`` of the folder (by default
+    :func:`lua_dir`) but those whose name starts with ``_`` (``_common.lua``)."""
+    found = (folder or lua_dir()).glob("*.lua")
+    return tuple(sorted(p.stem for p in found if not p.name.startswith("_")))
+
+
+# Every script a ledger registers: adding an operation's .lua file is enough.
+NAMES = script_names()
 
 _DEFINES = re.compile(r"^local\s+(?:function\s+(\w+)|([\w\s,]+?)\s*=)", re.M)
 _WORD = re.compile(r"[A-Za-z_]\w*")
