@@ -143,3 +143,20 @@ def source(name: str) -> str:
 @functools.cache
 def sha(name: str) -> str:
     return hashlib.sha1(source(name).encode()).hexdigest()
+
+
+@functools.cache
+def reply_codes() -> dict[str, str]:
+    """The coded reply keys of a stored outcome (``PACK`` in _common.lua): control
+    character -> the '|<key>=' it stands for."""
+    text = (lua_dir() / "_common.lua").read_text()
+    pairs = re.findall(r"\['(\|\w+=)'\] = '\\(\d+)'", text)
+    if not pairs:
+        raise ValueError("_common.lua: no reply codes (PACK)")
+    return {chr(int(n)): key for key, n in pairs}
+
+
+def stored_reply(value: str) -> str:
+    """The reply an outcome hash keeps for an op id ('<fingerprint><coded reply>')."""
+    codes = reply_codes()
+    return "".join(codes.get(ch, ch) for ch in value[12:])[1:]

@@ -137,24 +137,29 @@ def drain(led: Ledger, worker: Worker, timeout: float = 20.0) -> None:
 
 
 def forget_outcome(led: Ledger, sid: str, op_id: str, timeout: float = 15.0) -> int:
-    """Make the session drop the stored outcome of `op_id`, as time does: calls of other
-    op ids fill and close journal chunks, and once the op retention has passed a later
-    call drops the oldest chunk with its outcomes. Returns the number of calls made.
+    """Make the session drop the stored outcome of `op_id`, as time does: once the op
+    retention has passed, a call of another op id moves the current outcome generation
+    to the previous one, and the next rotation (or the previous one's TTL) drops it.
+    Returns the number of calls made.
     The session's items and compaction state are left as they were (each call reserves
     one scratchpad token and voids it)."""
-    field = f"o:{op_id}"
     s = led.session(sid)
     deadline = time.monotonic() + timeout
     n = 0
-    while led.client.hexists(s.keys.session, field):
-        assert time.monotonic() < deadline, f"{field} still stored after {n} calls"
+    while stored_outcome(led, sid, op_id):
+        assert time.monotonic() < deadline, f"{op_id} still stored after {n} calls"
         rid = f"filler-{n}"
         s.reserve("scratchpad", rid, 1, lease_ms=60_000)
         s.void(rid)
         n += 1
-        if n % 40 == 0:
-            time.sleep(0.2)  # past the retention, the next call drops a chunk
+        time.sleep(0.05)  # past the retention, the next call rotates the generations
     return n
+
+
+def stored_outcome(led: Ledger, sid: str, op_id: str) -> bool:
+    """Whether either outcome generation of the session keeps `op_id`."""
+    keys = led.keyspace.session(sid)
+    return any(led.client.hexists(k, op_id) for k in (keys.outcomes, keys.outcomes_old))
 
 
 # --- Redis out of memory ----------------------------------------------------------------

@@ -70,7 +70,7 @@ def test_compaction_job_taken_over_after_the_op_retention_applies_once(led: Ledg
 
     # The op retention passes: the outcome stored under the job's op id is dropped.
     jobs.forget_outcome(led, sid, f"job-{eid}")
-    assert not led.client.hexists(led.keyspace.session(sid).session, f"o:job-{eid}")
+    assert not jobs.stored_outcome(led, sid, f"job-{eid}")
 
     # Delivered again (a duplicate, or taken over with its body): no second effect.
     outcome = worker.handle(eid, fields)
