@@ -156,7 +156,12 @@ def reply_codes() -> dict[str, str]:
     return {chr(int(n)): key for key, n in pairs}
 
 
-def stored_reply(value: str) -> str:
-    """The reply an outcome hash keeps for an op id ('<fingerprint><coded reply>')."""
+def stored_outcomes(bucket: str) -> list[tuple[str, str, str]]:
+    """(op id, fingerprint, reply) of each outcome in one bucket of an outcome hash
+    (records '\\x1e<op>\\x1f<fingerprint><coded reply>', see lua/_common.lua)."""
     codes = reply_codes()
-    return "".join(codes.get(ch, ch) for ch in value[12:])[1:]
+    out = []
+    for rec in bucket.split("\x1e")[1:]:
+        op, _, value = rec.partition("\x1f")
+        out.append((op, value[:12], "".join(codes.get(ch, ch) for ch in value[12:])[1:]))
+    return out

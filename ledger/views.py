@@ -16,7 +16,7 @@ from ledger.core import batch_replies, collect
 from ledger.errors import UnknownSession, translated
 from ledger.models import AuditReport, Consumer, HeldItem, Snapshot
 from ledger.protocol import Call
-from ledger.scripts import stored_reply
+from ledger.scripts import stored_outcomes
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,10 +66,11 @@ def view(ledger: Ledger, session_id: str, journal: int = 10) -> SessionView:
             counters[name[2:]] = int(value)
     with translated():
         for k in (keys.outcomes, keys.outcomes_old):
-            for op, value in ledger.client.hscan_iter(k, count=max(journal, 1)):
+            for _, bucket in ledger.client.hscan_iter(k):
                 if len(entries) >= journal:
                     break
-                entries.append(JournalEntry(_text(op), stored_reply(_text(value))))
+                for op, _, reply in stored_outcomes(_text(bucket))[: journal - len(entries)]:
+                    entries.append(JournalEntry(op, reply))
     return SessionView(
         session_id,
         snap,

@@ -40,8 +40,11 @@
 -- Outcome hashes (the last two KEYS of every mutating script, '<tag>:out:<session>'
 -- and '<tag>:old:<session>'): the current and the previous generation of outcomes,
 -- kept out of the session hash so that a scan of the session never reads them.
---   <op>                one outcome: '<fingerprint><reply>', the reply's keys coded
---                       (see `pack`)
+--   <bucket>            the outcomes of the op ids whose SHA-1 starts with these two
+--                       hex digits, one after the other: '\30<op>\31<fingerprint><reply>',
+--                       the reply's keys coded (see `pack`); a few hundred fields, so
+--                       that a field costs little next to the outcomes it holds, and a
+--                       call reads and writes one bucket of about 1/256 of them
 -- The first commit after gz renames the current generation to the previous one (the
 -- one it replaces is at least one op retention old) and gives that one the op
 -- retention as its TTL: an outcome lives at least the op retention, at most about
@@ -163,9 +166,31 @@ local function pack(fp, out)
   return fp .. string.gsub('|' .. out, '|[%w_]+=', PACK)
 end
 
--- The outcome stored for this op id in either generation, or false.
+-- The current generation's bucket of this call's op id, as `recorded` read it, for
+-- `store` to append to.
+local BUCKET = {}
+
+-- The outcome stored for this op id in either generation ('<fingerprint><coded
+-- reply>'), or false. Every mutating script calls it before `store`.
 local function recorded(op)
-  return redis.call('HGET', OUT, op) or redis.call('HGET', OLD, op)
+  local b = string.sub(redis.sha1hex(op), 1, 2)
+  local src = redis.call('HGET', OUT, b) or ''
+  BUCKET.b, BUCKET.cur = b, src
+  local at = '\30' .. op .. '\31'
+  local _, j = string.find(src, at, 1, true)
+  if not j then
+    src = redis.call('HGET', OLD, b) or ''
+    _, j = string.find(src, at, 1, true)
+    if not j then return false end
+  end
+  return string.sub(src, j + 1, (string.find(src, '\30', j + 1, true) or 0) - 1)
+end
+
+-- Append the outcome of op to its bucket in the current generation (fresh: the
+-- generation was just rotated, the bucket starts empty).
+local function store(op, fp, out, fresh)
+  local cur = fresh and '' or BUCKET.cur
+  redis.call('HSET', OUT, BUCKET.b, cur .. '\30' .. op .. '\31' .. pack(fp, out))
 end
 
 -- A stored outcome for this op id: the reply to send again, an error reply when
@@ -301,7 +326,7 @@ local function commit(key, now, op, fp, out, args, J)
       args[#args + 1] = string.format('%d', now + math.floor(J.ttl / 10))
     end
   end
-  redis.call('HSET', OUT, op, pack(fp, out))
+  store(op, fp, out, rotate)
   if #args > 0 then redis.call('HSET', key, unpack(args)) end
   if refresh then redis.call('PEXPIRE', key, J.ttl) end
   if refresh or rotate then redis.call('PEXPIRE', OUT, J.ttl) end

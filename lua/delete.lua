@@ -42,6 +42,6 @@ redis.call('DEL', key)
 local out = reply({ 'status=ok', 'deleted=1' })
 redis.call('HSET', key, 'pe', H.ep)
 redis.call('PEXPIRE', key, H.ort)
-redis.call('HSET', OUT, op, pack(fp, out))
+store(op, fp, out, false)
 redis.call('PEXPIRE', OUT, H.ort)
 return out

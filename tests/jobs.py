@@ -15,6 +15,7 @@ import redis
 
 from ledger import Item, Ledger, SessionBudget
 from ledger.models import Consumer
+from ledger.scripts import stored_outcomes
 from ledger.workers.compactors import CompactionPlan, CompactionRequest
 from ledger.workers.runner import Metrics, Worker, WorkerSettings
 
@@ -158,8 +159,18 @@ def forget_outcome(led: Ledger, sid: str, op_id: str, timeout: float = 15.0) -> 
 
 def stored_outcome(led: Ledger, sid: str, op_id: str) -> bool:
     """Whether either outcome generation of the session keeps `op_id`."""
+    return any(op == op_id for op, _ in stored_fingerprints(led, sid))
+
+
+def stored_fingerprints(led: Ledger, sid: str) -> list[tuple[str, str]]:
+    """(op id, fingerprint) of every outcome the session keeps, both generations."""
     keys = led.keyspace.session(sid)
-    return any(led.client.hexists(k, op_id) for k in (keys.outcomes, keys.outcomes_old))
+    return [
+        (op, fp)
+        for k in (keys.outcomes, keys.outcomes_old)
+        for bucket in led.client.hvals(k)
+        for op, fp, _ in stored_outcomes(text(bucket))
+    ]
 
 
 # --- Redis out of memory ----------------------------------------------------------------
