@@ -303,8 +303,9 @@ end
 
 -- Record the outcome under its op id in the current generation and write args
 -- (field, value, ...) to the session in one HSET. Rarely (generation due, TTL due) it
--- also rotates the outcome generations or refreshes the idle TTL, so the work per
--- call stays constant whatever the session's length.
+-- also rotates the outcome generations or refreshes the idle TTL. The work per call
+-- does not grow with the session's length; the one bucket it rewrites holds about
+-- 1/256 of the outcomes of the last op retention.
 -- J: { gz = number, xp = number } and, where the caller knows them already, ttl, ort.
 local function commit(key, now, op, fp, out, args, J)
   local refresh, rotate = now >= J.xp, now >= J.gz
