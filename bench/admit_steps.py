@@ -29,10 +29,10 @@ from .bench_core import BENCH_BUDGET
 STEPS = (
     ("prelude (the _common.lua it uses)", "local op, fp, epoch = op_args('admit', false)"),
     ("check the 9 arguments", "local key = KEYS[1]"),
-    ("read the fields (HMGET)", "local again = gate(v[12]"),
-    ("replay, session, epoch, TIME", "local a, floor, sq, fr"),
+    ("read the fields (HMGET)", "local again = gate(recorded(op)"),
+    ("read the outcome, replay, session, epoch, TIME", "local a, floor, sq, fr"),
     ("the arithmetic", "local J = {"),
-    ("outcome record, journal, reply, HSET", None),
+    ("outcome record, reply, HSETs", None),
 )
 
 

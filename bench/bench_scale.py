@@ -12,8 +12,8 @@ one run:
   RESETSTAT before each phase; median over the rounds);
 - a reclaiming begin_turn's server time on a session holding 5 scratchpad items and
   K retained outcomes, beside a fresh one (K = 0), median of the rounds;
-- Redis memory per retained outcome: MEMORY USAGE of the session with K outcomes,
-  minus the same session before them, divided by K;
+- Redis memory per retained outcome: MEMORY USAGE of the session's keys (session
+  hash and outcome hashes) with K outcomes, minus the same before them, divided by K;
 - ``ledger top --once`` and ``ledger audit`` wall time at N sessions.
 """
 
@@ -45,6 +45,12 @@ def server_us(r: redis.Redis, step: Callable[[int], object], n: int) -> float:
         step(i)
     st = r.info("commandstats")["cmdstat_evalsha"]
     return float(st["usec"]) / float(st["calls"])
+
+
+def usage(r: redis.Redis, s: Session) -> int:
+    """MEMORY USAGE of the session hash and its outcome hashes, in bytes."""
+    keys = (s.keys.session, s.keys.outcomes, s.keys.outcomes_old)
+    return sum(r.memory_usage(k, samples=0) or 0 for k in keys)
 
 
 def fill(led: Ledger, s: Session, outcomes: int) -> None:
@@ -97,9 +103,9 @@ def begin_turn_reclaim(
     for k in [0, *outcomes]:
         s = led.open_session(f"reclaim-{k}", RECLAIM)
         s.admit("scratchpad", [Item(f"keep{i}", 100) for i in range(3)])
-        before = r.memory_usage(s.keys.session, samples=0) or 0
+        before = usage(r, s)
         fill(led, s, k)
-        after = r.memory_usage(s.keys.session, samples=0) or 0
+        after = usage(r, s)
         times = []
         for rnd in range(rounds):
             s.admit("scratchpad", [Item(f"big{rnd}-{i}", 2000) for i in range(2)])

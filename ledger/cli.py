@@ -227,11 +227,11 @@ def cmd_inspect(args: argparse.Namespace, out: Console) -> int:
                 "yes" if deadline < snap.now_ms else "",
             )
         out.print(res)
-    j = Table(title="recent journal (newest first)")
-    for col in ("age (ms)", "op id", "outcome"):
+    j = Table(title="outcomes kept for retries (current generation first)")
+    for col in ("op id", "outcome"):
         j.add_column(col)
     for e in v.journal:
-        j.add_row(str(snap.now_ms - e.ts_ms), e.op_id, e.reply)
+        j.add_row(e.op_id, e.reply)
     out.print(j)
     if v.counters:
         out.print("counters: " + ", ".join(f"{k}={val}" for k, val in sorted(v.counters.items())))

@@ -6,6 +6,9 @@ structures (the reservation deadline index), so one script can touch all of
 them on Redis Cluster::
 
     <prefix>:{p<N>}:s:<session_id>     session hash (see lua/_common.lua)
+    <prefix>:{p<N>}:out:<session_id>   outcome hash, op id -> stored reply: the current
+                                       generation (see lua/_common.lua)
+    <prefix>:{p<N>}:old:<session_id>   outcome hash of the previous generation
     <prefix>:{p<N>}:deadlines          sorted set of reservation deadlines (ms),
                                        members '<session_id>|<reservation_id>'
     <prefix>:{p<N>}:jobs               stream of jobs for the workers (hard resets)
@@ -47,9 +50,16 @@ class SessionKeys:
     spill_prefix: str
     content: str
     compacted: str
+    outcomes: str
+    outcomes_old: str
 
     def spill(self, call_id: str) -> str:
         return self.spill_prefix + call_id
+
+    def for_script(self, *extra: str) -> tuple[str, ...]:
+        """The KEYS of a mutating script: the session hash, the script's own keys, then
+        the two outcome hashes (always last)."""
+        return (self.session, *extra, self.outcomes, self.outcomes_old)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +105,8 @@ class KeySpace:
             f"{self.tag(p)}:spill:{session_id}|",
             f"{self.tag(p)}:content:{session_id}",
             f"{self.tag(p)}:compacted:{session_id}",
+            f"{self.tag(p)}:out:{session_id}",
+            f"{self.tag(p)}:old:{session_id}",
         )
 
     def session_key_parts(self, key: str) -> tuple[int, str] | None:

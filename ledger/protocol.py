@@ -166,7 +166,7 @@ def open_session(
         ]
         + [b.compaction, str(b.compaction_min_gain_tokens)]
     )
-    return _mutating("open", [keys.session], op_id, 0, body, _opened)
+    return _mutating("open", keys.for_script(), op_id, 0, body, _opened)
 
 
 # --- admit / release ----------------------------------------------------------------
@@ -202,7 +202,7 @@ def admit(
         if not isinstance(it, Item):
             raise InvalidArgument("items must be a list or tuple of Item")
         body += (check_id(it.id, "item id"), _num(it.tokens), _num(it.priority))
-    return _mutating("admit", [keys.session], op_id, epoch, body, _admitted)
+    return _mutating("admit", keys.for_script(), op_id, epoch, body, _admitted)
 
 
 def _released(r: Reply) -> Released:
@@ -223,7 +223,7 @@ def release(
         raise InvalidArgument("release needs a non-empty list or tuple of item ids")
     ids = [check_id(i, "item id") for i in item_ids]
     body = [Consumer.parse(consumer).code, str(len(ids)), *ids]
-    return _mutating("release", [keys.session], op_id, epoch, body, _released)
+    return _mutating("release", keys.for_script(), op_id, epoch, body, _released)
 
 
 # --- two-phase reservations ---------------------------------------------------------
@@ -252,7 +252,7 @@ def reserve(
         _num(tokens),
         _num(lease_ms),
     ]
-    return _mutating("reserve", [keys.session, keys.deadlines], op_id, epoch, body, _reserved)
+    return _mutating("reserve", keys.for_script(keys.deadlines), op_id, epoch, body, _reserved)
 
 
 def _settled(r: Reply) -> Settled:
@@ -279,7 +279,7 @@ def settle(
     rid = check_id(reservation_id, "reservation id")
     item = rid if item_id is None else check_id(item_id, "item id")
     body = [keys.session_id, rid, _num(actual), item, _num(priority)]
-    return _mutating("settle", [keys.session, keys.deadlines], op_id, epoch, body, _settled)
+    return _mutating("settle", keys.for_script(keys.deadlines), op_id, epoch, body, _settled)
 
 
 def _voided(r: Reply) -> Voided:
@@ -290,7 +290,7 @@ def _voided(r: Reply) -> Voided:
 
 def void(keys: SessionKeys, op_id: str, epoch: int, reservation_id: str) -> Call[Voided]:
     body = [keys.session_id, check_id(reservation_id, "reservation id")]
-    return _mutating("void", [keys.session, keys.deadlines], op_id, epoch, body, _voided)
+    return _mutating("void", keys.for_script(keys.deadlines), op_id, epoch, body, _voided)
 
 
 def _expired(r: Reply) -> Expired:
@@ -300,7 +300,7 @@ def _expired(r: Reply) -> Expired:
 def expire(keys: SessionKeys, op_id: str, reservation_ids: Sequence[str]) -> Call[Expired]:
     rids = [check_id(r, "reservation id") for r in reservation_ids]
     body = [keys.session_id, str(len(rids)), *rids]
-    return _mutating("expire", [keys.session, keys.deadlines], op_id, "*", body, _expired)
+    return _mutating("expire", keys.for_script(keys.deadlines), op_id, "*", body, _expired)
 
 
 def reset(keys: SessionKeys, op_id: str, epoch: int, reason: str) -> Call[ResetDone]:
@@ -308,7 +308,7 @@ def reset(keys: SessionKeys, op_id: str, epoch: int, reason: str) -> Call[ResetD
         return ResetDone(int(r["epoch"]), int(r["dropped"]), int(r["released"]))
 
     body = [keys.session_id, check_id(reason, "reason")]
-    return _mutating("reset", [keys.session, keys.deadlines], op_id, epoch, body, parse)
+    return _mutating("reset", keys.for_script(keys.deadlines), op_id, epoch, body, parse)
 
 
 # --- turns and the rules (docs/rules.md) --------------------------------------------
@@ -340,7 +340,7 @@ def begin_turn(
         "-" if output_reserve is None else _num(output_reserve),
         keys.session_id,
     ]
-    return _mutating("begin_turn", [keys.session, keys.jobs], op_id, epoch, body, _turn_started)
+    return _mutating("begin_turn", keys.for_script(keys.jobs), op_id, epoch, body, _turn_started)
 
 
 def _span(r: Reply) -> SpanRecorded:
@@ -360,7 +360,7 @@ def record_span(
     output_tokens: int,
 ) -> Call[SpanRecorded]:
     body = [_num(turn), check_id(kind, "span kind"), _num(input_tokens), _num(output_tokens)]
-    return _mutating("record_span", [keys.session], op_id, epoch, body, _span)
+    return _mutating("record_span", keys.for_script(), op_id, epoch, body, _span)
 
 
 def _report(r: Reply) -> TurnReport:
@@ -416,7 +416,7 @@ def end_turn(
             warnings.warn(ContextDriftWarning(report, msg), stacklevel=4)
         return report
 
-    return _mutating("end_turn", [keys.session, keys.jobs], op_id, epoch, body, parse)
+    return _mutating("end_turn", keys.for_script(keys.jobs), op_id, epoch, body, parse)
 
 
 def _reconciled(r: Reply) -> Reconciled:
@@ -460,7 +460,7 @@ def reconcile(
     if total > 1000:
         raise InvalidArgument(f"reconcile takes at most 1000 items, got {total}")
     args = ["".join(codes), str(total), *body]
-    return _mutating("reconcile", [keys.session], op_id, epoch, args, _reconciled)
+    return _mutating("reconcile", keys.for_script(), op_id, epoch, args, _reconciled)
 
 
 def _compaction(r: Reply) -> Compaction:
@@ -508,7 +508,7 @@ def compact(
     sid = check_id(summary.id, "summary item id") if summary else "-summary-"
     body = [keys.session_id, sid, _num(summary.tokens) if summary else "0", str(len(refs)), *refs]
     body.append(check_entry_id(job))
-    return _mutating("compact", [keys.session, keys.jobs], op_id, epoch, body, _compaction)
+    return _mutating("compact", keys.for_script(keys.jobs), op_id, epoch, body, _compaction)
 
 
 _ENTRY_ID_RE = re.compile(r"(\d{1,20})-(\d{1,20})")
@@ -545,7 +545,7 @@ def admit_tool(
         raise InvalidArgument("content must be bytes or str")
     data = content.encode() if isinstance(content, str) else content
     body: list[str | bytes] = [cid, _num(tokens), data]
-    return _mutating("admit_tool", [keys.session, keys.spill(cid)], op_id, epoch, body, _tool)
+    return _mutating("admit_tool", keys.for_script(keys.spill(cid)), op_id, epoch, body, _tool)
 
 
 # --- close, snapshot, audit ---------------------------------------------------------
@@ -554,7 +554,7 @@ def admit_tool(
 def delete(keys: SessionKeys, op_id: str, epoch: int | str) -> Call[Deleted]:
     return _mutating(
         "delete",
-        [keys.session, keys.deadlines],
+        keys.for_script(keys.deadlines),
         op_id,
         epoch,
         [keys.session_id],

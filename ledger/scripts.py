@@ -171,3 +171,25 @@ def dump(directory: Path) -> list[Path]:
         path.write_bytes(source(name).encode())
         out.append(path)
     return out
+
+
+@functools.cache
+def reply_codes() -> dict[str, str]:
+    """The coded reply keys of a stored outcome (``PACK`` in _common.lua): control
+    character -> the '|<key>=' it stands for."""
+    text = (lua_dir() / "_common.lua").read_text()
+    pairs = re.findall(r"\['(\|\w+=)'\] = '\\(\d+)'", text)
+    if not pairs:
+        raise ValueError("_common.lua: no reply codes (PACK)")
+    return {chr(int(n)): key for key, n in pairs}
+
+
+def stored_outcomes(bucket: str) -> list[tuple[str, str, str]]:
+    """(op id, fingerprint, reply) of each outcome in one bucket of an outcome hash
+    (records '\\x1e<op>\\x1f<fingerprint><coded reply>', see lua/_common.lua)."""
+    codes = reply_codes()
+    out = []
+    for rec in bucket.split("\x1e")[1:]:
+        op, _, value = rec.partition("\x1f")
+        out.append((op, value[:12], "".join(codes.get(ch, ch) for ch in value[12:])[1:]))
+    return out

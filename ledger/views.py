@@ -16,11 +16,11 @@ from ledger.core import batch_replies, collect
 from ledger.errors import UnknownSession, translated
 from ledger.models import AuditReport, Consumer, HeldItem, Snapshot
 from ledger.protocol import Call
+from ledger.scripts import stored_outcomes
 
 
 @dataclass(frozen=True, slots=True)
 class JournalEntry:
-    ts_ms: int
     op_id: str
     reply: str
 
@@ -32,8 +32,12 @@ class SessionView:
     regime: str
     items: list[HeldItem]
     reservations: list[tuple[str, Consumer, int, int]]  # id, consumer, tokens, deadline ms
-    journal: list[JournalEntry]  # newest first
+    journal: list[JournalEntry]  # outcomes kept for retries, current generation first
     counters: dict[str, int]
+
+
+def _text(v: object) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 def regime(snap: Snapshot, working_set: int) -> str:
@@ -51,26 +55,23 @@ def view(ledger: Ledger, session_id: str, journal: int = 10) -> SessionView:
     snap = ledger.run(protocol.snapshot(keys))
     with translated():
         fields = ledger.client.hgetall(keys.session)
-    raw = {
-        (k.decode() if isinstance(k, bytes) else str(k)): (
-            v.decode() if isinstance(v, bytes) else str(v)
-        )
-        for k, v in fields.items()
-    }
+    raw = {_text(k): _text(v) for k, v in fields.items()}
     reservations = []
-    entries = []
+    entries: list[JournalEntry] = []
     counters = {}
     for name, value in raw.items():
         if name.startswith("r:"):
             code, tokens, deadline = value.split("|")
             reservations.append((name[2:], Consumer.from_code(code), int(tokens), int(deadline)))
-        elif name.startswith("o:"):
-            ts, _, rest = value.partition("|")
-            _, _, reply = rest.partition("|")
-            entries.append(JournalEntry(int(ts), name[2:], reply))
         elif name.startswith("x:") and value.lstrip("-").isdigit():
             counters[name[2:]] = int(value)
-    entries.sort(key=lambda e: e.ts_ms, reverse=True)
+    with translated():
+        for k in (keys.outcomes, keys.outcomes_old):
+            for _, bucket in ledger.client.hscan_iter(k):
+                if len(entries) >= journal:
+                    break
+                for op, _, reply in stored_outcomes(_text(bucket))[: journal - len(entries)]:
+                    entries.append(JournalEntry(op, reply))
     return SessionView(
         session_id,
         snap,

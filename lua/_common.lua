@@ -32,17 +32,27 @@
 --   cfg                 the budget's fingerprint
 --   i:<c>:<id>          one item: '<tokens>|<turn>|<priority>|<seq>'
 --   r:<id>              one reservation: '<c>|<tokens>|<deadline_ms>'
---   o:<op>              one outcome: '<ts_ms>|<fingerprint>|<reply>'
---   ol                  op ids of the open journal chunk, comma-separated
---   oc:<n> cl ch gz     closed journal chunks '<ts_ms>|<op ids>', oldest live chunk,
---                       next chunk, when chunk cl falls out of the op retention
+--   gz                  when the current outcome generation is rotated (one op
+--                       retention after it began)
 --   x:<name>            telemetry counters
 -- Consumers c: w working memory, r retrieval, m recall, s scratchpad.
+--
+-- Outcome hashes (the last two KEYS of every mutating script, '<tag>:out:<session>'
+-- and '<tag>:old:<session>'): the current and the previous generation of outcomes,
+-- kept out of the session hash so that a scan of the session never reads them.
+--   <bucket>            the outcomes of the op ids whose SHA-1 starts with these two
+--                       hex digits, one after the other: '\30<op>\31<fingerprint><reply>',
+--                       the reply's keys coded (see `pack`); a few hundred fields, so
+--                       that a field costs little next to the outcomes it holds, and a
+--                       call reads and writes one bucket of about 1/256 of them
+-- The first commit after gz renames the current generation to the previous one (the
+-- one it replaces is at least one op retention old) and gives that one the op
+-- retention as its TTL: an outcome lives at least the op retention, at most about
+-- twice that, with no timestamp or journal per outcome.
 
 local GROUP = { w = 'w', r = 'm', m = 'm', s = 's' }
 local ID_MAX = 128
 local TOKENS_MAX = 100000000      -- 1e8 tokens: above any model's window
-local CHUNK_BYTES = 512           -- journal chunk size
 local NEVER = 999999999999999
 
 -- Refuse the call: raise a tagged error, which the wrapper every script runs in (see
@@ -87,13 +97,15 @@ local function session_arg(v)
 end
 
 -- KEYS[i] must be the partition key `suffix` of the session in KEYS[1]
--- ('<prefix>:{p<N>}:s:<session>'); '%s' in suffix stands for the session id. The name
--- is only compared, never used to reach a key: the scripts use KEYS as given.
+-- ('<prefix>:{p<N>}:s:<session>'), followed only by the two outcome hashes; '%s' in
+-- suffix stands for the session id. The name is only compared, never used to reach
+-- a key: the scripts use KEYS as given.
 local function key_arg(i, suffix)
   local tag, sid = string.match(KEYS[1] or '', '^([^{]*{p%d+}):s:(.+)$')
   local want = tag and (tag .. ':' .. string.format(suffix, sid))
-  if not want or KEYS[i] ~= want or #KEYS ~= i then
-    fail('BADARG', 'KEYS must be the session key and ' .. show(want or suffix) .. ', got ' ..
+  if not want or KEYS[i] ~= want or #KEYS ~= i + 2 then
+    fail('BADARG', 'KEYS must be the session key, ' .. show(want or suffix) ..
+      ' and the outcome keys, got ' ..
       #KEYS .. ' keys: ' .. show(KEYS[i]))
   end
 end
@@ -111,13 +123,22 @@ local function consumer_name(c)
   return ({ w = 'working_memory', r = 'retrieval', m = 'recall', s = 'scratchpad' })[c] or c
 end
 
+-- The outcome hashes: the last two KEYS of every mutating script (checked by op_args).
+local OUT, OLD = KEYS[#KEYS - 1], KEYS[#KEYS]
+
 -- The prologue of every mutating call: ARGV[1] op id, ARGV[2] the epoch the caller
 -- believes current ('*' where the script allows an unfenced call). Returns op, the
 -- call's fingerprint and epoch (nil for '*'), or fails with BADARG. The fingerprint is
 -- computed here, by the server, over the script's name and every argument after the op
 -- id (the first 12 hex digits of their SHA-1): a client cannot claim one, so an op id
--- sent again with other arguments is always refused, whatever the client.
+-- sent again with other arguments is always refused, whatever the client. It also
+-- checks that the last two KEYS are the outcome hashes of the session in KEYS[1].
 local function op_args(name, unfenced_ok)
+  local tag, sid = string.match(KEYS[1] or '', '^([^{]*{p%d+}):s:(.+)$')
+  if not tag or #KEYS < 3 or OUT ~= tag .. ':out:' .. sid or OLD ~= tag .. ':old:' .. sid then
+    fail('BADARG', 'KEYS must end with the outcome keys of the session key ' ..
+      show(KEYS[1]) .. ', got ' .. #KEYS .. ' keys')
+  end
   local op = id_arg(ARGV[1], 'operation id')
   local fp = string.sub(redis.sha1hex(name .. '\31' .. table.concat(ARGV, '\31', 2)), 1, 12)
   if unfenced_ok and ARGV[2] == '*' then return op, fp, nil end
@@ -129,15 +150,62 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
+-- Reply keys as stored in an outcome: '|<key>=' is one control character (a key not
+-- listed stays as it is; replies hold no control characters).
+local PACK = {
+  ['|status='] = '\1', ['|reason='] = '\2', ['|requested='] = '\3', ['|free='] = '\4',
+  ['|epoch='] = '\5', ['|turn='] = '\6', ['|charged='] = '\7', ['|admitted='] = '\8',
+  ['|duplicates='] = '\9', ['|skipped='] = '\10', ['|released='] = '\11', ['|count='] = '\12',
+  ['|missing='] = '\13', ['|reservation='] = '\14', ['|deadline_ms='] = '\15',
+  ['|item='] = '\16', ['|expired='] = '\17', ['|pending='] = '\18', ['|dropped='] = '\19',
+  ['|created='] = '\20', ['|deleted='] = '\21', ['|regime='] = '\22', ['|residual='] = '\23',
+  ['|need='] = '\24', ['|utilization='] = '\25', ['|reclaimed='] = '\26', ['|rotated='] = '\27',
+  ['|compaction_due='] = '\28', ['|rollup='] = '\29'
+}
+
+-- The stored form of an outcome: the fingerprint (12 characters), then '|' .. reply
+-- with its keys coded.
+local function pack(fp, out)
+  return fp .. string.gsub('|' .. out, '|[%w_]+=', PACK)
+end
+
+-- The current generation's bucket of this call's op id, as `recorded` read it, for
+-- `store` to append to.
+local BUCKET = {}
+
+-- The outcome stored for this op id in either generation ('<fingerprint><coded
+-- reply>'), or false. Every mutating script calls it before `store`.
+local function recorded(op)
+  local b = string.sub(redis.sha1hex(op), 1, 2)
+  local src = redis.call('HGET', OUT, b) or ''
+  BUCKET.b, BUCKET.cur = b, src
+  local at = '\30' .. op .. '\31'
+  local _, j = string.find(src, at, 1, true)
+  if not j then
+    src = redis.call('HGET', OLD, b) or ''
+    _, j = string.find(src, at, 1, true)
+    if not j then return false end
+  end
+  return string.sub(src, j + 1, (string.find(src, '\30', j + 1, true) or 0) - 1)
+end
+
+-- Append the outcome of op to its bucket in the current generation (fresh: the
+-- generation was just rotated, the bucket starts empty).
+local function store(op, fp, out, fresh)
+  local cur = fresh and '' or BUCKET.cur
+  redis.call('HSET', OUT, BUCKET.b, cur .. '\30' .. op .. '\31' .. pack(fp, out))
+end
+
 -- A stored outcome for this op id: the reply to send again, or nil when the op is
 -- new; fails with OPREUSED when the id was used with other arguments.
 local function replay(rec, op, fp)
   if not rec then return nil end
-  local rfp, out = string.match(rec, '^%d+|(%x+)|(.*)$')
-  if rfp ~= fp then
+  if string.sub(rec, 1, 12) ~= fp then
     fail('OPREUSED', 'operation id ' .. op .. ' was already used with other arguments')
   end
-  return out
+  local key = {}
+  for k, c in pairs(PACK) do key[c] = k end
+  return string.sub(string.gsub(string.sub(rec, 13), '%c', key), 2)
 end
 
 local NOSESSION = 'session does not exist (never opened, closed or expired)'
@@ -150,8 +218,8 @@ local function stale(ep, epoch)
   fail('BADARG', 'epoch ' .. epoch .. ' is newer than the session epoch ' .. ep)
 end
 
--- The checks every mutating call makes once its fields are read, given the field
--- 'o:<op>' (rec) and the session's epoch (ep, a number or nil), in this order: a
+-- The checks every mutating call makes once its fields are read, given the outcome
+-- stored for its op id (rec, from `recorded`) and the session's epoch (ep, a number or nil), in this order: a
 -- stored outcome is replayed, a missing session and a stale epoch are refused.
 -- Returns the stored reply to send again, or nil to go on (else it fails).
 local function gate(rec, ep, op, fp, epoch)
@@ -176,11 +244,11 @@ end
 -- reply to send again; fails on a missing session, a stale epoch (checked before
 -- the reservation, which a reset drops), or no such reservation.
 local function open_reservation(key, op, fp, epoch, rid)
-  local v = redis.call('HMGET', key, 'o:' .. op, 'ep', 'r:' .. rid)
-  local again = gate(v[1], tonumber(v[2]), op, fp, epoch)
+  local v = redis.call('HMGET', key, 'ep', 'r:' .. rid)
+  local again = gate(recorded(op), tonumber(v[1]), op, fp, epoch)
   if again then return nil, again end
-  if not v[3] then fail('NORESERVATION', 'reservation ' .. rid .. ' is not open') end
-  local c, est, deadline = string.match(v[3], '^(%a)|(%d+)|(%d+)$')
+  if not v[2] then fail('NORESERVATION', 'reservation ' .. rid .. ' is not open') end
+  local c, est, deadline = string.match(v[2], '^(%a)|(%d+)|(%d+)$')
   return { c = c, est = tonumber(est), deadline = tonumber(deadline) }
 end
 
@@ -236,55 +304,36 @@ local function enqueue(stream, kind, sid, epoch, op, reason)
     'op', op, 'inc', inc or '0')
 end
 
--- Record the outcome under its op id and write args (field, value, ...) in one
--- HSET. Rarely (chunk full, retention passed, TTL due) it also closes a journal
--- chunk, drops the oldest one with its outcomes, or refreshes the idle TTL, so
--- the work per call stays constant whatever the session's length.
--- J: { ol = raw 'ol', gz = number, xp = number } and, where the caller knows
--- them already, cl, ch, ttl, ort.
+-- Record the outcome under its op id in the current generation and write args
+-- (field, value, ...) to the session in one HSET. Rarely (generation due, TTL due) it
+-- also rotates the outcome generations or refreshes the idle TTL. The work per call
+-- does not grow with the session's length; the one bucket it rewrites holds about
+-- 1/256 of the outcomes of the last op retention.
+-- J: { gz = number, xp = number } and, where the caller knows them already, ttl, ort.
 local function commit(key, now, op, fp, out, args, J)
-  args[#args + 1] = 'o:' .. op
-  args[#args + 1] = string.format('%d|%s|%s', now, fp, out)
-  local ol = (J.ol and J.ol ~= '') and (J.ol .. ',' .. op) or op
-  local refresh = now >= J.xp
-  if refresh or now >= J.gz or #ol >= CHUNK_BYTES then
+  local refresh, rotate = now >= J.xp, now >= J.gz
+  if refresh or rotate then
     if not J.ttl then
-      local m = redis.call('HMGET', key, 'cl', 'ch', 'ttl', 'ort')
-      J.cl, J.ch, J.ttl, J.ort = tonumber(m[1]), tonumber(m[2]), tonumber(m[3]), tonumber(m[4])
+      local m = redis.call('HMGET', key, 'ttl', 'ort')
+      J.ttl, J.ort = tonumber(m[1]), tonumber(m[2])
     end
-    local cl, ch, ttl, ort = J.cl, J.ch, J.ttl, J.ort
-    local gz = J.gz
-    if now >= gz and cl < ch then
-      local g = redis.call('HMGET', key, 'oc:' .. cl, 'oc:' .. (cl + 1))
-      local dead = { 'oc:' .. cl }
-      for id in string.gmatch(string.match(g[1] or '0|', '^%d+|(.*)$'), '[^,]+') do
-        dead[#dead + 1] = 'o:' .. id
+    if rotate then
+      if redis.call('EXISTS', OUT) == 1 then
+        redis.call('RENAME', OUT, OLD)
+        redis.call('PEXPIRE', OLD, J.ort)
       end
-      redis.call('HDEL', key, unpack(dead))
-      cl = cl + 1
-      gz = g[2] and (tonumber(string.match(g[2], '^(%d+)|')) + ort) or NEVER
+      args[#args + 1] = 'gz'
+      args[#args + 1] = string.format('%d', now + J.ort)
     end
-    if #ol >= CHUNK_BYTES then
-      args[#args + 1] = 'oc:' .. ch
-      args[#args + 1] = now .. '|' .. ol
-      if cl == ch then gz = now + ort end
-      ch, ol = ch + 1, ''
+    if refresh then
+      args[#args + 1] = 'xp'
+      args[#args + 1] = string.format('%d', now + math.floor(J.ttl / 10))
     end
-    local xp = J.xp
-    if refresh then xp = now + math.floor(ttl / 10) end
-    for _, kv in ipairs({ { 'cl', cl }, { 'ch', ch }, { 'gz', gz }, { 'xp', xp } }) do
-      args[#args + 1] = kv[1]
-      args[#args + 1] = string.format('%d', kv[2])
-    end
-    args[#args + 1] = 'ol'
-    args[#args + 1] = ol
-    redis.call('HSET', key, unpack(args))
-    if refresh then redis.call('PEXPIRE', key, ttl) end
-    return out
   end
-  args[#args + 1] = 'ol'
-  args[#args + 1] = ol
-  redis.call('HSET', key, unpack(args))
+  store(op, fp, out, rotate)
+  if #args > 0 then redis.call('HSET', key, unpack(args)) end
+  if refresh then redis.call('PEXPIRE', key, J.ttl) end
+  if refresh or rotate then redis.call('PEXPIRE', OUT, J.ttl) end
   return out
 end
 

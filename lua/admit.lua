@@ -1,6 +1,8 @@
 -- admit.lua: admit a batch of named items for one consumer, in one atomic step.
 --
 -- KEYS[1]  session hash
+-- KEYS[2]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[3]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
 -- ARGV[3]  consumer                w | r | m | s
@@ -44,7 +46,7 @@ end
 -- This is the hot path: fields are read by position, not through load()'s tables.
 local g = GROUP[c]
 local A, F, U, N = 'a_' .. g, 'F_' .. g, 'u_' .. c, 'n_' .. c
-local fields = { 'ep', 'tn', 'sq', 'fr', A, F, U, N, 'gz', 'xp', 'cd', 'o:' .. op, 'ol' }
+local fields = { 'ep', 'tn', 'sq', 'fr', A, F, U, N, 'gz', 'xp', 'cd' }
 local toks, prios, seen = {}, {}, n > 1 and {} or nil
 for k = 1, n do
   local b = 3 + 3 * k
@@ -56,14 +58,14 @@ for k = 1, n do
   end
   toks[k] = int_arg(ARGV[b + 1], 'tokens', 1, TOKENS_MAX, id)
   prios[k] = int_arg(ARGV[b + 2], 'priority', 0, 1000, id)
-  fields[k + 13] = 'i:' .. c .. ':' .. id
+  fields[k + 11] = 'i:' .. c .. ':' .. id
 end
 
 local key = KEYS[1]
 local v = redis.call('HMGET', key, unpack(fields))
--- v: 1 ep, 2 tn, 3 sq, 4 fr, 5 a, 6 floor, 7 u, 8 n, 9 gz, 10 xp, 11 cd, 12 outcome, 13 ol,
--- 13 + k: item k when already held.
-local again = gate(v[12], tonumber(v[1]), op, fp, epoch)
+-- v: 1 ep, 2 tn, 3 sq, 4 fr, 5 a, 6 floor, 7 u, 8 n, 9 gz, 10 xp, 11 cd,
+-- 11 + k: item k when already held.
+local again = gate(recorded(op), tonumber(v[1]), op, fp, epoch)
 if again then return again end
 local ep, tn = v[1], v[2]  -- kept as text: the reply and the items repeat them
 local now = now_ms()
@@ -87,7 +89,7 @@ end
 local first_skip, by_bound = nil, false
 for k = 1, n do
   local t = toks[k]
-  if v[k + 13] then
+  if v[k + 11] then
     dups = dups + 1
   else
     local d = claim_delta(a + charged, t, floor)
@@ -100,12 +102,12 @@ for k = 1, n do
       charged = charged + t
       admitted = admitted + 1
       sq = sq + 1
-      args[#args + 1] = fields[k + 13]
+      args[#args + 1] = fields[k + 11]
       args[#args + 1] = string.format('%d|%s|%d|%d', t, tn, prios[k], sq)
     end
   end
 end
-local J = { ol = v[13], gz = tonumber(v[9]), xp = tonumber(v[10]) }
+local J = { gz = tonumber(v[9]), xp = tonumber(v[10]) }
 -- Refused: 'all' mode that does not fit whole; 'prefix' mode that fits nothing.
 if mode == 'all' then by_bound = cap ~= nil and charged > 0 and charged > cap end
 local refused = (mode == 'all' and (fr < 0 or by_bound)) or

@@ -16,6 +16,8 @@
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  spill key for this result
+-- KEYS[3]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[4]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
 -- ARGV[3]  tool-call id            the scratchpad item id
@@ -42,20 +44,20 @@ if #ARGV ~= 5 then fail('BADARG', 'expected 5 arguments, got ' .. #ARGV) end
 key_arg(2, 'spill:%s|' .. call)
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'sq', 'fr', 'F_m', 'a_m', 'a_s', 'u_r', 'u_m', 'u_s', 'n_r', 'n_m', 'n_s',
-  'pv', 'sttl', 'gz', 'xp', 'o:' .. op, 'ol', 'i:s:' .. call }, 17)
-local again = gate(R[1], H.ep, op, fp, epoch)
+  'pv', 'sttl', 'gz', 'xp', 'i:s:' .. call }, 17)
+local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
 local now = now_ms()
-local J = { ol = R[2], gz = H.gz, xp = H.xp }
+local J = { gz = H.gz, xp = H.xp }
 local function done(outcome, charged, preview, evicted, fr, args)
   return commit(key, now, op, fp, table.concat({ 'status=ok|outcome=', outcome, '|item=', call,
     '|charged=', charged, '|tokens=', tokens, '|preview=', preview, '|evicted=', evicted,
     '|free=', fr, '|epoch=', H.ep, '|turn=', H.tn }), args, J)
 end
-if R[3] then
+if R[1] then
   -- Held already (a retry, another worker): a held size below the result's means it
   -- was spilled, and that preview is what the prompt may show.
-  local held = tonumber(string.match(R[3], '^(%d+)|'))
+  local held = tonumber(string.match(R[1], '^(%d+)|'))
   return done('duplicate', 0, held < tokens and held or 0, '', H.fr, {})
 end
 

@@ -6,6 +6,8 @@
 -- KEYS[1]  session hash
 -- KEYS[2]  partition job stream    a compaction job is appended when one becomes pending
 --                                  (worker-owned sessions only)
+-- KEYS[3]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[4]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
 -- ARGV[3]  working set             tokens the turn must hold in working memory, 0..1e8
@@ -52,8 +54,8 @@ key_arg(2, 'jobs')
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'W', 'S', 'T', 'R0', 'F_w', 'F_m', 'a_w', 'a_m', 'a_s', 'u_w', 'u_r',
   'u_m', 'u_s', 'n_w', 'n_r', 'n_m', 'n_s', 'EV', 'HW', 'kt', 'rut', 'rup', 'cd', 'gz', 'xp', 'fr',
-  'o:' .. op, 'ol', 'rel' }, 28)
-local again = gate(R[1], H.ep, op, fp, epoch)
+  'rel' }, 28)
+local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
 out2 = out2 or H.R0
 if H.S + H.T + H.F_w + H.F_m + out2 > H.W then
@@ -81,7 +83,7 @@ local function occupancy() return H.S + H.T + A.w + A.m + A.s end
 
 -- The items, read (one HGETALL) only when a turn must rotate or reclaim: a turn that
 -- is already ok costs no scan of the session.
-local rotating = R[3] and R[3] ~= '-'
+local rotating = R[1] and R[1] ~= '-'
 local items = { w = {}, r = {}, m = {}, s = {} }
 if rotating or residual() < need() then
   local all = redis.call('HGETALL', key)
@@ -97,7 +99,7 @@ if rotating or residual() < need() then
 end
 
 if rotating then
-  for c in string.gmatch(R[3], '%a') do
+  for c in string.gmatch(R[1], '%a') do
     for _, it in ipairs(items[c]) do rotated = rotated + drop(c, it) end
   end
 end
@@ -146,7 +148,7 @@ if start_residual < need() then
       regime == 'loud' and 'compaction_pending' or 'starvation', '|requested=', need(),
       '|residual=', start_residual, '|need=', need(), '|utilization=', util, '|shortfall=', short,
       '|compact=', table.concat(compact, ','), '|free=', H.fr, '|epoch=', H.ep, '|turn=', H.tn }),
-      H.cd == 1 and { 'cd', 1 } or { 'cd', 1, 'pm', 0 }, { ol = R[2], gz = H.gz, xp = H.xp })
+      H.cd == 1 and { 'cd', 1 } or { 'cd', 1, 'pm', 0 }, { gz = H.gz, xp = H.xp })
   end
   redis.call('HINCRBY', key, 'x:' .. regime, 1)
 end
@@ -179,4 +181,4 @@ return commit(key, now, op, fp, table.concat({ 'status=ok|regime=', regime, '|tu
   '|residual=', residual(), '|need=', need(), '|utilization=', util, '|reclaimed=',
   table.concat(reclaimed, ','), '|rotated=', rotated, '|released=', released,
   '|compaction_due=', due, '|rollup=', rollup, '|free=', fr, '|epoch=', H.ep }), args,
-  { ol = R[2], gz = H.gz, xp = H.xp })
+  { gz = H.gz, xp = H.xp })

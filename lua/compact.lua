@@ -11,6 +11,8 @@
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  partition job stream
+-- KEYS[3]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[4]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
 -- ARGV[3]  session id              must name KEYS[1]
@@ -65,7 +67,7 @@ if job ~= '-' then
 end
 local NUM = { 'ep', 'tn', 'sq', 'W', 'S', 'T', 'out', 'F_w', 'F_m', 'a_w', 'a_m', 'a_s', 'u_w', 'u_r', 'u_m',
   'u_s', 'n_w', 'n_r', 'n_m', 'n_s', 'HW', 'kf', 'kn', 'cx', 'rq', 'gz', 'xp', 'kg', 'cd' }
-local fields = { 'o:' .. op, 'ol', 'i:w:' .. sum_id }
+local fields = { 'i:w:' .. sum_id }
 for i = #NUM, 1, -1 do table.insert(fields, 1, NUM[i]) end
 local seen, refs = {}, {}
 for k = 1, n do
@@ -82,9 +84,9 @@ end
 key_arg(2, 'jobs')
 local key = KEYS[1]
 local H, R = load(key, fields, #NUM)
-local again = gate(R[1], H.ep, op, fp, epoch)
+local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
-if R[3] and not seen['w:' .. sum_id] then
+if R[1] and not seen['w:' .. sum_id] then
   fail('CONFLICT', 'working memory already holds ' .. sum_id .. ' and it is not being replaced')
 end
 -- Every check is done. A job's entry is deleted here, with the effect: when XDEL deletes
@@ -96,18 +98,18 @@ if job ~= '-' and redis.call('XDEL', KEYS[2], job) == 0 then
     'epoch=' .. H.ep, 'turn=' .. H.tn })
 end
 local now = now_ms()
-local J = { ol = R[2], gz = H.gz, xp = H.xp }
+local J = { gz = H.gz, xp = H.xp }
 local A = { w = H.a_w, m = H.a_m, s = H.a_s }
 local U = { w = H.u_w, r = H.u_r, m = H.u_m, s = H.u_s }
 local N = { w = H.n_w, r = H.n_r, m = H.n_m, s = H.n_s }
 local dropped, dead, missing = 0, {}, {}
 for k = 1, n do
-  local rec, c = R[3 + k], refs[k].c
+  local rec, c = R[1 + k], refs[k].c
   if rec then
     local t = tonumber(string.match(rec, '^(%d+)|'))
     dropped = dropped + t
     A[GROUP[c]], U[c], N[c] = A[GROUP[c]] - t, U[c] - t, N[c] - 1
-    dead[#dead + 1] = fields[#NUM + 3 + k]
+    dead[#dead + 1] = fields[#NUM + 1 + k]
   else
     missing[#missing + 1] = ARGV[6 + k]
   end

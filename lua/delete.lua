@@ -2,16 +2,18 @@
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  partition deadline index
+-- KEYS[3]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[4]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch or '*'            '*' deletes whatever the epoch (operators)
 -- ARGV[3]  session id
 --
 -- Reply: status=ok|deleted=<0|1>
--- The outcome stays in a tombstone (the op record and the last epoch, for the op
--- retention) so that a retry gets deleted=1 back and a session opened again under
+-- The outcome stays in the outcome hashes and the last epoch in a tombstone, for
+-- the op retention, so that a retry gets deleted=1 back and a session opened again under
 -- the same id starts at a later epoch: handles and jobs of the deleted one stay fenced.
 -- Errors: LEDGER_BADARG, LEDGER_STALE, LEDGER_OPREUSED.
--- Calls: HMGET, HGETALL (only with open reservations), ZREM, DEL, TIME, HSET, PEXPIRE.
+-- Calls: HGET, HMGET, HGETALL (only with open reservations), ZREM, DEL, HSET, PEXPIRE.
 
 local op, fp, epoch = op_args('delete', true)
 local sid
@@ -19,8 +21,8 @@ sid = session_arg(ARGV[3])
 if #ARGV ~= 3 then fail('BADARG', 'expected 3 arguments, got ' .. #ARGV) end
 key_arg(2, 'deadlines')
 local key = KEYS[1]
-local H, R = load(key, { 'ep', 'nv', 'ort', 'o:' .. op }, 3)
-local again = replay(R[1], op, fp)
+local H = load(key, { 'ep', 'nv', 'ort' }, 3)
+local again = replay(recorded(op), op, fp)
 if again then return again end
 if not H.ep then return reply({ 'status=ok', 'deleted=0' }) end
 stale(H.ep, epoch)
@@ -34,6 +36,8 @@ if H.nv > 0 then
 end
 redis.call('DEL', key)
 local out = reply({ 'status=ok', 'deleted=1' })
-redis.call('HSET', key, 'o:' .. op, now_ms() .. '|' .. fp .. '|' .. out, 'ol', op, 'pe', H.ep)
+redis.call('HSET', key, 'pe', H.ep)
 redis.call('PEXPIRE', key, H.ort)
+store(op, fp, out, false)
+redis.call('PEXPIRE', OUT, H.ort)
 return out

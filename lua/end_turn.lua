@@ -2,6 +2,8 @@
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  partition job stream    a compaction job is appended when one becomes pending
+-- KEYS[3]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[4]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
 -- ARGV[3]  turn                    the current turn (as begin_turn returned it)
@@ -45,8 +47,8 @@ if #ARGV ~= 6 then fail('BADARG', 'expected 6 arguments, got ' .. #ARGV) end
 key_arg(2, 'jobs')
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'W', 'S', 'T', 'a_w', 'a_m', 'a_s', 'F_w', 'HW', 'cd', 'kt', 'rut', 'rup',
-  'ai', 'an', 'pu', 'ams', 'amf', 'amp', 'gz', 'xp', 'te', 'dt', 'o:' .. op, 'ol' }, 24)
-local again = gate(R[1], H.ep, op, fp, epoch)
+  'ai', 'an', 'pu', 'ams', 'amf', 'amp', 'gz', 'xp', 'te', 'dt' }, 24)
+local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
 open_turn(H, turn)
 local now = now_ms()
@@ -84,4 +86,4 @@ return commit(key, now, op, fp, table.concat({ 'status=ok|turn=', H.tn, '|ratio=
   (due == 1 and H.cd ~= 1)
     and { 'pu', util, 'cd', due, 'te', turn, 'dp', final, 'dr', drift, 'df', flag == 'none' and 0 or 1, 'pm', 0 }
     or { 'pu', util, 'cd', due, 'te', turn, 'dp', final, 'dr', drift, 'df', flag == 'none' and 0 or 1 },
-  { ol = R[2], gz = H.gz, xp = H.xp })
+  { gz = H.gz, xp = H.xp })

@@ -5,6 +5,8 @@
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  partition deadline index
+-- KEYS[3]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[4]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch or '*'            the sweeper sends '*': expiry is not fenced
 -- ARGV[3]  session id
@@ -24,18 +26,17 @@ n = int_arg(ARGV[4], 'reservation count', 1, 1000)
 if #ARGV ~= 4 + n then
   fail('BADARG', 'expected ' .. (4 + n) .. ' arguments for ' .. n .. ' reservation ids, got ' .. #ARGV)
 end
-local raws = { 'ep', 'fr', 'a_w', 'a_m', 'a_s', 'F_w', 'F_m', 'v_w', 'v_r', 'v_m', 'v_s', 'nv', 'gz', 'xp',
-  'o:' .. op, 'ol' }
+local raws = { 'ep', 'fr', 'a_w', 'a_m', 'a_s', 'F_w', 'F_m', 'v_w', 'v_r', 'v_m', 'v_s', 'nv', 'gz', 'xp' }
 for k = 1, n do
   local rid
   rid = id_arg(ARGV[4 + k], 'reservation id')
-  raws[k + 16] = 'r:' .. rid
+  raws[k + 14] = 'r:' .. rid
 end
 
 key_arg(2, 'deadlines')
 local key = KEYS[1]
 local H, R = load(key, raws, 14)
-local again = replay(R[1], op, fp)
+local again = replay(recorded(op), op, fp)
 if again then return again end
 local now = now_ms()
 local gone, pending, dead, released, expired = {}, {}, {}, 0, 0
@@ -46,7 +47,7 @@ if not H.ep then
 end
 stale(H.ep, epoch)
 for k = 1, n do
-  local rec = R[k + 2]
+  local rec = R[k]
   if not rec then
     gone[#gone + 1] = sid .. '|' .. ARGV[4 + k]
   else
@@ -59,7 +60,7 @@ for k = 1, n do
       H['v_' .. c] = H['v_' .. c] - est
       H.nv = H.nv - 1
       released, expired = released + est, expired + 1
-      dead[#dead + 1] = raws[k + 16]
+      dead[#dead + 1] = raws[k + 14]
       gone[#gone + 1] = sid .. '|' .. ARGV[4 + k]
     else
       pending[#pending + 1] = ARGV[4 + k]
@@ -75,4 +76,4 @@ if expired > 0 then
     'v_m', H.v_m, 'v_s', H.v_s, 'nv', H.nv }
 end
 return commit(key, now, op, fp, reply({ 'status=ok', 'expired=' .. expired, 'released=' .. released,
-  'pending=' .. table.concat(pending, ',') }), args, { ol = R[2], gz = H.gz, xp = H.xp })
+  'pending=' .. table.concat(pending, ',') }), args, { gz = H.gz, xp = H.xp })

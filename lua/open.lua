@@ -1,6 +1,8 @@
 -- open.lua: create a session with its budget, or confirm an identical one.
 --
 -- KEYS[1]  session hash
+-- KEYS[2]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[3]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch                   ignored on open (send 0); a new session starts at the epoch
 --                                  Redis's clock gives in ms (above any earlier incarnation's),
@@ -94,13 +96,13 @@ end
 if #ARGV ~= 26 then fail('BADARG', 'expected 26 arguments, got ' .. #ARGV) end
 
 local key = KEYS[1]
-local H, R = load(key, { 'ep', 'tn', 'pe', 'o:' .. op, 'cfg', 'ol' }, 3)
-local again = replay(R[1], op, fp)
+local H, R = load(key, { 'ep', 'tn', 'pe', 'cfg' }, 3)
+local again = replay(recorded(op), op, fp)
 if again then return again end
 if H.ep then
-  if R[2] ~= cfp then
+  if R[1] ~= cfp then
     fail('CONFLICT', 'session is already open with another budget (fingerprint ' ..
-      tostring(R[2]) .. '); asked for ' .. cfp .. ': ' .. ARGV[14])
+      tostring(R[1]) .. '); asked for ' .. cfp .. ': ' .. ARGV[14])
   end
   return reply({ 'status=ok', 'created=0', 'epoch=' .. H.ep, 'turn=' .. H.tn })
 end
@@ -115,14 +117,15 @@ local fr = W - floor
 local epoch = math.max((H.pe or 0) + 1, now)
 local args = { 'cfg', cfp, 'ep', epoch, 'inc', now, 'tn', 0, 'sq', 0,
   'W', W, 'S', S, 'T', T, 'out', out, 'F_w', Fw, 'F_m', Fm, 'HW', v[7], 'EV', v[8], 'fr', fr,
-  'a_w', 0, 'a_m', 0, 'a_s', 0, 'nv', 0, 'ttl', v[9], 'ort', v[10], 'cl', 0, 'ch', 0,
+  'a_w', 0, 'a_m', 0, 'a_s', 0, 'nv', 0, 'ttl', v[9], 'ort', v[10],
   'R0', out, 'rel', rel, 'pv', v[11], 'sttl', v[12], 'cx', v[13], 'rut', v[14], 'rup', v[15],
   'ams', v[16], 'amf', v[17], 'amp', v[18], 'dt', tol, 'ca', owner == 'agent' and 1 or 0,
   'kg', gain, 'pm', 0,
   'cd', 0, 'kf', 0, 'kn', 0, 'kt', 0, 'rq', 0, 'ws', 0, 'ai', 0, 'ao', 0, 'an', 0, 'pu', -1 }
 zero_counters(args)
--- xp = 0 and gz = NEVER: the first commit refreshes the idle TTL.
+-- xp = 0: this commit refreshes the idle TTL; the outcome generation (which may hold
+-- a deleted incarnation's outcomes) is rotated one op retention from now.
 args[#args + 1] = 'gz'
-args[#args + 1] = string.format('%d', NEVER)
+args[#args + 1] = string.format('%d', now + v[10])
 return commit(key, now, op, fp, reply({ 'status=ok', 'created=1', 'epoch=' .. epoch, 'turn=0' }), args,
-  { ol = R[3], gz = NEVER, xp = 0, cl = 0, ch = 0, ttl = v[9], ort = v[10] })
+  { gz = NEVER, xp = 0, ttl = v[9], ort = v[10] })

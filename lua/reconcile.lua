@@ -9,6 +9,8 @@
 -- flagged drift (field df, see end_turn.lua) is cleared: the counters now describe the prompt.
 --
 -- KEYS[1]  session hash
+-- KEYS[2]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[3]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
 -- ARGV[3]  consumers               the consumers being set, letters of wrms, each at most once
@@ -57,11 +59,11 @@ end
 
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'sq', 'fr', 'W', 'S', 'T', 'out', 'F_w', 'F_m', 'u_w', 'u_r', 'u_m',
-  'u_s', 'n_w', 'n_r', 'n_m', 'n_s', 'v_w', 'v_r', 'v_m', 'v_s', 'gz', 'xp', 'o:' .. op, 'ol' }, 24)
-local again = gate(R[1], H.ep, op, fp, epoch)
+  'u_s', 'n_w', 'n_r', 'n_m', 'n_s', 'v_w', 'v_r', 'v_m', 'v_s', 'gz', 'xp' }, 24)
+local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
 local now = now_ms()
-local J = { ol = R[2], gz = H.gz, xp = H.xp }
+local J = { gz = H.gz, xp = H.xp }
 
 -- The named consumers' items as held now.
 local held = {}

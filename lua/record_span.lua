@@ -7,6 +7,8 @@
 -- the agent should summarize and proceed instead of recalling again.
 --
 -- KEYS[1]  session hash
+-- KEYS[2]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[3]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
 -- ARGV[3]  turn                    the current turn
@@ -32,14 +34,14 @@ if #ARGV ~= 6 then fail('BADARG', 'expected 6 arguments, got ' .. #ARGV) end
 
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'S', 'T', 'a_w', 'a_m', 'a_s', 'fr', 'ai', 'ao', 'an', 'amp', 'gz', 'xp',
-  'te', 'o:' .. op, 'ol' }, 15)
-local again = gate(R[1], H.ep, op, fp, epoch)
+  'te' }, 15)
+local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
 open_turn(H, turn)
 local now = now_ms()
 local prompt = math.max(1, H.S + H.T + H.a_w + H.a_m + H.a_s)
 local ratio = math.floor(H.ai * 1000 / prompt)
-local J = { ol = R[2], gz = H.gz, xp = H.xp }
+local J = { gz = H.gz, xp = H.xp }
 if ratio > H.amp then
   redis.call('HINCRBY', key, 'x:fanout_refused', 1)
   return commit(key, now, op, fp, table.concat({ 'status=refused|reason=fanout_guard|requested=', tin,

@@ -1,6 +1,8 @@
 -- release.lua: give back items a consumer holds.
 --
 -- KEYS[1]  session hash
+-- KEYS[2]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[3]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
 -- ARGV[3]  consumer                w | r | m | s
@@ -21,28 +23,28 @@ if #ARGV ~= 4 + n then
   fail('BADARG', 'expected ' .. (4 + n) .. ' arguments for ' .. n .. ' item ids, got ' .. #ARGV)
 end
 local g = GROUP[c]
-local raws, seen = { 'ep', 'tn', 'fr', 'a_' .. g, 'F_' .. g, 'u_' .. c, 'n_' .. c, 'gz', 'xp', 'o:' .. op, 'ol' }, {}
+local raws, seen = { 'ep', 'tn', 'fr', 'a_' .. g, 'F_' .. g, 'u_' .. c, 'n_' .. c, 'gz', 'xp' }, {}
 for k = 1, n do
   local id
   id = id_arg(ARGV[4 + k], 'item id')
   if seen[id] then fail('BADARG', 'item id ' .. id .. ' appears twice') end
   seen[id] = true
-  raws[k + 11] = 'i:' .. c .. ':' .. id
+  raws[k + 9] = 'i:' .. c .. ':' .. id
 end
 
 local key = KEYS[1]
 local H, R = load(key, raws, 9)
-local again = gate(R[1], H.ep, op, fp, epoch)
+local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
 local now = now_ms()
 
 local tokens, count, missing, dead = 0, 0, {}, {}
 for k = 1, n do
-  local rec = R[k + 2]
+  local rec = R[k]
   if rec then
     tokens = tokens + tonumber(string.match(rec, '^(%d+)|'))
     count = count + 1
-    dead[#dead + 1] = raws[k + 11]
+    dead[#dead + 1] = raws[k + 9]
   else
     missing[#missing + 1] = ARGV[4 + k]
   end
@@ -56,4 +58,4 @@ if count > 0 then
 end
 return commit(key, now, op, fp, reply({ 'status=ok', 'released=' .. tokens, 'count=' .. count,
   'missing=' .. table.concat(missing, ','), 'free=' .. fr, 'epoch=' .. H.ep, 'turn=' .. H.tn }),
-  args, { ol = R[2], gz = H.gz, xp = H.xp })
+  args, { gz = H.gz, xp = H.xp })

@@ -2,6 +2,8 @@
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  partition deadline index (sorted set: score deadline ms, member '<session>|<reservation>')
+-- KEYS[3]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[4]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
 -- ARGV[3]  session id              the member prefix in the deadline index
@@ -35,11 +37,11 @@ local g = GROUP[c]
 key_arg(2, 'deadlines')
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'fr', 'a_' .. g, 'F_' .. g, 'v_' .. c, 'nv', 'gz', 'xp', 'cd',
-  'o:' .. op, 'ol', 'r:' .. rid, 'i:' .. c .. ':' .. rid }, 10)
-local again = gate(R[1], H.ep, op, fp, epoch)
+  'r:' .. rid, 'i:' .. c .. ':' .. rid }, 10)
+local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
-if R[3] then fail('CONFLICT', 'reservation ' .. rid .. ' is already open') end
-if R[4] then
+if R[1] then fail('CONFLICT', 'reservation ' .. rid .. ' is already open') end
+if R[2] then
   fail('CONFLICT', consumer_name(c) .. ' already holds an item ' .. rid ..
     ': the reservation could not be settled under its own id')
 end
@@ -47,7 +49,7 @@ local now = now_ms()
 
 local a = H['a_' .. g]
 local d = claim_delta(a, tokens, H['F_' .. g] or 0)
-local J = { ol = R[2], gz = H.gz, xp = H.xp }
+local J = { gz = H.gz, xp = H.xp }
 local reason, extra, pm
 if g == 'm' and H.cd == 1 then  -- compaction credit: memory waits for the pending compaction
   local x = load(key, { 'HW', 'out', 'W', 'kf', 'pm' }, 5)

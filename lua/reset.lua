@@ -4,6 +4,8 @@
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  partition deadline index
+-- KEYS[3]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[4]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch                   the epoch being reset; older -> LEDGER_STALE (a reset
 --                                  job delivered twice applies once)
@@ -22,8 +24,8 @@ if #ARGV ~= 4 then fail('BADARG', 'expected 4 arguments, got ' .. #ARGV) end
 
 key_arg(2, 'deadlines')
 local key = KEYS[1]
-local H, R = load(key, { 'ep', 'tn', 'W', 'S', 'T', 'out', 'F_w', 'F_m', 'gz', 'xp', 'o:' .. op, 'ol' }, 10)
-local again = gate(R[1], H.ep, op, fp, epoch)
+local H, R = load(key, { 'ep', 'tn', 'W', 'S', 'T', 'out', 'F_w', 'F_m', 'gz', 'xp' }, 10)
+local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
 local now = now_ms()
 local all = redis.call('HGETALL', key)
@@ -49,4 +51,4 @@ local args = { 'ep', H.ep + 1, 'fr', H.W - H.S - H.T - H.out - H.F_w - H.F_m, 'n
   'ai', 0, 'ao', 0, 'an', 0, 'df', 0, 'dr', 0 }
 zero_counters(args)
 return commit(key, now, op, fp, reply({ 'status=ok', 'epoch=' .. (H.ep + 1), 'dropped=' .. dropped,
-  'released=' .. released }), args, { ol = R[2], gz = H.gz, xp = H.xp })
+  'released=' .. released }), args, { gz = H.gz, xp = H.xp })

@@ -2,6 +2,8 @@
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  partition deadline index
+-- KEYS[3]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[4]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
 -- ARGV[3]  session id              the member prefix in the deadline index
@@ -39,16 +41,16 @@ if again then return again end
 local c, est, deadline = res.c, res.est, res.deadline
 local g = GROUP[c]
 local H, R = load(key, { 'ep', 'tn', 'sq', 'fr', 'a_' .. g, 'F_' .. g, 'u_' .. c, 'n_' .. c, 'v_' .. c,
-  'nv', 'gz', 'xp', 'cd', 'ol', 'i:' .. c .. ':' .. item }, 13)
+  'nv', 'gz', 'xp', 'cd', 'i:' .. c .. ':' .. item }, 13)
 local now = now_ms()
 if now > deadline then
   fail('EXPIRED', 'reservation ' .. rid .. ' expired at ' .. deadline .. ' ms, ' .. (now - deadline) .. ' ms ago')
 end
-if R[2] then fail('CONFLICT', consumer_name(c) .. ' already holds item ' .. item) end
+if R[1] then fail('CONFLICT', consumer_name(c) .. ' already holds item ' .. item) end
 
 local a = H['a_' .. g]
 local d = claim_delta(a, actual - est, H['F_' .. g] or 0)
-local J = { ol = R[1], gz = H.gz, xp = H.xp }
+local J = { gz = H.gz, xp = H.xp }
 local reason, extra, pm
 if g == 'm' and H.cd == 1 and actual > est then  -- compaction credit, as admit.lua judges memory
   local x = load(key, { 'HW', 'out', 'W', 'kf', 'pm' }, 5)

@@ -2,6 +2,8 @@
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  partition deadline index
+-- KEYS[3]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[4]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
 -- ARGV[3]  session id              the member prefix in the deadline index
@@ -23,7 +25,7 @@ local res, again = open_reservation(key, op, fp, epoch, rid)
 if again then return again end
 local c, est = res.c, res.est
 local g = GROUP[c]
-local H, R = load(key, { 'ep', 'tn', 'fr', 'a_' .. g, 'F_' .. g, 'v_' .. c, 'nv', 'gz', 'xp', 'ol' }, 9)
+local H, R = load(key, { 'ep', 'tn', 'fr', 'a_' .. g, 'F_' .. g, 'v_' .. c, 'nv', 'gz', 'xp' }, 9)
 local now = now_ms()
 local a = H['a_' .. g]
 local fr = H.fr - claim_delta(a, -est, H['F_' .. g] or 0)
@@ -32,4 +34,4 @@ redis.call('ZREM', KEYS[2], sid .. '|' .. rid)
 return commit(key, now, op, fp, reply({ 'status=ok', 'reservation=' .. rid, 'released=' .. est,
   'free=' .. fr, 'epoch=' .. H.ep, 'turn=' .. H.tn }),
   { 'fr', fr, 'a_' .. g, a - est, 'v_' .. c, H['v_' .. c] - est, 'nv', H.nv - 1 },
-  { ol = R[1], gz = H.gz, xp = H.xp })
+  { gz = H.gz, xp = H.xp })

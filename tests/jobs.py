@@ -15,6 +15,7 @@ import redis
 
 from ledger import Item, Ledger, SessionBudget
 from ledger.models import Consumer
+from ledger.scripts import stored_outcomes
 from ledger.workers.compactors import CompactionPlan, CompactionRequest
 from ledger.workers.runner import Metrics, Worker, WorkerSettings
 
@@ -137,24 +138,39 @@ def drain(led: Ledger, worker: Worker, timeout: float = 20.0) -> None:
 
 
 def forget_outcome(led: Ledger, sid: str, op_id: str, timeout: float = 15.0) -> int:
-    """Make the session drop the stored outcome of `op_id`, as time does: calls of other
-    op ids fill and close journal chunks, and once the op retention has passed a later
-    call drops the oldest chunk with its outcomes. Returns the number of calls made.
+    """Make the session drop the stored outcome of `op_id`, as time does: once the op
+    retention has passed, a call of another op id moves the current outcome generation
+    to the previous one, and the next rotation (or the previous one's TTL) drops it.
+    Returns the number of calls made.
     The session's items and compaction state are left as they were (each call reserves
     one scratchpad token and voids it)."""
-    field = f"o:{op_id}"
     s = led.session(sid)
     deadline = time.monotonic() + timeout
     n = 0
-    while led.client.hexists(s.keys.session, field):
-        assert time.monotonic() < deadline, f"{field} still stored after {n} calls"
+    while stored_outcome(led, sid, op_id):
+        assert time.monotonic() < deadline, f"{op_id} still stored after {n} calls"
         rid = f"filler-{n}"
         s.reserve("scratchpad", rid, 1, lease_ms=60_000)
         s.void(rid)
         n += 1
-        if n % 40 == 0:
-            time.sleep(0.2)  # past the retention, the next call drops a chunk
+        time.sleep(0.05)  # past the retention, the next call rotates the generations
     return n
+
+
+def stored_outcome(led: Ledger, sid: str, op_id: str) -> bool:
+    """Whether either outcome generation of the session keeps `op_id`."""
+    return any(op == op_id for op, _ in stored_fingerprints(led, sid))
+
+
+def stored_fingerprints(led: Ledger, sid: str) -> list[tuple[str, str]]:
+    """(op id, fingerprint) of every outcome the session keeps, both generations."""
+    keys = led.keyspace.session(sid)
+    return [
+        (op, fp)
+        for k in (keys.outcomes, keys.outcomes_old)
+        for bucket in led.client.hvals(k)
+        for op, fp, _ in stored_outcomes(text(bucket))
+    ]
 
 
 # --- Redis out of memory ----------------------------------------------------------------

@@ -40,7 +40,7 @@ def sid() -> str:
 
 def allocations(led: Ledger, s_id: str) -> dict[bytes, bytes]:
     h = led.client.hgetall(led.keyspace.session(s_id).session)
-    return {k: v for k, v in h.items() if k[:2] not in (b"o:", b"ol", b"x:", b"oc", b"gz", b"xp")}
+    return {k: v for k, v in h.items() if k[:2] not in (b"x:", b"gz", b"xp")}
 
 
 def test_end_turn_stores_drift_within_and_beyond_tolerance(ledger: Ledger) -> None:

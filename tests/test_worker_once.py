@@ -11,6 +11,8 @@ escalation.
 
 from __future__ import annotations
 
+import time
+import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -18,6 +20,9 @@ import redis.exceptions
 
 from ledger import InvalidArgument, Item, Ledger, LedgerSettings, SessionBudget, protocol
 from ledger.core import new_op_id
+from ledger.errors import OperationIdReused
+from ledger.models import Consumer
+from ledger.scripts import stored_outcomes
 from tests import jobs
 from tests.conftest import BACKENDS, backend_url, make_settings
 
@@ -70,7 +75,7 @@ def test_compaction_job_taken_over_after_the_op_retention_applies_once(led: Ledg
 
     # The op retention passes: the outcome stored under the job's op id is dropped.
     jobs.forget_outcome(led, sid, f"job-{eid}")
-    assert not led.client.hexists(led.keyspace.session(sid).session, f"o:job-{eid}")
+    assert not jobs.stored_outcome(led, sid, f"job-{eid}")
 
     # Delivered again (a duplicate, or taken over with its body): no second effect.
     outcome = worker.handle(eid, fields)
@@ -215,3 +220,28 @@ def test_compact_counts_no_failure_past_the_escalation(led: Ledger) -> None:
     assert jobs.counters(led, sid, "kf", "rq") == ("0", "0")
     s.admit("working_memory", jobs.WM_ITEMS)
     assert s.compact([], None).failures == 1
+
+
+def test_an_outcome_outlives_a_rotation_and_is_dropped_after_the_next(led: Ledger) -> None:
+    """Outcomes live in two generations: a call after the op retention moves the current
+    one to the previous one, where a retry still gets its reply and is not applied
+    again; the next rotation (or the previous generation's TTL) drops it."""
+    sid = f"gen-{uuid.uuid4().hex[:8]}"
+    s = led.open_session(sid, jobs.BUDGET)
+    keys = led.keyspace.session(sid)
+    first = s.admit("scratchpad", [Item("kept", 10)], op_id="op-kept")
+    assert jobs.stored_outcome(led, sid, "op-kept")
+    time.sleep(1.1)  # past the op retention: the next call rotates
+    s.release("scratchpad", ["kept"])
+    old = [
+        op
+        for b in led.client.hvals(keys.outcomes_old)
+        for op, _, _ in stored_outcomes(jobs.text(b))
+    ]
+    assert "op-kept" in old and 0 < led.client.pttl(keys.outcomes_old) <= 1000
+    assert s.admit("scratchpad", [Item("kept", 10)], op_id="op-kept") == first
+    assert s.snapshot().used[Consumer.SCRATCHPAD] == 0  # the retry applied nothing
+    with pytest.raises(OperationIdReused):
+        s.admit("scratchpad", [Item("other", 10)], op_id="op-kept")
+    assert jobs.forget_outcome(led, sid, "op-kept") >= 0
+    assert not jobs.stored_outcome(led, sid, "op-kept")
