@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import json
 import logging
@@ -43,11 +44,12 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
+import redis
 import redis.exceptions as rex
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from ledger import health, protocol
+from ledger import backends, health, protocol
 from ledger.client import Ledger
 from ledger.errors import (
     ConfigurationError,
@@ -75,7 +77,21 @@ class WorkerSettings(BaseSettings):
 
     group: str = "ledger-workers"
     consumer: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
-    poll_interval: float = Field(default=0.1, gt=0, description="seconds to sleep when idle")
+    poll_interval: float = Field(
+        default=0.1,
+        gt=0,
+        description="seconds to sleep when idle where reads do not block (the embedded "
+        "backend, a cluster)",
+    )
+    block: float = Field(
+        default=1.0,
+        gt=0,
+        le=60,
+        description="longest wait of one blocking read of new jobs (one XREADGROUP ... BLOCK "
+        "over every partition's stream) before it is sent again; a read ends sooner for the "
+        "timers (lease sweep, takeover of stuck jobs, health) and is kept below the socket "
+        "timeout",
+    )
     claim_idle_ms: int = Field(default=5_000, ge=10, description="take over jobs idle this long")
     max_deliveries: int = Field(default=5, ge=1, description="then dead-letter the job")
     batch: int = Field(default=16, ge=1, le=1000)
@@ -217,6 +233,13 @@ class Worker:
         if compactor is None and self.settings.compactor != "none":
             self.compactor = compactors.load(str(self.settings.compactor))
         self.partitions = range(ledger.keyspace.partitions)
+        self._partition_of = {self.stream(p): p for p in self.partitions}
+        # One command may name every partition's keys only outside a cluster (there a
+        # command stays within one hash slot, and each partition has its own).
+        url = ledger.settings.redis_url
+        self._one_node = url is not None and backends.parse_url(url).kind != "cluster"
+        # Blocking reads on a real server; the embedded backend and a cluster poll.
+        self._blocking = self._one_node and type(ledger.client) is redis.Redis
         self._last_sweep = 0.0
         self._last_health = float("-inf")
         self._health_said: tuple[str, ...] | None = None
@@ -316,14 +339,78 @@ class Worker:
         the pass goes on with the next (an unreachable server or an ACL refusal ends the
         pass: it is raised); a job stream found missing is reported and its group made
         again. Returns the number of jobs done."""
-        groups: dict[tuple[int, str], list[tuple[bytes | str, Any, bool]]] = {}
+        groups: _Groups = {}
+        failed = set()
         for p in self.partitions:
             try:
-                for entry_id, fields, claimed in self._read_partition(p):
-                    sid = _field(fields, "session")
-                    groups.setdefault((p, sid), []).append((entry_id, fields, claimed))
+                _collect(groups, p, self._read_partition(p), claimed=False)
+            except Exception as exc:
+                failed.add(p)
+                self._partition_trouble(p, exc)
+        self._claim_into(groups, skip=failed, every=True)
+        return self._run_groups(groups)
+
+    def take_over(self, every: bool = False) -> int:
+        """Jobs left pending longer than ``claim_idle_ms`` (by a worker that died, or a
+        failed attempt): claimed and done. Returns the number done. Only partitions whose
+        stream holds an entry are looked at, unless ``every``: an entry deleted while
+        pending (its job done, by a worker that died before acknowledging it) is no
+        longer in its stream, and is acknowledged by the claim that finds it."""
+        groups: _Groups = {}
+        self._claim_into(groups, skip=set(), every=every)
+        return self._run_groups(groups)
+
+    def _claim_into(self, groups: _Groups, skip: set[int], every: bool) -> None:
+        try:
+            candidates = list(self.partitions) if every else self._with_entries()
+        except Exception as exc:  # the check failed: look at every partition
+            kind = kind_of(exc)
+            if kind is None or kind in _WHOLE_PASS:
+                raise
+            self._trouble(kind, exc, where="take over")
+            candidates = list(self.partitions)
+        for p in candidates:
+            if p in skip:
+                continue
+            try:
+                _collect(groups, p, self._claim_partition(p), claimed=True)
             except Exception as exc:
                 self._partition_trouble(p, exc)
+
+    def _with_entries(self) -> list[int]:
+        """Partitions whose job stream holds an entry (done jobs are deleted: an entry
+        is a job waiting or pending): one XREAD over every stream on one server, every
+        partition on a cluster."""
+        if not self._one_node:
+            return list(self.partitions)
+        streams: dict[Any, Any] = {self.stream(p): "0-0" for p in self.partitions}
+        got: Any = self.ledger.client.xread(streams, count=1)
+        return sorted(self._partition_of[_str(stream)] for stream, _ in got or [])
+
+    def read_blocking(self, block: float) -> int:
+        """Wait up to ``block`` seconds for new jobs in any partition, with one
+        XREADGROUP ... BLOCK over every partition's stream, and do them. A stream or
+        group found missing sends a pass over each partition (poll_once), which reports
+        the loss and makes the group again. Returns the number of jobs done."""
+        s = self.settings
+        streams: dict[Any, Any] = {self.stream(p): ">" for p in self.partitions}
+        ms = max(1, int(1000 * min(block, s.block, self.ledger.settings.socket_timeout / 2)))
+        try:
+            got: Any = self.ledger.client.xreadgroup(
+                s.group, s.consumer, streams, count=s.batch, block=ms
+            )
+        except rex.ResponseError as exc:
+            # NOGROUP: a stream or its group is gone; UNBLOCKED: deleted while blocked.
+            if kind_of(exc) != "nogroup" and not str(exc).startswith("UNBLOCKED"):
+                raise
+            return self.poll_once()
+        groups: _Groups = {}
+        for stream, entries in got or []:
+            _collect(groups, self._partition_of[_str(stream)], entries, claimed=False)
+        return self._run_groups(groups)
+
+    def _run_groups(self, groups: _Groups) -> int:
+        """Run the jobs read, those of one session one after the other."""
         if not groups:
             return 0
         done = 0
@@ -372,19 +459,20 @@ class Worker:
                 raise
             self._trouble(kind, again, partition=p)  # made on a later pass
 
-    def _poll_partition(self, p: int) -> int:
-        return self._deliver_all(p, self._read_partition(p))
-
-    def _read_partition(self, p: int) -> list[tuple[bytes | str, Any, bool]]:
-        """New jobs of a partition, then its jobs idle too long elsewhere (taken over)."""
-        s, client, out = self.settings, self.ledger.client, []
-        stream = self.stream(p)
+    def _read_partition(self, p: int) -> list[tuple[Any, Any]]:
+        """New jobs of a partition (no wait)."""
+        s = self.settings
         if p not in self._groups:  # not made yet (e.g. Redis was out of memory at start)
             self.ensure_group(p)
-        got: Any = client.xreadgroup(s.group, s.consumer, {stream: ">"}, count=s.batch)
-        for _, entries in got or []:
-            for entry_id, fields in entries:
-                out.append((entry_id, fields, False))
+        got: Any = self.ledger.client.xreadgroup(
+            s.group, s.consumer, {self.stream(p): ">"}, count=s.batch
+        )
+        return [entry for _, entries in got or [] for entry in entries]
+
+    def _claim_partition(self, p: int) -> list[tuple[Any, Any]]:
+        """A partition's jobs idle too long elsewhere (taken over)."""
+        s, client, out = self.settings, self.ledger.client, []
+        stream = self.stream(p)
         auto: Any = client.xautoclaim(
             stream, s.group, s.consumer, s.claim_idle_ms, start_id="0-0", count=s.batch
         )
@@ -393,7 +481,7 @@ class Worker:
                 client.xack(stream, s.group, entry_id)
                 continue
             self.metrics.takeovers.inc()
-            out.append((entry_id, fields, True))
+            out.append((entry_id, fields))
         return out
 
     def _deliver(
@@ -637,6 +725,10 @@ class Worker:
         """Release expired leases in every partition; a Redis error in one partition is
         counted and the sweep goes on (an unreachable server or an ACL refusal ends it)."""
         released = 0
+        if self._one_node and not self.ledger.client.exists(
+            *(self.ledger.keyspace.deadlines(p) for p in self.partitions)
+        ):
+            return 0  # one EXISTS over every deadline index: no lease anywhere
         for p in self.partitions:
             try:
                 released += self.ledger.expire_due(p)
@@ -773,7 +865,9 @@ class Worker:
             "worker started",
             extra={"consumer": self.settings.consumer, "partitions": len(self.partitions)},
         )
-        last_observe = 0.0
+        last_observe = last_claim = float("-inf")
+        claim_every = s.claim_idle_ms / 4000  # a dead worker's job waits < 1.25 claim_idle_ms
+        claims = 0
         while not stop.is_set():
             self._troubled = False
             now = time.monotonic()
@@ -786,16 +880,40 @@ class Worker:
             if s.metrics_port and now - last_observe >= 15:
                 last_observe = now
                 self._guard(self.observe, "observe")
-            worked = self._guard(self.poll_once, "poll")
+            if once or not self._blocking:
+                worked = self._guard(self.poll_once, "poll")  # new jobs, then stuck ones
+            else:
+                if now - last_claim >= claim_every:
+                    last_claim = now
+                    # every 16th time, each partition: entries pending without a body
+                    every = claims % _EVERY_PARTITION == 0
+                    claims += 1
+                    self._guard(functools.partial(self.take_over, every), "take over")
+                timers = [self._last_health + s.health_interval]
+                timers += [self._last_sweep + s.sweep_interval, last_claim + claim_every]
+                if s.metrics_port:
+                    timers.append(last_observe + 15)
+                wait = max(0.001, min(timers) - time.monotonic())
+                worked = self._guard(functools.partial(self.read_blocking, wait), "poll")
             if once:
                 break
             if self._troubled:
                 stop.wait(backoff.next())
             else:
                 backoff.reset()
-                if not worked:
+                if not worked and not self._blocking:
                     stop.wait(s.poll_interval)
         log.info("worker stopped", extra={"consumer": self.settings.consumer})
+
+
+_EVERY_PARTITION = 16  # every how many takeover checks all partitions are claimed from
+_Groups = dict[tuple[int, str], list[tuple[Any, Any, bool]]]
+
+
+def _collect(groups: _Groups, p: int, entries: list[tuple[Any, Any]], claimed: bool) -> None:
+    """Add a partition's entries read to the jobs by (partition, session), in order."""
+    for entry_id, fields in entries:
+        groups.setdefault((p, _field(fields, "session")), []).append((entry_id, fields, claimed))
 
 
 async def _awaited(aw: Awaitable[T]) -> T:
