@@ -9,6 +9,13 @@ worker is taken over with XAUTOCLAIM after ``claim_idle_ms``; an entry delivered
 stream with its error. Effects are idempotent: the stream entry id is the
 operation id of the ledger call the job makes, and every call is fenced by the
 epoch the job was enqueued at, so a job delivered twice changes the state once.
+
+An idle worker costs little: it waits for new jobs in blocking reads (on one server
+one XREADGROUP ... BLOCK names every partition's stream; on a cluster, where a
+command stays within one hash slot, a reader thread per partition blocks on its
+stream), and looks for stuck jobs and expired leases on timers, each behind one
+command over every partition on one server (XREAD: which streams hold an entry;
+EXISTS: whether any deadline index does).
 A compaction job's entry is deleted by ``compact.lua`` in the same step as its
 effect, so it applies once for its whole life in the stream, even when taken over
 after the op retention; a hard-reset job needs no such check (a reset at epoch e
@@ -35,6 +42,7 @@ import inspect
 import json
 import logging
 import os
+import queue
 import socket
 import threading
 import time
@@ -45,6 +53,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
+import redis.cluster
 import redis.exceptions as rex
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -80,17 +89,17 @@ class WorkerSettings(BaseSettings):
     poll_interval: float = Field(
         default=0.1,
         gt=0,
-        description="seconds to sleep when idle where reads do not block (the embedded "
-        "backend, a cluster)",
+        description="seconds to sleep when idle on the embedded backend (its reads do not block)",
     )
     block: float = Field(
-        default=1.0,
+        default=10.0,
         gt=0,
-        le=60,
-        description="longest wait of one blocking read of new jobs (one XREADGROUP ... BLOCK "
-        "over every partition's stream) before it is sent again; a read ends sooner for the "
-        "timers (lease sweep, takeover of stuck jobs, health) and is kept below the socket "
-        "timeout",
+        le=600,
+        description="longest wait of one blocking read of new jobs (XREADGROUP ... BLOCK) "
+        "before it is sent again. On one server one read covers every partition and also "
+        "ends for the timers (lease sweep, takeover, health) and below the socket timeout; "
+        "on a cluster each partition has its own reader (a client whose socket timeout is "
+        "the ledger's plus this): an idle cost of partitions / block reads per second",
     )
     claim_idle_ms: int = Field(default=5_000, ge=10, description="take over jobs idle this long")
     max_deliveries: int = Field(default=5, ge=1, description="then dead-letter the job")
@@ -238,8 +247,10 @@ class Worker:
         # command stays within one hash slot, and each partition has its own).
         url = ledger.settings.redis_url
         self._one_node = url is not None and backends.parse_url(url).kind != "cluster"
-        # Blocking reads on a real server; the embedded backend and a cluster poll.
+        # Blocking reads on a real server (a reader per partition on a cluster); the
+        # embedded backend polls.
         self._blocking = self._one_node and type(ledger.client) is redis.Redis
+        self._on_cluster = isinstance(ledger.client, redis.cluster.RedisCluster)
         self._last_sweep = 0.0
         self._last_health = float("-inf")
         self._health_said: tuple[str, ...] | None = None
@@ -400,14 +411,31 @@ class Worker:
                 s.group, s.consumer, streams, count=s.batch, block=ms
             )
         except rex.ResponseError as exc:
-            # NOGROUP: a stream or its group is gone; UNBLOCKED: deleted while blocked.
-            if kind_of(exc) != "nogroup" and not str(exc).startswith("UNBLOCKED"):
+            if not _stream_gone(exc):
                 raise
             return self.poll_once()
         groups: _Groups = {}
         for stream, entries in got or []:
             _collect(groups, self._partition_of[_str(stream)], entries, claimed=False)
         return self._run_groups(groups)
+
+    def _read_results(self, got: list[tuple[int, Any]]) -> int:
+        """Do the jobs the cluster's readers brought; a reader's error is handled as in
+        a pass (an unreachable server or an ACL refusal raised once)."""
+        groups: _Groups = {}
+        whole: BaseException | None = None
+        for p, result in got:
+            if not isinstance(result, BaseException):
+                _collect(groups, p, result, claimed=False)
+                continue
+            try:
+                self._partition_trouble(p, result)
+            except Exception as exc:
+                whole = whole or exc
+        done = self._run_groups(groups)
+        if whole is not None:
+            raise whole
+        return done
 
     def _run_groups(self, groups: _Groups) -> int:
         """Run the jobs read, those of one session one after the other."""
@@ -444,7 +472,7 @@ class Worker:
         """A Redis error met in one partition: counted and logged; NOGROUP reported as a
         lost stream and the group made again. A bug, Redis unreachable or an ACL
         refusal is raised."""
-        kind = kind_of(exc)
+        kind = "nogroup" if _stream_gone(exc) else kind_of(exc)
         if kind is None or kind in _WHOLE_PASS:
             raise exc
         if kind != "nogroup":
@@ -725,11 +753,7 @@ class Worker:
         """Release expired leases in every partition; a Redis error in one partition is
         counted and the sweep goes on (an unreachable server or an ACL refusal ends it)."""
         released = 0
-        if self._one_node and not self.ledger.client.exists(
-            *(self.ledger.keyspace.deadlines(p) for p in self.partitions)
-        ):
-            return 0  # one EXISTS over every deadline index: no lease anywhere
-        for p in self.partitions:
+        for p in self._with_leases():
             try:
                 released += self.ledger.expire_due(p)
             except Exception as exc:
@@ -739,6 +763,17 @@ class Worker:
                 self._trouble(kind, exc, partition=p, where="sweep")
         self.metrics.expired.inc(released)
         return released
+
+    def _with_leases(self) -> list[int]:
+        """Partitions whose deadline index exists (an empty sorted set is no key): one
+        EXISTS over every partition on one server, one each (pipelined) on a cluster."""
+        client, names = self.ledger.client, self.ledger.keyspace.deadlines
+        if self._one_node:
+            return list(self.partitions) if client.exists(*map(names, self.partitions)) else []
+        pipe = client.pipeline(transaction=False)
+        for p in self.partitions:
+            pipe.exists(names(p))
+        return [p for p, n in zip(self.partitions, pipe.execute(), strict=True) if n]
 
     def observe(self) -> None:
         """Refresh lag gauges and the rules' leading indicators (a SCAN: not every poll)."""
@@ -866,8 +901,12 @@ class Worker:
             extra={"consumer": self.settings.consumer, "partitions": len(self.partitions)},
         )
         last_observe = last_claim = float("-inf")
-        claim_every = s.claim_idle_ms / 4000  # a dead worker's job waits < 1.25 claim_idle_ms
+        # A dead worker's job waits < 1.25 claim_idle_ms on one server (one XREAD finds
+        # the partitions to claim from), < 2 claim_idle_ms on a cluster (every partition).
+        claim_every = s.claim_idle_ms / (4000 if self._one_node else 1000)
         claims = 0
+        readers = _Readers(self) if self._on_cluster and not once else None
+        taken: list[int] = []  # partitions whose readers' results were taken
         while not stop.is_set():
             self._troubled = False
             now = time.monotonic()
@@ -880,13 +919,15 @@ class Worker:
             if s.metrics_port and now - last_observe >= 15:
                 last_observe = now
                 self._guard(self.observe, "observe")
-            if once or not self._blocking:
+            if readers is not None:
+                readers.again(taken)  # after the backoff, if any
+            if once or not (self._blocking or readers):
                 worked = self._guard(self.poll_once, "poll")  # new jobs, then stuck ones
             else:
                 if now - last_claim >= claim_every:
                     last_claim = now
                     # every 16th time, each partition: entries pending without a body
-                    every = claims % _EVERY_PARTITION == 0
+                    every = not self._one_node or claims % _EVERY_PARTITION == 0
                     claims += 1
                     self._guard(functools.partial(self.take_over, every), "take over")
                 timers = [self._last_health + s.health_interval]
@@ -894,16 +935,92 @@ class Worker:
                 if s.metrics_port:
                     timers.append(last_observe + 15)
                 wait = max(0.001, min(timers) - time.monotonic())
-                worked = self._guard(functools.partial(self.read_blocking, wait), "poll")
+                if readers is None:
+                    worked = self._guard(functools.partial(self.read_blocking, wait), "poll")
+                else:
+                    got = readers.take(wait)
+                    taken = [p for p, _ in got]
+                    worked = self._guard(functools.partial(self._read_results, got), "poll")
             if once:
                 break
             if self._troubled:
                 stop.wait(backoff.next())
             else:
                 backoff.reset()
-                if not worked and not self._blocking:
+                if not worked and not (self._blocking or readers):
                     stop.wait(s.poll_interval)
+        if readers is not None:
+            readers.close()
         log.info("worker stopped", extra={"consumer": self.settings.consumer})
+
+
+def _stream_gone(exc: BaseException) -> bool:
+    """NOGROUP (a stream or its group is missing), or UNBLOCKED (a stream deleted while
+    a read was blocked on it)."""
+    return kind_of(exc) == "nogroup" or str(exc).startswith("UNBLOCKED")
+
+
+class _Readers:
+    """Blocking reads of new jobs on a cluster, where a command stays within one hash
+    slot: a thread per partition sends XREADGROUP ... BLOCK on its stream, through a
+    client of their own whose socket timeout is the ledger's plus the block. What a read
+    brings (entries, or its error) waits for the worker loop, which reads the partition
+    again (again()) once it has done them; an empty read is sent again at once."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        ls, s = worker.ledger.settings, worker.settings
+        more = {"socket_timeout": ls.socket_timeout + s.block}
+        self.client = backends.sync_client(ls.model_copy(update=more))
+        self.results: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+        self.go = {p: threading.Event() for p in worker.partitions}
+        self.closed = False
+        for p, go in self.go.items():
+            go.set()
+            threading.Thread(
+                target=self._read, args=(p,), name=f"ledger-read-{p}", daemon=True
+            ).start()
+
+    def _read(self, p: int) -> None:
+        s, stream = self.worker.settings, self.worker.stream(p)
+        ms = int(1000 * s.block)
+        while self.go[p].wait() and not self.closed:
+            try:
+                got: Any = self.client.xreadgroup(
+                    s.group, s.consumer, {stream: ">"}, count=s.batch, block=ms
+                )
+            except Exception as exc:
+                result: Any = exc
+            else:
+                result = [entry for _, entries in got or [] for entry in entries]
+                if not result:
+                    continue
+            if self.closed:
+                return  # entries read now are taken over after claim_idle_ms
+            self.go[p].clear()
+            self.results.put((p, result))
+
+    def take(self, timeout: float) -> list[tuple[int, Any]]:
+        """What the reads brought: waits up to timeout for the first."""
+        try:
+            got = [self.results.get(timeout=timeout)]
+        except queue.Empty:
+            return []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                got.append(self.results.get_nowait())
+        return got
+
+    def again(self, partitions: list[int]) -> None:
+        for p in partitions:
+            self.go[p].set()
+
+    def close(self) -> None:
+        """Stop the readers: a read blocked now ends with its connection."""
+        self.closed = True
+        for go in self.go.values():
+            go.set()
+        self.client.close()
 
 
 _EVERY_PARTITION = 16  # every how many takeover checks all partitions are claimed from
