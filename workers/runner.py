@@ -398,7 +398,7 @@ class Worker:
         got: Any = self.ledger.client.xread(streams, count=1)
         return sorted(self._partition_of[_str(stream)] for stream, _ in got or [])
 
-    def read_blocking(self, block: float) -> int:
+    def _read_blocking(self, block: float) -> int:
         """Wait up to ``block`` seconds for new jobs in any partition, with one
         XREADGROUP ... BLOCK over every partition's stream, and do them. A stream or
         group found missing sends a pass over each partition (poll_once), which reports
@@ -936,7 +936,7 @@ class Worker:
                     timers.append(last_observe + 15)
                 wait = max(0.001, min(timers) - time.monotonic())
                 if readers is None:
-                    worked = self._guard(functools.partial(self.read_blocking, wait), "poll")
+                    worked = self._guard(functools.partial(self._read_blocking, wait), "poll")
                 else:
                     got = readers.take(wait)
                     taken = [p for p, _ in got]
