@@ -5,6 +5,7 @@ with --idle, what an idle worker costs and how fast it picks up a job.
                                   [--claim-idle-ms MS] [--poll-interval S]
     python -m bench.bench_workers --idle [--partitions P] [--idle-seconds S]
                                   [--latency-jobs N] [--cluster] [--baseline DIR]
+                                  [--sweep-interval S]
 
 It starts its own redis-server on a free port (ledger.testing.standalone) and stops it
 afterwards; the workers are real ``python -m ledger.cli worker`` processes configured
@@ -41,7 +42,9 @@ What it measures (a fresh key prefix for every run):
    and p99. With --baseline DIR the same is measured first for the worker of another
    source tree (e.g. ``git archive main | tar -x -C DIR``), imported from DIR through
    PYTHONPATH, on the same server. --cluster: a 3-primary Redis Cluster
-   (ledger.testing.cluster) instead of one server.
+   (ledger.testing.cluster) instead of one server. --sweep-interval S: the workers'
+   LEDGER_WORKER_SWEEP_INTERVAL (their default otherwise). The commands per second are
+   shown by name too.
 
 The numbers depend on the machine and on whatever else runs on it: worker processes,
 redis-server and this script share the CPUs (``nproc`` is reported).
@@ -86,6 +89,7 @@ class Params:
     reps: int
     idle_seconds: float = 10.0
     latency_jobs: int = 50
+    sweep_interval: float | None = None  # --idle: the worker's default unless given
 
 
 class Run:
@@ -121,6 +125,8 @@ class Run:
         if source is not None:  # idle: the worker's own defaults, from that source tree
             env = {k: v for k, v in env.items() if not k.startswith("LEDGER_WORKER_")}
             env["PYTHONPATH"] = str(source)
+            if self.p.sweep_interval is not None:
+                env["LEDGER_WORKER_SWEEP_INTERVAL"] = str(self.p.sweep_interval)
         w = spawn_worker(consumer, env, self.logs / f"{self.prefix}-{consumer}.log")
         self.workers.append(w)
         return w
@@ -284,12 +290,13 @@ def takeover_once(
         return {"held": len(held), "seconds": round(took, 4), "acked_not_deleted": run.leftovers()}
 
 
-def commands(clients: list[redis.Redis]) -> int:
-    """Commands served so far, over every node (INFO itself left out)."""
-    total = 0
+def commands(clients: list[redis.Redis]) -> dict[str, int]:
+    """Commands served so far by name, over every node (INFO itself left out)."""
+    total: dict[str, int] = {}
     for c in clients:
-        stats = c.info("commandstats")
-        total += sum(int(v["calls"]) for k, v in stats.items() if k != "cmdstat_info")
+        for k, v in c.info("commandstats").items():
+            if k != "cmdstat_info":
+                total[k[8:]] = total.get(k[8:], 0) + int(v["calls"])
     return total
 
 
@@ -309,6 +316,7 @@ def idle(
         c0, cpu0, t0 = commands(nodes), cpu_seconds(w.proc.pid), time.perf_counter()
         time.sleep(params.idle_seconds)
         c1, cpu1, t1 = commands(nodes), cpu_seconds(w.proc.pid), time.perf_counter()
+        per_s = {k: (n - c0.get(k, 0)) / (t1 - t0) for k, n in c1.items()}
         run.open_sessions(params.latency_jobs)
         ks, lat = run.led.keyspace, []
         for sid, epoch in zip(run.sids, run.epochs, strict=True):
@@ -329,7 +337,8 @@ def idle(
     lat.sort()
     return {
         "source": str(source),
-        "commands_per_s": round((c1 - c0) / (t1 - t0), 1),
+        "commands_per_s": round(sum(per_s.values()), 1),
+        "by_command": {k: round(v, 1) for k, v in sorted(per_s.items()) if v >= 0.05},
         "cpu_percent": round(100 * (cpu1 - cpu0) / (t1 - t0), 2),
         "pickup_ms_median": round(1000 * statistics.median(lat), 2),
         "pickup_ms_p99": round(1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], 2),
@@ -357,6 +366,7 @@ def run_idle(params: Params, sources: list[Path], on_cluster: bool) -> dict[str,
             "idle_seconds": params.idle_seconds,
             "latency_jobs": params.latency_jobs,
             "cluster": on_cluster,
+            "sweep_interval_s": params.sweep_interval,
         },
         "idle": rows,
     }
@@ -376,6 +386,7 @@ def print_idle(res: dict[str, Any]) -> None:
             f"{r['commands_per_s']:>9.1f} {r['cpu_percent']:>7.2f} "
             f"{r['pickup_ms_median']:>14.2f} {r['pickup_ms_p99']:>8.2f}  {r['source']}"
         )
+        print(f"{'':>9} per s: " + ", ".join(f"{k} {v}" for k, v in r["by_command"].items()))
 
 
 def environment(url: str) -> dict[str, Any]:
@@ -478,6 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--latency-jobs", type=int, default=50)
     ap.add_argument("--cluster", action="store_true", help="--idle on a 3-primary cluster")
     ap.add_argument("--baseline", type=Path, help="--idle: also the worker of this tree")
+    ap.add_argument("--sweep-interval", type=float, help="--idle: the workers' lease sweeps")
     a = ap.parse_args(argv)
     if a.jobs < 1 or a.reps < 1 or a.latency_jobs < 1:
         ap.error("--jobs, --reps and --latency-jobs must be at least 1")
@@ -489,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
         a.reps,
         a.idle_seconds,
         a.latency_jobs,
+        a.sweep_interval,
     )
     if a.idle:
         sources = [p.resolve() for p in (a.baseline, ROOT) if p is not None]

@@ -971,7 +971,7 @@ class _Readers:
         self.worker = worker
         ls, s = worker.ledger.settings, worker.settings
         more = {"socket_timeout": ls.socket_timeout + s.block}
-        self.client = backends.sync_client(ls.model_copy(update=more))
+        self.client: Any = backends.sync_client(ls.model_copy(update=more))  # a cluster
         self.results: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
         self.go = {p: threading.Event() for p in worker.partitions}
         self.closed = False
@@ -986,8 +986,12 @@ class _Readers:
         ms = int(1000 * s.block)
         while self.go[p].wait() and not self.closed:
             try:
-                got: Any = self.client.xreadgroup(
-                    s.group, s.consumer, {stream: ">"}, count=s.batch, block=ms
+                # Sent to the stream's node by name: redis-py would otherwise ask the
+                # server for the keys of each XREADGROUP (COMMAND GETKEYS, twice).
+                got: Any = self.client.execute_command(
+                    *("XREADGROUP", "GROUP", s.group, s.consumer, "COUNT", s.batch),
+                    *("BLOCK", ms, "STREAMS", stream, ">"),
+                    target_nodes=self.client.get_node_from_key(stream),
                 )
             except Exception as exc:
                 result: Any = exc
