@@ -1,7 +1,11 @@
-"""Background-worker benchmark: job throughput and takeover time on one Redis server.
+"""Background-worker benchmark: job throughput and takeover time on one Redis server;
+with --idle, what an idle worker costs and how fast it picks up a job.
 
     python -m bench.bench_workers [--jobs N] [--json] [--reps R] [--partitions P]
                                   [--claim-idle-ms MS] [--poll-interval S]
+    python -m bench.bench_workers --idle [--partitions P] [--idle-seconds S]
+                                  [--latency-jobs N] [--cluster] [--baseline DIR]
+                                  [--sweep-interval S]
 
 It starts its own redis-server on a free port (ledger.testing.standalone) and stops it
 afterwards; the workers are real ``python -m ledger.cli worker`` processes configured
@@ -21,9 +25,26 @@ What it measures (a fresh key prefix for every run):
    holding nothing after all is not counted, and repeated); the time from the kill
    until every job A held has been completed by B (acknowledged and deleted: gone from
    the stream) is the takeover time. A dead worker's jobs become claimable
-   ``claim_idle_ms`` after their delivery to it, and B looks for them once per poll
-   pass, so the expected time is at most claim_idle_ms + one pass. Repeated R times
+   ``claim_idle_ms`` after their delivery to it, and B looks for them every
+   claim_idle_ms / 4, so the expected time is at most 1.25 claim_idle_ms and the time
+   to do them. Repeated R times
    (default 5), median and max reported.
+
+3. Idle (--idle, instead of 1 and 2): one worker process on a fresh prefix with no
+   session, seen to log "worker started" and left alone 1 s; then over --idle-seconds
+   the Redis commands it sends (the sum of ``calls`` in ``INFO commandstats``, over
+   every node of a cluster, the INFO calls themselves left out) per second, and its CPU
+   time (utime + stime of /proc/<pid>/stat) as a share of one core. Then pickup
+   latency: --latency-jobs sessions are opened, and one hard_reset job at a time is
+   appended (XADD, as a script would) after a random pause of 20-120 ms (the worker
+   idle meanwhile); the clock runs from the XADD until the entry is gone from the
+   stream (the worker deletes it once the job is done; polled every 0.5 ms); median
+   and p99. With --baseline DIR the same is measured first for the worker of another
+   source tree (e.g. ``git archive main | tar -x -C DIR``), imported from DIR through
+   PYTHONPATH, on the same server. --cluster: a 3-primary Redis Cluster
+   (ledger.testing.cluster) instead of one server. --sweep-interval S: the workers'
+   LEDGER_WORKER_SWEEP_INTERVAL (their default otherwise). The commands per second are
+   shown by name too.
 
 The numbers depend on the machine and on whatever else runs on it: worker processes,
 redis-server and this script share the CPUs (``nproc`` is reported).
@@ -66,6 +87,9 @@ class Params:
     claim_idle_ms: int
     poll_interval: float
     reps: int
+    idle_seconds: float = 10.0
+    latency_jobs: int = 50
+    sweep_interval: float | None = None  # --idle: the worker's default unless given
 
 
 class Run:
@@ -89,7 +113,7 @@ class Run:
             self.r.delete(*keys[k : k + 500])
         self.led.close()
 
-    def spawn(self, consumer: str) -> WorkerProc:
+    def spawn(self, consumer: str, source: Path | None = None) -> WorkerProc:
         env = {
             "LEDGER_REDIS_URL": self.url,
             "LEDGER_PREFIX": self.prefix,
@@ -98,6 +122,11 @@ class Run:
             "LEDGER_WORKER_POLL_INTERVAL": str(self.p.poll_interval),
             "LEDGER_WORKER_SWEEP_INTERVAL": "60",  # no lease sweeps in the measurement
         }
+        if source is not None:  # idle: the worker's own defaults, from that source tree
+            env = {k: v for k, v in env.items() if not k.startswith("LEDGER_WORKER_")}
+            env["PYTHONPATH"] = str(source)
+            if self.p.sweep_interval is not None:
+                env["LEDGER_WORKER_SWEEP_INTERVAL"] = str(self.p.sweep_interval)
         w = spawn_worker(consumer, env, self.logs / f"{self.prefix}-{consumer}.log")
         self.workers.append(w)
         return w
@@ -261,6 +290,105 @@ def takeover_once(
         return {"held": len(held), "seconds": round(took, 4), "acked_not_deleted": run.leftovers()}
 
 
+def commands(clients: list[redis.Redis]) -> dict[str, int]:
+    """Commands served so far by name, over every node (INFO itself left out)."""
+    total: dict[str, int] = {}
+    for c in clients:
+        for k, v in c.info("commandstats").items():
+            if k != "cmdstat_info":
+                total[k[8:]] = total.get(k[8:], 0) + int(v["calls"])
+    return total
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def idle(
+    url: str, nodes: list[redis.Redis], params: Params, logs: Path, source: Path
+) -> dict[str, Any]:
+    """An idle worker (its default settings) from `source`: commands/s, CPU, pickup."""
+    with run_on(url, params, logs) as run:
+        w = run.spawn(f"idle-{source.name}", source)
+        w.wait_started()
+        time.sleep(1.0)
+        c0, cpu0, t0 = commands(nodes), cpu_seconds(w.proc.pid), time.perf_counter()
+        time.sleep(params.idle_seconds)
+        c1, cpu1, t1 = commands(nodes), cpu_seconds(w.proc.pid), time.perf_counter()
+        per_s = {k: (n - c0.get(k, 0)) / (t1 - t0) for k, n in c1.items()}
+        run.open_sessions(params.latency_jobs)
+        ks, lat = run.led.keyspace, []
+        for sid, epoch in zip(run.sids, run.epochs, strict=True):
+            time.sleep(random.uniform(0.02, 0.12))
+            stream = ks.jobs(ks.partition_of(sid))
+            fields = {"kind": "hard_reset", "session": sid, "epoch": epoch, "reason": "bench"}
+            t = time.perf_counter()
+            eid = run.r.xadd(stream, fields)  # type: ignore[arg-type]
+            while run.r.xrange(stream, eid, eid):
+                if time.perf_counter() - t > 30:
+                    raise RuntimeError(f"job {sid} not picked up within 30 s: {w.tail()}")
+                time.sleep(0.0005)
+            lat.append(time.perf_counter() - t)
+        code = w.stop()
+        run.check_each_applied_once()
+        if code:
+            raise RuntimeError(f"idle worker exited with {code}: {w.tail()}")
+    lat.sort()
+    return {
+        "source": str(source),
+        "commands_per_s": round(sum(per_s.values()), 1),
+        "by_command": {k: round(v, 1) for k, v in sorted(per_s.items()) if v >= 0.05},
+        "cpu_percent": round(100 * (cpu1 - cpu0) / (t1 - t0), 2),
+        "pickup_ms_median": round(1000 * statistics.median(lat), 2),
+        "pickup_ms_p99": round(1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], 2),
+    }
+
+
+def run_idle(params: Params, sources: list[Path], on_cluster: bool) -> dict[str, Any]:
+    with (
+        servers.cluster(3) if on_cluster else servers.standalone() as server,
+        tempfile.TemporaryDirectory(prefix="bench-workers-") as d,
+    ):
+        procs = server if isinstance(server, list) else [server]
+        url = f"redis+cluster://127.0.0.1:{procs[0].port}" if on_cluster else procs[0].url
+        nodes = [redis.Redis(port=n.port) for n in procs]
+        try:
+            env = environment(f"redis://127.0.0.1:{procs[0].port}/0")
+            rows = [idle(url, nodes, params, Path(d), src) for src in sources]
+        finally:
+            for n in nodes:
+                n.close()
+    return {
+        "env": env,
+        "params": {
+            "partitions": params.partitions,
+            "idle_seconds": params.idle_seconds,
+            "latency_jobs": params.latency_jobs,
+            "cluster": on_cluster,
+            "sweep_interval_s": params.sweep_interval,
+        },
+        "idle": rows,
+    }
+
+
+def print_idle(res: dict[str, Any]) -> None:
+    p, env = res["params"], res["env"]
+    where = "a 3-primary cluster" if p["cluster"] else "one server"
+    print(
+        f"idle ledger worker: redis {env['redis_version']} ({where}), {env['nproc']} CPUs, "
+        f"python {env['python']}, {p['partitions']} partitions, no session, "
+        f"{p['idle_seconds']} s; pickup over {p['latency_jobs']} jobs"
+    )
+    print(f"{'cmds/s':>9} {'cpu %':>7} {'pickup p50 ms':>14} {'p99 ms':>8}  source")
+    for r in res["idle"]:
+        print(
+            f"{r['commands_per_s']:>9.1f} {r['cpu_percent']:>7.2f} "
+            f"{r['pickup_ms_median']:>14.2f} {r['pickup_ms_p99']:>8.2f}  {r['source']}"
+        )
+        print(f"{'':>9} per s: " + ", ".join(f"{k} {v}" for k, v in r["by_command"].items()))
+
+
 def environment(url: str) -> dict[str, Any]:
     r = redis.Redis.from_url(url)
     try:
@@ -356,10 +484,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--claim-idle-ms", type=int, default=500)
     ap.add_argument("--poll-interval", type=float, default=0.02, help="seconds when idle")
     ap.add_argument("--seed", type=int, default=None, help="for the kill delays")
+    ap.add_argument("--idle", action="store_true", help="measure an idle worker instead")
+    ap.add_argument("--idle-seconds", type=float, default=10.0)
+    ap.add_argument("--latency-jobs", type=int, default=50)
+    ap.add_argument("--cluster", action="store_true", help="--idle on a 3-primary cluster")
+    ap.add_argument("--baseline", type=Path, help="--idle: also the worker of this tree")
+    ap.add_argument("--sweep-interval", type=float, help="--idle: the workers' lease sweeps")
     a = ap.parse_args(argv)
-    if a.jobs < 1 or a.reps < 1:
-        ap.error("--jobs and --reps must be at least 1")
-    params = Params(a.jobs, a.partitions, a.claim_idle_ms, a.poll_interval, a.reps)
+    if a.jobs < 1 or a.reps < 1 or a.latency_jobs < 1:
+        ap.error("--jobs, --reps and --latency-jobs must be at least 1")
+    params = Params(
+        a.jobs,
+        a.partitions,
+        a.claim_idle_ms,
+        a.poll_interval,
+        a.reps,
+        a.idle_seconds,
+        a.latency_jobs,
+        a.sweep_interval,
+    )
+    if a.idle:
+        sources = [p.resolve() for p in (a.baseline, ROOT) if p is not None]
+        res = run_idle(params, sources, a.cluster)
+        print(json.dumps(res, indent=2)) if a.json else print_idle(res)
+        return 0
     res = run(params, a.seed)
     if a.json:
         print(json.dumps(res, indent=2))

@@ -65,6 +65,8 @@ ACL_COMMANDS = (
     "xdel",
     "xadd",
     "xinfo|groups",
+    "xread",
+    "exists",
     "hset",
     "hget",
     "hdel",
@@ -219,8 +221,10 @@ def exercise_everything(
     assert not c.compaction_pending and c.raw["kn"] >= 1, "compaction job not applied"
     assert ledger.session("tenant/h").epoch == h.epoch + 1, "hard-reset job not applied"
     worker.sweep()
+    worker.take_over()
     worker.observe()
-    done += ["worker.poll_once(compact, hard_reset)", "worker.sweep", "worker.observe"]
+    done += ["worker.poll_once(compact, hard_reset)", "worker.sweep", "worker.take_over"]
+    done += ["worker.observe"]
 
     # the CLI, fenced reset, close
     assert ledger_cli.main(["--url", url, "--prefix", p, "audit"]) == ledger_cli.EXIT_OK

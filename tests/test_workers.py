@@ -40,6 +40,7 @@ from ledger.testing import WorkerProc, spawn_worker
 from ledger.workers.compactors import CompactionPlan, CompactionRequest
 from ledger.workers.runner import Worker
 from tests import jobs
+from tests.conftest import backend_url, make_settings
 from tests.jobs import session_hash
 from tests.servers import RedisProcess
 
@@ -866,3 +867,42 @@ def test_no_entry_left_when_killed_between_ack_and_delete(
     left = backlog(led)
     assert left.clear  # nothing undelivered or pending ...
     assert (sid, eid) not in left.leftover  # ... and the entry is gone from the stream
+
+
+# --- the loop's reads: blocking, on one server and on a cluster --------------------------
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        pytest.param("redis", marks=pytest.mark.redis),
+        pytest.param("cluster", marks=pytest.mark.cluster),
+    ],
+)
+def test_loop_picks_up_jobs_sweeps_leases_and_stops_promptly(
+    request: pytest.FixtureRequest, kind: str
+) -> None:
+    """The loop blocks in its reads (one XREADGROUP over every stream on one server, a
+    reader per partition on a cluster), with a block longer than the test: jobs are done
+    as they come, a lease is released, a job left by a dead consumer is taken over, and
+    a stop ends the loop at once however long the reads block."""
+    settings = make_settings(backend_url(request, kind), partitions=8)
+    with Ledger.from_settings(settings) as led:
+        worker = jobs.new_worker(led, block=30.0, claim_idle_ms=100)
+        loop = jobs.LoopThread(worker)
+        with loop:
+            wait_until(lambda: bool(led.client.exists(led.keyspace.jobs(7))), 5, "the groups")
+            time.sleep(0.3)  # the reads are blocked now
+            sids = [f"blk-{i}" for i in range(12)]
+            jobs.open_resets(led, sids)
+            wait_until(lambda: jobs.busy(led) == 0, 10, "the jobs")
+            s = led.open_session("blk-lease", BUDGET)
+            s.reserve("working_memory", "r1", 100, lease_ms=50)
+            wait_until(lambda: s.snapshot().open_reservations == 0, 10, "the sweep")
+            [(sid, _)] = jobs.open_resets(led, ["blk-dead"])
+            led.client.xreadgroup(jobs.GROUP, "dead-one", {jobs.jobs_of(led, sid): ">"})
+            wait_until(lambda: jobs.busy(led) == 0, 10, "the takeover")
+            t0 = time.monotonic()
+        assert time.monotonic() - t0 < 3, "the stop waited for the blocked reads"
+        for sid in [*sids, "blk-dead"]:
+            assert jobs.counters(led, sid, "ep", "x:resets") == ("2", "1"), sid

@@ -9,6 +9,13 @@ worker is taken over with XAUTOCLAIM after ``claim_idle_ms``; an entry delivered
 stream with its error. Effects are idempotent: the stream entry id is the
 operation id of the ledger call the job makes, and every call is fenced by the
 epoch the job was enqueued at, so a job delivered twice changes the state once.
+
+An idle worker costs little: it waits for new jobs in blocking reads (on one server
+one XREADGROUP ... BLOCK names every partition's stream; on a cluster, where a
+command stays within one hash slot, a reader thread per partition blocks on its
+stream), and looks for stuck jobs and expired leases on timers, each behind one
+command over every partition on one server (XREAD: which streams hold an entry;
+EXISTS: whether any deadline index does).
 A compaction job's entry is deleted by ``compact.lua`` in the same step as its
 effect, so it applies once for its whole life in the stream, even when taken over
 after the op retention; a hard-reset job needs no such check (a reset at epoch e
@@ -30,10 +37,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import json
 import logging
 import os
+import queue
 import socket
 import threading
 import time
@@ -43,11 +52,13 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
+import redis
+import redis.cluster
 import redis.exceptions as rex
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from ledger import health, protocol
+from ledger import backends, health, protocol
 from ledger.client import Ledger
 from ledger.errors import (
     ConfigurationError,
@@ -75,7 +86,21 @@ class WorkerSettings(BaseSettings):
 
     group: str = "ledger-workers"
     consumer: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
-    poll_interval: float = Field(default=0.1, gt=0, description="seconds to sleep when idle")
+    poll_interval: float = Field(
+        default=0.1,
+        gt=0,
+        description="seconds to sleep when idle on the embedded backend (its reads do not block)",
+    )
+    block: float = Field(
+        default=10.0,
+        gt=0,
+        le=600,
+        description="longest wait of one blocking read of new jobs (XREADGROUP ... BLOCK) "
+        "before it is sent again. On one server one read covers every partition and also "
+        "ends for the timers (lease sweep, takeover, health) and below the socket timeout; "
+        "on a cluster each partition has its own reader (a client whose socket timeout is "
+        "the ledger's plus this): an idle cost of partitions / block reads per second",
+    )
     claim_idle_ms: int = Field(default=5_000, ge=10, description="take over jobs idle this long")
     max_deliveries: int = Field(default=5, ge=1, description="then dead-letter the job")
     batch: int = Field(default=16, ge=1, le=1000)
@@ -217,6 +242,15 @@ class Worker:
         if compactor is None and self.settings.compactor != "none":
             self.compactor = compactors.load(str(self.settings.compactor))
         self.partitions = range(ledger.keyspace.partitions)
+        self._partition_of = {self.stream(p): p for p in self.partitions}
+        # One command may name every partition's keys only outside a cluster (there a
+        # command stays within one hash slot, and each partition has its own).
+        url = ledger.settings.redis_url
+        self._one_node = url is not None and backends.parse_url(url).kind != "cluster"
+        # Blocking reads on a real server (a reader per partition on a cluster); the
+        # embedded backend polls.
+        self._blocking = self._one_node and type(ledger.client) is redis.Redis
+        self._on_cluster = isinstance(ledger.client, redis.cluster.RedisCluster)
         self._last_sweep = 0.0
         self._last_health = float("-inf")
         self._health_said: tuple[str, ...] | None = None
@@ -316,14 +350,95 @@ class Worker:
         the pass goes on with the next (an unreachable server or an ACL refusal ends the
         pass: it is raised); a job stream found missing is reported and its group made
         again. Returns the number of jobs done."""
-        groups: dict[tuple[int, str], list[tuple[bytes | str, Any, bool]]] = {}
+        groups: _Groups = {}
+        failed = set()
         for p in self.partitions:
             try:
-                for entry_id, fields, claimed in self._read_partition(p):
-                    sid = _field(fields, "session")
-                    groups.setdefault((p, sid), []).append((entry_id, fields, claimed))
+                _collect(groups, p, self._read_partition(p), claimed=False)
+            except Exception as exc:
+                failed.add(p)
+                self._partition_trouble(p, exc)
+        self._claim_into(groups, skip=failed, every=True)
+        return self._run_groups(groups)
+
+    def take_over(self, every: bool = False) -> int:
+        """Jobs left pending longer than ``claim_idle_ms`` (by a worker that died, or a
+        failed attempt): claimed and done. Returns the number done. Only partitions whose
+        stream holds an entry are looked at, unless ``every``: an entry deleted while
+        pending (its job done, by a worker that died before acknowledging it) is no
+        longer in its stream, and is acknowledged by the claim that finds it."""
+        groups: _Groups = {}
+        self._claim_into(groups, skip=set(), every=every)
+        return self._run_groups(groups)
+
+    def _claim_into(self, groups: _Groups, skip: set[int], every: bool) -> None:
+        try:
+            candidates = list(self.partitions) if every else self._with_entries()
+        except Exception as exc:  # the check failed: look at every partition
+            kind = kind_of(exc)
+            if kind is None or kind in _WHOLE_PASS:
+                raise
+            self._trouble(kind, exc, where="take over")
+            candidates = list(self.partitions)
+        for p in candidates:
+            if p in skip:
+                continue
+            try:
+                _collect(groups, p, self._claim_partition(p), claimed=True)
             except Exception as exc:
                 self._partition_trouble(p, exc)
+
+    def _with_entries(self) -> list[int]:
+        """Partitions whose job stream holds an entry (done jobs are deleted: an entry
+        is a job waiting or pending): one XREAD over every stream on one server, every
+        partition on a cluster."""
+        if not self._one_node:
+            return list(self.partitions)
+        streams: dict[Any, Any] = {self.stream(p): "0-0" for p in self.partitions}
+        got: Any = self.ledger.client.xread(streams, count=1)
+        return sorted(self._partition_of[_str(stream)] for stream, _ in got or [])
+
+    def _read_blocking(self, block: float) -> int:
+        """Wait up to ``block`` seconds for new jobs in any partition, with one
+        XREADGROUP ... BLOCK over every partition's stream, and do them. A stream or
+        group found missing sends a pass over each partition (poll_once), which reports
+        the loss and makes the group again. Returns the number of jobs done."""
+        s = self.settings
+        streams: dict[Any, Any] = {self.stream(p): ">" for p in self.partitions}
+        ms = max(1, int(1000 * min(block, s.block, self.ledger.settings.socket_timeout / 2)))
+        try:
+            got: Any = self.ledger.client.xreadgroup(
+                s.group, s.consumer, streams, count=s.batch, block=ms
+            )
+        except rex.ResponseError as exc:
+            if not _stream_gone(exc):
+                raise
+            return self.poll_once()
+        groups: _Groups = {}
+        for stream, entries in got or []:
+            _collect(groups, self._partition_of[_str(stream)], entries, claimed=False)
+        return self._run_groups(groups)
+
+    def _read_results(self, got: list[tuple[int, Any]]) -> int:
+        """Do the jobs the cluster's readers brought; a reader's error is handled as in
+        a pass (an unreachable server or an ACL refusal raised once)."""
+        groups: _Groups = {}
+        whole: BaseException | None = None
+        for p, result in got:
+            if not isinstance(result, BaseException):
+                _collect(groups, p, result, claimed=False)
+                continue
+            try:
+                self._partition_trouble(p, result)
+            except Exception as exc:
+                whole = whole or exc
+        done = self._run_groups(groups)
+        if whole is not None:
+            raise whole
+        return done
+
+    def _run_groups(self, groups: _Groups) -> int:
+        """Run the jobs read, those of one session one after the other."""
         if not groups:
             return 0
         done = 0
@@ -357,7 +472,7 @@ class Worker:
         """A Redis error met in one partition: counted and logged; NOGROUP reported as a
         lost stream and the group made again. A bug, Redis unreachable or an ACL
         refusal is raised."""
-        kind = kind_of(exc)
+        kind = "nogroup" if _stream_gone(exc) else kind_of(exc)
         if kind is None or kind in _WHOLE_PASS:
             raise exc
         if kind != "nogroup":
@@ -372,19 +487,20 @@ class Worker:
                 raise
             self._trouble(kind, again, partition=p)  # made on a later pass
 
-    def _poll_partition(self, p: int) -> int:
-        return self._deliver_all(p, self._read_partition(p))
-
-    def _read_partition(self, p: int) -> list[tuple[bytes | str, Any, bool]]:
-        """New jobs of a partition, then its jobs idle too long elsewhere (taken over)."""
-        s, client, out = self.settings, self.ledger.client, []
-        stream = self.stream(p)
+    def _read_partition(self, p: int) -> list[tuple[Any, Any]]:
+        """New jobs of a partition (no wait)."""
+        s = self.settings
         if p not in self._groups:  # not made yet (e.g. Redis was out of memory at start)
             self.ensure_group(p)
-        got: Any = client.xreadgroup(s.group, s.consumer, {stream: ">"}, count=s.batch)
-        for _, entries in got or []:
-            for entry_id, fields in entries:
-                out.append((entry_id, fields, False))
+        got: Any = self.ledger.client.xreadgroup(
+            s.group, s.consumer, {self.stream(p): ">"}, count=s.batch
+        )
+        return [entry for _, entries in got or [] for entry in entries]
+
+    def _claim_partition(self, p: int) -> list[tuple[Any, Any]]:
+        """A partition's jobs idle too long elsewhere (taken over)."""
+        s, client, out = self.settings, self.ledger.client, []
+        stream = self.stream(p)
         auto: Any = client.xautoclaim(
             stream, s.group, s.consumer, s.claim_idle_ms, start_id="0-0", count=s.batch
         )
@@ -393,7 +509,7 @@ class Worker:
                 client.xack(stream, s.group, entry_id)
                 continue
             self.metrics.takeovers.inc()
-            out.append((entry_id, fields, True))
+            out.append((entry_id, fields))
         return out
 
     def _deliver(
@@ -637,7 +753,7 @@ class Worker:
         """Release expired leases in every partition; a Redis error in one partition is
         counted and the sweep goes on (an unreachable server or an ACL refusal ends it)."""
         released = 0
-        for p in self.partitions:
+        for p in self._with_leases():
             try:
                 released += self.ledger.expire_due(p)
             except Exception as exc:
@@ -647,6 +763,17 @@ class Worker:
                 self._trouble(kind, exc, partition=p, where="sweep")
         self.metrics.expired.inc(released)
         return released
+
+    def _with_leases(self) -> list[int]:
+        """Partitions whose deadline index exists (an empty sorted set is no key): one
+        EXISTS over every partition on one server, one each (pipelined) on a cluster."""
+        client, names = self.ledger.client, self.ledger.keyspace.deadlines
+        if self._one_node:
+            return list(self.partitions) if client.exists(*map(names, self.partitions)) else []
+        pipe = client.pipeline(transaction=False)
+        for p in self.partitions:
+            pipe.exists(names(p))
+        return [p for p, n in zip(self.partitions, pipe.execute(), strict=True) if n]
 
     def observe(self) -> None:
         """Refresh lag gauges and the rules' leading indicators (a SCAN: not every poll)."""
@@ -773,7 +900,13 @@ class Worker:
             "worker started",
             extra={"consumer": self.settings.consumer, "partitions": len(self.partitions)},
         )
-        last_observe = 0.0
+        last_observe = last_claim = float("-inf")
+        # A dead worker's job waits < 1.25 claim_idle_ms on one server (one XREAD finds
+        # the partitions to claim from), < 2 claim_idle_ms on a cluster (every partition).
+        claim_every = s.claim_idle_ms / (4000 if self._one_node else 1000)
+        claims = 0
+        readers = _Readers(self) if self._on_cluster and not once else None
+        taken: list[int] = []  # partitions whose readers' results were taken
         while not stop.is_set():
             self._troubled = False
             now = time.monotonic()
@@ -786,16 +919,122 @@ class Worker:
             if s.metrics_port and now - last_observe >= 15:
                 last_observe = now
                 self._guard(self.observe, "observe")
-            worked = self._guard(self.poll_once, "poll")
+            if readers is not None:
+                readers.again(taken)  # after the backoff, if any
+            if once or not (self._blocking or readers):
+                worked = self._guard(self.poll_once, "poll")  # new jobs, then stuck ones
+            else:
+                if now - last_claim >= claim_every:
+                    last_claim = now
+                    # every 16th time, each partition: entries pending without a body
+                    every = not self._one_node or claims % _EVERY_PARTITION == 0
+                    claims += 1
+                    self._guard(functools.partial(self.take_over, every), "take over")
+                timers = [self._last_health + s.health_interval]
+                timers += [self._last_sweep + s.sweep_interval, last_claim + claim_every]
+                if s.metrics_port:
+                    timers.append(last_observe + 15)
+                wait = max(0.001, min(timers) - time.monotonic())
+                if readers is None:
+                    worked = self._guard(functools.partial(self._read_blocking, wait), "poll")
+                else:
+                    got = readers.take(wait)
+                    taken = [p for p, _ in got]
+                    worked = self._guard(functools.partial(self._read_results, got), "poll")
             if once:
                 break
             if self._troubled:
                 stop.wait(backoff.next())
             else:
                 backoff.reset()
-                if not worked:
+                if not worked and not (self._blocking or readers):
                     stop.wait(s.poll_interval)
+        if readers is not None:
+            readers.close()
         log.info("worker stopped", extra={"consumer": self.settings.consumer})
+
+
+def _stream_gone(exc: BaseException) -> bool:
+    """NOGROUP (a stream or its group is missing), or UNBLOCKED (a stream deleted while
+    a read was blocked on it)."""
+    return kind_of(exc) == "nogroup" or str(exc).startswith("UNBLOCKED")
+
+
+class _Readers:
+    """Blocking reads of new jobs on a cluster, where a command stays within one hash
+    slot: a thread per partition sends XREADGROUP ... BLOCK on its stream, through a
+    client of their own whose socket timeout is the ledger's plus the block. What a read
+    brings (entries, or its error) waits for the worker loop, which reads the partition
+    again (again()) once it has done them; an empty read is sent again at once."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        ls, s = worker.ledger.settings, worker.settings
+        more = {"socket_timeout": ls.socket_timeout + s.block}
+        self.client: Any = backends.sync_client(ls.model_copy(update=more))  # a cluster
+        self.results: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+        self.go = {p: threading.Event() for p in worker.partitions}
+        self.closed = False
+        for p, go in self.go.items():
+            go.set()
+            threading.Thread(
+                target=self._read, args=(p,), name=f"ledger-read-{p}", daemon=True
+            ).start()
+
+    def _read(self, p: int) -> None:
+        s, stream = self.worker.settings, self.worker.stream(p)
+        ms = int(1000 * s.block)
+        while self.go[p].wait() and not self.closed:
+            try:
+                # Sent to the stream's node by name: redis-py would otherwise ask the
+                # server for the keys of each XREADGROUP (COMMAND GETKEYS, twice).
+                got: Any = self.client.execute_command(
+                    *("XREADGROUP", "GROUP", s.group, s.consumer, "COUNT", s.batch),
+                    *("BLOCK", ms, "STREAMS", stream, ">"),
+                    target_nodes=self.client.get_node_from_key(stream),
+                )
+            except Exception as exc:
+                result: Any = exc
+            else:
+                result = [entry for _, entries in got or [] for entry in entries]
+                if not result:
+                    continue
+            if self.closed:
+                return  # entries read now are taken over after claim_idle_ms
+            self.go[p].clear()
+            self.results.put((p, result))
+
+    def take(self, timeout: float) -> list[tuple[int, Any]]:
+        """What the reads brought: waits up to timeout for the first."""
+        try:
+            got = [self.results.get(timeout=timeout)]
+        except queue.Empty:
+            return []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                got.append(self.results.get_nowait())
+        return got
+
+    def again(self, partitions: list[int]) -> None:
+        for p in partitions:
+            self.go[p].set()
+
+    def close(self) -> None:
+        """Stop the readers: a read blocked now ends with its connection."""
+        self.closed = True
+        for go in self.go.values():
+            go.set()
+        self.client.close()
+
+
+_EVERY_PARTITION = 16  # every how many takeover checks all partitions are claimed from
+_Groups = dict[tuple[int, str], list[tuple[Any, Any, bool]]]
+
+
+def _collect(groups: _Groups, p: int, entries: list[tuple[Any, Any]], claimed: bool) -> None:
+    """Add a partition's entries read to the jobs by (partition, session), in order."""
+    for entry_id, fields in entries:
+        groups.setdefault((p, _field(fields, "session")), []).append((entry_id, fields, claimed))
 
 
 async def _awaited(aw: Awaitable[T]) -> T:
