@@ -11,6 +11,7 @@ The real-server tests use their own redis-server (they change its maxmemory).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import threading
@@ -476,3 +477,30 @@ def test_worker_process_starts_under_oom_and_serves_once_memory_is_back(
     done_once(led, sids)
     assert w.proc.poll() is None
     assert w.stop() == 0, w.tail()
+
+
+@pytest.mark.redis
+def test_redis_trouble_uncounts_the_untried_jobs_of_the_batch_too(
+    led: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transient error on a session's first job ends the run: the jobs read with it
+    keep the delivery count they had (0), so repeated outages never dead-letter them."""
+    sid = "batch-trouble"
+    [(_, first)] = jobs.open_resets(led, [sid])
+    fields = {"kind": "hard_reset", "session": sid, "epoch": 1, "reason": "later", "op": "y"}
+    stream = jobs.jobs_of(led, sid)
+    later = [jobs.text(led.client.xadd(stream, fields)) for _ in range(2)]  # type: ignore[arg-type]
+    worker = fast_worker(led, max_in_flight=1)
+    calls: list[str] = []
+
+    def unavailable(job_id: str, f: Any) -> Any:
+        calls.append(job_id)
+        raise rex.ConnectionError("Connection refused")
+
+    monkeypatch.setattr(worker, "handle", unavailable)
+    with contextlib.suppress(Exception):
+        worker.poll_once()
+    assert calls and set(calls) == {first}
+    pending = led.client.xpending_range(stream, worker.settings.group, "-", "+", 10)
+    counts = {jobs.text(r["message_id"]): int(r["times_delivered"]) for r in pending}
+    assert counts == {first: 0, **dict.fromkeys(later, 0)}, counts

@@ -466,7 +466,28 @@ class Worker:
         return done
 
     def _deliver_all(self, p: int, jobs: list[tuple[bytes | str, Any, bool]]) -> int:
-        return sum(self._deliver(p, eid, fields, claimed=claimed) for eid, fields, claimed in jobs)
+        """Do one session's jobs in order. When Redis trouble ends the run, the jobs
+        after the one that met it were read (their delivery counted) but not tried: each
+        gets its count back, so that an outage does not push them to the dead letters."""
+        done = 0
+        for i, (eid, fields, claimed) in enumerate(jobs):
+            try:
+                done += self._deliver(p, eid, fields, claimed=claimed)
+            except Exception:
+                for rest, _, was_claimed in jobs[i + 1 :]:
+                    self._uncount_untried(p, _str(rest), was_claimed)
+                raise
+        return done
+
+    def _uncount_untried(self, p: int, eid: str, claimed: bool) -> None:
+        """Take back the delivery a read (or a claim) counted for a job never tried."""
+        deliveries = 1
+        if claimed:  # a claim counted one more than the attempts before it
+            with contextlib.suppress(rex.RedisError):
+                s, stream = self.settings, self.stream(p)
+                info = self.ledger.client.xpending_range(stream, s.group, eid, eid, 1)
+                deliveries = int(info[0]["times_delivered"]) if info else 1
+        self._uncount(self.stream(p), eid, deliveries)
 
     def _partition_trouble(self, p: int, exc: BaseException) -> None:
         """A Redis error met in one partition: counted and logged; NOGROUP reported as a
