@@ -1,4 +1,4 @@
-"""What grows with the fleet and with a session's history (issue 16).
+"""What grows with the fleet and with a session's history: the costs of docs/scale.md.
 
     python -m bench.bench_scale [--sessions 10000] [--outcomes 1000,10000,50000]
                                 [--calls 500] [--rounds 5]
