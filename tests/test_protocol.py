@@ -60,6 +60,9 @@ def test_key_vectors() -> None:
         v["content"],
         v["compacted"],
     )
+    assert (k.outcomes, k.outcomes_old) == (v["outcomes"], v["outcomes_old"])
+    # A mutating script's KEYS: the session, its own keys, the two outcome hashes last.
+    assert k.for_script(k.jobs) == (v["session"], v["jobs"], v["outcomes"], v["outcomes_old"])
     assert k.spill(v["spill"]["call_id"]) == v["spill"]["key"]
     assert ks.session_key_parts(v["session"]) == (v["partition"], v["session_id"])
     # The worker's own keys in the partition (dead letters, job errors).
@@ -113,6 +116,41 @@ def test_call_vectors() -> None:
         assert op_fingerprint(v["script"], v["argv"]) == v["op_fingerprint"]
 
 
+def doc_reply_codes() -> dict[str, str]:
+    """The table of reply codes in docs/protocol.md: control character -> '|<key>='."""
+    rows = re.findall(r"^\| 0x([0-9a-f]{2}) \| `(\w+)` \|$", DOC, re.M)
+    return {chr(int(code, 16)): f"|{key}=" for code, key in rows}
+
+
+def encode_outcome(op_id: str, fingerprint: str, reply: str) -> str:
+    """A stored outcome as docs/protocol.md describes it, written out independently of the
+    Lua."""
+    coded = re.sub(
+        r"\|\w+=",
+        lambda m: {v: k for k, v in doc_reply_codes().items()}.get(m.group(0), m.group(0)),
+        "|" + reply,
+    )
+    return f"\x1e{op_id}\x1f{fingerprint}{coded}"
+
+
+def test_the_docs_reply_codes_are_the_scripts() -> None:
+    assert len(doc_reply_codes()) >= 29
+    assert doc_reply_codes() == scripts.reply_codes()
+
+
+@pytest.mark.parametrize("v", VECTORS["outcomes"], ids=lambda v: v["op_id"])
+def test_outcome_vectors(v: dict[str, str]) -> None:
+    assert hashlib.sha1(v["op_id"].encode()).hexdigest()[:2] == v["bucket"]
+    assert encode_outcome(v["op_id"], v["fingerprint"], v["reply"]) == v["record"]
+    # Two records in one bucket read back apart (the decoder `ledger inspect` uses).
+    got = scripts.stored_outcomes(v["record"] + VECTORS["outcomes"][0]["record"])
+    first = VECTORS["outcomes"][0]
+    assert got == [
+        (v["op_id"], v["fingerprint"], v["reply"]),
+        (first["op_id"], first["fingerprint"], first["reply"]),
+    ]
+
+
 def test_the_doc_names_every_scripts_keys_and_argv_as_its_lua_header_does() -> None:
     """docs/protocol.md and the Lua headers list the same KEYS and ARGV positions."""
     where = re.compile(r"(?:KEYS|ARGV)\[[^\]]+\]")
@@ -141,43 +179,78 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
     for name, body in text.items():  # EVALSHA digests: what SCRIPT LOAD answers
         assert r.script_load(body) == printed[str(tmp_path / f"{name}.lua")]
     opened, other, admit = VECTORS["calls"]
-    key = opened["keys"][0]
-    r.delete(key, VECTORS["keys"]["jobs"])
+    key, out, old = opened["keys"]
+    assert (out, old) == (VECTORS["keys"]["outcomes"], VECTORS["keys"]["outcomes_old"])
+    everything = (key, out, old, VECTORS["keys"]["jobs"])
+    r.delete(*everything)
+
+    def bucket(name: str, op_id: str) -> str:
+        raw = r.hget(name, hashlib.sha1(op_id.encode()).hexdigest()[:2])
+        assert raw is not None, (name, op_id)
+        return raw.decode()
+
     try:
-        got = _reply(r.eval(text["open"], 1, key, *opened["argv"]))
+        # Without the outcome hashes as its last two KEYS a mutating script refuses.
+        for keys in ([key], [key, old, out], [key, out, f"{old}x"]):
+            with pytest.raises(redis.ResponseError, match=r"^LEDGER_BADARG "):
+                r.eval(text["open"], len(keys), *keys, *opened["argv"])
+        assert r.exists(key, out, old) == 0
+        got = _reply(r.eval(text["open"], 3, key, out, old, *opened["argv"]))
         assert (got["status"], got["created"], got["turn"]) == ("ok", "1", "0")
         epoch = got["epoch"]
-        # What the server stored: the budget fingerprint as sent, and its own fingerprint
-        # of the call under the op id.
+        # What the server stored: the budget fingerprint as sent, and the outcome under
+        # the op id, with the server's own fingerprint of the call, in its bucket of the
+        # current generation (the vector's record, with this session's epoch).
         assert r.hget(key, "cfg") == VECTORS["budgets"][0]["sha256"].encode()
-        record = r.hget(key, "o:" + opened["argv"][0])
-        assert record is not None
-        assert record.split(b"|")[1].decode() == opened["op_fingerprint"]
+        stored = VECTORS["outcomes"][0]
+        assert stored["op_id"] == opened["argv"][0]
+        assert stored["fingerprint"] == opened["op_fingerprint"]
+        want = stored["record"].replace(stored["reply"].split("|")[2][6:], epoch)
+        assert bucket(out, opened["argv"][0]) == want
+        assert r.hlen(out) == 1 and r.exists(old) == 0
+        assert not [f for f in r.hkeys(key) if f.startswith(b"o:") or f in (b"ol", b"cl")]
         # The same call again is answered from the record.
-        assert _reply(r.eval(text["open"], 1, key, *opened["argv"]))["epoch"] == epoch
+        assert _reply(r.eval(text["open"], 3, key, out, old, *opened["argv"]))["epoch"] == epoch
         # Another budget under another op id: the session exists with another budget.
         with pytest.raises(redis.ResponseError, match=r"^LEDGER_CONFLICT "):
-            r.eval(text["open"], 1, key, *other["argv"])
+            r.eval(text["open"], 3, key, out, old, *other["argv"])
         # The first op id with other arguments.
         with pytest.raises(redis.ResponseError, match=r"^LEDGER_OPREUSED "):
-            r.eval(text["open"], 1, key, opened["argv"][0], *other["argv"][1:])
+            r.eval(text["open"], 3, key, out, old, opened["argv"][0], *other["argv"][1:])
         # admit, fenced by the epoch open answered.
         argv = [admit["argv"][0], epoch, *admit["argv"][2:]]
-        got = _reply(r.evalsha(printed[str(tmp_path / "admit.lua")], 1, key, *argv))
+        got = _reply(r.evalsha(printed[str(tmp_path / "admit.lua")], 3, key, out, old, *argv))
         assert (got["status"], got["charged"], got["admitted"]) == ("ok", "200", "2")
-        record = r.hget(key, "o:" + argv[0])
-        assert record is not None
-        assert record.split(b"|")[1].decode() == op_fingerprint("admit", argv)
+        reply = "|".join(f"{k}={v}" for k, v in got.items())
+        assert encode_outcome(argv[0], op_fingerprint("admit", argv), reply) in bucket(out, argv[0])
         with pytest.raises(redis.ResponseError, match=r"^LEDGER_STALE "):
-            r.eval(text["admit"], 1, key, "op-admit-2", str(int(epoch) - 1), *argv[2:])
+            r.eval(text["admit"], 3, key, out, old, "op-admit-2", str(int(epoch) - 1), *argv[2:])
+        # Rotation: the first call at or after gz renames the current generation to the
+        # previous one (TTL: the op retention), sets gz one op retention ahead and starts a
+        # new generation; a retry is still answered from the previous one.
+        retention = int(opened["argv"][11])
+        r.hset(key, "gz", 0)
+        got = _reply(r.eval(text["release"], 3, key, out, old, "op-rel-1", epoch, "r", "1", "x"))
+        assert (got["status"], got["count"], got["missing"]) == ("ok", "0", "x")
+        assert 0 < r.pttl(old) <= retention and r.pttl(out) > 0
+        assert r.hlen(out) == 1 and argv[0] in bucket(old, argv[0])
+        assert int(r.hget(key, "gz") or 0) > int(epoch)
+        again = r.eval(text["admit"], 3, key, out, old, *argv)
+        assert _reply(again) == _reply(r.eval(text["admit"], 3, key, out, old, *argv))
+        assert _reply(again)["charged"] == "200" and r.hlen(out) == 1
+        with pytest.raises(redis.ResponseError, match=r"^LEDGER_OPREUSED "):
+            r.eval(text["admit"], 3, key, out, old, *argv[:-1], "1")
         # A turn that ends above the high-water mark (5760 of 8000) writes a compaction
         # job to the partition's stream, with the fields of docs/protocol.md, in order.
         sid, jobs = opened["session_id"], VECTORS["keys"]["jobs"]
-        got = _reply(r.eval(text["begin_turn"], 2, key, jobs, "op-b1", epoch, "0", "-", sid))
+        got = _reply(
+            r.eval(text["begin_turn"], 4, key, jobs, out, old, "op-b1", epoch, "0", "-", sid)
+        )
         assert (got["status"], got["turn"]) == ("ok", "1")
-        r.eval(text["admit"], 1, key, "op-w1", epoch, "w", "all", "1", "turn-1", "6000", "0")
-        end = [key, jobs, "op-e1", epoch, "1", "6700", "0", sid]
-        assert _reply(r.eval(text["end_turn"], 2, *end))["compaction_due"] == "1"
+        w1 = ["op-w1", epoch, "w", "all", "1", "turn-1", "6000", "0"]
+        r.eval(text["admit"], 3, key, out, old, *w1)
+        end = [key, jobs, out, old, "op-e1", epoch, "1", "6700", "0", sid]
+        assert _reply(r.eval(text["end_turn"], 4, *end))["compaction_due"] == "1"
         [(_, fields)] = r.xrange(jobs)
         table = re.search(
             r"## The job stream\n.*?\| field \| value \|\n\| --- \| --- \|\n(.*?)\n\n", DOC, re.S
@@ -200,7 +273,7 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
             assert s.epoch == int(epoch)
             assert s.snapshot().used[Consumer.RETRIEVAL] == 200
     finally:
-        r.delete(key, VECTORS["keys"]["jobs"])
+        r.delete(*everything)
 
 
 # --- one session id under two partitions ------------------------------------------------------
