@@ -545,8 +545,7 @@ class Bench:
 
     def describe(self, key: str) -> dict[str, Any]:
         fields = self.r.hgetall(key)
-        classes = {"base": 0, "items": 0, "reservations": 0, "outcomes": 0, "journal": 0,
-                   "telemetry": 0}  # fmt: skip
+        classes = {"base": 0, "items": 0, "reservations": 0, "telemetry": 0}
         sizes = dict.fromkeys(classes, 0)
         for f, v in fields.items():
             name = f.decode() if isinstance(f, bytes) else str(f)
@@ -554,10 +553,6 @@ class Bench:
                 c = "items"
             elif name.startswith("r:"):
                 c = "reservations"
-            elif name.startswith("o:"):
-                c = "outcomes"
-            elif name.startswith("oc:") or name == "ol":
-                c = "journal"
             elif name.startswith("x:"):
                 c = "telemetry"
             else:
@@ -578,6 +573,11 @@ class Bench:
         fresh = self.describe(s.keys.session)
         self.turns(s, TURNS, tokens=250)
         after = self.describe(s.keys.session)
+        # Outcomes live in their own hashes (current and previous generation).
+        after["outcome_bytes"] = sum(
+            int(self.r.memory_usage(k, samples=0) or 0)
+            for k in (s.keys.outcomes, s.keys.outcomes_old)
+        )
         self.drop_sessions()
         after["ratio_to_fresh"] = after["bytes"] / fresh["bytes"] if fresh["bytes"] else None
         return {"fresh": fresh, f"after_{TURNS}_turns": after}

@@ -949,9 +949,11 @@ def session_memory(led: Ledger, s: Session) -> dict[str, Any]:
     spill = list(r.scan_iter(match=s.keys.spill_prefix + "*", count=1000))
     spill_bytes = sum(int(r.memory_usage(k, samples=0) or 0) for k in spill)
     part = [k for k in (s.keys.deadlines, s.keys.jobs) if r.exists(k)]
+    outcomes = (s.keys.outcomes, s.keys.outcomes_old)
     d["session_hash_bytes"] = d["bytes"]
+    d["outcome_bytes"] = sum(int(r.memory_usage(k, samples=0) or 0) for k in outcomes)
     d["spill_keys"] = len(spill)
-    d["bytes"] = d["session_hash_bytes"] + spill_bytes  # all the session's own keys
+    d["bytes"] = d["session_hash_bytes"] + d["outcome_bytes"] + spill_bytes  # its own keys
     d["partition_keys_bytes"] = sum(int(r.memory_usage(k, samples=0) or 0) for k in part)
     return d
 

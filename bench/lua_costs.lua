@@ -22,7 +22,7 @@ local pieces = {
     local _ = #op <= 128 and string.find(op, '^[%w%._:/@%+=#%-]+$')
   end,
   ['table of 13 strings'] = function()
-    local _ = { 'ep', 'tn', 'sq', 'fr', 'a', 'b', 'c', 'd', 'gz', 'xp', 'cd', 'o', 'ol' }
+    local _ = { 'ep', 'tn', 'sq', 'fr', 'a', 'b', 'c', 'd', 'gz', 'xp', 'cd', 'o' }
   end,
   ['reply of 17 parts'] = function()
     local _ = table.concat({ 'status=ok|charged=', 1, '|admitted=', 1, '|duplicates=', 0,

@@ -32,8 +32,9 @@
 --          |flag=<none|drift|over_window>
 -- Errors: LEDGER_BADARG (also: not the current turn, or a turn already ended; a final
 --         prompt of 0), LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
--- Calls: HMGET, TIME, HSET, HINCRBY (class; x:drift when flagged), HGET and XADD when a compaction becomes pending (worker-owned sessions) (a PEXPIRE or a
---        journal sweep when due).
+-- Calls: HMGET, TIME, HSET, HINCRBY (class; x:drift when flagged), HGET and XADD when a
+--        compaction becomes pending (worker-owned sessions); HGET and HSET of the op's
+--        outcome bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due.
 
 local op, fp, epoch = op_args('end_turn', false)
 local turn, final, trend
