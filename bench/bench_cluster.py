@@ -35,7 +35,7 @@ from typing import Any
 import redis
 
 from ledger import Item, Ledger, LedgerSettings, SessionBudget, scripts
-from ledger.testing import RedisProcess, cluster
+from ledger.testing import cluster
 
 BUDGET = SessionBudget(
     window=100_000, system_prompt=1_000, output_reserve=1_000, release_each_turn={"retrieval"}
@@ -67,32 +67,8 @@ def node_stats(r: redis.Redis) -> dict[str, float]:
     }
 
 
-def keep_slots_on(nodes: list[RedisProcess], n: int) -> None:
-    """Give the 16384 slots of an empty cluster to nodes[:n] only, in even ranges."""
-    rs = [nd.client() for nd in nodes]
-    for r in rs:
-        r.cluster("delslotsrange", 0, 16383)
-    for i, r in enumerate(rs[:n]):
-        r.cluster("addslotsrange", i * 16384 // n, (i + 1) * 16384 // n - 1)
-    want = {nd.port for nd in nodes[:n]}
-    deadline = time.monotonic() + 30
-    while not all(
-        {sh[b"nodes"][0][b"port"] for sh in r.cluster("shards") if sh[b"slots"]} == want
-        and r.cluster("info")["cluster_state"] == "ok"
-        for r in rs
-    ):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"slots did not settle on {n} nodes")
-        time.sleep(0.1)
-    for r in rs:
-        r.close()
-
-
 def run_size(n: int, ids: list[str], turns: int, threads: int) -> dict[str, Any]:
-    with cluster(max(n, 3)) as all_nodes:
-        if n < 3:
-            keep_slots_on(all_nodes, n)
-        nodes = all_nodes[:n]
+    with cluster(n) as nodes:
         url = f"redis+cluster://127.0.0.1:{nodes[0].port}"
         rs = [nd.client() for nd in nodes]
         for r in rs:

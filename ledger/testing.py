@@ -153,8 +153,10 @@ def standalone(*extra: str) -> Iterator[RedisProcess]:
 
 @contextlib.contextmanager
 def cluster(primaries: int = 3) -> Iterator[list[RedisProcess]]:
-    """A Redis Cluster of `primaries` primaries made by `redis-cli --cluster create`."""
-    cli = require_binary("redis-cli")
+    """A Redis Cluster of `primaries` primaries (one or more, no replicas): each node
+    takes an even range of the 16384 slots, then meets the first."""
+    if primaries < 1:
+        raise ValueError(f"a cluster needs at least one primary, got {primaries}")
     with tempfile.TemporaryDirectory(prefix="ledger-cluster-") as d:
         nodes: list[RedisProcess] = []
         try:
@@ -175,21 +177,27 @@ def cluster(primaries: int = 3) -> Iterator[list[RedisProcess]]:
                         ),
                     ).start()
                 )
-            addrs = [f"127.0.0.1:{n.port}" for n in nodes]
-            subprocess.run(
-                [cli, "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"],
-                check=True,
-                capture_output=True,
-                timeout=60,
-            )
+            clients = [redis.Redis(port=n.port) for n in nodes]
+            for i, r in enumerate(clients):
+                first, last = i * 16384 // primaries, (i + 1) * 16384 // primaries - 1
+                r.cluster("set-config-epoch", i + 1)
+                r.cluster("addslotsrange", first, last)
+            for r in clients[1:]:
+                r.cluster("meet", "127.0.0.1", nodes[0].port)
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
-                infos = [redis.Redis(port=n.port).cluster("info") for n in nodes]
-                if all(i.get("cluster_state") == "ok" for i in infos):
+                infos = [r.cluster("info") for r in clients]
+                if all(
+                    i.get("cluster_state") == "ok"
+                    and int(i.get("cluster_known_nodes", 0)) == primaries
+                    for i in infos
+                ):
                     break
                 time.sleep(0.1)
             else:
                 raise RuntimeError("cluster did not reach state ok")
+            for r in clients:
+                r.close()
             yield nodes
         finally:
             for n in nodes:
