@@ -10,7 +10,7 @@
 --   idle: 1 when the group has an entry pending for at least ARGV[2] ms (to take over),
 --   or when the stream or its group is missing (the worker's claim reports the loss).
 -- Errors: LEDGER_BADARG.
--- Calls: ZRANGE, TIME (only when a deadline exists), XPENDING.
+-- Calls: ZRANGEBYSCORE, TIME (only when a deadline exists), XPENDING.
 
 local tag = string.match(KEYS[1] or '', '^([^{]*{p%d+}):deadlines$')
 if not tag or KEYS[2] ~= tag .. ':jobs' or #KEYS ~= 2 then
@@ -19,7 +19,7 @@ end
 local group = id_arg(ARGV[1], 'consumer group')
 local idle_ms = int_arg(ARGV[2], 'idle ms', 0, 2147483647)
 local due = -1
-local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+local first = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
 if first[2] then due = math.max(0, tonumber(first[2]) - now_ms()) end
 local pending = redis.pcall('XPENDING', KEYS[2], group, 'IDLE', idle_ms, '-', '+', 1)
 local idle = (pending.err or #pending > 0) and 1 or 0

@@ -953,7 +953,7 @@ def test_an_idle_loop_on_a_cluster_sends_few_commands_and_still_releases_leases(
             checks = partitions * (int(window / period) + 1)
             reads = partitions  # a blocked read counts once, when it ends
             assert sent.get("cmdstat_evalsha", 0) <= checks, sent
-            # each check is an EVALSHA and the ZRANGE and XPENDING it runs (counted too)
+            # each check is an EVALSHA and the ZRANGEBYSCORE and XPENDING it runs (counted too)
             assert sum(sent.values()) <= 3 * checks + reads, sent
             # a sweep per partition every sweep_interval would be this many commands
             assert partitions * window / sweep > 4 * (checks + reads)
