@@ -34,9 +34,9 @@ import pytest
 import redis
 from prometheus_client import generate_latest
 
-from ledger import Item, Ledger, LedgerSettings, SessionBudget
-from ledger.errors import ReservationExpired, UnknownReservation
-from ledger.models import Consumer
+from ledger import Item, Ledger, LedgerSettings, SessionBudget, scripts
+from ledger.errors import InvalidArgument, ReservationExpired, UnknownReservation
+from ledger.models import Consumer, PartitionCheck
 from ledger.testing import WorkerProc, spawn_worker
 from ledger.workers.compactors import CompactionPlan, CompactionRequest
 from ledger.workers.runner import Worker
@@ -962,3 +962,22 @@ def test_an_idle_loop_on_a_cluster_sends_few_commands_and_still_releases_leases(
             s.reserve("working_memory", "r2", 100, lease_ms=50)
             wait_until(lambda: s.snapshot().open_reservations == 0, 10, "the sweep")
         assert worker.metrics.expired._value.get() == 2
+
+
+@pytest.mark.redis
+def test_worker_check_refuses_keys_of_two_partitions_and_bad_arguments(
+    redis_server: RedisProcess,
+) -> None:
+    with Ledger.from_settings(make_settings(redis_server.url)) as led:
+        k, src = led.keyspace, scripts.source("worker_check")
+        for keys, args in [
+            ((k.deadlines(1), k.jobs(2)), ("g", "5")),
+            ((k.jobs(1), k.deadlines(1)), ("g", "5")),
+            ((k.deadlines(1), k.jobs(1)), ("g{x}", "5")),
+            ((k.deadlines(1), k.jobs(1)), ("g", "-1")),
+        ]:
+            with pytest.raises(redis.ResponseError, match=r"^LEDGER_BADARG"):
+                led.client.eval(src, 2, *keys, *args)
+        with pytest.raises(InvalidArgument):
+            led.check_partition(k.partitions, "g", 5)
+        assert led.check_partition(1, "g", 5) == PartitionCheck(None, True)  # no group yet
