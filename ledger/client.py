@@ -23,11 +23,12 @@ from ledger.core import (
 )
 from ledger.errors import (
     BackendUnavailable,
+    InvalidArgument,
     LedgerError,
     PermissionDenied,
     translated,
 )
-from ledger.models import AuditReport, Expired, HeldItem, SessionBudget
+from ledger.models import AuditReport, Expired, HeldItem, PartitionCheck, SessionBudget
 from ledger.protocol import Call
 from ledger.settings import LedgerSettings
 
@@ -210,6 +211,17 @@ class Ledger(LedgerCore):
             done: Expired = self.run(protocol.expire(self.keyspace.session(sid), new_op_id(), rids))
             total += done.expired
         return total
+
+    def check_partition(self, partition: int, group: str, idle_ms: int) -> PartitionCheck:
+        """One partition's earliest lease deadline and whether a job of ``group`` has
+        been pending ``idle_ms`` (``worker_check.lua``, read-only): the worker's look at
+        a partition on a cluster."""
+        self.check_open()
+        k = self.keyspace
+        if type(partition) is not int or not 0 <= partition < k.partitions:
+            raise InvalidArgument(f"partition must be in 0..{k.partitions - 1}, got {partition!r}")
+        call = protocol.worker_check(k.deadlines(partition), k.jobs(partition), group, idle_ms)
+        return call.parse(protocol.decode(self._send(call)))
 
     def close(self) -> None:
         """Close the connection; every later call raises :class:`LedgerClosed`."""

@@ -28,6 +28,7 @@ __all__ = [
     "Settled",
     "Voided",
     "Expired",
+    "PartitionCheck",
     "ResetDone",
     "TurnStarted",
     "SpanRecorded",
@@ -329,6 +330,16 @@ class Expired:
     expired: int
     released: int
     pending: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionCheck:
+    """What ``worker_check`` read of one partition: ms until its earliest lease deadline
+    (0: passed; None: no lease), and whether a job has been pending long enough to take
+    over (or its stream or group is missing)."""
+
+    due_ms: int | None
+    idle: bool
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,7 @@ from ledger.models import (
     HeldItem,
     Item,
     Opened,
+    PartitionCheck,
     Reconciled,
     Released,
     Reservation,
@@ -301,6 +302,17 @@ def expire(keys: SessionKeys, op_id: str, reservation_ids: Sequence[str]) -> Cal
     rids = [check_id(r, "reservation id") for r in reservation_ids]
     body = [keys.session_id, str(len(rids)), *rids]
     return _mutating("expire", keys.for_script(keys.deadlines), op_id, "*", body, _expired)
+
+
+def worker_check(deadlines: str, jobs: str, group: str, idle_ms: int) -> Call[PartitionCheck]:
+    """A partition's earliest lease deadline and whether a job is pending ``idle_ms``
+    (read-only, no op id): what the worker asks of each partition on a cluster."""
+
+    def parse(r: Reply) -> PartitionCheck:
+        due = int(r["due"])
+        return PartitionCheck(None if due < 0 else due, r["idle"] == "1")
+
+    return Call("worker_check", (deadlines, jobs), (check_id(group, "group"), _num(idle_ms)), parse)
 
 
 def reset(keys: SessionKeys, op_id: str, epoch: int, reason: str) -> Call[ResetDone]:

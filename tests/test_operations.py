@@ -37,8 +37,9 @@ from ledger.keys import SessionKeys
 from ledger.protocol import Call
 from tests.conftest import make_settings
 
-# Scripts that a ledger runs itself (open_session, expire_due, audit), not a session.
-LEDGER_SCRIPTS = {"open", "expire", "audit"}
+# Scripts that a ledger or the worker runs itself (open_session, expire_due, audit,
+# the worker's check of a partition), not a session.
+LEDGER_SCRIPTS = {"open", "expire", "audit", "worker_check"}
 
 BUDGET = SessionBudget(window=32_000, system_prompt=2_000)
 

@@ -156,7 +156,11 @@ def exercise_everything(
     s.reserve(REC, "r3", 100, lease_ms=1)
     time.sleep(0.01)
     assert ledger.expire_due(s.keys.partition) == 1
-    done += ["open", "admit", "release", "reserve", "settle", "void", "expire_due"]
+    # the worker's check of a partition on a cluster (its ZRANGEBYSCORE, TIME, XPENDING)
+    s.reserve(REC, "r4", 100, lease_ms=60_000)
+    check = ledger.check_partition(s.keys.partition, "ledger-workers", 1)
+    assert check.due_ms is not None and 0 < check.due_ms <= 60_000
+    done += ["open", "admit", "release", "reserve", "settle", "void", "expire_due", "check"]
 
     # turns and the rules (docs/rules.md)
     t = s.begin_turn(500)

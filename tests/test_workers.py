@@ -31,11 +31,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from prometheus_client import generate_latest
 
-from ledger import Item, Ledger, LedgerSettings, SessionBudget
-from ledger.errors import ReservationExpired, UnknownReservation
-from ledger.models import Consumer
+from ledger import Item, Ledger, LedgerSettings, SessionBudget, scripts
+from ledger.errors import InvalidArgument, ReservationExpired, UnknownReservation
+from ledger.models import Consumer, PartitionCheck
 from ledger.testing import WorkerProc, spawn_worker
 from ledger.workers.compactors import CompactionPlan, CompactionRequest
 from ledger.workers.runner import Worker
@@ -906,3 +907,77 @@ def test_loop_picks_up_jobs_sweeps_leases_and_stops_promptly(
         assert time.monotonic() - t0 < 3, "the stop waited for the blocked reads"
         for sid in [*sids, "blk-dead"]:
             assert jobs.counters(led, sid, "ep", "x:resets") == ("2", "1"), sid
+
+
+def _calls(nodes: list[RedisProcess]) -> dict[str, int]:
+    """Commands each kind the cluster's nodes have run (INFO commandstats), summed."""
+    out: dict[str, int] = {}
+    for node in nodes:
+        admin = redis.Redis.from_url(node.url)
+        try:
+            for name, stats in admin.info("commandstats").items():
+                out[name] = out.get(name, 0) + int(stats["calls"])
+        finally:
+            admin.close()
+    return out
+
+
+@pytest.mark.cluster
+def test_an_idle_loop_on_a_cluster_sends_few_commands_and_still_releases_leases(
+    redis_cluster: list[RedisProcess],
+) -> None:
+    """Idle on a cluster, the loop sends one check (EVALSHA of worker_check.lua) per
+    partition every claim_idle_ms and keeps one blocking read per partition, whatever
+    the sweep interval: no per-sweep command per partition. A lease is still released."""
+    partitions, period, window, sweep = 8, 1.0, 3.0, 0.02
+    settings = make_settings(
+        f"redis+cluster://127.0.0.1:{redis_cluster[0].port}", partitions=partitions
+    )
+    with Ledger.from_settings(settings) as led:
+        worker = jobs.new_worker(
+            led,
+            block=30.0,
+            claim_idle_ms=int(1000 * period),
+            sweep_interval=sweep,
+            health_interval=600.0,
+        )
+        with jobs.LoopThread(worker):
+            wait_until(lambda: bool(led.client.exists(led.keyspace.jobs(7))), 5, "the groups")
+            time.sleep(0.3)  # the reads are blocked now
+            before = _calls(redis_cluster)
+            time.sleep(window)
+            after = _calls(redis_cluster)
+            sent = {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
+            for own in ("cmdstat_info", "cmdstat_hello"):  # this test's reads of the stats
+                sent.pop(own, None)
+            checks = partitions * (int(window / period) + 1)
+            reads = partitions  # a blocked read counts once, when it ends
+            assert sent.get("cmdstat_evalsha", 0) <= checks, sent
+            # each check is an EVALSHA and the ZRANGEBYSCORE and XPENDING it runs (counted too)
+            assert sum(sent.values()) <= 3 * checks + reads, sent
+            # a sweep per partition every sweep_interval would be this many commands
+            assert partitions * window / sweep > 4 * (checks + reads)
+            s = led.open_session("idle-lease", BUDGET)
+            s.reserve("working_memory", "r1", 100, lease_ms=int(1500 * period))
+            s.reserve("working_memory", "r2", 100, lease_ms=50)
+            wait_until(lambda: s.snapshot().open_reservations == 0, 10, "the sweep")
+        assert worker.metrics.expired._value.get() == 2
+
+
+@pytest.mark.redis
+def test_worker_check_refuses_keys_of_two_partitions_and_bad_arguments(
+    redis_server: RedisProcess,
+) -> None:
+    with Ledger.from_settings(make_settings(redis_server.url)) as led:
+        k, src = led.keyspace, scripts.source("worker_check")
+        for keys, args in [
+            ((k.deadlines(1), k.jobs(2)), ("g", "5")),
+            ((k.jobs(1), k.deadlines(1)), ("g", "5")),
+            ((k.deadlines(1), k.jobs(1)), ("g{x}", "5")),
+            ((k.deadlines(1), k.jobs(1)), ("g", "-1")),
+        ]:
+            with pytest.raises(redis.ResponseError, match=r"^LEDGER_BADARG"):
+                led.client.eval(src, 2, *keys, *args)
+        with pytest.raises(InvalidArgument):
+            led.check_partition(k.partitions, "g", 5)
+        assert led.check_partition(1, "g", 5) == PartitionCheck(None, True)  # no group yet

@@ -13,9 +13,17 @@ epoch the job was enqueued at, so a job delivered twice changes the state once.
 An idle worker costs little: it waits for new jobs in blocking reads (on one server
 one XREADGROUP ... BLOCK names every partition's stream; on a cluster, where a
 command stays within one hash slot, a reader thread per partition blocks on its
-stream), and looks for stuck jobs and expired leases on timers, each behind one
-command over every partition on one server (XREAD: which streams hold an entry;
-EXISTS: whether any deadline index does).
+stream), and looks for stuck jobs and expired leases on timers. On one server each
+timer is one command over every partition (XREAD: which streams hold an entry;
+EXISTS: whether any deadline index does), the sweep every ``sweep_interval``. On a
+cluster each partition is checked every ``claim_idle_ms`` by one read-only script
+(``worker_check.lua``: its earliest lease deadline, and whether a job has been
+pending ``claim_idle_ms``): the worker sweeps a partition when the deadline it
+learnt is due, and claims (XAUTOCLAIM) only where a job is idle. Idle, that is
+partitions / claim_idle_ms checks and partitions / block reads per second (64
+partitions: 12.8 + 6.4). A lease at least ``claim_idle_ms`` long is seen by a check
+before it is due and released when due; a shorter lease of length L, taken just after
+its partition's check, can be released up to ``claim_idle_ms`` - L late.
 A compaction job's entry is deleted by ``compact.lua`` in the same step as its
 effect, so it applies once for its whole life in the stream, even when taken over
 after the op retention; a hard-reset job needs no such check (a reset at epoch e
@@ -46,7 +54,7 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -104,7 +112,13 @@ class WorkerSettings(BaseSettings):
     claim_idle_ms: int = Field(default=5_000, ge=10, description="take over jobs idle this long")
     max_deliveries: int = Field(default=5, ge=1, description="then dead-letter the job")
     batch: int = Field(default=16, ge=1, le=1000)
-    sweep_interval: float = Field(default=1.0, gt=0, description="seconds between lease sweeps")
+    sweep_interval: float = Field(
+        default=1.0,
+        gt=0,
+        description="seconds between lease sweeps on one server; on a cluster a partition "
+        "is swept when the earliest deadline its check read is due, and again no sooner "
+        "than this when a sweep leaves it overdue",
+    )
     compactor: str | None = Field(
         default=None,
         description="import path 'module:attr' of the compactor for worker-owned sessions, "
@@ -252,6 +266,8 @@ class Worker:
         self._blocking = self._one_node and type(ledger.client) is redis.Redis
         self._on_cluster = isinstance(ledger.client, redis.cluster.RedisCluster)
         self._last_sweep = 0.0
+        self._due: dict[int, float] = {}  # cluster: partition -> when its first lease is due
+        self._idle: set[int] = set()  # cluster: partitions holding a job to take over
         self._last_health = float("-inf")
         self._health_said: tuple[str, ...] | None = None
         self._groups: set[int] = set()  # partitions whose group this worker made or saw
@@ -361,19 +377,28 @@ class Worker:
         self._claim_into(groups, skip=failed, every=True)
         return self._run_groups(groups)
 
-    def take_over(self, every: bool = False) -> int:
+    def take_over(self, every: bool = False, partitions: list[int] | None = None) -> int:
         """Jobs left pending longer than ``claim_idle_ms`` (by a worker that died, or a
         failed attempt): claimed and done. Returns the number done. Only partitions whose
         stream holds an entry are looked at, unless ``every``: an entry deleted while
         pending (its job done, by a worker that died before acknowledging it) is no
-        longer in its stream, and is acknowledged by the claim that finds it."""
+        longer in its stream, and is acknowledged by the claim that finds it. Given
+        ``partitions``, only those are looked at."""
         groups: _Groups = {}
-        self._claim_into(groups, skip=set(), every=every)
+        self._claim_into(groups, skip=set(), every=every, only=partitions)
         return self._run_groups(groups)
 
-    def _claim_into(self, groups: _Groups, skip: set[int], every: bool) -> None:
+    def _claim_into(
+        self, groups: _Groups, skip: set[int], every: bool, only: list[int] | None = None
+    ) -> None:
         try:
-            candidates = list(self.partitions) if every else self._with_entries()
+            candidates = (
+                only
+                if only is not None
+                else list(self.partitions)
+                if every
+                else self._with_entries()
+            )
         except Exception as exc:  # the check failed: look at every partition
             kind = kind_of(exc)
             if kind is None or kind in _WHOLE_PASS:
@@ -770,11 +795,12 @@ class Worker:
 
     # --- leases, metrics, health, loop -------------------------------------------------
 
-    def sweep(self) -> int:
-        """Release expired leases in every partition; a Redis error in one partition is
-        counted and the sweep goes on (an unreachable server or an ACL refusal ends it)."""
+    def sweep(self, partitions: list[int] | None = None) -> int:
+        """Release expired leases in every partition (or those given); a Redis error in
+        one partition is counted and the sweep goes on (an unreachable server or an ACL
+        refusal ends it)."""
         released = 0
-        for p in self._with_leases():
+        for p in self._with_leases() if partitions is None else partitions:
             try:
                 released += self.ledger.expire_due(p)
             except Exception as exc:
@@ -795,6 +821,35 @@ class Worker:
         for p in self.partitions:
             pipe.exists(names(p))
         return [p for p, n in zip(self.partitions, pipe.execute(), strict=True) if n]
+
+    def check(self, partitions: Iterable[int], swept: bool = False) -> int:
+        """Cluster: read each partition's earliest lease deadline and whether a job there
+        is idle ``claim_idle_ms`` (``worker_check.lua``, one call each), and remember
+        them. A partition left overdue by a sweep (``swept``) is swept again after
+        ``sweep_interval``; one whose check fails is swept and claimed from as if due.
+        Returns the number checked."""
+        s, n = self.settings, 0
+        for p in partitions:
+            try:
+                got = self.ledger.check_partition(p, s.group, s.claim_idle_ms)
+                due, idle = got.due_ms, got.idle
+            except Exception as exc:
+                kind = kind_of(exc)
+                if kind is None or kind in _WHOLE_PASS:
+                    raise
+                self._trouble(kind, exc, partition=p, where="check")
+                due, idle = (None if swept else 0), True
+            now = time.monotonic()
+            if due is None:
+                self._due.pop(p, None)
+            else:
+                self._due[p] = now + (s.sweep_interval if swept and due == 0 else due / 1000)
+            if idle:
+                self._idle.add(p)
+            else:
+                self._idle.discard(p)
+            n += 1
+        return n
 
     def observe(self) -> None:
         """Refresh lag gauges and the rules' leading indicators (a SCAN: not every poll)."""
@@ -921,7 +976,7 @@ class Worker:
             "worker started",
             extra={"consumer": self.settings.consumer, "partitions": len(self.partitions)},
         )
-        last_observe = last_claim = float("-inf")
+        last_observe = last_claim = last_check = float("-inf")
         # A dead worker's job waits < 1.25 claim_idle_ms on one server (one XREAD finds
         # the partitions to claim from), < 2 claim_idle_ms on a cluster (every partition).
         claim_every = s.claim_idle_ms / (4000 if self._one_node else 1000)
@@ -934,7 +989,9 @@ class Worker:
             if now - self._last_health >= s.health_interval:
                 self._last_health = now
                 self._guard(self.check_redis, "health")
-            if now - self._last_sweep >= s.sweep_interval:
+            if readers is not None:
+                last_check = self._checked(now, last_check, claim_every)
+            elif now - self._last_sweep >= s.sweep_interval:
                 self._last_sweep = now
                 self._guard(self.sweep, "sweep")
             if s.metrics_port and now - last_observe >= 15:
@@ -945,14 +1002,17 @@ class Worker:
             if once or not (self._blocking or readers):
                 worked = self._guard(self.poll_once, "poll")  # new jobs, then stuck ones
             else:
-                if now - last_claim >= claim_every:
+                if readers is None and now - last_claim >= claim_every:
                     last_claim = now
                     # every 16th time, each partition: entries pending without a body
                     every = not self._one_node or claims % _EVERY_PARTITION == 0
                     claims += 1
                     self._guard(functools.partial(self.take_over, every), "take over")
                 timers = [self._last_health + s.health_interval]
-                timers += [self._last_sweep + s.sweep_interval, last_claim + claim_every]
+                if readers is None:
+                    timers += [self._last_sweep + s.sweep_interval, last_claim + claim_every]
+                else:
+                    timers += [last_check + claim_every, *self._due.values()]
                 if s.metrics_port:
                     timers.append(last_observe + 15)
                 wait = max(0.001, min(timers) - time.monotonic())
@@ -973,6 +1033,24 @@ class Worker:
         if readers is not None:
             readers.close()
         log.info("worker stopped", extra={"consumer": self.settings.consumer})
+
+    def _checked(self, now: float, last_check: float, every: float) -> float:
+        """Cluster: check every partition when ``every`` seconds have passed since
+        ``last_check`` (a failed round is tried again next pass); sweep the partitions
+        whose first lease is due and check them again; claim where a job is idle.
+        Returns when the partitions were last checked."""
+        if now - last_check >= every and self._guard(
+            functools.partial(self.check, self.partitions), "check"
+        ):
+            last_check = now
+        due = sorted(p for p, at in self._due.items() if at <= now)
+        if due:
+            self._guard(functools.partial(self.sweep, due), "sweep")
+            self._guard(functools.partial(self.check, due, swept=True), "check")
+        if self._idle:
+            idle, self._idle = sorted(self._idle), set()
+            self._guard(functools.partial(self.take_over, partitions=idle), "take over")
+        return last_check
 
 
 def _stream_gone(exc: BaseException) -> bool:
