@@ -115,14 +115,16 @@ class Ledger(LedgerCore):
         except LedgerError as exc:
             return exc
 
-    def _send_batch(self, batch: list[Call[Any]]) -> list[object]:
+    def _send_batch(self, batch: list[Call[Any]], transaction: bool = True) -> list[object]:
         """The raw replies of a batch sent as one MULTI/EXEC, in order, with no other
-        client's command between its calls (see ``batch_loads`` for NOSCRIPT)."""
-        load = batch_loads(batch)
+        client's command between its calls (see ``batch_loads`` for NOSCRIPT). Without
+        ``transaction``, one plain pipeline (for read-only calls that need no order
+        between them): a call that met NOSCRIPT is sent again once its script is loaded."""
+        load = batch_loads(batch) if transaction else []
         raws: list[object] = [None] * len(batch)
         todo = list(range(len(batch)))
         for _ in range(2):
-            with self.client.pipeline(transaction=True) as pipe:
+            with self.client.pipeline(transaction=transaction) as pipe:
                 for name in load:
                     pipe.script_load(self._scripts[name].script)
                 for i in todo:

@@ -8,11 +8,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis.cluster import RedisCluster
-from redis.exceptions import NoScriptError
 
 from ledger import protocol
 from ledger.client import Ledger
-from ledger.core import batch_replies, collect
+from ledger.core import collect
 from ledger.errors import UnknownSession, translated
 from ledger.models import AuditReport, Consumer, HeldItem, Snapshot
 from ledger.protocol import Call
@@ -123,22 +122,8 @@ def raw_many(ledger: Ledger, calls: Sequence[Call[Any]]) -> list[object]:
     if isinstance(ledger.client, RedisCluster):
         return [ledger._try(c) for c in calls]
     ledger.check_open()
-    raws: list[object] = [None] * len(calls)
-    todo = list(range(len(calls)))
     with translated():
-        for _ in range(2):
-            pipe = ledger.client.pipeline(transaction=False)
-            for i in todo:
-                c = calls[i]
-                pipe.evalsha(ledger._scripts[c.script].sha, len(c.keys), *c.keys, *c.args)
-            replies = pipe.execute(raise_on_error=False)
-            todo = batch_replies(replies, 0, todo, raws)
-            if not todo:
-                return raws
-            for name in {calls[i].script for i in todo}:
-                script = ledger._scripts[name]
-                script.sha = ledger.client.script_load(script.script)
-    raise NoScriptError("the ledger's scripts were flushed again while loading them")
+        return ledger._send_batch(list(calls), transaction=False)
 
 
 def read_many(ledger: Ledger, calls: Sequence[Call[Any]]) -> list[Any]:
