@@ -19,5 +19,5 @@ redis.call('HGET', KEYS[3], 'ab')
 redis.call('TIME')
 redis.call('HSET', key, item, '1|40|0|121', 'sq', '121', 'fr', '104779', 'a_m', '121',
   'u_r', '121', 'n_r', '121')
-redis.call('HSET', KEYS[2], 'ab', '\30' .. ARGV[1] .. '\31' .. '0a1b2c3d4e5f\001ok\0071\0081\0090\010\004104779\0051\00640')
+redis.call('HSET', KEYS[2], 'ab', '\30' .. '0a1b2c3d4e5f60' .. '0a1b2c3d4e5f\001ok\0071\0081\0090\010\004104779\0051\00640')
 return 'status=ok|charged=1|admitted=1|duplicates=0|skipped=|free=104779|epoch=1|turn=40'

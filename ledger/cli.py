@@ -228,10 +228,10 @@ def cmd_inspect(args: argparse.Namespace, out: Console) -> int:
             )
         out.print(res)
     j = Table(title="outcomes kept for retries (current generation first)")
-    for col in ("op id", "outcome"):
+    for col in ("op key (SHA-1 of the op id)", "outcome"):
         j.add_column(col)
     for e in v.journal:
-        j.add_row(e.op_id, e.reply)
+        j.add_row(e.op_key, e.reply)
     out.print(j)
     if v.counters:
         out.print("counters: " + ", ".join(f"{k}={val}" for k, val in sorted(v.counters.items())))

@@ -184,12 +184,20 @@ def reply_codes() -> dict[str, str]:
     return {chr(int(n)): key for key, n in pairs}
 
 
+def outcome_key(op_id: str) -> tuple[str, str]:
+    """Where an op id's outcome is stored: (bucket, key), the first two and the next
+    fourteen hex digits of the SHA-1 of its UTF-8 bytes (lua/_common.lua, ``recorded``)."""
+    h = hashlib.sha1(op_id.encode()).hexdigest()
+    return h[:2], h[2:16]
+
+
 def stored_outcomes(bucket: str) -> list[tuple[str, str, str]]:
-    """(op id, fingerprint, reply) of each outcome in one bucket of an outcome hash
-    (records '\\x1e<op>\\x1f<fingerprint><coded reply>', see lua/_common.lua)."""
+    """(key, fingerprint, reply) of each outcome in one bucket of an outcome hash
+    (records '\\x1e<key><fingerprint><coded reply>', see lua/_common.lua): the key is
+    :func:`outcome_key`'s second part for the op id that stored it."""
     codes = reply_codes()
     out = []
     for rec in bucket.split("\x1e")[1:]:
-        op, _, value = rec.partition("\x1f")
-        out.append((op, value[:12], "".join(codes.get(ch, ch) for ch in value[12:])[1:]))
+        key, fp, coded = rec[:14], rec[14:26], rec[26:]
+        out.append((key, fp, "".join(codes.get(ch, ch) for ch in coded)[1:]))
     return out

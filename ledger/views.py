@@ -20,7 +20,11 @@ from ledger.scripts import stored_outcomes
 
 @dataclass(frozen=True, slots=True)
 class JournalEntry:
-    op_id: str
+    """One stored outcome. The op id itself is not stored: ``op_key`` is the first 16
+    hex digits of its SHA-1 (``ledger.scripts.outcome_key``), which is how to find a
+    given op id's entry."""
+
+    op_key: str
     reply: str
 
 
@@ -66,11 +70,11 @@ def view(ledger: Ledger, session_id: str, journal: int = 10) -> SessionView:
             counters[name[2:]] = int(value)
     with translated():
         for k in (keys.outcomes, keys.outcomes_old):
-            for _, bucket in ledger.client.hscan_iter(k):
+            for field, bucket in ledger.client.hscan_iter(k):
                 if len(entries) >= journal:
                     break
-                for op, _, reply in stored_outcomes(_text(bucket))[: journal - len(entries)]:
-                    entries.append(JournalEntry(op, reply))
+                for key, _, reply in stored_outcomes(_text(bucket))[: journal - len(entries)]:
+                    entries.append(JournalEntry(_text(field) + key, reply))
     return SessionView(
         session_id,
         snap,

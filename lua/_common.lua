@@ -41,7 +41,8 @@
 -- and '<tag>:old:<session>'): the current and the previous generation of outcomes,
 -- kept out of the session hash so that a scan of the session never reads them.
 --   <bucket>            the outcomes of the op ids whose SHA-1 starts with these two
---                       hex digits, one after the other: '\30<op>\31<fingerprint><reply>',
+--                       hex digits, one after the other: '\30<key><fingerprint><reply>',
+--                       key: the next 14 hex digits of the op id's SHA-1,
 --                       the reply's keys coded (see `pack`); a few hundred fields, so
 --                       that a field costs little next to the outcomes it holds, and a
 --                       call reads and writes one bucket of about 1/256 of them
@@ -169,17 +170,19 @@ local function pack(fp, out)
   return fp .. string.gsub('|' .. out, '|[%w_]+=', PACK)
 end
 
--- The current generation's bucket of this call's op id, as `recorded` read it, for
--- `store` to append to.
+-- The current generation's bucket of this call's op id and the op's key in it, as
+-- `recorded` read them, for `store` to append to.
 local BUCKET = {}
 
 -- The outcome stored for this op id in either generation ('<fingerprint><coded
--- reply>'), or false. Every mutating script calls it before `store`.
+-- reply>'), or false. Every mutating script calls it before `store`. An op id is kept
+-- as 16 hex digits of its SHA-1: the first two name the bucket, the next fourteen
+-- (56 bits) mark its record, so a record's size does not depend on the op id's length.
 local function recorded(op)
-  local b = string.sub(redis.sha1hex(op), 1, 2)
+  local h = redis.sha1hex(op)
+  local b, at = string.sub(h, 1, 2), '\30' .. string.sub(h, 3, 16)
   local src = redis.call('HGET', OUT, b) or ''
-  BUCKET.b, BUCKET.cur = b, src
-  local at = '\30' .. op .. '\31'
+  BUCKET.b, BUCKET.at, BUCKET.cur = b, at, src
   local _, j = string.find(src, at, 1, true)
   if not j then
     src = redis.call('HGET', OLD, b) or ''
@@ -189,11 +192,11 @@ local function recorded(op)
   return string.sub(src, j + 1, (string.find(src, '\30', j + 1, true) or 0) - 1)
 end
 
--- Append the outcome of op to its bucket in the current generation (fresh: the
--- generation was just rotated, the bucket starts empty).
-local function store(op, fp, out, fresh)
+-- Append the outcome of the op `recorded` looked up to its bucket in the current
+-- generation (fresh: the generation was just rotated, the bucket starts empty).
+local function store(fp, out, fresh)
   local cur = fresh and '' or BUCKET.cur
-  redis.call('HSET', OUT, BUCKET.b, cur .. '\30' .. op .. '\31' .. pack(fp, out))
+  redis.call('HSET', OUT, BUCKET.b, cur .. BUCKET.at .. pack(fp, out))
 end
 
 -- A stored outcome for this op id: the reply to send again, or nil when the op is
@@ -330,7 +333,7 @@ local function commit(key, now, op, fp, out, args, J)
       args[#args + 1] = string.format('%d', now + math.floor(J.ttl / 10))
     end
   end
-  store(op, fp, out, rotate)
+  store(fp, out, rotate)
   if #args > 0 then redis.call('HSET', key, unpack(args)) end
   if refresh then redis.call('PEXPIRE', key, J.ttl) end
   if refresh or rotate then redis.call('PEXPIRE', OUT, J.ttl) end

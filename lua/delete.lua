@@ -38,6 +38,6 @@ redis.call('DEL', key)
 local out = reply({ 'status=ok', 'deleted=1' })
 redis.call('HSET', key, 'pe', H.ep)
 redis.call('PEXPIRE', key, H.ort)
-store(op, fp, out, false)
+store(fp, out, false)
 redis.call('PEXPIRE', OUT, H.ort)
 return out

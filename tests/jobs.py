@@ -15,7 +15,7 @@ import redis
 
 from ledger import Item, Ledger, SessionBudget
 from ledger.models import Consumer
-from ledger.scripts import stored_outcomes
+from ledger.scripts import outcome_key, stored_outcomes
 from ledger.workers.compactors import CompactionPlan, CompactionRequest
 from ledger.workers.runner import Metrics, Worker, WorkerSettings
 
@@ -159,11 +159,17 @@ def forget_outcome(led: Ledger, sid: str, op_id: str, timeout: float = 15.0) -> 
 
 def stored_outcome(led: Ledger, sid: str, op_id: str) -> bool:
     """Whether either outcome generation of the session keeps `op_id`."""
-    return any(op == op_id for op, _ in stored_fingerprints(led, sid))
+    return any(key == op_key(op_id) for key, _ in stored_fingerprints(led, sid))
+
+
+def op_key(op_id: str) -> str:
+    """The key an op id's outcome is stored under (its bucket's field holds the rest)."""
+    return outcome_key(op_id)[1]
 
 
 def stored_fingerprints(led: Ledger, sid: str) -> list[tuple[str, str]]:
-    """(op id, fingerprint) of every outcome the session keeps, both generations."""
+    """(op key, fingerprint) of every outcome the session keeps, both generations: an
+    op id's key is :func:`op_key` of it."""
     keys = led.keyspace.session(sid)
     return [
         (op, fp)

@@ -124,13 +124,14 @@ def doc_reply_codes() -> dict[str, str]:
 
 def encode_outcome(op_id: str, fingerprint: str, reply: str) -> str:
     """A stored outcome as docs/protocol.md describes it, written out independently of the
-    Lua."""
+    Lua: 0x1E, hex digits 3-16 of SHA-1(op id), the fingerprint, the coded reply."""
     coded = re.sub(
         r"\|\w+=",
         lambda m: {v: k for k, v in doc_reply_codes().items()}.get(m.group(0), m.group(0)),
         "|" + reply,
     )
-    return f"\x1e{op_id}\x1f{fingerprint}{coded}"
+    key = hashlib.sha1(op_id.encode()).hexdigest()[2:16]
+    return f"\x1e{key}{fingerprint}{coded}"
 
 
 def test_the_docs_reply_codes_are_the_scripts() -> None:
@@ -141,13 +142,14 @@ def test_the_docs_reply_codes_are_the_scripts() -> None:
 @pytest.mark.parametrize("v", VECTORS["outcomes"], ids=lambda v: v["op_id"])
 def test_outcome_vectors(v: dict[str, str]) -> None:
     assert hashlib.sha1(v["op_id"].encode()).hexdigest()[:2] == v["bucket"]
+    assert scripts.outcome_key(v["op_id"]) == (v["bucket"], v["key"])
     assert encode_outcome(v["op_id"], v["fingerprint"], v["reply"]) == v["record"]
     # Two records in one bucket read back apart (the decoder `ledger inspect` uses).
     got = scripts.stored_outcomes(v["record"] + VECTORS["outcomes"][0]["record"])
     first = VECTORS["outcomes"][0]
     assert got == [
-        (v["op_id"], v["fingerprint"], v["reply"]),
-        (first["op_id"], first["fingerprint"], first["reply"]),
+        (v["key"], v["fingerprint"], v["reply"]),
+        (first["key"], first["fingerprint"], first["reply"]),
     ]
 
 
@@ -233,7 +235,8 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
         got = _reply(r.eval(text["release"], 3, key, out, old, "op-rel-1", epoch, "r", "1", "x"))
         assert (got["status"], got["count"], got["missing"]) == ("ok", "0", "x")
         assert 0 < r.pttl(old) <= retention and r.pttl(out) > 0
-        assert r.hlen(out) == 1 and argv[0] in bucket(old, argv[0])
+        key_of = hashlib.sha1(argv[0].encode()).hexdigest()[2:16]
+        assert r.hlen(out) == 1 and "\x1e" + key_of in bucket(old, argv[0])
         assert int(r.hget(key, "gz") or 0) > int(epoch)
         again = r.eval(text["admit"], 3, key, out, old, *argv)
         assert _reply(again) == _reply(r.eval(text["admit"], 3, key, out, old, *argv))

@@ -219,7 +219,7 @@ def test_9_an_op_id_sent_again_with_any_other_argument_is_refused(
     assert s.snapshot().used[RET] == 100 and s.snapshot().used[WM] == 0
     # The fingerprint a script stores is its own: 12 hex digits of SHA-1 over the
     # script's name and the arguments after the op id, joined by \x1f.
-    [stored] = [fp for op, fp in jobs.stored_fingerprints(ledger, s.id) if op == "op-9"]
+    [stored] = [fp for k, fp in jobs.stored_fingerprints(ledger, s.id) if k == jobs.op_key("op-9")]
     want = hashlib.sha1(b"\x1f".join([b"admit", *(a.encode() for a in first.args[1:])]))
     assert stored == want.hexdigest()[:12]
 

@@ -238,7 +238,7 @@ def test_an_outcome_outlives_a_rotation_and_is_dropped_after_the_next(led: Ledge
         for b in led.client.hvals(keys.outcomes_old)
         for op, _, _ in stored_outcomes(jobs.text(b))
     ]
-    assert "op-kept" in old and 0 < led.client.pttl(keys.outcomes_old) <= 1000
+    assert jobs.op_key("op-kept") in old and 0 < led.client.pttl(keys.outcomes_old) <= 1000
     assert s.admit("scratchpad", [Item("kept", 10)], op_id="op-kept") == first
     assert s.snapshot().used[Consumer.SCRATCHPAD] == 0  # the retry applied nothing
     with pytest.raises(OperationIdReused):

@@ -926,10 +926,11 @@ def _calls(nodes: list[RedisProcess]) -> dict[str, int]:
 def test_an_idle_loop_on_a_cluster_sends_few_commands_and_still_releases_leases(
     redis_cluster: list[RedisProcess],
 ) -> None:
-    """Idle on a cluster, the loop sends one check (EVALSHA of worker_check.lua) per
-    partition every claim_idle_ms and keeps one blocking read per partition, whatever
-    the sweep interval: no per-sweep command per partition. A lease is still released."""
-    partitions, period, window, sweep = 8, 1.0, 3.0, 0.02
+    """Idle on a cluster, the loop checks (EVALSHA of worker_check.lua) at most
+    cluster_checks partitions per second, in slices spread over check_every, and keeps
+    one blocking read per partition, whatever the sweep interval: no per-sweep command
+    per partition. Leases shorter and longer than check_every are still released."""
+    partitions, period, window, sweep, rate = 8, 0.5, 3.0, 0.02, 4.0
     settings = make_settings(
         f"redis+cluster://127.0.0.1:{redis_cluster[0].port}", partitions=partitions
     )
@@ -938,9 +939,11 @@ def test_an_idle_loop_on_a_cluster_sends_few_commands_and_still_releases_leases(
             led,
             block=30.0,
             claim_idle_ms=int(1000 * period),
+            cluster_checks=rate,
             sweep_interval=sweep,
             health_interval=600.0,
         )
+        assert worker.check_every == partitions / rate  # 2 s: more than claim_idle_ms
         with jobs.LoopThread(worker):
             wait_until(lambda: bool(led.client.exists(led.keyspace.jobs(7))), 5, "the groups")
             time.sleep(0.3)  # the reads are blocked now
@@ -950,15 +953,18 @@ def test_an_idle_loop_on_a_cluster_sends_few_commands_and_still_releases_leases(
             sent = {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
             for own in ("cmdstat_info", "cmdstat_hello"):  # this test's reads of the stats
                 sent.pop(own, None)
-            checks = partitions * (int(window / period) + 1)
+            # the rate, and one slice (of 8 / ceil(2 s) = 2 partitions) early at most
+            checks = int(rate * window) + 2
             reads = partitions  # a blocked read counts once, when it ends
-            assert sent.get("cmdstat_evalsha", 0) <= checks, sent
+            assert 0 < sent.get("cmdstat_evalsha", 0) <= checks, sent
+            # a check every claim_idle_ms per partition would be this many
+            assert partitions * window / period > 1.5 * checks
             # each check is an EVALSHA and the ZRANGEBYSCORE and XPENDING it runs (counted too)
             assert sum(sent.values()) <= 3 * checks + reads, sent
             # a sweep per partition every sweep_interval would be this many commands
             assert partitions * window / sweep > 4 * (checks + reads)
             s = led.open_session("idle-lease", BUDGET)
-            s.reserve("working_memory", "r1", 100, lease_ms=int(1500 * period))
+            s.reserve("working_memory", "r1", 100, lease_ms=3000)
             s.reserve("working_memory", "r2", 100, lease_ms=50)
             wait_until(lambda: s.snapshot().open_reservations == 0, 10, "the sweep")
         assert worker.metrics.expired._value.get() == 2

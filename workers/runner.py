@@ -16,14 +16,17 @@ command stays within one hash slot, a reader thread per partition blocks on its
 stream), and looks for stuck jobs and expired leases on timers. On one server each
 timer is one command over every partition (XREAD: which streams hold an entry;
 EXISTS: whether any deadline index does), the sweep every ``sweep_interval``. On a
-cluster each partition is checked every ``claim_idle_ms`` by one read-only script
-(``worker_check.lua``: its earliest lease deadline, and whether a job has been
-pending ``claim_idle_ms``): the worker sweeps a partition when the deadline it
-learnt is due, and claims (XAUTOCLAIM) only where a job is idle. Idle, that is
-partitions / claim_idle_ms checks and partitions / block reads per second (64
-partitions: 12.8 + 6.4). A lease at least ``claim_idle_ms`` long is seen by a check
-before it is due and released when due; a shorter lease of length L, taken just after
-its partition's check, can be released up to ``claim_idle_ms`` - L late.
+cluster each partition is checked every ``check_every`` seconds, max(claim_idle_ms,
+partitions / cluster_checks), by one read-only script (``worker_check.lua``: its
+earliest lease deadline, and whether a job has been pending ``claim_idle_ms``), the
+partitions in slices spread over that interval: the worker sweeps a partition when
+the deadline it learnt is due, and claims (XAUTOCLAIM) only where a job is idle.
+Idle, that is at most cluster_checks checks (each one EVALSHA running two reads) and
+partitions / block reads per second (64 partitions, the defaults: 3 checks, 9
+commands counted by the server, and 6.4 reads). A lease at least ``check_every`` long
+is seen by a check before it is due and released when due; a shorter lease of length
+L, taken just after its partition's check, can be released up to ``check_every`` - L
+late, and a dead worker's job is taken over within claim_idle_ms + ``check_every``.
 A compaction job's entry is deleted by ``compact.lua`` in the same step as its
 effect, so it applies once for its whole life in the stream, even when taken over
 after the op retention; a hard-reset job needs no such check (a reset at epoch e
@@ -49,6 +52,7 @@ import functools
 import inspect
 import json
 import logging
+import math
 import os
 import queue
 import socket
@@ -110,6 +114,13 @@ class WorkerSettings(BaseSettings):
         "the ledger's plus this): an idle cost of partitions / block reads per second",
     )
     claim_idle_ms: int = Field(default=5_000, ge=10, description="take over jobs idle this long")
+    cluster_checks: float = Field(
+        default=3.0,
+        gt=0,
+        description="on a cluster, partition checks (worker_check.lua: one EVALSHA that "
+        "runs two reads) per second at most, spread evenly: each partition is checked "
+        "every max(claim_idle_ms, partitions / cluster_checks); unused on one server",
+    )
     max_deliveries: int = Field(default=5, ge=1, description="then dead-letter the job")
     batch: int = Field(default=16, ge=1, le=1000)
     sweep_interval: float = Field(
@@ -268,6 +279,7 @@ class Worker:
         self._last_sweep = 0.0
         self._due: dict[int, float] = {}  # cluster: partition -> when its first lease is due
         self._idle: set[int] = set()  # cluster: partitions holding a job to take over
+        self._next_check: dict[int, float] = {}  # cluster: slice -> when it is checked next
         self._last_health = float("-inf")
         self._health_said: tuple[str, ...] | None = None
         self._groups: set[int] = set()  # partitions whose group this worker made or saw
@@ -976,12 +988,13 @@ class Worker:
             "worker started",
             extra={"consumer": self.settings.consumer, "partitions": len(self.partitions)},
         )
-        last_observe = last_claim = last_check = float("-inf")
+        last_observe = last_claim = float("-inf")
         # A dead worker's job waits < 1.25 claim_idle_ms on one server (one XREAD finds
-        # the partitions to claim from), < 2 claim_idle_ms on a cluster (every partition).
-        claim_every = s.claim_idle_ms / (4000 if self._one_node else 1000)
+        # the partitions to claim from); on a cluster < claim_idle_ms + check_every.
+        claim_every = s.claim_idle_ms / 4000
         claims = 0
         readers = _Readers(self) if self._on_cluster and not once else None
+        slices = self._check_slices(time.monotonic()) if readers is not None else []
         taken: list[int] = []  # partitions whose readers' results were taken
         while not stop.is_set():
             self._troubled = False
@@ -990,7 +1003,7 @@ class Worker:
                 self._last_health = now
                 self._guard(self.check_redis, "health")
             if readers is not None:
-                last_check = self._checked(now, last_check, claim_every)
+                self._checked(now, slices)
             elif now - self._last_sweep >= s.sweep_interval:
                 self._last_sweep = now
                 self._guard(self.sweep, "sweep")
@@ -1012,7 +1025,7 @@ class Worker:
                 if readers is None:
                     timers += [self._last_sweep + s.sweep_interval, last_claim + claim_every]
                 else:
-                    timers += [last_check + claim_every, *self._due.values()]
+                    timers += [*self._next_check.values(), *self._due.values()]
                 if s.metrics_port:
                     timers.append(last_observe + 15)
                 wait = max(0.001, min(timers) - time.monotonic())
@@ -1034,15 +1047,31 @@ class Worker:
             readers.close()
         log.info("worker stopped", extra={"consumer": self.settings.consumer})
 
-    def _checked(self, now: float, last_check: float, every: float) -> float:
-        """Cluster: check every partition when ``every`` seconds have passed since
-        ``last_check`` (a failed round is tried again next pass); sweep the partitions
-        whose first lease is due and check them again; claim where a job is idle.
-        Returns when the partitions were last checked."""
-        if now - last_check >= every and self._guard(
-            functools.partial(self.check, self.partitions), "check"
-        ):
-            last_check = now
+    @property
+    def check_every(self) -> float:
+        """Cluster: seconds between two checks of one partition, max(claim_idle_ms,
+        partitions / cluster_checks)."""
+        s = self.settings
+        return max(s.claim_idle_ms / 1000, len(self.partitions) / s.cluster_checks)
+
+    def _check_slices(self, now: float) -> list[list[int]]:
+        """Cluster: the partitions cut into about one slice per second of
+        ``check_every``, each slice checked in turn, the first now and the others spread
+        over the interval, so that checks come at an even rate instead of in bursts."""
+        every, parts = self.check_every, self.partitions
+        n = max(1, min(len(parts), math.ceil(every)))
+        slices = [list(parts[k::n]) for k in range(n)]
+        self._next_check = {k: now + every * k / n for k in range(n)}
+        return slices
+
+    def _checked(self, now: float, slices: list[list[int]]) -> None:
+        """Cluster: check the slices whose turn has come (a slice whose round fails is
+        tried again next pass); sweep the partitions whose first lease is due and check
+        them again; claim where a job is idle."""
+        for k, at in list(self._next_check.items()):
+            if at <= now and self._guard(functools.partial(self.check, slices[k]), "check"):
+                # keep the slice's place in the cycle unless the worker fell behind
+                self._next_check[k] = max(at + self.check_every, now)
         due = sorted(p for p, at in self._due.items() if at <= now)
         if due:
             self._guard(functools.partial(self.sweep, due), "sweep")
@@ -1050,7 +1079,6 @@ class Worker:
         if self._idle:
             idle, self._idle = sorted(self._idle), set()
             self._guard(functools.partial(self.take_over, partitions=idle), "take over")
-        return last_check
 
 
 def _stream_gone(exc: BaseException) -> bool:
