@@ -1,5 +1,6 @@
 -- admit_commands.lua: the Redis commands of a single-item admit and nothing else, as a
--- benchmark reference (bench_core's phase admit_commands). Not a ledger operation.
+-- benchmark reference (bench_core's phase admit_commands, bench_scale's admit phase).
+-- Not a ledger operation.
 --
 -- The same HMGET (12 fields), outcome reads (two HGET), TIME and HSETs (7 field/value
 -- pairs of the sizes admit writes, and one outcome bucket) as lua/admit.lua for one new

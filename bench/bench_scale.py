@@ -9,7 +9,9 @@ one run:
 - admit: server time of a single-item admit beside ``bench/admit_plain.lua`` (HMGET,
   two HINCRBY, XADD), phases interleaved, each on a session holding 1,000 items and
   1,000 retained outcomes (EVALSHA usec per call from INFO commandstats, CONFIG
-  RESETSTAT before each phase; median over the rounds);
+  RESETSTAT before each phase; median over the rounds); beside it, in the same rounds,
+  ``bench/admit_commands.lua`` (admit's Redis commands, no logic) and
+  ``bench/admit_lean.lua`` (the least a checked, at-most-once admit does);
 - a reclaiming begin_turn's server time on a session holding 5 scratchpad items and
   K retained outcomes, beside a fresh one (K = 0), median of the rounds;
 - Redis memory per retained outcome: MEMORY USAGE of the session's keys (session
@@ -29,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import redis
+from redis.commands.core import Script
 
 from ledger import Item, Ledger, LedgerSettings, SessionBudget, cli
 from ledger.client import Session
@@ -66,24 +69,31 @@ def fill(led: Ledger, s: Session, outcomes: int) -> None:
 
 
 def admit_vs_plain(led: Ledger, r: redis.Redis, calls: int, rounds: int) -> dict[str, float]:
-    plain = r.register_script((Path(__file__).parent / "admit_plain.lua").read_text())
-    sessions = []
-    for name in ("ledger", "plain"):
+    """Server µs per single-item admit: the ledger's, the plain script's, and two
+    references: admit's Redis commands alone and the lean checked, at-most-once admit."""
+    here = Path(__file__).parent
+    plain = r.register_script((here / "admit_plain.lua").read_text())
+    refs = {
+        n: r.register_script((here / f"admit_{n}.lua").read_text()) for n in ("commands", "lean")
+    }
+    sessions = {}
+    for name in ("ledger", "plain", *refs):
         s = led.open_session(f"admit-{name}", BUDGET)
         for b in range(10):
             led.run_many(
                 [s.admit_call("retrieval", [Item(f"held{b}-{i}", 10)]) for i in range(100)]
             )
-        sessions.append(s)
-    s, p = sessions
+        sessions[name] = s
     # a scratch stream in the session's hash slot (a spill key name no call uses)
+    p = sessions["plain"]
     audit_key = p.keys.spill("bench-audit-stream")
-    ours, theirs = [], []
+    per: dict[str, list[float]] = {name: [] for name in sessions}
+    own = sessions["ledger"]
     for rnd in range(rounds):
-        ours.append(
-            server_us(r, lambda i, rnd=rnd: s.admit("retrieval", [Item(f"n{rnd}-{i}", 1)]), calls)
+        per["ledger"].append(
+            server_us(r, lambda i, rnd=rnd: own.admit("retrieval", [Item(f"n{rnd}-{i}", 1)]), calls)
         )
-        theirs.append(
+        per["plain"].append(
             server_us(
                 r,
                 lambda i, rnd=rnd: plain(
@@ -92,8 +102,16 @@ def admit_vs_plain(led: Ledger, r: redis.Redis, calls: int, rounds: int) -> dict
                 calls,
             )
         )
-    a, b = statistics.median(ours), statistics.median(theirs)
-    return {"admit_us": a, "plain_us": b, "ratio": a / b}
+        for name, script in refs.items():
+            ref = sessions[name]
+
+            def step(i: int, rnd: int = rnd, ref: Session = ref, script: Script = script) -> None:
+                c = ref.admit_call("retrieval", [Item(f"n{rnd}-{i}", 1)])
+                script(keys=list(c.keys), args=list(c.args))
+
+            per[name].append(server_us(r, step, calls))
+    med = {name: statistics.median(v) for name, v in per.items()}
+    return {**{f"{n}_us": v for n, v in med.items()}, "ratio": med["ledger"] / med["plain"]}
 
 
 def begin_turn_reclaim(
@@ -154,9 +172,12 @@ def main() -> None:
         )
         with Ledger.from_settings(settings) as led:
             adm = admit_vs_plain(led, r, a.calls, a.rounds)
+            plain_us = adm["plain_us"]
             print(
-                f"admit {adm['admit_us']:.1f} us, plain {adm['plain_us']:.1f} us: "
-                f"{adm['ratio']:.2f}x (target <= 1.5x)"
+                f"admit {adm['ledger_us']:.1f} us, plain {plain_us:.1f} us: "
+                f"{adm['ratio']:.2f}x (target <= 1.5x); admit's commands alone "
+                f"{adm['commands_us'] / plain_us:.2f}x, lean checked admit "
+                f"{adm['lean_us'] / plain_us:.2f}x"
             )
             rec = begin_turn_reclaim(led, r, ks, a.rounds)
             base = rec[0]["us"]
