@@ -29,6 +29,7 @@ from ledger import (
     SessionConflict,
     StaleEpoch,
     protocol,
+    scripts,
 )
 from ledger.keys import KeySpace
 from tests import jobs
@@ -222,6 +223,32 @@ def test_9_an_op_id_sent_again_with_any_other_argument_is_refused(
     [stored] = [fp for k, fp in jobs.stored_fingerprints(ledger, s.id) if k == jobs.op_key("op-9")]
     want = hashlib.sha1(b"\x1f".join([b"admit", *(a.encode() for a in first.args[1:])]))
     assert stored == want.hexdigest()[:12]
+
+
+def test_9b_an_outcome_takes_the_same_room_whatever_the_op_ids_length(
+    ledger: Ledger, budget: SessionBudget
+) -> None:
+    """A record keeps 14 hex digits of the op id's SHA-1, not the op id: a 128-character
+    op id and a 1-character one store records of one size, each is replayed and
+    refused with other arguments on its own, and neither answers for the other."""
+    s = ledger.open_session(_sid("len"), budget)
+    ops = {"short": "z", "long": "x" * 127 + "y"}
+    sizes, done = {}, {}
+    for name, op in ops.items():
+        bucket, key = scripts.outcome_key(op)
+        before = len(ledger.client.hget(s.keys.outcomes, bucket) or b"")
+        got = done[name] = s.admit(SCR, [Item(f"doc-{len(op):03d}", 10)], op_id=op)
+        raw = ledger.client.hget(s.keys.outcomes, bucket) or b""
+        sizes[name] = len(raw) - before
+        assert ("\x1e" + key).encode() in raw and op.encode() not in raw
+        coded = f"\x01ok\x0710\x081\x090\x0a\x04{got.free}\x05{got.epoch}\x06{got.turn}"
+        assert sizes[name] == 1 + 14 + 12 + len(coded)
+    assert sizes["short"] == sizes["long"]
+    for name, op in ops.items():
+        assert s.admit(SCR, [Item(f"doc-{len(op):03d}", 10)], op_id=op) == done[name]
+        with pytest.raises(OperationIdReused):
+            s.admit(SCR, [Item("other", 10)], op_id=op)
+    assert s.snapshot().used[SCR] == 20
 
 
 def test_9_tool_content_takes_part_in_the_fingerprint(
