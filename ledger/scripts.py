@@ -191,13 +191,19 @@ def outcome_key(op_id: str) -> tuple[str, str]:
     return h[:2], h[2:16]
 
 
-def stored_outcomes(bucket: str) -> list[tuple[str, str, str]]:
+def stored_outcomes(bucket: str, base: int = 0) -> list[tuple[str, str, str]]:
     """(key, fingerprint, reply) of each outcome in one bucket of an outcome hash
     (records '\\x1e<key><fingerprint><coded reply>', see lua/_common.lua): the key is
-    :func:`outcome_key`'s second part for the op id that stored it."""
+    :func:`outcome_key`'s second part for the op id that stored it. A stored epoch is
+    relative to the generation's field ``e``, given as ``base``."""
     codes = reply_codes()
     out = []
     for rec in bucket.split("\x1e")[1:]:
         key, fp, coded = rec[:14], rec[14:26], rec[26:]
-        out.append((key, fp, "".join(codes.get(ch, ch) for ch in coded)[1:]))
+        reply = "".join(codes.get(ch, ch) for ch in coded)[1:]
+        reply = _EPOCH.sub(lambda m: f"|epoch={base + int(m.group(1))}", reply, count=1)
+        out.append((key, fp, reply))
     return out
+
+
+_EPOCH = re.compile(r"\|epoch=(-?\d+)")

@@ -70,10 +70,13 @@ def view(ledger: Ledger, session_id: str, journal: int = 10) -> SessionView:
             counters[name[2:]] = int(value)
     with translated():
         for k in (keys.outcomes, keys.outcomes_old):
+            base = int(ledger.client.hget(k, "e") or 0)  # the generation's epoch base
             for field, bucket in ledger.client.hscan_iter(k):
                 if len(entries) >= journal:
                     break
-                for key, _, reply in stored_outcomes(_text(bucket))[: journal - len(entries)]:
+                if len(_text(field)) != 2:  # not a bucket
+                    continue
+                for key, _, reply in stored_outcomes(_text(bucket), base)[: journal - len(entries)]:
                     entries.append(JournalEntry(_text(field) + key, reply))
     return SessionView(
         session_id,

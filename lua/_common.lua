@@ -42,10 +42,12 @@
 -- kept out of the session hash so that a scan of the session never reads them.
 --   <bucket>            the outcomes of the op ids whose SHA-1 starts with these two
 --                       hex digits, one after the other: '\30<key><fingerprint><reply>',
---                       key: the next 14 hex digits of the op id's SHA-1,
---                       the reply's keys coded (see `pack`); a few hundred fields, so
---                       that a field costs little next to the outcomes it holds, and a
---                       call reads and writes one bucket of about 1/256 of them
+--                       key: the next 14 hex digits of the op id's SHA-1, the
+--                       reply's keys coded and its epoch relative to e (see `pack`);
+--                       a few hundred fields, so that a field costs little next to
+--                       the outcomes it holds, and a call reads and writes one bucket
+--                       of about 1/256 of them
+--   e                   the generation's epoch base: the epoch of its first outcome
 -- The first commit after gz renames the current generation to the previous one (the
 -- one it replaces is at least one op retention old) and gives that one the op
 -- retention as its TTL: an outcome lives at least the op retention, at most about
@@ -165,13 +167,20 @@ local PACK = {
 }
 
 -- The stored form of an outcome: the fingerprint (12 characters), then '|' .. reply
--- with its keys coded.
-local function pack(fp, out)
-  return fp .. string.gsub('|' .. out, '|[%w_]+=', PACK)
+-- with its keys coded and its epoch, if it has one, written as its difference to
+-- `base` (the generation's field 'e'): '0' for a call at that epoch, not 13 digits.
+local function pack(fp, out, base)
+  local coded = string.gsub('|' .. out, '|[%w_]+=', PACK)
+  local e = string.match(out, '|epoch=(%d+)')
+  if e then
+    coded = string.gsub(coded, '\5' .. e, '\5' .. string.format('%d', tonumber(e) - base), 1)
+  end
+  return fp .. coded
 end
 
--- The current generation's bucket of this call's op id and the op's key in it, as
--- `recorded` read them, for `store` to append to.
+-- The current generation's bucket of this call's op id, the op's key in it and the
+-- generation's epoch base ('e'), as `recorded` read them, for `store` to append to;
+-- and the base of the generation a stored outcome was found in, for `replay`.
 local BUCKET = {}
 
 -- The outcome stored for this op id in either generation ('<fingerprint><coded
@@ -181,11 +190,13 @@ local BUCKET = {}
 local function recorded(op)
   local h = redis.sha1hex(op)
   local b, at = string.sub(h, 1, 2), '\30' .. string.sub(h, 3, 16)
-  local src = redis.call('HGET', OUT, b) or ''
-  BUCKET.b, BUCKET.at, BUCKET.cur = b, at, src
+  local got = redis.call('HMGET', OUT, b, 'e')
+  local src = got[1] or ''
+  BUCKET.b, BUCKET.at, BUCKET.cur, BUCKET.e, BUCKET.found = b, at, src, got[2], got[2]
   local _, j = string.find(src, at, 1, true)
   if not j then
-    src = redis.call('HGET', OLD, b) or ''
+    got = redis.call('HMGET', OLD, b, 'e')
+    src, BUCKET.found = got[1] or '', got[2]
     _, j = string.find(src, at, 1, true)
     if not j then return false end
   end
@@ -193,10 +204,17 @@ local function recorded(op)
 end
 
 -- Append the outcome of the op `recorded` looked up to its bucket in the current
--- generation (fresh: the generation was just rotated, the bucket starts empty).
+-- generation (fresh: the generation was just rotated, the bucket starts empty). The
+-- first outcome of a generation sets its epoch base 'e' to its own epoch.
 local function store(fp, out, fresh)
-  local cur = fresh and '' or BUCKET.cur
-  redis.call('HSET', OUT, BUCKET.b, cur .. BUCKET.at .. pack(fp, out))
+  local cur, base = BUCKET.cur, BUCKET.e
+  if fresh then cur, base = '', nil end
+  if base then
+    redis.call('HSET', OUT, BUCKET.b, cur .. BUCKET.at .. pack(fp, out, tonumber(base)))
+    return
+  end
+  base = string.match(out, '|epoch=(%d+)') or '0'
+  redis.call('HSET', OUT, BUCKET.b, cur .. BUCKET.at .. pack(fp, out, tonumber(base)), 'e', base)
 end
 
 -- A stored outcome for this op id: the reply to send again, or nil when the op is
@@ -208,7 +226,11 @@ local function replay(rec, op, fp)
   end
   local key = {}
   for k, c in pairs(PACK) do key[c] = k end
-  return string.sub(string.gsub(string.sub(rec, 13), '%c', key), 2)
+  local base = tonumber(BUCKET.found) or 0
+  local text = string.sub(string.gsub(string.sub(rec, 13), '%c', key), 2)
+  return (string.gsub(text, '|epoch=(%-?%d+)', function(d)
+    return '|epoch=' .. string.format('%d', base + tonumber(d))
+  end, 1))
 end
 
 local NOSESSION = 'session does not exist (never opened, closed or expired)'

@@ -122,13 +122,15 @@ def doc_reply_codes() -> dict[str, str]:
     return {chr(int(code, 16)): f"|{key}=" for code, key in rows}
 
 
-def encode_outcome(op_id: str, fingerprint: str, reply: str) -> str:
+def encode_outcome(op_id: str, fingerprint: str, reply: str, base: int) -> str:
     """A stored outcome as docs/protocol.md describes it, written out independently of the
-    Lua: 0x1E, hex digits 3-16 of SHA-1(op id), the fingerprint, the coded reply."""
+    Lua: 0x1E, hex digits 3-16 of SHA-1(op id), the fingerprint, the coded reply, whose
+    epoch is written as its difference to the generation's base."""
+    relative = re.sub(r"\|epoch=(\d+)", lambda m: f"|epoch={int(m.group(1)) - base}", reply)
     coded = re.sub(
         r"\|\w+=",
         lambda m: {v: k for k, v in doc_reply_codes().items()}.get(m.group(0), m.group(0)),
-        "|" + reply,
+        "|" + relative,
     )
     key = hashlib.sha1(op_id.encode()).hexdigest()[2:16]
     return f"\x1e{key}{fingerprint}{coded}"
@@ -143,10 +145,11 @@ def test_the_docs_reply_codes_are_the_scripts() -> None:
 def test_outcome_vectors(v: dict[str, str]) -> None:
     assert hashlib.sha1(v["op_id"].encode()).hexdigest()[:2] == v["bucket"]
     assert scripts.outcome_key(v["op_id"]) == (v["bucket"], v["key"])
-    assert encode_outcome(v["op_id"], v["fingerprint"], v["reply"]) == v["record"]
+    assert encode_outcome(v["op_id"], v["fingerprint"], v["reply"], int(v["base"])) == v["record"]
     # Two records in one bucket read back apart (the decoder `ledger inspect` uses).
-    got = scripts.stored_outcomes(v["record"] + VECTORS["outcomes"][0]["record"])
     first = VECTORS["outcomes"][0]
+    assert v["base"] == first["base"]  # outcomes of one generation
+    got = scripts.stored_outcomes(v["record"] + first["record"], int(v["base"]))
     assert got == [
         (v["key"], v["fingerprint"], v["reply"]),
         (first["key"], first["fingerprint"], first["reply"]),
@@ -202,14 +205,15 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
         epoch = got["epoch"]
         # What the server stored: the budget fingerprint as sent, and the outcome under
         # the op id, with the server's own fingerprint of the call, in its bucket of the
-        # current generation (the vector's record, with this session's epoch).
+        # current generation: the vector's record, whose epoch is 0 as the generation's
+        # first outcome sets the generation's base 'e' to its own epoch.
         assert r.hget(key, "cfg") == VECTORS["budgets"][0]["sha256"].encode()
         stored = VECTORS["outcomes"][0]
         assert stored["op_id"] == opened["argv"][0]
         assert stored["fingerprint"] == opened["op_fingerprint"]
-        want = stored["record"].replace(stored["reply"].split("|")[2][6:], epoch)
-        assert bucket(out, opened["argv"][0]) == want
-        assert r.hlen(out) == 1 and r.exists(old) == 0
+        assert bucket(out, opened["argv"][0]) == stored["record"]
+        assert r.hget(out, "e") == epoch.encode()
+        assert r.hlen(out) == 2 and r.exists(old) == 0
         assert not [f for f in r.hkeys(key) if f.startswith(b"o:") or f in (b"ol", b"cl")]
         # The same call again is answered from the record.
         assert _reply(r.eval(text["open"], 3, key, out, old, *opened["argv"]))["epoch"] == epoch
@@ -224,7 +228,8 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
         got = _reply(r.evalsha(printed[str(tmp_path / "admit.lua")], 3, key, out, old, *argv))
         assert (got["status"], got["charged"], got["admitted"]) == ("ok", "200", "2")
         reply = "|".join(f"{k}={v}" for k, v in got.items())
-        assert encode_outcome(argv[0], op_fingerprint("admit", argv), reply) in bucket(out, argv[0])
+        fp = op_fingerprint("admit", argv)
+        assert encode_outcome(argv[0], fp, reply, int(epoch)) in bucket(out, argv[0])
         with pytest.raises(redis.ResponseError, match=r"^LEDGER_STALE "):
             r.eval(text["admit"], 3, key, out, old, "op-admit-2", str(int(epoch) - 1), *argv[2:])
         # Rotation: the first call at or after gz renames the current generation to the
@@ -236,11 +241,11 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
         assert (got["status"], got["count"], got["missing"]) == ("ok", "0", "x")
         assert 0 < r.pttl(old) <= retention and r.pttl(out) > 0
         key_of = hashlib.sha1(argv[0].encode()).hexdigest()[2:16]
-        assert r.hlen(out) == 1 and "\x1e" + key_of in bucket(old, argv[0])
+        assert r.hlen(out) == 2 and "\x1e" + key_of in bucket(old, argv[0])
         assert int(r.hget(key, "gz") or 0) > int(epoch)
         again = r.eval(text["admit"], 3, key, out, old, *argv)
         assert _reply(again) == _reply(r.eval(text["admit"], 3, key, out, old, *argv))
-        assert _reply(again)["charged"] == "200" and r.hlen(out) == 1
+        assert _reply(again)["charged"] == "200" and r.hlen(out) == 2
         with pytest.raises(redis.ResponseError, match=r"^LEDGER_OPREUSED "):
             r.eval(text["admit"], 3, key, out, old, *argv[:-1], "1")
         # A turn that ends above the high-water mark (5760 of 8000) writes a compaction

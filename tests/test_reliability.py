@@ -32,6 +32,7 @@ from ledger import (
     scripts,
 )
 from ledger.keys import KeySpace
+from ledger.views import view
 from tests import jobs
 from tests.conftest import make_settings
 
@@ -228,9 +229,10 @@ def test_9_an_op_id_sent_again_with_any_other_argument_is_refused(
 def test_9b_an_outcome_takes_the_same_room_whatever_the_op_ids_length(
     ledger: Ledger, budget: SessionBudget
 ) -> None:
-    """A record keeps 14 hex digits of the op id's SHA-1, not the op id: a 128-character
-    op id and a 1-character one store records of one size, each is replayed and
-    refused with other arguments on its own, and neither answers for the other."""
+    """A record keeps 14 hex digits of the op id's SHA-1, not the op id, and its epoch as
+    a difference to the generation's: a 128-character op id and a 1-character one
+    store records of one size, each is replayed (with its epoch whole) and refused with
+    other arguments on its own, and neither answers for the other."""
     s = ledger.open_session(_sid("len"), budget)
     ops = {"short": "z", "long": "x" * 127 + "y"}
     sizes, done = {}, {}
@@ -241,7 +243,9 @@ def test_9b_an_outcome_takes_the_same_room_whatever_the_op_ids_length(
         raw = ledger.client.hget(s.keys.outcomes, bucket) or b""
         sizes[name] = len(raw) - before
         assert ("\x1e" + key).encode() in raw and op.encode() not in raw
-        coded = f"\x01ok\x0710\x081\x090\x0a\x04{got.free}\x05{got.epoch}\x06{got.turn}"
+        # the epoch is written relative to the generation's base 'e' (the session's): 0
+        assert ledger.client.hget(s.keys.outcomes, "e") == str(got.epoch).encode()
+        coded = f"\x01ok\x0710\x081\x090\x0a\x04{got.free}\x050\x06{got.turn}"
         assert sizes[name] == 1 + 14 + 12 + len(coded)
     assert sizes["short"] == sizes["long"]
     for name, op in ops.items():
@@ -249,6 +253,37 @@ def test_9b_an_outcome_takes_the_same_room_whatever_the_op_ids_length(
         with pytest.raises(OperationIdReused):
             s.admit(SCR, [Item("other", 10)], op_id=op)
     assert s.snapshot().used[SCR] == 20
+
+
+def test_9c_a_retry_gets_its_own_epoch_back_across_resets_and_incarnations(
+    ledger: Ledger, budget: SessionBudget
+) -> None:
+    """Stored epochs are relative to the generation's first one: calls stored before a
+    reset (epoch E), after it (E + 1) and in the next incarnation (a delete, then an
+    open: a new epoch, the same outcome generation) each replay with their own epoch."""
+    sid = _sid("ep")
+    s = ledger.open_session(sid, budget)
+    before = s.admit_call(SCR, [Item("a", 10)])
+    first = ledger.run(before)
+    reset = ledger.run(s.reset_call("test"))
+    s.refresh()
+    after = s.admit_call(SCR, [Item("b", 10)])
+    second = ledger.run(after)
+    assert (first.epoch + 1, first.epoch + 1) == (reset.epoch, second.epoch)
+    bye = s.delete_call()
+    gone = ledger.run(bye)
+    again = ledger.open_session(sid, budget)
+    assert again.epoch not in (first.epoch, second.epoch)
+    later = again.admit_call(SCR, [Item("c", 10)])
+    third = ledger.run(later)
+    # one generation holds all of them, its base the first one's epoch
+    assert ledger.client.hget(s.keys.outcomes, "e") == str(first.epoch).encode()
+    assert ledger.run(before) == first and ledger.run(after) == second
+    assert ledger.run(bye) == gone and ledger.run(later) == third
+    assert again.snapshot().used[SCR] == 10
+    views_journal = [e.reply for e in view(ledger, sid, journal=100).journal]
+    for r in (first, second, third):
+        assert any(f"epoch={r.epoch}|" in reply for reply in views_journal), r
 
 
 def test_9_tool_content_takes_part_in_the_fingerprint(
