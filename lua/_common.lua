@@ -170,12 +170,13 @@ local PACK = {
 -- with its keys coded and its epoch, if it has one, written as its difference to
 -- `base` (the generation's field 'e'): '0' for a call at that epoch, not 13 digits.
 local function pack(fp, out, base)
-  local coded = string.gsub('|' .. out, '|[%w_]+=', PACK)
-  local e = string.match(out, '|epoch=(%d+)')
-  if e then
-    coded = string.gsub(coded, '\5' .. e, '\5' .. string.format('%d', tonumber(e) - base), 1)
+  local _, j = string.find(out, '|epoch=', 1, true)
+  if j then
+    local k = string.find(out, '|', j + 1, true) or #out + 1
+    out = string.sub(out, 1, j) .. string.format('%d', string.sub(out, j + 1, k - 1) - base) ..
+      string.sub(out, k)
   end
-  return fp .. coded
+  return fp .. string.gsub('|' .. out, '|[%w_]+=', PACK)
 end
 
 -- The current generation's bucket of this call's op id, the op's key in it and the
