@@ -1,6 +1,8 @@
 """The asyncio face: :class:`AsyncLedger` and :class:`AsyncSession`.
 
-It shares everything but the I/O with the sync face (``ledger.core``,
+This file is the source of both faces: ``ledger/client.py`` (:class:`~ledger.Ledger`,
+:class:`~ledger.Session`) is generated from it (``python -m ledger._unasync``; a test
+checks it is up to date). Both share everything but the I/O (``ledger.core``,
 ``ledger.protocol``): each method builds the same :class:`~ledger.protocol.Call`.
 """
 
@@ -27,11 +29,12 @@ from ledger.core import (
 )
 from ledger.errors import (
     BackendUnavailable,
+    InvalidArgument,
     LedgerError,
     PermissionDenied,
     translated,
 )
-from ledger.models import AuditReport, Expired, HeldItem, SessionBudget
+from ledger.models import AuditReport, Expired, HeldItem, PartitionCheck, SessionBudget
 from ledger.protocol import Call
 from ledger.settings import LedgerSettings
 
@@ -86,7 +89,22 @@ class AsyncLedger(LedgerCore):
     async def run_many(
         self, calls: Iterable[Call[Any]], *, return_exceptions: bool = False
     ) -> list[Any]:
-        """Send many calls in one round trip; see :meth:`ledger.Ledger.run_many`."""
+        """Send many calls in one round trip and return their results in order.
+
+        The batch is one MULTI/EXEC: its calls run in order, one after the other, with
+        no other client's command between them; each still decides on its own (a
+        refused call changes nothing, the others take effect). Calls of any sessions
+        mix. A refused or failed call raises its error once every reply is read, or
+        with ``return_exceptions=True`` takes its place in the list. Transient failures
+        are retried like :meth:`run`; sending the same calls again is safe while their
+        outcomes are kept (``op_retention_seconds``): each op id takes effect once and
+        later sends get its stored outcome. At most 1,000 calls; keep batches to tens
+        of calls: Redis serves no one else while one runs.
+
+        On a Redis Cluster (where redis-py pipelines no EVALSHA) the calls are sent one
+        after the other, each atomic on its own. An outage or a permission refusal
+        stops a batch on either backend: it is raised whatever ``return_exceptions``.
+        """
         batch = self.check_batch(calls)
         if not batch:
             return []
@@ -105,14 +123,16 @@ class AsyncLedger(LedgerCore):
         except LedgerError as exc:
             return exc
 
-    async def _send_batch(self, batch: list[Call[Any]]) -> list[object]:
+    async def _send_batch(self, batch: list[Call[Any]], transaction: bool = True) -> list[object]:
         """The raw replies of a batch sent as one MULTI/EXEC, in order, with no other
-        client's command between its calls (see ``batch_loads`` for NOSCRIPT)."""
-        load = batch_loads(batch)
+        client's command between its calls (see ``batch_loads`` for NOSCRIPT). Without
+        ``transaction``, one plain pipeline (for read-only calls that need no order
+        between them): a call that met NOSCRIPT is sent again once its script is loaded."""
+        load = batch_loads(batch) if transaction else []
         raws: list[object] = [None] * len(batch)
         todo = list(range(len(batch)))
         for _ in range(2):
-            async with self.client.pipeline(transaction=True) as pipe:
+            async with self.client.pipeline(transaction=transaction) as pipe:
                 for name in load:
                     pipe.script_load(self._scripts[name].script)
                 for i in todo:
@@ -139,16 +159,19 @@ class AsyncLedger(LedgerCore):
     async def open_session(
         self, session_id: str, budget: SessionBudget, *, op_id: str | None = None
     ) -> AsyncSession:
+        """Open (or re-attach to an identically configured) session."""
         opened = await self.run(self.open_call(session_id, budget, op_id))
         return AsyncSession(self, self.keyspace.session(session_id), opened.epoch)
 
     async def session(self, session_id: str) -> AsyncSession:
+        """Attach to an open session at its current epoch."""
         s = AsyncSession(self, self.keyspace.session(session_id), 0)
         await s.refresh()
         return s
 
     async def session_ids(self) -> list[str]:
-        """Every open session of this prefix (SCAN; closed sessions' tombstones left out)."""
+        """Every open session of this prefix (SCAN; on a cluster, every primary). Closed
+        sessions whose tombstone still keeps their last outcome are left out."""
         keys: dict[str, str] = {}
         self.check_open()
         with translated():
@@ -164,13 +187,14 @@ class AsyncLedger(LedgerCore):
         return sorted(sid for sid, ok in zip(keys.values(), alive, strict=True) if ok)
 
     async def items(self, session_id: str) -> list[HeldItem]:
-        keys = self.keyspace.session(session_id)
+        """Every item a session holds, oldest first (one atomic HGETALL)."""
         self.check_open()
         with translated():
-            fields = await self.client.hgetall(keys.session)
+            fields = await self.client.hgetall(self.keyspace.session(session_id).session)
         return protocol.held_items(fields)
 
     async def read_spill(self, session_id: str, call_id: str) -> bytes | None:
+        """The content of a spilled tool result (None once its TTL has passed)."""
         keys = self.keyspace.session(session_id)
         self.check_open()
         with translated():
@@ -181,6 +205,7 @@ class AsyncLedger(LedgerCore):
         return await self.run(protocol.audit(self.keyspace.session(session_id)))
 
     async def expire_due(self, partition: int, limit: int = 500) -> int:
+        """Release every reservation of a partition whose deadline passed; returns how many."""
         self.check_open()
         with translated():
             sec, usec = await self.client.time()
@@ -198,6 +223,17 @@ class AsyncLedger(LedgerCore):
             )
             total += done.expired
         return total
+
+    async def check_partition(self, partition: int, group: str, idle_ms: int) -> PartitionCheck:
+        """One partition's earliest lease deadline and whether a job of ``group`` has
+        been pending ``idle_ms`` (``worker_check.lua``, read-only): the worker's look at
+        a partition on a cluster."""
+        self.check_open()
+        k = self.keyspace
+        if type(partition) is not int or not 0 <= partition < k.partitions:
+            raise InvalidArgument(f"partition must be in 0..{k.partitions - 1}, got {partition!r}")
+        call = protocol.worker_check(k.deadlines(partition), k.jobs(partition), group, idle_ms)
+        return call.parse(protocol.decode(await self._send(call)))
 
     async def aclose(self) -> None:
         """Close the connection; every later call raises :class:`LedgerClosed`."""
@@ -219,8 +255,12 @@ class AsyncSession(SessionCore):
         self.ledger = ledger
 
     async def refresh(self) -> int:
+        """Adopt the session's current epoch (after a StaleEpoch); returns it."""
         self.epoch = (await self.snapshot()).epoch
         return self.epoch
 
     async def audit(self) -> AuditReport:
         return await self.ledger.audit(self.id)
+
+
+__all__ = ["AsyncLedger", "AsyncSession"]

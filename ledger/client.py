@@ -1,4 +1,8 @@
-"""The synchronous face: :class:`Ledger` and :class:`Session`."""
+"""The synchronous face: :class:`Ledger` and :class:`Session`.
+
+GENERATED from ``ledger/aio.py`` by ``python -m ledger._unasync``: edit
+that file, not this one.
+"""
 
 from __future__ import annotations
 
@@ -58,8 +62,8 @@ class Ledger(LedgerCore):
         return self._sent(functools.partial(self._evalsha, self._scripts[call.script], call))
 
     def _sent(self, send: Callable[[], Any]) -> Any:
-        """``send()``, and after a failure the tries that ``retried`` asks for, waiting
-        with ``time.sleep``; errors translated."""
+        """``send()``, and after a failure the tries that ``retried`` asks for,
+        waiting with ``time.sleep``; errors translated."""
         try:
             return send()
         except Exception as first:
@@ -80,7 +84,9 @@ class Ledger(LedgerCore):
         except StopIteration as done:
             return done.value
 
-    def run_many(self, calls: Iterable[Call[Any]], *, return_exceptions: bool = False) -> list[Any]:
+    def run_many(
+        self, calls: Iterable[Call[Any]], *, return_exceptions: bool = False
+    ) -> list[Any]:
         """Send many calls in one round trip and return their results in order.
 
         The batch is one MULTI/EXEC: its calls run in order, one after the other, with
@@ -210,7 +216,9 @@ class Ledger(LedgerCore):
             )
         total = 0
         for sid, rids in self.plan_expiry(due).items():
-            done: Expired = self.run(protocol.expire(self.keyspace.session(sid), new_op_id(), rids))
+            done: Expired = self.run(
+                protocol.expire(self.keyspace.session(sid), new_op_id(), rids)
+            )
             total += done.expired
         return total
 

@@ -22,7 +22,7 @@ from ledger import (
     LedgerSettings,
     SessionBudget,
 )
-from ledger.agent import Agent, AsyncAgent, EstimatingCounter, TiktokenCounter, _unasync, ledger_id
+from ledger.agent import Agent, AsyncAgent, EstimatingCounter, TiktokenCounter, ledger_id
 from tests.conftest import make_settings
 
 TOK = TiktokenCounter()
@@ -250,10 +250,6 @@ async def test_async_face_is_the_same_layer(aledger: AsyncLedger) -> None:
     assert t.report is not None and t.report.drift == 0
     assert await agent.read_spill(out.handle or "") == "r," * 20_000
     assert (await s.audit()).clean
-
-
-def test_sync_face_is_generated_from_the_async_one() -> None:
-    assert _unasync.main(["--check"]) == 0
 
 
 def test_estimating_counter_says_it_is_an_estimate() -> None:

@@ -1,0 +1,116 @@
+"""Generate the sync faces from their asyncio sources.
+
+``ledger/client.py`` (``Ledger``, ``Session``) is generated from ``ledger/aio.py`` and
+``ledger/agent/sync.py`` (``Agent``, ``Turn``) from ``ledger/agent/aio.py``.
+``python -m ledger._unasync`` writes both; ``--check`` writes nothing and exits 1 when
+either is stale (a test and CI run the check). Each file is made by word-level regular
+expressions only (the common ones, then its own), so a face cannot drift from its
+source: what cannot be written once for both belongs in a neutral module
+(``ledger/core.py``, ``ledger/agent/core.py``), not in a rule.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent
+
+Rules = tuple[tuple[str, str], ...]
+
+# Applied to every twin, in this order, after the twin's own rules.
+COMMON: Rules = (
+    (r"\(await ([\w.]+\(\))\)", r"\1"),  # (await x.f()).y -> x.f().y
+    (r"async with ", "with "),
+    (r"async for ", "for "),
+    (r"async def ", "def "),
+    (r"await ", ""),
+    (r"__aenter__", "__enter__"),
+    (r"__aexit__", "__exit__"),
+    (r"\basyncio\.sleep\b", "time.sleep"),
+    (r"\(asyncio\)", "(sync)"),
+    (r"\bAsyncSession\b", "Session"),
+)
+
+
+@dataclass(frozen=True)
+class Twin:
+    """A sync face generated from an asyncio source (paths relative to the package)."""
+
+    source: str
+    target: str
+    header: str  # the generated file's module docstring (the source's is dropped)
+    rules: Rules
+
+    def generate(self) -> str:
+        text = (PACKAGE / self.source).read_text()
+        body = text.split('"""', 2)[2]  # drop the module docstring
+        for pattern, repl in self.rules + COMMON:
+            body = re.sub(pattern, repl, body, flags=re.M)
+        head = (
+            f'"""{self.header}\n\n'
+            f"GENERATED from ``ledger/{self.source}`` by ``python -m ledger._unasync``: edit\n"
+            'that file, not this one.\n"""'
+        )
+        return head + body
+
+
+TWINS = (
+    Twin(
+        source="aio.py",
+        target="client.py",
+        header="The synchronous face: :class:`Ledger` and :class:`Session`.",
+        rules=(
+            (r"^import asyncio\nimport functools$", "import functools\nimport time"),
+            (r"^(from collections\.abc import )Awaitable, ", r"\1"),
+            (r"\bAwaitable\[Any\]", "Any"),
+            (
+                r"^from redis\.asyncio\.cluster import RedisCluster as AsyncRedisCluster$",
+                "from redis.cluster import RedisCluster",
+            ),
+            (r"\bAsyncRedisCluster\b", "RedisCluster"),
+            (r"\bAsyncScript\b", "Script"),
+            (r"\bAsyncClient\b", "SyncClient"),
+            (r"\basync_client\b", "sync_client"),
+            (r"\bAsyncLedger\b", "Ledger"),
+            (r"\baclose\b", "close"),
+        ),
+    ),
+    Twin(
+        source="agent/aio.py",
+        target="agent/sync.py",
+        header=(
+            "The agent layer's synchronous face: :class:`Agent` and its per-turn :class:`Turn`."
+        ),
+        rules=(
+            (r"^import asyncio$", "import time"),
+            (r"\bAsyncAgent\b", "Agent"),
+            (r"\bAsyncTurn\b", "Turn"),
+            (r"\bdrive_async\b", "drive_sync"),
+            (r"^from ledger\.aio import", "from ledger.client import"),
+        ),
+    ),
+)
+
+
+def stale(twin: Twin) -> bool:
+    """Whether the twin's checked-in file differs from what its source generates."""
+    path = PACKAGE / twin.target
+    return not path.exists() or path.read_text() != twin.generate()
+
+
+def main(argv: list[str]) -> int:
+    if "--check" in argv:
+        old = [t.target for t in TWINS if stale(t)]
+        for name in old:
+            print(f"ledger/{name} is stale: run python -m ledger._unasync", file=sys.stderr)
+        return 1 if old else 0
+    for twin in TWINS:
+        (PACKAGE / twin.target).write_text(twin.generate())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
