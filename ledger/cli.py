@@ -176,13 +176,15 @@ def _warn_redis_settings(ledger: Ledger, out: Console) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace, out: Console) -> int:
+    from rich.markup import escape
     from rich.table import Table
 
     from ledger.client import Ledger
-    from ledger.views import view
+    from ledger.views import stored_outcome, view
 
     with Ledger.from_settings(_settings(args)) as ledger:
         v = view(ledger, args.session, journal=args.journal)
+        ops = {op: stored_outcome(ledger, args.session, op) for op in args.op or ()}
     snap = v.snapshot
     out.print(
         f"[bold]{v.session_id}[/]  epoch {snap.epoch}  turn {snap.turn}  regime "
@@ -233,6 +235,9 @@ def cmd_inspect(args: argparse.Namespace, out: Console) -> int:
     for e in v.journal:
         j.add_row(e.op_key, e.reply)
     out.print(j)
+    for op, found in ops.items():
+        where = "not kept" if found is None else f"{found[0]} generation: {found[1]}"
+        out.print(f"op {escape(op)}: {escape(where)}", soft_wrap=True)
     if v.counters:
         out.print("counters: " + ", ".join(f"{k}={val}" for k, val in sorted(v.counters.items())))
     return EXIT_OK
@@ -484,6 +489,13 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("session")
     i.add_argument("--items", type=int, default=20, help="newest items shown (default 20)")
     i.add_argument("--journal", type=int, default=10, help="journal entries shown (default 10)")
+    i.add_argument(
+        "--op",
+        action="append",
+        metavar="OP_ID",
+        help="show the outcome kept for this op id (the journal shows SHA-1 keys, not op "
+        "ids); repeatable",
+    )
     i.set_defaults(func=cmd_inspect)
     tp = sub.add_parser(
         "top", help="live view of the busiest sessions and the indicators (q quits)"

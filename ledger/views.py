@@ -15,7 +15,7 @@ from ledger.core import collect
 from ledger.errors import UnknownSession, translated
 from ledger.models import AuditReport, Consumer, HeldItem, Snapshot
 from ledger.protocol import Call
-from ledger.scripts import stored_outcomes
+from ledger.scripts import outcome_key, stored_outcomes
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +87,25 @@ def view(ledger: Ledger, session_id: str, journal: int = 10) -> SessionView:
         entries[:journal],
         counters,
     )
+
+
+def stored_outcome(ledger: Ledger, session_id: str, op_id: str) -> tuple[str, str] | None:
+    """Where the outcome of ``op_id`` is kept for retries, and its reply: ("current" or
+    "previous" generation, reply), or None when neither generation holds it (never
+    sent, refused with an error, or older than the op retention). A retry of the op id
+    with the same arguments gets this reply and changes nothing."""
+    keys = ledger.keyspace.session(session_id)
+    bucket, key = outcome_key(op_id)
+    ledger.check_open()
+    with translated():
+        for name, k in (("current", keys.outcomes), ("previous", keys.outcomes_old)):
+            raw, base = ledger.client.hmget(k, [bucket, "e"])
+            if raw is None:
+                continue
+            for got, _, reply in stored_outcomes(_text(raw), int(base or 0)):
+                if got == key:
+                    return name, reply
+    return None
 
 
 BATCH = 500  # calls per round trip; read-only calls, each atomic on its own

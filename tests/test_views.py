@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 from redis.cluster import RedisCluster
 
-from ledger import Item, Ledger, SessionBudget, views
+from ledger import Item, Ledger, SessionBudget, cli, views
 from ledger.errors import AdmissionRefused, UnknownSession
+from ledger.testing import RedisProcess
+from tests.conftest import make_settings
 
 
 def _fleet(ledger: Ledger) -> None:
@@ -43,3 +45,38 @@ def test_audits_in_batches_report_every_session(ledger: Ledger) -> None:
     assert set(got) == set(ids)
     assert isinstance(got[ids[3]], UnknownSession)  # a tombstone: listed, refused
     assert all(not isinstance(r, UnknownSession) and r.clean for k, r in got.items() if k != ids[3])
+
+
+def test_stored_outcome_finds_an_op_ids_reply_by_its_key(ledger: Ledger) -> None:
+    """The journal keeps SHA-1 keys, not op ids: stored_outcome (``ledger inspect --op``)
+    finds an op id's reply in the current generation, with its own epoch after a reset,
+    and says when nothing is kept."""
+    s = ledger.open_session("ops", SessionBudget(window=1_000, system_prompt=100))
+    first = s.admit("retrieval", [Item("a", 10)], op_id="op-first")
+    s.reset("test")
+    s.refresh()
+    with pytest.raises(AdmissionRefused):
+        s.admit("retrieval", [Item("b", 5_000)], op_id="op-refused")
+    got = views.stored_outcome(ledger, "ops", "op-first")
+    assert got is not None and got[0] == "current"
+    assert f"|free={first.free}|epoch={first.epoch}|" in got[1]
+    refused = views.stored_outcome(ledger, "ops", "op-refused")
+    assert refused is not None and "status=refused" in refused[1]
+    assert f"epoch={first.epoch + 1}|" in refused[1]
+    assert views.stored_outcome(ledger, "ops", "op-never") is None
+
+
+@pytest.mark.redis
+def test_inspect_op_prints_an_op_ids_outcome(
+    redis_server: RedisProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with Ledger.from_settings(make_settings(redis_server.url)) as ledger:
+        s = ledger.open_session("cli-ops", SessionBudget(window=1_000, system_prompt=100))
+        s.admit("retrieval", [Item("a", 10)], op_id="op-cli")
+        base = ["--url", redis_server.url, "--prefix", ledger.settings.prefix]
+    capsys.readouterr()
+    args = [*base, "inspect", "cli-ops", "--op", "op-cli", "--op", "op-none"]
+    assert cli.main(args) == cli.EXIT_OK
+    out = " ".join(capsys.readouterr().out.split())
+    assert "op op-cli: current generation: status=ok|charged=10|admitted=1|" in out
+    assert "op op-none: not kept" in out
