@@ -206,7 +206,8 @@ end
 
 -- Append the outcome of the op `recorded` looked up to its bucket in the current
 -- generation (fresh: the generation was just rotated, the bucket starts empty). The
--- first outcome of a generation sets its epoch base 'e' to its own epoch.
+-- first outcome of a generation sets its epoch base 'e': its own epoch, or, for a reply
+-- without one (the worker's `expire`), the session's (KEYS[1]), else its last one.
 local function store(fp, out, fresh)
   local cur, base = BUCKET.cur, BUCKET.e
   if fresh then cur, base = '', nil end
@@ -214,7 +215,11 @@ local function store(fp, out, fresh)
     redis.call('HSET', OUT, BUCKET.b, cur .. BUCKET.at .. pack(fp, out, tonumber(base)))
     return
   end
-  base = string.match(out, '|epoch=(%d+)') or '0'
+  base = string.match(out, '|epoch=(%d+)')
+  if not base then
+    local h = redis.call('HMGET', KEYS[1], 'ep', 'pe')
+    base = h[1] or h[2] or '0'
+  end
   redis.call('HSET', OUT, BUCKET.b, cur .. BUCKET.at .. pack(fp, out, tonumber(base)), 'e', base)
 end
 

@@ -28,7 +28,7 @@
 -- 'all' is refused when the new items do not fit together; 'prefix' when not even
 -- the first new item fits (requested is then that item's tokens).
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
--- Calls: HMGET, TIME, HSET (HGET and HSET of the op's outcome bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due; HINCRBY on refusal;
+-- Calls: HMGET, TIME, HSET (HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due; HINCRBY on refusal;
 --        HMGET of HW, out, W, kf, pm for retrieval and recall while a compaction is pending).
 
 local op, fp, epoch = op_args('admit', false)

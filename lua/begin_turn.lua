@@ -38,7 +38,7 @@
 --         exceed the window), LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
 -- Calls: HMGET, TIME, HSET (HGET when a compaction becomes pending; HGETALL and HDEL only to rotate or reclaim; HINCRBY; XADD when a
 --        compaction becomes pending)
---        and HGET and HSET of the op's outcome bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due.
+--        and HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due.
 
 local op, fp, epoch = op_args('begin_turn', false)
 local ws, out2

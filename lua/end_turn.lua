@@ -33,8 +33,9 @@
 -- Errors: LEDGER_BADARG (also: not the current turn, or a turn already ended; a final
 --         prompt of 0), LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
 -- Calls: HMGET, TIME, HSET, HINCRBY (class; x:drift when flagged), HGET and XADD when a
---        compaction becomes pending (worker-owned sessions); HGET and HSET of the op's
---        outcome bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due.
+--        compaction becomes pending (worker-owned sessions); HMGET of the op's outcome
+--        bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome
+--        generations' RENAME and PEXPIRE, when due.
 
 local op, fp, epoch = op_args('end_turn', false)
 local turn, final, trend

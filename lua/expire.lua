@@ -17,7 +17,7 @@
 --   pending: ids whose deadline has not passed (left open). Ids that are no longer
 --   open are dropped from the index. A missing session only cleans the index.
 -- Errors: LEDGER_BADARG, LEDGER_STALE, LEDGER_OPREUSED.
--- Calls: HMGET, TIME, HSET, HDEL, ZREM (HGET and HSET of the op's outcome bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due).
+-- Calls: HMGET, TIME, HSET, HDEL, ZREM (HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due).
 
 local op, fp, epoch = op_args('expire', true)
 local sid, n

@@ -24,7 +24,7 @@
 --          |epoch=<n>|turn=<n>   (requested: the listed items' tokens)
 -- Errors: LEDGER_BADARG (also: an item twice, an item of a consumer not named),
 --         LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
--- Calls: HMGET, TIME, HGETALL, HDEL, HSET, HINCRBY (HGET and HSET of the op's outcome bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due).
+-- Calls: HMGET, TIME, HGETALL, HDEL, HSET, HINCRBY (HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due).
 
 local op, fp, epoch = op_args('reconcile', false)
 local set = ARGV[3]

@@ -22,7 +22,7 @@
 -- Errors: LEDGER_BADARG (also: not the current turn, or one already ended), LEDGER_NOSESSION,
 --         LEDGER_STALE,
 --         LEDGER_OPREUSED.
--- Calls: HMGET, TIME, HSET (HINCRBY on refusal; HGET and HSET of the op's outcome bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due).
+-- Calls: HMGET, TIME, HSET (HINCRBY on refusal; HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due).
 
 local op, fp, epoch = op_args('record_span', false)
 local turn, kind, tin, tout

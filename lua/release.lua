@@ -12,7 +12,7 @@
 -- Reply: status=ok|released=<tokens>|count=<n>|missing=<id,...>|free=<tokens>|epoch=<n>|turn=<n>
 -- Ids the consumer does not hold are listed as missing; they are not an error.
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
--- Calls: HMGET, TIME, HSET, HDEL (HGET and HSET of the op's outcome bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due).
+-- Calls: HMGET, TIME, HSET, HDEL (HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due).
 
 local op, fp, epoch = op_args('release', false)
 local c

@@ -22,7 +22,7 @@
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED,
 --         LEDGER_CONFLICT (the reservation id is open already, or the consumer holds an
 --         item of that id: settle names the item after the reservation by default).
--- Calls: HMGET, TIME, HSET, ZADD (HGET and HSET of the op's outcome bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due; HINCRBY on refusal).
+-- Calls: HMGET, TIME, HSET, ZADD (HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due; HINCRBY on refusal).
 
 local op, fp, epoch = op_args('reserve', false)
 local sid, c, rid, tokens, lease

@@ -22,7 +22,7 @@
 --         LEDGER_NORESERVATION (not open: settled, voided, expired and swept, or never made),
 --         LEDGER_EXPIRED (its deadline has passed on Redis's clock),
 --         LEDGER_CONFLICT (the consumer already holds the item id).
--- Calls: HMGET, TIME, HSET, HDEL, ZREM (HGET and HSET of the op's outcome bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due; HINCRBY and
+-- Calls: HMGET, TIME, HSET, HDEL, ZREM (HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due; HINCRBY and
 --        HMGET of HW, out, W, kf, pm on refusal or while a compaction is pending).
 
 local op, fp, epoch = op_args('settle', false)

@@ -11,7 +11,7 @@
 --
 -- Reply: status=ok|reservation=<id>|released=<tokens>|free=<tokens>|epoch=<n>|turn=<n>
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED, LEDGER_NORESERVATION.
--- Calls: HMGET, TIME, HSET, HDEL, ZREM (HGET and HSET of the op's outcome bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due).
+-- Calls: HMGET, TIME, HSET, HDEL, ZREM (HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due).
 
 local op, fp, epoch = op_args('void', false)
 local sid, rid

@@ -255,6 +255,26 @@ def test_9b_an_outcome_takes_the_same_room_whatever_the_op_ids_length(
     assert s.snapshot().used[SCR] == 20
 
 
+def test_9d_a_generation_begun_by_an_expiry_takes_the_sessions_epoch_as_its_base(
+    ledger: Ledger, budget: SessionBudget
+) -> None:
+    """The worker's expiry answers with no epoch: when its outcome is the first of a
+    generation, the base is the session's epoch, so later outcomes still store 0."""
+    s = ledger.open_session(_sid("exp"), budget)
+    s.reserve(SCR, "lease", 10, lease_ms=1)
+    time.sleep(0.01)
+    ledger.client.hset(s.keys.session, "gz", 0)  # the next call rotates the generations
+    assert ledger.expire_due(ledger.keyspace.partition_of(s.id)) == 1
+    assert ledger.client.hget(s.keys.outcomes, "e") == str(s.epoch).encode()
+    call = s.admit_call(SCR, [Item("after", 10)])
+    done = ledger.run(call)
+    bucket, key = scripts.outcome_key(call.args[0])
+    raw = (ledger.client.hget(s.keys.outcomes, bucket) or b"").decode()
+    record = raw[raw.index("\x1e" + key) :].split("\x1e")[1]
+    assert f"\x050\x06{done.turn}" in record
+    assert ledger.run(call) == done
+
+
 def test_9c_a_retry_gets_its_own_epoch_back_across_resets_and_incarnations(
     ledger: Ledger, budget: SessionBudget
 ) -> None:

@@ -39,7 +39,7 @@ from ledger.errors import InvalidArgument, ReservationExpired, UnknownReservatio
 from ledger.models import Consumer, PartitionCheck
 from ledger.testing import WorkerProc, spawn_worker
 from ledger.workers.compactors import CompactionPlan, CompactionRequest
-from ledger.workers.runner import Worker
+from ledger.workers.runner import Worker, next_round
 from tests import jobs
 from tests.conftest import backend_url, make_settings
 from tests.jobs import session_hash
@@ -968,6 +968,24 @@ def test_an_idle_loop_on_a_cluster_sends_few_commands_and_still_releases_leases(
             s.reserve("working_memory", "r2", 100, lease_ms=50)
             wait_until(lambda: s.snapshot().open_reservations == 0, 10, "the sweep")
         assert worker.metrics.expired._value.get() == 2
+
+
+def test_check_slices_keep_their_places_in_the_cycle_after_an_outage() -> None:
+    """A slice checked late, or after rounds missed while Redis was away, is next due
+    at its own place in the cycle: the slices stay spread over check_every instead of
+    falling due together after the outage."""
+    every, n = 21.0, 21
+    due = [every * k / n for k in range(n)]
+    for now in (0.0, 0.4, 20.9, 21.0, 63.5, 1000.0):
+        for at in (t for t in due if t <= now):
+            nxt = next_round(at, now, every)
+            assert now < nxt <= now + every
+            rounds = (nxt - at) / every
+            assert rounds >= 1 and abs(rounds - round(rounds)) < 1e-9
+    # an outage of 40 s: every slice overdue, then each checked once
+    after = [next_round(at, 40.0, every) for at in due]
+    assert len({round(t % every, 6) for t in after}) == n  # n distinct phases, as before
+    assert all(40.0 < t <= 61.0 for t in after)
 
 
 @pytest.mark.redis

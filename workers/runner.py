@@ -1070,8 +1070,7 @@ class Worker:
         them again; claim where a job is idle."""
         for k, at in list(self._next_check.items()):
             if at <= now and self._guard(functools.partial(self.check, slices[k]), "check"):
-                # keep the slice's place in the cycle unless the worker fell behind
-                self._next_check[k] = max(at + self.check_every, now)
+                self._next_check[k] = next_round(at, now, self.check_every)
         due = sorted(p for p, at in self._due.items() if at <= now)
         if due:
             self._guard(functools.partial(self.sweep, due), "sweep")
@@ -1079,6 +1078,13 @@ class Worker:
         if self._idle:
             idle, self._idle = sorted(self._idle), set()
             self._guard(functools.partial(self.take_over, partitions=idle), "take over")
+
+
+def next_round(at: float, now: float, every: float) -> float:
+    """The first time after ``now`` in the cycle ``at + k * every`` (k >= 1): a slice
+    checked late, or after rounds missed in an outage, keeps its place in the cycle, so
+    the slices stay spread instead of falling due together."""
+    return at + every * max(1, math.floor((now - at) / every) + 1)
 
 
 def _stream_gone(exc: BaseException) -> bool:
