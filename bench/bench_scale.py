@@ -1,6 +1,6 @@
 """What grows with the fleet and with a session's history: the costs of docs/scale.md.
 
-    python -m bench.bench_scale [--sessions 10000] [--outcomes 1000,10000,50000]
+    python -m bench.bench_scale [--sessions 10000] [--outcomes 100,1000,10000,50000]
                                 [--calls 500] [--rounds 5]
 
 Starts its own redis-server and reports, each as a ratio or bound measured in this
@@ -160,7 +160,7 @@ def operator_views(url: str, sessions: int) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--sessions", type=int, default=10_000)
-    ap.add_argument("--outcomes", default="1000,10000,50000")
+    ap.add_argument("--outcomes", default="100,1000,10000,50000")
     ap.add_argument("--calls", type=int, default=500)
     ap.add_argument("--rounds", type=int, default=5)
     a = ap.parse_args()
