@@ -27,7 +27,7 @@ from .bench_core import BENCH_BUDGET
 
 # Each step ends before the line that starts with this text (lua/admit.lua).
 STEPS = (
-    ("prelude (the _common.lua it uses)", "local op, fp, epoch = op_args('admit', false)"),
+    ("prelude (the _common.lua it uses)", "local op, fp, epoch, tok = op_args('admit', false)"),
     ("check the 9 arguments", "local key = KEYS[1]"),
     ("read the fields (HMGET)", "local again = gate(recorded(op)"),
     ("read the outcome, replay, session, epoch, TIME", "local a, floor, sq, fr"),

@@ -1,46 +1,63 @@
-"""A LangGraph agent whose context the ledger governs.
+"""A LangGraph agent whose context the ledger governs, served by a fleet.
 
 Five nodes: ask -> retrieve (12-18 chunks with URL ids) -> plan (the model asks for
 SQL) -> sql (a tool whose result is sometimes ~22k tokens) -> answer. The chat model is
 a stub (no network); it counts every prompt it is sent, independently of the ledger.
 
-    python examples/langgraph_agent.py                       # embedded, 30 turns
-    python examples/langgraph_agent.py --url redis://localhost:6379/0 --workers 2
-    python examples/langgraph_agent.py --drift-at 17         # add a note behind the ledger's back
+The conversation lives in the graph's own checkpointer (a SqliteSaver file every
+process opens), the budget in the ledger; compaction is the background worker's
+(``ledger worker`` with an LLM summarizer over a stub chat model, ``COMPACTOR`` below).
+Any process may serve any turn: each turn starts from the checkpoint the last ended turn
+committed, and a turn whose process died is rolled back.
 
-Lines marked `# ledger` are the glue that plugs the ledger in (9 lines).
+    python examples/langgraph_agent.py                           # embedded, one process
+    python examples/langgraph_agent.py --url redis://localhost:6379/0 --processes 2
+    python examples/langgraph_agent.py --drift-at 17             # context behind the ledger's back
+    python examples/langgraph_agent.py --url ... --processes 2 --kill-at 9   # kill -9 mid-tool
+    python examples/langgraph_agent.py --url ... --processes 2 --race-at 5   # one turn started twice
+
+With a redis:// URL the example starts its own ``ledger worker`` process; on embedded a
+worker runs in this process. Lines marked `# ledger` are the glue (10 lines).
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
 import json
-import pickle
+import os
 import random
+import signal
+import sqlite3
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 import uuid
 import warnings
+from pathlib import Path
 from typing import Annotated, Any, TypedDict
 
 from langchain_core.documents import Document
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.outputs import ChatGeneration, ChatResult
+from langgraph.checkpoint.sqlite import SqliteSaver
 from langgraph.graph import END, START, StateGraph
 from langgraph.graph.message import add_messages
 
 from ledger import Agent, Ledger, SessionBudget, TiktokenCounter  # ledger
 from ledger.adapters.langgraph import LedgerGraph, merge_docs  # ledger
-from ledger.errors import ContextDriftWarning  # the example's report
+from ledger.adapters.summarizer import LLMSummarizer
+from ledger.errors import ContextDriftWarning, TurnInProgress  # the example's report
 
 WINDOW = 16_000
 OVERHEAD = 4  # tokens of chat framing per message, counted for items and prompts alike
 SYSTEM = "You are a data analyst. Answer from the documents and the SQL results."  # 15 tokens + 4
 TOKENS = TiktokenCounter()  # the stub model's own count (the glue makes its own counter)
-SEEN: list[int] = []  # every prompt the model was sent, in tokens
+SEEN: list[list[AnyMessage]] = []  # every prompt the model was sent
 WORDS = ["revenue", "margin", "churn", "cohort", "region", "quarter", "pipeline", "forecast", "segment"]
+DRILL: dict[str, float] = {}  # this turn's fleet drill: crash (kill -9 in the tool), hold (s)
 
 
 def counted(messages: list[AnyMessage]) -> int:
@@ -59,7 +76,7 @@ class StubModel(BaseChatModel):
 
     def _generate(self, messages: list[Any], stop: Any = None, run_manager: Any = None,
                   **kw: Any) -> ChatResult:
-        SEEN.append(counted(messages))
+        SEEN.append(list(messages))
         last = messages[-1]
         if isinstance(last, HumanMessage):
             n = str(last.content).split(":")[0]
@@ -67,6 +84,24 @@ class StubModel(BaseChatModel):
         else:
             msg = AIMessage(content="Based on the rows and documents: " + " ".join(WORDS[:6]))
         return ChatResult(generations=[ChatGeneration(message=msg)])
+
+
+class StubSummarizer(BaseChatModel):
+    """The worker's summarizer model: a short summary naming how much it read."""
+
+    @property
+    def _llm_type(self) -> str:
+        return "stub-summarizer"
+
+    def _generate(self, messages: list[Any], stop: Any = None, run_manager: Any = None,
+                  **kw: Any) -> ChatResult:
+        body = str(messages[-1].content)
+        text = f"Summary of {body.count('[')} earlier items ({len(body)} characters): " + " ".join(WORDS)
+        return ChatResult(generations=[ChatGeneration(message=AIMessage(content=text))])
+
+
+# The background worker's compactor: `ledger worker --compactor langgraph_agent:COMPACTOR`.
+COMPACTOR = LLMSummarizer(StubSummarizer(), TOKENS, item_overhead=OVERHEAD)
 
 
 class State(TypedDict, total=False):
@@ -87,7 +122,7 @@ def sql_rows(turn: int) -> str:
     return "\n".join(f"{r},{WORDS[r % 9]},{r * 37 % 1000}.{r % 100:02d}" for r in range(rows))
 
 
-def build(model: Any, gov: LedgerGraph | None) -> Any:
+def build(model: Any) -> StateGraph:
     def prompt(state: State) -> list[AnyMessage]:
         docs = [SystemMessage(content=d.page_content, id=d.id) for d in state.get("docs", [])]
         extra = [SystemMessage(content="NOTE " + "unlogged context " * 150)] if state.get("inject") else []
@@ -102,9 +137,12 @@ def build(model: Any, gov: LedgerGraph | None) -> Any:
         return {"docs": [chunk(i) for i in rnd.sample(range(400), rnd.randint(12, 18))]}
 
     def plan(state: State) -> dict[str, Any]:
+        time.sleep(DRILL.get("hold", 0))  # a slow model call, holding the turn
         return {"messages": [model.invoke(prompt(state))]}
 
     def sql(state: State) -> dict[str, Any]:
+        if DRILL.get("crash"):  # the process dies inside the tool
+            os.kill(os.getpid(), signal.SIGKILL)
         call = state["messages"][-1].tool_calls[0]
         turn = int(call["args"]["q"][1:])
         return {"messages": [ToolMessage(content=sql_rows(turn), tool_call_id=call["id"])]}
@@ -118,81 +156,156 @@ def build(model: Any, gov: LedgerGraph | None) -> Any:
     builder.add_edge(START, "ask")
     for a, b in [("ask", "retrieve"), ("retrieve", "plan"), ("plan", "sql"), ("sql", "answer"), ("answer", END)]:
         builder.add_edge(a, b)
-    if gov is not None:
-        gov.govern(builder)  # ledger
-    return builder.compile()
+    return builder
 
 
-def summarize(objs: list[Any]) -> str:
-    return f"Summary of {len(objs)} earlier messages and documents: " + " ".join(WORDS)
+BUDGET = SessionBudget(window=16_000, system_prompt=19, output_reserve=1_000, working_memory_floor=1_500, framing_tolerance=8)  # ledger
 
 
-BUDGET = SessionBudget(window=16_000, system_prompt=19, output_reserve=1_000, working_memory_floor=1_500, framing_tolerance=8, compaction="agent")  # ledger
+class Server:
+    """One process's agent: its ledger session, the governed model and graph, and the
+    checkpointer every process shares."""
 
-
-class Worker:
-    """One process's agent: the ledger session, the governed model and graph."""
-
-    def __init__(self, url: str, session_id: str) -> None:
+    def __init__(self, url: str, session_id: str, db: str) -> None:
+        saver = SqliteSaver(sqlite3.connect(db, check_same_thread=False))
+        self.config = {"configurable": {"thread_id": session_id}}
         session = Ledger.from_url(url).open_session(session_id, BUDGET)  # ledger
-        self.gov = LedgerGraph(Agent(session, TiktokenCounter(), item_overhead=4), summarize=summarize)  # ledger
-        self.model = StubModel()
-        self.graph = build(self.gov.model(self.model), self.gov)  # ledger
+        self.gov = LedgerGraph(Agent(session, TiktokenCounter(), item_overhead=4), checkpointer=saver)  # ledger
+        self.graph = self.gov.govern(build(self.gov.model(StubModel()))).compile(checkpointer=saver)  # ledger
 
-    def turn(self, n: int, state: dict[str, Any], inject: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    def turn(self, n: int, inject: bool = False, wait: float = 0.0) -> dict[str, Any]:
         SEEN.clear()
+        started = time.monotonic()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", ContextDriftWarning)
-            with self.gov.turn(working_set=1_500) as t:  # ledger
-                state = self.graph.invoke({**state, "question": f"Q{n}: {WORDS[n % 9]} by region?", "inject": inject})
+            with self.gov.turn(working_set=1_500, config=self.config, wait=wait) as t:  # ledger
+                state = self.graph.invoke({"question": f"Q{n}: {WORDS[n % 9]} by region?", "inject": inject}, t.config)  # ledger
         snap = self.gov.agent.session.snapshot()
-        assert t.report is not None
-        tool = t.state.tools[-1] if t.state and t.state.tools else None
-        row = {"turn": n, "prompt": t.report.occupancy + t.report.drift, "occupancy": snap.occupancy,
-               "drift": t.report.drift, "flag": t.report.flag, "warned": len(caught),
-               "max_sent": max(SEEN), "window": WINDOW, "docs": len(state.get("docs", [])),
-               "spilled": bool(tool and tool.spilled), "tool_tokens": tool.tokens if tool else 0,
-               "dropped": len(t.dropped), "compaction_due": t.report.compaction_due}
-        state.pop("inject", None)
-        return state, row
+        assert t.report is not None and t.state is not None
+        tool = t.state.tools[-1] if t.state.tools else None
+        last = SEEN[-1] if SEEN else []
+        summaries = [str(m.id) for m in last if str(m.id).startswith("summary-")]
+        return {"turn": n, "ledger_turn": t.number, "pid": os.getpid(),
+                "prompt": t.report.occupancy + t.report.drift, "occupancy": snap.occupancy,
+                "drift": t.report.drift, "flag": t.report.flag, "warned": len(caught),
+                "counted": counted(last), "max_sent": max(map(counted, SEEN)), "window": WINDOW,
+                "docs": len(state.get("docs", [])), "messages": len(state["messages"]),
+                "spilled": bool(tool and tool.spilled), "tool_tokens": tool.tokens if tool else 0,
+                "dropped": len(t.state.drop_refs), "delivered": [str(s.id) for s in t.summaries],
+                "summaries_in_prompt": summaries, "high": snap.occupancy > BUDGET.high_water_tokens,
+                "rolled_back": t.rolled_back, "waited_s": round(time.monotonic() - started, 3)}
 
 
-def serve(url: str, session_id: str) -> None:
-    """Worker process: one JSON line in per turn, one out."""
-    w = Worker(url, session_id)
+def serve(url: str, session_id: str, db: str) -> None:
+    """An agent process: one JSON request a line in ({"turn", "inject", "crash", "hold",
+    "wait"}), one JSON row out (or {"error", "owner", "left_ms"} when the turn is held)."""
+    server = Server(url, session_id, db)
+    print(json.dumps({"ready": os.getpid()}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
-        state = pickle.loads(base64.b64decode(req["state"]))
-        state, row = w.turn(req["turn"], state, req["inject"])
-        print(json.dumps({"row": row, "state": base64.b64encode(pickle.dumps(state)).decode()}), flush=True)
+        DRILL.clear()
+        DRILL.update({k: float(req.get(k, 0)) for k in ("crash", "hold")})
+        try:
+            row = server.turn(req["turn"], bool(req.get("inject")), float(req.get("wait", 0)))
+        except TurnInProgress as exc:
+            row = {"turn": req["turn"], "pid": os.getpid(), "error": "TurnInProgress",
+                   "owner": exc.owner, "left_ms": exc.lease_left_ms}
+        print(json.dumps(row), flush=True)
 
 
-def run(url: str, turns: int, drift_at: int | None, workers: int, session_id: str) -> list[dict[str, Any]]:
+class Fleet:
+    """Agent processes (and a ledger worker) serving one session's turns in turn."""
+
+    def __init__(self, url: str, session_id: str, db: str, processes: int, prefix: str) -> None:
+        self.url, self.session_id, self.db = url, session_id, db
+        self.env = {**os.environ, "LEDGER_PREFIX": prefix}
+        self.procs = [self.spawn() for _ in range(processes)]
+        here = str(Path(__file__).resolve().parent)
+        env = {**self.env, "PYTHONPATH": os.pathsep.join([here, self.env.get("PYTHONPATH", "")])}
+        self.worker = subprocess.Popen(
+            [sys.executable, "-m", "ledger.cli", "--url", url, "worker", "--compactor",
+             "langgraph_agent:COMPACTOR", "--claim-idle-ms", "1000"],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def spawn(self) -> subprocess.Popen[str]:
+        p = subprocess.Popen([sys.executable, __file__, "--serve", "--url", self.url, "--session",
+                              self.session_id, "--db", self.db], env=self.env,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert p.stdout is not None and "ready" in json.loads(p.stdout.readline())
+        return p
+
+    def send(self, i: int, req: dict[str, Any]) -> None:
+        p = self.procs[i]
+        assert p.stdin is not None
+        p.stdin.write(json.dumps(req) + "\n")
+        p.stdin.flush()
+
+    def reply(self, i: int) -> dict[str, Any] | None:
+        p = self.procs[i]
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        return json.loads(line) if line else None
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.stdin:
+                p.stdin.close()
+            p.wait(timeout=60)
+        self.worker.send_signal(signal.SIGTERM)
+        self.worker.wait(timeout=60)
+
+
+def run(url: str, turns: int, drift_at: int | None, processes: int, session_id: str,
+        kill_at: int | None = None, race_at: int | None = None, lease_s: float = 3.0) -> list[dict[str, Any]]:
+    """Serve the turns, turn n by process n % processes; returns a row per turn."""
+    db = str(Path(tempfile.mkdtemp()) / "checkpoints.sqlite")
     rows: list[dict[str, Any]] = []
-    state: dict[str, Any] = {"messages": [], "docs": []}
-    if workers <= 1:
-        w = Worker(url, session_id)
-        for n in range(1, turns + 1):
-            state, row = w.turn(n, state, n == drift_at)
-            rows.append(row)
+    if processes <= 1:
+        from ledger.workers.runner import Worker, WorkerSettings
+
+        server = Server(url, session_id, db)
+        worker = Worker(server.gov.agent.session.ledger, WorkerSettings(), compactor=COMPACTOR)
+        stop = threading.Event()
+        thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+        thread.start()
+        try:
+            for n in range(1, turns + 1):
+                rows.append({**server.turn(n, n == drift_at), "process": 0})
+        finally:
+            stop.set()
+            thread.join(timeout=30)
+            worker.close()
         return rows
-    procs = [subprocess.Popen([sys.executable, __file__, "--serve", "--url", url, "--session", session_id],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(workers)]
+    fleet = Fleet(url, session_id, db, processes, os.environ.get("LEDGER_PREFIX", "ledger"))
     try:
         for n in range(1, turns + 1):
-            p = procs[n % workers]
-            assert p.stdin and p.stdout
-            p.stdin.write(json.dumps({"turn": n, "inject": n == drift_at,
-                                      "state": base64.b64encode(pickle.dumps(state)).decode()}) + "\n")
-            p.stdin.flush()
-            out = json.loads(p.stdout.readline())
-            state = pickle.loads(base64.b64decode(out["state"]))
-            rows.append({**out["row"], "worker": n % workers})
+            i = n % processes
+            if n == kill_at:  # the owner dies inside the tool; the next process takes over
+                fleet.send(i, {"turn": n, "crash": 1})
+                assert fleet.reply(i) is None  # killed
+                died = time.monotonic()
+                fleet.procs[i].wait(timeout=30)
+                i = (i + 1) % processes
+                fleet.send(i, {"turn": n, "wait": lease_s * 5})
+                row = fleet.reply(i)
+                assert row is not None
+                row["takeover_s"] = round(time.monotonic() - died, 3)
+                fleet.procs[(i - 1) % processes] = fleet.spawn()
+            elif n == race_at:  # the same turn on two processes at once (a retried request)
+                j = (i + 1) % processes
+                fleet.send(i, {"turn": n, "hold": 1.0})
+                time.sleep(0.3)
+                fleet.send(j, {"turn": n})
+                refused, row = fleet.reply(j), fleet.reply(i)
+                assert row is not None and refused is not None
+                row["raced"] = refused
+            else:
+                fleet.send(i, {"turn": n, "inject": n == drift_at})
+                row = fleet.reply(i)
+                assert row is not None
+            rows.append({**row, "process": i})
     finally:
-        for p in procs:
-            assert p.stdin
-            p.stdin.close()
-            p.wait(timeout=30)
+        fleet.close()
     return rows
 
 
@@ -201,25 +314,29 @@ def main() -> None:
     ap.add_argument("--url", default="embedded://langgraph-example")
     ap.add_argument("--turns", type=int, default=30)
     ap.add_argument("--drift-at", type=int, default=None)
-    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--processes", type=int, default=1)
+    ap.add_argument("--kill-at", type=int, default=None)
+    ap.add_argument("--race-at", type=int, default=None)
+    ap.add_argument("--lease", type=float, default=3.0, help="the turn lease, seconds")
     ap.add_argument("--session", default=None)
+    ap.add_argument("--db", default=None)
     ap.add_argument("--serve", action="store_true")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     sid = a.session or f"lg-{uuid.uuid4().hex[:12]}"
+    os.environ.setdefault("LEDGER_TURN_LEASE_MS", str(int(a.lease * 1000)))
     if a.serve:
-        return serve(a.url, sid)
-    rows = run(a.url, a.turns, a.drift_at, a.workers, sid)
+        return serve(a.url, sid, a.db)
+    rows = run(a.url, a.turns, a.drift_at, a.processes, sid, a.kill_at, a.race_at, a.lease)
     if a.json:
         print(json.dumps(rows))
         return
-    print("turn  worker  prompt  occupancy  drift  flag         max_sent/window  docs  tool(spilled)  dropped")
+    print("turn  proc  prompt  counted  drift  flag         max_sent/window  docs  tool(spilled)  dropped  summaries")
     for r in rows:
-        print(f"{r['turn']:>4}  {r.get('worker', 0):>6}  {r['prompt']:>6}  {r['occupancy']:>9}  {r['drift']:>5}  "
+        print(f"{r['turn']:>4}  {r['process']:>4}  {r['prompt']:>6}  {r['counted']:>7}  {r['drift']:>5}  "
               f"{r['flag']:<11}  {r['max_sent']:>6}/{r['window']:<6}  {r['docs']:>4}  "
-              f"{r['tool_tokens']:>6}({'y' if r['spilled'] else 'n'})  {r['dropped']:>7}")
-    ok = all(r["max_sent"] <= r["window"] for r in rows)
-    print(f"max prompt sent {max(r['max_sent'] for r in rows)} <= window {WINDOW}: {ok}; "
+              f"{r['tool_tokens']:>6}({'y' if r['spilled'] else 'n'})  {r['dropped']:>7}  {len(r['delivered'])}")
+    print(f"max prompt sent {max(r['max_sent'] for r in rows)} <= window {WINDOW}; "
           f"max |drift| outside injected turns {max(abs(r['drift']) for r in rows if r['turn'] != a.drift_at)}; "
           f"flagged turns {[r['turn'] for r in rows if r['flag'] != 'none']}")
 

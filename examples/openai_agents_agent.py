@@ -6,7 +6,7 @@ implementing the SDK's ``Model`` interface (no network); it counts every prompt 
 sent, independently of the ledger.
 
     python examples/openai_agents_agent.py                     # embedded, 30 turns
-    python examples/openai_agents_agent.py --url redis://localhost:6379/0 --workers 2
+    python examples/openai_agents_agent.py --url redis://localhost:6379/0 --processes 2
     python examples/openai_agents_agent.py --drift-at 17       # instructions grow behind the ledger's back
 
 Lines marked `# ledger` are the glue that plugs the ledger in (9 lines).
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import subprocess
 import sys
@@ -131,7 +132,7 @@ class Worker:
                "max_sent": max(SEEN), "window": WINDOW,
                "docs": sum(1 for h in history if str(h.get("content", "")).startswith("<document")),
                "spilled": bool(tool and tool.spilled), "tool_tokens": tool.tokens if tool else 0,
-               "dropped": len(t.dropped), "compaction_due": t.report.compaction_due}
+               "dropped": len(t.dropped), "compaction_due": t.report.compaction_due, "pid": os.getpid()}
         return history, row
 
 
@@ -178,7 +179,7 @@ def main() -> None:
     ap.add_argument("--url", default="embedded://agents-example")
     ap.add_argument("--turns", type=int, default=30)
     ap.add_argument("--drift-at", type=int, default=None)
-    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--processes", type=int, default=1)
     ap.add_argument("--session", default=None)
     ap.add_argument("--serve", action="store_true")
     ap.add_argument("--json", action="store_true")
@@ -186,7 +187,7 @@ def main() -> None:
     sid = a.session or f"oa-{uuid.uuid4().hex[:12]}"
     if a.serve:
         return asyncio.run(serve(a.url, sid))
-    rows = asyncio.run(run(a.url, a.turns, a.drift_at, a.workers, sid))
+    rows = asyncio.run(run(a.url, a.turns, a.drift_at, a.processes, sid))
     if a.json:
         print(json.dumps(rows))
         return

@@ -85,10 +85,11 @@ TWINS = (
             "The agent layer's synchronous face: :class:`Agent` and its per-turn :class:`Turn`."
         ),
         rules=(
-            (r"^import asyncio$", "import time"),
+            (r"^import asyncio\nimport contextlib$", "import contextlib\nimport time"),
             (r"\bAsyncAgent\b", "Agent"),
             (r"\bAsyncTurn\b", "Turn"),
             (r"\bdrive_async\b", "drive_sync"),
+            (r"\bAsyncHeartbeat\b", "Heartbeat"),
             (r"^from ledger\.aio import", "from ledger.client import"),
         ),
     ),

@@ -157,15 +157,21 @@ class AsyncLedger(LedgerCore):
             return await self.client.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
 
     async def open_session(
-        self, session_id: str, budget: SessionBudget, *, op_id: str | None = None
+        self,
+        session_id: str,
+        budget: SessionBudget,
+        *,
+        owner: str | None = None,
+        op_id: str | None = None,
     ) -> AsyncSession:
-        """Open (or re-attach to an identically configured) session."""
+        """Open (or re-attach to an identically configured) session. ``owner`` names this
+        handle in the turn leases it takes (default: host, pid and a random suffix)."""
         opened = await self.run(self.open_call(session_id, budget, op_id))
-        return AsyncSession(self, self.keyspace.session(session_id), opened.epoch)
+        return AsyncSession(self, self.keyspace.session(session_id), opened.epoch, owner=owner)
 
-    async def session(self, session_id: str) -> AsyncSession:
+    async def session(self, session_id: str, *, owner: str | None = None) -> AsyncSession:
         """Attach to an open session at its current epoch."""
-        s = AsyncSession(self, self.keyspace.session(session_id), 0)
+        s = AsyncSession(self, self.keyspace.session(session_id), 0, owner=owner)
         await s.refresh()
         return s
 
@@ -205,7 +211,13 @@ class AsyncLedger(LedgerCore):
         return await self.run(protocol.audit(self.keyspace.session(session_id)))
 
     async def expire_due(self, partition: int, limit: int = 500) -> int:
-        """Release every reservation of a partition whose deadline passed; returns how many."""
+        """Release every lease of a partition whose deadline passed: reservations, and
+        turns (rolled back, docs/agent.md#a-dead-turn-is-undone); returns how many."""
+        reservations, turns = await self.sweep_partition(partition, limit)
+        return reservations + turns
+
+    async def sweep_partition(self, partition: int, limit: int = 500) -> tuple[int, int]:
+        """:meth:`expire_due`, the reservations released and the turns rolled back apart."""
         self.check_open()
         with translated():
             sec, usec = await self.client.time()
@@ -216,13 +228,14 @@ class AsyncLedger(LedgerCore):
                 start=0,
                 num=limit,
             )
-        total = 0
+        total, turns = 0, 0
         for sid, rids in self.plan_expiry(due).items():
             done: Expired = await self.run(
                 protocol.expire(self.keyspace.session(sid), new_op_id(), rids)
             )
             total += done.expired
-        return total
+            turns += done.rolled_back is not None
+        return total, turns
 
     async def check_partition(self, partition: int, group: str, idle_ms: int) -> PartitionCheck:
         """One partition's earliest lease deadline and whether a job of ``group`` has
@@ -250,13 +263,20 @@ class AsyncLedger(LedgerCore):
 class AsyncSession(SessionCore):
     """One agent session's budget, shared by every worker that serves it (asyncio)."""
 
-    def __init__(self, ledger: AsyncLedger, keys: Any, epoch: int) -> None:
-        super().__init__(keys, epoch, ledger.settings.drift_action)
+    def __init__(
+        self, ledger: AsyncLedger, keys: Any, epoch: int, *, owner: str | None = None
+    ) -> None:
+        s = ledger.settings
+        super().__init__(keys, epoch, s.drift_action, owner=owner, lease_ms=s.turn_lease_ms)
         self.ledger = ledger
 
     async def refresh(self) -> int:
-        """Adopt the session's current epoch (after a StaleEpoch); returns it."""
-        self.epoch = (await self.snapshot()).epoch
+        """Adopt the session's current epoch (after a StaleEpoch); returns it. A turn of
+        this handle that is no longer open is forgotten."""
+        snap = await self.snapshot()
+        self.epoch = snap.epoch
+        if snap.turn_owner != self.owner or snap.turn != self.turn:
+            self.turn = None
         return self.epoch
 
     async def audit(self) -> AuditReport:

@@ -155,15 +155,21 @@ class Ledger(LedgerCore):
             return self.client.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
 
     def open_session(
-        self, session_id: str, budget: SessionBudget, *, op_id: str | None = None
+        self,
+        session_id: str,
+        budget: SessionBudget,
+        *,
+        owner: str | None = None,
+        op_id: str | None = None,
     ) -> Session:
-        """Open (or re-attach to an identically configured) session."""
+        """Open (or re-attach to an identically configured) session. ``owner`` names this
+        handle in the turn leases it takes (default: host, pid and a random suffix)."""
         opened = self.run(self.open_call(session_id, budget, op_id))
-        return Session(self, self.keyspace.session(session_id), opened.epoch)
+        return Session(self, self.keyspace.session(session_id), opened.epoch, owner=owner)
 
-    def session(self, session_id: str) -> Session:
+    def session(self, session_id: str, *, owner: str | None = None) -> Session:
         """Attach to an open session at its current epoch."""
-        s = Session(self, self.keyspace.session(session_id), 0)
+        s = Session(self, self.keyspace.session(session_id), 0, owner=owner)
         s.refresh()
         return s
 
@@ -203,7 +209,13 @@ class Ledger(LedgerCore):
         return self.run(protocol.audit(self.keyspace.session(session_id)))
 
     def expire_due(self, partition: int, limit: int = 500) -> int:
-        """Release every reservation of a partition whose deadline passed; returns how many."""
+        """Release every lease of a partition whose deadline passed: reservations, and
+        turns (rolled back, docs/agent.md#a-dead-turn-is-undone); returns how many."""
+        reservations, turns = self.sweep_partition(partition, limit)
+        return reservations + turns
+
+    def sweep_partition(self, partition: int, limit: int = 500) -> tuple[int, int]:
+        """:meth:`expire_due`, the reservations released and the turns rolled back apart."""
         self.check_open()
         with translated():
             sec, usec = self.client.time()
@@ -214,13 +226,14 @@ class Ledger(LedgerCore):
                 start=0,
                 num=limit,
             )
-        total = 0
+        total, turns = 0, 0
         for sid, rids in self.plan_expiry(due).items():
             done: Expired = self.run(
                 protocol.expire(self.keyspace.session(sid), new_op_id(), rids)
             )
             total += done.expired
-        return total
+            turns += done.rolled_back is not None
+        return total, turns
 
     def check_partition(self, partition: int, group: str, idle_ms: int) -> PartitionCheck:
         """One partition's earliest lease deadline and whether a job of ``group`` has
@@ -248,13 +261,20 @@ class Ledger(LedgerCore):
 class Session(SessionCore):
     """One agent session's budget, shared by every worker that serves it (sync)."""
 
-    def __init__(self, ledger: Ledger, keys: Any, epoch: int) -> None:
-        super().__init__(keys, epoch, ledger.settings.drift_action)
+    def __init__(
+        self, ledger: Ledger, keys: Any, epoch: int, *, owner: str | None = None
+    ) -> None:
+        s = ledger.settings
+        super().__init__(keys, epoch, s.drift_action, owner=owner, lease_ms=s.turn_lease_ms)
         self.ledger = ledger
 
     def refresh(self) -> int:
-        """Adopt the session's current epoch (after a StaleEpoch); returns it."""
-        self.epoch = self.snapshot().epoch
+        """Adopt the session's current epoch (after a StaleEpoch); returns it. A turn of
+        this handle that is no longer open is forgotten."""
+        snap = self.snapshot()
+        self.epoch = snap.epoch
+        if snap.turn_owner != self.owner or snap.turn != self.turn:
+            self.turn = None
         return self.epoch
 
     def audit(self) -> AuditReport:

@@ -6,6 +6,7 @@ import functools
 import inspect
 import itertools
 import os
+import socket
 from collections import defaultdict
 from collections.abc import Callable, Coroutine, Generator, Iterable, Mapping, Sequence
 from types import MethodType
@@ -50,11 +51,13 @@ from ledger.models import (
     Snapshot,
     SpanRecorded,
     ToolResult,
+    TurnAborted,
+    TurnRenewed,
     TurnReport,
     TurnStarted,
     Voided,
 )
-from ledger.protocol import Call
+from ledger.protocol import Call, Epoch, stamp
 from ledger.settings import LedgerSettings
 
 P = ParamSpec("P")
@@ -355,17 +358,71 @@ class operation(Generic[P, T]):
         return MethodType(method, session)
 
 
+def default_owner() -> str:
+    """A turn owner that names this process and tells its handles apart:
+    '<host>:<pid>:<4 random hex digits>', cut to an id's 128 characters."""
+    host = "".join(ch if ch.isalnum() or ch in "._-" else "-" for ch in socket.gethostname())
+    return f"{host or 'host'}"[:110] + f":{os.getpid()}:{os.urandom(2).hex()}"
+
+
 class SessionCore:
     """One session's identity and epoch, and the calls it can make (no I/O).
 
     Each operation is a ``*_call`` method that builds its :class:`Call` and the line
     ``name = operation(name_call)`` that gives it to every face (see ``operation``).
+
+    A handle serves one turn at a time (docs/agent.md#turn-leases): ``begin_turn`` takes
+    the session's turn lease for ``owner`` (by default this process and handle), and
+    until the turn ends, every call the handle makes is stamped with it (``turn``), so
+    that a call from a turn that was taken over or rolled back is refused (``TurnLost``)
+    instead of acting on the next one.
     """
 
-    def __init__(self, keys: SessionKeys, epoch: int, drift_action: str = "warn") -> None:
+    def __init__(
+        self,
+        keys: SessionKeys,
+        epoch: int,
+        drift_action: str = "warn",
+        *,
+        owner: str | None = None,
+        lease_ms: int = 30_000,
+    ) -> None:
         self.keys = keys
         self.epoch = epoch
         self.drift_action = drift_action
+        self.owner = (
+            protocol.check_id(owner, "turn owner") if owner is not None else default_owner()
+        )
+        self.lease_ms = int(protocol._lease(lease_ms))
+        self.turn: int | None = None  # the open turn this handle began (its calls' stamp)
+        self._last_left = 0  # the last turn this handle ended or rolled back
+
+    def _stamp(self) -> Epoch:
+        return stamp(self.epoch, self.turn)
+
+    def _began(
+        self, parse: Callable[[protocol.Reply], TurnStarted]
+    ) -> Callable[[protocol.Reply], TurnStarted]:
+        def began(r: protocol.Reply) -> TurnStarted:
+            started = parse(r)
+            # (a begin_turn sent again answers its first reply: an older turn is not taken up)
+            if started.turn > max(self.turn or 0, self._last_left):
+                self.turn = started.turn
+            return started
+
+        return began
+
+    def _left(
+        self, turn: int, parse: Callable[[protocol.Reply], R]
+    ) -> Callable[[protocol.Reply], R]:
+        def left(r: protocol.Reply) -> R:
+            # The script ran: the turn is over (a parse may still raise, e.g. ContextDrift).
+            if self.turn == turn:
+                self.turn = None
+            self._last_left = max(self._last_left, turn)
+            return parse(r)
+
+        return left
 
     @property
     def id(self) -> str:
@@ -384,7 +441,7 @@ class SessionCore:
     ) -> Call[Admitted]:
         """Admit items for a consumer in one atomic step: all of them (or a refusal), or
         with ``partial=True`` the longest prefix that fits. Items already held charge nothing."""
-        return protocol.admit(self.keys, _op(op_id), self.epoch, consumer, items, partial)
+        return protocol.admit(self.keys, _op(op_id), self._stamp(), consumer, items, partial)
 
     admit = operation(admit_call)
 
@@ -392,7 +449,7 @@ class SessionCore:
         self, consumer: Consumer | str, item_ids: Sequence[str], *, op_id: str | None = None
     ) -> Call[Released]:
         """Give back items; ids not held are reported as missing."""
-        return protocol.release(self.keys, _op(op_id), self.epoch, consumer, item_ids)
+        return protocol.release(self.keys, _op(op_id), self._stamp(), consumer, item_ids)
 
     release = operation(release_call)
 
@@ -409,7 +466,7 @@ class SessionCore:
         return protocol.reserve(
             self.keys,
             _op(op_id),
-            self.epoch,
+            self._stamp(),
             consumer,
             reservation_id,
             tokens,
@@ -431,14 +488,14 @@ class SessionCore:
         ``item_id`` (by default the reservation's id, which ``reserve`` checks is not
         held already)."""
         return protocol.settle(
-            self.keys, _op(op_id), self.epoch, reservation_id, actual, item_id, priority
+            self.keys, _op(op_id), self._stamp(), reservation_id, actual, item_id, priority
         )
 
     settle = operation(settle_call)
 
     def void_call(self, reservation_id: str, *, op_id: str | None = None) -> Call[Voided]:
         """Cancel a reservation and give its tokens back."""
-        return protocol.void(self.keys, _op(op_id), self.epoch, reservation_id)
+        return protocol.void(self.keys, _op(op_id), self._stamp(), reservation_id)
 
     void = operation(void_call)
 
@@ -452,15 +509,36 @@ class SessionCore:
     reset = operation(reset_call)
 
     def begin_turn_call(
-        self, working_set: int, output_reserve: int | None = None, *, op_id: str | None = None
+        self,
+        working_set: int,
+        output_reserve: int | None = None,
+        *,
+        takeover: bool = False,
+        lease_ms: int | None = None,
+        op_id: str | None = None,
     ) -> Call[TurnStarted]:
-        """Start a turn: gate on residual working memory vs ``working_set``
+        """Start a turn: take the session's turn lease for this handle's ``owner`` and
+        gate on residual working memory vs ``working_set``
         (docs/rules.md#working-memory-starvation).
 
-        Reclaims scratchpad (oldest first), then stale retrieval, when short; raises
-        WorkingMemoryStarvation when that is not enough (a compaction is then pending).
-        ``output_reserve`` defaults to the budget's."""
-        return protocol.begin_turn(self.keys, _op(op_id), self.epoch, working_set, output_reserve)
+        Another owner's open turn refuses it (``TurnInProgress``, nothing changed) unless
+        its lease lapsed or ``takeover`` is given: that turn is then rolled back first.
+        This handle's own open turn ends as it stands. The lease lasts ``lease_ms``
+        (default: the handle's) unless renewed (``renew_turn``). Reclaims scratchpad
+        (oldest first), then stale retrieval, when short; raises WorkingMemoryStarvation
+        when that is not enough (a compaction is then pending). ``output_reserve``
+        defaults to the budget's. The reply carries the turn's deliveries."""
+        call = protocol.begin_turn(
+            self.keys,
+            _op(op_id),
+            self.epoch,
+            working_set,
+            output_reserve,
+            self.owner,
+            self.lease_ms if lease_ms is None else lease_ms,
+            takeover,
+        )
+        return Call(call.script, call.keys, call.args, self._began(call.parse))
 
     begin_turn = operation(begin_turn_call)
 
@@ -482,16 +560,25 @@ class SessionCore:
     record_span = operation(record_span_call)
 
     def end_turn_call(
-        self, turn: int, final_prompt_tokens: int, *, p99_trend: int = 0, op_id: str | None = None
+        self,
+        turn: int,
+        final_prompt_tokens: int,
+        *,
+        p99_trend: int = 0,
+        mark: str | None = None,
+        op_id: str | None = None,
     ) -> Call[TurnReport]:
-        """Close a turn: amplification ratio and class, compaction due?
+        """Close a turn and commit it: amplification ratio and class, compaction due?
         (docs/rules.md#amplification, docs/rules.md#compaction-credit)
 
         ``final_prompt_tokens`` is the real prompt's size, counted from what the model
         is sent. Its drift from occupancy is stored; beyond the budget's
         ``framing_tolerance``, or over the window, it is flagged: ContextDriftWarning,
-        or ContextDrift with the setting ``drift_action="raise"`` (the turn has ended)."""
-        return protocol.end_turn(
+        or ContextDrift with the setting ``drift_action="raise"`` (the turn has ended).
+        ``mark`` (an id) is the app state's version this turn commits, handed to the
+        next ``begin_turn`` (``TurnStarted.mark``). A turn that is not open any more
+        (taken over, rolled back) raises ``TurnLost``."""
+        call = protocol.end_turn(
             self.keys,
             _op(op_id),
             self.epoch,
@@ -499,9 +586,42 @@ class SessionCore:
             final_prompt_tokens,
             p99_trend,
             self.drift_action,
+            mark,
         )
+        return Call(call.script, call.keys, call.args, self._left(turn, call.parse))
 
     end_turn = operation(end_turn_call)
+
+    def abort_turn_call(
+        self, turn: int | None = None, *, op_id: str | None = None
+    ) -> Call[TurnAborted]:
+        """Roll back an open turn (by default this handle's): what it added goes, what it
+        released, reclaimed, evicted or compacted away comes back, its deliveries are
+        queued again and its lease ends (docs/agent.md#a-dead-turn-is-undone). A turn no
+        longer open is left alone (``rolled_back`` None)."""
+        t = self.turn if turn is None else turn
+        if t is None:
+            raise InvalidArgument(
+                "abort_turn: this handle holds no turn; name the turn to roll back"
+            )
+        call = protocol.abort_turn(self.keys, _op(op_id), self.epoch, t)
+        return Call(call.script, call.keys, call.args, self._left(t, call.parse))
+
+    abort_turn = operation(abort_turn_call)
+
+    def renew_turn_call(
+        self, turn: int | None = None, lease_ms: int | None = None, *, op_id: str | None = None
+    ) -> Call[TurnRenewed]:
+        """Extend the open turn's lease (by default this handle's) to ``lease_ms`` from now
+        (default: the handle's lease); ``TurnLost`` when the turn is not open any more."""
+        t = self.turn if turn is None else turn
+        if t is None:
+            raise InvalidArgument("renew_turn: this handle holds no turn")
+        return protocol.renew_turn(
+            self.keys, _op(op_id), self.epoch, t, self.lease_ms if lease_ms is None else lease_ms
+        )
+
+    renew_turn = operation(renew_turn_call)
 
     def reconcile_call(
         self,
@@ -513,7 +633,7 @@ class SessionCore:
         step (releases the others, adds the new, resizes the changed); consumers not
         named are untouched. Refused (nothing changed) when the result does not fit.
         Clears a flagged drift."""
-        return protocol.reconcile(self.keys, _op(op_id), self.epoch, items)
+        return protocol.reconcile(self.keys, _op(op_id), self._stamp(), items)
 
     reconcile = operation(reconcile_call)
 
@@ -528,7 +648,7 @@ class SessionCore:
         pairs for stale chunks and tool results) give way to one working-memory
         ``summary``. Above the high-water mark it is a failed compaction, and repeated
         failures enqueue a hard reset (docs/rules.md#compaction-credit)."""
-        return protocol.compact(self.keys, _op(op_id), self.epoch, replaced, summary)
+        return protocol.compact(self.keys, _op(op_id), self._stamp(), replaced, summary)
 
     compact = operation(compact_call)
 
@@ -537,7 +657,7 @@ class SessionCore:
     ) -> Call[ToolResult]:
         """Admit a tool result whole, or spill it to a handle with a bounded preview
         (docs/rules.md#admission-with-spill); never truncated. Memory gives way first."""
-        return protocol.admit_tool(self.keys, _op(op_id), self.epoch, call_id, tokens, content)
+        return protocol.admit_tool(self.keys, _op(op_id), self._stamp(), call_id, tokens, content)
 
     admit_tool_result = operation(admit_tool_result_call)
 

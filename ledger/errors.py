@@ -8,6 +8,7 @@ in one place (:func:`translate`), together with the driver's own errors.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator, Mapping
 from typing import Final, Literal, get_args
 
@@ -52,6 +53,44 @@ class UnknownReservation(LedgerError, LookupError):
 
 class ReservationExpired(LedgerError):
     """The reservation's deadline passed on Redis's clock; it can no longer be settled."""
+
+
+class TurnConflict(LedgerError):
+    """A call collided with the session's turn lease (docs/agent.md#turn-leases): one
+    process at a time serves a session's turn. ``turn`` is the turn concerned."""
+
+    turn: int | None = None
+
+
+class TurnInProgress(TurnConflict):
+    """Another owner's turn is open: ``begin_turn`` (without ``takeover``) and every call
+    of no turn are refused, nothing changed. ``owner`` holds turn ``turn`` for
+    ``lease_left_ms`` more milliseconds (negative once its lease lapsed: the next
+    ``begin_turn`` or the worker rolls it back). Wait for it, or take it over."""
+
+    _RE = re.compile(r"turn (\d+) is held by (\S+) \(lease (-?\d+) ms left\)")
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        m = self._RE.search(message)
+        self.turn = int(m.group(1)) if m else None
+        self.owner: str | None = m.group(2) if m else None
+        self.lease_left_ms: int | None = int(m.group(3)) if m else None
+
+
+class TurnLost(TurnConflict):
+    """The call's turn is not open any more: it ended, another owner took it over, or it
+    was rolled back because its lease lapsed (docs/agent.md#a-dead-turn-is-undone).
+    Nothing changed; what the turn did is undone (or committed, if it ended). ``turn``:
+    the call's turn; ``rolled_back``: whether it was rolled back."""
+
+    _RE = re.compile(r"turn (\d+) is not open")
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        m = self._RE.search(message)
+        self.turn = int(m.group(1)) if m else None
+        self.rolled_back = "rolled back" in message
 
 
 class PermissionDenied(LedgerError, PermissionError):
@@ -178,6 +217,8 @@ _CODES: Final[dict[str, type[LedgerError]]] = {
     "OPREUSED": OperationIdReused,
     "NORESERVATION": UnknownReservation,
     "EXPIRED": ReservationExpired,
+    "TURNHELD": TurnInProgress,
+    "TURNLOST": TurnLost,
 }
 
 _UNAVAILABLE = (

@@ -31,6 +31,8 @@ __all__ = [
     "PartitionCheck",
     "ResetDone",
     "TurnStarted",
+    "TurnAborted",
+    "TurnRenewed",
     "SpanRecorded",
     "TurnReport",
     "Reconciled",
@@ -327,9 +329,13 @@ class Voided:
 
 @dataclass(frozen=True, slots=True)
 class Expired:
+    """``expire``: reservations released past their deadline, and the turn rolled back
+    when its lease had lapsed."""
+
     expired: int
     released: int
     pending: tuple[str, ...]
+    rolled_back: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -370,6 +376,33 @@ class TurnStarted:
     compaction_due: bool
     rollup_hint: bool
     free: int
+    epoch: int
+    # The deliveries (docs/compaction.md): summaries of compactions committed since the
+    # last turn, and the items they replaced. Delivered to this turn once; queued again
+    # if this turn is rolled back.
+    summaries: tuple[str, ...] = ()
+    dropped: tuple[tuple[Consumer, str], ...] = ()
+    lease_until_ms: int = 0  # when the turn lease ends unless renewed (Redis's clock)
+    rolled_back: int | None = None  # the dead turn undone to start this one
+    mark: str | None = None  # the commit mark of the last ended turn (e.g. a checkpoint id)
+
+
+@dataclass(frozen=True, slots=True)
+class TurnAborted:
+    """``abort_turn``: the turn rolled back (None when it was no longer open)."""
+
+    rolled_back: int | None
+    turn: int
+    free: int
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class TurnRenewed:
+    """``renew_turn``: the turn's lease now ends at ``lease_until_ms`` (Redis's clock)."""
+
+    turn: int
+    lease_until_ms: int
     epoch: int
 
 
@@ -503,6 +536,18 @@ class Snapshot:
     drift: int = 0  # that prompt minus occupancy then
     drift_flagged: bool = False  # beyond the tolerance or over the window, not reconciled
     framing_tolerance: int | None = None
+    turn_owner: str | None = None  # who holds the open turn (None: no turn is open)
+    lease_until_ms: int = 0  # when the open turn's lease ends (Redis's clock)
+    last_ended_turn: int = 0
+
+    @property
+    def turn_open(self) -> bool:
+        return self.turn_owner is not None
+
+    @property
+    def lease_left_ms(self) -> int | None:
+        """Milliseconds the open turn's lease has left (negative: lapsed), None if none."""
+        return None if self.turn_owner is None else self.lease_until_ms - self.now_ms
 
     @property
     def occupancy(self) -> int:

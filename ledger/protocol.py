@@ -41,6 +41,8 @@ from ledger.models import (
     Snapshot,
     SpanRecorded,
     ToolResult,
+    TurnAborted,
+    TurnRenewed,
     TurnReport,
     TurnStarted,
     Voided,
@@ -108,16 +110,39 @@ def _pairs(text: str) -> tuple[tuple[Consumer, str], ...]:
     return tuple(out)
 
 
+class Stamp(str):
+    """ARGV[2] of a call made in a turn: '<epoch>@<turn>' (see :func:`stamp`)."""
+
+    __slots__ = ()
+
+
+Epoch = int | str  # an epoch, '*' (unfenced), or a Stamp
+
+
+def stamp(epoch: int, turn: int | None) -> Epoch:
+    """ARGV[2] of a call: the epoch, and the turn the call belongs to when it is made in
+    one ('<epoch>@<turn>', docs/protocol.md#turns): only calls of the open turn are
+    accepted while a turn is open."""
+    if turn is None:
+        return epoch
+    if type(epoch) is not int or type(turn) is not int or turn < 1:
+        raise InvalidArgument(
+            f"a turn stamp needs an int epoch and turn >= 1, got {epoch!r}@{turn!r}"
+        )
+    return Stamp(f"{epoch}@{turn}")
+
+
 def _mutating(
     script: str,
     keys: Iterable[str],
     op_id: str,
-    epoch: int | str,
+    epoch: Epoch,
     body: Sequence[str | bytes],
     parse: Callable[[Reply], T],
 ) -> Call[T]:
     check_id(op_id, "operation id")
-    return Call(script, tuple(keys), (op_id, _num(epoch) if epoch != "*" else "*", *body), parse)
+    head = epoch if isinstance(epoch, Stamp) or epoch == "*" else _num(epoch)
+    return Call(script, tuple(keys), (op_id, head, *body), parse)
 
 
 # --- open ---------------------------------------------------------------------------
@@ -189,7 +214,7 @@ def _admitted(r: Reply) -> Admitted:
 def admit(
     keys: SessionKeys,
     op_id: str,
-    epoch: int,
+    epoch: Epoch,
     consumer: Consumer | str,
     items: Sequence[Item],
     partial: bool = False,
@@ -218,7 +243,7 @@ def _released(r: Reply) -> Released:
 
 
 def release(
-    keys: SessionKeys, op_id: str, epoch: int, consumer: Consumer | str, item_ids: Sequence[str]
+    keys: SessionKeys, op_id: str, epoch: Epoch, consumer: Consumer | str, item_ids: Sequence[str]
 ) -> Call[Released]:
     if not isinstance(item_ids, (list, tuple)) or not item_ids:
         raise InvalidArgument("release needs a non-empty list or tuple of item ids")
@@ -240,7 +265,7 @@ def _reserved(r: Reply) -> Reservation:
 def reserve(
     keys: SessionKeys,
     op_id: str,
-    epoch: int,
+    epoch: Epoch,
     consumer: Consumer | str,
     reservation_id: str,
     tokens: int,
@@ -271,7 +296,7 @@ def _settled(r: Reply) -> Settled:
 def settle(
     keys: SessionKeys,
     op_id: str,
-    epoch: int,
+    epoch: Epoch,
     reservation_id: str,
     actual: int,
     item_id: str | None = None,
@@ -289,17 +314,25 @@ def _voided(r: Reply) -> Voided:
     )
 
 
-def void(keys: SessionKeys, op_id: str, epoch: int, reservation_id: str) -> Call[Voided]:
+def void(keys: SessionKeys, op_id: str, epoch: Epoch, reservation_id: str) -> Call[Voided]:
     body = [keys.session_id, check_id(reservation_id, "reservation id")]
     return _mutating("void", keys.for_script(keys.deadlines), op_id, epoch, body, _voided)
 
 
 def _expired(r: Reply) -> Expired:
-    return Expired(int(r["expired"]), int(r["released"]), _ids(r["pending"]))
+    rolled = int(r.get("rolled_back") or 0)
+    return Expired(int(r["expired"]), int(r["released"]), _ids(r["pending"]), rolled or None)
+
+
+# The member of a partition's deadline index that stands for a session's turn lease
+# ('<session>|~'): expire rolls the turn back once its lease has lapsed.
+LEASE_MEMBER = "~"
 
 
 def expire(keys: SessionKeys, op_id: str, reservation_ids: Sequence[str]) -> Call[Expired]:
-    rids = [check_id(r, "reservation id") for r in reservation_ids]
+    """Release these reservations where their deadline has passed; the id '~' stands for
+    the session's turn lease (the turn is rolled back once the lease has lapsed)."""
+    rids = [r if r == LEASE_MEMBER else check_id(r, "reservation id") for r in reservation_ids]
     body = [keys.session_id, str(len(rids)), *rids]
     return _mutating("expire", keys.for_script(keys.deadlines), op_id, "*", body, _expired)
 
@@ -315,7 +348,7 @@ def worker_check(deadlines: str, jobs: str, group: str, idle_ms: int) -> Call[Pa
     return Call("worker_check", (deadlines, jobs), (check_id(group, "group"), _num(idle_ms)), parse)
 
 
-def reset(keys: SessionKeys, op_id: str, epoch: int, reason: str) -> Call[ResetDone]:
+def reset(keys: SessionKeys, op_id: str, epoch: Epoch, reason: str) -> Call[ResetDone]:
     def parse(r: Reply) -> ResetDone:
         return ResetDone(int(r["epoch"]), int(r["dropped"]), int(r["released"]))
 
@@ -328,6 +361,7 @@ def reset(keys: SessionKeys, op_id: str, epoch: int, reason: str) -> Call[ResetD
 
 def _turn_started(r: Reply) -> TurnStarted:
     _refusal(r)
+    rolled = int(r.get("rolled_back") or 0)
     return TurnStarted(
         r["regime"],
         int(r["turn"]),
@@ -341,18 +375,75 @@ def _turn_started(r: Reply) -> TurnStarted:
         r["rollup"] == "1",
         int(r["free"]),
         int(r["epoch"]),
+        _ids(r.get("summaries", "")),
+        _pairs(r.get("dropped", "")),
+        int(r.get("lease") or 0),
+        rolled or None,
+        r.get("mark") or None,
     )
 
 
+LEASE_MAX_MS = 86_400_000
+
+
+def _lease(lease_ms: object) -> str:
+    if type(lease_ms) is not int or not 1 <= lease_ms <= LEASE_MAX_MS:
+        raise InvalidArgument(f"a turn lease must be 1..{LEASE_MAX_MS} ms, got {lease_ms!r}")
+    return str(lease_ms)
+
+
 def begin_turn(
-    keys: SessionKeys, op_id: str, epoch: int, working_set: int, output_reserve: int | None
+    keys: SessionKeys,
+    op_id: str,
+    epoch: int,
+    working_set: int,
+    output_reserve: int | None,
+    owner: str,
+    lease_ms: int,
+    takeover: bool = False,
 ) -> Call[TurnStarted]:
     body = [
         _num(working_set),
         "-" if output_reserve is None else _num(output_reserve),
         keys.session_id,
+        check_id(owner, "turn owner"),
+        _lease(lease_ms),
+        "1" if takeover else "0",
     ]
-    return _mutating("begin_turn", keys.for_script(keys.jobs), op_id, epoch, body, _turn_started)
+    return _mutating(
+        "begin_turn", keys.for_script(keys.jobs, keys.deadlines), op_id, epoch, body, _turn_started
+    )
+
+
+def abort_turn(keys: SessionKeys, op_id: str, epoch: int, turn: int) -> Call[TurnAborted]:
+    def parse(r: Reply) -> TurnAborted:
+        rolled = int(r["rolled_back"])
+        return TurnAborted(rolled or None, int(r["turn"]), int(r["free"]), int(r["epoch"]))
+
+    return _mutating(
+        "abort_turn",
+        keys.for_script(keys.deadlines),
+        op_id,
+        stamp(epoch, turn),
+        [keys.session_id],
+        parse,
+    )
+
+
+def renew_turn(
+    keys: SessionKeys, op_id: str, epoch: int, turn: int, lease_ms: int
+) -> Call[TurnRenewed]:
+    def parse(r: Reply) -> TurnRenewed:
+        return TurnRenewed(int(r["turn"]), int(r["lease"]), int(r["epoch"]))
+
+    return _mutating(
+        "renew_turn",
+        keys.for_script(keys.deadlines),
+        op_id,
+        stamp(epoch, turn),
+        [keys.session_id, _lease(lease_ms)],
+        parse,
+    )
 
 
 def _span(r: Reply) -> SpanRecorded:
@@ -365,14 +456,22 @@ def _span(r: Reply) -> SpanRecorded:
 def record_span(
     keys: SessionKeys,
     op_id: str,
-    epoch: int,
+    epoch: Epoch,
     turn: int,
     kind: str,
     input_tokens: int,
     output_tokens: int,
 ) -> Call[SpanRecorded]:
     body = [_num(turn), check_id(kind, "span kind"), _num(input_tokens), _num(output_tokens)]
-    return _mutating("record_span", keys.for_script(), op_id, epoch, body, _span)
+    return _mutating("record_span", keys.for_script(), op_id, _turn_stamp(epoch, turn), body, _span)
+
+
+def _turn_stamp(epoch: Epoch, turn: object) -> Epoch:
+    """The stamp of a call that names its turn (record_span, end_turn); a turn that is no
+    int >= 1 is left out, for the script to refuse it."""
+    if isinstance(epoch, str) or type(epoch) is not int or type(turn) is not int or turn < 1:
+        return epoch
+    return stamp(epoch, turn)
 
 
 def _report(r: Reply) -> TurnReport:
@@ -411,13 +510,20 @@ def drift_message(r: TurnReport, prompt: int) -> str:
 def end_turn(
     keys: SessionKeys,
     op_id: str,
-    epoch: int,
+    epoch: Epoch,
     turn: int,
     final_prompt_tokens: int,
     p99_trend: int,
     drift_action: str = "warn",
+    mark: str | None = None,
 ) -> Call[TurnReport]:
-    body = [_num(turn), _num(final_prompt_tokens), _num(p99_trend), keys.session_id]
+    body = [
+        _num(turn),
+        _num(final_prompt_tokens),
+        _num(p99_trend),
+        keys.session_id,
+        "-" if mark is None else check_id(mark, "commit mark"),
+    ]
 
     def parse(r: Reply) -> TurnReport:
         report = _report(r)
@@ -428,7 +534,14 @@ def end_turn(
             warnings.warn(ContextDriftWarning(report, msg), stacklevel=4)
         return report
 
-    return _mutating("end_turn", keys.for_script(keys.jobs), op_id, epoch, body, parse)
+    return _mutating(
+        "end_turn",
+        keys.for_script(keys.jobs, keys.deadlines),
+        op_id,
+        _turn_stamp(epoch, turn),
+        body,
+        parse,
+    )
 
 
 def _reconciled(r: Reply) -> Reconciled:
@@ -448,7 +561,7 @@ def _reconciled(r: Reply) -> Reconciled:
 def reconcile(
     keys: SessionKeys,
     op_id: str,
-    epoch: int,
+    epoch: Epoch,
     items: Mapping[Any, Sequence[Item]],
 ) -> Call[Reconciled]:
     """Set each named consumer's items to exactly the given ones (see reconcile.lua)."""
@@ -494,25 +607,38 @@ def _compaction(r: Reply) -> Compaction:
     )
 
 
+Replaced = str | tuple[Consumer | str, str] | tuple[Consumer | str, str, int]
+
+
 def compact(
     keys: SessionKeys,
     op_id: str,
-    epoch: int,
-    replaced: Sequence[str | tuple[Consumer | str, str]],
+    epoch: Epoch,
+    replaced: Sequence[Replaced],
     summary: Item | None,
     job: str = "-",
 ) -> Call[Compaction]:
     """``replaced``: working-memory item ids, or (consumer, id) pairs for history held
-    by other consumers (stale retrieval chunks, old tool results). ``job``: the stream
-    entry id of the compaction job being committed (a worker), deleted in the same step;
-    when it is gone already the call changes nothing (outcome ``already``). '-' for an
-    agent's own compaction."""
+    by other consumers (stale retrieval chunks, old tool results), or (consumer, id, seq)
+    to replace only the version of the item admitted with that sequence number (the one
+    the compactor read: a version admitted since stays). ``job``: the stream entry id of
+    the compaction job being committed (a worker), deleted in the same step; when it is
+    gone already the call changes nothing (outcome ``already``); while a turn is open it
+    changes nothing either (outcome ``turn_open``). '-' for an agent's own compaction."""
     if not isinstance(replaced, (list, tuple)):
         raise InvalidArgument("replaced must be a list or tuple of item ids or (consumer, id)")
     refs = []
     for r in replaced:
-        if isinstance(r, tuple) and len(r) == 2:
-            refs.append(f"{Consumer.parse(r[0]).code}:{check_id(r[1], 'item id')}")
+        if isinstance(r, tuple) and len(r) in (2, 3):
+            ref = f"{Consumer.parse(r[0]).code}:{check_id(r[1], 'item id')}"
+            if len(r) == 3:
+                seq = r[2]
+                if type(seq) is not int or seq < 1:
+                    raise InvalidArgument(
+                        f"a replaced item's sequence must be an int >= 1, got {seq!r}"
+                    )
+                ref += f"|{seq}"
+            refs.append(ref)
         else:
             refs.append(f"w:{check_id(r, 'item id')}")
     if summary is not None and not isinstance(summary, Item):
@@ -550,7 +676,7 @@ def _tool(r: Reply) -> ToolResult:
 
 
 def admit_tool(
-    keys: SessionKeys, op_id: str, epoch: int, call_id: str, tokens: int, content: bytes | str
+    keys: SessionKeys, op_id: str, epoch: Epoch, call_id: str, tokens: int, content: bytes | str
 ) -> Call[ToolResult]:
     cid = check_id(call_id, "tool-call id")
     if not isinstance(content, (bytes, str)):
@@ -563,7 +689,7 @@ def admit_tool(
 # --- close, snapshot, audit ---------------------------------------------------------
 
 
-def delete(keys: SessionKeys, op_id: str, epoch: int | str) -> Call[Deleted]:
+def delete(keys: SessionKeys, op_id: str, epoch: Epoch) -> Call[Deleted]:
     return _mutating(
         "delete",
         keys.for_script(keys.deadlines),
@@ -578,6 +704,7 @@ _PER = {"u": "used", "v": "reserved", "n": "items"}
 
 
 def _snapshot(r: Reply) -> Snapshot:
+    owner = r.pop("lo", "") or None
     n = {k: int(v) for k, v in r.items()}
     per = {name: {c: n[f"{p}_{c.code}"] for c in Consumer} for p, name in _PER.items()}
     return Snapshot(
@@ -606,6 +733,9 @@ def _snapshot(r: Reply) -> Snapshot:
         drift=n["dr"],
         drift_flagged=n["df"] == 1,
         framing_tolerance=None if n["dt"] < 0 else n["dt"],
+        turn_owner=owner,
+        lease_until_ms=n.get("le", 0),
+        last_ended_turn=n.get("te", 0),
     )
 
 
@@ -621,6 +751,22 @@ def audit(keys: SessionKeys) -> Call[AuditReport]:
         )
 
     return Call("audit", (keys.session,), (), parse)
+
+
+def committed_items(fields: Mapping[Any, Any]) -> list[HeldItem]:
+    """The items of a session hash (from HGETALL) that its committed turns hold, oldest
+    first: while a turn is open (field lo), the items that turn added (its number) are
+    left out, as a rollback would remove them."""
+
+    def text(v: Any) -> str:
+        return v.decode() if isinstance(v, bytes) else str(v)
+
+    norm = {text(k): v for k, v in fields.items()}
+    items = held_items(fields)
+    if "lo" not in norm:
+        return items
+    open_turn = int(text(norm.get("tn", 0)))
+    return [it for it in items if it.turn != open_turn]
 
 
 def held_items(fields: Mapping[Any, Any]) -> list[HeldItem]:

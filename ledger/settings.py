@@ -47,6 +47,15 @@ class LedgerSettings(BaseSettings):
             "call), and longer than any window in which you re-send an op id yourself"
         ),
     )
+    turn_lease_ms: int = Field(
+        default=30_000,
+        ge=1,
+        le=86_400_000,
+        description=(
+            "milliseconds a turn's lease lasts without a renewal (docs/agent.md#turn-leases): "
+            "once it lapses, another process may take the turn and the worker rolls it back"
+        ),
+    )
     drift_action: Literal["warn", "raise"] = Field(
         default="warn",
         description="a flagged drift at end_turn: ContextDriftWarning, or raise ContextDrift",

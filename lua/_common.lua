@@ -35,7 +35,21 @@
 --   gz                  when the current outcome generation is rotated (one op
 --                       retention after it began)
 --   x:<name>            telemetry counters
+--   te                  the last turn ended by end_turn
+--   lo le               the open turn's owner and its lease's end (ms, Redis's clock): a
+--                       turn is open (turn tn) exactly while lo is set
+--   ul                  the open turn's undo log: '\31<field>\30<value before the turn
+--                       first changed it>' per item or reservation field it changed (''
+--                       when the field was absent) and 'out' (see `journal`)
+--   qs qd               deliveries queued for the next turn: summary ids ('<id>,...') and
+--                       items to drop ('<c>:<id>,...') of compactions committed outside a
+--                       turn (the worker's)
+--   vs vd               the same, delivered to the open turn (queued again if it is rolled back)
+--   cm                  the commit mark the last end_turn recorded (the app state's version)
+--   rb                  the last rolled-back turn: '<turn> <why>'
 -- Consumers c: w working memory, r retrieval, m recall, s scratchpad.
+-- An item's turn is the turn that admitted it: while a turn is open, an item of that
+-- turn is one the turn added (calls of no turn are refused while a turn is open).
 --
 -- Outcome hashes (the last two KEYS of every mutating script, '<tag>:out:<session>'
 -- and '<tag>:old:<session>'): the current and the previous generation of outcomes,
@@ -100,15 +114,17 @@ local function session_arg(v)
 end
 
 -- KEYS[i] must be the partition key `suffix` of the session in KEYS[1]
--- ('<prefix>:{p<N>}:s:<session>'), followed only by the two outcome hashes; '%s' in
--- suffix stands for the session id. The name is only compared, never used to reach
--- a key: the scripts use KEYS as given.
-local function key_arg(i, suffix)
+-- ('<prefix>:{p<N>}:s:<session>'), and KEYS[i + 1] the key `suffix2` when given,
+-- followed only by the two outcome hashes; '%s' in a suffix stands for the session id.
+-- The names are only compared, never used to reach a key: the scripts use KEYS as given.
+local function key_arg(i, suffix, suffix2)
   local tag, sid = string.match(KEYS[1] or '', '^([^{]*{p%d+}):s:(.+)$')
   local want = tag and (tag .. ':' .. string.format(suffix, sid))
-  if not want or KEYS[i] ~= want or #KEYS ~= i + 2 then
+  local want2 = tag and suffix2 and (tag .. ':' .. string.format(suffix2, sid))
+  local last = suffix2 and i + 1 or i
+  if not want or KEYS[i] ~= want or (suffix2 and KEYS[i + 1] ~= want2) or #KEYS ~= last + 2 then
     fail('BADARG', 'KEYS must be the session key, ' .. show(want or suffix) ..
-      ' and the outcome keys, got ' ..
+      (suffix2 and (', ' .. show(want2 or suffix2)) or '') .. ' and the outcome keys, got ' ..
       #KEYS .. ' keys: ' .. show(KEYS[i]))
   end
 end
@@ -130,11 +146,13 @@ end
 local OUT, OLD = KEYS[#KEYS - 1], KEYS[#KEYS]
 
 -- The prologue of every mutating call: ARGV[1] op id, ARGV[2] the epoch the caller
--- believes current ('*' where the script allows an unfenced call). Returns op, the
--- call's fingerprint and epoch (nil for '*'), or fails with BADARG. The fingerprint is
--- computed here, by the server, over the script's name and every argument after the op
--- id (the first 12 hex digits of their SHA-1): a client cannot claim one, so an op id
--- sent again with other arguments is always refused, whatever the client. It also
+-- believes current ('*' where the script allows an unfenced call), followed by
+-- '@<turn>' for a call made in that turn (see `fence`). Returns op, the call's
+-- fingerprint, epoch (nil for '*') and turn (nil for a call of no turn), or fails with
+-- BADARG. The fingerprint is computed here, by the server, over the script's name and
+-- every argument after the op id, ARGV[2] without its '@<turn>' (the first 12 hex digits
+-- of their SHA-1): a client cannot claim one, so an op id sent again with other
+-- arguments is always refused, whatever the client. It also
 -- checks that the last two KEYS are the outcome hashes of the session in KEYS[1].
 local function op_args(name, unfenced_ok)
   local tag, sid = string.match(KEYS[1] or '', '^([^{]*{p%d+}):s:(.+)$')
@@ -143,9 +161,17 @@ local function op_args(name, unfenced_ok)
       show(KEYS[1]) .. ', got ' .. #KEYS .. ' keys')
   end
   local op = id_arg(ARGV[1], 'operation id')
-  local fp = string.sub(redis.sha1hex(name .. '\31' .. table.concat(ARGV, '\31', 2)), 1, 12)
-  if unfenced_ok and ARGV[2] == '*' then return op, fp, nil end
-  return op, fp, int_arg(ARGV[2], 'epoch', 0, 1e15)
+  if unfenced_ok and ARGV[2] == '*' then
+    return op, string.sub(redis.sha1hex(name .. '\31' .. table.concat(ARGV, '\31', 2)), 1, 12), nil
+  end
+  local e, t = ARGV[2], nil
+  local a, b = string.match(type(e) == 'string' and e or '', '^([^@]*)@(.*)$')
+  if a then e, t = a, int_arg(b, 'turn of the call', 1, 1e15) end
+  -- The turn a call is stamped with is a fence, not an argument: the same call sent
+  -- again from another turn has the same fingerprint (and gets its first outcome back).
+  local rest = #ARGV > 2 and ('\31' .. table.concat(ARGV, '\31', 3)) or ''
+  local fp = string.sub(redis.sha1hex(name .. '\31' .. tostring(e) .. rest), 1, 12)
+  return op, fp, int_arg(e, 'epoch', 0, 1e15), t
 end
 
 local function now_ms()
@@ -260,27 +286,151 @@ local function gate(rec, ep, op, fp, epoch)
   stale(ep, epoch)
 end
 
--- record_span and end_turn account only the session's current turn, and only until
--- it ends: BADARG otherwise.
-local function open_turn(H, turn)
-  if turn ~= H.tn then
-    fail('BADARG', 'turn ' .. turn .. ' is not the current turn ' .. H.tn)
-  end
-  if H.te == turn then
-    fail('BADARG', 'turn ' .. turn .. ' has already ended')
-  end
+-- The member of the deadline index that stands for a session's turn lease: '~' is no
+-- id's character, so it never names a reservation.
+local LEASE = '~'
+
+-- A call of no turn while a turn is open: refused (TURNHELD), naming the owner and the
+-- time its lease has left (negative once it lapsed: the next begin_turn or the worker
+-- rolls the turn back).
+local function turn_held(key, lo, tn)
+  local le = tonumber(redis.call('HGET', key, 'le')) or 0
+  fail('TURNHELD', 'turn ' .. tn .. ' is held by ' .. lo .. ' (lease ' .. (le - now_ms()) ..
+    ' ms left): only its calls are accepted; wait for it, or begin_turn with takeover')
 end
 
--- settle and void: the open reservation { c, est, deadline }, or nil and the stored
--- reply to send again; fails on a missing session, a stale epoch (checked before
--- the reservation, which a reset drops), or no such reservation.
-local function open_reservation(key, op, fp, epoch, rid)
-  local v = redis.call('HMGET', key, 'ep', 'r:' .. rid)
+-- Whether a call belongs to the open turn, given the session's lease owner (lo, nil
+-- when no turn is open), its turn (tn) and the turn the call is stamped with (tok, nil
+-- for a call of no turn; see `op_args`): true for a call of the open turn, false for a
+-- call of no turn while none is open. A call of no turn while a turn is open fails with
+-- TURNHELD; a call of a turn that is not open (ended, rolled back, or followed by
+-- another) fails with TURNLOST. Either way nothing has changed. `unleased`: end_turn and
+-- record_span also account the current turn when it never held a lease (turn 0, before
+-- any begin_turn): false then.
+local function fence(key, lo, tn, tok, unleased)
+  if not tok then
+    if lo then turn_held(key, lo, tn) end
+    return false
+  end
+  if lo and tok == tn then return true end
+  local v = redis.call('HMGET', key, 'rb', 'te')
+  local why = ''
+  local rt, rwhy = string.match(v[1] or '', '^(%d+) (.*)$')
+  if tonumber(rt) == tok then
+    why = ': it was rolled back (' .. rwhy .. ')'
+  elseif tonumber(v[2]) == tok then
+    why = ': it has ended'
+  elseif unleased and not lo and tok == tn then
+    return false
+  end
+  if lo then why = why .. ' (turn ' .. tn .. ' is, held by ' .. lo .. ')' end
+  fail('TURNLOST', 'turn ' .. tok .. ' is not open' .. why)
+end
+
+-- Two comma-separated lists as one, a's entries first.
+local function cat(a, b)
+  if not a or a == '' then return b or '' end
+  if not b or b == '' then return a end
+  return a .. ',' .. b
+end
+
+-- The open turn's undo log (field ul) with `fields` added where not logged yet, each
+-- with its value now (values[i], false or nil when absent): what a rollback restores
+-- ('\31<field>\30<value>' each; values hold no control characters). `fresh`: the log
+-- is new (begin_turn), nothing to look up. Returns the log, for the caller's HSET.
+local function journal(ul, fields, values, fresh)
+  ul = ul or ''
+  local parts = {}
+  for i = 1, #fields do
+    local f = fields[i]
+    if fresh or not string.find(ul, '\31' .. f .. '\30', 1, true) then
+      parts[#parts + 1] = '\31' .. f .. '\30' .. (values[i] or '')
+    end
+  end
+  return ul .. table.concat(parts)
+end
+
+-- Roll the open turn back (docs/agent.md#a-dead-turn-is-undone): every item the turn
+-- added goes, every field its undo log names gets its value from before the turn back
+-- (items, reservations and the output reserve), the counters are computed again from
+-- the items and reservations, the deliveries it was handed are queued again for the next
+-- turn, and its lease ends. The session is then exactly as the turn found it, less what
+-- expired meanwhile: it fits, as it did. `dl`: the partition deadline index; `why` is
+-- kept in rb. Returns the turn rolled back. One HGETALL: a rollback is not a hot path.
+local function rollback(key, dl, sid, why)
+  local all = redis.call('HGETALL', key)
+  local f = {}
+  for i = 1, #all, 2 do f[all[i]] = all[i + 1] end
+  local tn = tonumber(f.tn)
+  local prior = {}
+  for field, was in string.gmatch(f.ul or '', '\31([^\30\31]+)\30([^\31]*)') do
+    prior[field] = was
+  end
+  local dead, set, zrem, zadd = { 'lo', 'le', 'ul', 'vs', 'vd' }, {}, { sid .. '|' .. LEASE }, {}
+  for name, val in pairs(f) do
+    if prior[name] == nil and string.sub(name, 1, 2) == 'i:' and
+        tonumber(string.match(val, '^%d+|(%d+)|')) == tn then
+      dead[#dead + 1] = name
+      f[name] = nil
+    end
+  end
+  for name, was in pairs(prior) do
+    local rid = string.match(name, '^r:(.+)$')
+    if was == '' then
+      if f[name] then dead[#dead + 1] = name end
+      f[name] = nil
+      if rid then zrem[#zrem + 1] = sid .. '|' .. rid end
+    else
+      set[#set + 1], set[#set + 2] = name, was
+      f[name] = was
+      if rid then
+        zadd[#zadd + 1], zadd[#zadd + 2] = string.match(was, '|(%d+)$'), sid .. '|' .. rid
+      end
+    end
+  end
+  local u, n, v = { w = 0, r = 0, m = 0, s = 0 }, { w = 0, r = 0, m = 0, s = 0 }, { w = 0, r = 0, m = 0, s = 0 }
+  local nv = 0
+  for name, val in pairs(f) do
+    local c = string.match(name, '^i:(%a):')
+    if c then
+      u[c], n[c] = u[c] + tonumber(string.match(val, '^(%d+)|')), n[c] + 1
+    elseif string.sub(name, 1, 2) == 'r:' then
+      local rc, est = string.match(val, '^(%a)|(%d+)|')
+      v[rc], nv = v[rc] + tonumber(est), nv + 1
+    end
+  end
+  local N = function(x) return tonumber(f[x]) or 0 end
+  local a_w, a_m, a_s = u.w + v.w, u.r + v.r + u.m + v.m, u.s + v.s
+  local fr = N('W') - N('S') - N('T') - N('out') - math.max(a_w, N('F_w')) - math.max(a_m, N('F_m')) - a_s
+  for _, kv in ipairs({ 'fr', fr, 'a_w', a_w, 'a_m', a_m, 'a_s', a_s, 'nv', nv, 'rb', tn .. ' ' .. why,
+    'qs', cat(f.vs, f.qs), 'qd', cat(f.vd, f.qd) }) do
+    set[#set + 1] = kv
+  end
+  for _, c in ipairs({ 'w', 'r', 'm', 's' }) do
+    for _, kv in ipairs({ 'u_' .. c, u[c], 'n_' .. c, n[c], 'v_' .. c, v[c] }) do set[#set + 1] = kv end
+  end
+  for i = 1, #dead, 1000 do redis.call('HDEL', key, unpack(dead, i, math.min(i + 999, #dead))) end
+  redis.call('HSET', key, unpack(set))
+  redis.call('ZREM', dl, unpack(zrem))
+  if #zadd > 0 then redis.call('ZADD', dl, unpack(zadd)) end
+  redis.call('HINCRBY', key, 'x:rolled_back', 1)
+  return tn
+end
+
+-- settle and void: the open reservation { c, est, deadline, rec, in_turn, ul }, or nil
+-- and the stored reply to send again; fails on a missing session, a stale epoch (checked
+-- before the reservation, which a reset drops), a call of a turn that is not open or of
+-- no turn while one is (`fence`), or no such reservation. in_turn: the call is of the
+-- open turn; ul: that turn's undo log.
+local function open_reservation(key, op, fp, epoch, rid, tok)
+  local v = redis.call('HMGET', key, 'ep', 'r:' .. rid, 'lo', 'tn', 'ul')
   local again = gate(recorded(op), tonumber(v[1]), op, fp, epoch)
   if again then return nil, again end
+  local in_turn = fence(key, v[3], tonumber(v[4]), tok)
   if not v[2] then fail('NORESERVATION', 'reservation ' .. rid .. ' is not open') end
   local c, est, deadline = string.match(v[2], '^(%a)|(%d+)|(%d+)$')
-  return { c = c, est = tonumber(est), deadline = tonumber(deadline) }
+  return { c = c, est = tonumber(est), deadline = tonumber(deadline), rec = v[2], in_turn = in_turn,
+    ul = v[5] }
 end
 
 -- Append 'u_<c>', 0, 'n_<c>', 0, 'v_<c>', 0 for every consumer (open, reset).

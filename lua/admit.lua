@@ -4,7 +4,8 @@
 -- KEYS[2]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
 -- KEYS[3]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
--- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
+-- ARGV[2]  epoch[@turn]             integer; older than the session's -> LEDGER_STALE; @turn:
+--                                  a call of that turn (see `fence`)
 -- ARGV[3]  consumer                w | r | m | s
 -- ARGV[4]  mode                    all: every new item or none;
 --                                  prefix: the longest prefix that fits, the rest skipped
@@ -27,11 +28,12 @@
 -- changes no allocation; its outcome is kept under the op id like any other.
 -- 'all' is refused when the new items do not fit together; 'prefix' when not even
 -- the first new item fits (requested is then that item's tokens).
--- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
+-- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED, LEDGER_TURNHELD,
+--         LEDGER_TURNLOST (see `fence` in _common.lua).
 -- Calls: HMGET, TIME, HSET (HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due; HINCRBY on refusal;
 --        HMGET of HW, out, W, kf, pm for retrieval and recall while a compaction is pending).
 
-local op, fp, epoch = op_args('admit', false)
+local op, fp, epoch, tok = op_args('admit', false)
 local c
 c = consumer_arg(ARGV[3])
 local mode = ARGV[4]
@@ -46,7 +48,7 @@ end
 -- This is the hot path: fields are read by position, not through load()'s tables.
 local g = GROUP[c]
 local A, F, U, N = 'a_' .. g, 'F_' .. g, 'u_' .. c, 'n_' .. c
-local fields = { 'ep', 'tn', 'sq', 'fr', A, F, U, N, 'gz', 'xp', 'cd' }
+local fields = { 'ep', 'tn', 'sq', 'fr', A, F, U, N, 'gz', 'xp', 'cd', 'lo' }
 local toks, prios, seen = {}, {}, n > 1 and {} or nil
 for k = 1, n do
   local b = 3 + 3 * k
@@ -58,15 +60,16 @@ for k = 1, n do
   end
   toks[k] = int_arg(ARGV[b + 1], 'tokens', 1, TOKENS_MAX, id)
   prios[k] = int_arg(ARGV[b + 2], 'priority', 0, 1000, id)
-  fields[k + 11] = 'i:' .. c .. ':' .. id
+  fields[k + 12] = 'i:' .. c .. ':' .. id
 end
 
 local key = KEYS[1]
 local v = redis.call('HMGET', key, unpack(fields))
--- v: 1 ep, 2 tn, 3 sq, 4 fr, 5 a, 6 floor, 7 u, 8 n, 9 gz, 10 xp, 11 cd,
--- 11 + k: item k when already held.
+-- v: 1 ep, 2 tn, 3 sq, 4 fr, 5 a, 6 floor, 7 u, 8 n, 9 gz, 10 xp, 11 cd, 12 lo,
+-- 12 + k: item k when already held.
 local again = gate(recorded(op), tonumber(v[1]), op, fp, epoch)
 if again then return again end
+fence(key, v[12], tonumber(v[2]), tok)
 local ep, tn = v[1], v[2]  -- kept as text: the reply and the items repeat them
 local now = now_ms()
 
@@ -89,7 +92,7 @@ end
 local first_skip, by_bound = nil, false
 for k = 1, n do
   local t = toks[k]
-  if v[k + 11] then
+  if v[k + 12] then
     dups = dups + 1
   else
     local d = claim_delta(a + charged, t, floor)
@@ -102,7 +105,7 @@ for k = 1, n do
       charged = charged + t
       admitted = admitted + 1
       sq = sq + 1
-      args[#args + 1] = fields[k + 11]
+      args[#args + 1] = fields[k + 12]
       args[#args + 1] = string.format('%d|%s|%d|%d', t, tn, prios[k], sq)
     end
   end

@@ -19,7 +19,8 @@
 -- KEYS[3]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
 -- KEYS[4]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
--- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
+-- ARGV[2]  epoch[@turn]             integer; older than the session's -> LEDGER_STALE; @turn:
+--                                  a call of that turn (see `fence`)
 -- ARGV[3]  tool-call id            the scratchpad item id
 -- ARGV[4]  tokens                  the whole result's size, 1..1e8
 -- ARGV[5]  content                 the result (bytes, at most 64 MiB), stored only when spilled
@@ -29,10 +30,11 @@
 --          |tokens=<tokens>|preview=<tokens>|evicted=<c:id,...>|free=<tokens>|epoch=<n>|turn=<n>
 --    or  status=refused|reason=<token_budget_exhausted|floor_protected>|requested=<tokens>
 --          |free=<tokens>|epoch=<n>|turn=<n>
--- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
+-- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED, LEDGER_TURNHELD,
+--         LEDGER_TURNLOST (see `fence` in _common.lua).
 -- Calls: HMGET, TIME, HSET (HGETALL and HDEL when memory gives way; SET when spilled).
 
-local op, fp, epoch = op_args('admit_tool', false)
+local op, fp, epoch, tok = op_args('admit_tool', false)
 local call, tokens
 call = id_arg(ARGV[3], 'tool-call id')
 tokens = int_arg(ARGV[4], 'tokens', 1, TOKENS_MAX)
@@ -44,9 +46,10 @@ if #ARGV ~= 5 then fail('BADARG', 'expected 5 arguments, got ' .. #ARGV) end
 key_arg(2, 'spill:%s|' .. call)
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'sq', 'fr', 'F_m', 'a_m', 'a_s', 'u_r', 'u_m', 'u_s', 'n_r', 'n_m', 'n_s',
-  'pv', 'sttl', 'gz', 'xp', 'i:s:' .. call }, 17)
+  'pv', 'sttl', 'gz', 'xp', 'i:s:' .. call, 'lo', 'ul' }, 17)
 local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
+local in_turn = fence(key, R[2], H.tn, tok)
 local now = now_ms()
 local J = { gz = H.gz, xp = H.xp }
 local function done(outcome, charged, preview, evicted, fr, args)
@@ -72,7 +75,7 @@ if size > H.fr + gain then
     '|requested=', tokens, '|free=', H.fr, '|epoch=', H.ep, '|turn=', H.tn }), {}, J)
 end
 
-local fr, a_m, evicted = H.fr, H.a_m, {}
+local fr, a_m, evicted, ul = H.fr, H.a_m, {}, nil
 local U, N = { r = H.u_r, m = H.u_m }, { r = H.n_r, m = H.n_m }
 if size > fr then
   local mem = {}
@@ -81,7 +84,8 @@ if size > fr then
     local c, id = string.match(all[i], '^i:([rm]):(.+)$')
     if c then
       local t, _, p, sq = string.match(all[i + 1], '^(%d+)|(%d+)|(%d+)|(%d+)$')
-      mem[#mem + 1] = { c = c, id = id, f = all[i], t = tonumber(t), p = tonumber(p), sq = tonumber(sq) }
+      mem[#mem + 1] = { c = c, id = id, f = all[i], v = all[i + 1], t = tonumber(t), p = tonumber(p),
+        sq = tonumber(sq) }
     end
   end
   table.sort(mem, function(x, y)
@@ -89,9 +93,10 @@ if size > fr then
     if x.p ~= y.p then return x.p < y.p end
     return x.sq < y.sq
   end)
-  local dead = {}
+  local dead, was = {}, {}
   for _, it in ipairs(mem) do
     if size <= fr then break end
+    was[#dead + 1] = it.v
     fr = fr - claim_delta(a_m, -it.t, H.F_m)
     a_m = a_m - it.t
     U[it.c], N[it.c] = U[it.c] - it.t, N[it.c] - 1
@@ -100,6 +105,7 @@ if size > fr then
   end
   redis.call('HDEL', key, unpack(dead))
   redis.call('HINCRBY', key, 'x:evicted_memory', #dead)
+  if in_turn then ul = journal(R[3], dead, was) end
 end
 if outcome == 'spilled' then
   redis.call('SET', KEYS[2], ARGV[5], 'PX', H.sttl)
@@ -107,7 +113,8 @@ if outcome == 'spilled' then
 end
 local sq = H.sq + 1
 fr = fr - size
-return done(outcome, size, outcome == 'spilled' and size or 0, table.concat(evicted, ','), fr,
-  { 'i:s:' .. call, table.concat({ size, H.tn, 0, sq }, '|'), 'sq', sq, 'fr', fr, 'a_m', a_m,
-    'a_s', H.a_s + size, 'u_s', H.u_s + size, 'n_s', H.n_s + 1, 'u_r', U.r, 'u_m', U.m,
-    'n_r', N.r, 'n_m', N.m })
+local args = { 'i:s:' .. call, table.concat({ size, H.tn, 0, sq }, '|'), 'sq', sq, 'fr', fr, 'a_m', a_m,
+  'a_s', H.a_s + size, 'u_s', H.u_s + size, 'n_s', H.n_s + 1, 'u_r', U.r, 'u_m', U.m,
+  'n_r', N.r, 'n_m', N.m }
+if ul then args[#args + 1], args[#args + 2] = 'ul', ul end
+return done(outcome, size, outcome == 'spilled' and size or 0, table.concat(evicted, ','), fr, args)

@@ -1,18 +1,28 @@
--- begin_turn.lua: gate a turn on residual working memory against its declared
--- working set (docs/rules.md#working-memory-starvation), reclaiming scratchpad then
--- earlier retrieval when short, and
--- advance the turn.
+-- begin_turn.lua: take the session's turn lease, gate the turn on residual working
+-- memory against its declared working set (docs/rules.md#working-memory-starvation),
+-- reclaiming scratchpad then earlier retrieval when short, and advance the turn.
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  partition job stream    a compaction job is appended when one becomes pending
 --                                  (worker-owned sessions only)
--- KEYS[3]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
--- KEYS[4]  previous outcome hash   previous generation ('<tag>:old:<session>')
+-- KEYS[3]  partition deadline index the turn lease's member '<session>|~' (score: its end)
+-- KEYS[4]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[5]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
 -- ARGV[3]  working set             tokens the turn must hold in working memory, 0..1e8
 -- ARGV[4]  output reserve          tokens for this turn's output, 0..1e8, or '-' for the budget's
 -- ARGV[5]  session id              must name KEYS[1]
+-- ARGV[6]  owner                   who serves the turn, [A-Za-z0-9._:/@+=#-]{1,128}
+-- ARGV[7]  lease                   milliseconds the turn is held without a renewal, 1..86400000
+-- ARGV[8]  takeover                1: take a live turn over (roll it back); 0: refuse
+--
+-- The turn lease (docs/agent.md#turn-leases). While a turn is open another owner's
+-- begin_turn is refused (LEDGER_TURNHELD, nothing changed) unless it takes over; a
+-- turn whose lease has lapsed, or one taken over, is rolled back first (see `rollback`
+-- in _common.lua). The same owner beginning again ends its open turn as it stands (no
+-- report), unless this turn is refused: that one then goes on. The turn gets the deliveries queued since the last turn: the summaries of
+-- compactions committed outside a turn and the items they replaced.
 --
 -- Residual working memory = window - system prompt - tool framing - output reserve
 -- - memory's claim - scratchpad; the turn needs max(working set, working memory's
@@ -26,17 +36,23 @@
 --
 -- Reply: status=ok|regime=<ok|starvation|loud>|turn=<n>|residual=<tokens>|need=<tokens>
 --          |utilization=<per mille>|reclaimed=<c:id,...>|rotated=<tokens>|released=<tokens>
---          |compaction_due=<0|1>|rollup=<0|1>|free=<tokens>|epoch=<n>
+--          |compaction_due=<0|1>|rollup=<0|1>|free=<tokens>|epoch=<n>|summaries=<id,...>
+--          |dropped=<c:id,...>|lease=<ms>|rolled_back=<turn or 0>|mark=<commit mark>
+--   summaries, dropped: the deliveries (the app adds the summaries to its state and drops
+--   the items, as it drops those reclaimed); lease: when the lease ends (Redis's clock);
+--   rolled_back: the turn undone to start this one; mark: the last end_turn's mark.
 --    or  status=refused|reason=<starvation|compaction_pending>|requested=<need>|residual=<tokens>
 --          |need=<tokens>|utilization=<per mille>|shortfall=<tokens>|compact=<w:id,...>
---          |free=<tokens>|epoch=<n>|turn=<n>
+--          |free=<tokens>|epoch=<n>|turn=<n>|rolled_back=<turn or 0>
+--   (no lease is taken; a turn rolled back to try stays rolled back, its deliveries queued)
 --   compact: working-memory items to compact, lowest priority then oldest first,
 --   enough to cover the shortfall where compacting working memory can cover it
 --   (docs/rules.md#working-memory-practice); empty when the declared working set
 --   cannot fit at all.
 -- Errors: LEDGER_BADARG, LEDGER_CONFIG (the output reserve makes the reserved floor
---         exceed the window), LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
--- Calls: HMGET, TIME, HSET (HGET when a compaction becomes pending; HGETALL and HDEL only to rotate or reclaim; HINCRBY; XADD when a
+--         exceed the window), LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED,
+--         LEDGER_TURNHELD (another owner's turn is open and its lease live).
+-- Calls: HMGET, TIME, HSET, ZADD, HDEL (HGETALL and the rollback's writes to roll a turn back; HGET when a compaction becomes pending; HGETALL and HDEL only to rotate or reclaim; HINCRBY; XADD when a
 --        compaction becomes pending)
 --        and HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due.
 
@@ -46,15 +62,19 @@ ws = int_arg(ARGV[3], 'working set', 0, TOKENS_MAX)
 if ARGV[4] ~= '-' then
   out2 = int_arg(ARGV[4], 'output reserve', 0, TOKENS_MAX)
 end
-local sid
+local sid, owner, lease, takeover
 sid = session_arg(ARGV[5])
-if #ARGV ~= 5 then fail('BADARG', 'expected 5 arguments, got ' .. #ARGV) end
+owner = id_arg(ARGV[6], 'turn owner')
+lease = int_arg(ARGV[7], 'lease ms', 1, 86400000)
+takeover = int_arg(ARGV[8], 'takeover', 0, 1)
+if #ARGV ~= 8 then fail('BADARG', 'expected 8 arguments, got ' .. #ARGV) end
 
-key_arg(2, 'jobs')
+key_arg(2, 'jobs', 'deadlines')
 local key = KEYS[1]
-local H, R = load(key, { 'ep', 'tn', 'W', 'S', 'T', 'R0', 'F_w', 'F_m', 'a_w', 'a_m', 'a_s', 'u_w', 'u_r',
+local FIELDS = { 'ep', 'tn', 'W', 'S', 'T', 'R0', 'F_w', 'F_m', 'a_w', 'a_m', 'a_s', 'u_w', 'u_r',
   'u_m', 'u_s', 'n_w', 'n_r', 'n_m', 'n_s', 'EV', 'HW', 'kt', 'rut', 'rup', 'cd', 'gz', 'xp', 'fr',
-  'rel' }, 28)
+  'out', 'le', 'rel', 'lo', 'qs', 'qd', 'cm' }
+local H, R = load(key, FIELDS, 30)
 local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
 out2 = out2 or H.R0
@@ -63,15 +83,27 @@ if H.S + H.T + H.F_w + H.F_m + out2 > H.W then
     (H.S + H.T + H.F_w + H.F_m + out2) .. ' exceed the window ' .. H.W)
 end
 local now = now_ms()
+local rolled, implicit = 0, R[2] == owner
+if R[2] and not implicit then
+  if H.le > now and takeover == 0 then
+    turn_held(key, R[2], H.tn)
+  else
+    rolled = rollback(key, KEYS[3], sid, H.le > now and ('taken over by ' .. owner) or
+      ('lease of ' .. R[2] .. ' lapsed'))
+    H, R = load(key, FIELDS, 30)
+  end
+end
+local queued_s, queued_d = R[3] or '', R[4] or ''
 
 local A = { w = H.a_w, m = H.a_m, s = H.a_s }
 local U = { w = H.u_w, r = H.u_r, m = H.u_m, s = H.u_s }
 local N = { w = H.n_w, r = H.n_r, m = H.n_m, s = H.n_s }
-local dead, released, rotated, reclaimed = {}, 0, 0, {}
+local dead, dead_rec, released, rotated, reclaimed = {}, {}, 0, 0, {}
 local function drop(c, it)
   local g = GROUP[c]
   A[g], U[c], N[c] = A[g] - it.t, U[c] - it.t, N[c] - 1
   dead[#dead + 1] = it.f
+  dead_rec[#dead] = it.v
   it.gone = true
   return it.t
 end
@@ -92,8 +124,8 @@ if rotating or residual() < need() then
     if c then
       local t, tn, p, sq = string.match(all[i + 1], '^(%d+)|(%d+)|(%d+)|(%d+)$')
       local list = items[c]
-      list[#list + 1] = { id = id, f = all[i], t = tonumber(t), tn = tonumber(tn), p = tonumber(p),
-        sq = tonumber(sq) }
+      list[#list + 1] = { id = id, f = all[i], v = all[i + 1], t = tonumber(t), tn = tonumber(tn),
+        p = tonumber(p), sq = tonumber(sq) }
     end
   end
 end
@@ -147,7 +179,8 @@ if start_residual < need() then
     return commit(key, now, op, fp, table.concat({ 'status=refused|reason=',
       regime == 'loud' and 'compaction_pending' or 'starvation', '|requested=', need(),
       '|residual=', start_residual, '|need=', need(), '|utilization=', util, '|shortfall=', short,
-      '|compact=', table.concat(compact, ','), '|free=', H.fr, '|epoch=', H.ep, '|turn=', H.tn }),
+      '|compact=', table.concat(compact, ','), '|free=', H.fr, '|epoch=', H.ep, '|turn=', H.tn,
+      '|rolled_back=', rolled }),
       H.cd == 1 and { 'cd', 1 } or { 'cd', 1, 'pm', 0 }, { gz = H.gz, xp = H.xp })
   end
   redis.call('HINCRBY', key, 'x:' .. regime, 1)
@@ -161,8 +194,18 @@ local fr = H.W - H.S - H.T - out2 - math.max(A.w, H.F_w) - math.max(A.m, H.F_m) 
 local due = (occupancy() > H.HW or H.cd == 1) and 1 or 0
 local wm_budget = H.F_w > 0 and H.F_w or H.W
 local rollup = (turn - H.kt > H.rut or A.w * 1000 > H.rup * wm_budget) and 1 or 0
+-- The lease, the undo log (the output reserve and what this call reclaimed) and the
+-- deliveries, now this turn's.
+local le = now + lease
+redis.call('ZADD', KEYS[3], le, sid .. '|' .. LEASE)
+-- (the owner beginning again: its open turn ends here as it stands, its deliveries done)
+if implicit or queued_s ~= '' or queued_d ~= '' then redis.call('HDEL', key, 'qs', 'qd', 'vs', 'vd') end
+local logged, was = { 'out' }, { H.out }
+for i = 1, #dead do logged[i + 1], was[i + 1] = dead[i], dead_rec[i] end
 local args = { 'tn', turn, 'out', out2, 'ws', ws, 'fr', fr, 'ai', 0, 'ao', 0, 'an', 0,
-  'a_w', A.w, 'a_m', A.m, 'a_s', A.s }
+  'a_w', A.w, 'a_m', A.m, 'a_s', A.s, 'lo', owner, 'le', le, 'ul', journal(nil, logged, was, true) }
+if queued_s ~= '' then args[#args + 1], args[#args + 2] = 'vs', queued_s end
+if queued_d ~= '' then args[#args + 1], args[#args + 2] = 'vd', queued_d end
 for _, c in ipairs({ 'w', 'r', 'm', 's' }) do
   args[#args + 1] = 'u_' .. c
   args[#args + 1] = U[c]
@@ -180,5 +223,6 @@ end
 return commit(key, now, op, fp, table.concat({ 'status=ok|regime=', regime, '|turn=', turn,
   '|residual=', residual(), '|need=', need(), '|utilization=', util, '|reclaimed=',
   table.concat(reclaimed, ','), '|rotated=', rotated, '|released=', released,
-  '|compaction_due=', due, '|rollup=', rollup, '|free=', fr, '|epoch=', H.ep }), args,
+  '|compaction_due=', due, '|rollup=', rollup, '|free=', fr, '|epoch=', H.ep, '|summaries=', queued_s,
+  '|dropped=', queued_d, '|lease=', le, '|rolled_back=', rolled, '|mark=', R[5] or '' }), args,
   { gz = H.gz, xp = H.xp })

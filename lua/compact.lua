@@ -14,13 +14,17 @@
 -- KEYS[3]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
 -- KEYS[4]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
--- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
+-- ARGV[2]  epoch[@turn]             integer; older than the session's -> LEDGER_STALE; @turn:
+--                                  a call of that turn (see `fence`)
 -- ARGV[3]  session id              must name KEYS[1]
 -- ARGV[4]  summary item id         the working-memory item that replaces them
 -- ARGV[5]  summary tokens          0..1e8 (0: nothing replaces them)
 -- ARGV[6]  n                       number of items replaced, 0..1000
--- ARGV[7..6+n]                     '<c>:<item id>' with c in w r m s (items not held are
---                                  reported as missing)
+-- ARGV[7..6+n]                     '<c>:<item id>' with c in w r m s, or '<c>:<item id>|<seq>':
+--                                  only the version of the item admitted with that sequence
+--                                  number (the one the compactor read) is replaced. Items not
+--                                  held, or held in another version, are reported as missing
+--                                  and stay.
 -- ARGV[7+n] job entry id           the id ('<ms>-<seq>') of the job's entry in KEYS[2] when
 --                                  a worker commits a compaction job, '-' otherwise (an
 --                                  agent's own compaction). The entry is deleted in the same
@@ -34,9 +38,17 @@
 --   replaced, and it counts as a failed compaction. deferred: occupancy is at or under
 --   the mark but the compaction freed (gain: occupancy before minus after) less than the
 --   session's compaction min gain (kg); applied, and counted as a failed compaction.
---   outcome already: the job entry named by ARGV[8+n] is no longer in the stream (its
+--   outcome already: the job entry named by ARGV[7+n] is no longer in the stream (its
 --   compaction was committed before, or the entry was lost with its stream): nothing is
 --   changed or stored; dropped=0, summary=0, escalated=0, the other fields as they are.
+--   outcome turn_open: a job's compaction while a turn is open (its lease held, or lapsed
+--   and not yet rolled back): nothing is changed or stored, the job's entry stays; the
+--   worker commits once the turn has ended (a compaction never changes the prompt under
+--   a running turn). The reply then also has |owner=<the turn's owner>|lease=<its end, ms>.
+--   A compaction that is not part of the open turn (a worker's job, or one made with no turn
+--   while none is open) queues its deliveries for the next turn (fields qs, qd): the
+--   summary, and the items it replaced (an undelivered summary it replaces leaves the
+--   queue instead: the app never held it). One made in the open turn is in its undo log.
 --   Once a hard reset is requested (escalated before, not yet reset), a failed
 --   compaction is not counted again: failures and x:failed_compactions stay at the
 --   escalation's count until the reset.
@@ -44,10 +56,11 @@
 --   op=<op id>; on a failure that does not escalate, kind=compact (the compaction is retried:
 --   a new compaction request, a new attempt), for worker-owned sessions only.
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED,
---         LEDGER_CONFLICT (the summary id is held and not among the replaced items).
+--         LEDGER_CONFLICT (the summary id is held and not among the replaced items),
+--         LEDGER_TURNHELD, LEDGER_TURNLOST (an agent's compaction, see `fence` in _common.lua).
 -- Calls: HMGET, XDEL (a job), TIME, HDEL, HSET, HGET and XADD (on escalation or retry), HINCRBY.
 
-local op, fp, epoch = op_args('compact', false)
+local op, fp, epoch, tok = op_args('compact', false)
 local sid, sum_id, sum_t, n
 sid = session_arg(ARGV[3])
 sum_id = id_arg(ARGV[4], 'summary item id')
@@ -71,21 +84,39 @@ local fields = { 'i:w:' .. sum_id }
 for i = #NUM, 1, -1 do table.insert(fields, 1, NUM[i]) end
 local seen, refs = {}, {}
 for k = 1, n do
-  local ref = ARGV[6 + k]
-  local c, id = string.match(type(ref) == 'string' and ref or '', '^([wrms]):(.+)$')
-  if not c then fail('BADARG', 'replaced item must be <c>:<id> with c in wrms, got ' .. show(ref)) end
+  local raw = type(ARGV[6 + k]) == 'string' and ARGV[6 + k] or ''
+  local body, ver = string.match(raw, '^(.-)|(%d+)$')
+  local c, id = string.match(body or raw, '^([wrms]):(.+)$')
+  if not c then
+    fail('BADARG', 'replaced item must be <c>:<id> or <c>:<id>|<seq> with c in wrms, got ' .. show(raw))
+  end
   id = id_arg(id, 'item id')
+  if ver then ver = int_arg(ver, 'sequence number', 1, 1e15, id) end
+  local ref = c .. ':' .. id
   if seen[ref] then fail('BADARG', 'item ' .. id .. ' of ' .. consumer_name(c) .. ' appears twice') end
   seen[ref] = true
-  refs[k] = { c = c, id = id }
+  refs[k] = { c = c, id = id, ref = ref, ver = ver }
   fields[#fields + 1] = 'i:' .. ref
 end
+for _, f in ipairs({ 'lo', 'ul', 'qs', 'qd', 'le' }) do fields[#fields + 1] = f end
 
 key_arg(2, 'jobs')
 local key = KEYS[1]
 local H, R = load(key, fields, #NUM)
+local lo, ul, qs, qd, le = R[n + 2], R[n + 3], R[n + 4], R[n + 5], R[n + 6]
 local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
+local in_turn = false
+if job ~= '-' then
+  if lo then
+    return reply({ 'status=ok', 'outcome=turn_open', 'occupancy=' .. (H.S + H.T + H.a_w + H.a_m + H.a_s),
+      'high_water=' .. H.HW, 'dropped=0', 'summary=0', 'missing=', 'failures=' .. H.kf, 'escalated=0',
+      'free=' .. (H.W - H.S - H.T - H.out - math.max(H.a_w, H.F_w) - math.max(H.a_m, H.F_m) - H.a_s),
+      'epoch=' .. H.ep, 'turn=' .. H.tn, 'owner=' .. lo, 'lease=' .. (le or 0) })
+  end
+else
+  in_turn = fence(key, lo, H.tn, tok)
+end
 if R[1] and not seen['w:' .. sum_id] then
   fail('CONFLICT', 'working memory already holds ' .. sum_id .. ' and it is not being replaced')
 end
@@ -102,16 +133,18 @@ local J = { gz = H.gz, xp = H.xp }
 local A = { w = H.a_w, m = H.a_m, s = H.a_s }
 local U = { w = H.u_w, r = H.u_r, m = H.u_m, s = H.u_s }
 local N = { w = H.n_w, r = H.n_r, m = H.n_m, s = H.n_s }
-local dropped, dead, missing = 0, {}, {}
+local dropped, dead, was, gone, missing = 0, {}, {}, {}, {}
 for k = 1, n do
   local rec, c = R[1 + k], refs[k].c
-  if rec then
-    local t = tonumber(string.match(rec, '^(%d+)|'))
+  local t, sq = string.match(rec or '', '^(%d+)|%d+|%d+|(%d+)$')
+  if rec and (not refs[k].ver or tonumber(sq) == refs[k].ver) then
+    t = tonumber(t)
     dropped = dropped + t
     A[GROUP[c]], U[c], N[c] = A[GROUP[c]] - t, U[c] - t, N[c] - 1
     dead[#dead + 1] = fields[#NUM + 1 + k]
+    was[#dead], gone[#dead] = rec, refs[k].ref
   else
-    missing[#missing + 1] = ARGV[6 + k]
+    missing[#missing + 1] = refs[k].ref
   end
 end
 A.w = A.w + sum_t
@@ -124,7 +157,7 @@ if not fits then
   U = { w = H.u_w, r = H.u_r, m = H.u_m, s = H.u_s }
   N = { w = H.n_w, r = H.n_r, m = H.n_m, s = H.n_s }
   fr = H.W - H.S - H.T - H.out - math.max(A.w, H.F_w) - math.max(A.m, H.F_m) - A.s
-  dead, dropped, sum_t = {}, 0, 0
+  dead, was, gone, dropped, sum_t = {}, {}, {}, 0, 0
 end
 local occ = H.S + H.T + A.w + A.m + A.s
 local gain = H.S + H.T + H.a_w + H.a_m + H.a_s - occ
@@ -145,6 +178,24 @@ for _, c in ipairs({ 'w', 'r', 'm', 's' }) do
   upd[#upd + 1], upd[#upd + 2], upd[#upd + 3], upd[#upd + 4] = 'u_' .. c, U[c], 'n_' .. c, N[c]
 end
 for i = 1, #upd do args[#args + 1] = upd[i] end
+if in_turn then
+  if #dead > 0 then args[#args + 1], args[#args + 2] = 'ul', journal(ul, dead, was) end
+elseif #dead > 0 or sum_t > 0 then
+  -- Deliveries for the next turn: the summary and what it replaced, except a summary not
+  -- delivered yet, which leaves the queue (the items it replaced are queued already).
+  local pending = {}
+  for id in string.gmatch(qs or '', '[^,]+') do pending[id] = true end
+  local drops = {}
+  for _, ref in ipairs(gone) do
+    local wid = string.match(ref, '^w:(.+)$')
+    if wid and pending[wid] then pending[wid] = nil else drops[#drops + 1] = ref end
+  end
+  local keep = {}
+  for id in string.gmatch(qs or '', '[^,]+') do if pending[id] then keep[#keep + 1] = id end end
+  if sum_t > 0 then keep[#keep + 1] = sum_id end
+  args[#args + 1], args[#args + 2] = 'qs', table.concat(keep, ',')
+  args[#args + 1], args[#args + 2] = 'qd', cat(qd, table.concat(drops, ','))
+end
 if ok then
   args[#args + 1], args[#args + 2], args[#args + 3], args[#args + 4] = 'kn', H.kn + 1, 'kt', H.tn
 elseif H.rq == 0 then

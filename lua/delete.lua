@@ -1,4 +1,4 @@
--- delete.lua: delete a session and its reservations' index entries.
+-- delete.lua: delete a session and its reservations' and turn lease's index entries.
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  partition deadline index
@@ -21,19 +21,21 @@ sid = session_arg(ARGV[3])
 if #ARGV ~= 3 then fail('BADARG', 'expected 3 arguments, got ' .. #ARGV) end
 key_arg(2, 'deadlines')
 local key = KEYS[1]
-local H = load(key, { 'ep', 'nv', 'ort' }, 3)
+local H, R = load(key, { 'ep', 'nv', 'ort', 'lo' }, 3)
 local again = replay(recorded(op), op, fp)
 if again then return again end
 if not H.ep then return reply({ 'status=ok', 'deleted=0' }) end
 stale(H.ep, epoch)
+local members = {}
+if R[1] then members[1] = sid .. '|' .. LEASE end
 if H.nv > 0 then
-  local all, members = redis.call('HGETALL', key), {}
+  local all = redis.call('HGETALL', key)
   for i = 1, #all, 2 do
     local rid = string.match(all[i], '^r:(.+)$')
     if rid then members[#members + 1] = sid .. '|' .. rid end
   end
-  if #members > 0 then redis.call('ZREM', KEYS[2], unpack(members)) end
 end
+if #members > 0 then redis.call('ZREM', KEYS[2], unpack(members)) end
 redis.call('DEL', key)
 local out = reply({ 'status=ok', 'deleted=1' })
 redis.call('HSET', key, 'pe', H.ep)

@@ -2,15 +2,20 @@
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  partition job stream    a compaction job is appended when one becomes pending
--- KEYS[3]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
--- KEYS[4]  previous outcome hash   previous generation ('<tag>:old:<session>')
+-- KEYS[3]  partition deadline index the turn lease's member '<session>|~' is removed
+-- KEYS[4]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[5]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
 -- ARGV[3]  turn                    the current turn (as begin_turn returned it)
 -- ARGV[4]  final prompt tokens     the prompt actually sent (the model's own count), 1..1e8
 -- ARGV[5]  p99 trend               -1 falling, 0 flat or unknown, 1 rising
 -- ARGV[6]  session id              must name KEYS[1]
+-- ARGV[7]  commit mark             the app state's version this turn commits (e.g. a
+--                                  checkpoint id), [A-Za-z0-9._:/@+=#-]{1,128}; '-' keeps the last
 --
+-- Ending the turn commits it: its lease ends, its undo log and its deliveries are
+-- dropped (docs/agent.md#turn-leases), and the mark is kept for the next begin_turn.
 -- ratio = sum of this turn's memory-tool span input tokens / final prompt tokens
 -- (per mille). utilization = final prompt / window; its delta is against the
 -- previous end_turn. Class, first match in this order:
@@ -30,9 +35,10 @@
 --          |utilization_delta=<per mille>|spans=<n>|span_input=<tokens>|compaction_due=<0|1>
 --          |rollup=<0|1>|epoch=<n>|occupancy=<tokens>|drift=<tokens>|tolerance=<tokens or -1>
 --          |flag=<none|drift|over_window>
--- Errors: LEDGER_BADARG (also: not the current turn, or a turn already ended; a final
---         prompt of 0), LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
--- Calls: HMGET, TIME, HSET, HINCRBY (class; x:drift when flagged), HGET and XADD when a
+-- Errors: LEDGER_BADARG (a final prompt of 0), LEDGER_NOSESSION, LEDGER_STALE,
+--         LEDGER_OPREUSED, LEDGER_TURNLOST (the turn is not open: ended, rolled back or
+--         followed by another).
+-- Calls: HMGET, TIME, HSET, HDEL, ZREM, HINCRBY (class; x:drift when flagged), HGET and XADD when a
 --        compaction becomes pending (worker-owned sessions); HMGET of the op's outcome
 --        bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome
 --        generations' RENAME and PEXPIRE, when due.
@@ -42,17 +48,18 @@ local turn, final, trend
 turn = int_arg(ARGV[3], 'turn', 0, 1e15)
 final = int_arg(ARGV[4], 'final prompt tokens', 1, TOKENS_MAX)
 trend = int_arg(ARGV[5], 'p99 trend', -1, 1)
-local sid
+local sid, mark
 sid = session_arg(ARGV[6])
-if #ARGV ~= 6 then fail('BADARG', 'expected 6 arguments, got ' .. #ARGV) end
+mark = ARGV[7] == '-' and '-' or id_arg(ARGV[7], 'commit mark')
+if #ARGV ~= 7 then fail('BADARG', 'expected 7 arguments, got ' .. #ARGV) end
 
-key_arg(2, 'jobs')
+key_arg(2, 'jobs', 'deadlines')
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'W', 'S', 'T', 'a_w', 'a_m', 'a_s', 'F_w', 'HW', 'cd', 'kt', 'rut', 'rup',
-  'ai', 'an', 'pu', 'ams', 'amf', 'amp', 'gz', 'xp', 'te', 'dt' }, 24)
+  'ai', 'an', 'pu', 'ams', 'amf', 'amp', 'gz', 'xp', 'te', 'dt', 'lo' }, 24)
 local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
-open_turn(H, turn)
+fence(key, R[1], H.tn, turn, true)
 local now = now_ms()
 local ratio = math.floor(H.ai * 1000 / final)
 local util = math.floor(final * 1000 / H.W)
@@ -81,11 +88,13 @@ redis.call('HINCRBY', key, 'x:class:' .. class, 1)
 if due == 1 and H.cd ~= 1 and worker_compacts(key) then
   enqueue(KEYS[2], 'compact', sid, H.ep, op, 'high_water_mark')
 end
+-- The turn commits: its lease, undo log and deliveries go.
+redis.call('HDEL', key, 'lo', 'le', 'ul', 'vs', 'vd')
+redis.call('ZREM', KEYS[3], sid .. '|' .. LEASE)
+local args = { 'pu', util, 'cd', due, 'te', turn, 'dp', final, 'dr', drift, 'df', flag == 'none' and 0 or 1 }
+if due == 1 and H.cd ~= 1 then args[#args + 1], args[#args + 2] = 'pm', 0 end
+if mark ~= '-' then args[#args + 1], args[#args + 2] = 'cm', mark end
 return commit(key, now, op, fp, table.concat({ 'status=ok|turn=', H.tn, '|ratio=', ratio, '|class=', class,
   '|utilization=', util, '|utilization_delta=', delta, '|spans=', H.an, '|span_input=', H.ai,
   '|compaction_due=', due, '|rollup=', rollup, '|epoch=', H.ep, '|occupancy=', occ, '|drift=', drift,
-  '|tolerance=', tol, '|flag=', flag }),
-  (due == 1 and H.cd ~= 1)
-    and { 'pu', util, 'cd', due, 'te', turn, 'dp', final, 'dr', drift, 'df', flag == 'none' and 0 or 1, 'pm', 0 }
-    or { 'pu', util, 'cd', due, 'te', turn, 'dp', final, 'dr', drift, 'df', flag == 'none' and 0 or 1 },
-  { gz = H.gz, xp = H.xp })
+  '|tolerance=', tol, '|flag=', flag }), args, { gz = H.gz, xp = H.xp })

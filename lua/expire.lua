@@ -1,7 +1,9 @@
--- expire.lua: release a session's reservations whose deadline has passed.
+-- expire.lua: release a session's reservations whose deadline has passed, and roll back
+-- its open turn when the turn's lease has lapsed (docs/agent.md#a-dead-turn-is-undone).
 --
 -- The sweeper reads due members from the partition deadline index and calls this
--- once per session; the deadline is checked again here against Redis's clock.
+-- once per session; the deadline is checked again here against Redis's clock. The id
+-- '~' stands for the turn lease (its member '<session>|~' in the index).
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  partition deadline index
@@ -11,13 +13,14 @@
 -- ARGV[2]  epoch or '*'            the sweeper sends '*': expiry is not fenced
 -- ARGV[3]  session id
 -- ARGV[4]  n                       number of reservation ids, 1..1000
--- ARGV[5..4+n]                     reservation ids
+-- ARGV[5..4+n]                     reservation ids, or '~' for the turn lease
 --
--- Reply: status=ok|expired=<n>|released=<tokens>|pending=<id,...>
+-- Reply: status=ok|expired=<n>|released=<tokens>|pending=<id,...>|rolled_back=<turn or 0>
 --   pending: ids whose deadline has not passed (left open). Ids that are no longer
---   open are dropped from the index. A missing session only cleans the index.
+--   open are dropped from the index. A missing session only cleans the index. A turn
+--   rolled back is done first: its reservations are then judged as the rollback left them.
 -- Errors: LEDGER_BADARG, LEDGER_STALE, LEDGER_OPREUSED.
--- Calls: HMGET, TIME, HSET, HDEL, ZREM (HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due).
+-- Calls: HMGET, TIME, HSET, HDEL, ZREM (HGETALL, ZADD and HINCRBY to roll a turn back) (HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due).
 
 local op, fp, epoch = op_args('expire', true)
 local sid, n
@@ -26,29 +29,46 @@ n = int_arg(ARGV[4], 'reservation count', 1, 1000)
 if #ARGV ~= 4 + n then
   fail('BADARG', 'expected ' .. (4 + n) .. ' arguments for ' .. n .. ' reservation ids, got ' .. #ARGV)
 end
-local raws = { 'ep', 'fr', 'a_w', 'a_m', 'a_s', 'F_w', 'F_m', 'v_w', 'v_r', 'v_m', 'v_s', 'nv', 'gz', 'xp' }
+local raws = { 'ep', 'fr', 'a_w', 'a_m', 'a_s', 'F_w', 'F_m', 'v_w', 'v_r', 'v_m', 'v_s', 'nv', 'gz', 'xp',
+  'le', 'lo' }
+local lease = false
 for k = 1, n do
-  local rid
-  rid = id_arg(ARGV[4 + k], 'reservation id')
-  raws[k + 14] = 'r:' .. rid
+  local rid = ARGV[4 + k]
+  if rid == LEASE then
+    if lease then fail('BADARG', 'the turn lease ~ appears twice') end
+    lease = true
+  else
+    rid = id_arg(rid, 'reservation id')
+  end
+  raws[k + 16] = 'r:' .. rid
 end
 
 key_arg(2, 'deadlines')
 local key = KEYS[1]
-local H, R = load(key, raws, 14)
+local H, R = load(key, raws, 15)
 local again = replay(recorded(op), op, fp)
 if again then return again end
 local now = now_ms()
-local gone, pending, dead, released, expired = {}, {}, {}, 0, 0
+local gone, pending, dead, released, expired, rolled = {}, {}, {}, 0, 0, 0
 if not H.ep then
   for k = 1, n do gone[#gone + 1] = sid .. '|' .. ARGV[4 + k] end
   redis.call('ZREM', KEYS[2], unpack(gone))
-  return reply({ 'status=ok', 'expired=0', 'released=0', 'pending=' })
+  return reply({ 'status=ok', 'expired=0', 'released=0', 'pending=', 'rolled_back=0' })
 end
 stale(H.ep, epoch)
+if lease and R[1] and H.le < now then
+  rolled = rollback(key, KEYS[2], sid, 'lease of ' .. R[1] .. ' lapsed')
+  H, R = load(key, raws, 15)
+end
 for k = 1, n do
-  local rec = R[k]
-  if not rec then
+  local rec = R[k + 1]
+  if ARGV[4 + k] == LEASE then
+    if not R[1] then
+      gone[#gone + 1] = sid .. '|' .. LEASE
+    elseif rolled == 0 then
+      pending[#pending + 1] = LEASE
+    end
+  elseif not rec then
     gone[#gone + 1] = sid .. '|' .. ARGV[4 + k]
   else
     local c, est, deadline = string.match(rec, '^(%a)|(%d+)|(%d+)$')
@@ -60,7 +80,7 @@ for k = 1, n do
       H['v_' .. c] = H['v_' .. c] - est
       H.nv = H.nv - 1
       released, expired = released + est, expired + 1
-      dead[#dead + 1] = raws[k + 14]
+      dead[#dead + 1] = raws[k + 16]
       gone[#gone + 1] = sid .. '|' .. ARGV[4 + k]
     else
       pending[#pending + 1] = ARGV[4 + k]
@@ -76,4 +96,4 @@ if expired > 0 then
     'v_m', H.v_m, 'v_s', H.v_s, 'nv', H.nv }
 end
 return commit(key, now, op, fp, reply({ 'status=ok', 'expired=' .. expired, 'released=' .. released,
-  'pending=' .. table.concat(pending, ',') }), args, { gz = H.gz, xp = H.xp })
+  'pending=' .. table.concat(pending, ','), 'rolled_back=' .. rolled }), args, { gz = H.gz, xp = H.xp })

@@ -12,7 +12,8 @@
 -- KEYS[2]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
 -- KEYS[3]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
--- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
+-- ARGV[2]  epoch[@turn]             integer; older than the session's -> LEDGER_STALE; @turn:
+--                                  a call of that turn (see `fence`)
 -- ARGV[3]  consumers               the consumers being set, letters of wrms, each at most once
 -- ARGV[4]  n                       number of items, 0..1000
 -- ARGV[5..4+4n]  n quadruples      consumer (one of ARGV[3]), item id, tokens (1..1e8),
@@ -23,10 +24,11 @@
 --    or  status=refused|reason=token_budget_exhausted|requested=<tokens>|free=<tokens>
 --          |epoch=<n>|turn=<n>   (requested: the listed items' tokens)
 -- Errors: LEDGER_BADARG (also: an item twice, an item of a consumer not named),
---         LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
+--         LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED, LEDGER_TURNHELD, LEDGER_TURNLOST
+--         (see `fence` in _common.lua).
 -- Calls: HMGET, TIME, HGETALL, HDEL, HSET, HINCRBY (HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due).
 
-local op, fp, epoch = op_args('reconcile', false)
+local op, fp, epoch, tok = op_args('reconcile', false)
 local set = ARGV[3]
 if type(set) ~= 'string' or not string.match(set, '^[wrms]+$') or #set > 4 then
   fail('BADARG', 'consumers must be 1-4 letters of wrms, got ' .. show(set))
@@ -59,9 +61,11 @@ end
 
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'sq', 'fr', 'W', 'S', 'T', 'out', 'F_w', 'F_m', 'u_w', 'u_r', 'u_m',
-  'u_s', 'n_w', 'n_r', 'n_m', 'n_s', 'v_w', 'v_r', 'v_m', 'v_s', 'gz', 'xp' }, 24)
+  'u_s', 'n_w', 'n_r', 'n_m', 'n_s', 'v_w', 'v_r', 'v_m', 'v_s', 'gz', 'xp', 'lo', 'ul' }, 24)
 local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
+local in_turn = fence(key, R[1], H.tn, tok)
+local logged, was = {}, {}
 local now = now_ms()
 local J = { gz = H.gz, xp = H.xp }
 
@@ -84,6 +88,7 @@ for _, it in ipairs(want) do
     if tonumber(t) ~= it.t or tonumber(p) ~= it.p then
       resized = resized + 1
       args[#args + 1], args[#args + 2] = it.f, table.concat({ it.t, tn, it.p, s }, '|')
+      logged[#logged + 1], was[#logged + 1] = it.f, rec
     else
       kept = kept + 1
     end
@@ -95,9 +100,10 @@ for _, it in ipairs(want) do
   end
 end
 local dead, removed = {}, {}
-for f in pairs(held) do
+for f, rec in pairs(held) do
   dead[#dead + 1] = f
   removed[#removed + 1] = string.sub(f, 3)
+  logged[#logged + 1], was[#logged + 1] = f, rec
 end
 table.sort(removed)
 local a_w = U.w + H.v_w
@@ -117,6 +123,7 @@ for _, c in ipairs({ 'w', 'r', 'm', 's' }) do
   upd[#upd + 1], upd[#upd + 2], upd[#upd + 3], upd[#upd + 4] = 'u_' .. c, U[c], 'n_' .. c, N[c]
 end
 for i = 1, #upd do args[#args + 1] = upd[i] end
+if in_turn and #logged > 0 then args[#args + 1], args[#args + 2] = 'ul', journal(R[2], logged, was) end
 return commit(key, now, op, fp, table.concat({ 'status=ok|added=', added, '|resized=', resized,
   '|kept=', kept, '|removed=', table.concat(removed, ','), '|delta=', delta, '|free=', fr,
   '|epoch=', H.ep, '|turn=', H.tn }), args, J)

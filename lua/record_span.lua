@@ -19,9 +19,8 @@
 -- Reply: status=ok|turn=<n>|spans=<n>|span_input=<tokens>|ratio=<per mille>|epoch=<n>
 --    or  status=refused|reason=fanout_guard|requested=<input tokens>|ratio=<per mille>
 --          |threshold=<per mille>|advice=summarize_and_proceed|free=<tokens>|epoch=<n>|turn=<n>
--- Errors: LEDGER_BADARG (also: not the current turn, or one already ended), LEDGER_NOSESSION,
---         LEDGER_STALE,
---         LEDGER_OPREUSED.
+-- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED,
+--         LEDGER_TURNLOST (the turn is not open: ended, rolled back or followed by another).
 -- Calls: HMGET, TIME, HSET (HINCRBY on refusal; HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due).
 
 local op, fp, epoch = op_args('record_span', false)
@@ -34,10 +33,10 @@ if #ARGV ~= 6 then fail('BADARG', 'expected 6 arguments, got ' .. #ARGV) end
 
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'S', 'T', 'a_w', 'a_m', 'a_s', 'fr', 'ai', 'ao', 'an', 'amp', 'gz', 'xp',
-  'te' }, 15)
+  'te', 'lo' }, 15)
 local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
-open_turn(H, turn)
+fence(key, R[1], H.tn, turn, true)
 local now = now_ms()
 local prompt = math.max(1, H.S + H.T + H.a_w + H.a_m + H.a_s)
 local ratio = math.floor(H.ai * 1000 / prompt)

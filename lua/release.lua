@@ -4,17 +4,19 @@
 -- KEYS[2]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
 -- KEYS[3]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
--- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
+-- ARGV[2]  epoch[@turn]             integer; older than the session's -> LEDGER_STALE; @turn:
+--                                  a call of that turn (see `fence`)
 -- ARGV[3]  consumer                w | r | m | s
 -- ARGV[4]  n                       number of item ids, 1..1000
 -- ARGV[5..4+n]                     item ids
 --
 -- Reply: status=ok|released=<tokens>|count=<n>|missing=<id,...>|free=<tokens>|epoch=<n>|turn=<n>
 -- Ids the consumer does not hold are listed as missing; they are not an error.
--- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
+-- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED, LEDGER_TURNHELD,
+--         LEDGER_TURNLOST (see `fence` in _common.lua).
 -- Calls: HMGET, TIME, HSET, HDEL (HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due).
 
-local op, fp, epoch = op_args('release', false)
+local op, fp, epoch, tok = op_args('release', false)
 local c
 c = consumer_arg(ARGV[3])
 local n
@@ -23,28 +25,30 @@ if #ARGV ~= 4 + n then
   fail('BADARG', 'expected ' .. (4 + n) .. ' arguments for ' .. n .. ' item ids, got ' .. #ARGV)
 end
 local g = GROUP[c]
-local raws, seen = { 'ep', 'tn', 'fr', 'a_' .. g, 'F_' .. g, 'u_' .. c, 'n_' .. c, 'gz', 'xp' }, {}
+local raws, seen = { 'ep', 'tn', 'fr', 'a_' .. g, 'F_' .. g, 'u_' .. c, 'n_' .. c, 'gz', 'xp', 'lo', 'ul' }, {}
 for k = 1, n do
   local id
   id = id_arg(ARGV[4 + k], 'item id')
   if seen[id] then fail('BADARG', 'item id ' .. id .. ' appears twice') end
   seen[id] = true
-  raws[k + 9] = 'i:' .. c .. ':' .. id
+  raws[k + 11] = 'i:' .. c .. ':' .. id
 end
 
 local key = KEYS[1]
 local H, R = load(key, raws, 9)
 local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
+local in_turn = fence(key, R[1], H.tn, tok)
 local now = now_ms()
 
-local tokens, count, missing, dead = 0, 0, {}, {}
+local tokens, count, missing, dead, was = 0, 0, {}, {}, {}
 for k = 1, n do
-  local rec = R[k]
+  local rec = R[k + 2]
   if rec then
     tokens = tokens + tonumber(string.match(rec, '^(%d+)|'))
     count = count + 1
-    dead[#dead + 1] = raws[k + 9]
+    dead[#dead + 1] = raws[k + 11]
+    was[#dead] = rec
   else
     missing[#missing + 1] = ARGV[4 + k]
   end
@@ -55,6 +59,7 @@ local args = {}
 if count > 0 then
   redis.call('HDEL', key, unpack(dead))
   args = { 'fr', fr, 'a_' .. g, a - tokens, 'u_' .. c, H['u_' .. c] - tokens, 'n_' .. c, H['n_' .. c] - count }
+  if in_turn then args[#args + 1], args[#args + 2] = 'ul', journal(R[2], dead, was) end
 end
 return commit(key, now, op, fp, reply({ 'status=ok', 'released=' .. tokens, 'count=' .. count,
   'missing=' .. table.concat(missing, ','), 'free=' .. fr, 'epoch=' .. H.ep, 'turn=' .. H.tn }),

@@ -5,7 +5,8 @@
 -- KEYS[3]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
 -- KEYS[4]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
--- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
+-- ARGV[2]  epoch[@turn]             integer; older than the session's -> LEDGER_STALE; @turn:
+--                                  a call of that turn (see `fence`)
 -- ARGV[3]  session id              the member prefix in the deadline index
 -- ARGV[4]  consumer                w | r | m | s
 -- ARGV[5]  reservation id          [A-Za-z0-9._:/@+=#-]{1,128}, unique among open ones
@@ -21,10 +22,11 @@
 --   within that bound but above the free room gets the free-room reason)
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED,
 --         LEDGER_CONFLICT (the reservation id is open already, or the consumer holds an
---         item of that id: settle names the item after the reservation by default).
+--         item of that id: settle names the item after the reservation by default),
+--         LEDGER_TURNHELD, LEDGER_TURNLOST (see `fence` in _common.lua).
 -- Calls: HMGET, TIME, HSET, ZADD (HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due; HINCRBY on refusal).
 
-local op, fp, epoch = op_args('reserve', false)
+local op, fp, epoch, tok = op_args('reserve', false)
 local sid, c, rid, tokens, lease
 sid = session_arg(ARGV[3])
 c = consumer_arg(ARGV[4])
@@ -37,9 +39,10 @@ local g = GROUP[c]
 key_arg(2, 'deadlines')
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'fr', 'a_' .. g, 'F_' .. g, 'v_' .. c, 'nv', 'gz', 'xp', 'cd',
-  'r:' .. rid, 'i:' .. c .. ':' .. rid }, 10)
+  'r:' .. rid, 'i:' .. c .. ':' .. rid, 'lo', 'ul' }, 10)
 local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
+local in_turn = fence(key, R[3], H.tn, tok)
 if R[1] then fail('CONFLICT', 'reservation ' .. rid .. ' is already open') end
 if R[2] then
   fail('CONFLICT', consumer_name(c) .. ' already holds an item ' .. rid ..
@@ -73,5 +76,6 @@ redis.call('ZADD', KEYS[2], deadline, sid .. '|' .. rid)
 local args = { 'r:' .. rid, c .. '|' .. tokens .. '|' .. deadline, 'fr', H.fr - d, 'a_' .. g, a + tokens,
   'v_' .. c, H['v_' .. c] + tokens, 'nv', H.nv + 1 }
 if pm then args[#args + 1], args[#args + 2] = 'pm', pm + tokens end
+if in_turn then args[#args + 1], args[#args + 2] = 'ul', journal(R[4], { 'r:' .. rid }, {}) end
 return commit(key, now, op, fp, reply({ 'status=ok', 'reservation=' .. rid, 'deadline_ms=' .. deadline,
   'free=' .. (H.fr - d), 'epoch=' .. H.ep, 'turn=' .. H.tn }), args, J)

@@ -1,6 +1,8 @@
 -- reset.lua: hard reset of a session: advance the epoch and drop every item and
 -- reservation, keeping the budget (system prompt, framing and floors); the
--- compaction state (pending, consecutive failures, escalation) starts over.
+-- compaction state (pending, consecutive failures, escalation) starts over. An open
+-- turn ends with it (its lease and its calls' epoch are gone), and nothing is left to
+-- deliver: the app's state must start over too.
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  partition deadline index
@@ -24,7 +26,7 @@ if #ARGV ~= 4 then fail('BADARG', 'expected 4 arguments, got ' .. #ARGV) end
 
 key_arg(2, 'deadlines')
 local key = KEYS[1]
-local H, R = load(key, { 'ep', 'tn', 'W', 'S', 'T', 'out', 'F_w', 'F_m', 'gz', 'xp' }, 10)
+local H, R = load(key, { 'ep', 'tn', 'W', 'S', 'T', 'out', 'F_w', 'F_m', 'gz', 'xp', 'lo', 'qs', 'qd' }, 10)
 local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
 local now = now_ms()
@@ -43,7 +45,13 @@ for i = 1, #all, 2 do
     released = released + tonumber(string.match(all[i + 1], '^%a|(%d+)|'))
   end
 end
+-- (only fields that exist: a script's first write decides whether it may run on a
+-- server out of memory, and resetting an empty session must not bypass that check)
+if R[1] then for _, f in ipairs({ 'lo', 'le', 'ul', 'vs', 'vd' }) do dead[#dead + 1] = f end end
+if R[2] then dead[#dead + 1] = 'qs' end
+if R[3] then dead[#dead + 1] = 'qd' end
 for i = 1, #dead, 1000 do redis.call('HDEL', key, unpack(dead, i, math.min(i + 999, #dead))) end
+if R[1] then members[#members + 1] = sid .. '|' .. LEASE end
 if #members > 0 then redis.call('ZREM', KEYS[2], unpack(members)) end
 redis.call('HINCRBY', key, 'x:resets', 1)
 local args = { 'ep', H.ep + 1, 'fr', H.W - H.S - H.T - H.out - H.F_w - H.F_m, 'nv', 0,

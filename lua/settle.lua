@@ -5,7 +5,8 @@
 -- KEYS[3]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
 -- KEYS[4]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
--- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
+-- ARGV[2]  epoch[@turn]             integer; older than the session's -> LEDGER_STALE; @turn:
+--                                  a call of that turn (see `fence`)
 -- ARGV[3]  session id              the member prefix in the deadline index
 -- ARGV[4]  reservation id
 -- ARGV[5]  actual tokens           1..1e8, lower or higher than the estimate
@@ -21,11 +22,12 @@
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED,
 --         LEDGER_NORESERVATION (not open: settled, voided, expired and swept, or never made),
 --         LEDGER_EXPIRED (its deadline has passed on Redis's clock),
---         LEDGER_CONFLICT (the consumer already holds the item id).
+--         LEDGER_CONFLICT (the consumer already holds the item id), LEDGER_TURNHELD,
+--         LEDGER_TURNLOST (see `fence` in _common.lua).
 -- Calls: HMGET, TIME, HSET, HDEL, ZREM (HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due; HINCRBY and
 --        HMGET of HW, out, W, kf, pm on refusal or while a compaction is pending).
 
-local op, fp, epoch = op_args('settle', false)
+local op, fp, epoch, tok = op_args('settle', false)
 local sid, rid, actual, item, prio
 sid = session_arg(ARGV[3])
 rid = id_arg(ARGV[4], 'reservation id')
@@ -36,7 +38,7 @@ if #ARGV ~= 7 then fail('BADARG', 'expected 7 arguments, got ' .. #ARGV) end
 
 key_arg(2, 'deadlines')
 local key = KEYS[1]
-local res, again = open_reservation(key, op, fp, epoch, rid)
+local res, again = open_reservation(key, op, fp, epoch, rid, tok)
 if again then return again end
 local c, est, deadline = res.c, res.est, res.deadline
 local g = GROUP[c]
@@ -76,5 +78,6 @@ local args = { 'i:' .. c .. ':' .. item, actual .. '|' .. H.tn .. '|' .. prio ..
   'sq', H.sq + 1, 'fr', fr, 'a_' .. g, a - est + actual, 'u_' .. c, H['u_' .. c] + actual,
   'n_' .. c, H['n_' .. c] + 1, 'v_' .. c, H['v_' .. c] - est, 'nv', H.nv - 1 }
 if pm then args[#args + 1], args[#args + 2] = 'pm', pm + actual - est end
+if res.in_turn then args[#args + 1], args[#args + 2] = 'ul', journal(res.ul, { 'r:' .. rid }, { res.rec }) end
 return commit(key, now, op, fp, reply({ 'status=ok', 'reservation=' .. rid, 'item=' .. item,
   'charged=' .. actual, 'free=' .. fr, 'epoch=' .. H.ep, 'turn=' .. H.tn }), args, J)

@@ -6,7 +6,9 @@
 -- Reply: now=<ms>|<field>=<value>|... for every numeric field of the session hash
 --        (see _common.lua), the last end_turn's drift (dt tolerance, dr drift, dp prompt,
 --        df flagged) and x:<counter> telemetry counters; the client derives
---        utilization, residual working memory and regime from them.
+--        utilization, residual working memory and regime from them. Then the open
+--        turn: le its lease's end (0: no turn open), te the last turn ended, and last
+--        lo=<owner> (empty when no turn is open), the one field that is not a number.
 -- Errors: LEDGER_NOSESSION.
 -- Calls: HMGET, TIME, HGETALL only when telemetry counters are asked for (never).
 
@@ -14,10 +16,12 @@ local FIELDS = { 'ep', 'tn', 'sq', 'W', 'S', 'T', 'out', 'F_w', 'F_m', 'HW', 'EV
   'a_w', 'a_m', 'a_s', 'u_w', 'u_r', 'u_m', 'u_s', 'n_w', 'n_r', 'n_m', 'n_s',
   'v_w', 'v_r', 'v_m', 'v_s', 'nv', 'ttl', 'ort', 'cd', 'kf', 'kn', 'rq', 'ai', 'an', 'ws',
   'inc', 'ca', 'dt', 'dr', 'dp', 'df', 'kg', 'pm', 'x:drift', 'x:reconciled', 'x:refused',
-  'x:refused_pending', 'x:expired', 'x:spilled', 'x:starvation', 'x:failed_compactions', 'x:resets' }
+  'x:refused_pending', 'x:expired', 'x:spilled', 'x:starvation', 'x:failed_compactions', 'x:resets',
+  'x:rolled_back', 'le', 'te', 'lo' }
 local v = redis.call('HMGET', KEYS[1], unpack(FIELDS))
 if not v[1] then fail('NOSESSION', NOSESSION) end
 local out = { 'now=' .. now_ms() }
 -- A session opened before drift detection has no tolerance (dt): -1, not judged.
-for i = 1, #FIELDS do out[#out + 1] = FIELDS[i] .. '=' .. (v[i] or (FIELDS[i] == 'dt' and '-1' or '0')) end
+for i = 1, #FIELDS - 1 do out[#out + 1] = FIELDS[i] .. '=' .. (v[i] or (FIELDS[i] == 'dt' and '-1' or '0')) end
+out[#out + 1] = 'lo=' .. (v[#FIELDS] or '')
 return reply(out)

@@ -5,15 +5,17 @@
 -- KEYS[3]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
 -- KEYS[4]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
--- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
+-- ARGV[2]  epoch[@turn]             integer; older than the session's -> LEDGER_STALE; @turn:
+--                                  a call of that turn (see `fence`)
 -- ARGV[3]  session id              the member prefix in the deadline index
 -- ARGV[4]  reservation id
 --
 -- Reply: status=ok|reservation=<id>|released=<tokens>|free=<tokens>|epoch=<n>|turn=<n>
--- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED, LEDGER_NORESERVATION.
+-- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED, LEDGER_NORESERVATION,
+--         LEDGER_TURNHELD, LEDGER_TURNLOST (see `fence` in _common.lua).
 -- Calls: HMGET, TIME, HSET, HDEL, ZREM (HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due).
 
-local op, fp, epoch = op_args('void', false)
+local op, fp, epoch, tok = op_args('void', false)
 local sid, rid
 sid = session_arg(ARGV[3])
 rid = id_arg(ARGV[4], 'reservation id')
@@ -21,7 +23,7 @@ if #ARGV ~= 4 then fail('BADARG', 'expected 4 arguments, got ' .. #ARGV) end
 
 key_arg(2, 'deadlines')
 local key = KEYS[1]
-local res, again = open_reservation(key, op, fp, epoch, rid)
+local res, again = open_reservation(key, op, fp, epoch, rid, tok)
 if again then return again end
 local c, est = res.c, res.est
 local g = GROUP[c]
@@ -31,7 +33,7 @@ local a = H['a_' .. g]
 local fr = H.fr - claim_delta(a, -est, H['F_' .. g] or 0)
 redis.call('HDEL', key, 'r:' .. rid)
 redis.call('ZREM', KEYS[2], sid .. '|' .. rid)
+local args = { 'fr', fr, 'a_' .. g, a - est, 'v_' .. c, H['v_' .. c] - est, 'nv', H.nv - 1 }
+if res.in_turn then args[#args + 1], args[#args + 2] = 'ul', journal(res.ul, { 'r:' .. rid }, { res.rec }) end
 return commit(key, now, op, fp, reply({ 'status=ok', 'reservation=' .. rid, 'released=' .. est,
-  'free=' .. fr, 'epoch=' .. H.ep, 'turn=' .. H.tn }),
-  { 'fr', fr, 'a_' .. g, a - est, 'v_' .. c, H['v_' .. c] - est, 'nv', H.nv - 1 },
-  { gz = H.gz, xp = H.xp })
+  'free=' .. fr, 'epoch=' .. H.ep, 'turn=' .. H.tn }), args, { gz = H.gz, xp = H.xp })

@@ -193,47 +193,54 @@ def test_drift_warns_by_default(ledger: Ledger) -> None:
         t.prompt(TOK(SYSTEM) + 100)
 
 
-def test_retrieval_waits_for_a_pending_compaction_then_admits(ledger: Ledger) -> None:
+def test_the_next_turn_waits_for_a_pending_compaction_before_it_begins(ledger: Ledger) -> None:
+    """Credit ordering from the caller's side: a compaction commits only between turns
+    (never under a running one), so the turn after the one that made it due waits for it
+    (bounded, before taking the lease), then admits its retrieval on the compacted
+    history."""
     s = ledger.open_session(
         f"s-{uuid.uuid4().hex[:8]}", budget(high_water_mark=0.2, framing_tolerance=None)
     )
-    agent = Agent(s, TOK, compaction_wait=5.0, poll_interval=0.02)
+    agent = Agent(s, TOK, await_compaction=5.0, poll_interval=0.02)
     with agent.turn() as t:
         wm = [{"id": f"m{i}", "content": "gamma delta " * 100} for i in range(8)]
         assert not t.admit("working_memory", wm).refused
         t.prompt([SYSTEM, *wm])
     assert t.report is not None and t.report.compaction_due
-    with agent.turn() as t:
-        # Another worker commits the compaction a moment later.
-        def compactor() -> None:
-            time.sleep(0.2)
-            s2 = ledger.session(s.id)
-            s2.compact([w["id"] for w in wm[:7]], Item("summary", 50))
 
-        th = threading.Thread(target=compactor)
-        th.start()
-        started = time.monotonic()
+    # Another process commits the compaction a moment later (between turns).
+    def compactor() -> None:
+        time.sleep(0.2)
+        ledger.session(s.id).compact([w["id"] for w in wm[:7]], Item("summary", 50))
+
+    th = threading.Thread(target=compactor)
+    th.start()
+    started = time.monotonic()
+    with agent.turn() as t:
+        assert time.monotonic() - started >= 0.15  # it waited before beginning
         got = t.admit("retrieval", [doc(5)])
-        th.join()
-        assert got.kept and not got.refused and time.monotonic() - started >= 0.15
-        t.prompt(100)  # (drift not judged here: the compactor's summary is not an app object)
+        assert got.kept and not got.refused
+        # the compaction is delivered to this turn: its replaced items leave the prompt
+        assert {o["id"] for o in t.dropped} == {w["id"] for w in wm[:7]}
+        t.prompt(100)
+    th.join()
 
 
 def test_retrieval_refused_honestly_when_the_compaction_does_not_come(ledger: Ledger) -> None:
     s = ledger.open_session(
         f"s-{uuid.uuid4().hex[:8]}", budget(high_water_mark=0.2, framing_tolerance=None)
     )
-    agent = Agent(s, TOK, compaction_wait=0.2, poll_interval=0.05)
+    agent = Agent(s, TOK, await_compaction=0.2, poll_interval=0.05)
     with agent.turn() as t:
         t.admit(
             "working_memory", [{"id": f"m{i}", "content": "gamma delta " * 100} for i in range(8)]
         )
         t.prompt(100)
+    started = time.monotonic()
     with agent.turn() as t:
-        started = time.monotonic()
+        assert time.monotonic() - started >= 0.2  # the bounded wait, then the turn
         got = t.admit("retrieval", [doc(5, words=2_300)])
         assert not got.kept and got.reason == "compaction_pending"
-        assert time.monotonic() - started >= 0.2
         t.prompt(100)
 
 

@@ -746,7 +746,10 @@ def test_reserve_script_refuses_a_session_id_other_than_its_key(
                 k, "op-keys", s.epoch, Consumer.SCRATCHPAD, "res9", 5, 60_000
             ),
         ),
-        ("begin_turn", lambda k, s: protocol.begin_turn(k, "op-keys", s.epoch, 10, None)),
+        (
+            "begin_turn",
+            lambda k, s: protocol.begin_turn(k, "op-keys", s.epoch, 10, None, "owner-1", 60_000),
+        ),
         ("admit_tool", lambda k, s: protocol.admit_tool(k, "op-keys", s.epoch, "call-1", 5, b"{}")),
     ],
 )

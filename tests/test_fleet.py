@@ -71,19 +71,20 @@ def led() -> Iterator[Ledger]:
 
 @pytest.mark.embedded
 def test_simulated_agent_is_the_agent_layer_and_waits_for_the_compaction(led: Ledger) -> None:
-    """The demo's agents are ledger.agent.Agent: at a pending compaction, retrieval
-    waits (bounded) for the background worker, then is admitted against the landed
-    baseline; the ledger's refusal reasons reach the demo with their bound."""
+    """The demo's agents are ledger.agent.Agent: at a pending compaction, the next turn
+    waits (bounded, before it begins: a compaction commits between turns) for the
+    background worker, then retrieval is admitted against the landed baseline; the
+    ledger's refusal reasons reach the demo with their bound."""
     agent = SimAgent(led, "agent/wait", decay.BUDGET)
     assert isinstance(agent.agent, Agent)
     agent.begin(1_000)
     agent.admit(Consumer.WORKING_MEMORY, [Doc(f"h{k}", 10_000) for k in range(10)])
     agent.end(100_000)
     assert agent.snapshot().compaction_pending
-    agent.begin(1_000)
     with background_worker(led.settings, "ledger.fleet.decay:compactor"):
-        got, waited = agent.admit_waiting(Consumer.RETRIEVAL, [Doc("c", 30_000)])
-    assert waited and [d.id for d in got.kept] == ["c"]
+        agent.begin(1_000)
+        got = agent.admit(Consumer.RETRIEVAL, [Doc("c", 30_000)])
+    assert agent.waited and [d.id for d in got.kept] == ["c"]
     assert not agent.snapshot().compaction_pending
     assert led.audit("agent/wait").clean
     # Past the post-compaction bound with no worker: the agent's wait runs out and the
@@ -92,10 +93,11 @@ def test_simulated_agent_is_the_agent_layer_and_waits_for_the_compaction(led: Le
     agent.begin(1_000)
     agent.admit(Consumer.WORKING_MEMORY, [Doc(f"k{k}", 10_000) for k in range(6)])
     agent.end(110_000)
-    agent.agent.core.compaction_wait = 0.05
+    agent.agent.core.await_compaction = 0.05
+    agent.waited = False
     agent.begin(1_000)
-    got, waited = agent.admit_waiting(Consumer.RECALL, [Doc("r", 40_000)])
-    assert waited and not got.kept and got.reason == "compaction_pending"
+    got = agent.admit(Consumer.RECALL, [Doc("r", 40_000)])
+    assert agent.waited and not got.kept and got.reason == "compaction_pending"
     assert (agent.refusals[-1].reason, agent.refusals[-1].bound) == (
         "compaction_pending",
         "pending",

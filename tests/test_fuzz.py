@@ -100,7 +100,8 @@ def assert_audit_clean(ledger: Ledger, s: Session, label: str) -> None:
 
 
 def good_call(name: str, s: Session, turn: int) -> protocol.Call[Any]:
-    k, op, ep = s.keys, new_op_id(), s.epoch
+    k, op, e = s.keys, new_op_id(), s.epoch
+    ep = protocol.stamp(e, turn)  # the calls of the open turn (docs/agent.md#turn-leases)
     calls: dict[str, Callable[[], protocol.Call[Any]]] = {
         "open": lambda: protocol.open_session(k, op, BUDGET, 300_000),
         "admit": lambda: protocol.admit(
@@ -111,15 +112,17 @@ def good_call(name: str, s: Session, turn: int) -> protocol.Call[Any]:
         "settle": lambda: protocol.settle(k, op, ep, "res1", 450, "out1", 3),
         "void": lambda: protocol.void(k, op, ep, "res1"),
         "expire": lambda: protocol.expire(k, op, ["res1"]),
-        "reset": lambda: protocol.reset(k, op, ep, "operator"),
-        "begin_turn": lambda: protocol.begin_turn(k, op, ep, 1_000, None),
-        "record_span": lambda: protocol.record_span(k, op, ep, turn, "recall", 100, 10),
-        "end_turn": lambda: protocol.end_turn(k, op, ep, turn, 5_000, 0),
+        "reset": lambda: protocol.reset(k, op, e, "operator"),
+        "begin_turn": lambda: protocol.begin_turn(k, op, e, 1_000, None, s.owner, 60_000),
+        "record_span": lambda: protocol.record_span(k, op, e, turn, "recall", 100, 10),
+        "end_turn": lambda: protocol.end_turn(k, op, e, turn, 5_000, 0),
+        "abort_turn": lambda: protocol.abort_turn(k, op, e, turn),
+        "renew_turn": lambda: protocol.renew_turn(k, op, e, turn, 30_000),
         "compact": lambda: protocol.compact(
             k, op, ep, ["turn1", (Consumer.RETRIEVAL, "doc2")], Item("sum1", 50)
         ),
         "admit_tool": lambda: protocol.admit_tool(k, op, ep, "call-1", 200, b'{"ok": 1}'),
-        "delete": lambda: protocol.delete(k, op, ep),
+        "delete": lambda: protocol.delete(k, op, e),
         "reconcile": lambda: protocol.reconcile(
             k, op, ep, {"retrieval": [Item("doc1", 300), Item("new3", 40, 2)]}
         ),

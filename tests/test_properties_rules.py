@@ -46,6 +46,7 @@ the defects this model found, kept as regression tests since their fixes.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 import warnings
 from collections import Counter
@@ -199,6 +200,9 @@ class Model:
     pu: int = -1
     te: int | None = None
     df: bool = False  # the last end_turn flagged drift (here: a prompt over the window)
+    open: bool = False  # a turn holds the lease (begun, not ended)
+    qs: list[str] = field(default_factory=list)  # deliveries queued for the next turn
+    qd: list[tuple[str, str]] = field(default_factory=list)
     x: Counter[str] = field(default_factory=Counter)  # telemetry counters, 'x:' dropped
     jobs: list[tuple[str, str, str]] = field(default_factory=list)  # (kind, reason, op)
     spills: dict[str, bytes] = field(default_factory=dict)
@@ -431,6 +435,10 @@ class Model:
         if due and self.cd != 1:
             self.cd, self.pm = 1, 0
             self.enqueue("compact", op_id, "high_water_mark")
+        # The turn takes the lease and its deliveries: the summaries and drops of the
+        # compactions committed outside a turn.
+        summaries, dropped = tuple(self.qs), pairs(self.qd)
+        self.qs, self.qd, self.open = [], [], True
         return TurnStarted(
             regime,
             self.tn,
@@ -444,6 +452,8 @@ class Model:
             rollup,
             self.free(),
             self.ep,
+            summaries,
+            dropped,
         )
 
     def _tool(self, op_id: str, call: str, tokens: int) -> Outcome:
@@ -502,12 +512,21 @@ class Model:
             "s": sum(r.tokens for r in after["s"].values()),
         }
         fits = self.free(a=a) >= 0
+        gone = [(c, i) for c, i in refs if i in self.items[c]]
         if fits:
             self.items = after
             if sum_t > 0:
                 self.add("w", sum_id, sum_t, 1000)
         else:
-            dropped, sum_t = 0, 0
+            dropped, sum_t, gone = 0, 0, []
+        if not self.open and (gone or sum_t > 0):
+            # a compaction of no turn: its deliveries wait for the next turn (a summary not
+            # delivered yet that it replaces leaves the queue)
+            drops = [(c, i) for c, i in gone if not (c == "w" and i in self.qs)]
+            self.qs = [q for q in self.qs if ("w", q) not in gone]
+            if sum_t > 0:
+                self.qs.append(sum_id)
+            self.qd += drops
         occ = self.occupancy()
         gain = before - occ
         deferred = fits and occ <= self.HW and gain < self.b.compaction_min_gain_tokens
@@ -548,8 +567,8 @@ class Model:
         )
 
     def _span(self, op_id: str, turn: int, tin: int, tout: int) -> Outcome:
-        if turn != self.tn or self.te == turn:  # not the current turn, or one ended
-            return ("error", "InvalidArgument")
+        if turn != self.tn or self.te == turn:  # not the open turn, or one ended
+            return ("error", "TurnLost")
         prompt = max(1, self.occupancy())
         ratio = self.ai * 1000 // prompt
         amp = self.permille["amp"]
@@ -563,7 +582,7 @@ class Model:
 
     def _end(self, op_id: str, turn: int, final: int, trend: int) -> Outcome:
         if turn != self.tn or self.te == turn:
-            return ("error", "InvalidArgument")
+            return ("error", "TurnLost")
         pm = self.permille
         ratio = self.ai * 1000 // final
         util = final * 1000 // W
@@ -590,6 +609,7 @@ class Model:
         if flag != "none":
             self.x["drift"] += 1
         self.pu, self.cd, self.te, self.df = util, int(due), turn, flag != "none"
+        self.open = False
         return TurnReport(
             self.tn,
             ratio / 1000,
@@ -618,6 +638,11 @@ class RulesMachine(ModelMachine):
     def send(self, op: Op) -> Outcome:
         assert self.session is not None
         return send(self.session, op)
+
+    def same(self, actual: Outcome, expected: Outcome) -> bool:
+        if isinstance(actual, TurnStarted):  # the lease's end is Redis's clock's
+            actual = dataclasses.replace(actual, lease_until_ms=0)
+        return bool(actual == expected)
 
     def seen(self, op: Op, actual: Outcome) -> None:
         if isinstance(actual, ToolResult) and actual.spilled:

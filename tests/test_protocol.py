@@ -186,7 +186,7 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
     opened, other, admit = VECTORS["calls"]
     key, out, old = opened["keys"]
     assert (out, old) == (VECTORS["keys"]["outcomes"], VECTORS["keys"]["outcomes_old"])
-    everything = (key, out, old, VECTORS["keys"]["jobs"])
+    everything = (key, out, old, VECTORS["keys"]["jobs"], VECTORS["keys"]["deadlines"])
     r.delete(*everything)
 
     def bucket(name: str, op_id: str) -> str:
@@ -251,14 +251,23 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
         # A turn that ends above the high-water mark (5760 of 8000) writes a compaction
         # job to the partition's stream, with the fields of docs/protocol.md, in order.
         sid, jobs = opened["session_id"], VECTORS["keys"]["jobs"]
-        got = _reply(
-            r.eval(text["begin_turn"], 4, key, jobs, out, old, "op-b1", epoch, "0", "-", sid)
-        )
-        assert (got["status"], got["turn"]) == ("ok", "1")
-        w1 = ["op-w1", epoch, "w", "all", "1", "turn-1", "6000", "0"]
+        dl = VECTORS["keys"]["deadlines"]
+        begin = [key, jobs, dl, out, old, "op-b1", epoch, "0", "-", sid, "node-1", "30000", "0"]
+        got = _reply(r.eval(text["begin_turn"], 5, *begin))
+        assert (got["status"], got["turn"], got["rolled_back"]) == ("ok", "1", "0")
+        assert r.zscore(dl, f"{sid}|~") == int(got["lease"])  # the turn lease's member
+        # The turn is held: another owner's begin_turn and a call of no turn are refused.
+        other_begin = [*begin[:5], "op-b2", *begin[6:10], "node-2", "30000", "0"]
+        with pytest.raises(redis.ResponseError, match=r"^LEDGER_TURNHELD turn 1 is held by node-1"):
+            r.eval(text["begin_turn"], 5, *other_begin)
+        with pytest.raises(redis.ResponseError, match=r"^LEDGER_TURNHELD "):
+            r.eval(text["admit"], 3, key, out, old, "op-w0", epoch, "w", "all", "1", "x", "1", "0")
+        # The turn's calls carry '<epoch>@<turn>'.
+        w1 = ["op-w1", f"{epoch}@1", "w", "all", "1", "turn-1", "6000", "0"]
         r.eval(text["admit"], 3, key, out, old, *w1)
-        end = [key, jobs, out, old, "op-e1", epoch, "1", "6700", "0", sid]
-        assert _reply(r.eval(text["end_turn"], 4, *end))["compaction_due"] == "1"
+        end = [key, jobs, dl, out, old, "op-e1", epoch, "1", "6700", "0", sid, "ck-1"]
+        assert _reply(r.eval(text["end_turn"], 5, *end))["compaction_due"] == "1"
+        assert r.zscore(dl, f"{sid}|~") is None and r.hget(key, "cm") == b"ck-1"
         [(_, fields)] = r.xrange(jobs)
         table = re.search(
             r"## The job stream\n.*?\| field \| value \|\n\| --- \| --- \|\n(.*?)\n\n", DOC, re.S

@@ -25,8 +25,12 @@ from ledger.models import Consumer, HeldItem, Item
 class CompactionRequest:
     session_id: str
     epoch: int
+    # the turn this compaction prepares: the open turn, or the next one when none is open
+    # (a compaction commits between turns); items of earlier turns are its history
     turn: int
-    items: tuple[HeldItem, ...]  # everything the session holds, oldest first
+    # what the session holds of its committed history, oldest first: an open turn's own
+    # items are left out (that turn may yet be rolled back, docs/agent.md#turn-leases)
+    items: tuple[HeldItem, ...]
     occupancy: int
     high_water_mark: int
     window: int

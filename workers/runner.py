@@ -72,13 +72,17 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ledger import backends, health, protocol
 from ledger.client import Ledger
+from ledger.core import new_op_id
 from ledger.errors import (
     ConfigurationError,
+    LedgerError,
     OperationIdReused,
     StaleEpoch,
     UnknownSession,
+    translated,
 )
 from ledger.extras import missing
+from ledger.models import Compaction
 from ledger.workers import compactors
 from ledger.workers.trouble import TRANSIENT, Backoff, kind_of
 
@@ -149,6 +153,13 @@ class WorkerSettings(BaseSettings):
     health_interval: float = Field(
         default=60.0, gt=0, description="seconds between checks of the Redis settings"
     )
+    turn_wait: float = Field(
+        default=30.0,
+        gt=0,
+        description="seconds a compaction ready to commit waits for the session's open turn "
+        "to end (it never changes the prompt under a running turn); then the job is left "
+        "pending, uncounted, for a later claim",
+    )
 
 
 class Metrics:
@@ -207,6 +218,21 @@ class Metrics:
             "Job streams (or their consumer group) found missing: their jobs may be lost",
             registry=r,
         )
+        self.waited_turns = Counter(
+            "ledger_compactions_waited_for_turn",
+            "Compaction commits that found the session's turn open and waited for it to end",
+            registry=r,
+        )
+        self.deferred = Counter(
+            "ledger_jobs_deferred",
+            "Jobs left pending because the session's turn stayed open past turn_wait",
+            registry=r,
+        )
+        self.rolled_back = Counter(
+            "ledger_turns_rolled_back",
+            "Turns rolled back by the worker because their lease lapsed (a dead owner)",
+            registry=r,
+        )
         self.config_ok = Gauge(
             "ledger_redis_config_ok",
             "1: the Redis settings the ledger needs are verified (noeviction, persistence, no "
@@ -219,6 +245,11 @@ class Metrics:
 class JobOutcome:
     kind: str
     effect: str  # applied | already | skipped
+
+
+class CompactionDeferred(LedgerError):
+    """A compaction ready to commit found the session's turn still open after
+    ``turn_wait``: the job stays pending, its delivery uncounted, for a later claim."""
 
 
 # What the worker says when it meets each kind of Redis trouble (the log line's msg).
@@ -594,6 +625,13 @@ class Worker:
                 return 0
         try:
             outcome = self.handle(eid, fields)
+        except CompactionDeferred as exc:
+            # Not a failure: the session's turn is still running. The job stays pending
+            # (its delivery uncounted, so it is never dead-lettered for it) for a claim.
+            self._uncount(stream, eid, deliveries)
+            self.metrics.deferred.inc()
+            log.info("job deferred", extra={"job": eid, "kind": kind, "why": str(exc)})
+            return 0
         except Exception as exc:
             trouble = kind_of(exc)
             if trouble in TRANSIENT:
@@ -732,14 +770,14 @@ class Worker:
             # compaction would replace. Running the compactor again would only count
             # failures past the maximum.
             return JobOutcome("compact", "skipped")
-        items = tuple(self.ledger.items(sid))
+        turn, items = self._history(keys.session)
         contents = self._contents(keys.content, items)
         plan = self._run_compactor(
             self.compactor,
             compactors.CompactionRequest(
                 sid,
                 epoch,
-                snap.turn,
+                turn,
                 items,
                 snap.occupancy,
                 snap.high_water_mark,
@@ -750,19 +788,62 @@ class Worker:
         if plan.summary is not None and plan.summary_text is not None:
             # Before the commit: whenever the summary item exists, so does its text.
             self._record_summary(keys, plan, int(snap.raw.get("ttl") or 86_400_000))
+        # Each replaced item at the version the compactor read: one released and
+        # admitted again since (with other text) stays.
+        seqs = {(i.consumer, i.id): i.seq for i in items}
+        replaced = [(c, i, seqs[(c, i)]) if (c, i) in seqs else (c, i) for c, i in plan.replaced]
         # The job's entry id goes with the call: compact.lua deletes the entry with the
         # effect, and answers 'already' when it is gone (committed before, by a worker
         # that died before acknowledging it), whatever the op retention.
-        call = protocol.compact(
-            keys, f"job-{job_id}", epoch, plan.replaced, plan.summary, job=job_id
-        )
+        call = protocol.compact(keys, f"job-{job_id}", epoch, replaced, plan.summary, job=job_id)
         try:
-            done = self.ledger.run(call)
+            done = self._commit_between_turns(keys, call)
         except (StaleEpoch, UnknownSession, OperationIdReused):
+            if plan.summary is not None and plan.summary_text is not None:
+                self._tidy_summaries(keys, plan, applied=False)
             return JobOutcome("compact", "already")
+        except CompactionDeferred:
+            if plan.summary is not None and plan.summary_text is not None:
+                self._tidy_summaries(keys, plan, applied=False)
+            raise
         if plan.summary is not None and plan.summary_text is not None:
             self._tidy_summaries(keys, plan, applied=bool(done.summary))
         return JobOutcome("compact", "already" if done.outcome == "already" else "applied")
+
+    def _history(self, session_key: str) -> tuple[int, tuple[Any, ...]]:
+        """The turn the compaction prepares (the open one, else the next) and the items of
+        the session's committed turns, from one HGETALL: an open turn's own items may yet
+        be rolled back, so no summary may hold them."""
+        with translated():
+            fields = self.ledger.client.hgetall(session_key)
+        text = {_str(k): _str(v) for k, v in fields.items() if _str(k) in ("tn", "lo")}
+        tn = int(text.get("tn") or 0)
+        return (tn if "lo" in text else tn + 1), tuple(protocol.committed_items(fields))
+
+    def _commit_between_turns(self, keys: Any, call: Any) -> Compaction:
+        """Commit a compaction, after the session's open turn if one is open: compact.lua
+        changes nothing while a turn holds the lease (outcome turn_open). A lapsed lease is
+        rolled back (expire.lua) and the commit tried again; a live one is waited for, up
+        to ``turn_wait`` seconds (then CompactionDeferred: the job stays pending)."""
+        deadline = time.monotonic() + self.settings.turn_wait
+        while True:
+            done: Compaction = self.ledger.run(call)
+            if done.outcome != "turn_open":
+                return done
+            self.metrics.waited_turns.inc()
+            snap = self.ledger.run(protocol.snapshot(keys))
+            if snap.turn_owner is None:
+                continue
+            left = snap.lease_left_ms or 0
+            if left < 0:
+                self.ledger.run(protocol.expire(keys, new_op_id(), [protocol.LEASE_MEMBER]))
+                continue
+            if time.monotonic() >= deadline:
+                raise CompactionDeferred(
+                    f"session {keys.session_id!r}: turn {snap.turn} of {snap.turn_owner} still "
+                    f"open after {self.settings.turn_wait:g} s"
+                )
+            time.sleep(min(0.05, left / 1000, max(deadline - time.monotonic(), 0.001)))
 
     def _contents(self, key: str, items: tuple[Any, ...]) -> dict[str, str]:
         """The stored texts of the held items ('<c>:<id>' -> text)."""
@@ -814,7 +895,9 @@ class Worker:
         released = 0
         for p in self._with_leases() if partitions is None else partitions:
             try:
-                released += self.ledger.expire_due(p)
+                reservations, turns = self.ledger.sweep_partition(p)
+                released += reservations + turns
+                self.metrics.rolled_back.inc(turns)
             except Exception as exc:
                 kind = kind_of(exc)
                 if kind is None or kind in _WHOLE_PASS:
@@ -1165,9 +1248,13 @@ _Groups = dict[tuple[int, str], list[tuple[Any, Any, bool]]]
 
 
 def _collect(groups: _Groups, p: int, entries: list[tuple[Any, Any]], claimed: bool) -> None:
-    """Add a partition's entries read to the jobs by (partition, session), in order."""
+    """Add a partition's entries read to the jobs by (partition, session), in order. An
+    entry already there (read by this pass, then claimed by it as idle: reading the other
+    partitions took longer than claim_idle_ms) is done once."""
     for entry_id, fields in entries:
-        groups.setdefault((p, _field(fields, "session")), []).append((entry_id, fields, claimed))
+        jobs = groups.setdefault((p, _field(fields, "session")), [])
+        if all(_str(e) != _str(entry_id) for e, _, _ in jobs):
+            jobs.append((entry_id, fields, claimed))
 
 
 async def _awaited(aw: Awaitable[T]) -> T:

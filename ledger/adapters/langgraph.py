@@ -2,12 +2,19 @@
 
 Glue, beyond the graph itself::
 
-    gov = LedgerGraph(Agent(session, TiktokenCounter()), summarize=my_summarizer)
+    gov = LedgerGraph(Agent(session, TiktokenCounter()), checkpointer=saver)
     docs: Annotated[list[Document], merge_docs]      # in the graph's state
     model = gov.model(chat_model)                    # measures every real prompt
-    gov.govern(builder)                              # before builder.compile()
-    with gov.turn(working_set=2_000):                # around each graph.invoke
-        graph.invoke({...})
+    graph = gov.govern(builder).compile(checkpointer=saver)
+    with gov.turn(working_set=2_000, config=config) as turn:   # around each invoke
+        graph.invoke({...}, turn.config)
+
+In a fleet every process serves any turn: the conversation lives in the graph's
+checkpointer, the budget in the ledger, and each ended turn records the checkpoint it
+committed in the ledger (its commit mark). The next turn, on any process, starts from
+that checkpoint (``turn.config`` pins it): a turn whose process died mid-way is rolled
+back in the ledger and its checkpoints are left on a dead branch, so both start again
+from the last committed turn.
 
 Every node's update passes through the ledger before it reaches the state: new
 messages are admitted to working memory, ``ToolMessage`` results are admitted whole
@@ -20,8 +27,9 @@ with the last prompt plus the answer it produced, so drift shows on that turn.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -47,8 +55,9 @@ try:
         ToolMessage,
     )
     from langchain_core.runnables import Runnable, RunnableConfig, RunnableLambda
+    from langgraph.graph.message import REMOVE_ALL_MESSAGES, add_messages
 except ImportError as exc:  # pragma: no cover - exercised without the extra
-    raise missing("langchain-core", "langgraph", "the LangGraph adapter") from exc
+    raise missing("langgraph", "langgraph", "the LangGraph adapter") from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +90,19 @@ def _consumer(msg: BaseMessage) -> Consumer:
     return Consumer.SCRATCHPAD if isinstance(msg, ToolMessage) else Consumer.WORKING_MEMORY
 
 
+class GraphTurn:
+    """One governed graph invocation: the agent layer's :class:`~ledger.agent.Turn`
+    (``report``, ``number``, ``dropped``, ``summaries``, ``rolled_back``...) and the
+    ``config`` to invoke the graph with (pinned to the last committed checkpoint)."""
+
+    def __init__(self, turn: Turn, config: RunnableConfig | None) -> None:
+        self.turn = turn
+        self.config = config
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.turn, name)
+
+
 class LedgerGraph:
     """Governs a LangGraph graph's state with an :class:`~ledger.agent.Agent`.
 
@@ -94,12 +116,16 @@ class LedgerGraph:
         self,
         agent: Agent,
         *,
+        checkpointer: Any = None,
         messages_key: str = "messages",
         retrieval_keys: Sequence[str] = ("docs",),
         summarize: Callable[[list[Obj]], str] | None = None,
         keep_messages: int = 4,
     ) -> None:
         self.agent = agent
+        # The graph's checkpointer (a BaseCheckpointSaver): each ended turn records the
+        # checkpoint it committed, and the next turn starts from it (turn.config).
+        self.checkpointer = checkpointer
         self.messages_key = messages_key
         self.retrieval_keys = tuple(retrieval_keys)
         self.summarize = summarize
@@ -126,8 +152,14 @@ class LedgerGraph:
 
         def governed(state: Any, config: RunnableConfig) -> Any:
             turn = self._turn()
+            pre: dict[str, list[Any]] = {}
+            if self._fresh:
+                # The turn's first node, whichever it is: the deliveries (what the ledger
+                # reclaimed, the worker's summaries) reach the state the node sees, so
+                # that a model call in it already has the compacted history.
+                pre = self._start(turn, state)
+                state = self._merged(state, pre)
             self._track(state)
-            pre = self._start(turn, state) if self._fresh else {}
             update = runnable.invoke(state, config)
             return self._apply(turn, state, update, pre)
 
@@ -151,22 +183,73 @@ class LedgerGraph:
         return RunnableLambda(call)
 
     @contextmanager
-    def turn(self, working_set: int = 0, output_reserve: int | None = None) -> Iterator[Turn]:
-        """One graph invocation as one ledger turn: begin_turn, then end_turn with the
-        real prompt (the last one the model was sent, plus its answer)."""
-        turn = self.agent.turn(working_set, output_reserve)
-        turn.__enter__()
-        snap = self.agent.session.snapshot()
-        reserve = snap.output_reserve if output_reserve is None else output_reserve
-        self.limit = snap.window - reserve
-        self.current, self.last_prompt, self._fresh = turn, None, True
-        try:
-            yield turn
-            if self.last_prompt is None:
-                raise InvalidArgument("the turn called no governed model: wrap it with gov.model()")
-            turn.end(self.last_prompt)
-        finally:
-            self.current = None
+    def turn(
+        self,
+        working_set: int = 0,
+        output_reserve: int | None = None,
+        *,
+        config: RunnableConfig | None = None,
+        wait: float = 0.0,
+        takeover: bool = False,
+    ) -> Iterator[GraphTurn]:
+        """One graph invocation as one ledger turn: begin_turn (the turn lease), then
+        end_turn with the real prompt (the last one the model was sent, plus its answer)
+        and, with a checkpointer, the checkpoint the turn committed. Invoke the graph with
+        ``turn.config``: ``config`` pinned to the last committed checkpoint. An exception
+        rolls the turn back. ``wait`` / ``takeover``: see ``Agent.turn``."""
+        with self.agent.turn(working_set, output_reserve, wait=wait, takeover=takeover) as turn:
+            snap = self.agent.session.snapshot()
+            reserve = snap.output_reserve if output_reserve is None else output_reserve
+            self.limit = snap.window - reserve
+            self.current, self.last_prompt, self._fresh = turn, None, True
+            try:
+                yield GraphTurn(turn, self._pinned(turn, config))
+                if self.last_prompt is None:
+                    raise InvalidArgument(
+                        "the turn called no governed model: wrap it with gov.model()"
+                    )
+                turn.end(self.last_prompt, mark=self._committed(config))
+            finally:
+                self.current = None
+
+    def _pinned(self, turn: Turn, config: RunnableConfig | None) -> RunnableConfig | None:
+        """The config that starts this turn from the last committed checkpoint: the one
+        the last ended turn recorded; after a dead first turn, the state before it."""
+        if config is None or self.checkpointer is None:
+            return config
+        conf = dict(config.get("configurable") or {})
+        if "thread_id" not in conf:
+            raise InvalidArgument("the graph's config needs configurable.thread_id")
+        conf.pop("checkpoint_id", None)
+        start = turn.mark or self._before_dead_turn(turn, conf)
+        if start is not None:
+            conf["checkpoint_id"] = start
+        meta = {**(config.get("metadata") or {}), "ledger_turn": turn.number}
+        return {**config, "configurable": conf, "metadata": meta}
+
+    def _before_dead_turn(self, turn: Turn, conf: dict[str, Any]) -> str | None:
+        """No turn has committed a checkpoint yet. If one died (rolled back), start from
+        the checkpoint before its first: the state it began from."""
+        if turn.rolled_back is None:
+            return None
+        base = {"configurable": {"thread_id": conf["thread_id"]}}
+        first = None
+        for tup in self.checkpointer.list(base, filter={"ledger_turn": turn.rolled_back}):
+            first = tup  # newest first: the last one seen is the dead turn's first
+        if first is None:
+            return None
+        parent = first.parent_config
+        if parent is not None:
+            return str(parent["configurable"]["checkpoint_id"])
+        return str(first.config["configurable"]["checkpoint_id"])
+
+    def _committed(self, config: RunnableConfig | None) -> str | None:
+        """The checkpoint this turn ends on: the thread's latest, the mark end_turn records."""
+        if config is None or self.checkpointer is None:
+            return None
+        conf = config.get("configurable") or {}
+        latest = self.checkpointer.get_tuple({"configurable": {"thread_id": conf["thread_id"]}})
+        return None if latest is None else str(latest.config["configurable"]["checkpoint_id"])
 
     # --- one node's update -------------------------------------------------------------
 
@@ -184,44 +267,78 @@ class LedgerGraph:
             core.track(Consumer.RETRIEVAL, _get(state, key) or [])
 
     def _start(self, turn: Turn, state: Any) -> dict[str, list[Any]]:
-        """The turn's first node: drop what begin_turn reclaimed, compact if pending."""
+        """The turn's first node: the deliveries as an update of the state (reclaimed and
+        replaced objects out, the worker's summaries in where the history they replace
+        began), the graph's input admitted, and a pending compaction done if asked for."""
         self._fresh = False
         assert turn.state is not None
-        objs, unknown = self.agent.core.resolve(turn.state.unresolved)
-        turn.state.unresolved[:] = unknown
-        drop = [*turn.dropped, *objs]
+        core = self.agent.core
+        msgs = list(_get(state, self.messages_key) or [])
         pre: dict[str, list[Any]] = {}
-        self._removals(pre, drop)
+        kept = turn.apply(msgs)
+        if kept != msgs:
+            if turn.summaries:  # placed where the history they replace began: a rewrite
+                pre[self.messages_key] = [RemoveMessage(id=REMOVE_ALL_MESSAGES), *kept]
+            else:
+                ids = {id(m) for m in kept}
+                pre[self.messages_key] = [
+                    RemoveMessage(id=m.id) for m in msgs if id(m) not in ids and m.id
+                ]
+        for key in self.retrieval_keys:
+            docs = list(_get(state, key) or [])
+            ids = {id(d) for d in turn.apply(docs)}
+            gone = [Removed(d.id) for d in docs if id(d) not in ids and d.id]
+            if gone:
+                pre[key] = gone
         # Messages that entered the state as the graph's input, not through a node:
         # admitted now (those the ledger holds already are duplicates, charged nothing).
-        # By ledger id: the state's objects may be copies of those dropped (a checkpointer)
-        gone_ids = {self.agent.core.item_id(o) for o in drop if getattr(o, "id", None)}
+        summary_ids = {core.item_id(o) for o in turn.summaries}
         adopt = [
             m
-            for m in _get(state, self.messages_key) or []
-            if m.id
-            and self.agent.core.item_id(m) not in gone_ids
+            for m in kept
+            if isinstance(m, BaseMessage)
+            and m.id
             and not isinstance(m, ToolMessage)
+            and core.item_id(m) not in summary_ids
         ]
         if adopt:
             self._admit_messages(turn, adopt)
-        for summary in turn.summaries:  # the worker's, committed since the last turn
-            pre.setdefault(self.messages_key, []).append(summary)
-        if self.summarize is not None and self.agent.core.compaction_pending:
-            self._compact(turn, state, pre, {id(o) for o in drop})
+        for summary in turn.summaries:
+            core.known[(Consumer.WORKING_MEMORY, core.item_id(summary))] = summary
+        if self.summarize is not None and core.compaction_pending:
+            self._compact(turn, self._merged(state, pre), pre)
         return pre
 
-    def _compact(self, turn: Turn, state: Any, pre: dict[str, list[Any]], gone: set[int]) -> None:
-        msgs = [m for m in _get(state, self.messages_key) or [] if id(m) not in gone]
+    def _merged(self, state: Any, pre: Mapping[str, list[Any]]) -> Any:
+        """The state with an update applied, as the graph's reducers apply it."""
+        if not pre:
+            return state
+        new: dict[str, Any] = {}
+        for key, vals in pre.items():
+            old = _get(state, key) or []
+            new[key] = (
+                add_messages(old, vals) if key == self.messages_key else merge_docs(old, vals)
+            )
+        if isinstance(state, dict):
+            return {**state, **new}
+        if dataclasses.is_dataclass(state) and not isinstance(state, type):
+            return dataclasses.replace(state, **new)
+        if hasattr(state, "model_copy"):
+            return state.model_copy(update=new)
+        raise InvalidArgument(f"cannot update a graph state of type {type(state).__name__}")
+
+    def _compact(self, turn: Turn, state: Any, pre: dict[str, list[Any]]) -> None:
+        msgs = list(_get(state, self.messages_key) or [])
         cut = max(len(msgs) - self.keep_messages, 0)
         while 0 < cut < len(msgs) and isinstance(msgs[cut], ToolMessage):
             cut -= 1  # keep a tool result with the call that asked for it
         old: list[Obj] = list(msgs[:cut])
         for key in self.retrieval_keys:
-            old += [d for d in _get(state, key) or [] if id(d) not in gone]
+            old += list(_get(state, key) or [])
         summarize = self.summarize
         if not old or summarize is None:
             return
+        self._track(state)
         summary = SystemMessage(
             content=summarize(old), id=f"summary-{turn.number}-{uuid.uuid4().hex[:8]}"
         )

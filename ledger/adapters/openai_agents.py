@@ -154,7 +154,7 @@ class LedgerAgents:
         reserve = snap.output_reserve if output_reserve is None else output_reserve
         self.limit = snap.window - reserve
         self.current, self.last_prompt, self._fresh = turn, None, True
-        self.dropped = set(turn.state.started.reclaimed)
+        self.dropped = set(turn.state.drop_refs)
         self.spilled.clear()
         self.inserted = []
         try:

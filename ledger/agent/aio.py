@@ -8,6 +8,7 @@ same operations of :mod:`ledger.agent.core`, which hold every decision.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
@@ -25,9 +26,10 @@ from ledger.agent.core import (
     TurnState,
     drive_async,
 )
+from ledger.agent.lease import AsyncHeartbeat
 from ledger.aio import AsyncSession
-from ledger.errors import ContextDrift, InvalidArgument, translated
-from ledger.models import Consumer, Reconciled, TurnReport
+from ledger.errors import ContextDrift, InvalidArgument, LedgerError, TurnLost, translated
+from ledger.models import Consumer, Reconciled, TurnAborted, TurnReport
 
 T = TypeVar("T")
 
@@ -43,6 +45,10 @@ class AsyncAgent:
     ``id_of`` / ``text_of`` read an app object's id and text (defaults understand
     ``id`` / ``tool_call_id`` / ``call_id`` and ``content`` / ``page_content`` /
     ``text``); ``item_overhead`` tokens are added to every item (per-message framing).
+    ``lease_ms`` is a turn's lease (renewed in the background every third of it while the
+    turn runs, unless ``renew=False``); ``await_compaction`` the seconds a turn of a
+    worker-owned session waits, before it begins, for a compaction the ledger reports
+    pending (docs/agent.md).
     """
 
     def __init__(
@@ -73,13 +79,26 @@ class AsyncAgent:
                     pipe.pexpire(keys.content, self._ttl_ms)
                     await pipe.execute()
                 return None
-            raw = await client.hgetall(keys.compacted)
-            return {_text(k): _text(v) for k, v in raw.items()}
+            if not effect.ids:
+                return []
+            raw = await client.hmget(keys.compacted, effect.ids)
+            return [None if v is None else _text(v) for v in raw]
 
-    def turn(self, working_set: int = 0, output_reserve: int | None = None) -> AsyncTurn:
-        """``async with agent.turn(working_set) as turn:`` runs begin_turn on entry and end_turn
-        on a clean exit, with the prompt given to :meth:`Turn.prompt`."""
-        return AsyncTurn(self, working_set, output_reserve)
+    def turn(
+        self,
+        working_set: int = 0,
+        output_reserve: int | None = None,
+        *,
+        wait: float = 0.0,
+        takeover: bool = False,
+    ) -> AsyncTurn:
+        """``async with agent.turn(working_set) as turn:`` takes the session's turn and
+        runs begin_turn on entry; on a clean exit end_turn with the prompt given to
+        :meth:`AsyncTurn.prompt`; on an exception the turn is rolled back
+        (:meth:`AsyncTurn.abort`). A turn another process holds is waited for up to
+        ``wait`` seconds, then :class:`~ledger.errors.TurnInProgress`; ``takeover`` rolls
+        it back and takes it at once."""
+        return AsyncTurn(self, working_set, output_reserve, wait, takeover)
 
     def track(self, consumer: Consumer | str, objs: Sequence[Obj]) -> None:
         self.core.track(consumer, objs)
@@ -95,24 +114,65 @@ class AsyncAgent:
 
 
 class AsyncTurn:
-    """One turn: begin_turn on entry, end_turn on a clean exit. ``dropped`` are the app
-    objects the ledger reclaimed to start the turn: take them out of the prompt."""
+    """One turn: begin_turn on entry, end_turn on a clean exit, abort_turn on an error.
+    ``dropped`` are the app objects the ledger reclaimed to start the turn (or a worker's
+    summary replaced), ``summaries`` the summaries delivered to it: :meth:`apply` does
+    both to the app's own objects, whichever process admitted them."""
 
-    def __init__(self, agent: AsyncAgent, working_set: int, output_reserve: int | None) -> None:
+    def __init__(
+        self,
+        agent: AsyncAgent,
+        working_set: int,
+        output_reserve: int | None,
+        wait: float = 0.0,
+        takeover: bool = False,
+    ) -> None:
         self.agent = agent
         self._begin = (working_set, output_reserve)
+        self._wait, self._takeover = wait, takeover
         self.state: TurnState | None = None
         self._prompt: int | None = None
+        self._beat: AsyncHeartbeat | None = None
 
     async def __aenter__(self) -> AsyncTurn:
-        self.state = await self.agent.run(self.agent.core.begin(*self._begin))
+        core = self.agent.core
+        self.state = await self.agent.run(
+            core.begin(*self._begin, wait=self._wait, takeover=self._takeover)
+        )
+        if core.renew_leases:
+            self._beat = AsyncHeartbeat(self._renew, core.lease_ms / 3000)
+            self._beat.start()
         return self
 
     async def __aexit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if kind is None and self._state.report is None:
-            await self.end()
+        try:
+            if kind is None and self._state.report is None and self._state.aborted is None:
+                await self.end()
+        except BaseException:
+            await self._stop()
+            await self._abort_quietly()
+            raise
+        await self._stop()
+        if kind is not None:
+            await self._abort_quietly()
+
+    async def _stop(self) -> None:
+        if self._beat is not None:
+            await self._beat.stop()
+
+    async def _renew(self) -> None:
+        await self.agent.run(self.agent.core.renew(self._state.turn))
+
+    async def _abort_quietly(self) -> None:
+        """After an error: roll the turn back. If even that fails (Redis away), the lease
+        lapses and the worker or the next turn rolls it back."""
+        state = self._state
+        if state.report is not None or state.aborted is not None:
+            return
+        with contextlib.suppress(LedgerError):
+            await self.abort()
 
     @property
     def _state(self) -> TurnState:
@@ -136,15 +196,39 @@ class AsyncTurn:
 
     @property
     def summaries(self) -> list[Obj]:
-        """The worker's summaries committed since this agent's last turn: put them in the
-        prompt (the objects they replaced are in ``dropped``)."""
+        """The worker's summaries delivered to this turn: put them in the prompt (the
+        objects they replaced are in ``dropped``). Each is delivered to one turn of the
+        session, once; if this turn is rolled back, to the next one."""
         return self._state.summaries
+
+    @property
+    def rolled_back(self) -> int | None:
+        """The dead turn (a crash, a takeover) undone to start this one, or None."""
+        return self._state.rolled_back
+
+    @property
+    def mark(self) -> str | None:
+        """The commit mark the last ended turn left (e.g. the app state's version)."""
+        return self._state.started.mark
+
+    @property
+    def lost(self) -> TurnLost | None:
+        """Set when a renewal found the turn taken over or rolled back."""
+        return None if self._beat is None else self._beat.lost
+
+    def apply(self, objs: Sequence[Obj]) -> list[Obj]:
+        """The app's objects as this turn must hold them: what the ledger reclaimed and
+        what a delivered summary replaced left out (by ledger id, whichever process
+        admitted them), each delivered summary in the place of the first object it
+        replaced. Objects with no id stay. Call it on the state the turn starts from."""
+        return self.agent.core.apply(self._state, objs)
 
     async def admit(
         self, consumer: Consumer | str, objs: Sequence[Obj], priority: int = 0
     ) -> Admission[Any]:
         """Admit app objects (the longest prefix that fits); ``kept`` go in the prompt.
-        Retrieval and recall wait (bounded) for a pending compaction first."""
+        While a compaction is pending, retrieval and recall are judged on the
+        post-compaction baseline (a refusal then says ``compaction_pending``)."""
         got = await self.agent.run(self.agent.core.admit(consumer, objs, priority))
         self._state.admissions.append(got)
         return got
@@ -168,13 +252,17 @@ class AsyncTurn:
         self._state.prompt_tokens = self._prompt
         return self._prompt
 
-    async def end(self, prompt: int | str | Sequence[Obj] | None = None) -> TurnReport:
+    async def end(
+        self, prompt: int | str | Sequence[Obj] | None = None, *, mark: str | None = None
+    ) -> TurnReport:
+        """End and commit the turn with the real prompt; ``mark`` (an id) is the app
+        state's version it commits, handed to the next turn (:attr:`mark`)."""
         if prompt is not None:
             self.prompt(prompt)
         if self._prompt is None:
             raise InvalidArgument("end_turn needs the real prompt: call turn.prompt(...) first")
         try:
-            report = await self.agent.run(self.agent.core.end(self._state.turn, self._prompt))
+            report = await self.agent.run(self.agent.core.end(self._state.turn, self._prompt, mark))
         except ContextDrift as exc:
             # The turn has ended (drift_action="raise"): keep its report all the same.
             if isinstance(exc.report, TurnReport):
@@ -182,3 +270,11 @@ class AsyncTurn:
             raise
         self._state.report = report
         return report
+
+    async def abort(self) -> TurnAborted:
+        """Roll the turn back (docs/agent.md#a-dead-turn-is-undone): the ledger is as the
+        turn found it, its deliveries go to the next turn, its lease ends."""
+        await self._stop()
+        done = await self.agent.run(self.agent.core.abort(self._state.turn))
+        self._state.aborted = done
+        return done

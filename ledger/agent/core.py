@@ -24,12 +24,14 @@ from typing import Any, Generic, TypeVar
 
 from ledger.agent.counters import count, cut_to
 from ledger.core import SessionCore
-from ledger.errors import AdmissionRefused, InvalidArgument
+from ledger.errors import AdmissionRefused, InvalidArgument, TurnInProgress
 from ledger.models import (
     Consumer,
     Item,
     Reconciled,
     Snapshot,
+    TurnAborted,
+    TurnRenewed,
     TurnReport,
     TurnStarted,
 )
@@ -138,7 +140,10 @@ class Store:
 
 @dataclass(frozen=True, slots=True)
 class Fetch:
-    """An effect: the worker's committed summaries (summary id -> JSON record)."""
+    """An effect: the records of these summaries (a JSON text each, or None), as the
+    worker stored them beside the session."""
+
+    ids: tuple[str, ...]
 
 
 def default_summary(summary_id: str, text: str) -> Obj:
@@ -192,13 +197,25 @@ class TurnState:
     tools: list[ToolOutcome[Any]] = field(default_factory=list)
     prompt_tokens: int | None = None
     report: TurnReport | None = None
-    # the worker's summaries committed since: put them in the prompt (``dropped`` holds
-    # the objects they replaced)
+    # the worker's summaries delivered to this turn: put them in the prompt (``dropped``
+    # holds the objects they replaced)
     summaries: list[Obj] = field(default_factory=list)
+    # every (consumer, ledger id) this turn must drop from the app's state: reclaimed at
+    # begin_turn and replaced by the delivered summaries (what ``dropped`` resolves)
+    drop_refs: list[tuple[Consumer, str]] = field(default_factory=list)
+    # each delivered summary's id -> the (consumer, id) pairs it replaced, in order
+    replaced_by: dict[str, list[tuple[Consumer, str]]] = field(default_factory=dict)
+    aborted: TurnAborted | None = None  # the turn was rolled back (turn.abort, an error)
+    waited_compaction: float = 0.0  # seconds begin waited for a pending compaction
 
     @property
     def turn(self) -> int:
         return self.started.turn
+
+    @property
+    def rolled_back(self) -> int | None:
+        """The dead turn that was undone to start this one (a crash, a takeover)."""
+        return self.started.rolled_back
 
 
 class AgentCore:
@@ -212,11 +229,12 @@ class AgentCore:
         id_of: Callable[[Obj], object] | None = None,
         text_of: Callable[[Obj], str] | None = None,
         item_overhead: int = 0,
-        compaction_wait: float = 2.0,
         poll_interval: float = 0.05,
         store_content: bool | None = None,
         summary_of: Callable[[str, str], Obj] | None = None,
-        await_compaction: float = 0.0,
+        await_compaction: float = 2.0,
+        lease_ms: int | None = None,
+        renew: bool = True,
     ) -> None:
         if not callable(counter):
             raise InvalidArgument(f"counter must be callable text -> int, got {counter!r}")
@@ -224,20 +242,27 @@ class AgentCore:
             raise InvalidArgument(
                 f"item_overhead must be a non-negative int, got {item_overhead!r}"
             )
+        lease_ms = session.lease_ms if lease_ms is None else lease_ms
+        if type(lease_ms) is not int or not 1 <= lease_ms <= 86_400_000:
+            raise InvalidArgument(f"lease_ms must be an int in 1..86400000, got {lease_ms!r}")
         self.session = session
         self.counter = counter
         self.id_of = id_of or default_id
         self.text_of = text_of or default_text
         self.item_overhead = item_overhead
-        self.compaction_wait = compaction_wait
         self.poll_interval = poll_interval
         self.known: dict[tuple[Consumer, str], Obj] = {}
         self.compaction_pending = False
         # Whether the worker compacts this session: then admitted texts are stored for
         # its compactor and its summaries applied at begin. None: asked of the session.
         self.store_content = store_content
+        self._worker: bool | None = None  # the worker compacts this session (asked once)
         self.summary_of = summary_of or default_summary
         self.await_compaction = await_compaction
+        # a turn's lease (default: the session's, the setting turn_lease_ms); the faces
+        # renew it every third of it while the turn runs
+        self.lease_ms: int = lease_ms
+        self.renew_leases = renew
 
     # --- pure helpers ---------------------------------------------------------------
 
@@ -352,63 +377,125 @@ class AgentCore:
     # --- operations (generators: yield calls, return results) ---------------------------
 
     def _worker_owned(self) -> Generator[Call[Any], Any, bool]:
-        if self.store_content is None:
+        """Whether the background worker compacts this session (asked of it once)."""
+        if self._worker is None:
             snap: Snapshot = yield self.session.snapshot_call()
-            self.store_content = not snap.raw.get("ca")
-        return self.store_content
+            self._worker = not snap.raw.get("ca")
+        return self._worker
 
-    def begin(self, working_set: int, output_reserve: int | None) -> Op[TurnState]:
+    def _storing(self) -> Generator[Call[Any], Any, bool]:
+        """Whether admitted texts go to the content store: as asked, else when the
+        worker compacts (its compactor reads them)."""
+        if self.store_content is not None:
+            return self.store_content
+        return (yield from self._worker_owned())
+
+    def begin(
+        self,
+        working_set: int,
+        output_reserve: int | None,
+        *,
+        wait: float = 0.0,
+        takeover: bool = False,
+    ) -> Op[TurnState]:
+        """Take the session's turn (its lease) and start it. Another process's live turn
+        is waited for up to ``wait`` seconds (polling), then ``TurnInProgress``; with
+        ``takeover`` it is rolled back and this turn starts at once."""
         worker = yield from self._worker_owned()
+        waited_for = 0.0
         if worker and self.await_compaction > 0:
-            # the worker's summary, bounded (a snapshot; polled while one is pending): a
-            # turn that starts before it lands would end with a prompt the compaction
-            # changed under it. Asked of the ledger, as another worker may have served
-            # the turn that made it due.
-            wait, self.compaction_wait = self.compaction_wait, self.await_compaction
+            # The credit ordering, seen from the caller: a worker's compaction commits
+            # only between turns, so a pending one is waited for (bounded) before the turn
+            # whose retrieval it would make room for. Asked of the ledger, as another
+            # process may have served the turn that made it due.
+            waited_for = yield from self._wait_compaction(self.await_compaction)
+        waited = 0.0
+        while True:
+            call = self.session.begin_turn_call(
+                working_set, output_reserve, takeover=takeover, lease_ms=self.lease_ms
+            )
             try:
-                yield from self._wait_compaction()
-            finally:
-                self.compaction_wait = wait
-        started: TurnStarted = yield self.session.begin_turn_call(working_set, output_reserve)
+                started: TurnStarted = yield call
+                break
+            except TurnInProgress as busy:
+                if waited >= wait:
+                    raise
+                left = max(busy.lease_left_ms or 0, 0) / 1000
+                step = min(
+                    max(self.poll_interval, 0.001), wait - waited, left or self.poll_interval
+                )
+                yield Sleep(step)
+                waited += step
         self.compaction_pending = started.compaction_due
-        dropped, unknown = self.resolve(started.reclaimed)
-        state = TurnState(started, dropped, unknown)
-        if worker:
-            yield from self._apply_summaries(state)
+        state = TurnState(started, waited_compaction=waited_for)
+        state.drop_refs = [*started.reclaimed, *started.dropped]
+        if started.summaries:
+            yield from self._deliver(state)
+        state.dropped, state.unresolved = self.resolve(state.drop_refs)
         return state
 
-    def _apply_summaries(self, state: TurnState) -> Generator[Fetch | Held, Any, None]:
-        """The worker's summaries this agent does not hold yet: their replaced objects go
-        to ``state.dropped``, the summary objects to ``state.summaries``."""
-        records: dict[str, str] = yield Fetch()
-        fresh = []
-        for sid, raw in records.items():
-            if (Consumer.WORKING_MEMORY, sid) in self.known:
-                continue
+    def _deliver(self, state: TurnState) -> Generator[Fetch, Any, None]:
+        """The summaries delivered to this turn, as app objects (``summary_of``), with the
+        items each replaced, from the records the worker stored beside the session."""
+        ids = state.started.summaries
+        records: list[str | None] = yield Fetch(tuple(ids))
+        for sid, raw in zip(ids, records, strict=True):
+            if raw is None:
+                continue  # a summary whose record expired or was never written: its drops stand
             try:
                 rec = json.loads(raw)
-                pairs = [
+                text = str(rec["text"])
+                replaced = [
                     (Consumer.from_code(code), iid)
-                    for code, _, iid in (str(r).partition(":") for r in rec["replaced"])
+                    for code, _, iid in (str(r).partition(":") for r in rec.get("replaced", ()))
                 ]
-                fresh.append((int(rec.get("at", 0)), sid, str(rec["text"]), pairs))
             except (ValueError, KeyError, TypeError, AttributeError):
                 continue  # not a record this version wrote
-        if not fresh:
-            return
-        held: list[bool] = yield Held(tuple(f"i:w:{sid}" for _, sid, _, _ in fresh))
-        for (_, sid, text, replaced), h in sorted(zip(fresh, held, strict=True)):
-            if not h:
-                continue  # replaced since by a later summary, or reset away
-            objs, unknown = self.resolve(replaced)
-            state.dropped.extend(objs)
-            state.unresolved.extend(unknown)  # an adapter resolves them once it tracks
             summary = self.summary_of(sid, text)
             self.known[(Consumer.WORKING_MEMORY, sid)] = summary
             state.summaries.append(summary)
+            state.replaced_by[sid] = replaced
+
+    def apply(self, state: TurnState, objs: Sequence[Obj]) -> list[Obj]:
+        """The app's objects as this turn must hold them: those the ledger reclaimed or a
+        delivered summary replaced left out (matched by ledger id: any worker's state),
+        each delivered summary in the place of the first object it replaced (at the end
+        when none is there). Objects without an id (a system prompt string) stay. Safe to
+        call more than once: a summary already there is not added again."""
+        gone = {iid for _, iid in state.drop_refs}
+        out: list[Obj] = []
+        first: dict[str, int] = {}
+        place = {iid: sid for sid, refs in state.replaced_by.items() for _, iid in refs}
+        present: set[str] = set()
+        for o in objs:
+            try:
+                iid = self.item_id(o)
+            except InvalidArgument:
+                out.append(o)
+                continue
+            present.add(iid)
+            if iid in gone:
+                sid = place.get(iid)
+                if sid is not None and sid not in first:
+                    first[sid] = len(out)
+                continue
+            out.append(o)
+        tail: list[Obj] = []
+        inserts: list[tuple[int, Obj]] = []
+        for summary in state.summaries:
+            sid = self.item_id(summary)
+            if sid in present:
+                continue
+            if sid in first:
+                inserts.append((first[sid], summary))
+            else:
+                tail.append(summary)
+        for at, summary in sorted(inserts, key=lambda x: x[0], reverse=True):
+            out.insert(at, summary)
+        return out + tail
 
     def _store(self, c: Consumer, planned: Sequence[tuple[Item, Obj]]) -> Generator[Any, Any, None]:
-        if (yield from self._worker_owned()):
+        if (yield from self._storing()):
             yield Store(tuple((f"{c.code}:{it.id}", self.text_of(o)) for it, o in planned))
 
     def admit(
@@ -419,23 +506,14 @@ class AgentCore:
         if not planned:
             return Admission((), (), None, 0, -1)
         memory = c in (Consumer.RETRIEVAL, Consumer.RECALL)
-        if memory and self.compaction_pending:
-            yield from self._wait_compaction()
         yield from self._store(c, planned)
         call = self.session.admit_call(c, [it for it, _ in planned], partial=True)
         try:
             got = yield call
         except AdmissionRefused as exc:
-            if not (memory and exc.reason == "compaction_pending"):
-                return (yield from self._refused(c, planned, exc))
-            # Credit ordering: wait (bounded) for the compaction, then ask once more.
-            self.compaction_pending = True
-            if not (yield from self._wait_compaction()):
-                return (yield from self._refused(c, planned, exc))
-            try:
-                got = yield self.session.admit_call(c, [it for it, _ in planned], partial=True)
-            except AdmissionRefused as again:
-                return (yield from self._refused(c, planned, again))
+            if memory and exc.reason == "compaction_pending":
+                self.compaction_pending = True
+            return (yield from self._refused(c, planned, exc))
         skipped = set(got.skipped)
         kept = tuple(o for it, o in planned if it.id not in skipped)
         refused = tuple(o for it, o in planned if it.id in skipped)
@@ -460,17 +538,17 @@ class AgentCore:
         refused = tuple(o for (_, o), h in zip(planned, held, strict=True) if not h)
         return Admission(kept, refused, exc.reason, 0, exc.free)
 
-    def _wait_compaction(self) -> Generator[Call[Any] | Sleep, Any, bool]:
-        """Wait until no compaction is pending, at most ``compaction_wait`` seconds;
-        True when it cleared."""
+    def _wait_compaction(self, bound: float) -> Generator[Call[Any] | Sleep, Any, float]:
+        """Wait until no compaction is pending, at most ``bound`` seconds; returns the
+        seconds waited."""
         waited = 0.0
         while True:
             snap: Snapshot = yield self.session.snapshot_call()
             if not snap.compaction_pending:
                 self.compaction_pending = False
-                return True
-            if waited >= self.compaction_wait:
-                return False
+                return waited
+            if waited >= bound:
+                return waited
             yield Sleep(self.poll_interval)
             waited += self.poll_interval
 
@@ -483,7 +561,7 @@ class AgentCore:
         tokens = count(self.counter, body, f"tool result {app_id!s:.60}") + self.item_overhead
         if tokens == 0:
             raise InvalidArgument(f"tool result {app_id!s:.60} counts 0 tokens")
-        if (yield from self._worker_owned()):
+        if (yield from self._storing()):
             yield Store(((f"{Consumer.SCRATCHPAD.code}:{iid}", body),))
         got = yield self.session.admit_tool_result_call(iid, tokens, body)
         evicted, unknown = self.resolve(got.evicted)
@@ -520,10 +598,20 @@ class AgentCore:
         self.compaction_pending = not done.compacted
         return Compacted(done.compacted, done.outcome, tuple(dropped), summary, done.occupancy)
 
-    def end(self, turn: int, prompt_tokens: int) -> Op[TurnReport]:
-        report: TurnReport = yield self.session.end_turn_call(turn, prompt_tokens)
+    def end(self, turn: int, prompt_tokens: int, mark: str | None = None) -> Op[TurnReport]:
+        report: TurnReport = yield self.session.end_turn_call(turn, prompt_tokens, mark=mark)
         self.compaction_pending = report.compaction_due
         return report
+
+    def abort(self, turn: int) -> Op[TurnAborted]:
+        """Roll the turn back: the ledger is as the turn found it, and the objects this
+        process admitted in it are forgotten."""
+        done: TurnAborted = yield self.session.abort_turn_call(turn)
+        return done
+
+    def renew(self, turn: int) -> Op[TurnRenewed]:
+        renewed: TurnRenewed = yield self.session.renew_turn_call(turn, self.lease_ms)
+        return renewed
 
     def reconcile(self, held: Mapping[Consumer | str, Sequence[Obj]]) -> Op[Reconciled]:
         """Set the ledger to the app objects the prompt really holds, per consumer named."""

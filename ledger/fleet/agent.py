@@ -50,8 +50,9 @@ class _CountingAgent(Agent):
             len,
             id_of=lambda o: o.id,
             text_of=_text,
-            compaction_wait=compaction_wait,
+            await_compaction=compaction_wait,
             poll_interval=POLL_S,
+            renew=False,  # a simulated turn takes milliseconds: no lease renewal
             # The synthetic texts are not stored for the worker: the demo's summarizers
             # work on sizes alone (and the agents need no summary text back).
             store_content=False,
@@ -88,7 +89,7 @@ class SimAgent:
         self.session = ledger.open_session(session_id, budget)
         self.agent = _CountingAgent(self.session, compaction_wait)
         self.current: Turn | None = None
-        self.waited = False  # waited for a compaction since the caller last cleared it
+        self.waited = False  # waited for a compaction (at a begin) since the caller cleared it
 
     @property
     def calls(self) -> int:
@@ -107,24 +108,16 @@ class SimAgent:
     # --- a turn, through the agent layer -----------------------------------------------
 
     def begin(self, working_set: int, output_reserve: int | None = None) -> TurnStarted:
+        """Begin a turn; a pending compaction is waited for first (bounded)."""
         turn = self.agent.turn(working_set, output_reserve)
         self.current = turn.__enter__()
         assert turn.state is not None
+        self.waited = self.waited or turn.state.waited_compaction > 0
         return turn.state.started
 
     def admit(self, consumer: Consumer, docs: Sequence[Doc]) -> Admission[Any]:
-        """The longest prefix that fits; memory waits for a pending compaction first."""
+        """The longest prefix that fits (a pending compaction was waited for at begin)."""
         return self.turn.admit(consumer, list(docs))
-
-    def admit_waiting(self, consumer: Consumer, docs: Sequence[Doc]) -> tuple[Admission[Any], bool]:
-        """As :meth:`admit`, and whether the agent waited for a compaction to get there."""
-        before = self.agent.snapshots
-        try:
-            got = self.admit(consumer, docs)
-        finally:
-            waited = self.agent.snapshots > before
-            self.waited = self.waited or waited  # kept when a hard reset cuts the turn short
-        return got, waited
 
     def release(self, docs: Sequence[Doc]) -> None:
         if docs:

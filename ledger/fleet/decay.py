@@ -164,8 +164,8 @@ def summary_tokens(session_id: str, turn: int, items: Sequence[tuple[str, int]])
 
 
 def compactor(request: CompactionRequest) -> CompactionPlan:
-    """The worker's compactor for this scenario: every item from before the current
-    turn becomes one summary (a working-memory item)."""
+    """The worker's compactor for this scenario: every item from before the turn the
+    compaction prepares becomes one summary (a working-memory item)."""
     old = [i for i in request.items if i.turn < request.turn]
     if not old:
         return CompactionPlan((), None)
@@ -333,9 +333,9 @@ def _ledger_turn(
     rec = TurnRecord(p.turn, retrieval=False, reset=state["rebuild"])
     start = round(t.utilization * WINDOW)
     agent.admit(WM, [Doc(f"m{p.turn}", p.message)])
-    recall, _ = agent.admit_waiting(REC, [Doc(f"r{p.turn}", p.recall)])
+    recall = agent.admit(REC, [Doc(f"r{p.turn}", p.recall)])
     chunks = [Doc(f"c{p.turn}-{k}", c) for k, c in enumerate(p.chunks)]
-    ret, _ = agent.admit_waiting(RET, chunks)
+    ret = agent.admit(RET, chunks)
     rec.retrieval = bool(ret.kept)
     if not ret.kept:
         rec.refusal = ret.reason

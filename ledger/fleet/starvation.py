@@ -114,7 +114,9 @@ def run_ledger(agent: SimAgent, turns: tuple[TurnPlan, ...]) -> list[TurnRow]:
         except WorkingMemoryStarvation as exc:  # pragma: no cover - reclamation suffices here
             rows.append(TurnRow(p.turn, p.working_set, exc.residual, exc.utilization, "refused"))
             continue
-        gone = {i for _, i in t.reclaimed}  # what the ledger reclaimed leaves the prompt
+        gone = {
+            i for _, i in (*t.reclaimed, *t.dropped)
+        }  # what the ledger reclaimed leaves the prompt
         ret = [d for d in ret if d.id not in gone]
         scr = [d for d in scr if d.id not in gone]
         reclaimed = tuple(f"{c.code}:{i}" for c, i in t.reclaimed)

@@ -134,7 +134,7 @@ def run_ledger(agent: SimAgent, turns: tuple[TurnPlan, ...], c: Counts) -> None:
     memory: list[Doc] = []
     for p in turns:
         t = agent.begin(2_000)
-        gone = {i for _, i in t.reclaimed}
+        gone = {i for _, i in (*t.reclaimed, *t.dropped)}
         results = [r for r in results if r.id not in gone]
         agent.release([m for m in memory if m.id not in gone])
         got = agent.admit(RET, [Doc(f"m{p.turn}-{k}", 300) for k in range(p.chunks)])

@@ -1,0 +1,39 @@
+-- abort_turn.lua: roll back the caller's open turn (docs/agent.md#a-dead-turn-is-undone).
+--
+-- The turn's owner gives it up (its model call failed, it cannot finish): every item the
+-- turn added goes, what it released, reclaimed, evicted or compacted away comes back, its
+-- reservations are undone, the deliveries it was handed are queued again for the next
+-- turn, and its lease ends. A turn that is no longer open (ended, rolled back, or
+-- followed by another) is left alone: rolled_back=0.
+--
+-- KEYS[1]  session hash
+-- KEYS[2]  partition deadline index the turn lease's member '<session>|~'
+-- KEYS[3]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[4]  previous outcome hash   previous generation ('<tag>:old:<session>')
+-- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
+-- ARGV[2]  epoch@turn              the epoch and the turn to roll back
+-- ARGV[3]  session id              must name KEYS[1]
+--
+-- Reply: status=ok|rolled_back=<turn or 0>|turn=<n>|free=<tokens>|epoch=<n>
+-- Errors: LEDGER_BADARG (also: no turn named), LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
+-- Calls: HMGET, TIME, HGETALL, HDEL, HSET, ZREM, ZADD, HINCRBY (HMGET of the op's outcome
+--        bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome
+--        generations' RENAME and PEXPIRE, when due).
+
+local op, fp, epoch, tok = op_args('abort_turn', false)
+local sid
+sid = session_arg(ARGV[3])
+if not tok then fail('BADARG', 'abort_turn needs the turn to roll back: send <epoch>@<turn>') end
+if #ARGV ~= 3 then fail('BADARG', 'expected 3 arguments, got ' .. #ARGV) end
+
+key_arg(2, 'deadlines')
+local key = KEYS[1]
+local H, R = load(key, { 'ep', 'tn', 'gz', 'xp', 'lo' }, 4)
+local again = gate(recorded(op), H.ep, op, fp, epoch)
+if again then return again end
+local now = now_ms()
+local rolled = 0
+if R[1] and H.tn == tok then rolled = rollback(key, KEYS[2], sid, 'aborted by ' .. R[1]) end
+local fr = redis.call('HGET', key, 'fr')
+return commit(key, now, op, fp, reply({ 'status=ok', 'rolled_back=' .. rolled, 'turn=' .. H.tn,
+  'free=' .. fr, 'epoch=' .. H.ep }), {}, { gz = H.gz, xp = H.xp })
