@@ -11,7 +11,8 @@ them on Redis Cluster::
                                        lua/_common.lua)
     <prefix>:{p<N>}:old:<session_id>   outcome hash of the previous generation
     <prefix>:{p<N>}:deadlines          sorted set of reservation deadlines (ms),
-                                       members '<session_id>|<reservation_id>'
+                                       members '<session_id>|<reservation_id>', and
+                                       of turn lease ends, members '<session_id>|~'
     <prefix>:{p<N>}:jobs               stream of jobs for the workers (hard resets)
     <prefix>:{p<N>}:spill:<session_id>|<call_id>
                                        a spilled tool result (string, with a TTL)
@@ -20,9 +21,11 @@ them on Redis Cluster::
                                        (the agent layer writes it; the worker's compactor
                                        reads it); the session's idle TTL
     <prefix>:{p<N>}:compacted:<session_id>
-                                       hash summary item id -> JSON {"text", "replaced"}:
-                                       the worker's committed summaries, for the agent
-                                       layer to apply at its next turn; the session's TTL
+                                       hash summary item id -> JSON {"text", "replaced",
+                                       "at"}: the texts of the worker's summaries, for the
+                                       turn they are delivered to; field '~':
+                                       '<worker>|<until ms>' while a worker computes the
+                                       session's compaction; the session's TTL
 
 No two (prefix, session, id) triples name the same key. Ids never contain '|' or
 braces, so '|' ends a session id wherever another id follows it; a prefix never

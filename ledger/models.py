@@ -539,6 +539,7 @@ class Snapshot:
     turn_owner: str | None = None  # who holds the open turn (None: no turn is open)
     lease_until_ms: int = 0  # when the open turn's lease ends (Redis's clock)
     last_ended_turn: int = 0
+    compacting: bool = False  # a worker is computing this session's compaction now
 
     @property
     def turn_open(self) -> bool:

@@ -736,11 +736,12 @@ def _snapshot(r: Reply) -> Snapshot:
         turn_owner=owner,
         lease_until_ms=n.get("le", 0),
         last_ended_turn=n.get("te", 0),
+        compacting=n.get("kw", 0) == 1,
     )
 
 
 def snapshot(keys: SessionKeys) -> Call[Snapshot]:
-    return Call("snapshot", (keys.session,), (), _snapshot)
+    return Call("snapshot", (keys.session, keys.compacted), (), _snapshot)
 
 
 def audit(keys: SessionKeys) -> Call[AuditReport]:

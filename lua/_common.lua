@@ -352,9 +352,10 @@ end
 
 -- Roll the open turn back (docs/agent.md#a-dead-turn-is-undone): every item the turn
 -- added goes, every field its undo log names gets its value from before the turn back
--- (items, reservations and the output reserve), the counters are computed again from
--- the items and reservations, the deliveries it was handed are queued again for the next
--- turn, and its lease ends. The session is then exactly as the turn found it, less what
+-- (items, reservations, the output reserve, a drift flag), the counters are computed
+-- again from the items and reservations, the deliveries it was handed are queued again
+-- for the next turn, and its lease ends. What a compaction attempt of the turn counted
+-- (failures, escalation) stays: the jobs it enqueued cannot be taken back. The session is then exactly as the turn found it, less what
 -- expired meanwhile: it fits, as it did. `dl`: the partition deadline index; `why` is
 -- kept in rb. Returns the turn rolled back. One HGETALL: a rollback is not a hot path.
 local function rollback(key, dl, sid, why)
@@ -376,6 +377,10 @@ local function rollback(key, dl, sid, why)
   end
   for name, was in pairs(prior) do
     local rid = string.match(name, '^r:(.+)$')
+    -- an item the turn admitted and then changed was absent before the turn
+    if string.sub(name, 1, 2) == 'i:' and tonumber(string.match(was, '^%d+|(%d+)|')) == tn then
+      was = ''
+    end
     if was == '' then
       if f[name] then dead[#dead + 1] = name end
       f[name] = nil

@@ -61,11 +61,11 @@ end
 
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'sq', 'fr', 'W', 'S', 'T', 'out', 'F_w', 'F_m', 'u_w', 'u_r', 'u_m',
-  'u_s', 'n_w', 'n_r', 'n_m', 'n_s', 'v_w', 'v_r', 'v_m', 'v_s', 'gz', 'xp', 'lo', 'ul' }, 24)
+  'u_s', 'n_w', 'n_r', 'n_m', 'n_s', 'v_w', 'v_r', 'v_m', 'v_s', 'gz', 'xp', 'lo', 'ul', 'df' }, 24)
 local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
 local in_turn = fence(key, R[1], H.tn, tok)
-local logged, was = {}, {}
+local logged, was = { 'df' }, { R[3] }  -- (a flagged drift it clears comes back with a rollback)
 local now = now_ms()
 local J = { gz = H.gz, xp = H.xp }
 
@@ -123,7 +123,7 @@ for _, c in ipairs({ 'w', 'r', 'm', 's' }) do
   upd[#upd + 1], upd[#upd + 2], upd[#upd + 3], upd[#upd + 4] = 'u_' .. c, U[c], 'n_' .. c, N[c]
 end
 for i = 1, #upd do args[#args + 1] = upd[i] end
-if in_turn and #logged > 0 then args[#args + 1], args[#args + 2] = 'ul', journal(R[2], logged, was) end
+if in_turn then args[#args + 1], args[#args + 2] = 'ul', journal(R[2], logged, was) end
 return commit(key, now, op, fp, table.concat({ 'status=ok|added=', added, '|resized=', resized,
   '|kept=', kept, '|removed=', table.concat(removed, ','), '|delta=', delta, '|free=', fr,
   '|epoch=', H.ep, '|turn=', H.tn }), args, J)

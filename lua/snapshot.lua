@@ -1,6 +1,8 @@
 -- snapshot.lua: read a session's numbers in one consistent step (read-only).
 --
 -- KEYS[1]  session hash
+-- KEYS[2]  (optional) the session's summaries hash '<tag>:compacted:<session>': its field
+--          '~' is '<worker>|<until ms>' while a worker computes the session's compaction
 -- (no ARGV)
 --
 -- Reply: now=<ms>|<field>=<value>|... for every numeric field of the session hash
@@ -8,9 +10,10 @@
 --        df flagged) and x:<counter> telemetry counters; the client derives
 --        utilization, residual working memory and regime from them. Then the open
 --        turn: le its lease's end (0: no turn open), te the last turn ended, and last
---        lo=<owner> (empty when no turn is open), the one field that is not a number.
+--        lo=<owner> (empty when no turn is open), the one field that is not a number;
+--        with KEYS[2], before it kw=<1|0>: whether a worker is computing a compaction now.
 -- Errors: LEDGER_NOSESSION.
--- Calls: HMGET, TIME, HGETALL only when telemetry counters are asked for (never).
+-- Calls: HMGET, TIME (HGET of KEYS[2] when given).
 
 local FIELDS = { 'ep', 'tn', 'sq', 'W', 'S', 'T', 'out', 'F_w', 'F_m', 'HW', 'EV', 'fr',
   'a_w', 'a_m', 'a_s', 'u_w', 'u_r', 'u_m', 'u_s', 'n_w', 'n_r', 'n_m', 'n_s',
@@ -23,5 +26,9 @@ if not v[1] then fail('NOSESSION', NOSESSION) end
 local out = { 'now=' .. now_ms() }
 -- A session opened before drift detection has no tolerance (dt): -1, not judged.
 for i = 1, #FIELDS - 1 do out[#out + 1] = FIELDS[i] .. '=' .. (v[i] or (FIELDS[i] == 'dt' and '-1' or '0')) end
+if KEYS[2] then
+  local w = string.match(redis.call('HGET', KEYS[2], '~') or '', '|(%d+)$')
+  out[#out + 1] = 'kw=' .. ((w and tonumber(w) > tonumber(string.sub(out[1], 5))) and '1' or '0')
+end
 out[#out + 1] = 'lo=' .. (v[#FIELDS] or '')
 return reply(out)

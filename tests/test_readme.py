@@ -108,6 +108,12 @@ def check_command(argv: list[str]) -> None:
             cli.build_parser().parse_args(argv[1:])
         except SystemExit as exc:
             pytest.fail(f"`{shlex.join(argv)}` is not a valid ledger command line ({exc})")
+    elif prog in ("python", "python3") and argv[1].endswith(".py"):
+        # a script of the repository, with options its own parser takes
+        script = ROOT / argv[1]
+        assert script.is_file(), f"no script {argv[1]}"
+        for flag in (a.split("=")[0] for a in argv[2:] if a.startswith("--")):
+            assert f'"{flag}"' in script.read_text(), f"{argv[1]} has no option {flag}"
     elif prog in ("python", "python3"):
         assert argv[1] == "-m", argv
         if argv[2] != "venv":

@@ -772,8 +772,44 @@ class Worker:
             return JobOutcome("compact", "skipped")
         turn, items = self._history(keys.session)
         contents = self._contents(keys.content, items)
+        compactor = self.compactor
+        self._mark_compacting(keys, int(snap.raw.get("ttl") or 86_400_000))
+        try:
+            return self._compact_with(
+                compactor, keys, job_id, sid, epoch, snap, turn, items, contents
+            )
+        finally:
+            # (if this fails, the mark says so until its time is up)
+            with contextlib.suppress(LedgerError), translated():
+                self.ledger.client.hdel(keys.compacted, "~")
+
+    def _mark_compacting(self, keys: Any, ttl_ms: int) -> None:
+        """Say (field '~' of the session's summaries hash) that this worker computes the
+        session's compaction, until when on Redis's clock: an agent beginning a turn waits
+        for a compaction a worker is on, not for one nobody picked up."""
+        client = self.ledger.client
+        with translated():
+            sec, usec = client.time()
+            until = sec * 1000 + usec // 1000 + int(1000 * (self.settings.turn_wait + 60))
+            pipe = client.pipeline(transaction=False)
+            pipe.hset(keys.compacted, "~", f"{self.settings.consumer}|{until}")
+            pipe.pexpire(keys.compacted, ttl_ms)
+            pipe.execute()
+
+    def _compact_with(
+        self,
+        compactor: compactors.AnyCompactor,
+        keys: Any,
+        job_id: str,
+        sid: str,
+        epoch: int,
+        snap: Any,
+        turn: int,
+        items: tuple[Any, ...],
+        contents: dict[str, str],
+    ) -> JobOutcome:
         plan = self._run_compactor(
-            self.compactor,
+            compactor,
             compactors.CompactionRequest(
                 sid,
                 epoch,

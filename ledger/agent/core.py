@@ -259,6 +259,8 @@ class AgentCore:
         self._worker: bool | None = None  # the worker compacts this session (asked once)
         self.summary_of = summary_of or default_summary
         self.await_compaction = await_compaction
+        # a pending compaction no worker has picked up after this long is not waited for
+        self.compaction_pickup = 0.25
         # a turn's lease (default: the session's, the setting turn_lease_ms); the faces
         # renew it every third of it while the turn runs
         self.lease_ms: int = lease_ms
@@ -539,7 +541,9 @@ class AgentCore:
         return Admission(kept, refused, exc.reason, 0, exc.free)
 
     def _wait_compaction(self, bound: float) -> Generator[Call[Any] | Sleep, Any, float]:
-        """Wait until no compaction is pending, at most ``bound`` seconds; returns the
+        """Wait until no compaction is pending, at most ``bound`` seconds, as long as a
+        worker is computing it (a compaction no worker picked up within
+        ``compaction_pickup`` seconds is not waited for: none may be running). Returns the
         seconds waited."""
         waited = 0.0
         while True:
@@ -547,7 +551,7 @@ class AgentCore:
             if not snap.compaction_pending:
                 self.compaction_pending = False
                 return waited
-            if waited >= bound:
+            if waited >= bound or (not snap.compacting and waited >= self.compaction_pickup):
                 return waited
             yield Sleep(self.poll_interval)
             waited += self.poll_interval

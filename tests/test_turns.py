@@ -1,0 +1,462 @@
+"""Turn leases on every backend (docs/agent.md#turn-leases): a turn is owned by one
+owner at a time; a second begin is refused before anything changes; a turn taken over or
+whose lease lapsed is rolled back to exactly what it found; its zombie's calls are
+refused; a worker's compaction never lands under a running turn, and its summary is
+delivered to one committed turn, once."""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from typing import Any
+
+import pytest
+
+from ledger import (
+    Consumer,
+    InvalidArgument,
+    Item,
+    Ledger,
+    SessionBudget,
+    TurnInProgress,
+    TurnLost,
+    protocol,
+)
+from ledger.client import Session
+from ledger.core import new_op_id
+
+W, R, M, S = (
+    Consumer.WORKING_MEMORY,
+    Consumer.RETRIEVAL,
+    Consumer.RECALL,
+    Consumer.SCRATCHPAD,
+)
+BUDGET = SessionBudget(
+    window=20_000,
+    system_prompt=500,
+    tool_framing=100,
+    output_reserve=1_000,
+    working_memory_floor=1_000,
+    spill_preview_tokens=100,
+)
+# The fields a rollback must give back exactly as the turn found them: everything but the
+# turn's own bookkeeping (turn number, lease, undo log, deliveries, telemetry, outcomes).
+BOOKKEEPING = {
+    "tn",
+    "lo",
+    "le",
+    "ul",
+    "vs",
+    "vd",
+    "qs",
+    "qd",
+    "rb",
+    "ws",
+    "ai",
+    "ao",
+    "an",
+    "xp",
+    "gz",
+}
+BOOKKEEPING |= {"sq"}  # item sequence numbers are never reused
+# What a compaction attempt counted stays (the jobs it enqueued cannot be taken back), and
+# a compaction made due by the turn stays due.
+BOOKKEEPING |= {"cd", "pm", "kf", "kn", "kt", "rq"}
+
+
+def _text(x: Any) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+def state(led: Ledger, s: Session) -> tuple[dict[str, str], list[tuple[str, float]]]:
+    """What a rollback restores: the session hash without its bookkeeping, and the
+    reservations' members of the deadline index."""
+    raw = {_text(k): _text(v) for k, v in led.client.hgetall(s.keys.session).items()}
+    kept = {k: v for k, v in raw.items() if k not in BOOKKEEPING and not k.startswith("x:")}
+    members = [
+        (_text(m), score)
+        for m, score in led.client.zrange(s.keys.deadlines, 0, -1, withscores=True)
+        if _text(m).startswith(f"{s.id}|") and not _text(m).endswith("|~")
+    ]
+    return kept, members
+
+
+def whole(led: Ledger, s: Session) -> tuple[dict[bytes, bytes], list[Any]]:
+    return (
+        led.client.hgetall(s.keys.session),
+        led.client.zrange(s.keys.deadlines, 0, -1, withscores=True),
+    )
+
+
+def sid() -> str:
+    return f"turns/{uuid.uuid4().hex[:12]}"
+
+
+def loaded(led: Ledger, owner: str = "A") -> Session:
+    """A session with items of every consumer and an open reservation, between turns."""
+    s = led.open_session(sid(), BUDGET, owner=owner)
+    s.admit(W, [Item("w1", 900), Item("w2", 700, 3)])
+    s.admit(R, [Item("r1", 800), Item("r2", 600, 2)])
+    s.admit(M, [Item("m1", 300)])
+    s.admit_tool_result("s1", 1_200, b"{}")
+    s.reserve(S, "res0", 400, lease_ms=600_000)
+    return s
+
+
+# --- one owner at a time ----------------------------------------------------------------
+
+
+def test_a_second_begin_is_refused_before_anything_changes(ledger: Ledger) -> None:
+    a = loaded(ledger, "A")
+    t = a.begin_turn(500)
+    a.admit(R, [Item("r3", 100)])
+    b = ledger.session(a.id, owner="B")
+    before = whole(ledger, a)
+    with pytest.raises(TurnInProgress) as caught:
+        b.begin_turn(500)
+    assert (caught.value.turn, caught.value.owner) == (t.turn, "A")
+    assert 0 < (caught.value.lease_left_ms or 0) <= 30_000
+    # A call of no turn while A's is open: refused too, nothing changed.
+    with pytest.raises(TurnInProgress):
+        b.admit(R, [Item("r4", 100)])
+    with pytest.raises(TurnInProgress):
+        b.release(R, ["r1"])
+    assert whole(ledger, a) == before
+    snap = b.snapshot()
+    assert snap.turn_open and snap.turn_owner == "A" and snap.turn == t.turn
+    assert a.end_turn(t.turn, 5_100).turn == t.turn
+    assert b.begin_turn(500).turn == t.turn + 1  # free again
+    assert ledger.audit(a.id).clean
+
+
+def test_the_same_owner_beginning_again_ends_its_turn_as_it_stands(ledger: Ledger) -> None:
+    a = loaded(ledger, "A")
+    t1 = a.begin_turn(500)
+    a.admit(R, [Item("r3", 100)])
+    t2 = a.begin_turn(500)
+    assert t2.turn == t1.turn + 1 and t2.rolled_back is None
+    assert any(i.id == "r3" for i in ledger.items(a.id))  # kept: not rolled back
+    with pytest.raises(TurnLost):  # the first turn's calls are over
+        ledger.run(
+            protocol.admit(a.keys, new_op_id(), protocol.stamp(a.epoch, t1.turn), R, [Item("x", 1)])
+        )
+
+
+@pytest.mark.parametrize("how", ["takeover", "lapsed", "abort", "worker"])
+def test_a_dead_turn_is_rolled_back_to_exactly_what_it_found(ledger: Ledger, how: str) -> None:
+    """Every kind of change a turn makes, then the turn dies: the session is as the turn
+    found it (items, reservations and their deadlines, counters, output reserve)."""
+    a = loaded(ledger, "A")
+    before = state(ledger, a)
+    lease = 150 if how in ("lapsed", "worker") else 30_000
+    t = a.begin_turn(15_000, output_reserve=2_000, lease_ms=lease)  # reclaims scratchpad
+    assert ("scratchpad", "s1") in [(c.value, i) for c, i in t.reclaimed]
+    a.admit(W, [Item("w3", 500)])
+    a.admit(R, [Item("r3", 400), Item("r1", 800)])  # r1 held: a duplicate
+    a.release(W, ["w2"])
+    a.release(R, ["nope"])
+    got = a.admit_tool_result("s2", 13_800, b"[" + b"0," * 3000 + b"0]")
+    assert got.outcome == "admitted" and got.evicted == ((R, "r1"),)  # memory gave way
+    a.reserve(W, "res1", 300)
+    a.settle("res0", 350, "s0")
+    a.reserve(R, "res2", 200)
+    a.void("res2")
+    a.reconcile({M: [Item("m1", 250), Item("m2", 90)]})
+    a.compact(["w1", (R, "r3")], Item("sum-a", 120))
+    assert state(ledger, a) != before
+    b = ledger.session(a.id, owner="B")
+    if how == "takeover":
+        t2 = b.begin_turn(0, takeover=True)
+        assert t2.rolled_back == t.turn
+        b.abort_turn()
+    elif how == "lapsed":
+        time.sleep(0.3)
+        t2 = b.begin_turn(0)  # no takeover needed: the lease lapsed
+        assert t2.rolled_back == t.turn
+        b.abort_turn()
+    elif how == "abort":
+        assert a.abort_turn().rolled_back == t.turn
+        assert a.abort_turn(t.turn).rolled_back is None  # done already: left alone
+    else:
+        time.sleep(0.3)
+        assert ledger.sweep_partition(a.keys.partition) == (0, 1)
+    assert state(ledger, a) == before
+    report = ledger.audit(a.id)
+    assert report.clean, report.problems
+    snap = b.snapshot()
+    assert not snap.turn_open and snap.raw["x:rolled_back"] >= 1
+    assert ledger.client.zscore(a.keys.deadlines, f"{a.id}|~") is None
+
+
+def test_a_zombie_is_refused_once_its_turn_was_taken_over(ledger: Ledger) -> None:
+    a = loaded(ledger, "A")
+    t = a.begin_turn(500)
+    b = ledger.session(a.id, owner="B")
+    t2 = b.begin_turn(500, takeover=True)
+    b.admit(R, [Item("b1", 100)])
+    before = whole(ledger, a)
+    for call in (
+        lambda: a.admit(R, [Item("z1", 100)]),
+        lambda: a.release(R, ["b1"]),
+        lambda: a.admit_tool_result("z2", 10, b"{}"),
+        lambda: a.reserve(S, "z3", 10),
+        lambda: a.settle("res0", 10),
+        lambda: a.void("res0"),
+        lambda: a.reconcile({R: []}),
+        lambda: a.compact(["w1"], Item("zs", 10)),
+        lambda: a.record_span(t.turn, "recall", 10),
+        lambda: a.end_turn(t.turn, 5_000),
+        lambda: a.renew_turn(),
+    ):
+        with pytest.raises(TurnLost) as caught:
+            call()
+        assert caught.value.turn == t.turn and caught.value.rolled_back
+        assert "taken over by B" in str(caught.value)
+    assert whole(ledger, a) == before
+    assert b.end_turn(t2.turn, 5_200).turn == t2.turn
+
+
+def test_renewing_keeps_the_turn_and_its_end_commits_a_mark(ledger: Ledger) -> None:
+    a = loaded(ledger, "A")
+    t = a.begin_turn(500, lease_ms=400)
+    b = ledger.session(a.id, owner="B")
+    for _ in range(4):
+        time.sleep(0.2)
+        renewed = a.renew_turn(lease_ms=400)
+        assert renewed.turn == t.turn and renewed.lease_until_ms >= t.lease_until_ms
+        with pytest.raises(TurnInProgress):
+            b.begin_turn(0)
+    a.end_turn(t.turn, 5_000, mark="checkpoint-1")
+    nxt = b.begin_turn(0)
+    assert nxt.mark == "checkpoint-1" and nxt.rolled_back is None
+    b.abort_turn()
+    assert b.begin_turn(0).mark == "checkpoint-1"  # a rolled-back turn commits no mark
+
+
+def test_bad_lease_arguments_are_refused_before_anything_changes(ledger: Ledger) -> None:
+    a = loaded(ledger, "A")
+    before = whole(ledger, a)
+    for kw in ({"lease_ms": 0}, {"lease_ms": 86_400_001}, {"lease_ms": 1.5}):
+        with pytest.raises(InvalidArgument):
+            a.begin_turn(0, **kw)  # type: ignore[arg-type]
+    for owner in ("", "a b", "x" * 129, "a|b"):
+        with pytest.raises(InvalidArgument):
+            ledger.run(protocol.begin_turn(a.keys, new_op_id(), a.epoch, 0, None, owner, 1000))
+    with pytest.raises(InvalidArgument):
+        a.end_turn(0, 100, mark="not an id")
+    with pytest.raises(InvalidArgument):  # no turn to abort or renew
+        a.abort_turn()
+    assert whole(ledger, a) == before
+
+
+# --- deliveries --------------------------------------------------------------------------
+
+
+def worker_compaction(led: Ledger, s: Session, replaced: list[Any], summary: Item) -> Any:
+    """A compaction as the worker commits it: with its job's stream entry."""
+    entry = led.client.xadd(s.keys.jobs, {"kind": "compact", "session": s.id})
+    return led.run(
+        protocol.compact(
+            s.keys, f"job-{_text(entry)}", s.epoch, replaced, summary, job=_text(entry)
+        )
+    )
+
+
+def test_a_worker_compaction_waits_for_the_turn_and_is_delivered_once(ledger: Ledger) -> None:
+    a = loaded(ledger, "A")
+    t = a.begin_turn(0)
+    before = whole(ledger, a)
+    got = worker_compaction(ledger, a, ["w1", (R, "r1")], Item("sum-1", 100, 1000))
+    assert got.outcome == "turn_open" and not got.compacted
+    assert whole(ledger, a) == before  # nothing changed, nothing stored
+    a.end_turn(t.turn, 5_000)
+    done = worker_compaction(ledger, a, ["w1", (R, "r1")], Item("sum-1", 100, 1000))
+    assert done.outcome in ("compacted", "deferred", "failed") and done.summary == 100
+    b = ledger.session(a.id, owner="B")
+    t2 = b.begin_turn(0)  # delivered to this turn
+    assert t2.summaries == ("sum-1",) and set(t2.dropped) == {(W, "w1"), (R, "r1")}
+    b.abort_turn()  # ... which dies: delivered again to the next
+    t3 = a.begin_turn(0)
+    assert t3.summaries == ("sum-1",) and set(t3.dropped) == {(W, "w1"), (R, "r1")}
+    a.end_turn(t3.turn, 5_000)
+    t4 = b.begin_turn(0)  # done: once
+    assert t4.summaries == () and t4.dropped == ()
+    # A summary replaced before it was delivered leaves the queue; its drops stay.
+    b.end_turn(t4.turn, 5_000)
+    worker_compaction(ledger, a, ["w2"], Item("sum-2", 80, 1000))
+    worker_compaction(ledger, a, ["sum-2", (R, "r2")], Item("sum-3", 90, 1000))
+    t5 = a.begin_turn(0)
+    assert t5.summaries == ("sum-3",) and set(t5.dropped) == {(W, "w2"), (R, "r2")}
+    assert ledger.audit(a.id).clean
+
+
+def test_a_compaction_replaces_only_the_version_it_read(ledger: Ledger) -> None:
+    """The compactor read w1 at one sequence number; w1 released and admitted again (new
+    text) since: the commit leaves the new version."""
+    a = loaded(ledger, "A")
+    seq = next(i.seq for i in ledger.items(a.id) if i.id == "w1")
+    a.release(W, ["w1"])
+    a.admit(W, [Item("w1", 450)])
+    done = a.compact([(W, "w1", seq), (R, "r1")], Item("sum-v", 60))
+    assert done.missing == ((W, "w1"),)
+    held = {i.id: i.tokens for i in ledger.items(a.id)}
+    assert held["w1"] == 450 and "r1" not in held
+
+
+# --- any interleaving: a random turn, then its death ---------------------------------------
+
+
+def random_turn(s: Session, rnd: random.Random, n: int) -> None:
+    """n random calls of a turn (refusals and errors of its own are fine)."""
+    ids = [f"x{i}" for i in range(8)]
+    for k in range(n):
+        c = rnd.choice([W, R, M, S])
+        op = rnd.randrange(9)
+        try:
+            if op == 0:
+                s.admit(c, [Item(rnd.choice(ids), rnd.randint(1, 2_500))], partial=True)
+            elif op == 1:
+                s.release(c, [rnd.choice(ids), "w1", "r1"][: rnd.randint(1, 3)])
+            elif op == 2:
+                s.admit_tool_result(rnd.choice(ids), rnd.randint(1, 9_000), b"{}")
+            elif op == 3:
+                s.reserve(c, f"res-{k}", rnd.randint(1, 900))
+            elif op == 4:
+                s.settle(rnd.choice(["res0", f"res-{k - 1}"]), rnd.randint(1, 900), f"set-{k}")
+            elif op == 5:
+                s.void(rnd.choice(["res0", f"res-{k - 1}"]))
+            elif op == 6:
+                s.reconcile({c: [Item(i, rnd.randint(1, 800)) for i in rnd.sample(ids, 2)]})
+            elif op == 7:
+                s.compact([(c, rnd.choice(ids)), (W, "w2")], Item(f"sum-{k}", rnd.randint(1, 300)))
+            else:
+                s.record_span(s.turn or 0, "recall", rnd.randint(0, 3_000))
+        except Exception as exc:  # a refusal of the ledger's rules, not of the lease
+            assert not isinstance(exc, (TurnLost, TurnInProgress)), exc
+
+
+def test_any_turn_rolls_back_to_what_it_found(ledger: Ledger, backend: str) -> None:
+    rounds = 4 if backend == "cluster" else 12
+    for seed in range(rounds):
+        rnd = random.Random(seed)
+        a = loaded(ledger, "A")
+        random_turn(a, rnd, 6)  # some history first, between turns
+        before = state(ledger, a)
+        t = a.begin_turn(rnd.choice([0, 2_000, 9_000]), output_reserve=rnd.choice([None, 1_500]))
+        random_turn(a, rnd, 25)
+        b = ledger.session(a.id, owner="B")
+        assert b.begin_turn(0, takeover=True).rolled_back == t.turn
+        b.abort_turn()
+        assert state(ledger, a) == before, f"seed {seed}"
+        assert ledger.audit(a.id).clean, f"seed {seed}"
+
+
+# --- the agent layer ---------------------------------------------------------------------
+
+from ledger import AsyncLedger  # noqa: E402
+from ledger.agent import Agent, AsyncAgent  # noqa: E402
+
+
+def words(text: str) -> int:
+    return len(text.split())
+
+
+def msg(i: str, n: int = 50) -> dict[str, str]:
+    return {"id": i, "content": "word " * n}
+
+
+def test_an_agent_turn_that_raises_is_rolled_back(ledger: Ledger) -> None:
+    s = loaded(ledger, "A")
+    before = state(ledger, s)
+    agent = Agent(s, words)
+    with pytest.raises(RuntimeError, match="the model call failed"), agent.turn(200) as turn:
+        turn.admit("retrieval", [msg("doc-1"), msg("doc-2")])
+        turn.tool_result({"id": "call-1", "content": "row " * 300})
+        raise RuntimeError("the model call failed")
+    assert turn.state is not None and turn.state.aborted is not None
+    assert state(ledger, s) == before and ledger.audit(s.id).clean
+    with agent.turn(200) as turn:  # the next turn starts from what was committed
+        assert turn.rolled_back is None
+        turn.prompt(5_000)
+
+
+async def test_the_asyncio_face_rolls_back_and_renews_alike(aledger: AsyncLedger) -> None:
+    s = await aledger.open_session(sid(), BUDGET, owner="A")
+    await s.admit(W, [Item("w1", 900)])
+    agent = AsyncAgent(s, words, lease_ms=300)
+    other = AsyncAgent(await aledger.session(s.id, owner="B"), words)
+    with pytest.raises(RuntimeError):
+        async with agent.turn(0) as turn:
+            await turn.admit("retrieval", [msg("doc-1")])
+            raise RuntimeError("boom")
+    assert [i.id for i in await aledger.items(s.id)] == ["w1"]
+    async with agent.turn(0) as turn:
+        import asyncio
+
+        await asyncio.sleep(1.0)  # three leases long: renewed in the background
+        with pytest.raises(TurnInProgress):
+            async with other.turn(0):
+                pass
+        assert turn.lost is None
+        turn.prompt(1_400)
+    assert (await s.audit()).clean
+
+
+def test_the_agent_renews_its_lease_and_others_wait_or_take_over(ledger: Ledger) -> None:
+    s = loaded(ledger, "A")
+    a = Agent(s, words, lease_ms=300)
+    b = Agent(ledger.session(s.id, owner="B"), words, poll_interval=0.02)
+    with a.turn(0) as turn:
+        time.sleep(1.0)  # three leases long: renewed in the background
+        with pytest.raises(TurnInProgress) as caught:
+            b.turn(0).__enter__()
+        assert caught.value.owner == "A"
+        started = time.monotonic()
+        with pytest.raises(TurnInProgress):  # waiting is bounded
+            b.turn(0, wait=0.2).__enter__()
+        assert 0.15 <= time.monotonic() - started < 1.0
+        turn.prompt(5_100)
+    with b.turn(0, wait=1.0) as theirs:  # free now: no wait
+        theirs.prompt(5_100)
+    with pytest.raises(TurnLost), a.turn(0) as mine:  # its end: the turn is not its own
+        mine.admit("retrieval", [msg("doc-9")])
+        with b.turn(0, takeover=True) as theirs:  # a stuck owner is taken over
+            assert theirs.rolled_back == mine.number
+            theirs.prompt(5_100)
+        with pytest.raises(TurnLost):
+            mine.admit("retrieval", [msg("doc-10")])
+        mine.prompt(5_100)
+    assert mine.state is not None and mine.state.aborted is not None
+    assert mine.state.aborted.rolled_back is None  # nothing of its own left to roll back
+    assert ledger.audit(s.id).clean
+
+
+def test_apply_brings_any_process_state_up_to_the_ledger(ledger: Ledger) -> None:
+    """Objects admitted by one process, a compaction committed between turns, the next
+    turn served by another process that never saw those objects: apply drops what the
+    summary replaced and puts the summary where that history began."""
+    system = "You are brief."
+    s = ledger.open_session(sid(), SessionBudget(window=20_000, system_prompt=words(system)))
+    a = Agent(s, words)
+    history: list[Any] = [system]
+    with a.turn(0) as turn:
+        for i in range(4):
+            history += turn.admit("working_memory", [msg(f"m{i}", 100)]).kept
+        turn.prompt(history)
+    ledger.client.hset(
+        s.keys.compacted,
+        "sum-1",
+        '{"text": "Earlier: four messages.", "replaced": ["w:m0", "w:m1", "w:m2"]}',
+    )
+    worker_compaction(
+        ledger, s, ["m0", "m1", "m2"], Item("sum-1", words("Earlier: four messages."))
+    )
+    b = Agent(ledger.session(s.id, owner="B"), words)  # another process: knows none of them
+    with b.turn(0) as turn:
+        assert turn.dropped == []  # nothing it knows of
+        shown = turn.apply(history)
+        assert [o if isinstance(o, str) else o["id"] for o in shown] == [system, "sum-1", "m3"]
+        assert turn.apply(shown) == shown  # applying twice changes nothing
+        turn.prompt(shown)
+    assert turn.report is not None and turn.report.drift == 0
