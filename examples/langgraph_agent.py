@@ -17,27 +17,22 @@ committed, and a turn whose process died is rolled back.
     python examples/langgraph_agent.py --url ... --processes 2 --race-at 5   # one turn started twice
 
 With a redis:// URL the example starts its own ``ledger worker`` process; on embedded a
-worker runs in this process. Lines marked `# ledger` are the glue (10 lines).
+worker runs in this process. Lines marked `# ledger` are the glue (10 lines, the repair of a
+flagged drift included).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
-import signal
 import sqlite3
-import subprocess
-import sys
-import tempfile
-import threading
 import time
 import uuid
 import warnings
-from pathlib import Path
 from typing import Annotated, Any, TypedDict
 
+import fleet
 from langchain_core.documents import Document
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, SystemMessage, ToolMessage
@@ -49,7 +44,7 @@ from langgraph.graph.message import add_messages
 from ledger import Agent, Ledger, SessionBudget, TiktokenCounter  # ledger
 from ledger.adapters.langgraph import LedgerGraph, merge_docs  # ledger
 from ledger.adapters.summarizer import LLMSummarizer
-from ledger.errors import ContextDriftWarning, TurnInProgress  # the example's report
+from ledger.errors import ContextDriftWarning  # the example's report
 
 WINDOW = 16_000
 OVERHEAD = 4  # tokens of chat framing per message, counted for items and prompts alike
@@ -57,7 +52,6 @@ SYSTEM = "You are a data analyst. Answer from the documents and the SQL results.
 TOKENS = TiktokenCounter()  # the stub model's own count (the glue makes its own counter)
 SEEN: list[list[AnyMessage]] = []  # every prompt the model was sent
 WORDS = ["revenue", "margin", "churn", "cohort", "region", "quarter", "pipeline", "forecast", "segment"]
-DRILL: dict[str, float] = {}  # this turn's fleet drill: crash (kill -9 in the tool), hold (s)
 
 
 def counted(messages: list[AnyMessage]) -> int:
@@ -78,11 +72,12 @@ class StubModel(BaseChatModel):
                   **kw: Any) -> ChatResult:
         SEEN.append(list(messages))
         last = messages[-1]
+        usage = {"input_tokens": counted(messages), "output_tokens": 20, "total_tokens": counted(messages) + 20}
         if isinstance(last, HumanMessage):
             n = str(last.content).split(":")[0]
-            msg = AIMessage(content="", tool_calls=[{"name": "sql", "args": {"q": n}, "id": f"sql-{n}"}])
+            msg = AIMessage(content="", tool_calls=[{"name": "sql", "args": {"q": n}, "id": f"sql-{n}"}], usage_metadata=usage)
         else:
-            msg = AIMessage(content="Based on the rows and documents: " + " ".join(WORDS[:6]))
+            msg = AIMessage(content="Based on the rows and documents: " + " ".join(WORDS[:6]), usage_metadata=usage)
         return ChatResult(generations=[ChatGeneration(message=msg)])
 
 
@@ -137,12 +132,11 @@ def build(model: Any) -> StateGraph:
         return {"docs": [chunk(i) for i in rnd.sample(range(400), rnd.randint(12, 18))]}
 
     def plan(state: State) -> dict[str, Any]:
-        time.sleep(DRILL.get("hold", 0))  # a slow model call, holding the turn
+        fleet.hold_here()  # a fleet drill: a slow model call, holding the turn
         return {"messages": [model.invoke(prompt(state))]}
 
     def sql(state: State) -> dict[str, Any]:
-        if DRILL.get("crash"):  # the process dies inside the tool
-            os.kill(os.getpid(), signal.SIGKILL)
+        fleet.crash_here()  # a fleet drill: the process dies inside the tool
         call = state["messages"][-1].tool_calls[0]
         turn = int(call["args"]["q"][1:])
         return {"messages": [ToolMessage(content=sql_rows(turn), tool_call_id=call["id"])]}
@@ -180,8 +174,10 @@ class Server:
             warnings.simplefilter("always", ContextDriftWarning)
             with self.gov.turn(working_set=1_500, config=self.config, wait=wait) as t:  # ledger
                 state = self.graph.invoke({"question": f"Q{n}: {WORDS[n % 9]} by region?", "inject": inject}, t.config)  # ledger
-        snap = self.gov.agent.session.snapshot()
         assert t.report is not None and t.state is not None
+        if t.report.flagged:  # the prompt drifted from the ledger: set it to what the state holds
+            self.gov.reconcile(self.config)  # ledger
+        snap = self.gov.agent.session.snapshot()
         tool = t.state.tools[-1] if t.state.tools else None
         last = SEEN[-1] if SEEN else []
         summaries = [str(m.id) for m in last if str(m.id).startswith("summary-")]
@@ -193,152 +189,14 @@ class Server:
                 "spilled": bool(tool and tool.spilled), "tool_tokens": tool.tokens if tool else 0,
                 "dropped": len(t.state.drop_refs), "delivered": [str(s.id) for s in t.summaries],
                 "summaries_in_prompt": summaries, "high": snap.occupancy > BUDGET.high_water_tokens,
-                "rolled_back": t.rolled_back, "waited_s": round(time.monotonic() - started, 3)}
-
-
-def serve(url: str, session_id: str, db: str) -> None:
-    """An agent process: one JSON request a line in ({"turn", "inject", "crash", "hold",
-    "wait"}), one JSON row out (or {"error", "owner", "left_ms"} when the turn is held)."""
-    server = Server(url, session_id, db)
-    print(json.dumps({"ready": os.getpid()}), flush=True)
-    for line in sys.stdin:
-        req = json.loads(line)
-        DRILL.clear()
-        DRILL.update({k: float(req.get(k, 0)) for k in ("crash", "hold")})
-        try:
-            row = server.turn(req["turn"], bool(req.get("inject")), float(req.get("wait", 0)))
-        except TurnInProgress as exc:
-            row = {"turn": req["turn"], "pid": os.getpid(), "error": "TurnInProgress",
-                   "owner": exc.owner, "left_ms": exc.lease_left_ms}
-        print(json.dumps(row), flush=True)
-
-
-class Fleet:
-    """Agent processes (and a ledger worker) serving one session's turns in turn."""
-
-    def __init__(self, url: str, session_id: str, db: str, processes: int, prefix: str) -> None:
-        self.url, self.session_id, self.db = url, session_id, db
-        self.env = {**os.environ, "LEDGER_PREFIX": prefix}
-        self.procs = [self.spawn() for _ in range(processes)]
-        here = str(Path(__file__).resolve().parent)
-        env = {**self.env, "PYTHONPATH": os.pathsep.join([here, self.env.get("PYTHONPATH", "")])}
-        self.worker = subprocess.Popen(
-            [sys.executable, "-m", "ledger.cli", "--url", url, "worker", "--compactor",
-             "langgraph_agent:COMPACTOR", "--claim-idle-ms", "1000"],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-    def spawn(self) -> subprocess.Popen[str]:
-        p = subprocess.Popen([sys.executable, __file__, "--serve", "--url", self.url, "--session",
-                              self.session_id, "--db", self.db], env=self.env,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert p.stdout is not None and "ready" in json.loads(p.stdout.readline())
-        return p
-
-    def send(self, i: int, req: dict[str, Any]) -> None:
-        p = self.procs[i]
-        assert p.stdin is not None
-        p.stdin.write(json.dumps(req) + "\n")
-        p.stdin.flush()
-
-    def reply(self, i: int) -> dict[str, Any] | None:
-        p = self.procs[i]
-        assert p.stdout is not None
-        line = p.stdout.readline()
-        return json.loads(line) if line else None
-
-    def close(self) -> None:
-        for p in self.procs:
-            if p.stdin:
-                p.stdin.close()
-            p.wait(timeout=60)
-        self.worker.send_signal(signal.SIGTERM)
-        self.worker.wait(timeout=60)
-
-
-def run(url: str, turns: int, drift_at: int | None, processes: int, session_id: str,
-        kill_at: int | None = None, race_at: int | None = None, lease_s: float = 3.0) -> list[dict[str, Any]]:
-    """Serve the turns, turn n by process n % processes; returns a row per turn."""
-    db = str(Path(tempfile.mkdtemp()) / "checkpoints.sqlite")
-    rows: list[dict[str, Any]] = []
-    if processes <= 1:
-        from ledger.workers.runner import Worker, WorkerSettings
-
-        server = Server(url, session_id, db)
-        worker = Worker(server.gov.agent.session.ledger, WorkerSettings(), compactor=COMPACTOR)
-        stop = threading.Event()
-        thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
-        thread.start()
-        try:
-            for n in range(1, turns + 1):
-                rows.append({**server.turn(n, n == drift_at), "process": 0})
-        finally:
-            stop.set()
-            thread.join(timeout=30)
-            worker.close()
-        return rows
-    fleet = Fleet(url, session_id, db, processes, os.environ.get("LEDGER_PREFIX", "ledger"))
-    try:
-        for n in range(1, turns + 1):
-            i = n % processes
-            if n == kill_at:  # the owner dies inside the tool; the next process takes over
-                fleet.send(i, {"turn": n, "crash": 1})
-                assert fleet.reply(i) is None  # killed
-                died = time.monotonic()
-                fleet.procs[i].wait(timeout=30)
-                i = (i + 1) % processes
-                fleet.send(i, {"turn": n, "wait": lease_s * 5})
-                row = fleet.reply(i)
-                assert row is not None
-                row["takeover_s"] = round(time.monotonic() - died, 3)
-                fleet.procs[(i - 1) % processes] = fleet.spawn()
-            elif n == race_at:  # the same turn on two processes at once (a retried request)
-                j = (i + 1) % processes
-                fleet.send(i, {"turn": n, "hold": 1.0})
-                time.sleep(0.3)
-                fleet.send(j, {"turn": n})
-                refused, row = fleet.reply(j), fleet.reply(i)
-                assert row is not None and refused is not None
-                row["raced"] = refused
-            else:
-                fleet.send(i, {"turn": n, "inject": n == drift_at})
-                row = fleet.reply(i)
-                assert row is not None
-            rows.append({**row, "process": i})
-    finally:
-        fleet.close()
-    return rows
+                "rolled_back": t.rolled_back, "waited_s": round(time.monotonic() - started, 3),
+                "billed": t.state.billing[-1].billed if t.state.billing else None,
+                "billing_flagged": [c.flagged for c in t.state.billing],
+                "audit_clean": self.gov.agent.session.audit().clean}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--url", default="embedded://langgraph-example")
-    ap.add_argument("--turns", type=int, default=30)
-    ap.add_argument("--drift-at", type=int, default=None)
-    ap.add_argument("--processes", type=int, default=1)
-    ap.add_argument("--kill-at", type=int, default=None)
-    ap.add_argument("--race-at", type=int, default=None)
-    ap.add_argument("--lease", type=float, default=3.0, help="the turn lease, seconds")
-    ap.add_argument("--session", default=None)
-    ap.add_argument("--db", default=None)
-    ap.add_argument("--serve", action="store_true")
-    ap.add_argument("--json", action="store_true")
-    a = ap.parse_args()
-    sid = a.session or f"lg-{uuid.uuid4().hex[:12]}"
-    os.environ.setdefault("LEDGER_TURN_LEASE_MS", str(int(a.lease * 1000)))
-    if a.serve:
-        return serve(a.url, sid, a.db)
-    rows = run(a.url, a.turns, a.drift_at, a.processes, sid, a.kill_at, a.race_at, a.lease)
-    if a.json:
-        print(json.dumps(rows))
-        return
-    print("turn  proc  prompt  counted  drift  flag         max_sent/window  docs  tool(spilled)  dropped  summaries")
-    for r in rows:
-        print(f"{r['turn']:>4}  {r['process']:>4}  {r['prompt']:>6}  {r['counted']:>7}  {r['drift']:>5}  "
-              f"{r['flag']:<11}  {r['max_sent']:>6}/{r['window']:<6}  {r['docs']:>4}  "
-              f"{r['tool_tokens']:>6}({'y' if r['spilled'] else 'n'})  {r['dropped']:>7}  {len(r['delivered'])}")
-    print(f"max prompt sent {max(r['max_sent'] for r in rows)} <= window {WINDOW}; "
-          f"max |drift| outside injected turns {max(abs(r['drift']) for r in rows if r['turn'] != a.drift_at)}; "
-          f"flagged turns {[r['turn'] for r in rows if r['flag'] != 'none']}")
+    fleet.main(__file__, Server, COMPACTOR, "langgraph_agent:COMPACTOR", "embedded://langgraph-example", "lg")
 
 
 if __name__ == "__main__":

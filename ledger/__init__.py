@@ -7,6 +7,7 @@ from ledger.client import Ledger, Session
 from ledger.errors import (
     AdmissionRefused,
     BackendUnavailable,
+    BillingDriftWarning,
     ConfigurationError,
     ContextDrift,
     ContextDriftWarning,
@@ -39,6 +40,7 @@ __all__ = [
     "EstimatingCounter",
     "TiktokenCounter",
     "AdmissionRefused",
+    "BillingDriftWarning",
     "RefusalReason",
     "AsyncLedger",
     "AsyncSession",

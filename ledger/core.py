@@ -397,8 +397,10 @@ class SessionCore:
         self.turn: int | None = None  # the open turn this handle began (its calls' stamp)
         self._last_left = 0  # the last turn this handle ended or rolled back
 
-    def _stamp(self) -> Epoch:
-        return stamp(self.epoch, self.turn)
+    def _stamp(self, turn: int | None = None) -> Epoch:
+        """ARGV[2]: the epoch, and the turn the call belongs to (``turn``, by default the
+        one this handle holds)."""
+        return stamp(self.epoch, self.turn if turn is None else turn)
 
     def _began(
         self, parse: Callable[[protocol.Reply], TurnStarted]
@@ -437,19 +439,25 @@ class SessionCore:
         items: Sequence[Item],
         *,
         partial: bool = False,
+        turn: int | None = None,
         op_id: str | None = None,
     ) -> Call[Admitted]:
         """Admit items for a consumer in one atomic step: all of them (or a refusal), or
         with ``partial=True`` the longest prefix that fits. Items already held charge nothing."""
-        return protocol.admit(self.keys, _op(op_id), self._stamp(), consumer, items, partial)
+        return protocol.admit(self.keys, _op(op_id), self._stamp(turn), consumer, items, partial)
 
     admit = operation(admit_call)
 
     def release_call(
-        self, consumer: Consumer | str, item_ids: Sequence[str], *, op_id: str | None = None
+        self,
+        consumer: Consumer | str,
+        item_ids: Sequence[str],
+        *,
+        turn: int | None = None,
+        op_id: str | None = None,
     ) -> Call[Released]:
         """Give back items; ids not held are reported as missing."""
-        return protocol.release(self.keys, _op(op_id), self._stamp(), consumer, item_ids)
+        return protocol.release(self.keys, _op(op_id), self._stamp(turn), consumer, item_ids)
 
     release = operation(release_call)
 
@@ -460,13 +468,14 @@ class SessionCore:
         tokens: int,
         *,
         lease_ms: int = 30_000,
+        turn: int | None = None,
         op_id: str | None = None,
     ) -> Call[Reservation]:
         """Hold an estimate until a deadline on Redis's clock (phase one of two)."""
         return protocol.reserve(
             self.keys,
             _op(op_id),
-            self._stamp(),
+            self._stamp(turn),
             consumer,
             reservation_id,
             tokens,
@@ -482,20 +491,23 @@ class SessionCore:
         item_id: str | None = None,
         *,
         priority: int = 0,
+        turn: int | None = None,
         op_id: str | None = None,
     ) -> Call[Settled]:
         """Turn a reservation into an item of its actual size (lower or higher), named
         ``item_id`` (by default the reservation's id, which ``reserve`` checks is not
         held already)."""
         return protocol.settle(
-            self.keys, _op(op_id), self._stamp(), reservation_id, actual, item_id, priority
+            self.keys, _op(op_id), self._stamp(turn), reservation_id, actual, item_id, priority
         )
 
     settle = operation(settle_call)
 
-    def void_call(self, reservation_id: str, *, op_id: str | None = None) -> Call[Voided]:
+    def void_call(
+        self, reservation_id: str, *, turn: int | None = None, op_id: str | None = None
+    ) -> Call[Voided]:
         """Cancel a reservation and give its tokens back."""
-        return protocol.void(self.keys, _op(op_id), self._stamp(), reservation_id)
+        return protocol.void(self.keys, _op(op_id), self._stamp(turn), reservation_id)
 
     void = operation(void_call)
 
@@ -627,13 +639,14 @@ class SessionCore:
         self,
         items: Mapping[Any, Sequence[Item]],
         *,
+        turn: int | None = None,
         op_id: str | None = None,
     ) -> Call[Reconciled]:
         """Set each named consumer's items to exactly ``items[consumer]`` in one atomic
         step (releases the others, adds the new, resizes the changed); consumers not
         named are untouched. Refused (nothing changed) when the result does not fit.
         Clears a flagged drift."""
-        return protocol.reconcile(self.keys, _op(op_id), self._stamp(), items)
+        return protocol.reconcile(self.keys, _op(op_id), self._stamp(turn), items)
 
     reconcile = operation(reconcile_call)
 
@@ -642,22 +655,31 @@ class SessionCore:
         replaced: Sequence[str | tuple[Consumer | str, str]],
         summary: Item | None,
         *,
+        turn: int | None = None,
         op_id: str | None = None,
     ) -> Call[Compaction]:
         """Commit a compaction: ``replaced`` items (working-memory ids, or (consumer, id)
         pairs for stale chunks and tool results) give way to one working-memory
         ``summary``. Above the high-water mark it is a failed compaction, and repeated
         failures enqueue a hard reset (docs/rules.md#compaction-credit)."""
-        return protocol.compact(self.keys, _op(op_id), self._stamp(), replaced, summary)
+        return protocol.compact(self.keys, _op(op_id), self._stamp(turn), replaced, summary)
 
     compact = operation(compact_call)
 
     def admit_tool_result_call(
-        self, call_id: str, tokens: int, content: bytes | str, *, op_id: str | None = None
+        self,
+        call_id: str,
+        tokens: int,
+        content: bytes | str,
+        *,
+        turn: int | None = None,
+        op_id: str | None = None,
     ) -> Call[ToolResult]:
         """Admit a tool result whole, or spill it to a handle with a bounded preview
         (docs/rules.md#admission-with-spill); never truncated. Memory gives way first."""
-        return protocol.admit_tool(self.keys, _op(op_id), self._stamp(), call_id, tokens, content)
+        return protocol.admit_tool(
+            self.keys, _op(op_id), self._stamp(turn), call_id, tokens, content
+        )
 
     admit_tool_result = operation(admit_tool_result_call)
 

@@ -200,6 +200,18 @@ class ContextOverflow(LedgerError):
         )
 
 
+class BillingDriftWarning(UserWarning):
+    """What the provider billed for a prompt differs from the ledger's count of it beyond
+    the agent's ``billing_tolerance`` (``check``: a :class:`~ledger.agent.BillingCheck`):
+    the local counter is off (it is then calibrated, when it estimates), or the report
+    covers what the count did not (a system message or tool schemas the adapter never
+    saw: then nothing is learned)."""
+
+    def __init__(self, check: object, message: str) -> None:
+        self.check = check
+        super().__init__(message)
+
+
 class ContextDriftWarning(UserWarning):
     """The warning form of :class:`ContextDrift` (setting ``drift_action="warn"``)."""
 

@@ -20,6 +20,12 @@ them on Redis Cluster::
                                        hash '<consumer code>:<item id>' -> the item's text
                                        (the agent layer writes it; the worker's compactor
                                        reads it); the session's idle TTL
+    <prefix>:{p<N>}:history:<session_id>
+                                       hash version -> JSON list of the conversation's
+                                       items, for frameworks whose history the ledger
+                                       keeps (the Agents SDK's governed Session): the
+                                       version the last ended turn committed (its mark)
+                                       and the one the open turn wrote; the session's TTL
     <prefix>:{p<N>}:compacted:<session_id>
                                        hash summary item id -> JSON {"text", "replaced",
                                        "at"}: the texts of the worker's summaries, for the
@@ -54,6 +60,7 @@ class SessionKeys:
     spill_prefix: str
     content: str
     compacted: str
+    history: str
     outcomes: str
     outcomes_old: str
 
@@ -109,6 +116,7 @@ class KeySpace:
             f"{self.tag(p)}:spill:{session_id}|",
             f"{self.tag(p)}:content:{session_id}",
             f"{self.tag(p)}:compacted:{session_id}",
+            f"{self.tag(p)}:history:{session_id}",
             f"{self.tag(p)}:out:{session_id}",
             f"{self.tag(p)}:old:{session_id}",
         )

@@ -540,6 +540,7 @@ class Snapshot:
     lease_until_ms: int = 0  # when the open turn's lease ends (Redis's clock)
     last_ended_turn: int = 0
     compacting: bool = False  # a worker is computing this session's compaction now
+    mark: str | None = None  # the commit mark of the last ended turn
 
     @property
     def turn_open(self) -> bool:

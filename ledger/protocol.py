@@ -705,6 +705,7 @@ _PER = {"u": "used", "v": "reserved", "n": "items"}
 
 def _snapshot(r: Reply) -> Snapshot:
     owner = r.pop("lo", "") or None
+    mark = r.pop("cm", "") or None
     n = {k: int(v) for k, v in r.items()}
     per = {name: {c: n[f"{p}_{c.code}"] for c in Consumer} for p, name in _PER.items()}
     return Snapshot(
@@ -737,6 +738,7 @@ def _snapshot(r: Reply) -> Snapshot:
         lease_until_ms=n.get("le", 0),
         last_ended_turn=n.get("te", 0),
         compacting=n.get("kw", 0) == 1,
+        mark=mark,
     )
 
 

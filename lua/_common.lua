@@ -367,7 +367,35 @@ local function rollback(key, dl, sid, why)
   for field, was in string.gmatch(f.ul or '', '\31([^\30\31]+)\30([^\31]*)') do
     prior[field] = was
   end
-  local dead, set, zrem, zadd = { 'lo', 'le', 'ul', 'vs', 'vd' }, {}, { sid .. '|' .. LEASE }, {}
+  local dead, set, zrem, zadd = { 'lo', 'le', 'ul', 'vs', 'vd', 'uo' }, {}, { sid .. '|' .. LEASE }, {}
+  -- The outcomes of the turn's calls go: a call sent again is then judged anew (refused
+  -- as a call of a turn no longer open, or done once in the turn that sends it), never
+  -- told that an effect this rollback undid took place.
+  local keys = {}
+  for k in string.gmatch(f.uo or '', '(%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x)') do
+    local b = string.sub(k, 1, 2)
+    keys[b] = keys[b] or {}
+    keys[b][#keys[b] + 1] = string.sub(k, 3)
+  end
+  for b, ks in pairs(keys) do
+    for _, gen in ipairs({ OUT, OLD }) do
+      local src = redis.call('HGET', gen, b)
+      if src then
+        local kept = src
+        for _, k in ipairs(ks) do
+          local i, j = string.find(kept, '\30' .. k, 1, true)
+          if i then
+            local nxt = string.find(kept, '\30', j + 1, true)
+            kept = string.sub(kept, 1, i - 1) .. (nxt and string.sub(kept, nxt) or '')
+          end
+        end
+        if kept ~= src then
+          if kept == '' then redis.call('HDEL', gen, b) else redis.call('HSET', gen, b, kept) end
+          if gen == OUT and BUCKET.b == b then BUCKET.cur = kept end
+        end
+      end
+    end
+  end
   for name, val in pairs(f) do
     if prior[name] == nil and string.sub(name, 1, 2) == 'i:' and
         tonumber(string.match(val, '^%d+|(%d+)|')) == tn then
@@ -428,14 +456,14 @@ end
 -- no turn while one is (`fence`), or no such reservation. in_turn: the call is of the
 -- open turn; ul: that turn's undo log.
 local function open_reservation(key, op, fp, epoch, rid, tok)
-  local v = redis.call('HMGET', key, 'ep', 'r:' .. rid, 'lo', 'tn', 'ul')
+  local v = redis.call('HMGET', key, 'ep', 'r:' .. rid, 'lo', 'tn', 'ul', 'uo')
   local again = gate(recorded(op), tonumber(v[1]), op, fp, epoch)
   if again then return nil, again end
   local in_turn = fence(key, v[3], tonumber(v[4]), tok)
   if not v[2] then fail('NORESERVATION', 'reservation ' .. rid .. ' is not open') end
   local c, est, deadline = string.match(v[2], '^(%a)|(%d+)|(%d+)$')
   return { c = c, est = tonumber(est), deadline = tonumber(deadline), rec = v[2], in_turn = in_turn,
-    ul = v[5] }
+    ul = v[5], uo = in_turn and (v[6] or '') or nil }
 end
 
 -- Append 'u_<c>', 0, 'n_<c>', 0, 'v_<c>', 0 for every consumer (open, reset).
@@ -495,7 +523,9 @@ end
 -- also rotates the outcome generations or refreshes the idle TTL. The work per call
 -- does not grow with the session's length; the one bucket it rewrites holds about
 -- 1/256 of the outcomes of the last op retention.
--- J: { gz = number, xp = number } and, where the caller knows them already, ttl, ort.
+-- J: { gz = number, xp = number } and, where the caller knows them already, ttl, ort;
+-- J.uo, for a call of the open turn: the turn's op keys (field uo) as read, to which
+-- this call's is added, so that a rollback drops the outcomes it undoes.
 local function commit(key, now, op, fp, out, args, J)
   local refresh, rotate = now >= J.xp, now >= J.gz
   if refresh or rotate then
@@ -517,6 +547,9 @@ local function commit(key, now, op, fp, out, args, J)
     end
   end
   store(fp, out, rotate)
+  if J.uo then
+    args[#args + 1], args[#args + 2] = 'uo', J.uo .. BUCKET.b .. string.sub(BUCKET.at, 2)
+  end
   if #args > 0 then redis.call('HSET', key, unpack(args)) end
   if refresh then redis.call('PEXPIRE', key, J.ttl) end
   if refresh or rotate then redis.call('PEXPIRE', OUT, J.ttl) end

@@ -48,7 +48,7 @@ end
 -- This is the hot path: fields are read by position, not through load()'s tables.
 local g = GROUP[c]
 local A, F, U, N = 'a_' .. g, 'F_' .. g, 'u_' .. c, 'n_' .. c
-local fields = { 'ep', 'tn', 'sq', 'fr', A, F, U, N, 'gz', 'xp', 'cd', 'lo' }
+local fields = { 'ep', 'tn', 'sq', 'fr', A, F, U, N, 'gz', 'xp', 'cd', 'lo', 'uo' }
 local toks, prios, seen = {}, {}, n > 1 and {} or nil
 for k = 1, n do
   local b = 3 + 3 * k
@@ -60,16 +60,16 @@ for k = 1, n do
   end
   toks[k] = int_arg(ARGV[b + 1], 'tokens', 1, TOKENS_MAX, id)
   prios[k] = int_arg(ARGV[b + 2], 'priority', 0, 1000, id)
-  fields[k + 12] = 'i:' .. c .. ':' .. id
+  fields[k + 13] = 'i:' .. c .. ':' .. id
 end
 
 local key = KEYS[1]
 local v = redis.call('HMGET', key, unpack(fields))
--- v: 1 ep, 2 tn, 3 sq, 4 fr, 5 a, 6 floor, 7 u, 8 n, 9 gz, 10 xp, 11 cd, 12 lo,
--- 12 + k: item k when already held.
+-- v: 1 ep, 2 tn, 3 sq, 4 fr, 5 a, 6 floor, 7 u, 8 n, 9 gz, 10 xp, 11 cd, 12 lo, 13 uo,
+-- 13 + k: item k when already held.
 local again = gate(recorded(op), tonumber(v[1]), op, fp, epoch)
 if again then return again end
-fence(key, v[12], tonumber(v[2]), tok)
+local in_turn = fence(key, v[12], tonumber(v[2]), tok)
 local ep, tn = v[1], v[2]  -- kept as text: the reply and the items repeat them
 local now = now_ms()
 
@@ -92,7 +92,7 @@ end
 local first_skip, by_bound = nil, false
 for k = 1, n do
   local t = toks[k]
-  if v[k + 12] then
+  if v[k + 13] then
     dups = dups + 1
   else
     local d = claim_delta(a + charged, t, floor)
@@ -105,12 +105,12 @@ for k = 1, n do
       charged = charged + t
       admitted = admitted + 1
       sq = sq + 1
-      args[#args + 1] = fields[k + 12]
+      args[#args + 1] = fields[k + 13]
       args[#args + 1] = string.format('%d|%s|%d|%d', t, tn, prios[k], sq)
     end
   end
 end
-local J = { gz = tonumber(v[9]), xp = tonumber(v[10]) }
+local J = { gz = tonumber(v[9]), xp = tonumber(v[10]), uo = in_turn and (v[13] or '') or nil }
 -- Refused: 'all' mode that does not fit whole; 'prefix' mode that fits nothing.
 if mode == 'all' then by_bound = cap ~= nil and charged > 0 and charged > cap end
 local refused = (mode == 'all' and (fr < 0 or by_bound)) or

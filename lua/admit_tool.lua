@@ -46,12 +46,12 @@ if #ARGV ~= 5 then fail('BADARG', 'expected 5 arguments, got ' .. #ARGV) end
 key_arg(2, 'spill:%s|' .. call)
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'sq', 'fr', 'F_m', 'a_m', 'a_s', 'u_r', 'u_m', 'u_s', 'n_r', 'n_m', 'n_s',
-  'pv', 'sttl', 'gz', 'xp', 'i:s:' .. call, 'lo', 'ul' }, 17)
+  'pv', 'sttl', 'gz', 'xp', 'i:s:' .. call, 'lo', 'ul', 'uo' }, 17)
 local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
 local in_turn = fence(key, R[2], H.tn, tok)
 local now = now_ms()
-local J = { gz = H.gz, xp = H.xp }
+local J = { gz = H.gz, xp = H.xp, uo = in_turn and (R[4] or '') or nil }
 local function done(outcome, charged, preview, evicted, fr, args)
   return commit(key, now, op, fp, table.concat({ 'status=ok|outcome=', outcome, '|item=', call,
     '|charged=', charged, '|tokens=', tokens, '|preview=', preview, '|evicted=', evicted,

@@ -73,8 +73,8 @@ key_arg(2, 'jobs', 'deadlines')
 local key = KEYS[1]
 local FIELDS = { 'ep', 'tn', 'W', 'S', 'T', 'R0', 'F_w', 'F_m', 'a_w', 'a_m', 'a_s', 'u_w', 'u_r',
   'u_m', 'u_s', 'n_w', 'n_r', 'n_m', 'n_s', 'EV', 'HW', 'kt', 'rut', 'rup', 'cd', 'gz', 'xp', 'fr',
-  'out', 'le', 'rel', 'lo', 'qs', 'qd', 'cm' }
-local H, R = load(key, FIELDS, 30)
+  'out', 'le', 'pm', 'rel', 'lo', 'qs', 'qd', 'cm' }
+local H, R = load(key, FIELDS, 31)
 local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
 out2 = out2 or H.R0
@@ -83,14 +83,17 @@ if H.S + H.T + H.F_w + H.F_m + out2 > H.W then
     (H.S + H.T + H.F_w + H.F_m + out2) .. ' exceed the window ' .. H.W)
 end
 local now = now_ms()
-local rolled, implicit = 0, R[2] == owner
+-- The same owner beginning again while its lease is live ends its open turn as it
+-- stands (implicit); a lapsed lease, or a takeover, rolls the open turn back, whoever
+-- owned it (a process restarted under the same owner name is not the one that died).
+local rolled, implicit = 0, R[2] == owner and H.le > now and takeover == 0
 if R[2] and not implicit then
-  if H.le > now and takeover == 0 then
+  if R[2] ~= owner and H.le > now and takeover == 0 then
     turn_held(key, R[2], H.tn)
   else
     rolled = rollback(key, KEYS[3], sid, H.le > now and ('taken over by ' .. owner) or
       ('lease of ' .. R[2] .. ' lapsed'))
-    H, R = load(key, FIELDS, 30)
+    H, R = load(key, FIELDS, 31)
   end
 end
 local queued_s, queued_d = R[3] or '', R[4] or ''
@@ -200,8 +203,9 @@ local le = now + lease
 redis.call('ZADD', KEYS[3], le, sid .. '|' .. LEASE)
 -- (the owner beginning again: its open turn ends here as it stands, its deliveries done)
 if implicit or queued_s ~= '' or queued_d ~= '' then redis.call('HDEL', key, 'qs', 'qd', 'vs', 'vd') end
-local logged, was = { 'out' }, { H.out }
-for i = 1, #dead do logged[i + 1], was[i + 1] = dead[i], dead_rec[i] end
+-- (pm: the memory admitted since a pending compaction, none of which survives a rollback)
+local logged, was = { 'out', 'pm' }, { H.out, H.cd == 1 and (H.pm or 0) or 0 }
+for i = 1, #dead do logged[i + 2], was[i + 2] = dead[i], dead_rec[i] end
 local args = { 'tn', turn, 'out', out2, 'ws', ws, 'fr', fr, 'ai', 0, 'ao', 0, 'an', 0,
   'a_w', A.w, 'a_m', A.m, 'a_s', A.s, 'lo', owner, 'le', le, 'ul', journal(nil, logged, was, true) }
 if queued_s ~= '' then args[#args + 1], args[#args + 2] = 'vs', queued_s end
@@ -225,4 +229,4 @@ return commit(key, now, op, fp, table.concat({ 'status=ok|regime=', regime, '|tu
   table.concat(reclaimed, ','), '|rotated=', rotated, '|released=', released,
   '|compaction_due=', due, '|rollup=', rollup, '|free=', fr, '|epoch=', H.ep, '|summaries=', queued_s,
   '|dropped=', queued_d, '|lease=', le, '|rolled_back=', rolled, '|mark=', R[5] or '' }), args,
-  { gz = H.gz, xp = H.xp })
+  { gz = H.gz, xp = H.xp, uo = '' })

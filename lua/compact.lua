@@ -56,7 +56,8 @@
 --   op=<op id>; on a failure that does not escalate, kind=compact (the compaction is retried:
 --   a new compaction request, a new attempt), for worker-owned sessions only.
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED,
---         LEDGER_CONFLICT (the summary id is held and not among the replaced items),
+--         LEDGER_CONFLICT (the summary id is held and not among the replaced items, or
+--         only in another version than the one given),
 --         LEDGER_TURNHELD, LEDGER_TURNLOST (an agent's compaction, see `fence` in _common.lua).
 -- Calls: HMGET, XDEL (a job), TIME, HDEL, HSET, HGET and XADD (on escalation or retry), HINCRBY.
 
@@ -98,12 +99,12 @@ for k = 1, n do
   refs[k] = { c = c, id = id, ref = ref, ver = ver }
   fields[#fields + 1] = 'i:' .. ref
 end
-for _, f in ipairs({ 'lo', 'ul', 'qs', 'qd', 'le' }) do fields[#fields + 1] = f end
+for _, f in ipairs({ 'lo', 'ul', 'qs', 'qd', 'le', 'uo' }) do fields[#fields + 1] = f end
 
 key_arg(2, 'jobs')
 local key = KEYS[1]
 local H, R = load(key, fields, #NUM)
-local lo, ul, qs, qd, le = R[n + 2], R[n + 3], R[n + 4], R[n + 5], R[n + 6]
+local lo, ul, qs, qd, le, uo = R[n + 2], R[n + 3], R[n + 4], R[n + 5], R[n + 6], R[n + 7]
 local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
 local in_turn = false
@@ -117,8 +118,19 @@ if job ~= '-' then
 else
   in_turn = fence(key, lo, H.tn, tok)
 end
-if R[1] and not seen['w:' .. sum_id] then
-  fail('CONFLICT', 'working memory already holds ' .. sum_id .. ' and it is not being replaced')
+-- The replaced items at the versions given (an item held in another version stays).
+local matched = {}
+for k = 1, n do
+  local sq = string.match(R[1 + k] or '', '^%d+|%d+|%d+|(%d+)$')
+  matched[k] = R[1 + k] and (not refs[k].ver or tonumber(sq) == refs[k].ver) or false
+end
+local replaces_summary = false
+for k = 1, n do
+  if refs[k].ref == 'w:' .. sum_id and matched[k] then replaces_summary = true end
+end
+if R[1] and not replaces_summary then
+  fail('CONFLICT', 'working memory already holds ' .. sum_id .. ' and it is not being replaced' ..
+    (seen['w:' .. sum_id] and ' (it is held in another version than the one given)' or ''))
 end
 -- Every check is done. A job's entry is deleted here, with the effect: when XDEL deletes
 -- nothing (the entry is gone) nothing has been written and the call replies 'already'.
@@ -129,16 +141,15 @@ if job ~= '-' and redis.call('XDEL', KEYS[2], job) == 0 then
     'epoch=' .. H.ep, 'turn=' .. H.tn })
 end
 local now = now_ms()
-local J = { gz = H.gz, xp = H.xp }
+local J = { gz = H.gz, xp = H.xp, uo = in_turn and (uo or '') or nil }
 local A = { w = H.a_w, m = H.a_m, s = H.a_s }
 local U = { w = H.u_w, r = H.u_r, m = H.u_m, s = H.u_s }
 local N = { w = H.n_w, r = H.n_r, m = H.n_m, s = H.n_s }
 local dropped, dead, was, gone, missing = 0, {}, {}, {}, {}
 for k = 1, n do
   local rec, c = R[1 + k], refs[k].c
-  local t, sq = string.match(rec or '', '^(%d+)|%d+|%d+|(%d+)$')
-  if rec and (not refs[k].ver or tonumber(sq) == refs[k].ver) then
-    t = tonumber(t)
+  if matched[k] then
+    local t = tonumber(string.match(rec, '^(%d+)|'))
     dropped = dropped + t
     A[GROUP[c]], U[c], N[c] = A[GROUP[c]] - t, U[c] - t, N[c] - 1
     dead[#dead + 1] = fields[#NUM + 1 + k]

@@ -2,11 +2,14 @@
 --
 -- For each consumer named in ARGV[3], its items become exactly the listed ones: an item
 -- not listed is released, a listed item not held is added (at this turn), a held item
--- takes the listed tokens and priority (keeping its turn and sequence). Consumers not
+-- takes the listed tokens and priority (keeping its turn; another size is another
+-- version: it takes a new sequence number). Consumers not
 -- named, open reservations, the system prompt and the framing are untouched. The result
 -- must fit the window with every floor (else refused, nothing changed): the ledger never
 -- over-allocates, so a prompt that does not fit must be cut by the caller first. A
 -- flagged drift (field df, see end_turn.lua) is cleared: the counters now describe the prompt.
+-- Deliveries queued for the next turn that the prompt contradicts are dropped (a summary
+-- it does not hold, an item to drop that it holds).
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
@@ -61,13 +64,13 @@ end
 
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'sq', 'fr', 'W', 'S', 'T', 'out', 'F_w', 'F_m', 'u_w', 'u_r', 'u_m',
-  'u_s', 'n_w', 'n_r', 'n_m', 'n_s', 'v_w', 'v_r', 'v_m', 'v_s', 'gz', 'xp', 'lo', 'ul', 'df' }, 24)
+  'u_s', 'n_w', 'n_r', 'n_m', 'n_s', 'v_w', 'v_r', 'v_m', 'v_s', 'gz', 'xp', 'lo', 'ul', 'df', 'uo', 'qs', 'qd' }, 24)
 local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
 local in_turn = fence(key, R[1], H.tn, tok)
 local logged, was = { 'df' }, { R[3] }  -- (a flagged drift it clears comes back with a rollback)
 local now = now_ms()
-local J = { gz = H.gz, xp = H.xp }
+local J = { gz = H.gz, xp = H.xp, uo = in_turn and (R[4] or '') or nil }
 
 -- The named consumers' items as held now.
 local held = {}
@@ -87,6 +90,8 @@ for _, it in ipairs(want) do
     local t, tn, p, s = string.match(rec, '^(%d+)|(%d+)|(%d+)|(%d+)$')
     if tonumber(t) ~= it.t or tonumber(p) ~= it.p then
       resized = resized + 1
+      -- another size is another text: a new version (a compaction of the old one leaves it)
+      if tonumber(t) ~= it.t then sq, s = sq + 1, sq + 1 end
       args[#args + 1], args[#args + 2] = it.f, table.concat({ it.t, tn, it.p, s }, '|')
       logged[#logged + 1], was[#logged + 1] = it.f, rec
     else
@@ -116,6 +121,21 @@ if fr < 0 then
     '|requested=', total, '|free=', H.fr, '|epoch=', H.ep, '|turn=', H.tn }), {}, J)
 end
 local delta = (U.w + U.r + U.m + U.s) - (H.u_w + H.u_r + H.u_m + H.u_s)
+-- Deliveries queued for the next turn (a worker's compaction since the last one) that
+-- this contradicts go: an item to drop that the prompt holds, a summary it does not hold.
+-- The prompt is the truth now; the compaction due comes again at the next turn's end.
+local wanted = {}
+for _, it in ipairs(want) do wanted[it.f] = true end
+local qs, qd = {}, {}
+for id in string.gmatch(R[5] or '', '[^,]+') do
+  if not (named.w and not wanted['i:w:' .. id]) then qs[#qs + 1] = id end
+end
+for ref in string.gmatch(R[6] or '', '[^,]+') do
+  local c = string.sub(ref, 1, 1)
+  if not (named[c] and wanted['i:' .. ref]) then qd[#qd + 1] = ref end
+end
+if R[5] then args[#args + 1], args[#args + 2] = 'qs', table.concat(qs, ',') end
+if R[6] then args[#args + 1], args[#args + 2] = 'qd', table.concat(qd, ',') end
 if #dead > 0 then redis.call('HDEL', key, unpack(dead)) end
 redis.call('HINCRBY', key, 'x:reconciled', 1)
 local upd = { 'sq', sq, 'fr', fr, 'a_w', a_w, 'a_m', a_m, 'a_s', a_s, 'df', 0 }

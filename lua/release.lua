@@ -25,13 +25,13 @@ if #ARGV ~= 4 + n then
   fail('BADARG', 'expected ' .. (4 + n) .. ' arguments for ' .. n .. ' item ids, got ' .. #ARGV)
 end
 local g = GROUP[c]
-local raws, seen = { 'ep', 'tn', 'fr', 'a_' .. g, 'F_' .. g, 'u_' .. c, 'n_' .. c, 'gz', 'xp', 'lo', 'ul' }, {}
+local raws, seen = { 'ep', 'tn', 'fr', 'a_' .. g, 'F_' .. g, 'u_' .. c, 'n_' .. c, 'gz', 'xp', 'lo', 'ul', 'uo' }, {}
 for k = 1, n do
   local id
   id = id_arg(ARGV[4 + k], 'item id')
   if seen[id] then fail('BADARG', 'item id ' .. id .. ' appears twice') end
   seen[id] = true
-  raws[k + 11] = 'i:' .. c .. ':' .. id
+  raws[k + 12] = 'i:' .. c .. ':' .. id
 end
 
 local key = KEYS[1]
@@ -43,11 +43,11 @@ local now = now_ms()
 
 local tokens, count, missing, dead, was = 0, 0, {}, {}, {}
 for k = 1, n do
-  local rec = R[k + 2]
+  local rec = R[k + 3]
   if rec then
     tokens = tokens + tonumber(string.match(rec, '^(%d+)|'))
     count = count + 1
-    dead[#dead + 1] = raws[k + 11]
+    dead[#dead + 1] = raws[k + 12]
     was[#dead] = rec
   else
     missing[#missing + 1] = ARGV[4 + k]
@@ -63,4 +63,4 @@ if count > 0 then
 end
 return commit(key, now, op, fp, reply({ 'status=ok', 'released=' .. tokens, 'count=' .. count,
   'missing=' .. table.concat(missing, ','), 'free=' .. fr, 'epoch=' .. H.ep, 'turn=' .. H.tn }),
-  args, { gz = H.gz, xp = H.xp })
+  args, { gz = H.gz, xp = H.xp, uo = in_turn and (R[3] or '') or nil })

@@ -28,7 +28,7 @@ if #ARGV ~= 4 then fail('BADARG', 'expected 4 arguments, got ' .. #ARGV) end
 
 key_arg(2, 'deadlines')
 local key = KEYS[1]
-local H, R = load(key, { 'ep', 'tn', 'gz', 'xp', 'lo' }, 4)
+local H, R = load(key, { 'ep', 'tn', 'gz', 'xp', 'lo', 'uo' }, 4)
 local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
 fence(key, R[1], H.tn, tok)
@@ -36,4 +36,4 @@ local now = now_ms()
 local le = now + lease
 redis.call('ZADD', KEYS[2], le, sid .. '|' .. LEASE)
 return commit(key, now, op, fp, reply({ 'status=ok', 'turn=' .. H.tn, 'lease=' .. le,
-  'epoch=' .. H.ep }), { 'le', le }, { gz = H.gz, xp = H.xp })
+  'epoch=' .. H.ep }), { 'le', le }, { gz = H.gz, xp = H.xp, uo = R[2] or '' })

@@ -39,7 +39,7 @@ local g = GROUP[c]
 key_arg(2, 'deadlines')
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'fr', 'a_' .. g, 'F_' .. g, 'v_' .. c, 'nv', 'gz', 'xp', 'cd',
-  'r:' .. rid, 'i:' .. c .. ':' .. rid, 'lo', 'ul' }, 10)
+  'r:' .. rid, 'i:' .. c .. ':' .. rid, 'lo', 'ul', 'uo' }, 10)
 local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
 local in_turn = fence(key, R[3], H.tn, tok)
@@ -52,7 +52,7 @@ local now = now_ms()
 
 local a = H['a_' .. g]
 local d = claim_delta(a, tokens, H['F_' .. g] or 0)
-local J = { gz = H.gz, xp = H.xp }
+local J = { gz = H.gz, xp = H.xp, uo = in_turn and (R[5] or '') or nil }
 local reason, extra, pm
 if g == 'm' and H.cd == 1 then  -- compaction credit: memory waits for the pending compaction
   local x = load(key, { 'HW', 'out', 'W', 'kf', 'pm' }, 5)

@@ -47,7 +47,7 @@ for i = 1, #all, 2 do
 end
 -- (only fields that exist: a script's first write decides whether it may run on a
 -- server out of memory, and resetting an empty session must not bypass that check)
-if R[1] then for _, f in ipairs({ 'lo', 'le', 'ul', 'vs', 'vd' }) do dead[#dead + 1] = f end end
+if R[1] then for _, f in ipairs({ 'lo', 'le', 'ul', 'vs', 'vd', 'uo' }) do dead[#dead + 1] = f end end
 if R[2] then dead[#dead + 1] = 'qs' end
 if R[3] then dead[#dead + 1] = 'qd' end
 for i = 1, #dead, 1000 do redis.call('HDEL', key, unpack(dead, i, math.min(i + 999, #dead))) end
@@ -58,5 +58,6 @@ local args = { 'ep', H.ep + 1, 'fr', H.W - H.S - H.T - H.out - H.F_w - H.F_m, 'n
   'a_w', 0, 'a_m', 0, 'a_s', 0, 'x:last_reset', reason, 'cd', 0, 'kf', 0, 'rq', 0, 'kt', H.tn,
   'ai', 0, 'ao', 0, 'an', 0, 'df', 0, 'dr', 0 }
 zero_counters(args)
+if R[1] then args[#args + 1], args[#args + 2] = 'rb', H.tn .. ' reset' end  -- (its calls: TURNLOST)
 return commit(key, now, op, fp, reply({ 'status=ok', 'epoch=' .. (H.ep + 1), 'dropped=' .. dropped,
   'released=' .. released }), args, { gz = H.gz, xp = H.xp })

@@ -52,7 +52,7 @@ if R[1] then fail('CONFLICT', consumer_name(c) .. ' already holds item ' .. item
 
 local a = H['a_' .. g]
 local d = claim_delta(a, actual - est, H['F_' .. g] or 0)
-local J = { gz = H.gz, xp = H.xp }
+local J = { gz = H.gz, xp = H.xp, uo = res.uo }
 local reason, extra, pm
 if g == 'm' and H.cd == 1 and actual > est then  -- compaction credit, as admit.lua judges memory
   local x = load(key, { 'HW', 'out', 'W', 'kf', 'pm' }, 5)

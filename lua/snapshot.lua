@@ -10,7 +10,8 @@
 --        df flagged) and x:<counter> telemetry counters; the client derives
 --        utilization, residual working memory and regime from them. Then the open
 --        turn: le its lease's end (0: no turn open), te the last turn ended, and last
---        lo=<owner> (empty when no turn is open), the one field that is not a number;
+--        cm=<the last ended turn's commit mark> and lo=<owner> (each empty when there is
+--        none), the two fields that are not numbers;
 --        with KEYS[2], before it kw=<1|0>: whether a worker is computing a compaction now.
 -- Errors: LEDGER_NOSESSION.
 -- Calls: HMGET, TIME (HGET of KEYS[2] when given).
@@ -20,15 +21,16 @@ local FIELDS = { 'ep', 'tn', 'sq', 'W', 'S', 'T', 'out', 'F_w', 'F_m', 'HW', 'EV
   'v_w', 'v_r', 'v_m', 'v_s', 'nv', 'ttl', 'ort', 'cd', 'kf', 'kn', 'rq', 'ai', 'an', 'ws',
   'inc', 'ca', 'dt', 'dr', 'dp', 'df', 'kg', 'pm', 'x:drift', 'x:reconciled', 'x:refused',
   'x:refused_pending', 'x:expired', 'x:spilled', 'x:starvation', 'x:failed_compactions', 'x:resets',
-  'x:rolled_back', 'le', 'te', 'lo' }
+  'x:rolled_back', 'le', 'te', 'cm', 'lo' }
 local v = redis.call('HMGET', KEYS[1], unpack(FIELDS))
 if not v[1] then fail('NOSESSION', NOSESSION) end
 local out = { 'now=' .. now_ms() }
 -- A session opened before drift detection has no tolerance (dt): -1, not judged.
-for i = 1, #FIELDS - 1 do out[#out + 1] = FIELDS[i] .. '=' .. (v[i] or (FIELDS[i] == 'dt' and '-1' or '0')) end
+for i = 1, #FIELDS - 2 do out[#out + 1] = FIELDS[i] .. '=' .. (v[i] or (FIELDS[i] == 'dt' and '-1' or '0')) end
 if KEYS[2] then
   local w = string.match(redis.call('HGET', KEYS[2], '~') or '', '|(%d+)$')
   out[#out + 1] = 'kw=' .. ((w and tonumber(w) > tonumber(string.sub(out[1], 5))) and '1' or '0')
 end
+out[#out + 1] = 'cm=' .. (v[#FIELDS - 1] or '')
 out[#out + 1] = 'lo=' .. (v[#FIELDS] or '')
 return reply(out)

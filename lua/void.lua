@@ -36,4 +36,4 @@ redis.call('ZREM', KEYS[2], sid .. '|' .. rid)
 local args = { 'fr', fr, 'a_' .. g, a - est, 'v_' .. c, H['v_' .. c] - est, 'nv', H.nv - 1 }
 if res.in_turn then args[#args + 1], args[#args + 2] = 'ul', journal(res.ul, { 'r:' .. rid }, { res.rec }) end
 return commit(key, now, op, fp, reply({ 'status=ok', 'reservation=' .. rid, 'released=' .. est,
-  'free=' .. fr, 'epoch=' .. H.ep, 'turn=' .. H.tn }), args, { gz = H.gz, xp = H.xp })
+  'free=' .. fr, 'epoch=' .. H.ep, 'turn=' .. H.tn }), args, { gz = H.gz, xp = H.xp, uo = res.uo })

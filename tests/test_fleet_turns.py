@@ -1,12 +1,14 @@
 """One session, many processes (docs/agent.md#several-processes): turns served
 alternately by two agent OS processes on a real redis-server, with a real `ledger
-worker` compacting, the conversation shared the framework's own way (a LangGraph
-SqliteSaver checkpointer both processes open), and the README's loop on a real Redis
-with a worker serving its prefix.
+worker` compacting, the conversation shared the framework's own way (LangGraph and a
+LangChain create_agent agent: a SqliteSaver checkpointer both processes open; the
+Agents SDK: its Session, the ledger's governed one in Redis), and the README's loop on
+a real Redis with a worker serving its prefix.
 
-The LangGraph run (examples/langgraph_agent.py, 40 turns) has turns ending above and
-below the high-water mark, drift injected on one turn, the same turn started on both
-processes at once, and the owner of one turn killed with -9 inside its tool."""
+Each framework's run (examples/*_agent.py, 40 turns) has turns ending above and below
+the high-water mark, drift injected on one turn (and repaired with gov.reconcile), the
+same turn started on both processes at once, and the owner of one turn killed with -9
+inside its tool."""
 
 from __future__ import annotations
 
@@ -26,17 +28,20 @@ from tests import servers
 from tests.test_readme import README, blocks
 
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLE = ROOT / "examples" / "langgraph_agent.py"
+EXAMPLES = ["langgraph", "langchain", "openai_agents"]
 TURNS, DRIFT_AT, RACE_AT, KILL_AT, LEASE_S, TOLERANCE = 40, 17, 11, 23, 2.0, 8
 
 
-@pytest.fixture(scope="module")
-def fleet_run(redis_server: servers.RedisProcess) -> tuple[list[dict[str, Any]], str, str]:
-    prefix, sid = f"fleet{uuid.uuid4().hex[:8]}", f"lg-{uuid.uuid4().hex[:8]}"
+@pytest.fixture(scope="module", params=EXAMPLES)
+def fleet_run(
+    request: pytest.FixtureRequest, redis_server: servers.RedisProcess
+) -> tuple[list[dict[str, Any]], str, str]:
+    example = ROOT / "examples" / f"{request.param}_agent.py"
+    prefix, sid = f"fleet{uuid.uuid4().hex[:8]}", f"f-{uuid.uuid4().hex[:8]}"
     out = subprocess.run(
         [
             sys.executable,
-            str(EXAMPLE),
+            str(example),
             "--json",
             "--url",
             redis_server.url,
@@ -82,6 +87,8 @@ def test_forty_turns_on_two_processes_are_each_right(
             assert r["flag"] == "drift" and r["drift"] > TOLERANCE and r["warned"] == 1, r
         else:
             assert abs(r["drift"]) <= TOLERANCE and r["flag"] == "none", r
+        assert r["audit_clean"], r  # the flagged one repaired by gov.reconcile
+        assert not any(r["billing_flagged"]), r  # what the model billed agrees
     high = [r["high"] for r in rows]
     assert any(high) and not all(high), "turns end above and below the high-water mark"
 

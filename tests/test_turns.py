@@ -19,6 +19,7 @@ from ledger import (
     Item,
     Ledger,
     SessionBudget,
+    SessionConflict,
     TurnInProgress,
     TurnLost,
     protocol,
@@ -460,3 +461,136 @@ def test_apply_brings_any_process_state_up_to_the_ledger(ledger: Ledger) -> None
         assert turn.apply(shown) == shown  # applying twice changes nothing
         turn.prompt(shown)
     assert turn.report is not None and turn.report.drift == 0
+
+
+def test_a_reconcile_drops_the_deliveries_the_prompt_contradicts(ledger: Ledger) -> None:
+    """A worker's compaction lands between turns; before the next turn the app sets the
+    ledger to its prompt (a repair), which still holds what the compaction replaced and
+    not its summary: the queued deliveries it contradicts go, so the next turn's prompt
+    is the ledger."""
+    a = loaded(ledger, "A")
+    worker_compaction(ledger, a, ["w1", (R, "r1")], Item("sum-1", 100, 1000))
+    held = {W: [Item("w1", 900), Item("w2", 700, 3)], R: [Item("r1", 800), Item("r2", 600, 2)]}
+    a.reconcile(held)
+    t = a.begin_turn(0)
+    assert t.summaries == () and t.dropped == ()
+    assert {i.id for i in ledger.items(a.id)} >= {"w1", "w2", "r1", "r2"}
+    assert "sum-1" not in {i.id for i in ledger.items(a.id)} and ledger.audit(a.id).clean
+
+
+def test_a_tool_result_with_no_room_is_answered_by_a_note(ledger: Ledger) -> None:
+    """Not even its preview fits: the tool call is answered by a short note that says so,
+    held in the result's place; never a result cut."""
+    s = ledger.open_session(
+        sid(),
+        SessionBudget(
+            window=2_000, system_prompt=100, output_reserve=100, spill_preview_tokens=300
+        ),
+    )
+    agent = Agent(s, words)
+    with agent.turn(0) as turn:
+        turn.admit("working_memory", [msg("m1", 1_750)])
+        out = turn.tool_result({"id": "call-1", "content": "row " * 5_000})
+        assert out.refused and out.reason in ("token_budget_exhausted", "floor_protected")
+        assert "refused by the ledger" in out.text and not out.spilled
+        assert {i.id: i.tokens for i in ledger.items(s.id)}["call-1"] == words(out.text)
+        turn.prompt(100 + 1_750 + words(out.text))
+    assert turn.report is not None and turn.report.drift == 0 and s.audit().clean
+
+
+# --- found by review: each failed before its fix -----------------------------------------
+
+
+def test_a_compaction_never_overwrites_a_summary_id_held_in_another_version(ledger: Ledger) -> None:
+    a = loaded(ledger, "A")
+    a.admit(W, [Item("sum", 700)])
+    seq = next(i.seq for i in ledger.items(a.id) if i.id == "sum")
+    before = whole(ledger, a)
+    with pytest.raises(SessionConflict, match="another version"):
+        a.compact([(W, "sum", seq + 99), (W, "w1")], Item("sum", 50))
+    assert whole(ledger, a) == before and ledger.audit(a.id).clean
+
+
+def test_the_same_owner_after_its_lease_lapsed_rolls_its_dead_turn_back(ledger: Ledger) -> None:
+    """A process restarted under the dead one's owner name: the half-done turn is rolled
+    back (its delivery comes again), not committed."""
+    a = loaded(ledger, "A")
+    worker_compaction(ledger, a, ["w1"], Item("sum-1", 80, 1000))
+    t1 = a.begin_turn(0, lease_ms=100)
+    assert t1.summaries == ("sum-1",)
+    a.admit(R, [Item("half-done", 100)])
+    time.sleep(0.25)
+    again = ledger.session(a.id, owner="A")  # the same name, a new process
+    t2 = again.begin_turn(0)
+    assert t2.rolled_back == t1.turn and t2.summaries == ("sum-1",)
+    assert "half-done" not in {i.id for i in ledger.items(a.id)}
+
+
+def test_a_turn_objects_calls_carry_its_own_turn(ledger: Ledger) -> None:
+    """An old Turn (a leftover task) after the agent moved on: its calls are refused, not
+    made in the later turn; and an agent serves one turn at a time."""
+    s = loaded(ledger, "A")
+    agent = Agent(s, words)
+    with agent.turn(0) as first:
+        first.prompt(5_000)
+    with agent.turn(0) as second:
+        with pytest.raises(TurnLost):
+            first.admit("retrieval", [msg("late-doc")])
+        with pytest.raises(TurnInProgress, match="one turn at a time"):
+            agent.turn(0).__enter__()
+        second.prompt(5_000)
+    assert "late-doc" not in {i.id for i in ledger.items(s.id)}
+
+
+def test_an_op_sent_again_after_its_turn_was_rolled_back_is_judged_anew(ledger: Ledger) -> None:
+    a = loaded(ledger, "A")
+    t = a.begin_turn(0)
+    a.release(R, ["r1"], op_id="req-7:release")
+    a.admit(R, [Item("r9", 600)], op_id="req-7:admit")
+    b = ledger.session(a.id, owner="B")
+    t2 = b.begin_turn(0, takeover=True)
+    assert t2.rolled_back == t.turn
+    with pytest.raises(TurnLost):  # the old turn's retry: its turn is gone
+        a.release(R, ["r1"], op_id="req-7:release")
+    # The request retried in the new turn: done there, once (not answered from the undone one).
+    assert b.release(R, ["r1"], op_id="req-7:release").count == 1
+    assert b.admit(R, [Item("r9", 600)], op_id="req-7:admit").charged == 600
+    assert b.admit(R, [Item("r9", 600)], op_id="req-7:admit").charged == 600  # a replay now
+    held = {i.id for i in ledger.items(a.id)}
+    assert "r1" not in held and "r9" in held and ledger.audit(a.id).clean
+
+
+def test_a_rollback_gives_back_what_the_turn_counted_against_a_pending_compaction(
+    ledger: Ledger,
+) -> None:
+    s = ledger.open_session(
+        sid(), SessionBudget(window=10_000, system_prompt=100, high_water_mark=0.3)
+    )
+    s.admit(W, [Item("w", 3_500)])
+    s.end_turn(0, 3_600)  # a compaction is pending now (agent-free: no worker in this test)
+    assert s.snapshot().compaction_pending
+    pm = s.snapshot().raw["pm"]
+    t = s.begin_turn(0)
+    s.admit(R, [Item("doc", 2_000)])
+    assert s.snapshot().raw["pm"] == pm + 2_000
+    s.abort_turn(t.turn)
+    assert s.snapshot().raw["pm"] == pm
+
+
+def test_a_resized_item_is_a_new_version(ledger: Ledger) -> None:
+    a = loaded(ledger, "A")
+    seq = next(i.seq for i in ledger.items(a.id) if i.id == "w1")
+    a.reconcile({W: [Item("w1", 1_200), Item("w2", 700, 3)]})  # new text, new size
+    done = a.compact([(W, "w1", seq)], Item("sum-x", 50))
+    assert done.missing == ((W, "w1"),)
+    assert {i.id: i.tokens for i in ledger.items(a.id)}["w1"] == 1_200
+
+
+def test_a_turn_a_reset_cut_off_is_over(ledger: Ledger) -> None:
+    a = loaded(ledger, "A")
+    t = a.begin_turn(0)
+    a.reset("operator")
+    a.refresh()
+    with pytest.raises(TurnLost, match="rolled back \\(reset\\)"):
+        a.end_turn(t.turn, 5_000, mark="ckpt-of-dead-turn")
+    assert a.begin_turn(0).mark is None

@@ -808,43 +808,54 @@ class Worker:
         items: tuple[Any, ...],
         contents: dict[str, str],
     ) -> JobOutcome:
-        plan = self._run_compactor(
-            compactor,
-            compactors.CompactionRequest(
-                sid,
-                epoch,
-                turn,
-                items,
-                snap.occupancy,
-                snap.high_water_mark,
-                snap.window,
-                contents,
-            ),
+        """Plan (the compactor) and commit, between turns. A commit that had to wait for a
+        turn is planned again on the history that turn left: judged on its own end state
+        (the post-condition), a plan made before a turn would count that turn's items as
+        its failure."""
+        for _attempt in range(4):
+            plan = self._run_compactor(
+                compactor,
+                compactors.CompactionRequest(
+                    sid, epoch, turn, items, snap.occupancy, snap.high_water_mark, snap.window,
+                    contents,
+                ),
+            )  # fmt: skip
+            if plan.summary is not None and plan.summary_text is not None:
+                # Before the commit: whenever the summary item exists, so does its text.
+                self._record_summary(keys, plan, int(snap.raw.get("ttl") or 86_400_000))
+            # Each replaced item at the version the compactor read: one released and
+            # admitted again since (with other text) stays.
+            seqs = {(i.consumer, i.id): i.seq for i in items}
+            replaced = [
+                (c, i, seqs[(c, i)]) if (c, i) in seqs else (c, i) for c, i in plan.replaced
+            ]
+            # The job's entry id goes with the call: compact.lua deletes the entry with the
+            # effect, and answers 'already' when it is gone (committed before, by a worker
+            # that died before acknowledging it), whatever the op retention.
+            call = protocol.compact(
+                keys, f"job-{job_id}", epoch, replaced, plan.summary, job=job_id
+            )
+            try:
+                done = self._commit_between_turns(keys, call)
+            except (StaleEpoch, UnknownSession, OperationIdReused):
+                self._tidy_summaries(keys, plan, applied=False)
+                return JobOutcome("compact", "already")
+            except CompactionDeferred:
+                self._tidy_summaries(keys, plan, applied=False)
+                raise
+            if done is not None:
+                self._tidy_summaries(keys, plan, applied=bool(done.summary))
+                return JobOutcome("compact", "already" if done.outcome == "already" else "applied")
+            # a turn ran meanwhile: plan again on what it left (if still due)
+            self._tidy_summaries(keys, plan, applied=False)
+            snap = self.ledger.run(protocol.snapshot(keys))
+            if snap.epoch != epoch or not snap.compaction_pending:
+                return JobOutcome("compact", "already")
+            turn, items = self._history(keys.session)
+            contents = self._contents(keys.content, items)
+        raise CompactionDeferred(
+            f"session {keys.session_id!r}: a turn began before each of 4 plans could commit"
         )
-        if plan.summary is not None and plan.summary_text is not None:
-            # Before the commit: whenever the summary item exists, so does its text.
-            self._record_summary(keys, plan, int(snap.raw.get("ttl") or 86_400_000))
-        # Each replaced item at the version the compactor read: one released and
-        # admitted again since (with other text) stays.
-        seqs = {(i.consumer, i.id): i.seq for i in items}
-        replaced = [(c, i, seqs[(c, i)]) if (c, i) in seqs else (c, i) for c, i in plan.replaced]
-        # The job's entry id goes with the call: compact.lua deletes the entry with the
-        # effect, and answers 'already' when it is gone (committed before, by a worker
-        # that died before acknowledging it), whatever the op retention.
-        call = protocol.compact(keys, f"job-{job_id}", epoch, replaced, plan.summary, job=job_id)
-        try:
-            done = self._commit_between_turns(keys, call)
-        except (StaleEpoch, UnknownSession, OperationIdReused):
-            if plan.summary is not None and plan.summary_text is not None:
-                self._tidy_summaries(keys, plan, applied=False)
-            return JobOutcome("compact", "already")
-        except CompactionDeferred:
-            if plan.summary is not None and plan.summary_text is not None:
-                self._tidy_summaries(keys, plan, applied=False)
-            raise
-        if plan.summary is not None and plan.summary_text is not None:
-            self._tidy_summaries(keys, plan, applied=bool(done.summary))
-        return JobOutcome("compact", "already" if done.outcome == "already" else "applied")
 
     def _history(self, session_key: str) -> tuple[int, tuple[Any, ...]]:
         """The turn the compaction prepares (the open one, else the next) and the items of
@@ -856,30 +867,32 @@ class Worker:
         tn = int(text.get("tn") or 0)
         return (tn if "lo" in text else tn + 1), tuple(protocol.committed_items(fields))
 
-    def _commit_between_turns(self, keys: Any, call: Any) -> Compaction:
-        """Commit a compaction, after the session's open turn if one is open: compact.lua
-        changes nothing while a turn holds the lease (outcome turn_open). A lapsed lease is
-        rolled back (expire.lua) and the commit tried again; a live one is waited for, up
-        to ``turn_wait`` seconds (then CompactionDeferred: the job stays pending)."""
+    def _commit_between_turns(self, keys: Any, call: Any) -> Compaction | None:
+        """Commit a compaction, unless the session's turn is open: compact.lua changes
+        nothing while a turn holds the lease (outcome turn_open). A live turn is waited
+        for, up to ``turn_wait`` seconds (then CompactionDeferred: the job stays pending),
+        then None: the plan is made again on what the turn left. A lapsed lease is rolled
+        back (expire.lua), and the commit tried again: the history is what it was."""
         deadline = time.monotonic() + self.settings.turn_wait
-        while True:
-            done: Compaction = self.ledger.run(call)
-            if done.outcome != "turn_open":
-                return done
+        done: Compaction = self.ledger.run(call)
+        while done.outcome == "turn_open":
             self.metrics.waited_turns.inc()
-            snap = self.ledger.run(protocol.snapshot(keys))
-            if snap.turn_owner is None:
-                continue
-            left = snap.lease_left_ms or 0
-            if left < 0:
-                self.ledger.run(protocol.expire(keys, new_op_id(), [protocol.LEASE_MEMBER]))
-                continue
-            if time.monotonic() >= deadline:
-                raise CompactionDeferred(
-                    f"session {keys.session_id!r}: turn {snap.turn} of {snap.turn_owner} still "
-                    f"open after {self.settings.turn_wait:g} s"
-                )
-            time.sleep(min(0.05, left / 1000, max(deadline - time.monotonic(), 0.001)))
+            while True:
+                snap = self.ledger.run(protocol.snapshot(keys))
+                if snap.turn_owner is None:
+                    return None  # the turn ended: what it committed changes the plan
+                left = snap.lease_left_ms or 0
+                if left < 0:  # its owner died: rolled back, the history is as planned
+                    self.ledger.run(protocol.expire(keys, new_op_id(), [protocol.LEASE_MEMBER]))
+                    done = self.ledger.run(call)
+                    break
+                if time.monotonic() >= deadline:
+                    raise CompactionDeferred(
+                        f"session {keys.session_id!r}: turn {snap.turn} of {snap.turn_owner} "
+                        f"still open after {self.settings.turn_wait:g} s"
+                    )
+                time.sleep(min(0.05, left / 1000, max(deadline - time.monotonic(), 0.001)))
+        return done
 
     def _contents(self, key: str, items: tuple[Any, ...]) -> dict[str, str]:
         """The stored texts of the held items ('<c>:<id>' -> text)."""
@@ -908,7 +921,8 @@ class Worker:
     def _tidy_summaries(self, keys: Any, plan: compactors.CompactionPlan, applied: bool) -> None:
         """After the commit: the replaced items' texts and records go (a summary replaced
         by a later one is applied through the later one); a summary not applied goes."""
-        assert plan.summary is not None
+        if plan.summary is None or plan.summary_text is None:
+            return
         pipe = self.ledger.client.pipeline(transaction=False)
         if applied:
             gone = [f"{c.code}:{i}" for c, i in plan.replaced]

@@ -44,7 +44,7 @@ from ledger.errors import (
     WorkingMemoryStarvation,
 )
 from ledger.extras import missing
-from ledger.models import Consumer
+from ledger.models import Consumer, Reconciled
 
 try:
     from langchain_core.documents import Document
@@ -166,7 +166,9 @@ class LedgerGraph:
         return governed
 
     def model(self, chat_model: Any) -> Runnable[Any, Any]:
-        """Wrap a chat model: each prompt it is sent is counted (the real prompt)."""
+        """Wrap a chat model: each prompt it is sent is counted (the real prompt), and the
+        input tokens its answer reports (``usage_metadata``) are checked against that
+        count (``turn.billed``)."""
         core = self.agent.core
 
         def call(messages: Any, config: RunnableConfig) -> Any:
@@ -178,6 +180,9 @@ class LedgerGraph:
                 raise ContextOverflow(prompt, self.limit)  # a guard acts before the call
             answer = chat_model.invoke(msgs, config)
             self.last_prompt = prompt + core.prompt_tokens([answer])
+            billed = (getattr(answer, "usage_metadata", None) or {}).get("input_tokens")
+            if self.current is not None and type(billed) is int and billed > 0:
+                self.current.billed(billed, prompt)  # what the provider billed for it
             return answer
 
         return RunnableLambda(call)
@@ -208,48 +213,69 @@ class LedgerGraph:
                     raise InvalidArgument(
                         "the turn called no governed model: wrap it with gov.model()"
                     )
-                turn.end(self.last_prompt, mark=self._committed(config))
+                turn.end(self.last_prompt, mark=self._committed(turn, config))
             finally:
                 self.current = None
 
     def _pinned(self, turn: Turn, config: RunnableConfig | None) -> RunnableConfig | None:
         """The config that starts this turn from the last committed checkpoint: the one
-        the last ended turn recorded; after a dead first turn, the state before it."""
+        the last ended turn recorded; before any turn ended, the state before the first
+        governed turn (one that died left checkpoints nobody committed)."""
         if config is None or self.checkpointer is None:
             return config
         conf = dict(config.get("configurable") or {})
         if "thread_id" not in conf:
             raise InvalidArgument("the graph's config needs configurable.thread_id")
         conf.pop("checkpoint_id", None)
-        start = turn.mark or self._before_dead_turn(turn, conf)
+        start = turn.mark or self._before_governed(conf)
         if start is not None:
             conf["checkpoint_id"] = start
         meta = {**(config.get("metadata") or {}), "ledger_turn": turn.number}
         return {**config, "configurable": conf, "metadata": meta}
 
-    def _before_dead_turn(self, turn: Turn, conf: dict[str, Any]) -> str | None:
-        """No turn has committed a checkpoint yet. If one died (rolled back), start from
-        the checkpoint before its first: the state it began from."""
-        if turn.rolled_back is None:
-            return None
+    def _before_governed(self, conf: dict[str, Any]) -> str | None:
+        """No turn has committed a checkpoint yet. If governed turns wrote some (they
+        died: rolled back), start from the checkpoint before the first of them."""
         base = {"configurable": {"thread_id": conf["thread_id"]}}
         first = None
-        for tup in self.checkpointer.list(base, filter={"ledger_turn": turn.rolled_back}):
-            first = tup  # newest first: the last one seen is the dead turn's first
+        for tup in self.checkpointer.list(base):  # newest first
+            if "ledger_turn" in (tup.metadata or {}):
+                first = tup
         if first is None:
-            return None
+            return None  # a fresh thread, or one whose history came before the ledger
         parent = first.parent_config
         if parent is not None:
             return str(parent["configurable"]["checkpoint_id"])
-        return str(first.config["configurable"]["checkpoint_id"])
+        return str(first.config["configurable"]["checkpoint_id"])  # the thread's very first
 
-    def _committed(self, config: RunnableConfig | None) -> str | None:
-        """The checkpoint this turn ends on: the thread's latest, the mark end_turn records."""
+    def _committed(self, turn: Turn, config: RunnableConfig | None) -> str | None:
+        """The checkpoint this turn ends on: the newest this turn wrote (its metadata names
+        the turn; a zombie's on a dead branch names another), the mark end_turn records."""
         if config is None or self.checkpointer is None:
             return None
-        conf = config.get("configurable") or {}
-        latest = self.checkpointer.get_tuple({"configurable": {"thread_id": conf["thread_id"]}})
-        return None if latest is None else str(latest.config["configurable"]["checkpoint_id"])
+        base = {"configurable": {"thread_id": (config.get("configurable") or {})["thread_id"]}}
+        for tup in self.checkpointer.list(base, filter={"ledger_turn": turn.number}, limit=1):
+            return str(tup.config["configurable"]["checkpoint_id"])
+        return None
+
+    def reconcile(self, state: Any) -> Reconciled:
+        """Set the ledger to exactly what the graph's state holds (its messages, by kind,
+        and its documents): the repair of a flagged drift. ``state``: the state's values,
+        or the graph's config (read from the checkpointer: the latest checkpoint)."""
+        if isinstance(state, dict) and "configurable" in state:
+            if self.checkpointer is None:
+                raise InvalidArgument(
+                    "reconcile(config) needs the checkpointer: LedgerGraph(..., checkpointer=)"
+                )
+            conf = {"configurable": {"thread_id": state["configurable"]["thread_id"]}}
+            latest = self.checkpointer.get_tuple(conf)
+            state = {} if latest is None else latest.checkpoint["channel_values"]
+        held: dict[Consumer | str, list[Any]] = {c: [] for c in Consumer}
+        for msg in _get(state, self.messages_key) or []:
+            held[_consumer(msg)].append(msg)
+        for key in self.retrieval_keys:
+            held[Consumer.RETRIEVAL] += list(_get(state, key) or [])
+        return self.agent.reconcile(held)
 
     # --- one node's update -------------------------------------------------------------
 
@@ -273,6 +299,9 @@ class LedgerGraph:
         self._fresh = False
         assert turn.state is not None
         core = self.agent.core
+        if turn.state.recalibrated:
+            # the session's calibration changed: its objects count otherwise now
+            self.reconcile(state)
         msgs = list(_get(state, self.messages_key) or [])
         pre: dict[str, list[Any]] = {}
         kept = turn.apply(msgs)
@@ -394,7 +423,7 @@ class LedgerGraph:
                 m = m.model_copy(update={"id": uuid.uuid4().hex})
             if isinstance(m, ToolMessage):
                 res = turn.tool_result(m)
-                if res.spilled:
+                if res.spilled or res.refused:  # the preview, or the note, in its place
                     m = m.model_copy(update={"content": res.text})
                     core.known[(Consumer.SCRATCHPAD, core.item_id(m))] = m
                 self._removals(extra, list(res.evicted))

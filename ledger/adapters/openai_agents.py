@@ -2,38 +2,47 @@
 
 Glue, beyond the agent itself::
 
-    gov = LedgerAgents(AsyncAgent(session, TiktokenCounter()), summarize=my_summarizer)
+    gov = LedgerAgents(AsyncAgent(session, TiktokenCounter("o200k_base")))
     async with gov.turn(working_set=2_000):
-        result = await Runner.run(agent, history + new, run_config=gov.run_config())
-    history = gov.history(result)            # instead of result.to_input_list()
+        result = await Runner.run(agent, question, session=gov.session,
+                                  run_config=gov.run_config(), hooks=gov.hooks)
 
-``gov.document(doc_id, text)`` makes a retrieved chunk an input item the ledger
-admits as retrieval (any id: a URL, a UUID...). The SDK's ``call_model_input_filter``
-runs before each model call: new items are admitted (messages to working memory,
+``gov.session`` is the SDK's own ``Session`` (the conversation's history), kept in Redis
+beside the ledger's session, so every process of a fleet reads the same history; each
+ended turn commits a new version of it (the turn's commit mark) and a turn whose process
+died leaves no trace in it. ``gov.document(doc_id, text)`` makes a retrieved chunk an
+input item the ledger admits as retrieval (any id: a URL, a UUID...). The SDK's
+``call_model_input_filter`` runs before each model call: the turn's deliveries are
+applied (what the ledger reclaimed, what a worker's summary replaced, left out; the
+summary put in their place), new items are admitted (messages to working memory,
 function-call outputs whole or spilled, whose output becomes the preview naming the
-handle; documents to retrieval, those refused left out), items the ledger reclaimed,
-evicted or compacted away are left out, and the real prompt (instructions and items)
-is counted. The turn ends with the last prompt plus the final answer.
+handle; documents to retrieval, those refused left out), and the real prompt
+(instructions, tool schemas and items) is counted; the run hooks compare it with the
+input tokens each response reports as billed. The turn ends with the last prompt plus
+the final answer.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
+import json
 import re
+import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from ledger.agent.aio import AsyncAgent, AsyncTurn
-from ledger.agent.core import ledger_id
+from ledger.agent.core import Obj, default_summary, ledger_id
 from ledger.agent.counters import count
-from ledger.errors import AdmissionRefused, ContextOverflow, InvalidArgument
+from ledger.errors import AdmissionRefused, ContextOverflow, InvalidArgument, translated
 from ledger.extras import missing
-from ledger.models import Consumer
+from ledger.models import Consumer, Reconciled
 
 try:
-    from agents import RunConfig
+    from agents import RunConfig, RunHooks
     from agents.run_config import CallModelData, ModelInputData
 except ImportError as exc:  # pragma: no cover - exercised without the extra
     raise missing("openai-agents", "openai-agents", "the OpenAI Agents adapter") from exc
@@ -73,6 +82,10 @@ class Piece:
     content: str
     item: dict[str, Any]
 
+    @property
+    def key(self) -> tuple[Consumer, str]:
+        return (self.consumer, self.id)
+
 
 def pieces(items: Sequence[Any]) -> list[Piece]:
     """Each item with its consumer and ledger id: a call id, a document id, an item id,
@@ -100,12 +113,18 @@ def pieces(items: Sequence[Any]) -> list[Piece]:
     return out
 
 
+def _summary_item(sid: str, text: str) -> dict[str, Any]:
+    """A worker's summary as an input item (its id is the summary's ledger id)."""
+    return {"role": "developer", "content": text, "id": sid}
+
+
 class LedgerAgents:
     """Governs an Agents SDK run's model input with an :class:`~ledger.agent.AsyncAgent`.
 
-    ``summarize(items) -> str``: when the ledger has a compaction pending, the first
-    model call of the next turn replaces every item but the last ``keep_items`` by one
-    summary message. Without it a pending compaction is left to the ledger's worker.
+    ``summarize(items) -> str``: on an agent-owned session, when the ledger has a
+    compaction pending, the first model call of the next turn replaces every item but
+    the last ``keep_items`` by one summary message. On a worker-owned session (the
+    default) the worker's summaries are delivered to the turn and put in the input.
     """
 
     def __init__(
@@ -118,14 +137,19 @@ class LedgerAgents:
         self.agent = agent
         self.summarize = summarize
         self.keep_items = keep_items
+        if agent.core.summary_of is default_summary:
+            agent.core.summary_of = _summary_item
         self.current: AsyncTurn | None = None
         self.dropped: set[tuple[Consumer, str]] = set()
         self.spilled: dict[str, str] = {}  # ledger id of a spilled output -> its preview
         self.last_input: list[Piece] = []
         self.last_prompt: int | None = None
+        self.last_counted: int | None = None  # the last prompt sent, before its answer
         self.limit: int | None = None  # window minus output reserve, for this turn
-        self.inserted: list[Piece] = []  # this turn's summary, first in every later input
+        self.inserted: list[Piece] = []  # this turn's summaries, first in every later input
         self._fresh = False
+        self.session = LedgerSession(self)
+        self.hooks = LedgerHooks(self)
 
     @staticmethod
     def document(doc_id: object, text: str) -> dict[str, Any]:
@@ -142,49 +166,123 @@ class LedgerAgents:
         core = self.agent.core
         return sum(count(core.counter, t, "an input item") + core.item_overhead for t in texts)
 
+    def tool_tokens(self, agent: Any) -> int:
+        """The tokens of the tool schemas a model call sends (name, description and JSON
+        schema of each function tool): billed with every prompt, the budget's
+        ``tool_framing``."""
+        texts = [
+            json.dumps(
+                {
+                    "name": getattr(t, "name", ""),
+                    "description": getattr(t, "description", ""),
+                    "parameters": getattr(t, "params_json_schema", {}),
+                },
+                sort_keys=True,
+            )
+            for t in getattr(agent, "tools", None) or []
+        ]
+        return sum(count(self.agent.core.counter, t, "a tool schema") for t in texts)
+
     @asynccontextmanager
     async def turn(
-        self, working_set: int = 0, output_reserve: int | None = None
+        self,
+        working_set: int = 0,
+        output_reserve: int | None = None,
+        *,
+        wait: float = 0.0,
+        takeover: bool = False,
     ) -> AsyncIterator[AsyncTurn]:
-        """One run as one ledger turn: begin_turn, then end_turn with the real prompt."""
-        turn = self.agent.turn(working_set, output_reserve)
-        await turn.__aenter__()
+        """One run as one ledger turn: begin_turn (the turn lease), then end_turn with the
+        real prompt, committing the session's history (``gov.session``) as it stands. An
+        exception rolls the turn back, the history with it."""
+        async with self.agent.turn(
+            working_set, output_reserve, wait=wait, takeover=takeover
+        ) as turn:
+            assert turn.state is not None
+            snap = await self.agent.session.snapshot()
+            reserve = snap.output_reserve if output_reserve is None else output_reserve
+            self.limit = snap.window - reserve
+            self.current, self.last_prompt, self.last_counted, self._fresh = turn, None, None, True
+            self.dropped = set(turn.state.drop_refs)
+            self.spilled.clear()
+            self.inserted = []
+            self.last_input = []
+            await self.session._begin(turn)
+            try:
+                yield turn
+                if self.last_prompt is None:
+                    raise InvalidArgument("the turn made no model call through gov.run_config()")
+                mark = await self.session._commit(turn)
+                await turn.end(self.last_prompt, mark=mark)
+            finally:
+                self.current = None
+                self.session._end()
+
+    def _turn(self) -> AsyncTurn:
+        if self.current is None:
+            raise InvalidArgument("a governed model call ran outside `async with gov.turn():`")
+        return self.current
+
+    def governed(self, items: Sequence[Any]) -> list[Piece]:
+        """Items as this turn must send them: the deliveries applied (reclaimed or replaced
+        items out, each summary where the first item it replaced was), one of each item."""
+        turn = self._turn()
         assert turn.state is not None
-        snap = await self.agent.session.snapshot()
-        reserve = snap.output_reserve if output_reserve is None else output_reserve
-        self.limit = snap.window - reserve
-        self.current, self.last_prompt, self._fresh = turn, None, True
-        self.dropped = set(turn.state.drop_refs)
-        self.spilled.clear()
-        self.inserted = []
-        try:
-            yield turn
-            if self.last_prompt is None:
-                raise InvalidArgument("the turn made no model call through gov.run_config()")
-            await turn.end(self.last_prompt)
-        finally:
-            self.current = None
+        rows: list[Piece] = []
+        seen: set[tuple[Consumer, str]] = set()
+        first: dict[str, int] = {}
+        place = {ref: sid for sid, refs in turn.state.replaced_by.items() for ref in refs}
+        for p in pieces(items):
+            if p.key in self.dropped:
+                sid = place.get(p.key)
+                if sid is not None and sid not in first:
+                    first[sid] = len(rows)
+                continue
+            if p.key not in seen:  # the ledger holds an item once
+                seen.add(p.key)
+                rows.append(p)
+        inserts = []
+        for summary in turn.summaries:
+            (piece,) = pieces([summary])
+            if piece.key not in seen:
+                seen.add(piece.key)
+                inserts.append((first.get(str(summary["id"]), 0), piece))
+        for at, piece in sorted(inserts, key=lambda x: x[0], reverse=True):
+            rows.insert(at, piece)
+        return rows
 
     async def filter(self, data: CallModelData[Any]) -> ModelInputData:
         """``RunConfig.call_model_input_filter``: govern one model call's input."""
-        turn = self.current
-        if turn is None:
-            raise InvalidArgument("a governed model call ran outside `async with gov.turn():`")
-        rows, seen = [], set()
-        for p in pieces(data.model_data.input):
-            key = (p.consumer, p.id)
-            if key not in self.dropped and key not in seen:  # the ledger holds an item once
-                seen.add(key)
-                rows.append(p)
+        turn = self._turn()
+        rows = self.governed(data.model_data.input)
+        seen = {p.key for p in rows}
         if self._fresh:
             self._fresh = False
+            assert turn.state is not None
+            if turn.state.recalibrated:  # the session's calibration changed: recount
+                await self.reconcile([p.item for p in rows])
             rows = await self._compact(turn, rows)
         else:  # the run's own input lacks this turn's summary: put it back
-            rows = [*(p for p in self.inserted if (p.consumer, p.id) not in seen), *rows]
+            rows = [*(p for p in self.inserted if p.key not in seen), *rows]
         await self._admit(turn, rows)
+        # A function call whose output left (reclaimed, compacted away) is not sent: the
+        # SDK prunes such orphans from the history. The ledger gives it back too.
+        outputs = {
+            p.id for p in rows if p.consumer is Consumer.SCRATCHPAD and p.key not in self.dropped
+        }
+        orphans = [
+            p
+            for p in rows
+            if p.item.get("type") == "function_call"
+            and p.id not in outputs
+            and p.key not in self.dropped
+        ]
+        if orphans:
+            await turn.release(orphans)
+            self.dropped |= {p.key for p in orphans}
         kept = []
         for p in rows:
-            if (p.consumer, p.id) in self.dropped:
+            if p.key in self.dropped:
                 continue
             if p.id in self.spilled and p.consumer is Consumer.SCRATCHPAD:
                 p = Piece(
@@ -193,9 +291,9 @@ class LedgerAgents:
             kept.append(p)
         self.last_input = kept
         instructions = data.model_data.instructions
-        self.last_prompt = self.tokens(
+        self.last_prompt = self.last_counted = self.tokens(
             [p.content for p in kept] + ([instructions] if instructions else [])
-        )
+        ) + self.tool_tokens(data.agent)
         if self.limit is not None and self.last_prompt > self.limit:
             raise ContextOverflow(self.last_prompt, self.limit)  # a guard acts before the call
         return ModelInputData(input=[p.item for p in kept], instructions=instructions)  # type: ignore[misc]
@@ -208,10 +306,10 @@ class LedgerAgents:
             elif p.id not in self.spilled:
                 got = await turn.tool_result(p)
                 self.dropped |= {(o.consumer, o.id) for o in got.evicted} | set(got.unresolved)
-                if got.spilled:
+                if got.spilled or got.refused:  # the preview, or the refusal note, shown
                     self.spilled[p.id] = got.text
         for c, ps in by.items():
-            ps = [p for p in ps if (p.consumer, p.id) not in self.dropped]
+            ps = [p for p in ps if p.key not in self.dropped]
             if not ps:
                 continue
             adm = await turn.admit(c, ps)
@@ -231,7 +329,7 @@ class LedgerAgents:
         if not old:
             return rows
         for p in old:
-            core.known[(p.consumer, p.id)] = p
+            core.known[p.key] = p
         text = summarize([p.item for p in old])
         item = {"role": "developer", "content": text, "id": f"summary-{turn.number}"}
         summary = Piece(Consumer.WORKING_MEMORY, ledger_id(item["id"]), text, item)
@@ -241,27 +339,155 @@ class LedgerAgents:
         if not done.dropped:
             return rows
         self.inserted = [summary]
-        return [summary, *(p for p in rows if (p.consumer, p.id) not in gone)]
+        return [summary, *(p for p in rows if p.key not in gone)]
 
-    async def history(self, result: Any) -> list[dict[str, Any]]:
-        """Call inside the turn, after the run: admits the run's final items (its answer)
-        and returns the governed history for the next turn (what the model last saw,
-        previews in place of spilled outputs, dropped items left out, and the answer)."""
-        turn = self.current
-        if turn is None or self.last_prompt is None:
-            raise InvalidArgument("gov.history(result) belongs inside `async with gov.turn():`")
-        seen = {(p.consumer, p.id) for p in self.last_input}
-        new = [
-            p
-            for p in pieces(result.to_input_list())
-            if (p.consumer, p.id) not in seen and (p.consumer, p.id) not in self.dropped
-        ]
-        if new:
+    async def _answer(self, items: Sequence[Any]) -> list[Piece]:
+        """Admit what the run produced after the last model call (its answer): the pieces
+        of ``items`` not in that call's input and not dropped."""
+        turn = self._turn()
+        seen = {p.key for p in self.last_input}
+        new = [p for p in pieces(items) if p.key not in seen and p.key not in self.dropped]
+        if new and self.last_prompt is not None:
             adm = await turn.admit(Consumer.WORKING_MEMORY, new)
             if adm.refused:
                 raise AdmissionRefused(adm.reason or "token_budget_exhausted", 0, adm.free, {})
             self.last_prompt += self.tokens([p.content for p in new])
+        return new
+
+    async def history(self, result: Any) -> list[dict[str, Any]]:
+        """Without ``gov.session``: call inside the turn, after the run. Admits the run's
+        final items (its answer) and returns the governed history for the next turn (what
+        the model last saw, previews in place of spilled outputs, dropped items left out,
+        and the answer)."""
+        if self.current is None or self.last_prompt is None:
+            raise InvalidArgument("gov.history(result) belongs inside `async with gov.turn():`")
+        new = await self._answer(result.to_input_list())
         return [p.item for p in (*self.last_input, *new)]
 
+    async def reconcile(self, items: Sequence[Any]) -> Reconciled:
+        """Set the ledger to exactly these input items (the SDK's own, e.g. the history the
+        model will be sent): each consumer's items become the listed ones."""
+        held: dict[Consumer | str, list[Obj]] = {c: [] for c in Consumer}
+        for p in pieces(items):
+            held[p.consumer].append(p)
+        core = self.agent.core
+        saved = core.id_of, core.text_of
+        core.id_of, core.text_of = (lambda p: p.id), (lambda p: p.content)
+        try:
+            return await self.agent.reconcile(held)
+        finally:
+            core.id_of, core.text_of = saved
 
-__all__ = ["LedgerAgents", "Piece", "item_text", "pieces"]
+
+class LedgerHooks(RunHooks[Any]):
+    """Run hooks (``Runner.run(..., hooks=gov.hooks)``): each model response's reported
+    input tokens (what the provider billed) against the ledger's count of the prompt it
+    answered (docs/agent.md#what-the-model-billed)."""
+
+    def __init__(self, gov: LedgerAgents) -> None:
+        self.gov = gov
+
+    async def on_llm_end(self, context: Any, agent: Any, response: Any) -> None:
+        usage = getattr(response, "usage", None)
+        billed = getattr(usage, "input_tokens", 0) or 0
+        gov = self.gov
+        if gov.current is not None and gov.last_counted is not None and billed > 0:
+            await gov.current.billed(int(billed), gov.last_counted)
+
+
+class LedgerSession:
+    """The SDK's ``Session`` protocol, governed by the ledger: the conversation's history,
+    kept in Redis beside the ledger's session (``<prefix>:{p<N>}:history:<session>``),
+    shared by every process. Each ended turn commits a new version of it (the turn's
+    commit mark), so a turn whose process died leaves no trace: the next turn, on any
+    process, reads the version the last ended turn committed, with that turn's deliveries
+    applied (what the ledger reclaimed or a summary replaced out, the summary in). Use
+    it inside ``gov.turn()``, where the runner reads and writes it."""
+
+    def __init__(self, gov: LedgerAgents) -> None:
+        self.gov = gov
+        self.session_id = gov.agent.session.id
+        self.session_settings: Any = None
+        self._base: list[dict[str, Any]] | None = None  # the committed version, governed
+        self._added: list[dict[str, Any]] = []  # what the runner added in this turn
+        self._committed: str | None = None
+
+    async def _read(self, version: str | None) -> list[dict[str, Any]]:
+        if version is None:
+            return []
+        s = self.gov.agent.session
+        s.ledger.check_open()
+        with translated():
+            raw = await s.ledger.client.hget(s.keys.history, version)
+        if raw is None:
+            return []
+        items = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+        return list(items) if isinstance(items, list) else []
+
+    async def _begin(self, turn: AsyncTurn) -> None:
+        self._committed = turn.mark
+        base = await self._read(turn.mark)
+        self._base = [p.item for p in self.gov.governed(base)]
+        self._added = []
+
+    def _end(self) -> None:
+        self._base, self._added = None, []
+
+    async def _commit(self, turn: AsyncTurn) -> str:
+        """Write the history the turn ends with (what the model last saw, and the answer)
+        as a new version; end_turn records it as the turn's mark."""
+        gov = self.gov
+        answer = await gov._answer(self._added)
+        items = [p.item for p in (*gov.last_input, *answer)]
+        version = f"v{turn.number}.{uuid.uuid4().hex[:12]}"
+        s = gov.agent.session
+        with translated():
+            client = s.ledger.client
+            old = [
+                k.decode() if isinstance(k, bytes) else str(k)
+                for k in await client.hkeys(s.keys.history)
+            ]
+            ttl = int(await client.hget(s.keys.session, "ttl") or 86_400_000)
+            pipe = client.pipeline(transaction=False)
+            pipe.hset(s.keys.history, version, json.dumps(items))
+            stale = [k for k in old if k not in (version, self._committed)]
+            if stale:
+                pipe.hdel(s.keys.history, *stale)
+            pipe.pexpire(s.keys.history, ttl)
+            await pipe.execute()
+        return version
+
+    async def get_items(self, limit: int | None = None) -> list[Any]:
+        if self._base is None:  # outside a turn: the version the last ended turn committed
+            items = await self._read((await self.gov.agent.session.snapshot()).mark)
+        else:
+            items = [*self._base, *self._added]
+        items = copy.deepcopy(items)
+        return items if limit is None else items[-limit:] if limit > 0 else []
+
+    async def add_items(self, items: list[Any]) -> None:
+        if self._base is None:
+            raise InvalidArgument(
+                "the governed session is written inside `async with gov.turn():` (each turn "
+                "commits its history with the turn)"
+            )
+        self._added += [dict(i) for i in items]
+
+    async def pop_item(self) -> Any | None:
+        if self._base is None:
+            raise InvalidArgument("pop_item belongs inside `async with gov.turn():`")
+        if self._added:
+            return self._added.pop()
+        return self._base.pop() if self._base else None
+
+    async def clear_session(self) -> None:
+        """Forget the history: for every process, as the next turn starts afresh. Delete
+        the ledger's session to give its budget back too."""
+        s = self.gov.agent.session
+        with translated():
+            await s.ledger.client.delete(s.keys.history)
+        if self._base is not None:
+            self._base, self._added = [], []
+
+
+__all__ = ["LedgerAgents", "LedgerHooks", "LedgerSession", "Piece", "item_text", "pieces"]

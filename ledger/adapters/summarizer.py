@@ -40,14 +40,26 @@ PROMPT = (
 def history(request: CompactionRequest, keep_last: int) -> list[HeldItem]:
     """The items a compaction replaces: working memory but the newest ``keep_last``,
     and retrieval chunks and tool results from earlier turns, oldest first; only those
-    whose text the request carries."""
+    whose text the request carries. Items of one id in two consumers (a tool call in
+    working memory and its result in the scratchpad) go together or stay together: a
+    call without its result, or the reverse, is what chat APIs refuse or prune."""
     wm = [i for i in request.items if i.consumer is Consumer.WORKING_MEMORY]
     old = wm[: max(0, len(wm) - keep_last)] + [
         i
         for i in request.items
         if i.consumer in (Consumer.RETRIEVAL, Consumer.SCRATCHPAD) and i.turn < request.turn
     ]
-    return [i for i in old if request.text_of(i) is not None]
+    old = [i for i in old if request.text_of(i) is not None]
+    chosen = {(i.consumer, i.id) for i in old}
+    pairs: dict[str, set[Consumer]] = {}
+    for i in request.items:
+        pairs.setdefault(i.id, set()).add(i.consumer)
+    # an item whose twin stays, stays
+    return [
+        i
+        for i in old
+        if all((c, i.id) in chosen for c in pairs.get(i.id, ()) if c is not i.consumer)
+    ]
 
 
 class LLMSummarizer:

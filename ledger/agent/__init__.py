@@ -10,6 +10,7 @@ from ledger.agent.aio import AsyncAgent, AsyncTurn
 from ledger.agent.core import (
     Admission,
     AgentCore,
+    BillingCheck,
     Compacted,
     ToolOutcome,
     TurnState,
@@ -17,15 +18,17 @@ from ledger.agent.core import (
     default_text,
     ledger_id,
 )
-from ledger.agent.counters import EstimatingCounter, TiktokenCounter, TokenCounter
+from ledger.agent.counters import Calibrated, EstimatingCounter, TiktokenCounter, TokenCounter
 from ledger.agent.sync import Agent, Turn
 
 __all__ = [
     "Admission",
     "Agent",
+    "BillingCheck",
     "AgentCore",
     "AsyncAgent",
     "AsyncTurn",
+    "Calibrated",
     "Compacted",
     "EstimatingCounter",
     "TiktokenCounter",

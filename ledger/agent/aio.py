@@ -16,9 +16,11 @@ from typing import Any, TypeVar
 from ledger.agent.core import (
     Admission,
     AgentCore,
+    BillingCheck,
     Compacted,
     Fetch,
     Held,
+    Note,
     Obj,
     Op,
     Store,
@@ -61,12 +63,21 @@ class AsyncAgent:
     async def run(self, op: Op[T]) -> T:
         return await drive_async(op, self.session.ledger.run, asyncio.sleep, self._io)
 
-    async def _io(self, effect: Held | Store | Fetch) -> Any:
+    async def _io(self, effect: Held | Store | Fetch | Note) -> Any:
         """The reads and writes outside the ledger's scripts: which items are held, the
-        content store (texts for the worker's compactor), the worker's summaries."""
+        content store (texts for the worker's compactor), the worker's summaries, the
+        session's calibration and billing report."""
         self.session.ledger.check_open()
         client, keys = self.session.ledger.client, self.session.keys
         with translated():
+            if isinstance(effect, Note):
+                if self._ttl_ms is None:
+                    self._ttl_ms = int(await client.hget(keys.session, "ttl") or 86_400_000)
+                pipe = client.pipeline(transaction=False)
+                pipe.hset(keys.compacted, mapping=dict(effect.fields))
+                pipe.pexpire(keys.compacted, self._ttl_ms)
+                await pipe.execute()
+                return None
             if isinstance(effect, Held):
                 values = await client.hmget(keys.session, effect.fields)
                 return [v is not None for v in values]
@@ -159,6 +170,8 @@ class AsyncTurn:
             await self._abort_quietly()
 
     async def _stop(self) -> None:
+        if self.state is not None:
+            self.agent.core.live_turns.discard(self.state.turn)
         if self._beat is not None:
             await self._beat.stop()
 
@@ -216,6 +229,12 @@ class AsyncTurn:
         """Set when a renewal found the turn taken over or rolled back."""
         return None if self._beat is None else self._beat.lost
 
+    async def billed(self, input_tokens: int, counted: int) -> BillingCheck:
+        """Record what the provider billed for a prompt this turn sent (its reported input
+        tokens) against the ledger's count of that prompt (``counted``): flagged beyond the
+        agent's ``billing_tolerance``; an estimating counter is calibrated from it."""
+        return await self.agent.run(self.agent.core.billed(self._state, input_tokens, counted))
+
     def apply(self, objs: Sequence[Obj]) -> list[Obj]:
         """The app's objects as this turn must hold them: what the ledger reclaimed and
         what a delivered summary replaced left out (by ledger id, whichever process
@@ -229,22 +248,28 @@ class AsyncTurn:
         """Admit app objects (the longest prefix that fits); ``kept`` go in the prompt.
         While a compaction is pending, retrieval and recall are judged on the
         post-compaction baseline (a refusal then says ``compaction_pending``)."""
-        got = await self.agent.run(self.agent.core.admit(consumer, objs, priority))
+        got = await self.agent.run(
+            self.agent.core.admit(consumer, objs, priority, self._state.turn)
+        )
         self._state.admissions.append(got)
         return got
 
     async def tool_result(self, result: Obj, text: str | None = None) -> ToolOutcome[Any]:
         """Admit a tool result whole, or spill it: put ``outcome.text`` in the prompt and
         drop ``outcome.evicted``."""
-        got = await self.agent.run(self.agent.core.tool_result(result, text))
+        got = await self.agent.run(self.agent.core.tool_result(result, text, self._state.turn))
         self._state.tools.append(got)
         return got
 
     async def release(self, objs: Sequence[Obj]) -> list[Obj]:
-        return await self.agent.run(self.agent.core.release(objs))
+        return await self.agent.run(self.agent.core.release(objs, self._state.turn))
 
     async def compact(self, replaced: Sequence[Obj], summary: Obj | None) -> Compacted:
-        return await self.agent.run(self.agent.core.compact(replaced, summary))
+        return await self.agent.run(self.agent.core.compact(replaced, summary, self._state.turn))
+
+    async def renew(self) -> None:
+        """Renew the turn's lease now (the background renewal does it every third of it)."""
+        await self._renew()
 
     def prompt(self, prompt: int | str | Sequence[Obj]) -> int:
         """Give the real prompt (its tokens, its text, or the objects it is made of)."""

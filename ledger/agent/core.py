@@ -14,17 +14,26 @@ objects it knows (those it admitted, or was shown with :meth:`AgentCore.track`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import math
 import re
 import uuid
+import warnings
 from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from ledger.agent.counters import count, cut_to
+from ledger.agent.counters import Calibrated, count, cut_to, is_estimate
 from ledger.core import SessionCore
-from ledger.errors import AdmissionRefused, InvalidArgument, TurnInProgress
+from ledger.errors import (
+    AdmissionRefused,
+    BillingDriftWarning,
+    InvalidArgument,
+    LedgerError,
+    TurnInProgress,
+)
 from ledger.models import (
     Consumer,
     Item,
@@ -39,8 +48,12 @@ from ledger.protocol import ID_RE, Call
 
 T = TypeVar("T")
 Obj = Any
-Op = Generator["Call[Any] | Sleep | Held | Store | Fetch", Any, T]
-Effect = Any  # Held | Store | Fetch: the reads and writes outside the ledger's scripts
+Op = Generator["Call[Any] | Sleep | Held | Store | Fetch | Note", Any, T]
+Effect = Any  # Held | Store | Fetch | Note: the reads and writes outside the ledger's scripts
+
+# Fields of the session's summaries hash that are no summary ('~' is no id's character):
+CALIBRATION = "~calibration"  # '<factor>|<turn>|<counted>|<billed>': the counter's scale
+BILLED = "~billed"  # '<turn>|<counted>|<billed>|<flagged 0/1>': the last turn's last report
 
 DIGEST_PREFIX = "h."
 _DIGEST_RE = re.compile(r"h\.[0-9a-f]{32}")
@@ -140,10 +153,36 @@ class Store:
 
 @dataclass(frozen=True, slots=True)
 class Fetch:
-    """An effect: the records of these summaries (a JSON text each, or None), as the
-    worker stored them beside the session."""
+    """An effect: these fields of the session's summaries hash (a summary's JSON record,
+    the calibration; each a text or None)."""
 
     ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Note:
+    """An effect: write these fields of the session's summaries hash (the calibration,
+    the last billing report), which every process reads."""
+
+    fields: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BillingCheck:
+    """One model call's prompt as the ledger counted it against what the provider billed
+    for it (its reported input tokens)."""
+
+    turn: int
+    counted: int
+    billed: int
+    tolerance: int  # the difference allowed: billing_tolerance of the counted prompt
+    flagged: bool  # |billed - counted| > tolerance
+    plausible: bool  # a ratio a counter can be off by (0.5..2), over enough tokens to tell
+    learned: float | None  # the new calibration factor, when this report set one
+
+    @property
+    def difference(self) -> int:
+        return self.billed - self.counted
 
 
 def default_summary(summary_id: str, text: str) -> Obj:
@@ -175,6 +214,10 @@ class ToolOutcome(Generic[T]):
     charged: int  # tokens the prompt holds for it
     evicted: tuple[Obj, ...]  # memory items that gave way: drop them from the prompt
     unresolved: tuple[tuple[Consumer, str], ...]  # evicted items this worker cannot name
+    # refused (not even its preview fits): ``text`` is a short note saying so, which the
+    # ledger holds in the result's place (a tool call answered, never a result cut)
+    refused: bool = False
+    reason: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,6 +250,10 @@ class TurnState:
     replaced_by: dict[str, list[tuple[Consumer, str]]] = field(default_factory=dict)
     aborted: TurnAborted | None = None  # the turn was rolled back (turn.abort, an error)
     waited_compaction: float = 0.0  # seconds begin waited for a pending compaction
+    billing: list[BillingCheck] = field(default_factory=list)  # this turn's reports
+    # the calibration factor changed since this process last counted: the app's held
+    # objects count otherwise now (an adapter reconciles the ledger to them)
+    recalibrated: bool = False
 
     @property
     def turn(self) -> int:
@@ -235,6 +282,8 @@ class AgentCore:
         await_compaction: float = 2.0,
         lease_ms: int | None = None,
         renew: bool = True,
+        billing_tolerance: float = 0.02,
+        calibrate: bool | None = None,
     ) -> None:
         if not callable(counter):
             raise InvalidArgument(f"counter must be callable text -> int, got {counter!r}")
@@ -245,8 +294,14 @@ class AgentCore:
         lease_ms = session.lease_ms if lease_ms is None else lease_ms
         if type(lease_ms) is not int or not 1 <= lease_ms <= 86_400_000:
             raise InvalidArgument(f"lease_ms must be an int in 1..86400000, got {lease_ms!r}")
+        if not 0 <= billing_tolerance < 1:
+            raise InvalidArgument(f"billing_tolerance must be in [0, 1), got {billing_tolerance!r}")
         self.session = session
-        self.counter = counter
+        # every count goes through the session's calibration (a factor of 1 unless the
+        # counter estimates and the provider's reports taught another)
+        self.counter = Calibrated(counter)
+        self.billing_tolerance = billing_tolerance
+        self.calibrate = is_estimate(counter) if calibrate is None else calibrate
         self.id_of = id_of or default_id
         self.text_of = text_of or default_text
         self.item_overhead = item_overhead
@@ -264,6 +319,7 @@ class AgentCore:
         # a turn's lease (default: the session's, the setting turn_lease_ms); the faces
         # renew it every third of it while the turn runs
         self.lease_ms: int = lease_ms
+        self.live_turns: set[int] = set()  # the turns this agent serves now (its faces keep it)
         self.renew_leases = renew
 
     # --- pure helpers ---------------------------------------------------------------
@@ -402,7 +458,20 @@ class AgentCore:
     ) -> Op[TurnState]:
         """Take the session's turn (its lease) and start it. Another process's live turn
         is waited for up to ``wait`` seconds (polling), then ``TurnInProgress``; with
-        ``takeover`` it is rolled back and this turn starts at once."""
+        ``takeover`` it is rolled back and this turn starts at once. An agent serves one
+        turn at a time: a second one while its first runs is refused the same way."""
+        if self.live_turns:
+            held = min(self.live_turns)
+            raise TurnInProgress(
+                f"turn {held} is held by {self.session.owner} (lease {self.lease_ms} ms left): "
+                "this agent serves it now; one agent (one session handle) serves one turn at "
+                "a time: give each concurrent request its own"
+            )
+        if self.session.turn is not None:
+            # a turn of this handle that its process left open (its abort failed): rolled
+            # back now, so that beginning again never commits what it half did
+            with contextlib.suppress(LedgerError):
+                yield self.session.abort_turn_call(self.session.turn)
         worker = yield from self._worker_owned()
         waited_for = 0.0
         if worker and self.await_compaction > 0:
@@ -429,19 +498,26 @@ class AgentCore:
                 yield Sleep(step)
                 waited += step
         self.compaction_pending = started.compaction_due
+        self.live_turns.add(started.turn)
         state = TurnState(started, waited_compaction=waited_for)
         state.drop_refs = [*started.reclaimed, *started.dropped]
-        if started.summaries:
+        if started.summaries or self.calibrate:
             yield from self._deliver(state)
         state.dropped, state.unresolved = self.resolve(state.drop_refs)
         return state
 
     def _deliver(self, state: TurnState) -> Generator[Fetch, Any, None]:
         """The summaries delivered to this turn, as app objects (``summary_of``), with the
-        items each replaced, from the records the worker stored beside the session."""
+        items each replaced, from the records the worker stored beside the session; and
+        the session's calibration, when this agent calibrates."""
         ids = state.started.summaries
-        records: list[str | None] = yield Fetch(tuple(ids))
-        for sid, raw in zip(ids, records, strict=True):
+        extra = (CALIBRATION,) if self.calibrate else ()
+        got: list[str | None] = yield Fetch((*ids, *extra))
+        if self.calibrate:
+            factor = _factor(got[-1])
+            if factor != self.counter.factor:
+                self.counter.factor, state.recalibrated = factor, True
+        for sid, raw in zip(ids, got[: len(ids)], strict=True):
             if raw is None:
                 continue  # a summary whose record expired or was never written: its drops stand
             try:
@@ -457,6 +533,29 @@ class AgentCore:
             self.known[(Consumer.WORKING_MEMORY, sid)] = summary
             state.summaries.append(summary)
             state.replaced_by[sid] = replaced
+
+    def billed(self, state: TurnState, billed: int, counted: int) -> Op[BillingCheck]:
+        """What the provider billed for a prompt (its reported input tokens) against the
+        ledger's count of that prompt: flagged beyond ``billing_tolerance`` (a
+        BillingDriftWarning). When this agent calibrates (its counter estimates), a
+        plausible difference teaches the session a new factor, kept in Redis for every
+        process from the next turn on; an implausible one (a report covering more than
+        was counted, e.g. a system message the count left out) is flagged, not learned."""
+        for name, v in (("billed", billed), ("counted", counted)):
+            if type(v) is not int or v < 0:
+                raise InvalidArgument(f"{name} tokens must be a non-negative int, got {v!r}")
+        tolerance = math.ceil(self.billing_tolerance * counted)
+        flagged = abs(billed - counted) > tolerance
+        plausible = counted >= 64 and 0.5 <= billed / counted <= 2.0
+        learned = None
+        if flagged and self.calibrate and plausible:
+            learned = round(self.counter.factor * billed / counted, 4)
+            yield Note(((CALIBRATION, f"{learned}|{state.turn}|{counted}|{billed}"),))
+        check = BillingCheck(state.turn, counted, billed, tolerance, flagged, plausible, learned)
+        state.billing.append(check)
+        if flagged:
+            warnings.warn(BillingDriftWarning(check, billing_message(check)), stacklevel=4)
+        return check
 
     def apply(self, state: TurnState, objs: Sequence[Obj]) -> list[Obj]:
         """The app's objects as this turn must hold them: those the ledger reclaimed or a
@@ -501,7 +600,11 @@ class AgentCore:
             yield Store(tuple((f"{c.code}:{it.id}", self.text_of(o)) for it, o in planned))
 
     def admit(
-        self, consumer: Consumer | str, objs: Sequence[Obj], priority: int = 0
+        self,
+        consumer: Consumer | str,
+        objs: Sequence[Obj],
+        priority: int = 0,
+        turn: int | None = None,
     ) -> Op[Admission[Any]]:
         c = Consumer.parse(consumer)
         planned = self.items(objs, priority)
@@ -509,7 +612,7 @@ class AgentCore:
             return Admission((), (), None, 0, -1)
         memory = c in (Consumer.RETRIEVAL, Consumer.RECALL)
         yield from self._store(c, planned)
-        call = self.session.admit_call(c, [it for it, _ in planned], partial=True)
+        call = self.session.admit_call(c, [it for it, _ in planned], partial=True, turn=turn)
         try:
             got = yield call
         except AdmissionRefused as exc:
@@ -556,7 +659,9 @@ class AgentCore:
             yield Sleep(self.poll_interval)
             waited += self.poll_interval
 
-    def tool_result(self, result: Obj, text: str | None = None) -> Op[ToolOutcome[Any]]:
+    def tool_result(
+        self, result: Obj, text: str | None = None, turn: int | None = None
+    ) -> Op[ToolOutcome[Any]]:
         app_id = self.app_id(result)
         iid = ledger_id(app_id)
         body = self.text_of(result) if text is None else text
@@ -567,7 +672,23 @@ class AgentCore:
             raise InvalidArgument(f"tool result {app_id!s:.60} counts 0 tokens")
         if (yield from self._storing()):
             yield Store(((f"{Consumer.SCRATCHPAD.code}:{iid}", body),))
-        got = yield self.session.admit_tool_result_call(iid, tokens, body)
+        try:
+            got = yield self.session.admit_tool_result_call(iid, tokens, body, turn=turn)
+        except AdmissionRefused as exc:
+            # No room for it, nor for its preview: the prompt gets a note saying so (the
+            # tool call must be answered), which the ledger holds in its place.
+            note = (
+                f"[tool result {app_id!s:.80} refused by the ledger ({exc.reason}): {tokens} "
+                "tokens and no room for them; ask for less]"
+            )
+            n = count(self.counter, note, "a refusal note") + self.item_overhead
+            noted = yield self.session.admit_tool_result_call(iid, n, note, turn=turn)
+            evicted, unknown = self.resolve(noted.evicted)
+            self.known[(Consumer.SCRATCHPAD, iid)] = result
+            return ToolOutcome(
+                result, note, False, None, tokens, noted.charged, tuple(evicted),
+                tuple(unknown), True, exc.reason,
+            )  # fmt: skip
         evicted, unknown = self.resolve(got.evicted)
         self.known[(Consumer.SCRATCHPAD, iid)] = result
         if got.outcome == "spilled" or got.preview_tokens > 0:  # spilled, now or before
@@ -579,21 +700,23 @@ class AgentCore:
             result, body, False, None, tokens, got.charged, tuple(evicted), tuple(unknown)
         )
 
-    def release(self, objs: Sequence[Obj]) -> Op[list[Obj]]:
+    def release(self, objs: Sequence[Obj], turn: int | None = None) -> Op[list[Obj]]:
         by: dict[Consumer, list[str]] = {}
         for o in objs:
             by.setdefault(self.consumer_of(o), []).append(self.item_id(o))
         out: list[Obj] = []
         for c, ids in by.items():
-            yield self.session.release_call(c, ids)
+            yield self.session.release_call(c, ids, turn=turn)
             objs_c, _ = self.resolve([(c, i) for i in ids])
             out += objs_c
         return out
 
-    def compact(self, replaced: Sequence[Obj], summary: Obj | None) -> Op[Compacted]:
+    def compact(
+        self, replaced: Sequence[Obj], summary: Obj | None, turn: int | None = None
+    ) -> Op[Compacted]:
         refs = list(dict.fromkeys((self.consumer_of(o), self.item_id(o)) for o in replaced))
         item = self.items([summary], priority=1000)[0][0] if summary is not None else None
-        done = yield self.session.compact_call(refs, item)
+        done = yield self.session.compact_call(refs, item, turn=turn)
         dropped: list[Obj] = []
         if done.dropped or done.compacted:
             dropped, _ = self.resolve(refs)
@@ -602,14 +725,19 @@ class AgentCore:
         self.compaction_pending = not done.compacted
         return Compacted(done.compacted, done.outcome, tuple(dropped), summary, done.occupancy)
 
-    def end(self, turn: int, prompt_tokens: int, mark: str | None = None) -> Op[TurnReport]:
+    def end(
+        self, turn: int, prompt_tokens: int, mark: str | None = None, state: TurnState | None = None
+    ) -> Op[TurnReport]:
+        if state is not None and state.billing:  # the turn's last report, for every process
+            c = state.billing[-1]
+            yield Note(((BILLED, f"{turn}|{c.counted}|{c.billed}|{int(c.flagged)}"),))
         report: TurnReport = yield self.session.end_turn_call(turn, prompt_tokens, mark=mark)
         self.compaction_pending = report.compaction_due
         return report
 
     def abort(self, turn: int) -> Op[TurnAborted]:
-        """Roll the turn back: the ledger is as the turn found it, and the objects this
-        process admitted in it are forgotten."""
+        """Roll the turn back: the ledger is as the turn found it (the objects this process
+        keeps of it are a cache: ``turn.apply`` on the committed state is the truth)."""
         done: TurnAborted = yield self.session.abort_turn_call(turn)
         return done
 
@@ -622,6 +750,9 @@ class AgentCore:
         plan: dict[Consumer, list[tuple[Item, Obj]]] = {}
         for consumer, objs in held.items():
             plan[Consumer.parse(consumer)] = self.items(objs)
+        for c, pairs in plan.items():  # (their texts too: a compaction after it reads them)
+            if pairs:
+                yield from self._store(c, pairs)
         done: Reconciled = yield self.session.reconcile_call(
             {c: [it for it, _ in pairs] for c, pairs in plan.items()}
         )
@@ -631,6 +762,30 @@ class AgentCore:
             for it, o in pairs:
                 self.known[(c, it.id)] = o
         return done
+
+
+def _factor(raw: str | None) -> float:
+    """The calibration factor of the session's record ('<factor>|...'), 1 without one."""
+    try:
+        f = float(str(raw).split("|", 1)[0]) if raw else 1.0
+    except ValueError:
+        return 1.0
+    return f if 0.1 <= f <= 10 else 1.0
+
+
+def billing_message(c: BillingCheck) -> str:
+    why = (
+        "the counter is off; the factor learned from it is applied from the next turn"
+        if c.learned is not None
+        else "the counter is off (an estimate? Agent(calibrate=True) learns its factor)"
+        if c.plausible
+        else "the report covers what the count did not (a system message, tool schemas, "
+        "images?) or far less: nothing learned from it; count the prompt the provider bills"
+    )
+    return (
+        f"turn {c.turn}: the provider billed {c.billed} input tokens for a prompt the ledger "
+        f"counted at {c.counted} ({c.difference:+d}, tolerance {c.tolerance}): {why}"
+    )
 
 
 def drive_sync(
@@ -647,7 +802,7 @@ def drive_sync(
                 sleep(effect.seconds)
                 effect = op.send(None)
                 continue
-            if isinstance(effect, (Held, Store, Fetch)):
+            if isinstance(effect, (Held, Store, Fetch, Note)):
                 effect = op.send(io(effect))
                 continue
             try:
@@ -674,7 +829,7 @@ async def drive_async(
                 await sleep(effect.seconds)
                 effect = op.send(None)
                 continue
-            if isinstance(effect, (Held, Store, Fetch)):
+            if isinstance(effect, (Held, Store, Fetch, Note)):
                 effect = op.send(await io(effect))
                 continue
             try:

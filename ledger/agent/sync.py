@@ -15,9 +15,11 @@ from typing import Any, TypeVar
 from ledger.agent.core import (
     Admission,
     AgentCore,
+    BillingCheck,
     Compacted,
     Fetch,
     Held,
+    Note,
     Obj,
     Op,
     Store,
@@ -60,12 +62,21 @@ class Agent:
     def run(self, op: Op[T]) -> T:
         return drive_sync(op, self.session.ledger.run, time.sleep, self._io)
 
-    def _io(self, effect: Held | Store | Fetch) -> Any:
+    def _io(self, effect: Held | Store | Fetch | Note) -> Any:
         """The reads and writes outside the ledger's scripts: which items are held, the
-        content store (texts for the worker's compactor), the worker's summaries."""
+        content store (texts for the worker's compactor), the worker's summaries, the
+        session's calibration and billing report."""
         self.session.ledger.check_open()
         client, keys = self.session.ledger.client, self.session.keys
         with translated():
+            if isinstance(effect, Note):
+                if self._ttl_ms is None:
+                    self._ttl_ms = int(client.hget(keys.session, "ttl") or 86_400_000)
+                pipe = client.pipeline(transaction=False)
+                pipe.hset(keys.compacted, mapping=dict(effect.fields))
+                pipe.pexpire(keys.compacted, self._ttl_ms)
+                pipe.execute()
+                return None
             if isinstance(effect, Held):
                 values = client.hmget(keys.session, effect.fields)
                 return [v is not None for v in values]
@@ -158,6 +169,8 @@ class Turn:
             self._abort_quietly()
 
     def _stop(self) -> None:
+        if self.state is not None:
+            self.agent.core.live_turns.discard(self.state.turn)
         if self._beat is not None:
             self._beat.stop()
 
@@ -215,6 +228,12 @@ class Turn:
         """Set when a renewal found the turn taken over or rolled back."""
         return None if self._beat is None else self._beat.lost
 
+    def billed(self, input_tokens: int, counted: int) -> BillingCheck:
+        """Record what the provider billed for a prompt this turn sent (its reported input
+        tokens) against the ledger's count of that prompt (``counted``): flagged beyond the
+        agent's ``billing_tolerance``; an estimating counter is calibrated from it."""
+        return self.agent.run(self.agent.core.billed(self._state, input_tokens, counted))
+
     def apply(self, objs: Sequence[Obj]) -> list[Obj]:
         """The app's objects as this turn must hold them: what the ledger reclaimed and
         what a delivered summary replaced left out (by ledger id, whichever process
@@ -228,22 +247,28 @@ class Turn:
         """Admit app objects (the longest prefix that fits); ``kept`` go in the prompt.
         While a compaction is pending, retrieval and recall are judged on the
         post-compaction baseline (a refusal then says ``compaction_pending``)."""
-        got = self.agent.run(self.agent.core.admit(consumer, objs, priority))
+        got = self.agent.run(
+            self.agent.core.admit(consumer, objs, priority, self._state.turn)
+        )
         self._state.admissions.append(got)
         return got
 
     def tool_result(self, result: Obj, text: str | None = None) -> ToolOutcome[Any]:
         """Admit a tool result whole, or spill it: put ``outcome.text`` in the prompt and
         drop ``outcome.evicted``."""
-        got = self.agent.run(self.agent.core.tool_result(result, text))
+        got = self.agent.run(self.agent.core.tool_result(result, text, self._state.turn))
         self._state.tools.append(got)
         return got
 
     def release(self, objs: Sequence[Obj]) -> list[Obj]:
-        return self.agent.run(self.agent.core.release(objs))
+        return self.agent.run(self.agent.core.release(objs, self._state.turn))
 
     def compact(self, replaced: Sequence[Obj], summary: Obj | None) -> Compacted:
-        return self.agent.run(self.agent.core.compact(replaced, summary))
+        return self.agent.run(self.agent.core.compact(replaced, summary, self._state.turn))
+
+    def renew(self) -> None:
+        """Renew the turn's lease now (the background renewal does it every third of it)."""
+        self._renew()
 
     def prompt(self, prompt: int | str | Sequence[Obj]) -> int:
         """Give the real prompt (its tokens, its text, or the objects it is made of)."""

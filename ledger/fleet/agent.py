@@ -146,6 +146,7 @@ class SimAgent:
             assert turn.state is not None
             turn.state.report = report
             self.agent.core.compaction_pending = report.compaction_due
+        turn.__exit__(None, None, None)  # ended: the agent serves no turn now
         self.current = None
         return report
 
@@ -174,6 +175,7 @@ class SimAgent:
     def adopt_reset(self) -> int:
         """After a hard reset: take the session's new epoch (its items are gone)."""
         self.current = None
+        self.agent.core.live_turns.clear()  # the reset ended the open turn
         self.agent.calls += 1
         self.agent.core.compaction_pending = False
         return self.session.refresh()
