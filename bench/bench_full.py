@@ -948,7 +948,7 @@ class TypicalSession:
 def session_memory(led: Ledger, s: Session) -> dict[str, Any]:
     r: redis.Redis = led.client  # type: ignore[assignment]
     d = Bench(led, 1, 1).describe(s.keys.session)
-    spill = list(r.scan_iter(match=s.keys.spill_prefix + "*", count=1000))
+    spill = [k for k in (s.keys.spills, s.keys.spilled) if r.exists(k)]
     spill_bytes = sum(int(r.memory_usage(k, samples=0) or 0) for k in spill)
     part = [k for k in (s.keys.deadlines, s.keys.jobs) if r.exists(k)]
     outcomes = (s.keys.outcomes, s.keys.outcomes_old)

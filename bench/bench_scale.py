@@ -84,9 +84,9 @@ def admit_vs_plain(led: Ledger, r: redis.Redis, calls: int, rounds: int) -> dict
                 [s.admit_call("retrieval", [Item(f"held{b}-{i}", 10)]) for i in range(100)]
             )
         sessions[name] = s
-    # a scratch stream in the session's hash slot (a spill key name no call uses)
+    # a scratch stream in the session's hash slot (a key name no script uses)
     p = sessions["plain"]
-    audit_key = p.keys.spill("bench-audit-stream")
+    audit_key = p.keys.spills + ":bench-audit-stream"
     per: dict[str, list[float]] = {name: [] for name in sessions}
     own = sessions["ledger"]
     for rnd in range(rounds):

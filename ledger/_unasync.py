@@ -74,6 +74,7 @@ TWINS = (
             (r"\bAsyncScript\b", "Script"),
             (r"\bAsyncClient\b", "SyncClient"),
             (r"\basync_client\b", "sync_client"),
+            (r"\basync_primary\b", "sync_primary"),
             (r"\bAsyncLedger\b", "Ledger"),
             (r"\baclose\b", "close"),
         ),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
@@ -12,10 +13,11 @@ import redis
 import redis.asyncio
 import redis.asyncio.cluster
 import redis.cluster
+import redis.exceptions as rex
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from ledger.errors import ConfigurationError
+from ledger.errors import BackendUnavailable, ConfigurationError, PermissionDenied, translate
 from ledger.extras import need
 from ledger.settings import LedgerSettings, require_url
 
@@ -74,9 +76,52 @@ def _fakeredis() -> Any:
     return need("fakeredis", "embedded", feature)
 
 
+def _i32(x: float) -> int:
+    """A number as LuaBitOp takes it: modulo 2**32, as a signed 32-bit integer."""
+    n = int(x) & 0xFFFFFFFF
+    return n - (1 << 32) if n & 0x80000000 else n
+
+
+def _bit_library(runtime: Any) -> Any:
+    """The ``bit`` library (LuaBitOp) of Redis's Lua, which fakeredis's lacks."""
+
+    def fold(op: Callable[[int, int], int]) -> Callable[..., int]:
+        def f(*xs: float) -> int:
+            acc = _i32(xs[0])
+            for x in xs[1:]:
+                acc = _i32(op(acc, _i32(x)))
+            return acc
+
+        return f
+
+    def ror(x: float, n: float) -> int:
+        u, k = _i32(x) & 0xFFFFFFFF, int(n) & 31
+        return _i32((u >> k) | (u << (32 - k)))
+
+    def rol(x: float, n: float) -> int:
+        return ror(x, 32 - (int(n) & 31))
+
+    funcs: dict[str, Callable[..., Any]] = {
+        "tobit": _i32,
+        "band": fold(lambda a, b: a & b),
+        "bor": fold(lambda a, b: a | b),
+        "bxor": fold(lambda a, b: a ^ b),
+        "bnot": lambda x: _i32(~_i32(x)),
+        "lshift": lambda x, n: _i32(_i32(x) << (int(n) & 31)),
+        "rshift": lambda x, n: _i32((_i32(x) & 0xFFFFFFFF) >> (int(n) & 31)),
+        "arshift": lambda x, n: _i32(_i32(x) >> (int(n) & 31)),
+        "ror": ror,
+        "rol": rol,
+        "tohex": lambda x, n=8: format(_i32(x) & 0xFFFFFFFF, "08x")[-int(n) :].encode(),
+    }
+    # (the runtime has no encoding: names and strings cross as bytes)
+    return runtime.table_from({name.encode(): f for name, f in funcs.items()})
+
+
 def _add_sha1hex(server: fakeredis.FakeServer) -> None:
-    """Give the embedded server's Lua the ``redis.sha1hex`` every real Redis has (the
-    scripts fingerprint their arguments with it) and fakeredis lacks."""
+    """Give the embedded server's Lua what every real Redis has and fakeredis lacks:
+    ``redis.sha1hex`` (the scripts fingerprint their arguments with it) and the ``bit``
+    library (``open`` checks the budget's SHA-256 with it)."""
     _fakeredis().FakeRedis(server=server).eval("return 1", 0)  # creates the Lua runtime
     runtime = getattr(server, "_lua_runtime", None)
     if runtime is None:
@@ -85,6 +130,10 @@ def _add_sha1hex(server: fakeredis.FakeServer) -> None:
             "backend cannot provide redis.sha1hex (pin fakeredis to a tested version)"
         )
     runtime.globals().redis.sha1hex = _sha1hex
+    runtime.globals().bit = _bit_library(runtime)
+    expected = getattr(server, "_lua_expected_globals", None)  # (fakeredis refuses a
+    if isinstance(expected, set):  # script that adds globals: bit is not the script's)
+        expected.update(runtime.globals().keys())
 
 
 def _options(settings: LedgerSettings) -> dict[str, Any]:
@@ -102,8 +151,30 @@ def sync_client(settings: LedgerSettings) -> SyncClient:
     if t.kind == "embedded":
         return _fakeredis().FakeRedis(server=embedded_server(t.url))  # type: ignore[no-any-return]
     if t.kind == "cluster":
-        return redis.cluster.RedisCluster.from_url(t.url, **_options(settings))
+        # redis-py asks the cluster for its slots here, before any call: its errors
+        # (a node down, slots not covered) become the ledger's like every call's
+        try:
+            return redis.cluster.RedisCluster.from_url(t.url, **_options(settings))
+        except Exception as exc:
+            raise _cluster_unreachable(exc) from exc
     return redis.Redis.from_url(t.url, **_options(settings))
+
+
+def _cluster_unreachable(exc: BaseException) -> BaseException:
+    """A failure to build a cluster client, as the ledger's error: an ACL or credential
+    refusal stays ``PermissionDenied``, a server that is no cluster node is a
+    ``ConfigurationError``, anything else of the driver's (no node reachable, a node of
+    the slot map down, slots not covered) ``BackendUnavailable``: try again later."""
+    mapped = translate(exc)
+    if isinstance(mapped, PermissionDenied | BackendUnavailable | ConfigurationError):
+        return mapped
+    if "cluster mode is not enabled" in str(exc).lower():
+        return ConfigurationError(
+            f"the redis+cluster:// URL names a node not in cluster mode: {exc}"
+        )
+    if isinstance(exc, rex.RedisError | rex.RedisClusterException):
+        return BackendUnavailable(f"Redis Cluster unavailable: {type(exc).__name__}: {exc}")
+    return mapped
 
 
 def async_client(settings: LedgerSettings) -> AsyncClient:
@@ -113,3 +184,72 @@ def async_client(settings: LedgerSettings) -> AsyncClient:
     if t.kind == "cluster":
         return redis.asyncio.cluster.RedisCluster.from_url(t.url, **_options(settings))
     return redis.asyncio.Redis.from_url(t.url, **_options(settings))
+
+
+# --- durable writes: a plain client of the primary that serves a key -------------------
+#
+# WAIT counts the writes of the connection it is sent on, so a write that waits for its
+# replicas is sent, with its WAIT, on one connection of the node that runs it. On a
+# Redis Cluster that is a plain client of the slot's primary (the cluster client spreads
+# a pipeline's commands by key, and WAIT has none), one per node, kept by the ledger.
+
+
+def check_durability(settings: LedgerSettings, client: object) -> None:
+    """``replica_acks`` needs a server with replicas: refused for the embedded backend."""
+    if settings.replica_acks and type(client).__module__.startswith("fakeredis"):
+        raise ConfigurationError(
+            "replica_acks needs a Redis with replicas; the embedded backend has none "
+            "(use replica_acks=0 with embedded://)"
+        )
+
+
+def _node_url(settings: LedgerSettings, host: str, port: int) -> str:
+    parts = urlsplit(parse_url(require_url(settings)).url)
+    userinfo = parts.netloc.rpartition("@")[0]
+    netloc = f"{userinfo}@{host}:{port}" if userinfo else f"{host}:{port}"
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def sync_primary(
+    client: SyncClient,
+    settings: LedgerSettings,
+    key: str,
+    nodes: dict[str, Any],
+    refresh: bool = False,
+) -> redis.Redis:
+    """The client to send a durable write of ``key`` with: the client itself on one
+    server, else a plain client of the primary that serves the key's slot (``refresh``:
+    after a MOVED, read the slot map again first)."""
+    if not isinstance(client, redis.cluster.RedisCluster):
+        return client
+    if refresh:
+        client.nodes_manager.initialize()
+    node = client.get_node_from_key(key)  # type: ignore[no-untyped-call]
+    if node.name not in nodes:
+        nodes[node.name] = redis.Redis.from_url(
+            _node_url(settings, node.host, int(node.port)), **_options(settings)
+        )
+    return nodes[node.name]  # type: ignore[no-any-return]
+
+
+async def async_primary(
+    client: AsyncClient,
+    settings: LedgerSettings,
+    key: str,
+    nodes: dict[str, Any],
+    refresh: bool = False,
+) -> redis.asyncio.Redis:
+    """:func:`sync_primary` for asyncio."""
+    if not isinstance(client, redis.asyncio.cluster.RedisCluster):
+        return client
+    await client.initialize()
+    if refresh:
+        await client.nodes_manager.initialize()
+    node = client.get_node_from_key(key)
+    if node is None:
+        raise BackendUnavailable(f"no node of the Redis Cluster serves the slot of {key!r}")
+    if node.name not in nodes:
+        nodes[node.name] = redis.asyncio.Redis.from_url(
+            _node_url(settings, node.host, int(node.port)), **_options(settings)
+        )
+    return nodes[node.name]  # type: ignore[no-any-return]

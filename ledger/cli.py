@@ -137,15 +137,23 @@ def cmd_audit(args: argparse.Namespace, out: Console) -> int:
                     raise rep
                 continue  # closed (a tombstone) or expired since it was listed
             audited += 1
-            if rep.clean and not rep.overdue:
+            # An overdue lease is not a violation (the counters hold it exactly, as
+            # session.audit() says): the worker's sweep has not released it yet.
+            late = (
+                f" ({len(rep.overdue)} lease(s) past their deadline, not yet released by "
+                f"the worker's sweep: {', '.join(rep.overdue)})"
+                if rep.overdue
+                else ""
+            )
+            if rep.clean:
                 if sid not in split:
-                    clean.append(f"{sid}: clean\n")
+                    clean.append(f"{sid}: clean{late}\n")
                 continue
             bad += sid not in split
             out.out("".join(clean), end="", highlight=False)
             clean.clear()
-            why = escape("; ".join(rep.problems) or "overdue reservations")
-            out.print(f"{escape(sid)}: [red]{why}[/] overdue={escape(str(list(rep.overdue)))}")
+            why = escape("; ".join(rep.problems))
+            out.print(f"{escape(sid)}: [red]{why}[/]{escape(late)}")
         out.out("".join(clean), end="", highlight=False)
         out.print(f"{audited} session(s) audited, {bad} with violations")
         _warn_redis_settings(ledger, out)

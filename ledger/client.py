@@ -13,10 +13,10 @@ from typing import Any, Self, TypeVar
 
 from redis.cluster import RedisCluster
 from redis.commands.core import Script
-from redis.exceptions import NoScriptError
+from redis.exceptions import AskError, MovedError, NoScriptError
 
-from ledger import protocol, scripts
-from ledger.backends import SyncClient, sync_client
+from ledger import backends, protocol, scripts
+from ledger.backends import SyncClient, sync_client, sync_primary
 from ledger.core import (
     LedgerCore,
     SessionCore,
@@ -44,10 +44,14 @@ class Ledger(LedgerCore):
 
     def __init__(self, client: SyncClient, settings: LedgerSettings | None = None) -> None:
         super().__init__(settings or LedgerSettings())
+        backends.check_durability(self.settings, client)
         self.client = client
         self._scripts: dict[str, Script] = {
             n: client.register_script(scripts.source(n)) for n in scripts.NAMES
         }
+        # durable writes (replica_acks): WAIT after each write, on its own connection
+        self._wait = (self.settings.replica_acks, self.settings.replica_ack_timeout_ms)
+        self._nodes: dict[str, Any] = {}  # on a cluster: a plain client per primary
 
     @classmethod
     def from_settings(cls, settings: LedgerSettings) -> Self:
@@ -109,6 +113,9 @@ class Ledger(LedgerCore):
         if isinstance(self.client, RedisCluster):
             # redis-py pipelines no EVALSHA on a cluster: one call after the other.
             return collect(batch, [self._try(c) for c in batch], return_exceptions)
+        if self._wait[0] and any(c.script not in scripts.READ_ONLY for c in batch):
+            raws = self._sent(functools.partial(self._send_batch_acked, batch))
+            return collect(batch, raws, return_exceptions)
         raws = self._sent(functools.partial(self._send_batch, batch))
         return collect(batch, raws, return_exceptions)
 
@@ -145,9 +152,66 @@ class Ledger(LedgerCore):
                 script.sha = self.client.script_load(script.script)
         raise NoScriptError("the ledger's scripts were flushed again while loading them")
 
+    def _send_batch_acked(self, batch: list[Call[Any]]) -> list[object]:
+        """A batch as ``_send_batch`` sends it, MULTI/EXEC, then WAIT on the same
+        connection (one plain pipeline: the scripts it loads, MULTI, the calls, EXEC,
+        WAIT): it returns once ``replica_acks`` replicas hold the batch's writes."""
+        load = batch_loads(batch)
+        raws: list[object] = [None] * len(batch)
+        todo = list(range(len(batch)))
+        for _ in range(2):
+            with self.client.pipeline(transaction=False) as pipe:
+                for name in load:
+                    pipe.script_load(self._scripts[name].script)
+                pipe.execute_command("MULTI")
+                for i in todo:
+                    c = batch[i]
+                    pipe.evalsha(self._scripts[c.script].sha, len(c.keys), *c.keys, *c.args)
+                pipe.execute_command("EXEC")
+                pipe.execute_command("WAIT", *self._wait)
+                replies = pipe.execute(raise_on_error=False)
+            *loaded, executed, acked = replies
+            if isinstance(executed, Exception):
+                raise executed
+            self.check_acked(batch[todo[0]], acked)
+            got = [*loaded[: len(load)], *executed]
+            todo = batch_replies(got, len(load), todo, raws)
+            if not todo:
+                return raws
+            load = []
+            for name in {batch[i].script for i in todo}:
+                script = self._scripts[name]
+                script.sha = self.client.script_load(script.script)
+        raise NoScriptError("the ledger's scripts were flushed again while loading them")
+
+    def _evalsha_acked(self, script: Script, call: Call[Any]) -> Any:
+        """EVALSHA then WAIT on one connection of the primary that runs it (a plain
+        pipeline): the reply once ``replica_acks`` replicas hold the write, else
+        :class:`NotReplicated`."""
+        key, refresh = call.keys[0], False
+        for _ in range(3):
+            client = sync_primary(self.client, self.settings, key, self._nodes, refresh)
+            with client.pipeline(transaction=False) as pipe:
+                pipe.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+                pipe.wait(*self._wait)
+                reply, acked = pipe.execute(raise_on_error=False)
+            if isinstance(reply, NoScriptError):
+                script.sha = client.script_load(script.script)
+                continue
+            refresh = isinstance(reply, MovedError | AskError)
+            if refresh:
+                continue  # the slot moved: read the slot map again, send to its primary
+            if isinstance(reply, Exception):
+                raise reply
+            self.check_acked(call, acked)
+            return reply
+        raise NoScriptError("the ledger's script was flushed again, or its slot kept moving")
+
     def _evalsha(self, script: Script, call: Call[Any]) -> Any:
         """EVALSHA, and on NOSCRIPT load the script and send it again: what calling the
         ``Script`` does, without its per-call import and copy of the arguments."""
+        if self._wait[0] and call.script not in scripts.READ_ONLY:
+            return self._evalsha_acked(script, call)
         try:
             return self.client.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
         except NoScriptError:
@@ -198,12 +262,13 @@ class Ledger(LedgerCore):
         return protocol.held_items(fields)
 
     def read_spill(self, session_id: str, call_id: str) -> bytes | None:
-        """The content of a spilled tool result (None once its TTL has passed)."""
-        keys = self.keyspace.session(session_id)
-        self.check_open()
-        with translated():
-            value = self.client.get(keys.spill(protocol.check_id(call_id, "tool-call id")))
-        return value.encode() if isinstance(value, str) else value
+        """The content of a spilled tool result (None once its spill TTL has passed, or
+        once the session was deleted)."""
+        call = protocol.read_spill(self.keyspace.session(session_id), call_id)
+        value = self._send(self.check_call(call))  # the content itself, not k=v
+        if value is None or isinstance(value, bytes):
+            return value
+        return str(value).encode()
 
     def audit(self, session_id: str) -> AuditReport:
         return self.run(protocol.audit(self.keyspace.session(session_id)))
@@ -249,6 +314,8 @@ class Ledger(LedgerCore):
     def close(self) -> None:
         """Close the connection; every later call raises :class:`LedgerClosed`."""
         self.closed = True
+        for node in self._nodes.values():
+            node.close()
         self.client.close()
 
     def __enter__(self) -> Ledger:

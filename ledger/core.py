@@ -31,6 +31,7 @@ from ledger.errors import (
     InvalidArgument,
     LedgerClosed,
     LedgerError,
+    NotReplicated,
     PermissionDenied,
     is_transient,
     translate,
@@ -166,6 +167,23 @@ class LedgerCore:
         self.keyspace = KeySpace(settings.prefix, settings.partitions)
         self.closed = False
         self._owned: set[str] = set()  # session keys checked to be of this key space
+
+    def check_acked(self, call: Call[Any], acked: object) -> None:
+        """After a durable write: WAIT's answer, the replicas that hold it; fewer than
+        ``replica_acks`` raises :class:`NotReplicated`."""
+        wanted = self.settings.replica_acks
+        if isinstance(acked, Exception):
+            raise acked
+        got = int(acked)  # type: ignore[call-overload]
+        if got < wanted:
+            raise NotReplicated(
+                f"{call.script} was applied on the primary but held by {got} of "
+                f"{wanted} replicas after {self.settings.replica_ack_timeout_ms} ms: a "
+                "failover now may lose it; send the same call again (same op id) to wait "
+                "again",
+                acked=got,
+                wanted=wanted,
+            )
 
     def check_open(self) -> None:
         if self.closed:
@@ -439,12 +457,17 @@ class SessionCore:
         items: Sequence[Item],
         *,
         partial: bool = False,
+        texts: Sequence[str | bytes] | None = None,
         turn: int | None = None,
         op_id: str | None = None,
     ) -> Call[Admitted]:
         """Admit items for a consumer in one atomic step: all of them (or a refusal), or
-        with ``partial=True`` the longest prefix that fits. Items already held charge nothing."""
-        return protocol.admit(self.keys, _op(op_id), self._stamp(turn), consumer, items, partial)
+        with ``partial=True`` the longest prefix that fits. Items already held charge nothing.
+        ``texts`` (one per item): the admitted items' texts go to the content store in the
+        same step, for the worker's compactor."""
+        return protocol.admit(
+            self.keys, _op(op_id), self._stamp(turn), consumer, items, partial, texts
+        )
 
     admit = operation(admit_call)
 
@@ -514,9 +537,18 @@ class SessionCore:
     def reset_call(self, reason: str, *, op_id: str | None = None) -> Call[ResetDone]:
         """Hard reset: advance the epoch, drop every item and reservation, keep the budget.
 
-        Fenced by this handle's epoch, so a reset delivered twice applies once. Afterwards
-        every handle of the session, this one included, is stale until ``refresh()``."""
-        return protocol.reset(self.keys, _op(op_id), self.epoch, reason)
+        Fenced by this handle's epoch, so a reset delivered twice applies once. This
+        handle takes the new epoch (its turn, if any, ended with the reset); every other
+        handle of the session is stale until its ``refresh()``."""
+        call = protocol.reset(self.keys, _op(op_id), self.epoch, reason)
+
+        def adopted(r: protocol.Reply) -> ResetDone:
+            done = call.parse(r)
+            if done.epoch > self.epoch:  # (a reset sent again answers its first reply)
+                self.epoch, self.turn = done.epoch, None
+            return done
+
+        return Call(call.script, call.keys, call.args, adopted)
 
     reset = operation(reset_call)
 
@@ -655,14 +687,19 @@ class SessionCore:
         replaced: Sequence[str | tuple[Consumer | str, str]],
         summary: Item | None,
         *,
+        summary_text: str | None = None,
         turn: int | None = None,
         op_id: str | None = None,
     ) -> Call[Compaction]:
         """Commit a compaction: ``replaced`` items (working-memory ids, or (consumer, id)
         pairs for stale chunks and tool results) give way to one working-memory
         ``summary``. Above the high-water mark it is a failed compaction, and repeated
-        failures enqueue a hard reset (docs/rules.md#compaction-credit)."""
-        return protocol.compact(self.keys, _op(op_id), self._stamp(turn), replaced, summary)
+        failures enqueue a hard reset (docs/rules.md#compaction-credit). ``summary_text``
+        is stored with the effect (the replaced items' texts leave the content store)."""
+        return protocol.compact(
+            self.keys, _op(op_id), self._stamp(turn), replaced, summary,
+            summary_text=summary_text,
+        )  # fmt: skip
 
     compact = operation(compact_call)
 
@@ -672,13 +709,15 @@ class SessionCore:
         tokens: int,
         content: bytes | str,
         *,
+        keep_text: bool = False,
         turn: int | None = None,
         op_id: str | None = None,
     ) -> Call[ToolResult]:
         """Admit a tool result whole, or spill it to a handle with a bounded preview
-        (docs/rules.md#admission-with-spill); never truncated. Memory gives way first."""
+        (docs/rules.md#admission-with-spill); never truncated. Memory gives way first.
+        ``keep_text``: the result, admitted or spilled, also goes to the content store."""
         return protocol.admit_tool(
-            self.keys, _op(op_id), self._stamp(turn), call_id, tokens, content
+            self.keys, _op(op_id), self._stamp(turn), call_id, tokens, content, keep_text
         )
 
     admit_tool_result = operation(admit_tool_result_call)

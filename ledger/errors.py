@@ -101,6 +101,18 @@ class BackendUnavailable(LedgerError, ConnectionError):
     """Redis could not be reached, or did not answer, after the bounded retries."""
 
 
+class NotReplicated(BackendUnavailable):
+    """A write the primary applied was not held by ``replica_acks`` replicas within
+    ``replica_ack_timeout_ms`` (``LedgerSettings``): a failover now may lose it. Its op
+    id is stored with it, so sending the same call again is safe: it gets the same
+    outcome back and waits for the replicas again."""
+
+    def __init__(self, message: str, *, acked: int, wanted: int) -> None:
+        super().__init__(message)
+        self.acked = acked
+        self.wanted = wanted
+
+
 RefusalReason = Literal[
     "token_budget_exhausted",
     "floor_protected",
@@ -252,9 +264,14 @@ _DENIED = (rex.AuthenticationError, rex.AuthenticationWrongNumberOfArgsError, re
 def _denied(exc: BaseException) -> bool:
     if isinstance(exc, _DENIED):
         return True
-    # Inside a script Redis 7.0 reports an ACL refusal as a plain error.
+    # Inside a script Redis 7 reports an ACL refusal as a plain error: "... no permissions
+    # to access ..." for a key, "The user executing the script can't run this command or
+    # subcommand" for a command its redis.call() sent.
     text = str(exc).lower()
-    return isinstance(exc, rex.ResponseError) and ("no permissions" in text or "noperm" in text)
+    return isinstance(exc, rex.ResponseError) and any(w in text for w in _DENIAL_WORDS)
+
+
+_DENIAL_WORDS = ("no permissions", "noperm", "user executing the script can't run")
 
 
 def is_transient(exc: BaseException) -> bool:

@@ -14,12 +14,18 @@ them on Redis Cluster::
                                        members '<session_id>|<reservation_id>', and
                                        of turn lease ends, members '<session_id>|~'
     <prefix>:{p<N>}:jobs               stream of jobs for the workers (hard resets)
-    <prefix>:{p<N>}:spill:<session_id>|<call_id>
-                                       a spilled tool result (string, with a TTL)
+    <prefix>:{p<N>}:spill:<session_id>
+                                       hash tool-call id -> a spilled tool result's content
+    <prefix>:{p<N>}:spilled:<session_id>
+                                       sorted set of the spilled results' call ids, scored
+                                       by when each stops being readable (ms, Redis's
+                                       clock); both keys live one spill TTL past the last
+                                       spill, and a spill removes the results past theirs
     <prefix>:{p<N>}:content:<session_id>
-                                       hash '<consumer code>:<item id>' -> the item's text
-                                       (the agent layer writes it; the worker's compactor
-                                       reads it); the session's idle TTL
+                                       hash '<consumer code>:<item id>' -> the item's text,
+                                       written by the scripts that admit it when the caller
+                                       sends texts (the agent layer, for the worker's
+                                       compactor); the session's idle TTL
     <prefix>:{p<N>}:history:<session_id>
                                        hash version -> JSON list of the conversation's
                                        items, for frameworks whose history the ledger
@@ -28,10 +34,14 @@ them on Redis Cluster::
                                        and the one the open turn wrote; the session's TTL
     <prefix>:{p<N>}:compacted:<session_id>
                                        hash summary item id -> JSON {"text", "replaced",
-                                       "at"}: the texts of the worker's summaries, for the
-                                       turn they are delivered to; field '~':
+                                       "at"}: the texts of the worker's summaries (written
+                                       by the compaction that commits them), for the turn
+                                       they are delivered to; field '~':
                                        '<worker>|<until ms>' while a worker computes the
                                        session's compaction; the session's TTL
+
+Deleting a session deletes its content, spill, compacted and history keys with it; a
+new incarnation of an id starts with none.
 
 No two (prefix, session, id) triples name the same key. Ids never contain '|' or
 braces, so '|' ends a session id wherever another id follows it; a prefix never
@@ -57,15 +67,19 @@ class SessionKeys:
     session: str
     deadlines: str
     jobs: str
-    spill_prefix: str
+    spills: str
+    spilled: str
     content: str
     compacted: str
     history: str
     outcomes: str
     outcomes_old: str
 
-    def spill(self, call_id: str) -> str:
-        return self.spill_prefix + call_id
+    @property
+    def data(self) -> tuple[str, str, str, str, str]:
+        """The keys that hold the session's data beside its hash: content, summaries,
+        history, spills and their index (what delete and a new incarnation clear)."""
+        return (self.content, self.compacted, self.history, self.spills, self.spilled)
 
     def for_script(self, *extra: str) -> tuple[str, ...]:
         """The KEYS of a mutating script: the session hash, the script's own keys, then
@@ -113,7 +127,8 @@ class KeySpace:
             f"{self.tag(p)}:s:{session_id}",
             self.deadlines(p),
             self.jobs(p),
-            f"{self.tag(p)}:spill:{session_id}|",
+            f"{self.tag(p)}:spill:{session_id}",
+            f"{self.tag(p)}:spilled:{session_id}",
             f"{self.tag(p)}:content:{session_id}",
             f"{self.tag(p)}:compacted:{session_id}",
             f"{self.tag(p)}:history:{session_id}",

@@ -64,6 +64,21 @@ class Call(Generic[T]):
     parse: Callable[[Reply], T]
 
 
+def utf8(text: object, what: str) -> bytes:
+    """Text as the UTF-8 bytes a script receives; bytes as they are. A str that is not
+    valid Unicode (a lone surrogate) is an InvalidArgument, not a driver error."""
+    if isinstance(text, bytes):
+        return text
+    if not isinstance(text, str):
+        raise InvalidArgument(f"{what} must be str or bytes, got {type(text).__name__}")
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidArgument(
+            f"{what} is not valid Unicode: {exc.reason} at character {exc.start}"
+        ) from None
+
+
 def check_id(value: object, what: str) -> str:
     """Validate an identifier locally (the scripts check again)."""
     if not isinstance(value, str) or not ID_RE.fullmatch(value):
@@ -192,7 +207,7 @@ def open_session(
         ]
         + [b.compaction, str(b.compaction_min_gain_tokens)]
     )
-    return _mutating("open", keys.for_script(), op_id, 0, body, _opened)
+    return _mutating("open", keys.for_script(*keys.data), op_id, 0, body, _opened)
 
 
 # --- admit / release ----------------------------------------------------------------
@@ -218,17 +233,25 @@ def admit(
     consumer: Consumer | str,
     items: Sequence[Item],
     partial: bool = False,
+    texts: Sequence[str | bytes] | None = None,
 ) -> Call[Admitted]:
+    """``texts``: the items' texts, in order, written to the content store for the items
+    admitted, in the same step (None: none written)."""
     if not items:
         raise InvalidArgument("admit needs at least one item")
     if not isinstance(items, (list, tuple)):
         raise InvalidArgument("items must be a list or tuple of Item")
-    body = [Consumer.parse(consumer).code, "prefix" if partial else "all", str(len(items))]
+    mode = ("prefix" if partial else "all") + ("+text" if texts is not None else "")
+    body: list[str | bytes] = [Consumer.parse(consumer).code, mode, str(len(items))]
     for it in items:
         if not isinstance(it, Item):
             raise InvalidArgument("items must be a list or tuple of Item")
         body += (check_id(it.id, "item id"), _num(it.tokens), _num(it.priority))
-    return _mutating("admit", keys.for_script(), op_id, epoch, body, _admitted)
+    if texts is not None:
+        if len(texts) != len(items):
+            raise InvalidArgument(f"{len(texts)} texts for {len(items)} items")
+        body += [utf8(t, f"the text of item {it.id}") for t, it in zip(texts, items, strict=True)]
+    return _mutating("admit", keys.for_script(keys.content), op_id, epoch, body, _admitted)
 
 
 def _released(r: Reply) -> Released:
@@ -353,7 +376,10 @@ def reset(keys: SessionKeys, op_id: str, epoch: Epoch, reason: str) -> Call[Rese
         return ResetDone(int(r["epoch"]), int(r["dropped"]), int(r["released"]))
 
     body = [keys.session_id, check_id(reason, "reason")]
-    return _mutating("reset", keys.for_script(keys.deadlines), op_id, epoch, body, parse)
+    return _mutating(
+        "reset", keys.for_script(keys.deadlines, keys.content, keys.compacted), op_id, epoch,
+        body, parse,
+    )  # fmt: skip
 
 
 # --- turns and the rules (docs/rules.md) --------------------------------------------
@@ -617,6 +643,7 @@ def compact(
     replaced: Sequence[Replaced],
     summary: Item | None,
     job: str = "-",
+    summary_text: str | None = None,
 ) -> Call[Compaction]:
     """``replaced``: working-memory item ids, or (consumer, id) pairs for history held
     by other consumers (stale retrieval chunks, old tool results), or (consumer, id, seq)
@@ -624,7 +651,9 @@ def compact(
     the compactor read: a version admitted since stays). ``job``: the stream entry id of
     the compaction job being committed (a worker), deleted in the same step; when it is
     gone already the call changes nothing (outcome ``already``); while a turn is open it
-    changes nothing either (outcome ``turn_open``). '-' for an agent's own compaction."""
+    changes nothing either (outcome ``turn_open``). '-' for an agent's own compaction.
+    ``summary_text``: stored with the effect, for the turn the summary is delivered to and
+    for the next compaction (the worker sends it)."""
     if not isinstance(replaced, (list, tuple)):
         raise InvalidArgument("replaced must be a list or tuple of item ids or (consumer, id)")
     refs = []
@@ -644,12 +673,20 @@ def compact(
     if summary is not None and not isinstance(summary, Item):
         raise InvalidArgument("summary must be an Item or None")
     sid = check_id(summary.id, "summary item id") if summary else "-summary-"
-    body = [keys.session_id, sid, _num(summary.tokens) if summary else "0", str(len(refs)), *refs]
+    body: list[str | bytes] = [
+        keys.session_id, sid, _num(summary.tokens) if summary else "0", str(len(refs)), *refs
+    ]  # fmt: skip
     body.append(check_entry_id(job))
-    return _mutating("compact", keys.for_script(keys.jobs), op_id, epoch, body, _compaction)
+    if summary_text is not None and summary is None:
+        raise InvalidArgument("a summary text needs a summary item")
+    body.append(b"" if summary_text is None else utf8(summary_text, "the summary text"))
+    return _mutating(
+        "compact", keys.for_script(keys.jobs, keys.content, keys.compacted), op_id, epoch,
+        body, _compaction,
+    )  # fmt: skip
 
 
-_ENTRY_ID_RE = re.compile(r"(\d{1,20})-(\d{1,20})")
+_ENTRY_ID_RE = re.compile(r"(0|[1-9]\d{0,19})-(0|[1-9]\d{0,19})")  # canonical decimals
 
 
 def check_entry_id(value: object) -> str:
@@ -676,14 +713,41 @@ def _tool(r: Reply) -> ToolResult:
 
 
 def admit_tool(
-    keys: SessionKeys, op_id: str, epoch: Epoch, call_id: str, tokens: int, content: bytes | str
+    keys: SessionKeys,
+    op_id: str,
+    epoch: Epoch,
+    call_id: str,
+    tokens: int,
+    content: bytes | str,
+    keep_text: bool = False,
 ) -> Call[ToolResult]:
+    """``keep_text``: the result, admitted or spilled, also gets its content in the content store
+    (for a compactor), in the same step."""
     cid = check_id(call_id, "tool-call id")
     if not isinstance(content, (bytes, str)):
         raise InvalidArgument("content must be bytes or str")
-    data = content.encode() if isinstance(content, str) else content
-    body: list[str | bytes] = [cid, _num(tokens), data]
-    return _mutating("admit_tool", keys.for_script(keys.spill(cid)), op_id, epoch, body, _tool)
+    body: list[str | bytes] = [cid, _num(tokens), utf8(content, "the tool result")]
+    body.append("1" if keep_text else "0")
+    return _mutating(
+        "admit_tool",
+        keys.for_script(keys.content, keys.spills, keys.spilled),
+        op_id,
+        epoch,
+        body,
+        _tool,
+    )
+
+
+def read_spill(keys: SessionKeys, call_id: str) -> Call[bytes | None]:
+    """The content of a spilled tool result while its spill TTL lasts. Its reply is the
+    content itself, not ``k=v`` pairs: ``Ledger.read_spill`` sends it and takes the reply
+    as it is (``Ledger.run`` would refuse it)."""
+    cid = check_id(call_id, "tool-call id")
+    return Call("read_spill", (keys.session, keys.spills, keys.spilled), (cid,), _not_pairs)
+
+
+def _not_pairs(r: Reply) -> bytes | None:
+    raise InvalidArgument("read_spill answers the content itself: use Ledger.read_spill")
 
 
 # --- close, snapshot, audit ---------------------------------------------------------
@@ -692,7 +756,7 @@ def admit_tool(
 def delete(keys: SessionKeys, op_id: str, epoch: Epoch) -> Call[Deleted]:
     return _mutating(
         "delete",
-        keys.for_script(keys.deadlines),
+        keys.for_script(keys.deadlines, *keys.data),
         op_id,
         epoch,
         [keys.session_id],

@@ -44,6 +44,8 @@ def script_names(folder: Path | None = None) -> tuple[str, ...]:
 
 # Every script a ledger registers: adding an operation's .lua file is enough.
 NAMES = script_names()
+# The scripts that change nothing (no op id, no outcome): a durable write waits for none.
+READ_ONLY = frozenset({"snapshot", "audit", "worker_check", "read_spill"})
 
 _DEFINES = re.compile(r"^local\s+(?:function\s+(\w+)|([\w\s,]+?)\s*=)", re.M)
 _WORD = re.compile(r"[A-Za-z_]\w*")

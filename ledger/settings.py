@@ -56,6 +56,22 @@ class LedgerSettings(BaseSettings):
             "once it lapses, another process may take the turn and the worker rolls it back"
         ),
     )
+    replica_acks: int = Field(
+        default=0,
+        ge=0,
+        le=64,
+        description=(
+            "replicas that must hold each write before the call returns (WAIT on the "
+            "connection that made it, docs/reliability.md#replication): 0 returns once the "
+            "primary applied it, and a failover may then lose the writes of the last moments"
+        ),
+    )
+    replica_ack_timeout_ms: int = Field(
+        default=1_000,
+        ge=1,
+        le=60_000,
+        description="milliseconds a write waits for its replicas before NotReplicated",
+    )
     drift_action: Literal["warn", "raise"] = Field(
         default="warn",
         description="a flagged drift at end_turn: ContextDriftWarning, or raise ContextDrift",

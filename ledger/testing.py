@@ -204,6 +204,36 @@ def cluster(primaries: int = 3) -> Iterator[list[RedisProcess]]:
                 n.stop()
 
 
+def wait_replicas(primary: RedisProcess, count: int, timeout: float = 30.0) -> None:
+    """Until `count` replicas of `primary` are online (in sync)."""
+    r = redis.Redis(port=primary.port, decode_responses=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            info = r.info("replication")
+            online = [v for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)]
+            if len([v for v in online if v.get("state") == "online"]) >= count:
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"{primary.url}: {count} replica(s) did not come online")
+    finally:
+        r.close()
+
+
+@contextlib.contextmanager
+def replicated() -> Iterator[tuple[RedisProcess, RedisProcess]]:
+    """A standalone primary and one replica of it, the replica in sync."""
+    with standalone() as primary, tempfile.TemporaryDirectory(prefix="ledger-replica-") as d:
+        replica = RedisProcess(
+            free_port(), Path(d), ("--replicaof", "127.0.0.1", str(primary.port))
+        ).start()
+        try:
+            wait_replicas(primary, 1)
+            yield primary, replica
+        finally:
+            replica.stop()
+
+
 @dataclass
 class WorkerProc:
     consumer: str

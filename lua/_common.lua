@@ -30,6 +30,9 @@
 --   ws ai ao an pu      this turn's working set, span input and output tokens, span
 --                       count; utilization (per mille) at the last end_turn
 --   cfg                 the budget's fingerprint
+--   ca                  1: the agent compacts (no compaction jobs), 0: the worker
+--   dt dr dp df         framing tolerance (-1: drift not judged); the last end_turn's
+--                       drift, prompt tokens, and 1 when its drift was flagged
 --   i:<c>:<id>          one item: '<tokens>|<turn>|<priority>|<seq>'
 --   r:<id>              one reservation: '<c>|<tokens>|<deadline_ms>'
 --   gz                  when the current outcome generation is rotated (one op
@@ -38,6 +41,7 @@
 --   te                  the last turn ended by end_turn
 --   lo le               the open turn's owner and its lease's end (ms, Redis's clock): a
 --                       turn is open (turn tn) exactly while lo is set
+--   uo                  the open turn's op keys (the outcomes a rollback removes)
 --   ul                  the open turn's undo log: '\31<field>\30<value before the turn
 --                       first changed it>' per item or reservation field it changed (''
 --                       when the field was absent) and 'out' (see `journal`)
@@ -86,13 +90,19 @@ local function show(v)
   return "'" .. s .. "'"
 end
 
--- A decimal integer in [lo, hi]; returns n, or fails with BADARG. `of`, when
--- given, names the item the number belongs to (joined only on error).
+-- A decimal integer in [lo, hi], written canonically ('0', or an optional '-' and
+-- digits with no leading zero: one number, one spelling, so one fingerprint); returns
+-- n, or fails with BADARG. `of`, when given, names the item the number belongs to
+-- (joined only on error).
 local function int_arg(v, name, lo, hi, of)
-  local n = type(v) == 'string' and #v <= 16 and string.match(v, '^%-?%d+$') and tonumber(v)
-  if n and n >= lo and n <= hi then return n + 0 end  -- + 0: '-0' is 0
+  local n = type(v) == 'string' and #v <= 16 and
+    (v == '0' or string.match(v, '^%-?[1-9]%d*$')) and tonumber(v)
+  if n and n >= lo and n <= hi then return n end
   if of then name = name .. ' of ' .. of end
-  if not n then fail('BADARG', name .. ' must be an integer, got ' .. show(v)) end
+  if not n then
+    fail('BADARG', name .. ' must be an integer written canonically (no sign on 0, no ' ..
+      'leading zero), got ' .. show(v))
+  end
   fail('BADARG', name .. ' must be between ' .. lo .. ' and ' .. hi .. ', got ' .. v)
 end
 
@@ -113,19 +123,23 @@ local function session_arg(v)
   return sid
 end
 
--- KEYS[i] must be the partition key `suffix` of the session in KEYS[1]
--- ('<prefix>:{p<N>}:s:<session>'), and KEYS[i + 1] the key `suffix2` when given,
--- followed only by the two outcome hashes; '%s' in a suffix stands for the session id.
--- The names are only compared, never used to reach a key: the scripts use KEYS as given.
-local function key_arg(i, suffix, suffix2)
+-- KEYS[i], KEYS[i + 1], ... must be the keys that the suffixes given name for the
+-- session in KEYS[1] ('<prefix>:{p<N>}:s:<session>': '<prefix>:{p<N>}:<suffix>'), in that
+-- order, followed only by the two outcome hashes; '%s' in a suffix stands for the
+-- session id. The names are only compared, never used to reach a key: the scripts use
+-- KEYS as given.
+local function key_arg(i, ...)
   local tag, sid = string.match(KEYS[1] or '', '^([^{]*{p%d+}):s:(.+)$')
-  local want = tag and (tag .. ':' .. string.format(suffix, sid))
-  local want2 = tag and suffix2 and (tag .. ':' .. string.format(suffix2, sid))
-  local last = suffix2 and i + 1 or i
-  if not want or KEYS[i] ~= want or (suffix2 and KEYS[i + 1] ~= want2) or #KEYS ~= last + 2 then
-    fail('BADARG', 'KEYS must be the session key, ' .. show(want or suffix) ..
-      (suffix2 and (', ' .. show(want2 or suffix2)) or '') .. ' and the outcome keys, got ' ..
-      #KEYS .. ' keys: ' .. show(KEYS[i]))
+  local want, ok = {}, tag ~= nil
+  for k, suffix in ipairs({ ... }) do
+    want[k] = tag and (tag .. ':' .. string.format(suffix, sid)) or suffix
+    ok = ok and KEYS[i + k - 1] == want[k]
+  end
+  if not ok or #KEYS ~= i + #want + 1 then
+    local shown = {}
+    for k = 1, #want do shown[k] = show(want[k]) end
+    fail('BADARG', 'KEYS must be the session key, ' .. table.concat(shown, ', ') ..
+      ' and the outcome keys, got ' .. #KEYS .. ' keys: ' .. show(KEYS[i]))
   end
 end
 
@@ -267,12 +281,17 @@ end
 
 local NOSESSION = 'session does not exist (never opened, closed or expired)'
 
+-- A call at another epoch than the session's is stale: an older one is of a handle from
+-- before a hard reset or of an earlier incarnation; a newer one can only be of an earlier
+-- incarnation whose epoch ran ahead (resets add one each) or of a session whose last
+-- writes were lost (a failover): in no case of this session as it is.
 local function stale(ep, epoch)
   if epoch == nil or epoch == ep then return end
   if epoch < ep then
     fail('STALE', 'epoch ' .. epoch .. ' is older than the session epoch ' .. ep)
   end
-  fail('BADARG', 'epoch ' .. epoch .. ' is newer than the session epoch ' .. ep)
+  fail('STALE', 'epoch ' .. epoch .. ' is newer than the session epoch ' .. ep ..
+    ' (a handle of an earlier incarnation of this id, or of writes Redis lost)')
 end
 
 -- The checks every mutating call makes once its fields are read, given the outcome
@@ -554,6 +573,19 @@ local function commit(key, now, op, fp, out, args, J)
   if refresh then redis.call('PEXPIRE', key, J.ttl) end
   if refresh or rotate then redis.call('PEXPIRE', OUT, J.ttl) end
   return out
+end
+
+-- Write fields of one of the session's data hashes (its content store, its summaries:
+-- KEYS of the calling script) and give it the session's idle TTL (read from the session
+-- hash `key` once per call, kept in J).
+local function put(dkey, kv, J, key)
+  if #kv == 0 then return end
+  if not J.ttl then
+    local m = redis.call('HMGET', key, 'ttl', 'ort')
+    J.ttl, J.ort = tonumber(m[1]), tonumber(m[2])
+  end
+  redis.call('HSET', dkey, unpack(kv))
+  redis.call('PEXPIRE', dkey, J.ttl)
 end
 
 -- key=value pairs joined by '|': the one reply shape of every script.

@@ -1,16 +1,22 @@
 -- admit.lua: admit a batch of named items for one consumer, in one atomic step.
 --
 -- KEYS[1]  session hash
--- KEYS[2]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
--- KEYS[3]  previous outcome hash   previous generation ('<tag>:old:<session>')
+-- KEYS[2]  content store           '<tag>:content:<session>'
+-- KEYS[3]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[4]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch[@turn]             integer; older than the session's -> LEDGER_STALE; @turn:
 --                                  a call of that turn (see `fence`)
 -- ARGV[3]  consumer                w | r | m | s
 -- ARGV[4]  mode                    all: every new item or none;
---                                  prefix: the longest prefix that fits, the rest skipped
+--                                  prefix: the longest prefix that fits, the rest skipped;
+--                                  either followed by '+text' when the items' texts follow
 -- ARGV[5]  n                       number of items, 1..1000
 -- ARGV[6..5+3n]  n triples         item id, tokens (1..1e8), priority (0..1000)
+-- ARGV[6+3n..5+4n]  n texts        with '+text' only: the items' texts, in order (part of
+--                                  the op fingerprint). Each item this call admits gets its
+--                                  text in the content store ('<c>:<item id>'), in the same
+--                                  step (a duplicate or a skipped item's text is not written)
 --
 -- Reply: status=ok|charged=<tokens>|admitted=<n>|duplicates=<n>|skipped=<id,...>
 --          |free=<tokens>|epoch=<n>|turn=<n>
@@ -30,21 +36,25 @@
 -- the first new item fits (requested is then that item's tokens).
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED, LEDGER_TURNHELD,
 --         LEDGER_TURNLOST (see `fence` in _common.lua).
--- Calls: HMGET, TIME, HSET (HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due; HINCRBY on refusal;
+-- Calls: HMGET, TIME, HSET (HSET and PEXPIRE of the content store when texts are sent; HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due; HINCRBY on refusal;
 --        HMGET of HW, out, W, kf, pm for retrieval and recall while a compaction is pending).
 
 local op, fp, epoch, tok = op_args('admit', false)
 local c
 c = consumer_arg(ARGV[3])
-local mode = ARGV[4]
+local mode, texts = ARGV[4], false
+if mode == 'all+text' or mode == 'prefix+text' then mode, texts = string.sub(mode, 1, -6), true end
 if mode ~= 'all' and mode ~= 'prefix' then
-  fail('BADARG', 'mode must be all or prefix, got ' .. show(mode))
+  fail('BADARG', 'mode must be all or prefix, optionally followed by +text, got ' .. show(ARGV[4]))
 end
 local n
 n = int_arg(ARGV[5], 'item count', 1, 1000)
-if #ARGV ~= 5 + 3 * n then
-  fail('BADARG', 'expected ' .. (5 + 3 * n) .. ' arguments for ' .. n .. ' items, got ' .. #ARGV)
+local want = 5 + (texts and 4 or 3) * n
+if #ARGV ~= want then
+  fail('BADARG', 'expected ' .. want .. ' arguments for ' .. n .. ' items' ..
+    (texts and ' and their texts' or '') .. ', got ' .. #ARGV)
 end
+key_arg(2, 'content:%s')
 -- This is the hot path: fields are read by position, not through load()'s tables.
 local g = GROUP[c]
 local A, F, U, N = 'a_' .. g, 'F_' .. g, 'u_' .. c, 'n_' .. c
@@ -75,7 +85,7 @@ local now = now_ms()
 
 local a, floor, sq, fr = tonumber(v[5]), tonumber(v[6]) or 0, tonumber(v[3]), tonumber(v[4])
 local fr0 = fr
-local charged, admitted, dups, skipped, args = 0, 0, 0, {}, {}
+local charged, admitted, dups, skipped, args, stored = 0, 0, 0, {}, {}, {}
 -- Compaction credit (docs/rules.md#compaction-credit): while a compaction is pending,
 -- memory is judged on the post-compaction baseline: the high-water mark plus the
 -- memory admitted since the compaction became pending (pm); at most W - out - HW - pm
@@ -107,6 +117,10 @@ for k = 1, n do
       sq = sq + 1
       args[#args + 1] = fields[k + 13]
       args[#args + 1] = string.format('%d|%s|%d|%d', t, tn, prios[k], sq)
+      if texts then
+        stored[#stored + 1] = string.sub(fields[k + 13], 3)  -- '<c>:<id>'
+        stored[#stored + 1] = ARGV[5 + 3 * n + k]
+      end
     end
   end
 end
@@ -139,6 +153,7 @@ if admitted > 0 then
   args[m + 9], args[m + 10] = N, f('%d', tonumber(v[8]) + admitted)
   if pending then args[m + 11], args[m + 12] = 'pm', f('%d', pm + charged) end
 end
+put(KEYS[2], stored, J, key)
 -- string.format: one C call, and %d formats a number faster than a concatenation.
 return commit(key, now, op, fp, string.format(
   'status=ok|charged=%d|admitted=%d|duplicates=%d|skipped=%s|free=%d|epoch=%s|turn=%s',

@@ -6,8 +6,8 @@
 --   2. it fits once memory (retrieval, recall: the only elastic consumers) gives
 --      way: memory items are evicted, lowest priority then oldest, retrieval
 --      before recall, and the result is admitted whole;
---   3. otherwise its content is stored under the spill key (readable by any worker
---      until the spill TTL) and a bounded preview (the budget's spill preview, at
+--   3. otherwise its content is stored in the session's spill hash under its call id
+--      (readable by any worker until the spill TTL) and a bounded preview (the budget's spill preview, at
 --      most the result's size) is admitted in its place, evicting memory if needed;
 --   4. otherwise it is refused.
 -- The system prompt, the framing and the floors are never touched. Parallel
@@ -15,15 +15,24 @@
 -- together get one admitted and the other spilled or refused.
 --
 -- KEYS[1]  session hash
--- KEYS[2]  spill key for this result
--- KEYS[3]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
--- KEYS[4]  previous outcome hash   previous generation ('<tag>:old:<session>')
+-- KEYS[2]  content store           '<tag>:content:<session>'
+-- KEYS[3]  spill hash              '<tag>:spill:<session>': call id -> spilled content
+-- KEYS[4]  spill index             '<tag>:spilled:<session>': sorted set of call ids, scored
+--                                  by the end of their spill TTL (ms, Redis's clock)
+-- KEYS[5]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[6]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch[@turn]             integer; older than the session's -> LEDGER_STALE; @turn:
 --                                  a call of that turn (see `fence`)
 -- ARGV[3]  tool-call id            the scratchpad item id
 -- ARGV[4]  tokens                  the whole result's size, 1..1e8
 -- ARGV[5]  content                 the result (bytes, at most 64 MiB), stored only when spilled
+-- ARGV[6]  keep text               1: the result, admitted or spilled, also gets its content
+--                                  in the content store ('s:<call id>', what a compactor
+--                                  summarizes), 0: not
+--
+-- A spill stores the content in KEYS[3], its TTL's end in KEYS[4], removes the results
+-- whose TTL has ended from both, and gives both keys the spill TTL.
 --
 -- Reply: status=ok|outcome=<admitted|spilled|duplicate>|item=<id>|charged=<tokens>
 --          (duplicate: already held; preview is the held preview when it was spilled, else 0)
@@ -32,7 +41,8 @@
 --          |free=<tokens>|epoch=<n>|turn=<n>
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED, LEDGER_TURNHELD,
 --         LEDGER_TURNLOST (see `fence` in _common.lua).
--- Calls: HMGET, TIME, HSET (HGETALL and HDEL when memory gives way; SET when spilled).
+-- Calls: HMGET, TIME, HSET (HGETALL and HDEL when memory gives way; ZRANGEBYSCORE, HDEL,
+--        ZREM, HSET, ZADD and PEXPIRE when spilled; HSET and PEXPIRE with keep text).
 
 local op, fp, epoch, tok = op_args('admit_tool', false)
 local call, tokens
@@ -41,9 +51,12 @@ tokens = int_arg(ARGV[4], 'tokens', 1, TOKENS_MAX)
 if type(ARGV[5]) ~= 'string' or #ARGV[5] > 67108864 then
   fail('BADARG', 'content must be at most 64 MiB')
 end
-if #ARGV ~= 5 then fail('BADARG', 'expected 5 arguments, got ' .. #ARGV) end
+if ARGV[6] ~= '0' and ARGV[6] ~= '1' then
+  fail('BADARG', 'keep text must be 0 or 1, got ' .. show(ARGV[6]))
+end
+if #ARGV ~= 6 then fail('BADARG', 'expected 6 arguments, got ' .. #ARGV) end
 
-key_arg(2, 'spill:%s|' .. call)
+key_arg(2, 'content:%s', 'spill:%s', 'spilled:%s')
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'sq', 'fr', 'F_m', 'a_m', 'a_s', 'u_r', 'u_m', 'u_s', 'n_r', 'n_m', 'n_s',
   'pv', 'sttl', 'gz', 'xp', 'i:s:' .. call, 'lo', 'ul', 'uo' }, 17)
@@ -108,8 +121,19 @@ if size > fr then
   if in_turn then ul = journal(R[3], dead, was) end
 end
 if outcome == 'spilled' then
-  redis.call('SET', KEYS[2], ARGV[5], 'PX', H.sttl)
+  local past = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now, 'LIMIT', 0, 256)
+  if #past > 0 then  -- (at most 256 a call: each spill removes more than it adds)
+    redis.call('HDEL', KEYS[3], unpack(past))
+    redis.call('ZREM', KEYS[4], unpack(past))
+  end
+  redis.call('HSET', KEYS[3], call, ARGV[5])
+  redis.call('ZADD', KEYS[4], now + H.sttl, call)
+  redis.call('PEXPIRE', KEYS[3], H.sttl)
+  redis.call('PEXPIRE', KEYS[4], H.sttl)
   redis.call('HINCRBY', key, 'x:spilled', 1)
+end
+if ARGV[6] == '1' then
+  put(KEYS[2], { 's:' .. call, ARGV[5] }, J, key)
 end
 local sq = H.sq + 1
 fr = fr - size

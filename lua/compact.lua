@@ -11,8 +11,10 @@
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  partition job stream
--- KEYS[3]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
--- KEYS[4]  previous outcome hash   previous generation ('<tag>:old:<session>')
+-- KEYS[3]  content store           '<tag>:content:<session>'
+-- KEYS[4]  summaries               '<tag>:compacted:<session>'
+-- KEYS[5]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[6]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch[@turn]             integer; older than the session's -> LEDGER_STALE; @turn:
 --                                  a call of that turn (see `fence`)
@@ -30,6 +32,16 @@
 --                                  agent's own compaction). The entry is deleted in the same
 --                                  step as the effect, so a job's effect happens once for
 --                                  its whole life in the stream, whatever the op retention.
+-- ARGV[8+n] summary text           the summary's text, or empty for none (part of the op
+--                                  fingerprint)
+--
+-- When the effect is applied (every outcome but did_not_fit, already and turn_open), in the
+-- same step: the texts of the replaced versions leave the content store and the records of
+-- replaced summaries leave KEYS[4] (not for a compaction of the open turn, which a rollback
+-- may undo); with a summary text and summary tokens > 0, KEYS[4] gets the summary's record,
+-- JSON {"text":<text>,"replaced":["<c>:<id>",...],"at":<ms>} under its id (what the turn it
+-- is delivered to reads), and the content store 'w:<summary id>' its text (what the next
+-- compaction reads). An item held in another version keeps its text.
 --
 -- Reply: status=ok|outcome=<compacted|failed|deferred|did_not_fit|already>|occupancy=<tokens>
 --          |high_water=<tokens>|dropped=<tokens>|summary=<tokens>|missing=<id,...>|failures=<n>
@@ -59,7 +71,8 @@
 --         LEDGER_CONFLICT (the summary id is held and not among the replaced items, or
 --         only in another version than the one given),
 --         LEDGER_TURNHELD, LEDGER_TURNLOST (an agent's compaction, see `fence` in _common.lua).
--- Calls: HMGET, XDEL (a job), TIME, HDEL, HSET, HGET and XADD (on escalation or retry), HINCRBY.
+-- Calls: HMGET, XDEL (a job), TIME, HDEL, HSET, HGET and XADD (on escalation or retry), HINCRBY,
+--        PEXPIRE (of KEYS[3] and KEYS[4], with a summary text).
 
 local op, fp, epoch, tok = op_args('compact', false)
 local sid, sum_id, sum_t, n
@@ -67,12 +80,16 @@ sid = session_arg(ARGV[3])
 sum_id = id_arg(ARGV[4], 'summary item id')
 sum_t = int_arg(ARGV[5], 'summary tokens', 0, TOKENS_MAX)
 n = int_arg(ARGV[6], 'item count', 0, 1000)
-if #ARGV ~= 7 + n then
-  fail('BADARG', 'expected ' .. (7 + n) .. ' arguments for ' .. n .. ' items, got ' .. #ARGV)
+if #ARGV ~= 8 + n then
+  fail('BADARG', 'expected ' .. (8 + n) .. ' arguments for ' .. n .. ' items, got ' .. #ARGV)
 end
+local text = ARGV[8 + n] ~= '' and ARGV[8 + n] or nil
 -- A stream entry id: two unsigned 64-bit decimals (an id XDEL would refuse is a BADARG).
 local job = ARGV[7 + n]
-local function u64(d) return d and (#d < 20 or (#d == 20 and d <= '18446744073709551615')) end
+local function u64(d)  -- canonical: no leading zero
+  return d and (d == '0' or string.sub(d, 1, 1) ~= '0') and
+    (#d < 20 or (#d == 20 and d <= '18446744073709551615'))
+end
 if job ~= '-' then
   local ms, seq = string.match(type(job) == 'string' and job or '', '^(%d+)%-(%d+)$')
   if not (u64(ms) and u64(seq)) then
@@ -101,7 +118,7 @@ for k = 1, n do
 end
 for _, f in ipairs({ 'lo', 'ul', 'qs', 'qd', 'le', 'uo' }) do fields[#fields + 1] = f end
 
-key_arg(2, 'jobs')
+key_arg(2, 'jobs', 'content:%s', 'compacted:%s')
 local key = KEYS[1]
 local H, R = load(key, fields, #NUM)
 local lo, ul, qs, qd, le, uo = R[n + 2], R[n + 3], R[n + 4], R[n + 5], R[n + 6], R[n + 7]
@@ -211,6 +228,19 @@ if ok then
   args[#args + 1], args[#args + 2], args[#args + 3], args[#args + 4] = 'kn', H.kn + 1, 'kt', H.tn
 elseif H.rq == 0 then
   redis.call('HINCRBY', key, 'x:failed_compactions', 1)
+end
+if fits and not in_turn and #gone > 0 then
+  redis.call('HDEL', KEYS[3], unpack(gone))
+  local olds = {}
+  for _, ref in ipairs(gone) do olds[#olds + 1] = string.match(ref, '^w:(.+)$') end
+  if #olds > 0 then redis.call('HDEL', KEYS[4], unpack(olds)) end
+end
+if text and sum_t > 0 then
+  local quoted = {}
+  for i, ref in ipairs(gone) do quoted[i] = '"' .. ref .. '"' end  -- ids need no escapes
+  put(KEYS[4], { sum_id, '{"text":' .. cjson.encode(text) .. ',"replaced":[' ..
+    table.concat(quoted, ',') .. '],"at":' .. string.format('%d', now) .. '}' }, J, key)
+  put(KEYS[3], { 'w:' .. sum_id, text }, J, key)
 end
 if escalate then
   enqueue(KEYS[2], 'hard_reset', sid, H.ep, op, 'failed_compactions')

@@ -1,30 +1,41 @@
--- delete.lua: delete a session and its reservations' and turn lease's index entries.
+-- delete.lua: delete a session, its data (texts, summaries, history, spilled results) and
+-- its reservations' and turn lease's index entries.
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  partition deadline index
--- KEYS[3]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
--- KEYS[4]  previous outcome hash   previous generation ('<tag>:old:<session>')
+-- KEYS[3..7]  the session's data   '<tag>:content:<session>', '<tag>:compacted:<session>',
+--                                  '<tag>:history:<session>', '<tag>:spill:<session>',
+--                                  '<tag>:spilled:<session>' (deleted)
+-- KEYS[8]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[9]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch or '*'            '*' deletes whatever the epoch (operators)
 -- ARGV[3]  session id
 --
 -- Reply: status=ok|deleted=<0|1>
--- The outcome stays in the outcome hashes and the last epoch in a tombstone, for
--- the op retention, so that a retry gets deleted=1 back and a session opened again under
--- the same id starts at a later epoch: handles and jobs of the deleted one stay fenced.
+-- The outcome stays in the outcome hashes and the last epoch in a tombstone (neither holds
+-- any of the session's content), so that a retry gets deleted=1 back and a session opened
+-- again under the same id starts at a later epoch: handles and jobs of the deleted one stay
+-- fenced. Both live the op retention, the tombstone longer when the epoch is ahead of
+-- Redis's clock (hard resets add one each): until that clock has passed the last epoch by
+-- the op retention, so that no later incarnation, which starts at that clock, can begin
+-- below an epoch a handle of this one holds.
 -- Errors: LEDGER_BADARG, LEDGER_STALE, LEDGER_OPREUSED.
--- Calls: HGET, HMGET, HGETALL (only with open reservations), ZREM, DEL, HSET, PEXPIRE.
+-- Calls: HGET, HMGET, HGETALL (only with open reservations), ZREM, DEL, TIME, HSET, PEXPIRE.
 
 local op, fp, epoch = op_args('delete', true)
 local sid
 sid = session_arg(ARGV[3])
 if #ARGV ~= 3 then fail('BADARG', 'expected 3 arguments, got ' .. #ARGV) end
-key_arg(2, 'deadlines')
+key_arg(2, 'deadlines', 'content:%s', 'compacted:%s', 'history:%s', 'spill:%s', 'spilled:%s')
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'nv', 'ort', 'lo' }, 3)
 local again = replay(recorded(op), op, fp)
 if again then return again end
-if not H.ep then return reply({ 'status=ok', 'deleted=0' }) end
+if not H.ep then  -- (what an expired session left is deleted all the same)
+  redis.call('DEL', KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7])
+  return reply({ 'status=ok', 'deleted=0' })
+end
 stale(H.ep, epoch)
 local members = {}
 if R[1] then members[1] = sid .. '|' .. LEASE end
@@ -36,10 +47,11 @@ if H.nv > 0 then
   end
 end
 if #members > 0 then redis.call('ZREM', KEYS[2], unpack(members)) end
-redis.call('DEL', key)
+redis.call('DEL', key, KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7])
 local out = reply({ 'status=ok', 'deleted=1' })
+local keep = math.max(H.ort, H.ep - now_ms() + H.ort)
 redis.call('HSET', key, 'pe', H.ep)
-redis.call('PEXPIRE', key, H.ort)
+redis.call('PEXPIRE', key, keep)
 store(fp, out, false)
 redis.call('PEXPIRE', OUT, H.ort)
 return out

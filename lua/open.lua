@@ -1,8 +1,12 @@
 -- open.lua: create a session with its budget, or confirm an identical one.
 --
 -- KEYS[1]  session hash
--- KEYS[2]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
--- KEYS[3]  previous outcome hash   previous generation ('<tag>:old:<session>')
+-- KEYS[2..6]  the session's data   '<tag>:content:<session>', '<tag>:compacted:<session>',
+--                                  '<tag>:history:<session>', '<tag>:spill:<session>',
+--                                  '<tag>:spilled:<session>': deleted when a new incarnation
+--                                  is created (whatever an earlier one left is not its own)
+-- KEYS[7]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[8]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch                   ignored on open (send 0); a new session starts at the epoch
 --                                  Redis's clock gives in ms (above any earlier incarnation's),
@@ -40,7 +44,122 @@
 -- Errors: LEDGER_BADARG, LEDGER_CONFIG (reserved floor, high-water mark, eviction threshold
 --         or compaction min gain larger than the window),
 --         LEDGER_CONFLICT (the session exists with another budget), LEDGER_OPREUSED.
--- Calls: HMGET, TIME, HSET, PEXPIRE.
+-- Calls: HMGET, TIME, HSET, PEXPIRE, DEL.
+
+-- SHA-256 (FIPS 180-4) of a string, as 64 lowercase hex digits, with Redis's `bit` library
+-- (32-bit operations; sums are brought back to 32 bits with bit.tobit).
+local K256 = {
+  0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
+  0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
+  0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
+  0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
+  0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
+  0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
+  0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+  0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2 }
+
+local function sha256hex(msg)
+  local band, bor, bxor, bnot = bit.band, bit.bor, bit.bxor, bit.bnot
+  local rshift, lshift, ror, tobit = bit.rshift, bit.lshift, bit.ror, bit.tobit
+  local h = { 0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab,
+    0x5be0cd19 }
+  local bits = #msg * 8
+  local hi, lo = math.floor(bits / 4294967296), bits % 4294967296
+  local function be32(x)
+    return string.char(math.floor(x / 16777216) % 256, math.floor(x / 65536) % 256,
+      math.floor(x / 256) % 256, x % 256)
+  end
+  msg = msg .. '\128' .. string.rep('\0', (55 - #msg) % 64) .. be32(hi) .. be32(lo)
+  local w = {}
+  for i = 1, #msg, 64 do
+    for j = 0, 15 do
+      local a, b, c, d = string.byte(msg, i + 4 * j, i + 4 * j + 3)
+      w[j] = bor(lshift(a, 24), lshift(b, 16), lshift(c, 8), d)
+    end
+    for j = 16, 63 do
+      local x, y = w[j - 15], w[j - 2]
+      w[j] = tobit(w[j - 16] + bxor(ror(x, 7), ror(x, 18), rshift(x, 3)) + w[j - 7] +
+        bxor(ror(y, 17), ror(y, 19), rshift(y, 10)))
+    end
+    local a, b, c, d, e, f, g, hh = h[1], h[2], h[3], h[4], h[5], h[6], h[7], h[8]
+    for j = 0, 63 do
+      local t1 = tobit(hh + bxor(ror(e, 6), ror(e, 11), ror(e, 25)) +
+        bxor(band(e, f), band(bnot(e), g)) + K256[j + 1] + w[j])
+      local t2 = tobit(bxor(ror(a, 2), ror(a, 13), ror(a, 22)) +
+        bxor(band(a, b), band(a, c), band(b, c)))
+      hh, g, f, e, d, c, b, a = g, f, e, tobit(d + t1), c, b, a, tobit(t1 + t2)
+    end
+    h[1], h[2], h[3], h[4] = tobit(h[1] + a), tobit(h[2] + b), tobit(h[3] + c), tobit(h[4] + d)
+    h[5], h[6], h[7], h[8] = tobit(h[5] + e), tobit(h[6] + f), tobit(h[7] + g), tobit(h[8] + hh)
+  end
+  for k = 1, 8 do h[k] = bit.tohex(h[k], 8) end
+  return table.concat(h)
+end
+
+-- x * 1000 rounded to the nearest integer, ties to even (as the clients round per mille).
+local function permille(x)
+  local y = x * 1000
+  local f = math.floor(y)
+  local d = y - f
+  if d > 0.5 or (d == 0.5 and f % 2 == 1) then f = f + 1 end
+  return f
+end
+
+-- The budget json (canonical JSON of the budget, docs/protocol.md) must name every field
+-- of the budget, and only those, with the values the other arguments were derived from.
+local function budget_matches(json, v, rel, tol, owner, gain)
+  local ok, b = pcall(cjson.decode, json)
+  if not ok or type(b) ~= 'table' then fail('BADARG', 'budget json is not a JSON object') end
+  local W = v[1]
+  local function num(name)
+    local x = b[name]
+    if type(x) ~= 'number' then fail('BADARG', 'budget json has no number ' .. name) end
+    return x
+  end
+  local codes = { working_memory = 'w', retrieval = 'r', recall = 'm', scratchpad = 's' }
+  local got = {}
+  if type(b.release_each_turn) ~= 'table' then
+    fail('BADARG', 'budget json has no list release_each_turn')
+  end
+  for _, name in ipairs(b.release_each_turn) do
+    if not codes[name] then fail('BADARG', 'budget json: no consumer named ' .. show(name)) end
+    got[#got + 1] = codes[name]
+  end
+  table.sort(got)
+  local tolerance = b.framing_tolerance
+  if tolerance == cjson.null or tolerance == nil then tolerance = -1 end
+  local checks = {
+    { 'window', num('window'), W, 3 }, { 'system_prompt', num('system_prompt'), v[2], 4 },
+    { 'tool_framing', num('tool_framing'), v[3], 5 },
+    { 'working_memory_floor', num('working_memory_floor'), v[4], 6 },
+    { 'min_memory', num('min_memory'), v[5], 7 }, { 'output_reserve', num('output_reserve'), v[6], 8 },
+    { 'high_water_mark', math.floor(W * num('high_water_mark')), v[7], 9 },
+    { 'eviction_threshold', math.floor(W * num('eviction_threshold')), v[8], 10 },
+    { 'idle_ttl_seconds', num('idle_ttl_seconds') * 1000, v[9], 11 },
+    { 'release_each_turn', #got > 0 and table.concat(got) or '-', rel, 15 },
+    { 'spill_preview_tokens', num('spill_preview_tokens'), v[11], 16 },
+    { 'spill_ttl_seconds', num('spill_ttl_seconds') * 1000, v[12], 17 },
+    { 'max_failed_compactions', num('max_failed_compactions'), v[13], 18 },
+    { 'rollup_turns', num('rollup_turns'), v[14], 19 },
+    { 'rollup_fraction', permille(num('rollup_fraction')), v[15], 20 },
+    { 'amplification_saturation', permille(num('amplification_saturation')), v[16], 21 },
+    { 'amplification_fragmentation', permille(num('amplification_fragmentation')), v[17], 22 },
+    { 'amplification_pathological', permille(num('amplification_pathological')), v[18], 23 },
+    { 'framing_tolerance', tolerance, tol, 24 }, { 'compaction', b.compaction, owner, 25 },
+    { 'compaction_min_gain', math.floor(W * num('compaction_min_gain')), gain, 26 },
+  }
+  local known = {}
+  for _, c in ipairs(checks) do
+    known[c[1]] = true
+    if c[2] ~= c[3] then
+      fail('BADARG', 'budget json gives ' .. c[1] .. ' as ' .. tostring(c[2]) .. ' but ARGV[' ..
+        c[4] .. '] says ' .. tostring(c[3]) .. ': the arguments must be derived from the json')
+    end
+  end
+  for name in pairs(b) do
+    if not known[name] then fail('BADARG', 'budget json has an unknown field ' .. show(name)) end
+  end
+end
 
 local op, fp = op_args('open')
 local names = { 'window', 'system_prompt', 'tool_framing', 'working_memory_floor', 'min_memory',
@@ -76,8 +195,8 @@ if v[7] > W or v[8] > W then
     ' must not exceed window ' .. W)
 end
 local cfp = ARGV[13]
-if type(cfp) ~= 'string' or not string.match(cfp, '^%x+$') or #cfp > 64 then
-  fail('BADARG', 'budget fingerprint must be 1-64 hex digits, got ' .. show(cfp))
+if type(cfp) ~= 'string' or #cfp ~= 64 or not string.match(cfp, '^[0-9a-f]+$') then
+  fail('BADARG', 'budget fingerprint must be 64 lowercase hex digits (SHA-256), got ' .. show(cfp))
 end
 if type(ARGV[14]) ~= 'string' or #ARGV[14] > 4096 then
   fail('BADARG', 'budget json must be at most 4096 bytes')
@@ -94,15 +213,28 @@ if gain > W then
   fail('CONFIG', 'compaction_min_gain ' .. gain .. ' must not exceed window ' .. W)
 end
 if #ARGV ~= 26 then fail('BADARG', 'expected 26 arguments, got ' .. #ARGV) end
+key_arg(2, 'content:%s', 'compacted:%s', 'history:%s', 'spill:%s', 'spilled:%s')
 
 local key = KEYS[1]
-local H, R = load(key, { 'ep', 'tn', 'pe', 'cfg' }, 3)
+local H, R = load(key, { 'ep', 'tn', 'pe', 'ort', 'cfg' }, 4)
 local again = replay(recorded(op), op, fp)
 if again then return again end
+-- Nothing is taken on trust (the budget is shared by every client): the fingerprint must
+-- be the SHA-256 of the JSON, and the JSON must say what the other arguments say.
+if sha256hex(ARGV[14]) ~= cfp then
+  fail('BADARG', 'budget fingerprint ' .. cfp .. ' is not the SHA-256 of the budget json ' ..
+    show(ARGV[14]))
+end
+budget_matches(ARGV[14], v, rel, tol, owner, gain)
 if H.ep then
   if R[1] ~= cfp then
     fail('CONFLICT', 'session is already open with another budget (fingerprint ' ..
       tostring(R[1]) .. '); asked for ' .. cfp .. ': ' .. ARGV[14])
+  end
+  if H.ort ~= v[10] then
+    fail('CONFLICT', 'session is open with an op retention of ' .. H.ort .. ' ms; this client ' ..
+      'keeps outcomes ' .. v[10] .. ' ms (every client of a session must retain them alike, ' ..
+      'or a retry judged by the shorter one is applied twice)')
   end
   return reply({ 'status=ok', 'created=0', 'epoch=' .. H.ep, 'turn=' .. H.tn })
 end
@@ -127,5 +259,7 @@ zero_counters(args)
 -- a deleted incarnation's outcomes) is rotated one op retention from now.
 args[#args + 1] = 'gz'
 args[#args + 1] = string.format('%d', now + v[10])
-return commit(key, now, op, fp, reply({ 'status=ok', 'created=1', 'epoch=' .. epoch, 'turn=0' }), args,
-  { gz = NEVER, xp = 0, ttl = v[9], ort = v[10] })
+local out = commit(key, now, op, fp, reply({ 'status=ok', 'created=1', 'epoch=' .. epoch, 'turn=0' }),
+  args, { gz = NEVER, xp = 0, ttl = v[9], ort = v[10] })
+redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])  -- (after the first write)
+return out

@@ -6,8 +6,10 @@
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  partition deadline index
--- KEYS[3]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
--- KEYS[4]  previous outcome hash   previous generation ('<tag>:old:<session>')
+-- KEYS[3]  content store           '<tag>:content:<session>' (deleted: no item is left)
+-- KEYS[4]  summaries               '<tag>:compacted:<session>' (deleted: nothing to deliver)
+-- KEYS[5]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[6]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch                   the epoch being reset; older -> LEDGER_STALE (a reset
 --                                  job delivered twice applies once)
@@ -16,7 +18,7 @@
 --
 -- Reply: status=ok|epoch=<new epoch>|dropped=<items>|released=<tokens>
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
--- Calls: HMGET, HGETALL, TIME, HDEL, ZREM, HSET, HINCRBY.
+-- Calls: HMGET, HGETALL, TIME, HDEL, ZREM, HSET, HINCRBY, DEL.
 
 local op, fp, epoch = op_args('reset', false)
 local sid, reason
@@ -24,7 +26,7 @@ sid = session_arg(ARGV[3])
 reason = id_arg(ARGV[4], 'reason')
 if #ARGV ~= 4 then fail('BADARG', 'expected 4 arguments, got ' .. #ARGV) end
 
-key_arg(2, 'deadlines')
+key_arg(2, 'deadlines', 'content:%s', 'compacted:%s')
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'W', 'S', 'T', 'out', 'F_w', 'F_m', 'gz', 'xp', 'lo', 'qs', 'qd' }, 10)
 local again = gate(recorded(op), H.ep, op, fp, epoch)
@@ -54,6 +56,7 @@ for i = 1, #dead, 1000 do redis.call('HDEL', key, unpack(dead, i, math.min(i + 9
 if R[1] then members[#members + 1] = sid .. '|' .. LEASE end
 if #members > 0 then redis.call('ZREM', KEYS[2], unpack(members)) end
 redis.call('HINCRBY', key, 'x:resets', 1)
+redis.call('DEL', KEYS[3], KEYS[4])  -- (after a write that may be refused on a full server)
 local args = { 'ep', H.ep + 1, 'fr', H.W - H.S - H.T - H.out - H.F_w - H.F_m, 'nv', 0,
   'a_w', 0, 'a_m', 0, 'a_s', 0, 'x:last_reset', reason, 'cd', 0, 'kf', 0, 'rq', 0, 'kt', H.tn,
   'ai', 0, 'ao', 0, 'an', 0, 'df', 0, 'dr', 0 }

@@ -13,9 +13,25 @@ from pathlib import Path
 
 import redis
 
-from ledger.testing import RedisProcess, cluster, free_port, require_binary, standalone
+from ledger.testing import (
+    RedisProcess,
+    cluster,
+    free_port,
+    replicated,
+    require_binary,
+    standalone,
+    wait_replicas,
+)
 
-__all__ = ["RedisProcess", "cluster", "free_port", "require_binary", "standalone"]
+__all__ = [
+    "RedisProcess",
+    "cluster",
+    "free_port",
+    "replicated",
+    "require_binary",
+    "standalone",
+    "wait_replicas",
+]
 
 
 # --- added for the fault, security and cluster suites ---------------------------------
@@ -208,3 +224,51 @@ def migrate_slot(
     finally:
         src.close()
         dst.close()
+
+
+# --- replicas, for the durability suite ---------------------------------------------------
+
+
+@contextlib.contextmanager
+def cluster_with_replicas(
+    primaries: int = 3,
+) -> Iterator[tuple[list[RedisProcess], list[RedisProcess]]]:
+    """A cluster of `primaries` primaries, each with one replica in sync: (primaries,
+    replicas), replicas[i] the replica of primaries[i]."""
+    with cluster(primaries) as nodes, tempfile.TemporaryDirectory(prefix="ledger-creplica-") as d:
+        replicas: list[RedisProcess] = []
+        try:
+            for i, primary in enumerate(nodes):
+                nd = Path(d) / f"r{i}"
+                nd.mkdir()
+                replica = RedisProcess(
+                    free_port(bus=True),
+                    nd,
+                    (
+                        "--cluster-enabled", "yes",
+                        "--cluster-config-file", str(nd / "nodes.conf"),
+                        "--cluster-node-timeout", "2000",
+                    ),
+                ).start()  # fmt: skip
+                replicas.append(replica)
+                r = redis.Redis(port=replica.port)
+                try:
+                    r.cluster("meet", "127.0.0.1", nodes[0].port)
+                    want = cluster_node_id(primary.port)
+                    deadline = time.monotonic() + 30
+                    while True:  # the replica must know its primary before it follows it
+                        try:
+                            r.execute_command("CLUSTER", "REPLICATE", want)
+                            break
+                        except redis.ResponseError:
+                            if time.monotonic() > deadline:
+                                raise
+                            time.sleep(0.1)
+                finally:
+                    r.close()
+            for primary in nodes:
+                wait_replicas(primary, 1)
+            yield nodes, replicas
+        finally:
+            for replica in replicas:
+                replica.stop()

@@ -33,6 +33,7 @@ from ledger import (
     Ledger,
     Session,
     SessionBudget,
+    StaleEpoch,
     protocol,
 )
 from ledger.core import new_op_id
@@ -225,6 +226,8 @@ def _fenced(op: str) -> list[Case]:
                 lambda s, v=v, g=good: g(
                     Session(s.ledger, s.keys, s.epoch + 1 if v is NEWER else v)
                 ),
+                # a newer epoch is well formed, and not this session's: stale
+                StaleEpoch if v is NEWER else InvalidArgument,
             )
             for name, v in BAD_EPOCHS.items()
         ]
@@ -524,13 +527,16 @@ BAD_NUMBERS: list[str | bytes] = [
     "5 ",
     "+5",
     "0x10",
+    "05",  # not canonical: one number, one spelling (and one op fingerprint)
+    "-0",
+    "00",
     "5\n",
     b"\xff",
     b"5\x00",
     *HUGE,
 ]
 BAD_CONSUMER_ARGS: list[str | bytes] = ["", "x", "W", "ww", "working_memory", b"\xff"]
-BAD_MODES: list[str | bytes] = ["", "ALL", "partial", "all ", "prefix\n", b"\xff"]
+BAD_MODES: list[str | bytes] = ["", "ALL", "partial", "all ", "prefix\n", b"\xff", "+text", "all+"]
 BAD_COUNTS: list[str | bytes] = ["0", "1001", "-1", "2", "x", "", "1.0", *HUGE]
 
 
@@ -540,11 +546,12 @@ def ints(lo: int, hi: int) -> list[str | bytes]:
 
 TOKENS = ints(1, 100_000_000)
 PRIORITY = ints(0, 1000)
-EPOCH_BASE: list[str | bytes] = ["", "-1", "1.0", "abc", b"\xff", "1000000000000001", *HUGE]
-FUTURE = "99999999999999"  # newer than any session's epoch (Redis's clock in ms)
-EPOCH_FENCED = [*EPOCH_BASE, "*", FUTURE]
+EPOCH_BASE: list[str | bytes] = [
+    "", "-1", "1.0", "abc", b"\xff", "1000000000000001", "0100", "-0", *HUGE
+]  # fmt: skip
+EPOCH_FENCED = [*EPOCH_BASE, "*"]  # (a newer epoch is well formed: refused as stale)
 EPOCH_OPEN = [*EPOCH_BASE, "*"]  # open ignores the value, but it must be a number
-EPOCH_OR_STAR = [*EPOCH_BASE, FUTURE]  # close and expire accept '*'
+EPOCH_OR_STAR = EPOCH_BASE  # close and expire accept '*'
 
 # ARGV position (1-based) -> malformed values, per script (see each script's header).
 COMMON: dict[int, list[str | bytes]] = {1: BAD_ARG_IDS, 2: EPOCH_FENCED}
@@ -552,7 +559,8 @@ ARGV_SPEC: dict[str, dict[int, list[str | bytes]]] = {
     "open": {
         1: BAD_ARG_IDS,
         2: EPOCH_OPEN,
-        3: ints(1, 100_000_000),  # window
+        # window: also one the budget json does not say (the server takes nothing on trust)
+        3: [*ints(1, 100_000_000), str(BUDGET.window + 1)],
         4: ints(0, 100_000_000),  # system prompt
         5: ints(0, 100_000_000),  # tool framing
         6: ints(0, 100_000_000),  # working-memory floor
@@ -562,8 +570,14 @@ ARGV_SPEC: dict[str, dict[int, list[str | bytes]]] = {
         10: ints(0, 100_000_000),  # eviction threshold
         11: ints(1000, 31_536_000_000),  # idle ttl ms
         12: ints(1000, 86_400_000),  # op retention ms
-        13: BAD_FPS,  # budget fingerprint
-        14: ["x" * 4097],  # budget json
+        13: [*BAD_FPS, "0" * 64, BUDGET.fingerprint().upper()],  # not the json's SHA-256
+        14: [  # budget json: too long, not JSON, or another budget than the ARGV say
+            "x" * 4097,
+            "{",
+            "[]",
+            BUDGET.model_copy(update={"window": BUDGET.window + 1}).canonical_json(),
+            BUDGET.canonical_json()[:-1] + ',"extra":1}',
+        ],
         24: ints(-1, 100_000_000),  # framing tolerance
         25: ["", "Worker", "none", "w", b"\xff"],  # compaction owner
         26: ints(0, 100_000_000),  # compaction min gain
@@ -608,7 +622,21 @@ ARGV_SPEC: dict[str, dict[int, list[str | bytes]]] = {
         5: ints(0, 100_000_000),  # summary tokens
         6: ["0", "1", "3", "1001", "-1", "x", "", "1.0", *HUGE],  # item count
         7: ["", "turn1", "x:turn1", "w:", "W:turn1", "w:a b", "w:a{b", b"\xff"],
-        9: ["", "*", "1", "1-", "-1", "1-1-1", "a-1", " 1-1", "1-1\n", "9" * 20 + "-0", b"\xff"],
+        9: [
+            "",
+            "*",
+            "1",
+            "1-",
+            "-1",
+            "1-1-1",
+            "a-1",
+            " 1-1",
+            "1-1\n",
+            "9" * 20 + "-0",
+            b"\xff",
+            "01-1",
+            "1-01",
+        ],
     },
 }
 
@@ -617,7 +645,7 @@ def good_call(name: str, s: Session) -> protocol.Call[Any]:
     """A well-formed call of each mutating script on the fixture's session."""
     k, op, ep = s.keys, new_op_id(), s.epoch
     calls: dict[str, Callable[[], protocol.Call[Any]]] = {
-        "open": lambda: protocol.open_session(k, op, BUDGET, 300_000),
+        "open": lambda: protocol.open_session(k, op, BUDGET, 120_000),
         "admit": lambda: protocol.admit(k, op, ep, Consumer.RETRIEVAL, [Item("new1", 10, 1)]),
         "release": lambda: protocol.release(k, op, ep, Consumer.RETRIEVAL, ["doc1"]),
         "reserve": lambda: protocol.reserve(k, op, ep, Consumer.SCRATCHPAD, "res2", 50, 60_000),

@@ -138,3 +138,16 @@ def test_bench_cluster_spreads_the_calls(capsys: pytest.CaptureFixture[str]) -> 
         assert r["capacity"] > 0 and 0 < r["balance_capacity"] <= n + 1e-9
     assert all(p["ledger_calls"] > 0 for p in by_n[3]["nodes"])
     assert res["median"]["3"]["capacity"] == by_n[3]["capacity"]
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+def test_bench_durability_measures_both_sides(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import bench_durability
+
+    report = bench_durability.main(["--calls", "20", "--rounds", "1", "--json"])
+    assert json.loads(capsys.readouterr().out) == report
+    plain, acked = report["plain"], report["replica_acks_1"]
+    assert isinstance(plain, dict) and isinstance(acked, dict)
+    assert plain["waits"] == 0 and acked["waits"] == 20  # one WAIT per write
+    assert acked["wall_us"] > 0 and plain["wall_us"] > 0

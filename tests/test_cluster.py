@@ -110,7 +110,7 @@ def test_partitions_spread_over_all_primaries(nodes: list[servers.RedisProcess])
             per_node[owners[slot]] += 1
             sid = ids_in_partitions(led, [p], 1)[0]
             k = ks.session(sid)
-            for key in (k.session, k.deadlines, k.spill("call-1"), f"{ks.tag(p)}:dead"):
+            for key in (k.session, k.deadlines, k.spills, k.spilled, f"{ks.tag(p)}:dead"):
                 assert keyslot(nodes[0], key) == slot, key
     primaries = {f"127.0.0.1:{n.port}" for n in nodes}
     print(f"\npartitions per primary: {dict(per_node)}")
@@ -314,7 +314,9 @@ def test_slot_migration_under_load_keeps_every_invariant(
         f"{totals['items']} items match; {replayed} replays identical"
     )
     assert owner == f"127.0.0.1:{target.port}"
-    assert left == 0 and arrived >= sum(batches) >= len(sids)  # spills made since count too
+    # every key left the source; every session's hash arrived (data keys may have been
+    # emptied and so deleted since they moved: a compaction removes the texts it replaced)
+    assert left == 0 and arrived >= len(sids) and sum(batches) >= len(sids)
     assert delta["CROSSSLOT"] == 0
     assert delta["ASK"] + delta["TRYAGAIN"] + delta["MOVED"] > 0  # it did run under load
     if batch > 1:  # redis-cli's pacing: nothing escapes to the caller

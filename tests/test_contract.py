@@ -669,13 +669,16 @@ def test_reset_fences_stale_handles(ledger: Ledger, budget: SessionBudget) -> No
     assert all(snap.used[c] == snap.reserved[c] == snap.items[c] == 0 for c in Consumer)
     assert ledger.client.zcard(s.keys.deadlines) == 0
 
-    assert s.epoch == e0  # every handle, the resetting one too, is stale until refresh()
+    assert s.epoch == e0 + 1  # the resetting handle takes the new epoch ...
+    assert old.epoch == e0  # ... every other one is stale until refresh()
+    s.admit(RET, [Item("after", 10)])  # so its next call is accepted
+    s.release(RET, ["after"])
 
     # A reset delivered twice applies once: the same request (same op id, same
     # epoch) gets the stored outcome; another op id at the old epoch is fenced.
     retry = Session(ledger, s.keys, e0)
     assert retry.reset("context-overflow", op_id="reset-1") == done
-    assert s.reset("context-overflow", op_id="reset-1") == done
+    assert retry.epoch == e0 + 1  # (a replay adopts the epoch its first reply named)
     with pytest.raises(StaleEpoch):
         Session(ledger, s.keys, e0).reset("context-overflow")
     snap = check(ledger, s, budget)
@@ -703,10 +706,11 @@ def test_reset_fences_stale_handles(ledger: Ledger, budget: SessionBudget) -> No
     assert old.refresh() == e0 + 1
     assert old.admit(RET, [Item("d", 1)]).free == free - 10 - 20 - 1
     assert old.settle("q-new", 20, "q-new-item").free == free - 31
-    # An epoch from the future is a caller bug, not a fence.
+    # An epoch from the future is not this session's either (an earlier incarnation whose
+    # resets ran ahead, or writes a failover lost): stale too, and nothing changes.
     ahead = ledger.session(s.id)
     ahead.epoch = e0 + 2
-    with pytest.raises(InvalidArgument):
+    with pytest.raises(StaleEpoch, match="newer than the session epoch"):
         ahead.admit(RET, [Item("e", 1)])
     # Reopening with the same budget confirms the session at its current epoch.
     assert ledger.run(ledger.open_call(s.id, budget, None)) == Opened(False, e0 + 1, 0)
@@ -718,11 +722,13 @@ def test_reset_retried_on_the_same_handle_applies_once(
     ledger: Ledger, budget: SessionBudget
 ) -> None:
     s = open_fresh(ledger, budget)
-    done = s.reset("why", op_id="reset-1")
+    e0 = s.epoch
+    call = s.reset_call("why", op_id="reset-1")  # sent twice: its first reply was lost
+    done = ledger.run(call)
     try:
-        assert s.reset("why", op_id="reset-1") == done
+        assert ledger.run(call) == done
     finally:
-        assert s.snapshot().epoch == s.epoch + 1
+        assert s.snapshot().epoch == s.epoch == e0 + 1  # once, and the handle follows
         check(ledger, s, budget)
 
 
@@ -887,9 +893,7 @@ async def test_async_fencing_and_expiry(aledger: AsyncLedger, budget: SessionBud
         await s.settle("short", 100, "x")
     done = await s.reset("async-reset")
     assert (done.epoch, done.dropped, done.released) == (e0 + 1, 1, 10)
-    assert s.epoch == e0  # stale until refresh(), like every other handle
-    with pytest.raises(StaleEpoch):
-        await s.admit(RET, [Item("b", 1)])
+    assert s.epoch == e0 + 1  # the resetting handle follows; every other one is stale
     with pytest.raises(StaleEpoch):
         await old.admit(RET, [Item("b", 1)])
     with pytest.raises(StaleEpoch):

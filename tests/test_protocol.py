@@ -63,7 +63,7 @@ def test_key_vectors() -> None:
     assert (k.outcomes, k.outcomes_old) == (v["outcomes"], v["outcomes_old"])
     # A mutating script's KEYS: the session, its own keys, the two outcome hashes last.
     assert k.for_script(k.jobs) == (v["session"], v["jobs"], v["outcomes"], v["outcomes_old"])
-    assert k.spill(v["spill"]["call_id"]) == v["spill"]["key"]
+    assert (k.spills, k.spilled, k.history) == (v["spills"], v["spilled"], v["history"])
     assert ks.session_key_parts(v["session"]) == (v["partition"], v["session_id"])
     # The worker's own keys in the partition (dead letters, job errors).
     assert f"{ks.tag(k.partition)}:dead" == v["dead_letter"]
@@ -184,9 +184,12 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
     for name, body in text.items():  # EVALSHA digests: what SCRIPT LOAD answers
         assert r.script_load(body) == printed[str(tmp_path / f"{name}.lua")]
     opened, other, admit = VECTORS["calls"]
-    key, out, old = opened["keys"]
+    okeys = opened["keys"]  # the session, its five data keys, the outcome hashes
+    key, content, out, old = okeys[0], okeys[1], okeys[-2], okeys[-1]
+    adk = [key, content, out, old]  # admit's KEYS
+    assert content == VECTORS["keys"]["content"] and admit["keys"] == adk
     assert (out, old) == (VECTORS["keys"]["outcomes"], VECTORS["keys"]["outcomes_old"])
-    everything = (key, out, old, VECTORS["keys"]["jobs"], VECTORS["keys"]["deadlines"])
+    everything = (*okeys, VECTORS["keys"]["jobs"], VECTORS["keys"]["deadlines"])
     r.delete(*everything)
 
     def bucket(name: str, op_id: str) -> str:
@@ -196,11 +199,11 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
 
     try:
         # Without the outcome hashes as its last two KEYS a mutating script refuses.
-        for keys in ([key], [key, old, out], [key, out, f"{old}x"]):
+        for keys in ([key], [*okeys[:-2], old, out], [*okeys[:-1], f"{old}x"]):
             with pytest.raises(redis.ResponseError, match=r"^LEDGER_BADARG "):
                 r.eval(text["open"], len(keys), *keys, *opened["argv"])
         assert r.exists(key, out, old) == 0
-        got = _reply(r.eval(text["open"], 3, key, out, old, *opened["argv"]))
+        got = _reply(r.eval(text["open"], 8, *okeys, *opened["argv"]))
         assert (got["status"], got["created"], got["turn"]) == ("ok", "1", "0")
         epoch = got["epoch"]
         # What the server stored: the budget fingerprint as sent, and the outcome under
@@ -216,22 +219,32 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
         assert r.hlen(out) == 2 and r.exists(old) == 0
         assert not [f for f in r.hkeys(key) if f.startswith(b"o:") or f in (b"ol", b"cl")]
         # The same call again is answered from the record.
-        assert _reply(r.eval(text["open"], 3, key, out, old, *opened["argv"]))["epoch"] == epoch
+        assert _reply(r.eval(text["open"], 8, *okeys, *opened["argv"]))["epoch"] == epoch
         # Another budget under another op id: the session exists with another budget.
         with pytest.raises(redis.ResponseError, match=r"^LEDGER_CONFLICT "):
-            r.eval(text["open"], 3, key, out, old, *other["argv"])
+            r.eval(text["open"], 8, *okeys, *other["argv"])
         # The first op id with other arguments.
         with pytest.raises(redis.ResponseError, match=r"^LEDGER_OPREUSED "):
-            r.eval(text["open"], 3, key, out, old, opened["argv"][0], *other["argv"][1:])
+            r.eval(text["open"], 8, *okeys, opened["argv"][0], *other["argv"][1:])
         # admit, fenced by the epoch open answered.
         argv = [admit["argv"][0], epoch, *admit["argv"][2:]]
-        got = _reply(r.evalsha(printed[str(tmp_path / "admit.lua")], 3, key, out, old, *argv))
+        got = _reply(r.evalsha(printed[str(tmp_path / "admit.lua")], 4, *adk, *argv))
         assert (got["status"], got["charged"], got["admitted"]) == ("ok", "200", "2")
         reply = "|".join(f"{k}={v}" for k, v in got.items())
         fp = op_fingerprint("admit", argv)
         assert encode_outcome(argv[0], fp, reply, int(epoch)) in bucket(out, argv[0])
         with pytest.raises(redis.ResponseError, match=r"^LEDGER_STALE "):
-            r.eval(text["admit"], 3, key, out, old, "op-admit-2", str(int(epoch) - 1), *argv[2:])
+            r.eval(
+                text["admit"],
+                4,
+                key,
+                content,
+                out,
+                old,
+                "op-admit-2",
+                str(int(epoch) - 1),
+                *argv[2:],
+            )
         # Rotation: the first call at or after gz renames the current generation to the
         # previous one (TTL: the op retention), sets gz one op retention ahead and starts a
         # new generation; a retry is still answered from the previous one.
@@ -243,11 +256,11 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
         key_of = hashlib.sha1(argv[0].encode()).hexdigest()[2:16]
         assert r.hlen(out) == 2 and "\x1e" + key_of in bucket(old, argv[0])
         assert int(r.hget(key, "gz") or 0) > int(epoch)
-        again = r.eval(text["admit"], 3, key, out, old, *argv)
-        assert _reply(again) == _reply(r.eval(text["admit"], 3, key, out, old, *argv))
+        again = r.eval(text["admit"], 4, *adk, *argv)
+        assert _reply(again) == _reply(r.eval(text["admit"], 4, *adk, *argv))
         assert _reply(again)["charged"] == "200" and r.hlen(out) == 2
         with pytest.raises(redis.ResponseError, match=r"^LEDGER_OPREUSED "):
-            r.eval(text["admit"], 3, key, out, old, *argv[:-1], "1")
+            r.eval(text["admit"], 4, *adk, *argv[:-1], "1")
         # A turn that ends above the high-water mark (5760 of 8000) writes a compaction
         # job to the partition's stream, with the fields of docs/protocol.md, in order.
         sid, jobs = opened["session_id"], VECTORS["keys"]["jobs"]
@@ -261,10 +274,25 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
         with pytest.raises(redis.ResponseError, match=r"^LEDGER_TURNHELD turn 1 is held by node-1"):
             r.eval(text["begin_turn"], 5, *other_begin)
         with pytest.raises(redis.ResponseError, match=r"^LEDGER_TURNHELD "):
-            r.eval(text["admit"], 3, key, out, old, "op-w0", epoch, "w", "all", "1", "x", "1", "0")
+            r.eval(
+                text["admit"],
+                4,
+                key,
+                content,
+                out,
+                old,
+                "op-w0",
+                epoch,
+                "w",
+                "all",
+                "1",
+                "x",
+                "1",
+                "0",
+            )
         # The turn's calls carry '<epoch>@<turn>'.
         w1 = ["op-w1", f"{epoch}@1", "w", "all", "1", "turn-1", "6000", "0"]
-        r.eval(text["admit"], 3, key, out, old, *w1)
+        r.eval(text["admit"], 4, *adk, *w1)
         end = [key, jobs, dl, out, old, "op-e1", epoch, "1", "6700", "0", sid, "ck-1"]
         assert _reply(r.eval(text["end_turn"], 5, *end))["compaction_due"] == "1"
         assert r.zscore(dl, f"{sid}|~") is None and r.hget(key, "cm") == b"ck-1"
@@ -349,3 +377,32 @@ def test_audit_reports_a_session_under_two_partitions(
         r = redis.Redis.from_url(redis_server.url)
         r.delete(three.keyspace.session(twice).session)  # the tombstone too
         assert cli.main([*argv, "solo", twice]) == cli.EXIT_OK
+
+
+def test_the_doc_gives_every_session_field_a_meaning() -> None:
+    """Every field `snapshot` answers and every field the scripts write to a session hash
+    has a row in docs/protocol.md's table of session fields."""
+    table = re.search(r"^### Session fields\n(.*?)(?=^### |^## )", DOC, re.S | re.M)
+    assert table is not None
+    documented: set[str] = set()
+    for cell in re.findall(r"^\| (.+?) \| ", table.group(1), re.M):
+        documented.update(re.findall(r"`([^`]+)`", cell))
+    counters = re.search(r"^\| `x:<name>` \| (.*)$", table.group(1), re.M)
+    assert counters is not None
+    documented.update(f"x:{name}" for name in re.findall(r"`([a-z_]+)`", counters.group(1)))
+    snapshot = (scripts.lua_dir() / "snapshot.lua").read_text()
+    fields = re.search(r"local FIELDS = \{(.*?)\}", snapshot, re.S)
+    assert fields is not None
+    answered = set(re.findall(r"'([^']+)'", fields.group(1)))
+    # the legend of the session hash in the header of _common.lua: '--   ep tn sq inc   ...'
+    common = (scripts.lua_dir() / "_common.lua").read_text()
+    legend = common.split("-- Session hash", 1)[1].split("-- Consumers c:", 1)[0]
+    written = {
+        name
+        for line in re.findall(r"^--   (\S.*?)(?:\s{2,}|$)", legend, re.M)
+        for name in line.split()
+    }
+    generic = {f for f in documented if "<" in f}
+    missing = {f for f in answered | written if f not in documented}
+    missing -= {f for f in missing if any(f.startswith(g.split("<")[0]) for g in generic)}
+    assert len(answered) > 50 and len(written) > 50 and not missing, sorted(missing)

@@ -101,7 +101,8 @@ def test_the_wrapper_sends_a_refusal_as_its_error_reply_and_passes_other_errors_
         "LEDGER_BADARG count must be an integer, got x"
     )
     assert _run(r, "local n = int_arg('x', 'count', 0, 9)\nreturn n") == (
-        "LEDGER_BADARG count must be an integer, got 'x'"
+        "LEDGER_BADARG count must be an integer written canonically (no sign on 0, no leading "
+        "zero), got 'x'"
     )
     # A Redis command's error (its code too) and a Lua runtime error reach the client as
     # without the wrapper, but for the line Redis appends. These bodies use no

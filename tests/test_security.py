@@ -6,15 +6,20 @@ another); its default user is the admin that sets up ACL users and inspects keys
 
 from __future__ import annotations
 
+import contextlib
+import io
+import re
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import redis
 
 from ledger import (
+    Agent,
     BackendUnavailable,
     Consumer,
     InvalidArgument,
@@ -24,6 +29,7 @@ from ledger import (
     LedgerSettings,
     PermissionDenied,
     SessionBudget,
+    TiktokenCounter,
     protocol,
 )
 from ledger import cli as ledger_cli
@@ -39,49 +45,46 @@ WM, RET, REC, SCR = (
     Consumer.SCRATCHPAD,
 )
 
-# The least-privilege user of one tenant, found empirically (test_acl_line_is_minimal
-# removes each command in turn and shows some operation then fails with NOPERM).
-# Key pattern: only the tenant's hash-tagged keys ('<prefix>:{p<N>}:...'): a plain
-# '<prefix>:*' would also match another tenant whose prefix is '<prefix>:<more>'.
-# Commands: what the client sends (EVALSHA, SCRIPT LOAD after NOSCRIPT, the reads and
-# stream commands of the client, CLI and worker) and what the scripts call inside,
-# since Redis checks a script's redis.call() against the caller's ACL too.
-ACL_COMMANDS = (
-    # client
-    "evalsha",
-    "script|load",
-    "hgetall",
-    "get",
-    "time",
-    "zrangebyscore",
-    "scan",
-    "hexists",
-    # worker
-    "xgroup|create",
-    "xreadgroup",
-    "xautoclaim",
-    "xpending",
-    "xack",
-    "xdel",
-    "xadd",
-    "xinfo|groups",
-    "xread",
-    "exists",
-    "hset",
-    "hget",
-    "hdel",
-    # inside the Lua scripts
-    "hmget",
-    "hincrby",
-    "del",
-    "pexpire",
-    "set",
-    "zadd",
-    "zrem",
+# The least-privilege user of one tenant: the line of docs/reliability.md#security, read
+# from the doc as users copy it, so the doc is what these tests run. It was found
+# empirically: test_acl_line_is_minimal removes each command in turn and shows some
+# operation then fails with NOPERM. Key pattern: only the tenant's hash-tagged keys
+# ('<prefix>:{p<N>}:...'): a plain '<prefix>:*' would also match another tenant whose
+# prefix is '<prefix>:<more>'. Commands: what the client sends (EVALSHA, SCRIPT LOAD after
+# NOSCRIPT, the reads and stream commands of the client, CLI and worker) and what the
+# scripts call inside, since Redis checks a script's redis.call() against the caller's ACL
+# too (RENAME among them: the outcome generations rotate once per op retention).
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def documented_acl_line() -> str:
+    doc = (ROOT / "docs" / "reliability.md").read_text()
+    found = re.search(r"^## Security\n.*?^```text\n(ACL SETUSER [^\n]*)\n```", doc, re.S | re.M)
+    assert found is not None, "docs/reliability.md#security has no ACL line"
+    return found.group(1)
+
+
+ACL_LINE = (
+    documented_acl_line()
+    .replace("{p*", "{{p*")
+    .replace("<user>", "{user}")
+    .replace("<password>", "{password}")
+    .replace("<prefix>", "{prefix}")
 )
-ACL_LINE = "ACL SETUSER {user} reset on >{password} ~{prefix}:{{p* resetchannels -@all " + " ".join(
-    f"+{c}" for c in ACL_COMMANDS
-)
+ACL_COMMANDS = tuple(w[1:] for w in ACL_LINE.split() if w.startswith("+"))
+# Outcomes kept 1 s, so that the exercise runs past the op retention (every mutating
+# script then rotates the session's outcome generations, RENAME); one try per call, which
+# a retention this short requires (LedgerSettings checks it covers the retry window).
+RETENTION_S = 1
+
+
+def acl_settings(url: str, prefix: str) -> LedgerSettings:
+    return LedgerSettings(
+        redis_url=url, prefix=prefix, op_retention_seconds=RETENTION_S, retry_attempts=1
+    )
+
+
+SYSTEM = "You answer questions about the handbook."
 
 
 def budget() -> SessionBudget:
@@ -113,6 +116,18 @@ def acl_denial(exc: BaseException) -> bool:
     return any(w in text for w in ("NOPERM", "no permissions", "can't run this command"))
 
 
+class CliFailed(Exception):
+    """A ``ledger`` command that exited with an error; its output says why."""
+
+
+def cli_ok(*argv: str) -> None:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = ledger_cli.main(list(argv))
+    if code != ledger_cli.EXIT_OK:
+        raise CliFailed(f"ledger {' '.join(argv)} exited {code}: {err.getvalue()}{out.getvalue()}")
+
+
 def user_url(server: servers.RedisProcess, user: str, password: str) -> str:
     return f"redis://{user}:{password}@127.0.0.1:{server.port}/0"
 
@@ -142,6 +157,11 @@ def exercise_everything(
     done = [] if done is None else done
     p = ledger.settings.prefix
     b = budget()
+    tokens = TiktokenCounter()
+    # the agent loop's session, opened first: its turns come after the op retention
+    agent_budget = SessionBudget(window=8_000, system_prompt=tokens(SYSTEM), output_reserve=1_000)
+    agent_session = ledger.open_session("tenant/agent", agent_budget)
+    opened = time.monotonic()
 
     # sessions, admissions, reservations
     s = ledger.open_session("tenant/a", b)
@@ -230,8 +250,48 @@ def exercise_everything(
     done += ["worker.poll_once(compact, hard_reset)", "worker.sweep", "worker.take_over"]
     done += ["worker.observe"]
 
+    # Past the op retention: every write rotates the outcome generations (RENAME). The
+    # README's agent loop, with the worker's compactions delivered to its turns, then
+    # every CLI command that talks to Redis.
+    time.sleep(max(0.0, opened + RETENTION_S + 0.1 - time.monotonic()))
+    agent = Agent(agent_session, tokens)
+    compacting = Worker(
+        ledger,
+        WorkerSettings(
+            consumer="agent-loop", claim_idle_ms=10, compactor="tests.fleet_compactor:SUMMARIZER"
+        ),
+    )
+    prompt: list[object] = [SYSTEM]
+    delivered = 0
+    for n in range(6):
+        with agent.turn(working_set=600) as turn:
+            prompt = turn.apply(prompt)
+            delivered += len(turn.summaries)
+            question = {"id": f"user-{n}", "content": f"What changed in section {n}?"}
+            docs = [
+                {"id": f"doc-{n}-{i}", "content": f"section {n} part {i}: " + "policy " * 200}
+                for i in range(6)
+            ]
+            prompt += turn.admit("working_memory", [question]).kept
+            prompt += turn.admit("retrieval", docs).kept
+            turn.prompt(prompt)
+        for _ in range(5):
+            if not compacting.poll_once():
+                break
+    assert delivered >= 1, "no summary of the worker reached a turn"
+    assert agent_session.snapshot().raw["kn"] >= 1 and agent_session.audit().clean
+    assert int(admin.hget(agent_session.keys.session, "gz") or 0) > 0
+    if ledger.settings.op_retention_seconds == RETENTION_S:
+        assert admin.exists(agent_session.keys.outcomes_old), "the outcomes never rotated"
+    done += ["agent loop past the op retention", "worker compaction past the op retention"]
+    cli = ["--url", url, "--prefix", p]
+    cli_ok(*cli, "inspect", "tenant/agent")
+    cli_ok(*cli, "top", "--once")
+    cli_ok(*cli, "worker", "--once", "--compactor", "tests.fleet_compactor:SUMMARIZER")
+    done += ["cli inspect", "cli top", "cli worker"]
+
     # the CLI, fenced reset, close
-    assert ledger_cli.main(["--url", url, "--prefix", p, "audit"]) == ledger_cli.EXIT_OK
+    cli_ok(*cli, "audit")
     s.reset("operator")
     s.refresh()
     assert s.delete().deleted
@@ -270,7 +330,7 @@ def test_acl_user_limited_to_its_prefix_runs_every_operation(
     admin.script_flush()
     keys_before = set(admin.scan_iter(match="*", count=1000))
     url = user_url(server, "ledger", "pw-ledger")
-    with Ledger.from_settings(LedgerSettings(redis_url=url, prefix=prefix)) as led:
+    with Ledger.from_settings(acl_settings(url, prefix)) as led:
         res = exercise_everything(led, url, admin)
     assert len(res.ops) >= 20 and res.dead_letters == 1
     # Every key the user made is one of its own prefix's hash-tagged keys.
@@ -313,11 +373,13 @@ def test_acl_line_is_minimal(server: servers.RedisProcess, admin: redis.Redis) -
         admin.script_flush()  # as after a restart: the client must load its scripts
         url = user_url(server, "ledger-min", "pw")
         done: list[str] = []
-        with Ledger.from_settings(LedgerSettings(redis_url=url, prefix=prefix)) as led:
+        with Ledger.from_settings(acl_settings(url, prefix)) as led:
             try:
                 exercise_everything(led, url, admin, done)
-            except (LedgerError, redis.RedisError) as exc:
+            except (LedgerError, redis.RedisError, CliFailed) as exc:
                 assert acl_denial(exc), repr(exc)
+                # a refusal inside a script too: typed, never a bare LedgerError
+                assert isinstance(exc, PermissionDenied | CliFailed), repr(exc)
                 first_failure[cmd] = f"after {done[-1:]}: {exc}"[:140]
             except AssertionError as exc:  # the worker swallowed a refused job step
                 errors = [
@@ -460,6 +522,7 @@ def test_tenants_isolated_by_prefix(server: servers.RedisProcess, admin: redis.R
     acl_setuser(admin, "tenant-b", "pw-b", pb)
     url_a, url_b = user_url(server, "tenant-a", "pw-a"), user_url(server, "tenant-b", "pw-b")
     with (
+        # the default op retention: keys that expire on their own would hide a change
         Ledger.from_settings(LedgerSettings(redis_url=url_a, prefix=pa)) as a,
         Ledger.from_settings(LedgerSettings(redis_url=url_b, prefix=pb)) as b,
     ):
@@ -563,5 +626,5 @@ def test_every_key_of_a_session_shares_one_slot() -> None:
     ks = KeySpace("tenant-1", 64)
     for sid in ["a", "tenant/a:b@c.d+e=f#g-h_i", "::", "#", "p0", "0" * 128]:
         k = ks.session(sid)
-        names = [k.session, k.deadlines, k.jobs, k.spill("call-1"), f"{ks.tag(k.partition)}:dead"]
+        names = [k.session, k.deadlines, k.jobs, k.spills, k.spilled, f"{ks.tag(k.partition)}:dead"]
         assert len({key_slot(n.encode()) for n in names}) == 1, names

@@ -162,7 +162,7 @@ def test_compact_refuses_a_malformed_job_entry_id(led: Ledger, bad: str) -> None
     jobs.open_compaction(led, sid)
     s = led.session(sid)
     call = protocol.compact(s.keys, new_op_id(), s.epoch, ["old0"], None)
-    args = [*call.args[:-1], bad]
+    args = [*call.args[:-2], bad, call.args[-1]]  # (the summary text is last)
     stream = jobs.jobs_of(led, sid)
     before = (jobs.session_hash(led, sid), led.client.xrange(stream, "-", "+"))
     with pytest.raises(redis.exceptions.ResponseError, match=r"^LEDGER_BADARG job entry id"):

@@ -61,7 +61,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -279,6 +279,21 @@ MESSAGES = {
 # called poll_once or sweep directly); the loop counts them and backs off.
 _WHOLE_PASS = frozenset({"unavailable", "noperm"})
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _ledger_errors(method: Callable[_P, _R]) -> Callable[_P, _R]:
+    """A public step of the worker raises the ledger's errors (``PermissionDenied``,
+    ``BackendUnavailable``, ...), the driver's as their cause, never a bare driver error."""
+
+    @functools.wraps(method)
+    def typed(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with translated():
+            return method(*args, **kwargs)
+
+    return typed
+
 
 class Worker:
     def __init__(
@@ -375,10 +390,11 @@ class Worker:
         self._groups.add(partition)
 
     def ensure_groups(self) -> None:
-        """Every partition's stream and group; raises the first error (see run(), which
-        does not)."""
-        for p in self.partitions:
-            self.ensure_group(p)
+        """Every partition's stream and group; raises the first error, as the ledger's
+        (``PermissionDenied``, ``BackendUnavailable``, ...; see run(), which does not)."""
+        with translated():
+            for p in self.partitions:
+                self.ensure_group(p)
 
     def _stream_lost(self, partition: int, exc: BaseException) -> None:
         """NOGROUP: the stream, or its group, is gone. Say so loudly once per loss (the
@@ -400,6 +416,7 @@ class Worker:
                 },
             )
 
+    @_ledger_errors
     def poll_once(self) -> int:
         """One pass over every partition: new jobs, then jobs idle too long elsewhere.
 
@@ -420,6 +437,7 @@ class Worker:
         self._claim_into(groups, skip=failed, every=True)
         return self._run_groups(groups)
 
+    @_ledger_errors
     def take_over(self, every: bool = False, partitions: list[int] | None = None) -> int:
         """Jobs left pending longer than ``claim_idle_ms`` (by a worker that died, or a
         failed attempt): claimed and done. Returns the number done. Only partitions whose
@@ -820,9 +838,6 @@ class Worker:
                     contents,
                 ),
             )  # fmt: skip
-            if plan.summary is not None and plan.summary_text is not None:
-                # Before the commit: whenever the summary item exists, so does its text.
-                self._record_summary(keys, plan, int(snap.raw.get("ttl") or 86_400_000))
             # Each replaced item at the version the compactor read: one released and
             # admitted again since (with other text) stays.
             seqs = {(i.consumer, i.id): i.seq for i in items}
@@ -831,23 +846,21 @@ class Worker:
             ]
             # The job's entry id goes with the call: compact.lua deletes the entry with the
             # effect, and answers 'already' when it is gone (committed before, by a worker
-            # that died before acknowledging it), whatever the op retention.
+            # that died before acknowledging it), whatever the op retention. The summary's
+            # text goes with it: stored with the effect, the replaced versions' texts
+            # removed with it (an item admitted again since keeps its new text).
+            text = plan.summary_text if plan.summary is not None else None
             call = protocol.compact(
-                keys, f"job-{job_id}", epoch, replaced, plan.summary, job=job_id
-            )
+                keys, f"job-{job_id}", epoch, replaced, plan.summary, job=job_id,
+                summary_text=text,
+            )  # fmt: skip
             try:
                 done = self._commit_between_turns(keys, call)
             except (StaleEpoch, UnknownSession, OperationIdReused):
-                self._tidy_summaries(keys, plan, applied=False)
                 return JobOutcome("compact", "already")
-            except CompactionDeferred:
-                self._tidy_summaries(keys, plan, applied=False)
-                raise
             if done is not None:
-                self._tidy_summaries(keys, plan, applied=bool(done.summary))
                 return JobOutcome("compact", "already" if done.outcome == "already" else "applied")
             # a turn ran meanwhile: plan again on what it left (if still due)
-            self._tidy_summaries(keys, plan, applied=False)
             snap = self.ledger.run(protocol.snapshot(keys))
             if snap.epoch != epoch or not snap.compaction_pending:
                 return JobOutcome("compact", "already")
@@ -902,42 +915,9 @@ class Worker:
         values = self.ledger.client.hmget(key, fields)
         return {f: _str(v) for f, v in zip(fields, values, strict=True) if v is not None}
 
-    def _record_summary(self, keys: Any, plan: compactors.CompactionPlan, ttl_ms: int) -> None:
-        assert plan.summary is not None and plan.summary_text is not None
-        record = json.dumps(
-            {
-                "text": plan.summary_text,
-                "replaced": [f"{c.code}:{i}" for c, i in plan.replaced],
-                "at": time.time_ns() // 1_000_000,
-            }
-        )
-        pipe = self.ledger.client.pipeline(transaction=False)
-        pipe.hset(keys.compacted, plan.summary.id, record)
-        pipe.pexpire(keys.compacted, ttl_ms)
-        pipe.hset(keys.content, f"w:{plan.summary.id}", plan.summary_text)
-        pipe.pexpire(keys.content, ttl_ms)
-        pipe.execute()
-
-    def _tidy_summaries(self, keys: Any, plan: compactors.CompactionPlan, applied: bool) -> None:
-        """After the commit: the replaced items' texts and records go (a summary replaced
-        by a later one is applied through the later one); a summary not applied goes."""
-        if plan.summary is None or plan.summary_text is None:
-            return
-        pipe = self.ledger.client.pipeline(transaction=False)
-        if applied:
-            gone = [f"{c.code}:{i}" for c, i in plan.replaced]
-            if gone:
-                pipe.hdel(keys.content, *gone)
-            olds = [i for c, i in plan.replaced if c.code == "w"]
-            if olds:
-                pipe.hdel(keys.compacted, *olds)
-        else:
-            pipe.hdel(keys.compacted, plan.summary.id)
-            pipe.hdel(keys.content, f"w:{plan.summary.id}")
-        pipe.execute()
-
     # --- leases, metrics, health, loop -------------------------------------------------
 
+    @_ledger_errors
     def sweep(self, partitions: list[int] | None = None) -> int:
         """Release expired leases in every partition (or those given); a Redis error in
         one partition is counted and the sweep goes on (an unreachable server or an ACL
@@ -996,6 +976,7 @@ class Worker:
             n += 1
         return n
 
+    @_ledger_errors
     def observe(self) -> None:
         """Refresh lag gauges and the rules' leading indicators (a SCAN: not every poll)."""
         client, s = self.ledger.client, self.settings

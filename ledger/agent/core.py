@@ -595,9 +595,14 @@ class AgentCore:
             out.insert(at, summary)
         return out + tail
 
-    def _store(self, c: Consumer, planned: Sequence[tuple[Item, Obj]]) -> Generator[Any, Any, None]:
-        if (yield from self._storing()):
-            yield Store(tuple((f"{c.code}:{it.id}", self.text_of(o)) for it, o in planned))
+    def _texts(
+        self, planned: Sequence[tuple[Item, Obj]]
+    ) -> Generator[Call[Any], Any, list[str] | None]:
+        """The texts to send with an admission (its script stores those of the items it
+        admits, in the same step), or None when texts are not stored."""
+        if not (yield from self._storing()):
+            return None
+        return [self.text_of(o) for _, o in planned]
 
     def admit(
         self,
@@ -611,8 +616,10 @@ class AgentCore:
         if not planned:
             return Admission((), (), None, 0, -1)
         memory = c in (Consumer.RETRIEVAL, Consumer.RECALL)
-        yield from self._store(c, planned)
-        call = self.session.admit_call(c, [it for it, _ in planned], partial=True, turn=turn)
+        texts = yield from self._texts(planned)
+        call = self.session.admit_call(
+            c, [it for it, _ in planned], partial=True, texts=texts, turn=turn
+        )
         try:
             got = yield call
         except AdmissionRefused as exc:
@@ -670,10 +677,11 @@ class AgentCore:
         tokens = count(self.counter, body, f"tool result {app_id!s:.60}") + self.item_overhead
         if tokens == 0:
             raise InvalidArgument(f"tool result {app_id!s:.60} counts 0 tokens")
-        if (yield from self._storing()):
-            yield Store(((f"{Consumer.SCRATCHPAD.code}:{iid}", body),))
+        keep = yield from self._storing()
         try:
-            got = yield self.session.admit_tool_result_call(iid, tokens, body, turn=turn)
+            got = yield self.session.admit_tool_result_call(
+                iid, tokens, body, keep_text=keep, turn=turn
+            )
         except AdmissionRefused as exc:
             # No room for it, nor for its preview: the prompt gets a note saying so (the
             # tool call must be answered), which the ledger holds in its place.
@@ -682,7 +690,9 @@ class AgentCore:
                 "tokens and no room for them; ask for less]"
             )
             n = count(self.counter, note, "a refusal note") + self.item_overhead
-            noted = yield self.session.admit_tool_result_call(iid, n, note, turn=turn)
+            noted = yield self.session.admit_tool_result_call(
+                iid, n, note, keep_text=keep, turn=turn
+            )
             evicted, unknown = self.resolve(noted.evicted)
             self.known[(Consumer.SCRATCHPAD, iid)] = result
             return ToolOutcome(
@@ -750,12 +760,18 @@ class AgentCore:
         plan: dict[Consumer, list[tuple[Item, Obj]]] = {}
         for consumer, objs in held.items():
             plan[Consumer.parse(consumer)] = self.items(objs)
-        for c, pairs in plan.items():  # (their texts too: a compaction after it reads them)
-            if pairs:
-                yield from self._store(c, pairs)
         done: Reconciled = yield self.session.reconcile_call(
             {c: [it for it, _ in pairs] for c, pairs in plan.items()}
         )
+        if (yield from self._storing()):  # (their texts too, once the ledger holds them: a
+            # compaction after it reads them)
+            yield Store(
+                tuple(
+                    (f"{c.code}:{it.id}", self.text_of(o))
+                    for c, pairs in plan.items()
+                    for it, o in pairs
+                )
+            )
         for c, pairs in plan.items():
             for key in [k for k in self.known if k[0] == c]:
                 del self.known[key]

@@ -164,8 +164,20 @@ def is_estimate(counter: object) -> bool:
 
 
 def count(counter: Callable[[str], int], text: str, what: str) -> int:
-    """``counter(text)``, checked: a counter that raises, or returns anything but a
-    non-negative int, is an InvalidArgument naming ``what`` was being counted."""
+    """``counter(text)``, checked: a text that is not a str of valid Unicode (a lone
+    surrogate cannot be sent to Redis, nor to a model), a counter that raises, or one that
+    returns anything but a non-negative int, is an InvalidArgument naming ``what`` was
+    being counted."""
+    if not isinstance(text, str):
+        raise InvalidArgument(f"the text of {what} must be a str, got {type(text).__name__}")
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidArgument(
+                f"the text of {what} is not valid Unicode: {exc.reason} at character "
+                f"{exc.start} ({text[max(exc.start - 20, 0) : exc.start]!r} before it)"
+            ) from None
     try:
         n = counter(text)
     except Exception as exc:

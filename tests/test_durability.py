@@ -1,0 +1,181 @@
+"""Durable writes (``replica_acks``): a call returns once its write is on the replicas, or
+raises NotReplicated; without the setting an acknowledged write may exist only on the
+primary, which a failover loses. Real primaries and replicas, standalone and Cluster."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from ledger import (
+    AsyncLedger,
+    ConfigurationError,
+    Consumer,
+    Item,
+    Ledger,
+    LedgerSettings,
+    NotReplicated,
+    SessionBudget,
+)
+from tests import servers
+
+WM = Consumer.WORKING_MEMORY
+BUDGET = SessionBudget(window=10_000, system_prompt=100)
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[tuple[servers.RedisProcess, servers.RedisProcess]]:
+    with servers.replicated() as both:
+        yield both
+
+
+@contextlib.contextmanager
+def stopped(server: servers.RedisProcess) -> Iterator[None]:
+    """The server frozen (SIGSTOP): it holds its connections but reads nothing."""
+    assert server.proc is not None
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+
+
+def settings(url: str, **kw: object) -> LedgerSettings:
+    return LedgerSettings(redis_url=url, prefix=f"d{uuid.uuid4().hex[:10]}", **kw)  # type: ignore[arg-type]
+
+
+def on_replica(
+    replica: servers.RedisProcess, key: str, field: str, cluster: bool = False
+) -> bytes | None:
+    r = redis.Redis(port=replica.port)
+    try:
+        if cluster:
+            r.execute_command("READONLY")  # a cluster replica serves reads only so
+        return r.hget(key, field)  # type: ignore[return-value]
+    finally:
+        r.close()
+
+
+@pytest.mark.redis
+def test_an_acknowledged_write_is_on_the_replica(
+    pair: tuple[servers.RedisProcess, servers.RedisProcess],
+) -> None:
+    primary, replica = pair
+    with Ledger.from_settings(settings(primary.url, replica_acks=1)) as led:
+        s = led.open_session("s-1", BUDGET)
+        s.admit(WM, [Item("m0", 10)])
+        # read at once, with no wait: WAIT returned only once the replica held it
+        assert on_replica(replica, s.keys.session, "i:w:m0") is not None
+        [done] = led.run_many([s.admit_call(WM, [Item("m1", 10)])])
+        assert done.charged == 10
+        assert on_replica(replica, s.keys.session, "i:w:m1") is not None
+
+
+@pytest.mark.redis
+def test_a_write_the_replica_did_not_get_is_not_acknowledged_and_a_retry_waits_again(
+    pair: tuple[servers.RedisProcess, servers.RedisProcess],
+) -> None:
+    primary, replica = pair
+    durable = settings(primary.url, replica_acks=1, replica_ack_timeout_ms=200)
+    with Ledger.from_settings(durable) as led:
+        s = led.open_session("s-2", BUDGET)
+        call = s.admit_call(WM, [Item("durable", 10)])
+        with stopped(replica):
+            with pytest.raises(NotReplicated) as info:
+                led.run(call)
+            assert (info.value.acked, info.value.wanted) == (0, 1)
+            with pytest.raises(NotReplicated):
+                led.run_many([s.admit_call(WM, [Item("batch", 10)])])
+        # the replica is back: the same call again is answered from its stored outcome
+        # and waits again; charged once
+        assert led.run(call).charged == 10
+        assert on_replica(replica, s.keys.session, "i:w:durable") is not None
+        assert s.snapshot().used[WM] == 20 and s.audit().clean
+
+
+@pytest.mark.redis
+def test_a_failover_loses_what_only_the_primary_held() -> None:
+    """Without replica_acks an acknowledged write can be lost by a failover (the
+    replication window); with it, the write that did not reach the replica was never
+    acknowledged."""
+    with servers.replicated() as (primary, replica):
+        durable = settings(primary.url, replica_acks=1, replica_ack_timeout_ms=200)
+        plain = durable.model_copy(update={"replica_acks": 0})
+        with Ledger.from_settings(durable) as led, Ledger.from_settings(plain) as fast:
+            s = led.open_session("s-f", BUDGET)
+            s.admit(WM, [Item("before", 10)])
+            f = fast.session("s-f")
+            # the replica cut off from its primary (as by a partition, or a lag the
+            # failover does not wait for); it is then promoted
+            promoted = redis.Redis(port=replica.port)
+            promoted.execute_command("REPLICAOF", "NO", "ONE")
+            assert f.admit(WM, [Item("plain", 10)]).charged == 10  # acknowledged
+            with pytest.raises(NotReplicated):
+                s.admit(WM, [Item("durable", 10)])  # not acknowledged
+            primary.kill()  # -9: the writes only it held are gone
+        try:
+            held = promoted.hgetall(s.keys.session)
+        finally:
+            promoted.close()
+        assert b"i:w:before" in held
+        assert b"i:w:plain" not in held  # acknowledged, then lost in the failover
+        assert b"i:w:durable" not in held  # lost too, but the caller was told
+
+
+@pytest.mark.redis
+async def test_the_async_face_waits_too(
+    pair: tuple[servers.RedisProcess, servers.RedisProcess],
+) -> None:
+    primary, replica = pair
+    async with AsyncLedger.from_settings(
+        settings(primary.url, replica_acks=1, replica_ack_timeout_ms=200)
+    ) as led:
+        s = await led.open_session("s-3", BUDGET)
+        await s.admit(WM, [Item("m0", 10)])
+        assert on_replica(replica, s.keys.session, "i:w:m0") is not None
+        with stopped(replica), pytest.raises(NotReplicated):
+            await s.admit(WM, [Item("m1", 10)])
+
+
+@pytest.mark.embedded
+def test_the_embedded_backend_refuses_replica_acks() -> None:
+    with pytest.raises(ConfigurationError, match="replica"):
+        Ledger.from_settings(settings(f"embedded://{uuid.uuid4().hex}", replica_acks=1))
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+async def test_on_a_cluster_each_write_waits_for_its_slots_replica() -> None:
+    with servers.cluster_with_replicas(3) as (primaries, replicas):
+        url = f"redis+cluster://127.0.0.1:{primaries[0].port}"
+        durable = settings(url, replica_acks=1, replica_ack_timeout_ms=200)
+        owners = {p.port: r for p, r in zip(primaries, replicas, strict=True)}
+        with Ledger.from_settings(durable) as led:
+            sessions = [led.open_session(f"c-{i}", BUDGET) for i in range(12)]
+            by_node: dict[int, list[object]] = {}
+            for s in sessions:
+                s.admit(WM, [Item("m0", 10)])
+                node = led.client.get_node_from_key(s.keys.session)  # type: ignore[union-attr]
+                replica = owners[int(node.port)]
+                assert on_replica(replica, s.keys.session, "i:w:m0", cluster=True) is not None
+                by_node.setdefault(int(node.port), []).append(s)
+            assert len(by_node) >= 2
+            # one primary's replica frozen: its sessions' writes are not acknowledged,
+            # the other primaries' are
+            frozen_port, *others = sorted(by_node)
+            with stopped(owners[frozen_port]):
+                for s in by_node[frozen_port]:
+                    with pytest.raises(NotReplicated):
+                        s.admit(WM, [Item("m1", 10)])  # type: ignore[attr-defined]
+                for port in others:
+                    for s in by_node[port]:
+                        s.admit(WM, [Item("m1", 10)])  # type: ignore[attr-defined]
+        async with AsyncLedger.from_settings(durable) as aled:
+            a = await aled.session("c-0")
+            await a.admit(WM, [Item("m2", 10)])
