@@ -51,6 +51,7 @@ def _settings(args: argparse.Namespace) -> LedgerSettings:
 def cmd_demo(args: argparse.Namespace, out: Console) -> int:
     import json
     import logging
+    import textwrap
 
     settings = _settings(args)
     if settings.redis_url is None:  # the demo alone runs in-process when no URL is set
@@ -68,7 +69,7 @@ def cmd_demo(args: argparse.Namespace, out: Console) -> int:
     from rich.progress import Progress
 
     from ledger.fleet import report as fleet_report
-    from ledger.fleet.run import LARGE_SESSIONS, FleetConfig, run
+    from ledger.fleet.run import LARGE_SESSIONS, FleetConfig, run, stages
 
     logging.getLogger("ledger.worker").setLevel(logging.ERROR)
     sessions = args.sessions or (LARGE_SESSIONS if args.large else FleetConfig.sessions)
@@ -82,21 +83,31 @@ def cmd_demo(args: argparse.Namespace, out: Console) -> int:
             f"scenario 001 on {config.sessions} agent sessions (median 40 turns, capped at "
             f"{config.max_turns}) and {config.workers} workers"
         )
-    with Progress(console=Console(stderr=True), transient=True, disable=args.json) as bar:
-        task = bar.add_task("001 sessions", total=config.sessions)
-        res = run(settings, config, progress=lambda n: bar.advance(task, n))
+    # progress on stderr for every stage, --json included (stdout holds the JSON alone)
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        tasks = {name: bar.add_task(name, total=n) for name, n in stages(config).items()}
+        res = run(settings, config, progress=lambda name, n: bar.advance(tasks[name], n))
     summary = fleet_report.summarize(res)
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
-    else:
+    elif out.width >= WIDE:
         out.print(fleet_report.table(summary))
         out.print(fleet_report.footer(summary))
+    else:  # a narrow terminal: blocks wrapped at spaces, no number split across lines
+        out.print(fleet_report.narrow(summary, out.width), markup=False, highlight=False)
+        for line in fleet_report.footer(summary).splitlines():
+            wrapped = textwrap.fill(line, out.width, break_long_words=False, break_on_hyphens=False)
+            out.print(wrapped, markup=False, highlight=False)
     if args.plot:
         fleet_report.plot(summary, args.plot)
         if not args.json:
             out.print(f"plot written to {args.plot}")
     clean = res.audits_clean == res.audits_total and res.over_allocations == 0
-    return EXIT_OK if clean else EXIT_VIOLATION
+    checks_pass = all(c["pass"] for c in summary["acceptance"].values())
+    return EXIT_OK if clean and checks_pass else EXIT_VIOLATION
+
+
+WIDE = 140  # the demo's table needs this many columns; narrower terminals get blocks
 
 
 def _embedded(settings: LedgerSettings) -> bool:

@@ -123,3 +123,10 @@ def test_demo_json_default_run_meets_the_acceptance_checks(
     assert data["ledger"]["retrieval_admission"]["120"]["sessions"] >= 2
     assert data["over_allocations"] == 0
     assert data["audits_clean"] == data["audits_total"] > DEFAULT_SESSIONS
+    # At 80 columns every figure reads whole: wrapped at spaces only, no line too long.
+    text = report.narrow(data, 80)
+    assert max(len(line) for line in text.splitlines()) <= 80
+    words = set(text.split())
+    for row in report.rows(data):
+        for value in row[2:]:
+            assert set(value.split()) <= words, value

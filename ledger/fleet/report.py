@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import textwrap
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -221,118 +222,180 @@ def _rate(a: dict[str, Any], turn: int) -> str:
     c = a["retrieval_admission"][str(turn)]
     if c["rate"] is None:
         return "n/a (no session that long)"
-    return f"{c['rate']:.2f} ({c['sessions']} sessions)"
+    return f"{c['rate']:.2f} ({c['sessions']} sessions, {c['turns']} turns)"
 
 
-def table(s: dict[str, Any]) -> Table:
+COLUMNS = ("scenario", "measure", "the record's figures", "naive arbiter", "ledger")
+Row = tuple[str, str, str, str, str]
+
+
+def rows(s: dict[str, Any]) -> list[Row]:
+    """The demo's figures, one row per measure: the record's own figures (as the incident
+    record gives them: not measured here), then what this run measured."""
     n, lg = s["naive"], s["ledger"]
-    cfg = s["config"]
-    t = Table(title=f"seed {cfg['seed']}: each incident's figure, its naive arbiter, the ledger")
-    for name in ("scenario", "measure", "incident", "naive arbiter", "ledger"):
-        t.add_column(name, overflow="fold", style="bold" if name == "scenario" else None)
+    t: list[Row] = []
     rec_rates = {10: "0.91 -> 0.88-0.94", 60: "0.34 -> 0.88-0.94", 120: "0.07 -> 0.88-0.94"}
     for turn in CHECKPOINTS:
-        t.add_row(
-            "001 compaction-decay" if turn == CHECKPOINTS[0] else "",
-            f"turns with retrieval in the prompt, turn {turn}±{WINDOW_TURNS}",
-            rec_rates[turn],
-            _rate(n, turn),
-            _rate(lg, turn),
+        t.append(
+            (
+                "001 compaction-decay" if turn == CHECKPOINTS[0] else "",
+                f"turns with retrieval in the prompt, turn {turn}±{WINDOW_TURNS}",
+                rec_rates[turn],
+                _rate(n, turn),
+                _rate(lg, turn),
+            )
         )
-    t.add_row(
-        "",
-        "compaction interval, early / after turn 80 (turns)",
-        "~9 / ~3 -> ~18",
-        f"{_f(n['compaction_interval']['early'], '.1f')} / "
-        f"{_f(n['compaction_interval']['late'], '.1f')}",
-        f"{_f(lg['compaction_interval']['early'], '.1f')} / "
-        f"{_f(lg['compaction_interval']['late'], '.1f')}",
+    t.append(
+        (
+            "",
+            "compaction interval, early / after turn 80 (turns)",
+            "~9 / ~3 -> ~18",
+            f"{_f(n['compaction_interval']['early'], '.1f')} / "
+            f"{_f(n['compaction_interval']['late'], '.1f')}",
+            f"{_f(lg['compaction_interval']['early'], '.1f')} / "
+            f"{_f(lg['compaction_interval']['late'], '.1f')}",
+        )
     )
-    t.add_row(
-        "",
-        "occupancy after compaction, first / late (window)",
-        "creeps upward",
-        f"{_f(n['post_compaction_occupancy']['first'])} / "
-        f"{_f(n['post_compaction_occupancy']['late'])}",
-        f"{_f(lg['post_compaction_occupancy']['first'])} / "
-        f"{_f(lg['post_compaction_occupancy']['late'])}",
+    t.append(
+        (
+            "",
+            "occupancy after compaction, first / late (window)",
+            "creeps upward",
+            f"{_f(n['post_compaction_occupancy']['first'])} / "
+            f"{_f(n['post_compaction_occupancy']['late'])}",
+            f"{_f(lg['post_compaction_occupancy']['first'])} / "
+            f"{_f(lg['post_compaction_occupancy']['late'])}",
+        )
     )
     head = n["refusal_latency_headroom_ms"]
-    t.add_row(
-        "",
-        "retrieval refusals (reason)",
-        "token_budget_exhausted with ~180 ms headroom -> compaction_pending",
-        ", ".join(f"{k}={v}" for k, v in sorted(n["retrieval_refusals"].items()))
-        + (f"; headroom >= {head['min']:.0f} ms" if head else ""),
-        ", ".join(f"{k}={v}" for k, v in sorted(lg["retrieval_refusals"].items())) or "none",
+    t.append(
+        (
+            "",
+            "retrieval refusals (reason)",
+            "token_budget_exhausted with ~180 ms headroom -> compaction_pending",
+            ", ".join(f"{k}={v}" for k, v in sorted(n["retrieval_refusals"].items()))
+            + (f"; headroom >= {head['min']:.0f} ms" if head else ""),
+            ", ".join(f"{k}={v}" for k, v in sorted(lg["retrieval_refusals"].items())) or "none",
+        )
     )
-    t.add_row(
-        "",
-        "turns over the 900 ms SLO",
-        "none (p95 780-860) -> ~1.4%, the reset turns",
-        f"{100 * n['slo']['over_share']:.2f}% (p95 {n['slo']['p95_ms']:.0f} ms)",
-        f"{100 * lg['slo']['over_share']:.2f}% (p95 {lg['slo']['p95_ms']:.0f} ms; "
-        f"{lg['slo']['over_not_compaction_or_reset']} not a compaction or reset turn)",
+    t.append(
+        (
+            "",
+            "turns over the 900 ms SLO",
+            "none (p95 780-860) -> ~1.4%, the reset turns",
+            f"{100 * n['slo']['over_share']:.2f}% (p95 {n['slo']['p95_ms']:.0f} ms)",
+            f"{100 * lg['slo']['over_share']:.2f}% (p95 {lg['slo']['p95_ms']:.0f} ms; "
+            f"{lg['slo']['over_not_compaction_or_reset']} not a compaction or reset turn)",
+        )
     )
-    t.add_row(
-        "",
-        "hard resets / failed compactions",
-        "escalate after 3 failures",
-        f"0 / {n['compactions']} compactions never checked",
-        f"{lg['resets']} / {lg['failed_compactions']}",
+    t.append(
+        (
+            "",
+            "hard resets / failed compactions",
+            "escalate after 3 failures",
+            f"0 / {n['compactions']} compactions never checked",
+            f"{lg['resets']} / {lg['failed_compactions']}",
+        )
     )
     ns, ls = n["starvation"], lg["starvation"]
-    t.add_row(
-        "000 starvation",
-        "turns after turn 5 short of their working set",
-        "utilization 0.58-0.64, residual 2-3k vs ~6k",
-        f"{ns['short_turns']}/{ns['turns_after_5']} silent, utilization "
-        f"{ns['utilization'][0]:.2f}-{ns['utilization'][1]:.2f}, residual "
-        f"{ns['residual_mean']:.0f} vs {ns['working_set_mean']:.0f}",
-        f"{ls['regimes'].get('starvation', 0)} classed starvation, "
-        f"{ls['regimes'].get('loud', 0)} loud; reclaimed {ls['reclaimed_scratchpad']} "
-        f"scratchpad then {ls['reclaimed_retrieval']} retrieval; residual >= working set "
-        f"{ls['restored']}/{ls['turns_after_5']}",
+    t.append(
+        (
+            "000 starvation",
+            "turns after turn 5 short of their working set",
+            "utilization 0.58-0.64, residual 2-3k vs ~6k",
+            f"{ns['short_turns']}/{ns['turns_after_5']} silent, utilization "
+            f"{ns['utilization'][0]:.2f}-{ns['utilization'][1]:.2f}, residual "
+            f"{ns['residual_mean']:.0f} vs {ns['working_set_mean']:.0f}",
+            f"{ls['regimes'].get('starvation', 0)} classed starvation, "
+            f"{ls['regimes'].get('loud', 0)} loud; reclaimed {ls['reclaimed_scratchpad']} "
+            f"scratchpad then {ls['reclaimed_retrieval']} retrieval; residual >= working set "
+            f"{ls['restored']}/{ls['turns_after_5']}",
+        )
     )
     nt, lt = n["truncation_loop"], lg["truncation_loop"]
-    t.add_row(
-        "002 truncation-loop",
-        "prompt compressions; truncated results; repeated calls",
-        "a forbidden call gets through, its 20k result is cut, the call repeats",
-        f"{nt['compression_events']}; {nt['truncated']}; {nt['repeated_calls']} "
-        f"({nt['forbidden_calls']} forbidden calls)",
-        f"{lt['compression_events']}; {lt['truncated']}; {lt['repeated_calls']} "
-        f"(spilled {lt['spilled']}, refused {lt['refusals']})",
+    t.append(
+        (
+            "002 truncation-loop",
+            "prompt compressions; truncated results; repeated calls",
+            "a forbidden call gets through, its 20k result is cut, the call repeats",
+            f"{nt['compression_events']}; {nt['truncated']}; {nt['repeated_calls']} "
+            f"({nt['forbidden_calls']} forbidden calls)",
+            f"{lt['compression_events']}; {lt['truncated']}; {lt['repeated_calls']} "
+            f"(spilled {lt['spilled']}, refused {lt['refusals']})",
+        )
     )
     nf, lf = n["fanout"], lg["fanout"]
-    t.add_row(
-        "004 fan-out",
-        "spans 4 -> 23: ratio; final-prompt utilization",
-        "1.3 -> 11.8; 0.61 -> 0.44",
-        f"{_f(nf['ratio_first'], '.1f')} -> {_f(nf['ratio_last'], '.1f')}; "
-        f"{_f(nf['utilization_first'])} -> {_f(nf['utilization_last'])}; "
-        f"gauge alerts {nf['alerts']}",
-        f"{_f(lf['ratio_first'], '.1f')} -> {_f(lf['ratio_last'], '.1f')} (guard, "
-        f"{lf['guard_stops']} spans stopped)",
+    t.append(
+        (
+            "004 fan-out",
+            "spans 4 -> 23: ratio; final-prompt utilization",
+            "1.3 -> 11.8; 0.61 -> 0.44",
+            f"{_f(nf['ratio_first'], '.1f')} -> {_f(nf['ratio_last'], '.1f')}; "
+            f"{_f(nf['utilization_first'])} -> {_f(nf['utilization_last'])}; "
+            f"gauge alerts {nf['alerts']}",
+            f"{_f(lf['ratio_first'], '.1f')} -> {_f(lf['ratio_last'], '.1f')} (guard, "
+            f"{lf['guard_stops']} spans stopped)",
+        )
     )
     cls = ", ".join(f"{k}={v}" for k, v in sorted(lf["classes"].items()))
     ctl = ", ".join(f"{k}={v}" for k, v in sorted(lf["control_classes"].items()))
-    t.add_row(
-        "",
-        "classes (ratio > 3 at turn / classed at turn)",
-        "fragmentation > 3, pathological > 8",
-        "not measured",
-        f"{cls}; fragmentation {lf['first_ratio_over_3']}/{lf['first_fragmentation']}, "
-        f"pathological {lf['first_ratio_over_8']}/{lf['first_pathological']}; control: {ctl}",
+    t.append(
+        (
+            "",
+            "classes (ratio > 3 at turn / classed at turn)",
+            "fragmentation > 3, pathological > 8",
+            "not measured",
+            f"{cls}; fragmentation {lf['first_ratio_over_3']}/{lf['first_fragmentation']}, "
+            f"pathological {lf['first_ratio_over_8']}/{lf['first_pathological']}; control: {ctl}",
+        )
     )
-    t.add_row(
-        "all",
-        "over-allocations; audits",
-        "",
-        "",
-        f"{s['over_allocations']}; {s['audits_clean']}/{s['audits_total']} clean",
+    t.append(
+        (
+            "all",
+            "over-allocations; audits",
+            "",
+            "",
+            f"{s['over_allocations']}; {s['audits_clean']}/{s['audits_total']} clean",
+        )
     )
     return t
+
+
+def title(s: dict[str, Any]) -> str:
+    return f"seed {s['config']['seed']}: each incident's figure, its naive arbiter, the ledger"
+
+
+def table(s: dict[str, Any]) -> Table:
+    """The rows as one wide table (a terminal of about 140 columns or more)."""
+    t = Table(title=title(s))
+    for name in COLUMNS:
+        t.add_column(name, overflow="fold", style="bold" if name == "scenario" else None)
+    for row in rows(s):
+        t.add_row(*row)
+    return t
+
+
+def narrow(s: dict[str, Any], width: int = 80) -> str:
+    """The rows as blocks for a narrow terminal: a heading per measure, then one line per
+    column, wrapped at spaces only, so that no number is ever split across lines."""
+    out = [title(s), ""]
+    scenario = ""
+    for row in rows(s):
+        scenario = row[0] or scenario
+        out.append(f"{scenario}: {row[1]}")
+        for name, value in zip(COLUMNS[2:], row[2:], strict=True):
+            if value:
+                out.append(
+                    textwrap.fill(
+                        value,
+                        width,
+                        initial_indent=f"  {name}: ",
+                        subsequent_indent="    ",
+                        break_long_words=False,
+                        break_on_hyphens=False,
+                    )
+                )
+    return "\n".join(out)
 
 
 def footer(s: dict[str, Any]) -> str:

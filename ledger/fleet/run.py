@@ -30,7 +30,8 @@ DEFAULT_SESSIONS = 48
 LARGE_SESSIONS = 330
 
 T = TypeVar("T")
-Progress = Callable[[int], None] | None
+# progress(stage, steps done): every stage of stages(config), each reported as it goes
+Progress = Callable[[str, int], None] | None
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,17 @@ class FleetConfig:
     workers: int = 4
     max_turns: int = 130
     seed: int = 7
+
+
+def stages(config: FleetConfig) -> dict[str, int]:
+    """The demo's stages and their steps, in the order they run (for a progress display)."""
+    return {
+        "001 compaction-decay sessions": config.sessions,
+        "000 starvation": 1,
+        "002 truncation loop": 1,
+        "004 fan-out": 1,
+        "audits": 1,
+    }
 
 
 @dataclass
@@ -131,13 +143,13 @@ def _pool_map(
             for r in pool.map(fn, jobs):
                 out.append(r)
                 if progress:
-                    progress(1)
+                    progress("001 compaction-decay sessions", 1)
     else:
         with multiprocessing.get_context("spawn").Pool(workers) as pool:
             for r in pool.imap(fn, jobs):
                 out.append(r)
                 if progress:
-                    progress(1)
+                    progress("001 compaction-decay sessions", 1)
     return out
 
 
@@ -169,8 +181,14 @@ def run(settings: LedgerSettings, config: FleetConfig, progress: Progress = None
     with background_worker(settings, "ledger.workers.compactors:simulated") as worker:
         with Ledger.from_settings(settings) as led:
             starv = starvation.run(led, config.seed, tag)
+            if progress:
+                progress("000 starvation", 1)
             trunc = truncation.run(led, config.seed, tag)
+            if progress:
+                progress("002 truncation loop", 1)
             fan = fanout.run(led, config.seed, tag)
+            if progress:
+                progress("004 fan-out", 1)
         for k, v in _metric_totals(worker).items():
             worker_jobs[k] = worker_jobs.get(k, 0) + v
     calls += starv.calls + trunc.calls + fan.calls
@@ -186,6 +204,8 @@ def run(settings: LedgerSettings, config: FleetConfig, progress: Progress = None
             if sid.startswith("decay-"):
                 failed += snap.raw.get("x:failed_compactions", 0)
             led.session(sid).delete()
+    if progress:
+        progress("audits", 1)
     return DemoReport(
         config=config,
         backend=require_url(settings).split("://")[0],
