@@ -15,6 +15,7 @@ A missing one is a usage error (exit 2) whose message is the line that installs 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -117,58 +118,105 @@ def _embedded(settings: LedgerSettings) -> bool:
 
 
 def cmd_audit(args: argparse.Namespace, out: Console) -> int:
+    """Every session (or those named): counters against items. The Redis settings'
+    warnings first, then each session with violations (and, with --verbose, each clean
+    one), then one summary line; --json prints the same as one object. Exit 1 on any
+    violation, an id under two partitions, or an id asked for that does not exist; with
+    --strict also on overdue leases and on the Redis settings' warnings."""
+    import json
+
     from rich.markup import escape
 
+    from ledger import health
     from ledger.client import Ledger
+    from ledger.errors import translated
     from ledger.views import audits, placements
 
     with Ledger.from_settings(_settings(args)) as ledger:
+        with translated():  # Redis gone meanwhile: BackendUnavailable, exit 3
+            warnings = health.describe(health.check(ledger.client, ledger.settings.redis_url))
         where = placements(ledger, set(args.session) if args.session else None)
-        ids = args.session or sorted(where)
+        ids = list(dict.fromkeys(args.session)) if args.session else sorted(where)
         # An id under two partitions: clients with different partition counts opened it,
         # and each sees only its own copy. Reported whatever the audit of this key
         # space's copy (which may be neither of them) says.
         split = {sid: ps for sid, ps in where.items() if len(ps) > 1}
-        for sid, ps in sorted(split.items()):
-            keys = ", ".join(f"{ledger.keyspace.tag(p)}:s:{sid}" for p in ps)
-            out.print(
-                f"{escape(sid)}: [red]under {len(ps)} partitions "
-                f"({', '.join(f'p{p}' for p in ps)}): {escape(keys)}[/]; clients with "
-                f"different partition counts opened it (this one: "
-                f"{ledger.keyspace.partitions}, p{ledger.keyspace.partition_of(sid)})",
-                highlight=False,
-                soft_wrap=True,
-            )
-        bad = len(split)
-        audited = 0
-        clean: list[str] = []  # written in bulk: one rich print per line is slow at scale
+        violations: dict[str, list[str]] = {}
+        overdue: dict[str, list[str]] = {}
+        clean: list[str] = []
+        missing: list[str] = []
         for sid, rep in audits(ledger, ids):
             if isinstance(rep, UnknownSession):
-                if args.session and sid not in split:  # asked for by name: an error
-                    raise rep
+                if args.session and sid not in split:  # asked for by name: named, not fatal
+                    missing.append(sid)
                 continue  # closed (a tombstone) or expired since it was listed
-            audited += 1
-            # An overdue lease is not a violation (the counters hold it exactly, as
-            # session.audit() says): the worker's sweep has not released it yet.
-            late = (
-                f" ({len(rep.overdue)} lease(s) past their deadline, not yet released by "
-                f"the worker's sweep: {', '.join(rep.overdue)})"
-                if rep.overdue
-                else ""
-            )
+            if rep.overdue:  # not a violation: the worker's sweep has not released it yet
+                overdue[sid] = list(rep.overdue)
             if rep.clean:
-                if sid not in split:
-                    clean.append(f"{sid}: clean{late}\n")
-                continue
-            bad += sid not in split
-            out.out("".join(clean), end="", highlight=False)
-            clean.clear()
-            why = escape("; ".join(rep.problems))
-            out.print(f"{escape(sid)}: [red]{why}[/]{escape(late)}")
-        out.out("".join(clean), end="", highlight=False)
-        out.print(f"{audited} session(s) audited, {bad} with violations")
-        _warn_redis_settings(ledger, out)
-        return EXIT_VIOLATION if bad else EXIT_OK
+                clean.append(sid)
+            else:
+                violations[sid] = list(rep.problems)
+    audited = len(clean) + len(violations)
+    failed = bool(violations or split or missing) or (args.strict and bool(overdue or warnings))
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "audited": audited,
+                    "clean": len(clean),
+                    "violations": violations,
+                    "overdue": overdue,
+                    "missing": missing,
+                    "split": {sid: ps for sid, ps in sorted(split.items())},
+                    "warnings": warnings,
+                    "strict": args.strict,
+                    "ok": not failed,
+                },
+                indent=2,
+            )
+        )
+        return EXIT_VIOLATION if failed else EXIT_OK
+    for line in warnings:
+        out.print(f"[yellow]warning:[/] {escape(line)}", soft_wrap=True)
+    for sid, ps in sorted(split.items()):
+        keys = ", ".join(f"{ledger.keyspace.tag(p)}:s:{sid}" for p in ps)
+        out.print(
+            f"{escape(sid)}: [red]under {len(ps)} partitions "
+            f"({', '.join(f'p{p}' for p in ps)}): {escape(keys)}[/]; clients with "
+            f"different partition counts opened it (this one: "
+            f"{ledger.keyspace.partitions}, p{ledger.keyspace.partition_of(sid)})",
+            highlight=False,
+            soft_wrap=True,
+        )
+    for sid in missing:
+        out.print(f"{escape(sid)}: [red]no such session[/] (never opened, deleted or expired)")
+    for sid, problems in violations.items():
+        out.print(f"{escape(sid)}: [red]{escape('; '.join(problems))}[/]", soft_wrap=True)
+    if args.verbose:  # written in bulk: one rich print per line is slow at scale
+        out.out("".join(f"{sid}: clean\n" for sid in clean if sid not in split), end="")
+    for sid, late in overdue.items():
+        out.print(
+            f"{escape(sid)}: {len(late)} lease(s) past their deadline, not yet released by "
+            f"the worker's sweep: {escape(', '.join(late))}",
+            soft_wrap=True,
+        )
+    more = [
+        f"{n} {what}"
+        for n, what in (
+            (len(missing), "missing"),
+            (len(split), "under two partitions"),
+            (len(overdue), "with overdue leases"),
+            (len(warnings), "Redis setting warning(s)"),
+        )
+        if n
+    ]
+    out.print(
+        f"{audited} session(s) audited: {len(clean)} clean, {len(violations)} with "
+        f"violations{''.join(', ' + m for m in more)}" + ("; --strict" if args.strict else ""),
+        highlight=False,
+        soft_wrap=True,
+    )
+    return EXIT_VIOLATION if failed else EXIT_OK
 
 
 def cmd_scripts(args: argparse.Namespace) -> int:
@@ -178,20 +226,6 @@ def cmd_scripts(args: argparse.Namespace) -> int:
     for path in scripts.dump(args.dir):
         print(scripts.sha(path.stem), path)
     return EXIT_OK
-
-
-def _warn_redis_settings(ledger: Ledger, out: Console) -> None:
-    """Print what is wrong, or could not be verified, in the Redis settings the ledger
-    needs (noeviction, persistence, no evicted keys): a warning, not a violation."""
-    from rich.markup import escape
-
-    from ledger import health
-    from ledger.errors import translated
-
-    with translated():  # Redis gone meanwhile: BackendUnavailable, exit 3
-        report = health.check(ledger.client, ledger.settings.redis_url)
-    for line in health.describe(report):
-        out.print(f"[yellow]warning:[/] {escape(line)}", soft_wrap=True)
 
 
 def cmd_inspect(args: argparse.Namespace, out: Console) -> int:
@@ -291,7 +325,7 @@ class TopView:
         self.limit = limit
         self.prev: dict[str, tuple[int, int, int]] = {}  # sid -> now_ms, turn, refusals
 
-    def frame(self, ledger: Ledger, width: int = 80) -> Group:
+    def frame(self, ledger: Ledger, width: int = 80, live: bool = False) -> Group:
         import time
 
         from rich import box
@@ -334,20 +368,34 @@ class TopView:
             padding=(0, 0),
         )
         # Numbers are never cut: each column is as wide as its widest value; the
-        # session id takes what is left and is cut with an ellipsis.
+        # session id takes what is left and is cut in its middle, so that ids sharing a
+        # tenant prefix keep the ends that tell them apart.
         widths = [
             max([len(col)] + [len(row[i]) for row in cells]) for i, col in enumerate(self.COLUMNS)
         ]
         rest = width - sum(widths) - len(widths)  # one space between columns
         longest = max([len("session")] + [len(sid) for sid, _ in rows])
         sid_width = max(8, min(longest, rest))
-        t.add_column("session", no_wrap=True, overflow="ellipsis", width=sid_width)
+        t.add_column("session", no_wrap=True, overflow="crop", width=sid_width)
         for col, w in zip(self.COLUMNS, widths, strict=True):
             t.add_column(col, justify="right", no_wrap=True, width=w)
         for (sid, _), row in zip(rows, cells, strict=True):
-            t.add_row(sid, *row)
-        indicators = ", ".join(f"{k}={v}" for k, v in sorted(totals.items())) or "none"
-        return Group(t, Text(f"* compaction pending; indicators: {indicators}; q quits"))
+            t.add_row(cut_middle(sid, sid_width), *row)
+        # only the indicators that are not zero: the footer stays one line on a quiet fleet
+        indicators = ", ".join(f"{k}={v}" for k, v in sorted(totals.items()) if v) or "none"
+        keys = "; q quits" if live else ""
+        return Group(t, Text(f"* compaction pending; indicators: {indicators}{keys}"))
+
+
+def cut_middle(text: str, width: int) -> str:
+    """``text`` in at most ``width`` characters: its start and its (longer) end around an
+    ellipsis, so that ids which share a long prefix stay distinct."""
+    if len(text) <= width:
+        return text
+    if width <= 1:
+        return text[:width]
+    head = (width - 1) // 3
+    return text[:head] + "…" + text[len(text) - (width - 1 - head) :]
 
 
 def wait_for_key(stream: IO[str] | None, timeout: float) -> str | None:
@@ -400,7 +448,8 @@ def cmd_top(args: argparse.Namespace, out: Console, keys: IO[str] | None = None)
 
     from ledger.client import Ledger
 
-    view = TopView(args.limit)
+    # by default as many rows as the terminal has lines, less the title, header and footer
+    view = TopView(args.limit or max(5, out.height - 6))
     keys = sys.stdin if keys is None else keys
     with Ledger.from_settings(_settings(args)) as ledger:
         if args.once:
@@ -408,11 +457,11 @@ def cmd_top(args: argparse.Namespace, out: Console, keys: IO[str] | None = None)
             return EXIT_OK
         with (
             _cbreak(keys),
-            Live(view.frame(ledger, out.width), console=out, refresh_per_second=4) as live,
+            Live(view.frame(ledger, out.width, True), console=out, refresh_per_second=4) as live,
         ):
             try:
                 while wait_for_key(keys, args.interval) not in ("q", "Q"):
-                    live.update(view.frame(ledger, out.width))
+                    live.update(view.frame(ledger, out.width, True))
             except KeyboardInterrupt:
                 pass
     return EXIT_OK
@@ -472,6 +521,7 @@ def build_parser() -> argparse.ArgumentParser:
         "defaults to embedded://)",
     )
     p.add_argument("--prefix", help="key prefix (default: LEDGER_PREFIX or 'ledger')")
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser(
         "demo",
@@ -501,8 +551,24 @@ def build_parser() -> argparse.ArgumentParser:
         '(needs matplotlib: pip install "redis-token-ledger[plot]")',
     )
     d.set_defaults(func=cmd_demo)
-    a = sub.add_parser("audit", help="prove counters equal items (exit 1 on any violation)")
+    a = sub.add_parser(
+        "audit",
+        help="prove counters equal items (exit 1 on any violation)",
+        description="Check every session's counters (or the named sessions') against its "
+        "items and reservations, in batches. Prints the Redis settings' warnings, each "
+        "session with violations, each named id that does not exist, overdue leases, and "
+        "a summary line. Exit 1 on a violation, a missing named id or an id under two "
+        "partitions (with --strict also on overdue leases and Redis warnings), 3 when "
+        "Redis is unavailable.",
+    )
     a.add_argument("session", nargs="*", help="session ids (default: every session)")
+    a.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    a.add_argument(
+        "--strict",
+        action="store_true",
+        help="also fail on overdue leases and on the Redis settings' warnings",
+    )
+    a.add_argument("--verbose", "-v", action="store_true", help="also list each clean session")
     a.set_defaults(func=cmd_audit)
     i = sub.add_parser("inspect", help="one session: allocations, items, reservations, journal")
     i.add_argument("session")
@@ -519,7 +585,9 @@ def build_parser() -> argparse.ArgumentParser:
     tp = sub.add_parser(
         "top", help="live view of the busiest sessions and the indicators (q quits)"
     )
-    tp.add_argument("--limit", type=int, default=15)
+    tp.add_argument(
+        "--limit", type=int, help="sessions shown (default: as many as the terminal's height fits)"
+    )
     tp.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
     tp.add_argument("--once", action="store_true", help="print one frame and exit")
     tp.set_defaults(func=cmd_top)
@@ -555,16 +623,37 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _version() -> str:
+    from ledger import __version__
+
+    return __version__
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except BrokenPipeError:
+        # the reader went away (`ledger scripts DIR | head -3`): what it read was whole;
+        # stdout is pointed at /dev/null so that the interpreter's last flush is quiet
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         if args.command == "worker":
             return cmd_worker(args)
         if args.command == "scripts":
-            return cmd_scripts(args)
+            code = cmd_scripts(args)
+            sys.stdout.flush()
+            return code
         extra = "demo" if args.command == "demo" else "cli"
         console = need("rich.console", extra, f"ledger {args.command}").Console()
-        return int(args.func(args, console))
+        code = int(args.func(args, console))
+        sys.stdout.flush()  # a closed pipe is met here, inside main, not at exit
+        return code
     except (ConfigurationError, InvalidArgument, ValueError) as exc:
         return _fail(exc, EXIT_USAGE)
     except BackendUnavailable as exc:

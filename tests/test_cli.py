@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 import uuid
+from pathlib import Path
 
 import pytest
 import redis
 
+import ledger
 from ledger import Item, Ledger, LedgerSettings, SessionBudget, cli
 from tests.servers import RedisProcess
 
@@ -59,11 +64,25 @@ def test_audit_fails_on_corrupted_counters(
         led.open_session("healthy", SessionBudget(window=1000, system_prompt=10))
         assert cli.main(["--url", redis_server.url, "--prefix", prefix, "audit"]) == 0
         redis.Redis.from_url(redis_server.url).hset(s.keys.session, "u_r", 6)  # corrupt
-    code = cli.main(["--url", redis_server.url, "--prefix", prefix, "audit"])
+    code = cli.main(["--url", redis_server.url, "--prefix", prefix, "audit", "--verbose"])
     out = capsys.readouterr().out
     assert code == cli.EXIT_VIOLATION
     assert "retrieval used is 6, items say 5" in out
     assert "healthy: clean" in out
+    # by default only what is wrong, then the summary; --json the same as one object
+    code = cli.main(["--url", redis_server.url, "--prefix", prefix, "audit"])
+    out = capsys.readouterr().out
+    assert code == cli.EXIT_VIOLATION and "healthy: clean" not in out
+    assert "2 session(s) audited: 1 clean, 1 with violations" in out
+    code = cli.main(["--url", redis_server.url, "--prefix", prefix, "audit", "--json"])
+    got = json.loads(capsys.readouterr().out)
+    assert code == cli.EXIT_VIOLATION and not got["ok"]
+    assert (got["audited"], got["clean"], list(got["violations"])) == (2, 1, ["victim"])
+    assert got["warnings"]  # this test server has no persistence
+    # --strict: the Redis settings' warnings fail too
+    argv = ["--url", redis_server.url, "--prefix", prefix, "audit", "healthy"]
+    assert cli.main(argv) == cli.EXIT_OK
+    assert cli.main([*argv, "--strict"]) == cli.EXIT_VIOLATION
 
 
 def test_unavailable_backend_exit_code(capsys: pytest.CaptureFixture[str]) -> None:
@@ -124,15 +143,19 @@ def test_audit_in_batches_names_every_session(
         victim.admit("retrieval", [Item("a", 5)])
         redis.Redis.from_url(redis_server.url).hset(victim.keys.session, "u_r", 6)
         led.session(ids[-1]).delete()  # listed by name below: refused
-    code = cli.main(["--url", redis_server.url, "--prefix", prefix, "audit"])
+    code = cli.main(["--url", redis_server.url, "--prefix", prefix, "audit", "-v"])
     out = capsys.readouterr().out
     assert code == cli.EXIT_VIOLATION
     assert out.count(": clean") == len(ids) - 2
     assert f"{ids[views.BATCH + 3]}: " in out and "retrieval used is 6, items say 5" in out
-    assert f"{len(ids) - 1} session(s) audited, 1 with violations" in out
-    code = cli.main(["--url", redis_server.url, "--prefix", prefix, "audit", ids[0], ids[-1]])
+    assert f"{len(ids) - 1} session(s) audited: {len(ids) - 2} clean, 1 with violations" in out
+    # a missing id asked for by name is named, and the others are still audited
+    argv = ["--url", redis_server.url, "--prefix", prefix, "audit", ids[-1], ids[0], "-v"]
+    code = cli.main(argv)
+    out = capsys.readouterr().out
     assert code == cli.EXIT_VIOLATION
-    assert "does not exist" in capsys.readouterr().err
+    assert f"{ids[-1]}: no such session" in out and f"{ids[0]}: clean" in out
+    assert "1 session(s) audited: 1 clean, 0 with violations, 1 missing" in out
 
 
 def test_top_fits_80_columns_cuts_ids_never_numbers(
@@ -152,7 +175,8 @@ def test_top_fits_80_columns_cuts_ids_never_numbers(
     out = capsys.readouterr().out
     assert max(len(line) for line in out.splitlines()) <= 80
     assert "…" in out and long_id not in out  # the id is cut ...
-    row = next(line for line in out.splitlines() if line.lstrip().startswith("agent-fleet"))
+    row = next(line for line in out.splitlines() if line.lstrip().startswith("agent…"))
+    assert row.split()[0].endswith("x" * 8)  # cut in the middle: its end stays
     cells = row.split()
     assert snap.compaction_pending  # above the high-water mark: "*"
     assert str(snap.free) in cells and str(snap.residual_working_memory) in cells
@@ -216,3 +240,41 @@ def test_top_quits_on_q(redis_server: RedisProcess, prefix: str) -> None:
         os.close(w)
     assert not t.is_alive() and codes == [cli.EXIT_OK]
     assert "q" in buf.getvalue()
+
+
+def test_top_keeps_ids_that_share_a_tenant_prefix_distinct(
+    redis_server: RedisProcess,
+    prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.setenv("LINES", "24")
+    ids = [f"tenant-acme/agent-session-of-the-long-running-fleet-{i:03d}" for i in range(30)]
+    with Ledger.from_settings(LedgerSettings(redis_url=redis_server.url, prefix=prefix)) as led:
+        _open_many(led, ids)
+    assert cli.main(["--url", redis_server.url, "--prefix", prefix, "top", "--once"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert max(len(line) for line in lines) <= 80 and len(lines) <= 24  # fits 80x24
+    shown = [line.split()[0] for line in lines if line.lstrip().startswith("tenant")]
+    assert len(shown) >= 10 and len(set(shown)) == len(shown)  # every row's id distinct
+    assert all("…" in sid for sid in shown)  # cut in the middle: the distinct ends stay
+    assert "q quits" not in out  # --once: nothing to quit
+    assert lines[-1].startswith("* compaction pending; indicators: none")  # zeros left out
+
+
+def test_version_and_a_closed_pipe(tmp_path: Path) -> None:
+    got = subprocess.run(
+        [sys.executable, "-m", "ledger.cli", "--version"], capture_output=True, text=True
+    )
+    assert got.returncode == 0 and got.stdout.strip() == f"ledger {ledger.__version__}"
+    # `ledger scripts DIR | head -1`: the reader leaves early, no traceback
+    pipe = subprocess.run(
+        f"{sys.executable} -m ledger.cli scripts {tmp_path} | head -1",
+        shell=True,
+        capture_output=True,
+        text=True,
+    )
+    assert pipe.returncode == 0 and pipe.stdout.count("\n") == 1
+    assert "Traceback" not in pipe.stderr and "BrokenPipe" not in pipe.stderr

@@ -277,13 +277,14 @@ def requirements(extras: set[str]) -> set[str]:
 def test_dockerfile_installs_what_the_worker_needs(services: dict[str, dict[str, Any]]) -> None:
     """The image runs `ledger worker` (its metrics: the `worker` extra) with the compactor
     compose names (ledger.adapters.summarizer: httpx and a tokenizer, the `summarizer`
-    extra), and nothing the worker does not use."""
+    extra), the admin commands' output (``ledger audit`` / ``top`` / ``inspect`` in the
+    container: the `cli` extra), and nothing else."""
     for name in ("worker", "worker-cluster"):
         compactor = services[name]["environment"]["LEDGER_WORKER_COMPACTOR"]
         assert compactor.split(":")[0] == "ledger.adapters.summarizer", compactor
     names = requirements(installed_extras())
-    assert {"prometheus-client", "httpx", "tiktoken", "redis"} <= names, names
-    assert not names & {"fakeredis", "rich", "matplotlib"}, names  # embedded, cli, plot
+    assert {"prometheus-client", "httpx", "tiktoken", "redis", "rich"} <= names, names
+    assert not names & {"fakeredis", "matplotlib"}, names  # embedded, plot
 
 
 @pytest.mark.slow

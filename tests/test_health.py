@@ -158,7 +158,9 @@ def test_audit_prints_the_warnings(start: Start, capsys: pytest.CaptureFixture[s
     code = cli.main(["--url", lru.url, "--prefix", prefix, "audit"])
     out = capsys.readouterr().out
     assert code == cli.EXIT_OK  # a warning, not a violation
-    assert "s-1: clean" in out
+    assert "1 session(s) audited: 1 clean, 0 with violations, 2 Redis setting warning(s)" in out
+    assert cli.main(["--url", lru.url, "--prefix", prefix, "audit", "--strict"]) == 1
+    capsys.readouterr()
     lines = [line for line in out.splitlines() if line.startswith("warning:")]
     assert len(lines) == 2, out
     assert "maxmemory-policy is allkeys-lru" in lines[0] and f":{lru.port}" in lines[0]

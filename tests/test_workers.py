@@ -39,7 +39,7 @@ from ledger.errors import InvalidArgument, ReservationExpired, UnknownReservatio
 from ledger.models import Consumer, PartitionCheck
 from ledger.testing import WorkerProc, spawn_worker
 from ledger.workers.compactors import CompactionPlan, CompactionRequest
-from ledger.workers.runner import Worker, next_round
+from ledger.workers.runner import Worker, WorkerSettings, next_round
 from tests import jobs
 from tests.conftest import backend_url, make_settings
 from tests.jobs import session_hash
@@ -1005,3 +1005,26 @@ def test_worker_check_refuses_keys_of_two_partitions_and_bad_arguments(
         with pytest.raises(InvalidArgument):
             led.check_partition(k.partitions, "g", 5)
         assert led.check_partition(1, "g", 5) == PartitionCheck(None, True)  # no group yet
+
+
+def test_a_compactor_that_cannot_work_stops_the_worker_at_start(
+    led: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """openai_from_env without its endpoint: the worker refuses to start (the CLI exits
+    2) instead of reading jobs it would fail until they are dead-lettered."""
+    from ledger import ConfigurationError, cli
+    from ledger.adapters import summarizer
+
+    monkeypatch.delenv("LEDGER_SUMMARIZER_BASE_URL", raising=False)
+    monkeypatch.setattr(summarizer.openai_from_env, "_made", None)
+    with pytest.raises(ConfigurationError, match="LEDGER_SUMMARIZER_BASE_URL"):
+        Worker(led, WorkerSettings(compactor="ledger.adapters.summarizer:openai_from_env"))
+    argv = ["--url", led.settings.redis_url or "", "--prefix", led.settings.prefix]
+    code = cli.main(
+        [*argv, "worker", "--once", "--compactor", "ledger.adapters.summarizer:openai_from_env"]
+    )
+    assert code == cli.EXIT_USAGE
+    # with them it starts (nothing is called until a job comes)
+    monkeypatch.setenv("LEDGER_SUMMARIZER_BASE_URL", "http://127.0.0.1:9/v1")
+    monkeypatch.setenv("LEDGER_SUMMARIZER_MODEL", "stub")
+    Worker(led, WorkerSettings(compactor="ledger.adapters.summarizer:openai_from_env"))

@@ -312,6 +312,10 @@ class Worker:
         self.compactor: compactors.AnyCompactor | None = compactor
         if compactor is None and self.settings.compactor != "none":
             self.compactor = compactors.load(str(self.settings.compactor))
+        # A compactor that can tell it cannot work says so now, not at the first job.
+        check = getattr(self.compactor, "check", None)
+        if callable(check):
+            check()
         self.partitions = range(ledger.keyspace.partitions)
         self._partition_of = {self.stream(p): p for p in self.partitions}
         # One command may name every partition's keys only outside a cluster (there a

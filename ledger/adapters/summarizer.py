@@ -162,6 +162,13 @@ class _FromEnv:
             )
         return self._made
 
+    def check(self) -> None:
+        """What the worker runs at start: the ``summarizer`` extra and the variables are
+        there (a ConfigurationError says which is missing), so that no job is read by a
+        worker that would fail every one."""
+        need("httpx", "summarizer", "the OpenAI-compatible summarizer")
+        self.make()
+
     async def __call__(self, request: CompactionRequest) -> CompactionPlan:
         return await self.make()(request)
 
