@@ -477,7 +477,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from ledger.workers.compactors import NO_COMPACTOR
     from ledger.workers.runner import JsonFormatter, Worker, WorkerSettings
 
-    prometheus = need("prometheus_client", "worker", "ledger worker")
+    need("prometheus_client", "worker", "ledger worker")
 
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter())
@@ -500,13 +500,19 @@ def cmd_worker(args: argparse.Namespace) -> int:
             signal.signal(sig, lambda *_: stop.set())
     with Ledger.from_settings(settings) as ledger:
         worker = Worker(ledger, wsettings)
-        if wsettings.metrics_port:
-            prometheus.start_http_server(wsettings.metrics_port, registry=worker.metrics.registry)
+        http = None
+        if wsettings.metrics_port:  # /metrics, /healthz (the job loop turns), /readyz
+            from ledger.workers.http import serve
+
+            http = serve(worker, wsettings.metrics_port, wsettings.health_stale_seconds)
         try:
             worker.run(stop, once=args.once)
             if args.once:
                 worker.sweep()
         finally:
+            if http is not None:
+                http.shutdown()
+                http.server_close()
             worker.close()
     return EXIT_OK
 

@@ -93,6 +93,7 @@ SERVICE_KEYS = {
     "depends_on",
     "entrypoint",
     "environment",
+    "extra_hosts",
     "healthcheck",
     "image",
     "init",
@@ -413,3 +414,13 @@ def test_cluster_init_script_creates_the_cluster_once(
     again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "already created" in again.stdout
+
+
+def test_the_worker_is_probed_on_its_health_endpoint(services: dict[str, dict[str, Any]]) -> None:
+    """The worker's healthcheck asks /healthz on its metrics port (the job loop's
+    heartbeat, tests/test_workers.py), and the default summarizer host resolves on Linux."""
+    w = services["worker"]
+    port = w["environment"]["LEDGER_WORKER_METRICS_PORT"]
+    probe = " ".join(w["healthcheck"]["test"])
+    assert f"127.0.0.1:{port}/healthz" in probe
+    assert "host.docker.internal:host-gateway" in w["extra_hosts"]

@@ -1028,3 +1028,58 @@ def test_a_compactor_that_cannot_work_stops_the_worker_at_start(
     monkeypatch.setenv("LEDGER_SUMMARIZER_BASE_URL", "http://127.0.0.1:9/v1")
     monkeypatch.setenv("LEDGER_SUMMARIZER_MODEL", "stub")
     Worker(led, WorkerSettings(compactor="ledger.adapters.summarizer:openai_from_env"))
+
+
+def test_healthz_fails_when_the_job_loop_is_wedged(led: Ledger) -> None:
+    """/healthz reads the loop's heartbeat, not the HTTP thread's: a loop stuck in a step
+    makes it 503 while /metrics still answers; /readyz needs Redis's last pass too."""
+    import threading
+    import urllib.error
+    import urllib.request
+
+    from ledger.workers.http import serve
+
+    worker = in_process_worker(led, poll_interval=0.01, sweep_interval=0.05)
+    wedge, release = threading.Event(), threading.Event()
+    real = worker.sweep
+
+    def sweep(partitions: list[int] | None = None) -> int:
+        if wedge.is_set():
+            release.wait(30)  # a step that never returns (a hung call)
+        return real(partitions)
+
+    worker.sweep = sweep  # type: ignore[method-assign]
+    server = serve(worker, 0, stale_s=0.5, host="127.0.0.1")
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+
+    def get(path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(base + path, timeout=5) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    stop = threading.Event()
+    loop = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    try:
+        assert get("/readyz")[0] == 503  # not started yet
+        loop.start()
+        deadline = time.monotonic() + 10
+        while get("/readyz")[0] != 200:
+            assert time.monotonic() < deadline, get("/readyz")
+            time.sleep(0.05)
+        assert get("/healthz") == (200, "ok\n")
+        code, body = get("/metrics")
+        assert code == 200 and "ledger_redis_up 1.0" in body and "ledger_build_info" in body
+        assert get("/other")[0] == 404
+        wedge.set()
+        time.sleep(1.0)  # more than stale_s without a turn of the loop
+        code, why = get("/healthz")
+        assert code == 503 and "has not turned" in why
+        assert get("/readyz")[0] == 503 and get("/metrics")[0] == 200
+    finally:
+        release.set()
+        stop.set()
+        loop.join(10)
+        server.shutdown()
+        server.server_close()

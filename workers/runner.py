@@ -87,12 +87,18 @@ from ledger.workers import compactors
 from ledger.workers.trouble import TRANSIENT, Backoff, kind_of
 
 try:
-    from prometheus_client import CollectorRegistry, Counter, Gauge
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Info
 except ImportError as exc:  # the worker's metrics: the `worker` extra
     raise missing("prometheus-client", "worker", "the ledger worker") from exc
 
 log = logging.getLogger("ledger.worker")
 T = TypeVar("T")
+
+
+def _version() -> str:
+    from ledger import __version__
+
+    return __version__
 
 
 class WorkerSettings(BaseSettings):
@@ -143,7 +149,18 @@ class WorkerSettings(BaseSettings):
     max_in_flight: int = Field(
         default=16, ge=1, le=1024, description="compactions running at once in this worker"
     )
-    metrics_port: int = Field(default=0, ge=0, le=65535, description="0: no metrics endpoint")
+    metrics_port: int = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description="0: no HTTP endpoint; else /metrics, /healthz and /readyz on this port",
+    )
+    health_stale_seconds: float = Field(
+        default=90.0,
+        gt=0,
+        description="/healthz fails once the job loop has not turned for this long (it "
+        "turns at least every claim_idle_ms / 4 and health_interval)",
+    )
     backoff_initial: float = Field(
         default=0.1, gt=0, description="seconds to wait after a pass that met a Redis error"
     )
@@ -206,6 +223,16 @@ class Metrics:
             ["kind"],
             registry=r,
         )
+        self.redis_up = Gauge(
+            "ledger_redis_up", "1 when Redis answered the job loop's last pass", registry=r
+        )
+        self.heartbeat = Gauge(
+            "ledger_worker_heartbeat_timestamp_seconds",
+            "Unix time the job loop last turned",
+            registry=r,
+        )
+        self.info = Info("ledger_build", "The ledger's version", registry=r)
+        self.info.info({"version": _version()})
         self.errors = Counter(
             "ledger_worker_errors",
             "Errors the worker met and survived, by kind (oom, readonly, loading, busy, "
@@ -318,6 +345,9 @@ class Worker:
             check()
         self.partitions = range(ledger.keyspace.partitions)
         self._partition_of = {self.stream(p): p for p in self.partitions}
+        self.beat: float | None = None  # monotonic time the job loop last turned
+        self.redis_ok = False  # Redis answered the loop's last pass
+        self._last_kind: str | None = None
         # One command may name every partition's keys only outside a cluster (there a
         # command stays within one hash slot, and each partition has its own).
         url = ledger.settings.redis_url
@@ -1054,10 +1084,29 @@ class Worker:
             },
         )
 
+    def _redis_ok_despite_trouble(self) -> bool:
+        """After a troubled pass: whether Redis still answered (the trouble was a job's
+        or a bug's, not an outage or a refusal)."""
+        return self._last_kind not in _WHOLE_PASS
+
+    def health(self, stale_s: float) -> tuple[bool, bool, str]:
+        """(healthy, ready, why) for /healthz and /readyz: healthy while the job loop
+        turned within ``stale_s`` seconds; ready when healthy, started and Redis answered
+        its last pass."""
+        if self.beat is None:
+            return True, False, "starting"
+        age = time.monotonic() - self.beat
+        if age > stale_s:
+            return False, False, f"the job loop has not turned for {age:.1f} s"
+        if not self.redis_ok:
+            return True, False, "Redis did not answer the last pass (or refused it)"
+        return True, True, "ok"
+
     def _survive(self, exc: BaseException, where: str) -> None:
         """Whatever escaped a step of the loop: a Redis or ledger error is counted and
         logged by kind, anything else (a bug) logged with its traceback, as internal."""
         kind = kind_of(exc)
+        self._last_kind = kind
         if kind is None:
             self._troubled = True
             self.metrics.errors.labels("internal").inc()
@@ -1117,6 +1166,7 @@ class Worker:
         while not stop.is_set():
             self._troubled = False
             now = time.monotonic()
+            self.beat = now  # the job loop is turning (what /healthz reads)
             if now - self._last_health >= s.health_interval:
                 self._last_health = now
                 self._guard(self.check_redis, "health")
@@ -1153,6 +1203,9 @@ class Worker:
                     got = readers.take(wait)
                     taken = [p for p, _ in got]
                     worked = self._guard(functools.partial(self._read_results, got), "poll")
+            self.redis_ok = not self._troubled or self._redis_ok_despite_trouble()
+            self.metrics.redis_up.set(1 if self.redis_ok else 0)
+            self.metrics.heartbeat.set(time.time())
             if once:
                 break
             if self._troubled:

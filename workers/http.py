@@ -1,0 +1,53 @@
+"""The worker's HTTP endpoint: ``/metrics`` (Prometheus), ``/healthz`` and ``/readyz``.
+
+``/healthz`` answers 200 while the job loop keeps turning and 503 once it has not turned
+for ``stale_s`` seconds (a wedged loop: a probe that restarts the container then helps);
+``/readyz`` answers 200 only when the loop is healthy, has started and Redis answered its
+last pass. Anything else is 404. Served by a thread of its own, so it answers while the
+loop is busy, but it reads the loop's own heartbeat, so it does not say "healthy" for a
+loop that stopped.
+"""
+
+from __future__ import annotations
+
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+if TYPE_CHECKING:
+    from ledger.workers.runner import Worker
+
+
+def serve(worker: Worker, port: int, stale_s: float, host: str = "") -> ThreadingHTTPServer:
+    """Start the endpoint on ``port`` (0: a free one; see ``server_address``) in a daemon
+    thread; ``shutdown()`` then ``server_close()`` stop it."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # (the name http.server calls)
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                self._send(200, generate_latest(worker.metrics.registry), CONTENT_TYPE_LATEST)
+                return
+            if path in ("/healthz", "/readyz"):
+                healthy, ready, why = worker.health(stale_s)
+                ok = healthy if path == "/healthz" else ready
+                self._send(200 if ok else 503, (why + "\n").encode(), "text/plain")
+                return
+            self._send(404, b"not found: /metrics, /healthz, /readyz\n", "text/plain")
+
+        def _send(self, code: int, body: bytes, kind: str) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            return  # the worker logs JSON lines; probes every few seconds would drown them
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="ledger-worker-http", daemon=True).start()
+    return server
