@@ -1,4 +1,5 @@
-"""The ``ledger`` command: ``demo``, ``inspect``, ``top``, ``audit``, ``worker``, ``scripts``.
+"""The ``ledger`` command: ``demo``, ``inspect``, ``top``, ``audit``, ``dead``, ``worker``,
+``scripts``.
 
 Exit codes: 0 success; 1 an audit found violations or the demo's checks failed;
 2 bad usage or configuration (among them: no Redis URL for worker, audit, inspect or top,
@@ -8,7 +9,7 @@ Only ``demo`` runs in-process (``embedded://``) when no URL is set; the other co
 need ``--url`` or ``LEDGER_REDIS_URL`` (``embedded://`` only when asked for by name).
 
 Extras (ledger/extras.py): ``demo`` needs ``redis-token-ledger[demo]``; ``top``,
-``inspect`` and ``audit`` need ``[cli]``; ``worker`` needs ``[worker]``; ``scripts`` none.
+``inspect``, ``audit`` and ``dead`` need ``[cli]``; ``worker`` needs ``[worker]``; ``scripts`` none.
 A missing one is a usage error (exit 2) whose message is the line that installs it.
 """
 
@@ -217,6 +218,50 @@ def cmd_audit(args: argparse.Namespace, out: Console) -> int:
         soft_wrap=True,
     )
     return EXIT_VIOLATION if failed else EXIT_OK
+
+
+def cmd_dead(args: argparse.Namespace, out: Console) -> int:
+    """The jobs the worker gave up on: list them, or replay or purge some (or --all)."""
+    import json
+
+    from rich.markup import escape
+
+    from ledger.client import Ledger
+    from ledger.views import dead_letters, purge_dead, replay_dead
+
+    with Ledger.from_settings(_settings(args)) as ledger:
+        if args.action == "list":
+            depths, letters = dead_letters(ledger, args.limit)
+            if args.json:
+                rows = [{"ref": d.ref, **d.fields} for d in letters]
+                print(json.dumps({"depths": depths, "letters": rows}, indent=2))
+                return EXIT_OK
+            for d in letters:
+                f = d.fields
+                out.print(
+                    f"{escape(d.ref)} {escape(f.get('kind', '?'))} session "
+                    f"{escape(f.get('session', '?'))}: {escape(f.get('why', ''))}; "
+                    f"{escape(f.get('error', '')[:200])}",
+                    soft_wrap=True,
+                    highlight=False,
+                )
+            total = sum(depths.values())
+            out.print(
+                f"{total} dead letter(s) in {len(depths)} partition(s)"
+                + (f", {len(letters)} shown" if len(letters) < total else ""),
+                highlight=False,
+            )
+            return EXIT_OK
+        if not args.refs and not args.all:
+            raise InvalidArgument(f"ledger dead {args.action} needs letters (p<N>:<id>) or --all")
+        refs = None if args.all else args.refs
+        if args.action == "replay":
+            new = replay_dead(ledger, refs)
+            out.print(f"{len(new)} dead letter(s) put back on their job streams", highlight=False)
+        else:
+            n = purge_dead(ledger, refs)
+            out.print(f"{n} dead letter(s) deleted", highlight=False)
+    return EXIT_OK
 
 
 def cmd_scripts(args: argparse.Namespace) -> int:
@@ -597,6 +642,21 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
     tp.add_argument("--once", action="store_true", help="print one frame and exit")
     tp.set_defaults(func=cmd_top)
+    dl = sub.add_parser(
+        "dead",
+        help="jobs the worker gave up on: list, replay, purge",
+        description="Each partition keeps the jobs the worker dead-lettered (after "
+        "max_deliveries attempts) in <prefix>:{p<N>}:dead, at most dead_letter_max each. "
+        "list shows them as p<N>:<entry id> with why and the last error; replay puts the "
+        "named ones (or --all) back on their job streams as new jobs, fenced by the "
+        "session's epoch like any job; purge deletes them.",
+    )
+    dl.add_argument("action", choices=("list", "replay", "purge"))
+    dl.add_argument("refs", nargs="*", metavar="p<N>:<ID>", help="dead letters (from list)")
+    dl.add_argument("--all", action="store_true", help="replay or purge every dead letter")
+    dl.add_argument("--limit", type=int, default=100, help="letters listed (default 100)")
+    dl.add_argument("--json", action="store_true", help="list as one JSON object")
+    dl.set_defaults(func=cmd_dead)
     sc = sub.add_parser(
         "scripts",
         help="write every Lua script as the clients send it to DIR/<name>.lua",

@@ -12,7 +12,7 @@ from redis.cluster import RedisCluster
 from ledger import protocol
 from ledger.client import Ledger
 from ledger.core import collect
-from ledger.errors import UnknownSession, translated
+from ledger.errors import InvalidArgument, LedgerError, UnknownSession, translated
 from ledger.models import AuditReport, Consumer, HeldItem, Snapshot
 from ledger.protocol import Call
 from ledger.scripts import outcome_key, stored_outcomes
@@ -242,3 +242,102 @@ def _busiest_by_name(
                 totals[name[2:]] = totals.get(name[2:], 0) + value
     rows.sort(key=lambda r: r[1].utilization, reverse=True)
     return rows[:limit], totals
+
+
+# --- dead letters ---------------------------------------------------------------------
+
+# The fields of a job as the scripts write it (docs/protocol.md#the-job-stream): what a
+# replay writes back to the partition's job stream.
+JOB_FIELDS = ("kind", "session", "epoch", "reason", "op", "inc")
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """One job the worker gave up on: ``ref`` is ``p<partition>:<entry id>`` (entry ids
+    repeat across partitions); ``job`` the entry id it had in the job stream."""
+
+    ref: str
+    partition: int
+    entry: str
+    fields: dict[str, str]
+
+    @property
+    def job(self) -> dict[str, str]:
+        return {k: self.fields[k] for k in JOB_FIELDS if k in self.fields}
+
+
+def dead_letters(ledger: Ledger, limit: int = 100) -> tuple[dict[int, int], list[DeadLetter]]:
+    """Every partition's dead-letter depth (non-empty ones), and up to ``limit`` of the
+    oldest letters, partition by partition."""
+    depths: dict[int, int] = {}
+    letters: list[DeadLetter] = []
+    with translated():
+        for p in range(ledger.keyspace.partitions):
+            name = f"{ledger.keyspace.tag(p)}:dead"
+            n = int(ledger.client.xlen(name))
+            if not n:
+                continue
+            depths[p] = n
+            if len(letters) < limit:
+                for eid, fields in ledger.client.xrange(name, count=limit - len(letters)) or []:
+                    e = _text(eid)
+                    letters.append(
+                        DeadLetter(
+                            f"p{p}:{e}",
+                            p,
+                            e,
+                            {_text(k): _text(v) for k, v in (fields or {}).items()},
+                        )
+                    )
+    return depths, letters
+
+
+def _parse_ref(ref: str, partitions: int) -> tuple[int, str]:
+    head, sep, entry = ref.partition(":")
+    if not sep or not head.startswith("p") or not head[1:].isdigit() or not entry:
+        raise InvalidArgument(f"a dead letter is named p<partition>:<entry id>, got {ref!r}")
+    p = int(head[1:])
+    if p >= partitions:
+        raise InvalidArgument(f"partition {p} of {ref!r} is not below {partitions}")
+    return p, entry
+
+
+def _take(ledger: Ledger, refs: Sequence[str] | None) -> list[DeadLetter]:
+    """The letters named (None: every one), each read back; a missing one is an error."""
+    if refs is None:
+        return dead_letters(ledger, limit=10**9)[1]
+    found = []
+    with translated():
+        for ref in refs:
+            p, entry = _parse_ref(ref, ledger.keyspace.partitions)
+            got = ledger.client.xrange(f"{ledger.keyspace.tag(p)}:dead", entry, entry)
+            if not got:
+                raise LedgerError(f"no dead letter {ref!r} (listed, replayed or purged?)")
+            fields = {_text(k): _text(v) for k, v in (got[0][1] or {}).items()}
+            found.append(DeadLetter(ref, p, entry, fields))
+    return found
+
+
+def replay_dead(ledger: Ledger, refs: Sequence[str] | None) -> list[str]:
+    """Put dead letters back on their partition's job stream (a new entry: the worker
+    runs it as a new job, fenced like any other by the session's epoch and state), and
+    remove them from the dead-letter stream. Returns the new entry ids."""
+    out = []
+    for letter in _take(ledger, refs):
+        tag = ledger.keyspace.tag(letter.partition)
+        with translated():
+            new = ledger.client.xadd(f"{tag}:jobs", dict(letter.job))  # type: ignore[arg-type]
+            ledger.client.xdel(f"{tag}:dead", letter.entry)
+        out.append(_text(new))
+    return out
+
+
+def purge_dead(ledger: Ledger, refs: Sequence[str] | None) -> int:
+    """Delete dead letters (None: all of them). Returns how many were deleted."""
+    n = 0
+    for letter in _take(ledger, refs):
+        with translated():
+            n += int(
+                ledger.client.xdel(f"{ledger.keyspace.tag(letter.partition)}:dead", letter.entry)
+            )
+    return n

@@ -87,6 +87,11 @@ def fleet_compactor(request: CompactionRequest) -> CompactionPlan:
 _flaky_seen: set[str] = set()
 
 
+def always_fails(request: CompactionRequest) -> CompactionPlan:
+    """A summarizer that is down: every job it gets ends dead-lettered."""
+    raise RuntimeError("summarizer down")
+
+
 def flaky_compactor(request: CompactionRequest) -> CompactionPlan:
     """Raises on its first call for a session, then behaves like fleet_compactor."""
     if request.session_id not in _flaky_seen:
@@ -1083,3 +1088,40 @@ def test_healthz_fails_when_the_job_loop_is_wedged(led: Ledger) -> None:
         loop.join(10)
         server.shutdown()
         server.server_close()
+
+
+def test_dead_letters_listed_replayed_and_purged(
+    led: Ledger, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A job the compactor always fails ends in a dead-letter stream; `ledger dead list`
+    shows it, `replay` puts it back on its job stream as a new job that a working
+    compactor then runs, `purge` deletes letters; the worker exports the depth."""
+    import json
+
+    from ledger import cli, views
+
+    open_compaction(led, "dl-1")
+    open_compaction(led, "dl-2")
+    worker = in_process_worker(
+        led, compactor="tests.test_workers:always_fails", max_deliveries=1, claim_idle_ms=10
+    )
+    drain_in_process(led, worker)
+    depths, letters = views.dead_letters(led)
+    assert sum(depths.values()) == 2 and {d.fields["session"] for d in letters} == {"dl-1", "dl-2"}
+    worker.observe()
+    gauge = worker.metrics.registry.get_sample_value
+    assert sum(gauge("ledger_dead_letters", {"partition": str(p)}) or 0 for p in depths) == 2
+    argv = ["--url", led.settings.redis_url or "", "--prefix", led.settings.prefix, "dead"]
+    assert cli.main([*argv, "list", "--json"]) == cli.EXIT_OK
+    listed = json.loads(capsys.readouterr().out)
+    refs = {r["session"]: r["ref"] for r in listed["letters"]}
+    assert cli.main([*argv, "replay", refs["dl-1"]]) == cli.EXIT_OK
+    assert cli.main([*argv, "replay", "p0:1-1"]) == cli.EXIT_VIOLATION  # no such letter
+    assert cli.main([*argv, "replay"]) == cli.EXIT_USAGE  # names, or --all
+    good = in_process_worker(led, claim_idle_ms=10)
+    drain_in_process(led, good)
+    assert session_hash(led, "dl-1")["kn"] == "1"  # the replayed job ran
+    assert session_hash(led, "dl-2")["kn"] == "0"
+    assert cli.main([*argv, "purge", "--all"]) == cli.EXIT_OK
+    assert views.dead_letters(led)[0] == {}
+    capsys.readouterr()

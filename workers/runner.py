@@ -132,6 +132,11 @@ class WorkerSettings(BaseSettings):
         "every max(claim_idle_ms, partitions / cluster_checks); unused on one server",
     )
     max_deliveries: int = Field(default=5, ge=1, description="then dead-letter the job")
+    dead_letter_max: int = Field(
+        default=10_000,
+        ge=1,
+        description="dead letters kept per partition (the oldest go first, XADD MAXLEN ~)",
+    )
     batch: int = Field(default=16, ge=1, le=1000)
     sweep_interval: float = Field(
         default=1.0,
@@ -221,6 +226,12 @@ class Metrics:
             "ledger_jobs_skipped",
             "Jobs acknowledged without running: session gone, or a hard reset requested",
             ["kind"],
+            registry=r,
+        )
+        self.dead_depth = Gauge(
+            "ledger_dead_letters",
+            "Jobs in the partition's dead-letter stream (ledger dead list / replay / purge)",
+            ["partition"],
             registry=r,
         )
         self.redis_up = Gauge(
@@ -756,7 +767,7 @@ class Worker:
             "why": why,
             "error": (last.decode() if isinstance(last, bytes) else str(last or "")),
         }
-        client.xadd(self.dead_letter(partition), entry)
+        client.xadd(self.dead_letter(partition), entry, maxlen=s.dead_letter_max, approximate=True)
         client.xdel(self.stream(partition), eid)
         client.xack(self.stream(partition), s.group, eid)
         client.hdel(errors, eid)
@@ -1028,6 +1039,7 @@ class Worker:
                     lag, pending = int(g.get("lag") or 0), int(g.get("pending") or 0)
             self.metrics.lag.labels(str(p)).set(lag)
             self.metrics.pending.labels(str(p)).set(pending)
+            self.metrics.dead_depth.labels(str(p)).set(client.xlen(self.dead_letter(p)))
         totals: dict[str, int] = {}
         drift_max, flagged = 0, 0
         for sid in self.ledger.session_ids():
