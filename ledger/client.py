@@ -114,7 +114,7 @@ class Ledger(LedgerCore):
             # redis-py pipelines no EVALSHA on a cluster: one call after the other.
             return collect(batch, [self._try(c) for c in batch], return_exceptions)
         if self._wait[0] and any(c.script not in scripts.READ_ONLY for c in batch):
-            raws = self._sent(functools.partial(self._send_batch_acked, batch))
+            raws = self._sent(functools.partial(self._send_batch, batch, True, True))
             return collect(batch, raws, return_exceptions)
         raws = self._sent(functools.partial(self._send_batch, batch))
         return collect(batch, raws, return_exceptions)
@@ -128,57 +128,41 @@ class Ledger(LedgerCore):
         except LedgerError as exc:
             return exc
 
-    def _send_batch(self, batch: list[Call[Any]], transaction: bool = True) -> list[object]:
+    def _send_batch(
+        self, batch: list[Call[Any]], transaction: bool = True, acked: bool = False
+    ) -> list[object]:
         """The raw replies of a batch sent as one MULTI/EXEC, in order, with no other
         client's command between its calls (see ``batch_loads`` for NOSCRIPT). Without
         ``transaction``, one plain pipeline (for read-only calls that need no order
-        between them): a call that met NOSCRIPT is sent again once its script is loaded."""
+        between them): a call that met NOSCRIPT is sent again once its script is loaded.
+        With ``acked`` (``replica_acks``), the MULTI/EXEC is written out in a plain
+        pipeline and followed by WAIT on the same connection: the batch returns once that
+        many replicas hold its writes, else :class:`NotReplicated`."""
         load = batch_loads(batch) if transaction else []
         raws: list[object] = [None] * len(batch)
         todo = list(range(len(batch)))
         for _ in range(2):
-            with self.client.pipeline(transaction=transaction) as pipe:
+            with self.client.pipeline(transaction=transaction and not acked) as pipe:
                 for name in load:
                     pipe.script_load(self._scripts[name].script)
+                if acked:
+                    pipe.execute_command("MULTI")
                 for i in todo:
                     c = batch[i]
                     pipe.evalsha(self._scripts[c.script].sha, len(c.keys), *c.keys, *c.args)
+                if acked:
+                    pipe.execute_command("EXEC")
+                    pipe.execute_command("WAIT", *self._wait)
                 replies = pipe.execute(raise_on_error=False)
+            if acked:  # the loads, MULTI's OK and the QUEUEDs, EXEC's replies, WAIT's count
+                *loaded, executed, count = replies
+                if isinstance(executed, Exception):
+                    raise executed
+                self.check_acked(batch[todo[0]], count)
+                replies = [*loaded[: len(load)], *executed]
             todo = batch_replies(replies, len(load), todo, raws)
             if not todo:
                 return raws
-            for name in {batch[i].script for i in todo}:
-                script = self._scripts[name]
-                script.sha = self.client.script_load(script.script)
-        raise NoScriptError("the ledger's scripts were flushed again while loading them")
-
-    def _send_batch_acked(self, batch: list[Call[Any]]) -> list[object]:
-        """A batch as ``_send_batch`` sends it, MULTI/EXEC, then WAIT on the same
-        connection (one plain pipeline: the scripts it loads, MULTI, the calls, EXEC,
-        WAIT): it returns once ``replica_acks`` replicas hold the batch's writes."""
-        load = batch_loads(batch)
-        raws: list[object] = [None] * len(batch)
-        todo = list(range(len(batch)))
-        for _ in range(2):
-            with self.client.pipeline(transaction=False) as pipe:
-                for name in load:
-                    pipe.script_load(self._scripts[name].script)
-                pipe.execute_command("MULTI")
-                for i in todo:
-                    c = batch[i]
-                    pipe.evalsha(self._scripts[c.script].sha, len(c.keys), *c.keys, *c.args)
-                pipe.execute_command("EXEC")
-                pipe.execute_command("WAIT", *self._wait)
-                replies = pipe.execute(raise_on_error=False)
-            *loaded, executed, acked = replies
-            if isinstance(executed, Exception):
-                raise executed
-            self.check_acked(batch[todo[0]], acked)
-            got = [*loaded[: len(load)], *executed]
-            todo = batch_replies(got, len(load), todo, raws)
-            if not todo:
-                return raws
-            load = []
             for name in {batch[i].script for i in todo}:
                 script = self._scripts[name]
                 script.sha = self.client.script_load(script.script)

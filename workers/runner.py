@@ -70,7 +70,7 @@ import redis.exceptions as rex
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from ledger import backends, health, protocol
+from ledger import __version__, backends, health, protocol
 from ledger.client import Ledger
 from ledger.core import new_op_id
 from ledger.errors import (
@@ -93,12 +93,6 @@ except ImportError as exc:  # the worker's metrics: the `worker` extra
 
 log = logging.getLogger("ledger.worker")
 T = TypeVar("T")
-
-
-def _version() -> str:
-    from ledger import __version__
-
-    return __version__
 
 
 class WorkerSettings(BaseSettings):
@@ -243,7 +237,7 @@ class Metrics:
             registry=r,
         )
         self.info = Info("ledger_build", "The ledger's version", registry=r)
-        self.info.info({"version": _version()})
+        self.info.info({"version": __version__})
         self.errors = Counter(
             "ledger_worker_errors",
             "Errors the worker met and survived, by kind (oom, readonly, loading, busy, "
