@@ -26,6 +26,7 @@ from typing import IO, TYPE_CHECKING
 from ledger.errors import (
     BackendUnavailable,
     ConfigurationError,
+    DamagedSession,
     InvalidArgument,
     LedgerError,
     UnknownSession,
@@ -76,7 +77,12 @@ def cmd_demo(args: argparse.Namespace, out: Console) -> int:
     logging.getLogger("ledger.worker").setLevel(logging.ERROR)
     sessions = args.sessions or (LARGE_SESSIONS if args.large else FleetConfig.sessions)
     config = FleetConfig(
-        sessions=sessions, workers=args.workers, max_turns=args.max_turns, seed=args.seed
+        sessions=sessions,
+        workers=args.workers,
+        max_turns=args.max_turns,
+        seed=args.seed,
+        only=frozenset(args.only) if args.only else None,
+        without=args.without,
     )
     if not args.json:
         out.print(
@@ -290,6 +296,16 @@ def cmd_inspect(args: argparse.Namespace, out: Console) -> int:
         f"residual working memory {snap.residual_working_memory}"
         + ("  [yellow]compaction pending[/]" if snap.compaction_pending else "")
     )
+    negative = [
+        f"{name} {value}"
+        for name, value in (("free", snap.free), ("residual", snap.residual_working_memory))
+        if value < 0
+    ]
+    if negative:  # the scripts never leave either below 0: the stored state is damaged
+        out.print(
+            f"[bold red]DAMAGED: {', '.join(negative)} below 0: the stored allocations "
+            "exceed the window (ledger audit names what disagrees)[/]"
+        )
     tol = "not judged" if snap.framing_tolerance is None else str(snap.framing_tolerance)
     out.print(
         f"last real prompt {snap.last_prompt}  drift {snap.drift:+d} (prompt - occupancy; "
@@ -338,7 +354,7 @@ def cmd_inspect(args: argparse.Namespace, out: Console) -> int:
         out.print(f"op {escape(op)}: {escape(where)}", soft_wrap=True)
     if v.counters:
         out.print("counters: " + ", ".join(f"{k}={val}" for k, val in sorted(v.counters.items())))
-    return EXIT_OK
+    return EXIT_VIOLATION if negative else EXIT_OK
 
 
 def _age(ms: int) -> str:
@@ -526,7 +542,6 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter())
-    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
     overrides: dict[str, object] = {}
     names = ("compactor", "consumer", "metrics_port", "claim_idle_ms", "max_deliveries")
     for name in (*names, "max_in_flight"):
@@ -534,7 +549,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
             overrides[name] = getattr(args, name)
     if args.interval is not None:
         overrides["sweep_interval"] = args.interval
+    if args.log_level is not None:
+        overrides["log_level"] = args.log_level
     wsettings = WorkerSettings(**overrides)  # type: ignore[arg-type]
+    logging.basicConfig(level=wsettings.log_level.upper(), handlers=[handler], force=True)
     settings = _settings(args)
     require_url(settings)
     if wsettings.compactor is None:
@@ -595,6 +613,20 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-turns", type=int, default=130, help="cap on session length")
     d.add_argument("--seed", type=int, default=7)
     d.add_argument("--json", action="store_true", help="print the results as JSON")
+    d.add_argument(
+        "--only",
+        action="append",
+        choices=("000", "001", "002", "004"),
+        metavar="SCENARIO",
+        help="run this scenario only (000, 001, 002, 004; repeatable)",
+    )
+    d.add_argument(
+        "--without",
+        choices=("compaction-credit", "working-memory", "spill", "amplification"),
+        metavar="RULE",
+        help="run the ledger column without this rule (compaction-credit, working-memory, "
+        "spill, amplification): its scenario's checks then fail and the demo exits 1",
+    )
     d.add_argument(
         "--plot",
         metavar="FILE.png",
@@ -685,6 +717,11 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     w.add_argument("--claim-idle-ms", type=int, help="take over jobs idle this long")
     w.add_argument("--max-deliveries", type=int, help="dead-letter a job after this many")
+    w.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        help="the lowest level logged (default info; LEDGER_WORKER_LOG_LEVEL)",
+    )
     w.set_defaults(func=cmd_worker)
     return p
 
@@ -720,6 +757,8 @@ def _run(args: argparse.Namespace) -> int:
         code = int(args.func(args, console))
         sys.stdout.flush()  # a closed pipe is met here, inside main, not at exit
         return code
+    except DamagedSession as exc:  # the session is damaged, not the command line
+        return _fail(exc, EXIT_VIOLATION)
     except (ConfigurationError, InvalidArgument, ValueError) as exc:
         return _fail(exc, EXIT_USAGE)
     except BackendUnavailable as exc:

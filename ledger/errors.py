@@ -212,6 +212,21 @@ class ContextOverflow(LedgerError):
         )
 
 
+class DamagedSession(LedgerError):
+    """A session's stored state cannot be read: a field that holds a number holds
+    something else (``field``, ``value``). Written by hand or by something other than the
+    ledger's scripts; ``ledger audit`` and ``ledger inspect`` say so, and nothing reads
+    it as if it were whole."""
+
+    def __init__(self, field: str, value: str) -> None:
+        self.field = field
+        self.value = value
+        super().__init__(
+            f"the session's field {field!r} holds {value[:40]!r}, not a number: its stored "
+            "state is damaged (written by something other than the ledger's scripts)"
+        )
+
+
 class BillingDriftWarning(UserWarning):
     """What the provider billed for a prompt differs from the ledger's count of it beyond
     the agent's ``billing_tolerance`` (``check``: a :class:`~ledger.agent.BillingCheck`):

@@ -14,6 +14,8 @@ them on Redis Cluster::
                                        members '<session_id>|<reservation_id>', and
                                        of turn lease ends, members '<session_id>|~'
     <prefix>:{p<N>}:jobs               stream of jobs for the workers (hard resets)
+    <prefix>:{p0}:observer             the lease of the worker that keeps the fleet's
+                                       indicators (its consumer name, with a TTL)
     <prefix>:{p<N>}:spill:<session_id>
                                        hash tool-call id -> a spilled tool result's content
     <prefix>:{p<N>}:spilled:<session_id>
@@ -113,6 +115,11 @@ class KeySpace:
 
     def jobs(self, partition: int) -> str:
         return f"{self.tag(partition)}:jobs"
+
+    def observer(self) -> str:
+        """The lease of the one worker that keeps the fleet's indicators (a string: the
+        holder's consumer name, with a TTL), under partition 0's tag."""
+        return f"{self.tag(0)}:observer"
 
     def session(self, session_id: str) -> SessionKeys:
         if not isinstance(session_id, str) or not _SESSION_RE.fullmatch(session_id):

@@ -16,6 +16,7 @@ from ledger.errors import (
     AdmissionRefused,
     ContextDrift,
     ContextDriftWarning,
+    DamagedSession,
     FanoutRefused,
     InvalidArgument,
     WorkingMemoryStarvation,
@@ -767,10 +768,22 @@ def delete(keys: SessionKeys, op_id: str, epoch: Epoch) -> Call[Deleted]:
 _PER = {"u": "used", "v": "reserved", "n": "items"}
 
 
+def _is_int(v: str) -> bool:
+    try:
+        int(v)
+    except ValueError:
+        return False
+    return True
+
+
 def _snapshot(r: Reply) -> Snapshot:
     owner = r.pop("lo", "") or None
     mark = r.pop("cm", "") or None
-    n = {k: int(v) for k, v in r.items()}
+    try:
+        n = {k: int(v) for k, v in r.items()}
+    except ValueError:
+        field, value = next((k, v) for k, v in r.items() if not _is_int(v))
+        raise DamagedSession(field, value) from None
     per = {name: {c: n[f"{p}_{c.code}"] for c in Consumer} for p, name in _PER.items()}
     return Snapshot(
         now_ms=n["now"],

@@ -141,7 +141,9 @@ def test_redis_service(compose: dict[str, Any], services: dict[str, dict[str, An
     assert args[0] == "redis-server"
     assert option(args, "--appendonly") == "yes"
     assert option(args, "--appendfsync") == "everysec"
-    assert "6379:6379" in [str(p) for p in r["ports"]]
+    assert "127.0.0.1:6379:6379" in [str(p) for p in r["ports"]]
+    assert option(args, "--maxmemory-policy") == "noeviction"
+    assert option(args, "--maxmemory") == "1gb"
     volume, _, target = r["volumes"][0].partition(":")
     assert target == "/data"
     assert volume in compose["volumes"], "redis data must live on a named volume"
@@ -203,7 +205,8 @@ def test_cluster_profile(compose: dict[str, Any], services: dict[str, dict[str, 
         assert option(args, "--cluster-announce-hostname") == name
         assert option(args, "--cluster-preferred-endpoint-type") == "hostname"
         assert option(args, "--appendonly") == "yes"
-        assert f"{port}:{port}" in [str(p) for p in node["ports"]]
+        assert f"127.0.0.1:{port}:{port}" in [str(p) for p in node["ports"]]
+        assert option(args, "--maxmemory-policy") == "noeviction"
         volume, _, target = node["volumes"][0].partition(":")
         assert target == "/data" and volume in compose["volumes"]
         volumes.add(volume)
@@ -334,6 +337,8 @@ def test_redis_command_runs(services: dict[str, dict[str, Any]], tmp_path: Path)
         r = redis.Redis(port=node.port, decode_responses=True)
         assert r.config_get("appendonly") == {"appendonly": "yes"}
         assert r.config_get("appendfsync") == {"appendfsync": "everysec"}
+        assert r.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+        assert int(r.config_get("maxmemory")["maxmemory"]) == 1024**3
         r.close()
     finally:
         node.stop()
@@ -424,3 +429,17 @@ def test_the_worker_is_probed_on_its_health_endpoint(services: dict[str, dict[st
     probe = " ".join(w["healthcheck"]["test"])
     assert f"127.0.0.1:{port}/healthz" in probe
     assert "host.docker.internal:host-gateway" in w["extra_hosts"]
+
+
+def test_nothing_is_published_beyond_the_hosts_loopback(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    """Redis runs without a password here, so every published port (Redis, the cluster
+    nodes, the workers' metrics) is bound to 127.0.0.1; both workers have a metrics port
+    probed on /healthz."""
+    published = {name: [str(p) for p in s.get("ports", [])] for name, s in services.items()}
+    assert all(p.startswith("127.0.0.1:") for ports in published.values() for p in ports), published
+    for name in ("worker", "worker-cluster"):
+        port = services[name]["environment"]["LEDGER_WORKER_METRICS_PORT"]
+        assert f"127.0.0.1:{port}:{port}" in published[name]
+        assert f"127.0.0.1:{port}/healthz" in " ".join(services[name]["healthcheck"]["test"])

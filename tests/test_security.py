@@ -247,8 +247,9 @@ def exercise_everything(
     worker.sweep()
     worker.take_over()
     worker.observe()
+    assert worker.leave_groups() >= 1, "the stopping worker left no group"
     done += ["worker.poll_once(compact, hard_reset)", "worker.sweep", "worker.take_over"]
-    done += ["worker.observe"]
+    done += ["worker.observe", "worker.leave_groups"]
 
     # Past the op retention: every write rotates the outcome generations (RENAME). The
     # README's agent loop, with the worker's compactions delivered to its turns, then

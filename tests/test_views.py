@@ -80,3 +80,27 @@ def test_inspect_op_prints_an_op_ids_outcome(
     out = " ".join(capsys.readouterr().out.split())
     assert "op op-cli: current generation: status=ok|charged=10|admitted=1|" in out
     assert "op op-none: not kept" in out
+
+
+@pytest.mark.redis
+def test_inspect_flags_a_damaged_session(
+    redis_server: RedisProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A session whose stored state over-allocates is flagged DAMAGED and exits 1; a
+    field that holds no number is named (exit 1: the session is damaged, not the
+    command line), and no traceback or int() message reaches the operator."""
+    with Ledger.from_settings(make_settings(redis_server.url)) as ledger:
+        budget = SessionBudget(window=1_000, system_prompt=100)
+        for sid in ("dmg-neg", "dmg-nan"):
+            ledger.open_session(sid, budget).admit("retrieval", [Item("a", 100)])
+        ledger.client.hset(ledger.keyspace.session("dmg-neg").session, "fr", "-4100")
+        ledger.client.hset(ledger.keyspace.session("dmg-nan").session, "u_r", "abc")
+        base = ["--url", redis_server.url, "--prefix", ledger.settings.prefix]
+    capsys.readouterr()
+    assert cli.main([*base, "inspect", "dmg-neg"]) == cli.EXIT_VIOLATION
+    out = " ".join(capsys.readouterr().out.split())
+    assert "DAMAGED: free -4100 below 0" in out
+    assert cli.main([*base, "inspect", "dmg-nan"]) == cli.EXIT_VIOLATION
+    err = capsys.readouterr().err
+    assert "field 'u_r' holds 'abc', not a number" in err
+    assert "int()" not in err and "Traceback" not in err

@@ -14,6 +14,7 @@ Every test uses its own key prefix on the session's ``redis_server`` and
 
 from __future__ import annotations
 
+import datetime
 import functools
 import hashlib
 import json
@@ -505,8 +506,9 @@ def test_kill9_many_times_exactly_once_and_takeover(
     first_done: dict[Job, float] = {}
     for r in done:
         job = job_of(r)
-        if job in killed_at and r["ts"] >= killed_at[job] - 0.002:
-            first_done[job] = min(first_done.get(job, r["ts"]), r["ts"])
+        at = datetime.datetime.fromisoformat(r["ts"]).timestamp()  # ISO 8601, UTC, ms
+        if job in killed_at and at >= killed_at[job] - 0.002:
+            first_done[job] = min(first_done.get(job, at), at)
     takeover = sorted(first_done[j] - killed_at[j] for j in first_done)
     spread = (
         f"median {statistics.median(takeover):.3f}s, max {max(takeover):.3f}s" if takeover else "-"
@@ -756,9 +758,10 @@ def test_metrics(led: Ledger) -> None:
     open_resets(led, waiting)
     led.client.xreadgroup(GROUP, "someone", {led.keyspace.jobs(target): ">"}, count=1)
     worker.observe()
-    assert sample("ledger_indicator", name="failed_compactions") == 6
-    assert sample("ledger_indicator", name="escalations") == 2
-    assert sample("ledger_indicator", name="resets") == 5
+    assert sample("ledger_observer") == 1  # the only worker: it holds the lease
+    assert sample("ledger_indicator_total", name="failed_compactions") == 6
+    assert sample("ledger_indicator_total", name="escalations") == 2
+    assert sample("ledger_indicator_total", name="resets") == 5
     assert sample("ledger_partition_lag", partition=str(target)) == 3
     assert sample("ledger_partition_pending", partition=str(target)) == 1
     for p in set(range(PARTITIONS)) - {target}:
@@ -766,7 +769,40 @@ def test_metrics(led: Ledger) -> None:
         assert sample("ledger_partition_pending", partition=str(p)) == 0
     text = generate_latest(reg).decode()
     assert 'ledger_jobs_processed_total{kind="hard_reset"} 5.0' in text
-    assert 'ledger_indicator{name="failed_compactions"} 6.0' in text
+    assert 'ledger_indicator_total{name="failed_compactions"} 6.0' in text
+
+
+def test_indicators_are_counted_once_for_the_fleet_and_never_drop(led: Ledger) -> None:
+    """Two workers: the one holding the observer lease counts what the sessions'
+    telemetry counters grew by; the other exports none, so a sum over workers counts
+    each change once. A deleted session keeps what it counted; a counter only grows;
+    the lease passes to the other worker when its holder stops renewing it."""
+    a = in_process_worker(led, consumer="obs-a")
+    b = in_process_worker(led, consumer="obs-b")
+    open_resets(led, [f"ind-{i}" for i in range(3)])
+    drain_in_process(led, a)
+
+    def value(w: Worker, name: str = "resets") -> float:
+        got = w.metrics.registry.get_sample_value("ledger_indicator_total", {"name": name})
+        return got or 0.0
+
+    a.observe()
+    b.observe()
+    assert (value(a), value(b)) == (3, 0)
+    assert a.metrics.registry.get_sample_value("ledger_observer") == 1
+    assert b.metrics.registry.get_sample_value("ledger_observer") == 0
+    led.session("ind-0").delete()  # gone: its reset stays counted
+    open_resets(led, ["ind-3"])
+    drain_in_process(led, a)
+    a.observe()
+    assert value(a) == 4  # one more, none lost
+    a.observe()
+    assert value(a) == 4  # nothing grew: nothing counted twice
+    led.client.delete(led.keyspace.observer())  # the holder's lease lapsed
+    b.observe()
+    assert b.metrics.registry.get_sample_value("ledger_observer") == 1
+    a.observe()
+    assert a.metrics.registry.get_sample_value("ledger_observer") == 0
 
 
 def test_failing_compactor_is_retried_then_succeeds(led: Ledger) -> None:
@@ -1125,3 +1161,24 @@ def test_dead_letters_listed_replayed_and_purged(
     assert cli.main([*argv, "purge", "--all"]) == cli.EXIT_OK
     assert views.dead_letters(led)[0] == {}
     capsys.readouterr()
+
+
+def test_a_stopping_worker_leaves_its_groups_unless_it_holds_jobs(led: Ledger) -> None:
+    """A clean stop removes the worker's consumer from every group where it holds no
+    pending job (restarts do not pile consumers up); one holding a job stays, so that
+    the job can be claimed; another worker's long idle empty consumer goes too."""
+    w = in_process_worker(led, consumer="leaver")
+    w.ensure_groups()
+    busy = f"leave-{uuid.uuid4().hex[:6]}"
+    open_resets(led, [busy])
+    p = led.keyspace.partition_of(busy)
+    led.client.xreadgroup(GROUP, "leaver", {led.keyspace.jobs(p): ">"}, count=1)
+    for q in w.partitions:  # a worker that has read every stream is a consumer of each
+        led.client.xgroup_createconsumer(led.keyspace.jobs(q), GROUP, "leaver")
+    removed = w.leave_groups()
+    left = {
+        q: [c["name"] for c in led.client.xinfo_consumers(led.keyspace.jobs(q), GROUP)]
+        for q in w.partitions
+    }
+    assert removed == len(w.partitions) - 1
+    assert [q for q, names in left.items() if b"leaver" in names or "leaver" in names] == [p]

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import functools
 import inspect
 import json
@@ -61,7 +62,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, Literal, ParamSpec, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -87,7 +88,7 @@ from ledger.workers import compactors
 from ledger.workers.trouble import TRANSIENT, Backoff, kind_of
 
 try:
-    from prometheus_client import CollectorRegistry, Counter, Gauge, Info
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 except ImportError as exc:  # the worker's metrics: the `worker` extra
     raise missing("prometheus-client", "worker", "the ledger worker") from exc
 
@@ -169,6 +170,16 @@ class WorkerSettings(BaseSettings):
     health_interval: float = Field(
         default=60.0, gt=0, description="seconds between checks of the Redis settings"
     )
+    observe_interval: float = Field(
+        default=15.0,
+        gt=0,
+        description="seconds between two metrics passes (with metrics_port): lag and "
+        "dead-letter gauges per partition, and, on the one worker holding the observer "
+        "lease, the fleet's indicators. The pass runs in its own thread, never in the job loop",
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        default="info", description="the lowest level of the worker's JSON log lines"
+    )
     turn_wait: float = Field(
         default=30.0,
         gt=0,
@@ -189,6 +200,13 @@ class Metrics:
             "ledger_jobs_failed", "Job attempts that raised", ["kind"], registry=r
         )
         self.retried = Counter("ledger_jobs_retried", "Jobs delivered again", registry=r)
+        self.duration = Histogram(
+            "ledger_job_duration_seconds",
+            "Time a job took, from its delivery to its acknowledgement (jobs done)",
+            ["kind"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+            registry=r,
+        )
         self.dead = Counter("ledger_jobs_dead_lettered", "Jobs moved to dead letter", registry=r)
         self.takeovers = Counter(
             "ledger_jobs_taken_over", "Jobs claimed from idle consumers", registry=r
@@ -210,10 +228,16 @@ class Metrics:
             "Sessions whose last end_turn flagged drift (not reconciled since)",
             registry=r,
         )
-        self.indicator = Gauge(
+        self.indicator = Counter(
             "ledger_indicator",
-            "Leading indicators of the rules (docs/rules.md), summed over sessions",
+            "Leading indicators of the rules (docs/rules.md): the sessions' telemetry counters "
+            "as they grow, counted once for the fleet by the worker holding the observer lease",
             ["name"],
+            registry=r,
+        )
+        self.observer = Gauge(
+            "ledger_observer",
+            "1 while this worker holds the observer lease (it exports the fleet's indicators)",
             registry=r,
         )
         self.skipped = Counter(
@@ -362,6 +386,7 @@ class Worker:
         self._blocking = self._one_node and type(ledger.client) is redis.Redis
         self._on_cluster = isinstance(ledger.client, redis.cluster.RedisCluster)
         self._last_sweep = 0.0
+        self._seen: dict[str, dict[str, int]] = {}  # sessions' counters at the last pass
         self._due: dict[int, float] = {}  # cluster: partition -> when its first lease is due
         self._idle: set[int] = set()  # cluster: partitions holding a job to take over
         self._next_check: dict[int, float] = {}  # cluster: slice -> when it is checked next
@@ -427,6 +452,29 @@ class Worker:
             if "BUSYGROUP" not in str(exc):
                 raise
         self._groups.add(partition)
+
+    def leave_groups(self, stale_ms: int = 86_400_000) -> int:
+        """At a clean stop: remove this worker's consumer from each partition's group when
+        it holds no pending job, and any other consumer idle for `stale_ms` that holds
+        none (a worker that stopped long ago); a consumer with pending jobs stays, so
+        that they can be claimed. Returns the consumers removed; raises the ledger's
+        errors (run() logs them: a stop never fails for it)."""
+        client, s, removed = self.ledger.client, self.settings, 0
+        with translated():
+            for p in self.partitions:
+                try:
+                    consumers = client.xinfo_consumers(self.stream(p), s.group)
+                except rex.ResponseError as exc:
+                    if "no such key" in str(exc).lower() or "NOGROUP" in str(exc):
+                        continue  # the stream or its group is gone: nothing to tidy
+                    raise
+                for c in consumers:
+                    name = c["name"].decode() if isinstance(c["name"], bytes) else str(c["name"])
+                    idle, pending = int(c.get("idle") or 0), int(c.get("pending") or 0)
+                    if pending == 0 and (name == s.consumer or idle >= stale_ms):
+                        gone = client.xgroup_delconsumer(self.stream(p), s.group, name)
+                        removed += int(gone == 0)
+        return removed
 
     def ensure_groups(self) -> None:
         """Every partition's stream and group; raises the first error, as the ledger's
@@ -680,6 +728,7 @@ class Worker:
             if deliveries > s.max_deliveries:
                 self._bury(partition, eid, fields, f"delivered {deliveries} times")
                 return 0
+        started = time.monotonic()
         try:
             outcome = self.handle(eid, fields)
         except CompactionDeferred as exc:
@@ -722,7 +771,9 @@ class Worker:
         client.xack(stream, s.group, eid)
         if claimed:  # an earlier attempt may have recorded an error
             client.hdel(self._errors_hash(partition), eid)
+        took = time.monotonic() - started
         self.metrics.processed.labels(kind).inc()
+        self.metrics.duration.labels(kind).observe(took)
         if outcome.effect == "skipped":
             self.metrics.skipped.labels(kind).inc()
         log.info(
@@ -732,6 +783,7 @@ class Worker:
                 "kind": kind,
                 "session": fields.get("session"),
                 "effect": outcome.effect,
+                "duration_ms": round(took * 1000, 1),
             },
         )
         return 1
@@ -1015,9 +1067,39 @@ class Worker:
             n += 1
         return n
 
+    def _observer_lease(self) -> bool:
+        """Whether this worker keeps the fleet's indicators for the next pass: one worker
+        at a time does (SET NX PX, renewed by its holder), so a sum over workers counts
+        each change once. A dead holder's lease lapses after three passes."""
+        key, ms = self.ledger.keyspace.observer(), int(self.settings.observe_interval * 3000)
+        me = self.settings.consumer
+        holder = self.ledger.client.set(key, me, nx=True, px=ms, get=True)
+        if holder is None:
+            return True
+        if (holder.decode() if isinstance(holder, bytes) else holder) == me:
+            self.ledger.client.pexpire(key, ms)
+            return True
+        return False
+
+    def _observe_loop(self, stop: threading.Event) -> None:
+        """The metrics passes, every observe_interval, in their own thread: a pass over
+        thousands of sessions never holds up a job, a lease or SIGTERM."""
+        while not stop.is_set():
+            try:
+                self.observe()
+            except Exception as exc:  # counted and logged; the job loop is not disturbed
+                kind = kind_of(exc) or "internal"
+                self.metrics.errors.labels(kind).inc()
+                log.warning(
+                    "metrics pass failed; the next one runs on schedule",
+                    extra={"where": "observe", "kind": kind, "error": _describe(exc)},
+                )
+            stop.wait(self.settings.observe_interval)
+
     @_ledger_errors
     def observe(self) -> None:
-        """Refresh lag gauges and the rules' leading indicators (a SCAN: not every poll)."""
+        """Refresh the lag and dead-letter gauges; on the observer lease's holder, count
+        what the sessions' telemetry counters grew by since the last pass (a SCAN)."""
         client, s = self.ledger.client, self.settings
         for p in self.partitions:
             try:
@@ -1034,20 +1116,31 @@ class Worker:
             self.metrics.lag.labels(str(p)).set(lag)
             self.metrics.pending.labels(str(p)).set(pending)
             self.metrics.dead_depth.labels(str(p)).set(client.xlen(self.dead_letter(p)))
-        totals: dict[str, int] = {}
+        held = self._observer_lease()
+        self.metrics.observer.set(1 if held else 0)
+        if not held:
+            self._seen.clear()  # a later lease starts from what it sees then
+            return
         drift_max, flagged = 0, 0
+        seen: dict[str, dict[str, int]] = {}
         for sid in self.ledger.session_ids():
             raw = client.hgetall(self.ledger.keyspace.session(sid).session)
+            counters = seen[sid] = {}
             for k, v in raw.items():
                 name = k.decode() if isinstance(k, bytes) else k
                 if name.startswith("x:") and name != "x:last_reset":
-                    totals[name[2:]] = totals.get(name[2:], 0) + int(v)
+                    counters[name[2:]] = int(v)
                 elif name == "dr":
                     drift_max = max(drift_max, abs(int(v)))
                 elif name == "df":
                     flagged += int(v)
-        for name, value in totals.items():
-            self.metrics.indicator.labels(name).set(value)
+            before = self._seen.get(sid, {})
+            for name, value in counters.items():
+                # a session deleted and opened again starts its counters from 0
+                grew = value - before.get(name, 0) if value >= before.get(name, 0) else value
+                if grew > 0:
+                    self.metrics.indicator.labels(name).inc(grew)
+        self._seen = seen  # sessions that are gone keep what they counted
         self.metrics.drift_max.set(drift_max)
         self.metrics.drift_flagged.set(flagged)
 
@@ -1161,7 +1254,13 @@ class Worker:
             "worker started",
             extra={"consumer": self.settings.consumer, "partitions": len(self.partitions)},
         )
-        last_observe = last_claim = float("-inf")
+        last_claim = float("-inf")
+        observer = None
+        if s.metrics_port and not once:
+            observer = threading.Thread(
+                target=self._observe_loop, args=(stop,), name="ledger-observe", daemon=True
+            )
+            observer.start()
         # A dead worker's job waits < 1.25 claim_idle_ms on one server (one XREAD finds
         # the partitions to claim from); on a cluster < claim_idle_ms + check_every.
         claim_every = s.claim_idle_ms / 4000
@@ -1181,9 +1280,6 @@ class Worker:
             elif now - self._last_sweep >= s.sweep_interval:
                 self._last_sweep = now
                 self._guard(self.sweep, "sweep")
-            if s.metrics_port and now - last_observe >= 15:
-                last_observe = now
-                self._guard(self.observe, "observe")
             if readers is not None:
                 readers.again(taken)  # after the backoff, if any
             if once or not (self._blocking or readers):
@@ -1200,8 +1296,6 @@ class Worker:
                     timers += [self._last_sweep + s.sweep_interval, last_claim + claim_every]
                 else:
                     timers += [*self._next_check.values(), *self._due.values()]
-                if s.metrics_port:
-                    timers.append(last_observe + 15)
                 wait = max(0.001, min(timers) - time.monotonic())
                 if readers is None:
                     worked = self._guard(functools.partial(self._read_blocking, wait), "poll")
@@ -1222,7 +1316,10 @@ class Worker:
                     stop.wait(s.poll_interval)
         if readers is not None:
             readers.close()
-        log.info("worker stopped", extra={"consumer": self.settings.consumer})
+        if observer is not None:
+            observer.join(self.settings.observe_interval + 5)
+        left = self._guard(self.leave_groups, "leave") if not once else 0
+        log.info("worker stopped", extra={"consumer": self.settings.consumer, "left": left})
 
     @property
     def check_every(self) -> float:
@@ -1387,8 +1484,9 @@ class JsonFormatter(logging.Formatter):
     _skip = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message"}
 
     def format(self, record: logging.LogRecord) -> str:
+        when = datetime.datetime.fromtimestamp(record.created, datetime.UTC)
         data = {
-            "ts": round(record.created, 3),
+            "ts": when.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
             "level": record.levelname.lower(),
             "msg": record.getMessage(),
         }

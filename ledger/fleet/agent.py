@@ -25,7 +25,7 @@ from ledger.models import Consumer, SessionBudget, Snapshot, TurnReport, TurnSta
 from ledger.protocol import Call
 
 T = TypeVar("T")
-POLL_S = 0.004
+POLL_S = 0.02
 
 
 @dataclass(frozen=True, slots=True)

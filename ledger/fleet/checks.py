@@ -19,8 +19,33 @@ def _rate(a: dict[str, Any], turn: int) -> float:
 
 
 def acceptance(s: dict[str, Any], large: bool = False) -> dict[str, Check]:
-    n, lg = s["naive"], s["ledger"]
+    """The checks of each scenario that ran; the rule-off checks when its column ran."""
+    n, lg, off = s["naive"], s["ledger"], s.get("off")
     out: dict[str, Check] = {}
+    if "retrieval_admission" in lg:
+        _decay(n, lg, off, out)
+    if "starvation" in lg:
+        _starvation(n, lg, off, out)
+    if "truncation_loop" in lg:
+        _truncation(n, lg, off, out)
+    if "fanout" in lg:
+        _fanout(n, lg, off, out)
+    out["all: 0 over-allocations, clean audits"] = _c(
+        s["over_allocations"] == 0 and s["audits_clean"] == s["audits_total"],
+        f"{s['over_allocations']} over-allocations, {s['audits_clean']}/{s['audits_total']} clean",
+    )
+    if "retrieval_admission" in lg:
+        out["001 turn-120 figures on >= 30 sessions"] = _c(
+            lg["sessions_at_120"] >= 30,
+            f"{lg['sessions_at_120']} sessions ({lg['tail_sessions']} from the tail)",
+        )
+    return out
+
+
+Summary = dict[str, Any]
+
+
+def _decay(n: Summary, lg: Summary, off: Summary | None, out: dict[str, Check]) -> None:
     r10, r60, r120 = (_rate(n, t) for t in (10, 60, 120))
     out["001 naive retrieval admission"] = _c(
         r10 >= 0.85 and 0.25 <= r60 <= 0.45 and r120 <= 0.15,
@@ -53,8 +78,9 @@ def acceptance(s: dict[str, Any], large: bool = False) -> dict[str, Check]:
         min(l10, l60, l120) >= 0.88 and trend >= -0.05 and l120 >= l10 - 0.05,
         f"{l10:.2f} / {l60:.2f} / {l120:.2f}, trend {trend:+.3f} per 100 turns",
     )
-    out["001 ledger refusals only compaction_pending"] = _c(
-        all(k.startswith("compaction_pending") for k in lg["retrieval_refusals"]),
+    out["001 ledger retrieval refusals: some, all compaction_pending"] = _c(
+        bool(lg["retrieval_refusals"])
+        and all(k.startswith("compaction_pending") for k in lg["retrieval_refusals"]),
         str(lg["retrieval_refusals"] or "none"),
     )
     le, ll = lg["compaction_interval"]["early"], lg["compaction_interval"]["late"]
@@ -68,7 +94,34 @@ def acceptance(s: dict[str, Any], large: bool = False) -> dict[str, Check]:
         0.01 <= slo["over_share"] <= 0.03 and slo["over_not_compaction_or_reset"] == 0,
         f"{100 * slo['over_share']:.2f}% over, {slo['over_not_compaction_or_reset']} other",
     )
+    if off is not None and "retrieval_admission" in off:
+        o60, o120 = _rate(off, 60), _rate(off, 120)
+        exhausted = off["retrieval_refusals"].get("token_budget_exhausted", 0)
+        oe, ol = off["compaction_interval"]["early"], off["compaction_interval"]["late"]
+        out["001 without compaction credit: compactions accelerate, budget refusals return"] = _c(
+            oe is not None and ol is not None and ol <= 0.5 * oe and exhausted > 0,
+            f"interval early {_n(oe)}, after turn 80 {_n(ol)}; token_budget_exhausted="
+            f"{exhausted}; retrieval {o60:.2f} / {o120:.2f} at turns 60/120",
+        )
+
+
+def _n(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1f}"
+
+
+def _starvation(n: Summary, lg: Summary, off: Summary | None, out: dict[str, Check]) -> None:
     ns, ls = n["starvation"], lg["starvation"]
+    loose = ns["released_each_turn"]
+    out["000 naive starvation is transient when a consumer is released each turn"] = _c(
+        all(x["short_regular_steps"] <= 0.05 * x["turns_after_5"] for x in loose.values())
+        and ns["short_regular_steps"] > ns["turns_after_5"] / 2,
+        ", ".join(
+            f"{c}: {x['short_turns']}/{x['turns_after_5']} short, "
+            f"{x['short_regular_steps']} of them regular steps"
+            for c, x in sorted(loose.items())
+        )
+        + f"; both sticky: {ns['short_regular_steps']} regular steps short",
+    )
     util = ns["utilization"]
     out["000 naive silent starvation"] = _c(
         ns["regimes"].get("silent", 0) > ns["turns_after_5"] / 2
@@ -91,6 +144,17 @@ def acceptance(s: dict[str, Any], large: bool = False) -> dict[str, Check]:
         f"{ls['reclaimed_retrieval']} retrieval, restored {ls['restored']}/"
         f"{ls['turns_after_5']}",
     )
+    if off is not None and "starvation" in off:
+        os_ = off["starvation"]
+        out["000 without a declared working set: silent starvation again"] = _c(
+            os_["short_turns"] > os_["turns_after_5"] / 2
+            and os_["reclaimed_scratchpad"] + os_["reclaimed_retrieval"] == 0,
+            f"{os_['short_turns']}/{os_['turns_after_5']} turns short of their working set, "
+            f"{os_['reclaimed_scratchpad'] + os_['reclaimed_retrieval']} reclaimed",
+        )
+
+
+def _truncation(n: Summary, lg: Summary, off: Summary | None, out: dict[str, Check]) -> None:
     nt, lt = n["truncation_loop"], lg["truncation_loop"]
     ev = nt["compression_events"]
     out["002 naive loop per compression event"] = _c(
@@ -106,13 +170,24 @@ def acceptance(s: dict[str, Any], large: bool = False) -> dict[str, Check]:
         f"truncated {lt['truncated']}, repeats {lt['repeated_calls']}, spilled "
         f"{lt['spilled']}, refused {lt['refusals']}",
     )
+    if off is not None and "truncation_loop" in off:
+        ot = off["truncation_loop"]
+        out["002 without spill: results cut, calls repeated"] = _c(
+            ot["truncated"] > 0 and ot["repeated_calls"] > 0,
+            f"truncated {ot['truncated']}, repeats {ot['repeated_calls']}",
+        )
+
+
+def _fanout(n: Summary, lg: Summary, off: Summary | None, out: dict[str, Check]) -> None:
     nf, lf = n["fanout"], lg["fanout"]
-    out["004 naive gauge raises nothing"] = _c(
+    out["004 naive gauge raises nothing while p99 rises"] = _c(
         nf["alerts"] == 0
         and nf["ratio_last"] > 8
-        and nf["utilization_last"] < nf["utilization_first"],
+        and nf["utilization_last"] < nf["utilization_first"]
+        and nf["p99_last_ms"] > 2 * nf["p99_first_ms"],
         f"alerts {nf['alerts']}, ratio {nf['ratio_first']:.1f} -> {nf['ratio_last']:.1f}, "
-        f"utilization {nf['utilization_first']:.2f} -> {nf['utilization_last']:.2f}",
+        f"utilization {nf['utilization_first']:.2f} -> {nf['utilization_last']:.2f}, p99 "
+        f"{nf['p99_first_ms'] / 1000:.1f} -> {nf['p99_last_ms'] / 1000:.1f} s",
     )
     frag_lag = (lf["first_fragmentation"] or 999) - (lf["first_ratio_over_3"] or 0)
     path_ok = lf["first_pathological"] is not None and lf["first_ratio_over_8"] is not None
@@ -127,12 +202,10 @@ def acceptance(s: dict[str, Any], large: bool = False) -> dict[str, Check]:
         f"{lf['first_pathological']} (ratio > 8 at {lf['first_ratio_over_8']}); guarded max "
         f"{lf['ratio_after_guard_max']}; control {ctl}",
     )
-    out["all: 0 over-allocations, clean audits"] = _c(
-        s["over_allocations"] == 0 and s["audits_clean"] == s["audits_total"],
-        f"{s['over_allocations']} over-allocations, {s['audits_clean']}/{s['audits_total']} clean",
-    )
-    if large:
-        out["large fleet: >= 20 sessions alive at turn 120"] = _c(
-            lg["sessions_at_120"] >= 20, f"{lg['sessions_at_120']} sessions"
+    if off is not None and "fanout" in off:
+        of = off["fanout"]
+        out["004 without the guard: amplification past 9 unchecked"] = _c(
+            of["guard_stops"] == 0 and (of["ratio_last"] or 0) > 9.0,
+            f"ratio {of['ratio_first']:.1f} -> {of['ratio_last']:.1f}, "
+            f"{of['guard_stops']} turns stopped, p99 {of['p99_last_ms'] / 1000:.1f} s",
         )
-    return out

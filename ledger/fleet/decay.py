@@ -32,13 +32,14 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from statistics import NormalDist
 
-from ledger.errors import StaleEpoch
+from ledger.errors import StaleEpoch, WorkingMemoryStarvation
 from ledger.fleet.agent import Doc, SimAgent
-from ledger.models import Consumer, Item, SessionBudget
+from ledger.models import Consumer, Item, SessionBudget, Snapshot
 from ledger.workers.compactors import CompactionPlan, CompactionRequest
 
 WM, RET, REC = Consumer.WORKING_MEMORY, Consumer.RETRIEVAL, Consumer.RECALL
@@ -63,15 +64,22 @@ H = BUDGET.high_water_tokens
 
 # Summarizer: share of its size each kind of item keeps once summarized (lo, hi).
 RAW_KEEP = (0.215, 0.43)
-SUMMARY_KEEP = (0.96, 0.99)
+SUMMARY_KEEP = (1.00, 1.07)
 LONG_KEEP = (0.50, 0.70)
 
 # Latency model, ms.
 BASE_MS, PREFILL_MS_PER_K, GEN_MS_PER_TOKEN = 100.0, 2.2, 0.055
 RECALL_MS, RETRIEVAL_MS = 50.0, 180.0
-COMPACT_MS, COMPACT_MS_PER_K = 120.0, 1.2
+COMPACT_MS, COMPACT_MS_PER_K = 120.0, 0.9
 REBUILD_MS = 700.0
+# Time in the demo runs at 1/50 of a real deployment's: the worker's summarizer call
+# (a model's 1 s + 5 ms per 1k tokens summarized) and the agent's bound on waiting for a
+# pending compaction before it asks for recall or retrieval (3 s). A streak of failed
+# compactions outlasts the wait, so the turn is judged against it.
+SUMMARIZE_S, SUMMARIZE_S_PER_K = 0.02, 0.0001
 AMORTIZE_TURNS = 9  # the naive arbiter's estimate of the turns a compaction lasts
+QUICK = 0.25  # share of turns the user answers at once (no think time)
+COMPACTION_WAIT_S = 0.06  # the agent's bound on waiting for a pending compaction
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +89,8 @@ class TurnPlan:
     recall: int
     chunks: tuple[int, ...]
     generation: int  # tokens of the answer when retrieval is in the prompt
+    quick: bool = False  # the user answered at once: no think time, and the agent does
+    # not wait for a pending compaction (the turn is judged against it instead)
 
 
 @dataclass
@@ -108,6 +118,7 @@ class SessionRun:
     session_id: str
     records: list[TurnRecord] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
+    tail: bool = False  # drawn from the length distribution's tail (tail_lengths)
 
     def count(self, name: str, n: int = 1) -> None:
         self.counts[name] = self.counts.get(name, 0) + n
@@ -126,6 +137,16 @@ def session_lengths(seed: int, n: int, cap: int) -> list[int]:
     return out
 
 
+def tail_lengths(n: int, beyond: int, cap: int) -> list[int]:
+    """n session lengths at evenly spaced quantiles of the same lognormal's tail beyond
+    `beyond` turns, capped: the sessions that let a late checkpoint rest on n samples
+    (about 6% of a fleet outlives turn 120)."""
+    sigma = math.log(P99_TURNS / MEDIAN_TURNS) / NormalDist().inv_cdf(0.99)
+    p0 = NormalDist().cdf(math.log(beyond / MEDIAN_TURNS) / sigma)
+    q = [NormalDist().inv_cdf(p0 + (1 - p0) * (i + 0.5) / n) for i in range(n)]
+    return [max(beyond, min(cap, round(MEDIAN_TURNS * math.exp(sigma * z)))) for z in q]
+
+
 def plan(seed: int, index: int, turns: int) -> tuple[TurnPlan, ...]:
     rng = random.Random(seed * 1_000_003 + index)
     return tuple(
@@ -135,6 +156,7 @@ def plan(seed: int, index: int, turns: int) -> tuple[TurnPlan, ...]:
             recall=rng.randint(800, 1_600),
             chunks=tuple(rng.randint(300, 420) for _ in range(rng.randint(4, 8))),
             generation=rng.randint(600, 1_100),
+            quick=unit("quick", seed, index, t) < QUICK,  # (the sizes' draws unchanged)
         )
         for t in range(1, turns + 1)
     )
@@ -143,7 +165,7 @@ def plan(seed: int, index: int, turns: int) -> tuple[TurnPlan, ...]:
 # --- the summarizer (both arbiters; the ledger's worker runs it as its compactor) ----
 
 
-def _unit(*parts: object) -> float:
+def unit(*parts: object) -> float:
     d = hashlib.blake2b("|".join(map(str, parts)).encode(), digest_size=4).digest()
     return int.from_bytes(d, "big") / 2**32
 
@@ -159,16 +181,20 @@ def summary_tokens(session_id: str, turn: int, items: Sequence[tuple[str, int]])
             if iid.startswith("long-")
             else RAW_KEEP
         )
-        total += tokens * (lo + (hi - lo) * _unit(session_id.rsplit("@", 1)[0], turn, iid))
+        total += tokens * (lo + (hi - lo) * unit(session_id.rsplit("@", 1)[0], turn, iid))
     return int(total)
 
 
 def compactor(request: CompactionRequest) -> CompactionPlan:
     """The worker's compactor for this scenario: every item from before the turn the
-    compaction prepares becomes one summary (a working-memory item)."""
+    compaction prepares becomes one summary (a working-memory item). It takes the time
+    a summarizer's model call would, at the demo's time scale (SUMMARIZE_S...), so a
+    turn that begins at once finds its compaction still pending."""
     old = [i for i in request.items if i.turn < request.turn]
     if not old:
         return CompactionPlan((), None)
+    held = sum(i.tokens for i in old)
+    time.sleep(SUMMARIZE_S + SUMMARIZE_S_PER_K * held / 1000)
     tokens = summary_tokens(request.session_id, request.turn, [(i.id, i.tokens) for i in old])
     return CompactionPlan(
         tuple((i.consumer, i.id) for i in old),
@@ -228,13 +254,22 @@ def run_naive(session_id: str, turns: Sequence[TurnPlan]) -> SessionRun:
         real_ms = BASE_MS
         admitted: set[str] = set()
         for _, name, lat, tokens in ops:
-            if name == "compaction":  # the summary is written before the history goes
+            if name == "compaction":  # synchronous, in the turn: applied before the rest
                 admitted.add(name)
-                used += tokens
+                gone = {i.id for i in old}
+                items = [i for i in items if i.id not in gone]
+                items.append(_Held(f"sum-{p.turn}", summary, p.turn))
+                used = SYSTEM + sum(i.tokens for i in items)
                 est += lat / AMORTIZE_TURNS
                 real_ms += lat
+                rec.compaction = True
+                rec.post_compaction = used
+                run.count("compactions")
+                if used > H:
+                    run.count("failed_compactions")  # unchecked: nobody looks
                 continue
-            if used + tokens + t_out > WINDOW:  # feasibility on the current occupancy
+            # the record's literal check: occupancy_current + t + t_output <= B
+            if used + p.message + tokens + t_out > WINDOW:
                 if name == "retrieval":
                     rec.refusal, rec.headroom_ms = "token_budget_exhausted", SLO_MS - est
                 run.count(f"{name}_refused_token_budget_exhausted")
@@ -247,15 +282,6 @@ def run_naive(session_id: str, turns: Sequence[TurnPlan]) -> SessionRun:
             admitted.add(name)
             used += tokens
             est += lat
-        if "compaction" in admitted:  # unchecked: whatever the summarizer produced
-            gone = {i.id for i in old}
-            items = [i for i in items if i.id not in gone]
-            items.append(_Held(f"sum-{p.turn}", summary, p.turn))
-            rec.compaction = True
-            rec.post_compaction = SYSTEM + sum(i.tokens for i in items)
-            run.count("compactions")
-            if rec.post_compaction > H:
-                run.count("failed_compactions")  # nobody looks
         prompt = SYSTEM + sum(i.tokens for i in items) + p.message
         items.append(_Held(f"m{p.turn}", p.message, p.turn))
         if "recall" in admitted:
@@ -293,19 +319,33 @@ def run_ledger(agent: SimAgent, turns: Sequence[TurnPlan], think_s: float = 5.0)
     run = SessionRun(agent.session.id)
     shed_before = False
     last_kn = 0
+    due: Snapshot | None = None  # the snapshot at the end of a turn that made a compaction due
     state = {"rebuild": False}
     for p in turns:
+        if due is not None and not p.quick:
+            # The user's think time: the worker compacts off the request path meanwhile.
+            agent.wait_attempt(due, think_s)
+        # A quick turn begins at once and does not wait: a pending compaction is still
+        # pending, and the turn's admissions are judged against it (compaction_pending).
+        agent.agent.core.await_compaction = 0.0 if p.quick else COMPACTION_WAIT_S
         refused = len(agent.refusals)
         agent.waited = False  # across the attempts of one turn
-        for _attempt in range(4):
+        for _attempt in range(8):
             try:
-                rec, kn = _ledger_turn(agent, run, p, shed_before, last_kn, think_s, state)
+                rec, kn, due = _ledger_turn(agent, run, p, shed_before, last_kn, state)
                 break
             except StaleEpoch:  # a hard reset by the worker: new epoch, empty context
                 agent.adopt_reset()
                 run.count("resets_seen")
                 state["rebuild"] = True
-        else:  # pragma: no cover - the worker never resets the same session 4 times a turn
+            except WorkingMemoryStarvation as full:
+                # The window is full and the turn cannot start (only without compaction
+                # credit: with it, the hard reset comes first). The agent drops the oldest
+                # history the ledger names, as the naive arbiter does past the window.
+                old = [i for i in full.compact if not i.startswith("sum-")] or list(full.compact)
+                agent.session.release(WM, old)
+                run.count("history_dropped", len(old))
+        else:  # pragma: no cover - the worker never resets the same session 8 times a turn
             raise RuntimeError(f"turn {p.turn} of {run.session_id} could not run")
         state["rebuild"] = False
         for exc in agent.refusals[refused:]:
@@ -325,9 +365,8 @@ def _ledger_turn(
     p: TurnPlan,
     shed_before: bool,
     last_kn: int,
-    think_s: float,
     state: dict[str, bool],
-) -> tuple[TurnRecord, int]:
+) -> tuple[TurnRecord, int, Snapshot | None]:
     expected = p.generation * (STALE if shed_before else 1)
     t = agent.begin(1_000, int(expected * OUTPUT_MARGIN))
     rec = TurnRecord(p.turn, retrieval=False, reset=state["rebuild"])
@@ -358,7 +397,4 @@ def _ledger_turn(
         + (REBUILD_MS if rec.reset else 0.0)
     )
     report = agent.end(prompt)
-    if report.compaction_due:
-        # The user's think time: the worker compacts off the request path meanwhile.
-        agent.wait_attempt(snap, think_s)
-    return rec, kn
+    return rec, kn, snap if report.compaction_due else None

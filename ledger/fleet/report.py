@@ -67,17 +67,20 @@ def _decay_summary(runs: Sequence[decay.SessionRun], ledger: bool) -> dict[str, 
         if any(r.post_compaction is not None for r in run.records)
     ]
     late_posts = [r.post_compaction for r in records if r.post_compaction and r.turn >= LATE]
-    over = [r for r in records if r.over_slo]
-    lat = sorted(r.latency_ms for r in records)
-    refusals: Counter[str] = Counter()
+    # shares of the fleet's turns: the fleet alone (the tail sessions would weigh late
+    # turns too much); per-turn figures: every session alive at that turn
+    fleet = [r for run in runs if not run.tail for r in run.records]
+    over = [r for r in fleet if r.over_slo]
+    lat = sorted(r.latency_ms for r in fleet)
     headroom = [r.headroom_ms for r in records if r.headroom_ms is not None]
-    if ledger:
-        for run in runs:
-            for k, v in run.counts.items():
-                if k.startswith("refused_"):
-                    refusals[k.removeprefix("refused_")] += v
-    else:
-        refusals.update(r.refusal for r in records if r.refusal)
+    # the reasons retrieval was refused (with the ledger's bound), and every refusal the
+    # ledger gave this fleet's agents (recall and begin_turn's too)
+    refusals = Counter(r.refusal + (f"_{r.bound}" if r.bound else "") for r in records if r.refusal)
+    every: Counter[str] = Counter()
+    for run in runs:
+        for k, v in run.counts.items():
+            if k.startswith("refused_"):
+                every[k.removeprefix("refused_")] += v
     pts = [(t, c) for t, c in enumerate(curve) if alive[t] and t >= CHECKPOINTS[0]]
     slope = None
     if len(pts) > 2:
@@ -93,6 +96,7 @@ def _decay_summary(runs: Sequence[decay.SessionRun], ledger: bool) -> dict[str, 
         "retrieval_admission": {str(c): _checkpoint(runs, c) for c in CHECKPOINTS},
         "retrieval_trend_per_100_turns": slope,
         "retrieval_refusals": dict(refusals),
+        "refusals": dict(every),
         "refusal_latency_headroom_ms": {"min": min(headroom), "median": statistics.median(headroom)}
         if headroom
         else None,
@@ -103,15 +107,17 @@ def _decay_summary(runs: Sequence[decay.SessionRun], ledger: bool) -> dict[str, 
             "late": late_post / w if late_post else None,
         },
         "slo": {
-            "over_share": len(over) / len(records) if records else 0.0,
+            "over_share": len(over) / len(fleet) if fleet else 0.0,
             "over_turns": len(over),
             "over_not_compaction_or_reset": sum(
                 1 for r in over if not (r.compaction or r.reset or r.waited)
             ),
             "p95_ms": lat[int(0.95 * (len(lat) - 1))] if lat else None,
         },
-        "resets": sum(r.reset for r in records),
-        "turns": len(records),
+        "resets": sum(r.reset for r in fleet),
+        "turns": len(fleet),
+        "sessions": sum(1 for run in runs if not run.tail),
+        "tail_sessions": sum(1 for run in runs if run.tail),
         "sessions_at_120": sum(1 for run in runs if len(run.records) >= 120),
         "curve": {"retrieval": curve, "alive": alive, "interval": _interval_curve(iv, max_turn)},
     }
@@ -129,6 +135,17 @@ def _interval_curve(iv: Sequence[tuple[int, int]], max_turn: int) -> list[float]
 # --- scenarios 000, 002, 004 -----------------------------------------------------------
 
 
+def _longest_short_run(rows: Sequence[starvation.TurnRow]) -> int:
+    """The most consecutive turns of one session short of their working set."""
+    best = run = 0
+    last = 0
+    for r in rows:
+        run = 0 if r.turn <= last else run  # a new session starts at turn 1
+        run = run + 1 if r.residual < r.working_set else 0
+        best, last = max(best, run), r.turn
+    return best
+
+
 def _starvation(rows: Sequence[starvation.TurnRow], ledger: bool) -> dict[str, Any]:
     after = [r for r in rows if r.turn > 5]
     regimes = Counter(r.regime for r in after)
@@ -137,6 +154,9 @@ def _starvation(rows: Sequence[starvation.TurnRow], ledger: bool) -> dict[str, A
         "turns_after_5": len(after),
         "regimes": dict(regimes),
         "short_turns": len(short),
+        "longest_short_run": _longest_short_run(after),
+        # short turns that are not one of the large steps (starvation that persists)
+        "short_regular_steps": sum(1 for r in short if r.working_set < starvation.LARGE_STEP),
         "utilization": [min(r.utilization for r in after), max(r.utilization for r in after)],
         "residual_mean": _mean(r.residual for r in after),
         "working_set_mean": _mean(r.working_set for r in after),
@@ -168,6 +188,11 @@ def _fanout(rows: Sequence[fanout.TurnRow], ledger: bool) -> dict[str, Any]:
         "ratio_last": first_rows[-1].ratio if first_rows else None,
         "utilization_first": first_rows[0].utilization if first_rows else None,
         "utilization_last": first_rows[-1].utilization if first_rows else None,
+        "spans_first": first_rows[0].spans if first_rows else None,
+        "spans_last": first_rows[-1].spans if first_rows else None,
+        # p99 turn latency over ten turns: the first ten, the last ten
+        "p99_first_ms": first_rows[min(9, len(first_rows) - 1)].p99_ms if first_rows else None,
+        "p99_last_ms": first_rows[-1].p99_ms if first_rows else None,
         "alerts": sum(r.alert for r in rows),
     }
     if ledger:
@@ -185,21 +210,44 @@ def _fanout(rows: Sequence[fanout.TurnRow], ledger: bool) -> dict[str, Any]:
 
 
 def summarize(r: DemoReport) -> dict[str, Any]:
-    naive = _decay_summary(r.decay_naive, ledger=False)
-    led = _decay_summary(r.decay_ledger, ledger=True)
-    naive["starvation"] = _starvation(r.starvation.naive, ledger=False)
-    led["starvation"] = _starvation(r.starvation.ledger, ledger=True)
-    naive["truncation_loop"] = _truncation(r.truncation.naive)
-    led["truncation_loop"] = _truncation(r.truncation.ledger)
-    naive["fanout"] = _fanout(r.fanout.naive, ledger=False)
-    led["fanout"] = _fanout(r.fanout.ledger, ledger=True)
-    led["fanout"]["control_classes"] = dict(Counter(x.classification for x in r.fanout.control))
-    led["failed_compactions"] = r.notes.get("failed_compactions", 0)
+    """Every figure of the run: per arbiter (naive, ledger, and the ledger without each
+    scenario's rule, ``off``; None with ``--without``), per scenario run."""
+    naive: dict[str, Any] = {}
+    led: dict[str, Any] = {}
+    off: dict[str, Any] | None = None if r.config.without else {}
+    if r.decay_ledger:
+        naive |= _decay_summary(r.decay_naive, ledger=False)
+        led |= _decay_summary(r.decay_ledger, ledger=True)
+        led["failed_compactions"] = r.notes.get("failed_compactions", 0)
+        if off is not None and r.decay_off is not None:
+            off |= _decay_summary(r.decay_off, ledger=True)
+    if r.starvation is not None:
+        naive["starvation"] = _starvation(r.starvation.naive, ledger=False)
+        naive["starvation"]["released_each_turn"] = {
+            c: _starvation(rows, ledger=False) for c, rows in r.starvation.naive_loose.items()
+        }
+        led["starvation"] = _starvation(r.starvation.ledger, ledger=True)
+        if off is not None and r.starvation.off is not None:
+            off["starvation"] = _starvation(r.starvation.off, ledger=True)
+    if r.truncation is not None:
+        naive["truncation_loop"] = _truncation(r.truncation.naive)
+        led["truncation_loop"] = _truncation(r.truncation.ledger)
+        if off is not None and r.truncation.off is not None:
+            off["truncation_loop"] = _truncation(r.truncation.off)
+    if r.fanout is not None:
+        naive["fanout"] = _fanout(r.fanout.naive, ledger=False)
+        led["fanout"] = _fanout(r.fanout.ledger, ledger=True)
+        led["fanout"]["control_classes"] = dict(Counter(x.classification for x in r.fanout.control))
+        if off is not None and r.fanout.off is not None:
+            off["fanout"] = _fanout(r.fanout.off, ledger=True)
+    config = dict(r.config.__dict__)
+    config["only"] = sorted(config["only"]) if config["only"] else None
     out = {
-        "config": r.config.__dict__,
+        "config": config,
         "backend": r.backend,
         "naive": naive,
         "ledger": led,
+        "off": off,
         "elapsed_s": r.elapsed,
         "ledger_calls": r.ledger_calls,
         "over_allocations": r.over_allocations,
@@ -225,14 +273,39 @@ def _rate(a: dict[str, Any], turn: int) -> str:
     return f"{c['rate']:.2f} ({c['sessions']} sessions, {c['turns']} turns)"
 
 
-COLUMNS = ("scenario", "measure", "the record's figures", "naive arbiter", "ledger")
-Row = tuple[str, str, str, str, str]
+COLUMNS = (
+    "scenario",
+    "measure",
+    "the record's figures",
+    "naive arbiter",
+    "ledger",
+    "ledger without its rule",
+)
+Row = tuple[str, str, str, str, str, str]
 
 
-def rows(s: dict[str, Any]) -> list[Row]:
-    """The demo's figures, one row per measure: the record's own figures (as the incident
-    record gives them: not measured here), then what this run measured."""
-    n, lg = s["naive"], s["ledger"]
+def _refusals(a: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(a["retrieval_refusals"].items())) or "none"
+
+
+def _interval(a: dict[str, Any]) -> str:
+    iv = a["compaction_interval"]
+    return f"{_f(iv['early'], '.1f')} / {_f(iv['late'], '.1f')}"
+
+
+def _post(a: dict[str, Any]) -> str:
+    post = a["post_compaction_occupancy"]
+    return f"{_f(post['first'])} / {_f(post['late'])}"
+
+
+def _slo(a: dict[str, Any]) -> str:
+    return f"{100 * a['slo']['over_share']:.2f}% (p95 {_f(a['slo']['p95_ms'], '.0f')} ms)"
+
+
+def _decay_rows(n: dict[str, Any], lg: dict[str, Any], o: dict[str, Any] | None) -> list[Row]:
+    def off(f: Any) -> str:
+        return f(o) if o else ""
+
     t: list[Row] = []
     rec_rates = {10: "0.91 -> 0.88-0.94", 60: "0.34 -> 0.88-0.94", 120: "0.07 -> 0.88-0.94"}
     for turn in CHECKPOINTS:
@@ -243,6 +316,7 @@ def rows(s: dict[str, Any]) -> list[Row]:
                 rec_rates[turn],
                 _rate(n, turn),
                 _rate(lg, turn),
+                _rate(o, turn) if o else "",
             )
         )
     t.append(
@@ -250,10 +324,9 @@ def rows(s: dict[str, Any]) -> list[Row]:
             "",
             "compaction interval, early / after turn 80 (turns)",
             "~9 / ~3 -> ~18",
-            f"{_f(n['compaction_interval']['early'], '.1f')} / "
-            f"{_f(n['compaction_interval']['late'], '.1f')}",
-            f"{_f(lg['compaction_interval']['early'], '.1f')} / "
-            f"{_f(lg['compaction_interval']['late'], '.1f')}",
+            _interval(n),
+            _interval(lg),
+            off(_interval),
         )
     )
     t.append(
@@ -261,10 +334,9 @@ def rows(s: dict[str, Any]) -> list[Row]:
             "",
             "occupancy after compaction, first / late (window)",
             "creeps upward",
-            f"{_f(n['post_compaction_occupancy']['first'])} / "
-            f"{_f(n['post_compaction_occupancy']['late'])}",
-            f"{_f(lg['post_compaction_occupancy']['first'])} / "
-            f"{_f(lg['post_compaction_occupancy']['late'])}",
+            _post(n),
+            _post(lg),
+            off(_post),
         )
     )
     head = n["refusal_latency_headroom_ms"]
@@ -273,9 +345,9 @@ def rows(s: dict[str, Any]) -> list[Row]:
             "",
             "retrieval refusals (reason)",
             "token_budget_exhausted with ~180 ms headroom -> compaction_pending",
-            ", ".join(f"{k}={v}" for k, v in sorted(n["retrieval_refusals"].items()))
-            + (f"; headroom >= {head['min']:.0f} ms" if head else ""),
-            ", ".join(f"{k}={v}" for k, v in sorted(lg["retrieval_refusals"].items())) or "none",
+            _refusals(n) + (f"; headroom >= {head['min']:.0f} ms" if head else ""),
+            _refusals(lg),
+            off(_refusals),
         )
     )
     t.append(
@@ -283,9 +355,10 @@ def rows(s: dict[str, Any]) -> list[Row]:
             "",
             "turns over the 900 ms SLO",
             "none (p95 780-860) -> ~1.4%, the reset turns",
-            f"{100 * n['slo']['over_share']:.2f}% (p95 {n['slo']['p95_ms']:.0f} ms)",
-            f"{100 * lg['slo']['over_share']:.2f}% (p95 {lg['slo']['p95_ms']:.0f} ms; "
-            f"{lg['slo']['over_not_compaction_or_reset']} not a compaction or reset turn)",
+            _slo(n),
+            f"{_slo(lg)}; {lg['slo']['over_not_compaction_or_reset']} not a compaction "
+            "or reset turn",
+            off(_slo),
         )
     )
     t.append(
@@ -295,25 +368,46 @@ def rows(s: dict[str, Any]) -> list[Row]:
             "escalate after 3 failures",
             f"0 / {n['compactions']} compactions never checked",
             f"{lg['resets']} / {lg['failed_compactions']}",
+            off(lambda a: f"{a['resets']} / none judged"),
         )
     )
-    ns, ls = n["starvation"], lg["starvation"]
-    t.append(
+    return t
+
+
+def _starvation_rows(
+    ns: dict[str, Any], ls: dict[str, Any], os_: dict[str, Any] | None
+) -> list[Row]:
+    return [
         (
             "000 starvation",
             "turns after turn 5 short of their working set",
             "utilization 0.58-0.64, residual 2-3k vs ~6k",
-            f"{ns['short_turns']}/{ns['turns_after_5']} silent, utilization "
+            f"{ns['short_turns']}/{ns['turns_after_5']} silent (up to "
+            f"{ns['longest_short_run']} in a row), utilization "
             f"{ns['utilization'][0]:.2f}-{ns['utilization'][1]:.2f}, residual "
-            f"{ns['residual_mean']:.0f} vs {ns['working_set_mean']:.0f}",
+            f"{ns['residual_mean']:.0f} vs {ns['working_set_mean']:.0f}; one consumer "
+            "released each turn: "
+            + ", ".join(
+                f"{c} {x['short_turns']} ({x['short_regular_steps']} not a large step)"
+                for c, x in sorted(ns["released_each_turn"].items())
+            ),
             f"{ls['regimes'].get('starvation', 0)} classed starvation, "
             f"{ls['regimes'].get('loud', 0)} loud; reclaimed {ls['reclaimed_scratchpad']} "
             f"scratchpad then {ls['reclaimed_retrieval']} retrieval; residual >= working set "
             f"{ls['restored']}/{ls['turns_after_5']}",
+            f"{os_['short_turns']}/{os_['turns_after_5']} short, residual "
+            f"{os_['residual_mean']:.0f} vs {os_['working_set_mean']:.0f}, nothing reclaimed "
+            "(no working set declared)"
+            if os_
+            else "",
         )
-    )
-    nt, lt = n["truncation_loop"], lg["truncation_loop"]
-    t.append(
+    ]
+
+
+def _truncation_rows(
+    nt: dict[str, Any], lt: dict[str, Any], ot: dict[str, Any] | None
+) -> list[Row]:
+    return [
         (
             "002 truncation-loop",
             "prompt compressions; truncated results; repeated calls",
@@ -322,24 +416,35 @@ def rows(s: dict[str, Any]) -> list[Row]:
             f"({nt['forbidden_calls']} forbidden calls)",
             f"{lt['compression_events']}; {lt['truncated']}; {lt['repeated_calls']} "
             f"(spilled {lt['spilled']}, refused {lt['refusals']})",
+            f"{ot['compression_events']}; {ot['truncated']}; {ot['repeated_calls']} "
+            "(truncating, not spilling)"
+            if ot
+            else "",
         )
+    ]
+
+
+def _fan(a: dict[str, Any]) -> str:
+    return (
+        f"{a['spans_first']} -> {a['spans_last']}; {_f(a['ratio_first'], '.1f')} -> "
+        f"{_f(a['ratio_last'], '.1f')}; {_f(a['utilization_first'])} -> "
+        f"{_f(a['utilization_last'])}; {a['p99_first_ms'] / 1000:.1f} -> "
+        f"{a['p99_last_ms'] / 1000:.1f} s"
     )
-    nf, lf = n["fanout"], lg["fanout"]
-    t.append(
-        (
-            "004 fan-out",
-            "spans 4 -> 23: ratio; final-prompt utilization",
-            "1.3 -> 11.8; 0.61 -> 0.44",
-            f"{_f(nf['ratio_first'], '.1f')} -> {_f(nf['ratio_last'], '.1f')}; "
-            f"{_f(nf['utilization_first'])} -> {_f(nf['utilization_last'])}; "
-            f"gauge alerts {nf['alerts']}",
-            f"{_f(lf['ratio_first'], '.1f')} -> {_f(lf['ratio_last'], '.1f')} (guard, "
-            f"{lf['guard_stops']} spans stopped)",
-        )
-    )
+
+
+def _fanout_rows(nf: dict[str, Any], lf: dict[str, Any], of: dict[str, Any] | None) -> list[Row]:
     cls = ", ".join(f"{k}={v}" for k, v in sorted(lf["classes"].items()))
     ctl = ", ".join(f"{k}={v}" for k, v in sorted(lf["control_classes"].items()))
-    t.append(
+    return [
+        (
+            "004 fan-out",
+            "spans per turn; ratio; final-prompt utilization; p99 turn latency",
+            "4 -> 23; 1.3 -> 11.8; 0.61 -> 0.44; 3.1 -> 9.4 s",
+            _fan(nf) + f"; gauge alerts {nf['alerts']}",
+            _fan(lf) + f" (guard: {lf['guard_stops']} turns summarized and proceeded)",
+            _fan(of) if of else "",
+        ),
         (
             "",
             "classes (ratio > 3 at turn / classed at turn)",
@@ -347,8 +452,26 @@ def rows(s: dict[str, Any]) -> list[Row]:
             "not measured",
             f"{cls}; fragmentation {lf['first_ratio_over_3']}/{lf['first_fragmentation']}, "
             f"pathological {lf['first_ratio_over_8']}/{lf['first_pathological']}; control: {ctl}",
-        )
-    )
+            ", ".join(f"{k}={v}" for k, v in sorted(of["classes"].items())) if of else "",
+        ),
+    ]
+
+
+def rows(s: dict[str, Any]) -> list[Row]:
+    """The demo's figures, one row per measure: the record's own figures (as the incident
+    record gives them: not measured here), then what this run measured: the naive
+    arbiter, the ledger, and the ledger without the scenario's rule."""
+    n, lg, o = s["naive"], s["ledger"], s.get("off") or {}
+    t: list[Row] = []
+    if "retrieval_admission" in lg:
+        t += _decay_rows(n, lg, o if "retrieval_admission" in o else None)
+    for key, make in (
+        ("starvation", _starvation_rows),
+        ("truncation_loop", _truncation_rows),
+        ("fanout", _fanout_rows),
+    ):
+        if key in lg:
+            t += make(n[key], lg[key], o.get(key))
     t.append(
         (
             "all",
@@ -356,6 +479,7 @@ def rows(s: dict[str, Any]) -> list[Row]:
             "",
             "",
             f"{s['over_allocations']}; {s['audits_clean']}/{s['audits_total']} clean",
+            "",
         )
     )
     return t
@@ -418,11 +542,14 @@ def plot(s: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
-    for name, style in (("naive", "--"), ("ledger", "-")):
+    arbiters = [("naive", "--", "naive"), ("ledger", "-", "ledger")]
+    if (s.get("off") or {}).get("curve"):
+        arbiters.append(("off", ":", "ledger without compaction credit"))
+    for name, style, label in arbiters:
         curve = s[name]["curve"]
         smooth = _smooth(curve["retrieval"], curve["alive"])
-        top.plot(range(len(smooth)), smooth, style, label=f"{name}")
-        bottom.plot(range(len(curve["interval"])), curve["interval"], style, label=name)
+        top.plot(range(len(smooth)), smooth, style, label=label)
+        bottom.plot(range(len(curve["interval"])), curve["interval"], style, label=label)
     top.set_ylabel(f"turns with retrieval admitted\n(turn ±{WINDOW_TURNS})")
     top.set_ylim(-0.05, 1.05)
     top.legend()

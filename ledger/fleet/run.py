@@ -7,6 +7,7 @@ on embedded the agents are threads, on a Redis URL they are OS processes.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import threading
 import time
@@ -19,7 +20,7 @@ from typing import Any, TypeVar
 
 from ledger.backends import parse_url
 from ledger.client import Ledger
-from ledger.fleet import decay, fanout, starvation, truncation
+from ledger.fleet import decay, fanout, starvation, truncation, variants
 from ledger.fleet.agent import SimAgent
 from ledger.settings import LedgerSettings, require_url
 from ledger.workers.runner import Worker, WorkerSettings
@@ -28,6 +29,9 @@ CHECKPOINTS = (10, 60, 120)
 WINDOW_TURNS = 5  # checkpoints are read over turn +- this
 DEFAULT_SESSIONS = 48
 LARGE_SESSIONS = 330
+TAIL_SESSIONS = 30  # drawn beyond turn 120, so the turn-120 figures rest on 30 or more
+TAIL_FROM = 120
+STAGGER_S = 0.5  # sessions start up to this many seconds apart
 
 T = TypeVar("T")
 # progress(stage, steps done): every stage of stages(config), each reported as it goes
@@ -37,20 +41,45 @@ Progress = Callable[[str, int], None] | None
 @dataclass(frozen=True)
 class FleetConfig:
     sessions: int = DEFAULT_SESSIONS  # scenario 001's fleet (the other scenarios are fixed)
+    # and this many more from the length distribution's tail beyond turn 120: they enter
+    # the per-turn figures (admission at a turn, compaction intervals), not the shares
+    tail: int = TAIL_SESSIONS
     workers: int = 4
     max_turns: int = 130
     seed: int = 7
+    # the scenarios to run (numbers, docs/demo.md); None: all
+    only: frozenset[str] | None = None
+    # a rule (ledger/fleet/variants.py) the ledger column runs without; None: every rule
+    # on, and each scenario's rule-off column beside it
+    without: str | None = None
+
+    def runs(self, scenario: str) -> bool:
+        return self.only is None or scenario in self.only
+
+    def rule(self, scenario: str) -> bool:
+        """Whether the ledger column has this scenario's rule."""
+        return self.without != variants.RULES[scenario]
+
+
+SCENARIOS = ("001", "000", "002", "004")
 
 
 def stages(config: FleetConfig) -> dict[str, int]:
     """The demo's stages and their steps, in the order they run (for a progress display)."""
-    return {
-        "001 compaction-decay sessions": config.sessions,
-        "000 starvation": 1,
-        "002 truncation loop": 1,
-        "004 fan-out": 1,
-        "audits": 1,
+    names = {
+        "001": "001 compaction-decay sessions",
+        "000": "000 starvation",
+        "002": "002 truncation loop",
+        "004": "004 fan-out",
     }
+    out = {
+        names[k]: (
+            config.sessions * (1 if config.without else 2) + config.tail if k == "001" else 1
+        )
+        for k in SCENARIOS
+        if config.runs(k)
+    }
+    return out | {"audits": 1}
 
 
 @dataclass
@@ -59,9 +88,10 @@ class DemoReport:
     backend: str
     decay_naive: list[decay.SessionRun]
     decay_ledger: list[decay.SessionRun]
-    starvation: starvation.Result
-    truncation: truncation.Result
-    fanout: fanout.Result
+    decay_off: list[decay.SessionRun] | None  # the ledger without compaction credit
+    starvation: starvation.Result | None
+    truncation: truncation.Result | None
+    fanout: fanout.Result | None
     ledger_calls: int
     over_allocations: int
     audits_clean: int
@@ -75,8 +105,14 @@ class DemoReport:
 
 
 @contextmanager
-def background_worker(settings: LedgerSettings, compactor: str) -> Iterator[Worker]:
+def background_worker(
+    settings: LedgerSettings, compactor: str, credit: bool = True
+) -> Iterator[Worker]:
+    """The ledger's worker in a thread; `credit=False`: its scripts without compaction
+    credit (ledger/fleet/variants.py)."""
     led = Ledger.from_settings(settings)
+    if not credit:
+        variants.without_credit(led)
     worker = Worker(
         led,
         WorkerSettings(
@@ -120,13 +156,32 @@ class DecayJob:
     index: int
     seed: int
     turns: int
+    credit: bool = True
+    tail: bool = False
+    start_s: float = 0.0  # when the session starts, after its job is taken (staggered)
 
 
 def _decay_one(job: DecayJob) -> tuple[decay.SessionRun, int]:
+    time.sleep(job.start_s)
     with Ledger.from_settings(job.settings) as led:
+        if not job.credit:
+            variants.without_credit(led)
         agent = SimAgent(led, job.session_id, decay.BUDGET)
         run = decay.run_ledger(agent, decay.plan(job.seed, job.index, job.turns))
+        run.tail = job.tail
         return run, agent.calls
+
+
+def decay_fleet_plan(config: FleetConfig) -> list[tuple[str, int, int, bool]]:
+    """Scenario 001's sessions: (id, plan index, turns, from the tail), the fleet first."""
+    lengths = decay.session_lengths(config.seed, config.sessions, config.max_turns)
+    out = [(f"decay-{config.seed}-{i}", i, n, False) for i, n in enumerate(lengths)]
+    if config.max_turns >= TAIL_FROM:
+        tail = decay.tail_lengths(config.tail, TAIL_FROM, config.max_turns)
+        out += [
+            (f"decay-{config.seed}-t{k}", config.sessions + k, n, True) for k, n in enumerate(tail)
+        ]
+    return out
 
 
 def _pool_map(
@@ -153,46 +208,96 @@ def _pool_map(
     return out
 
 
-def run(settings: LedgerSettings, config: FleetConfig, progress: Progress = None) -> DemoReport:
-    tag = uuid.uuid4().hex[:6]
-    t0 = time.perf_counter()
-    lengths = decay.session_lengths(config.seed, config.sessions, config.max_turns)
-    ids = [f"decay-{config.seed}-{i}" for i in range(config.sessions)]
-    naive_runs = [
-        decay.run_naive(sid, decay.plan(config.seed, i, n))
-        for i, (sid, n) in enumerate(zip(ids, lengths, strict=True))
-    ]
+def _decay_fleet(
+    settings: LedgerSettings,
+    config: FleetConfig,
+    tag: str,
+    credit: bool,
+    progress: Progress,
+) -> tuple[list[decay.SessionRun], int, list[str], dict[str, float]]:
+    """Scenario 001's fleet on the ledger (with or without compaction credit), its own
+    worker alongside: (runs by index, ledger calls, session ids, worker job totals)."""
     jobs = sorted(
         (
-            DecayJob(settings, f"{sid}@{tag}", i, config.seed, n)
-            for i, (sid, n) in enumerate(zip(ids, lengths, strict=True))
+            DecayJob(
+                settings,
+                f"{sid}@{tag}",
+                i,
+                config.seed,
+                n,
+                credit,
+                tail,
+                STAGGER_S * decay.unit("start", config.seed, i),
+            )
+            for sid, i, n, tail in decay_fleet_plan(config)
         ),
         key=lambda j: -j.turns,
     )
-    calls = 0
-    with background_worker(settings, "ledger.fleet.decay:compactor") as worker:
+    with background_worker(settings, "ledger.fleet.decay:compactor", credit) as worker:
         results = _pool_map(settings, _decay_one, jobs, config.workers, progress)
-        worker_jobs = _metric_totals(worker)
+        totals = _metric_totals(worker)
     by_id = {r.session_id: (r, c) for r, c in results}
-    ledger_runs = [by_id[j.session_id][0] for j in sorted(jobs, key=lambda j: j.index)]
-    calls += sum(c for _, c in results)
-    session_ids = [j.session_id for j in jobs]
+    runs = [by_id[j.session_id][0] for j in sorted(jobs, key=lambda j: j.index)]
+    return runs, sum(c for _, c in results), [j.session_id for j in jobs], totals
 
+
+def run(settings: LedgerSettings, config: FleetConfig, progress: Progress = None) -> DemoReport:
+    if config.without is not None and config.without not in variants.RULES.values():
+        raise ValueError(
+            f"no rule named {config.without!r}: one of {', '.join(variants.RULES.values())}"
+        )
+    tag = uuid.uuid4().hex[:6]
+    t0 = time.perf_counter()
+    naive_runs: list[decay.SessionRun] = []
+    ledger_runs: list[decay.SessionRun] = []
+    off_runs: list[decay.SessionRun] | None = None
+    worker_jobs: dict[str, float] = {}
+    calls = 0
+    session_ids: list[str] = []
+    if config.runs("001"):
+        naive_runs = []
+        for sid, i, n, tail in decay_fleet_plan(config):
+            naive_runs.append(decay.run_naive(sid, decay.plan(config.seed, i, n)))
+            naive_runs[-1].tail = tail
+        fleets = [(tag, config.rule("001"))]
+        if config.without is None:
+            fleets.append((f"{tag}-off", False))
+        for fleet_tag, credit in fleets:
+            # the rule-off column runs the fleet alone (its late figures name their few
+            # sessions): the tail is there for the ledger's and the naive's turn-120 figures
+            fleet = config if fleet_tag == tag else dataclasses.replace(config, tail=0)
+            runs, n_calls, ids, totals = _decay_fleet(settings, fleet, fleet_tag, credit, progress)
+            if fleet_tag == tag:
+                ledger_runs = runs
+            else:
+                off_runs = runs
+            calls += n_calls
+            session_ids += ids
+            for k, v in totals.items():
+                worker_jobs[k] = worker_jobs.get(k, 0) + v
+
+    starv = trunc = fan = None
+    off = config.without is None
     with background_worker(settings, "ledger.workers.compactors:simulated") as worker:
         with Ledger.from_settings(settings) as led:
-            starv = starvation.run(led, config.seed, tag)
-            if progress:
-                progress("000 starvation", 1)
-            trunc = truncation.run(led, config.seed, tag)
-            if progress:
-                progress("002 truncation loop", 1)
-            fan = fanout.run(led, config.seed, tag)
-            if progress:
-                progress("004 fan-out", 1)
+            if config.runs("000"):
+                starv = starvation.run(led, config.seed, tag, config.rule("000"), off)
+                if progress:
+                    progress("000 starvation", 1)
+            if config.runs("002"):
+                trunc = truncation.run(led, config.seed, tag, config.rule("002"), off)
+                if progress:
+                    progress("002 truncation loop", 1)
+            if config.runs("004"):
+                fan = fanout.run(led, config.seed, tag, config.rule("004"), off)
+                if progress:
+                    progress("004 fan-out", 1)
         for k, v in _metric_totals(worker).items():
             worker_jobs[k] = worker_jobs.get(k, 0) + v
-    calls += starv.calls + trunc.calls + fan.calls
-    session_ids += starv.session_ids + trunc.session_ids + fan.session_ids
+    for part in (starv, trunc, fan):
+        if part is not None:
+            calls += part.calls
+            session_ids += part.session_ids
 
     over, clean, failed = 0, 0, 0
     with Ledger.from_settings(settings) as led:
@@ -201,7 +306,7 @@ def run(settings: LedgerSettings, config: FleetConfig, progress: Progress = None
             clean += report.clean
             snap = led.session(sid).snapshot()
             over += snap.free < 0 or any("over-allocated" in p for p in report.problems)
-            if sid.startswith("decay-"):
+            if sid.startswith("decay-") and sid.endswith(f"@{tag}"):
                 failed += snap.raw.get("x:failed_compactions", 0)
             led.session(sid).delete()
     if progress:
@@ -211,6 +316,7 @@ def run(settings: LedgerSettings, config: FleetConfig, progress: Progress = None
         backend=require_url(settings).split("://")[0],
         decay_naive=naive_runs,
         decay_ledger=ledger_runs,
+        decay_off=off_runs,
         starvation=starv,
         truncation=trunc,
         fanout=fan,

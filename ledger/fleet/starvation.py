@@ -1,14 +1,16 @@
 """Scenario 000, starvation: working memory starved while total use looks healthy.
 
-The scenario's conditions (docs/demo.md), on a 32k window with a 2.1k system prompt: each turn's
-query pulls 12-18 chunks of ~400 tokens (~6k) and the retriever keeps them "for
-reference" up to its own 8.5k prefetch budget; tool output (2.5-4k a turn) is kept in
-the scratchpad up to 8k; a synthesis turn reserves 11.6-13.4k for its answer and
-declares a working set of 5.5-6.5k (one turn in five, a larger step of 8.5-9.5k).
+The scenario's conditions (docs/demo.md), on a 40k window with a 2.1k system prompt: each turn's
+query pulls 12-18 chunks of ~400 tokens (~6k) and the retriever keeps earlier sets
+"for reference" up to its own 11k prefetch budget; tool output (2.5-4k a turn) is kept
+in the scratchpad up to 9k; a synthesis turn reserves 14.5-16k for its answer and
+declares a working set of 5.5-6.5k (one turn in five, a larger step of 12.5-14.5k).
 Retrieval and scratchpad are sticky (written by policy, released by no reasoning step).
 
 The naive arbiter gives working memory what is left and watches total utilization
-against the 0.90 eviction threshold only. The ledger's agent keeps the same
+against the 0.90 eviction threshold only. It also runs with one consumer released
+each turn (not sticky): the record's condition 2 gone, starvation should then be
+transient (the big steps only), and whether it is, is measured. The ledger's agent keeps the same
 retention policies; ``begin_turn`` compares the residual against the declared
 working set, classes the turn, and reclaims scratchpad, then stale retrieval.
 """
@@ -25,15 +27,16 @@ from ledger.models import Consumer, SessionBudget
 
 WM, RET, SCR = Consumer.WORKING_MEMORY, Consumer.RETRIEVAL, Consumer.SCRATCHPAD
 SESSIONS, TURNS = 6, 30
-RETRIEVAL_KEEP, SCRATCHPAD_KEEP = 8_500, 8_000  # the sticky pools' own budgets
+RETRIEVAL_KEEP, SCRATCHPAD_KEEP = 11_000, 9_000  # the sticky pools' own budgets
 BUDGET = SessionBudget(
-    window=32_000,
+    window=40_000,
     system_prompt=2_100,
     tool_framing=150,
     working_memory_floor=1_000,
-    output_reserve=11_600,
+    output_reserve=14_500,
 )
 FIXED = BUDGET.system_prompt + BUDGET.tool_framing
+LARGE_STEP = 10_000  # a working set above this is one of the large synthesis steps
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +53,8 @@ def plan(seed: int, index: int) -> tuple[TurnPlan, ...]:
     return tuple(
         TurnPlan(
             t,
-            rng.randint(8_500, 9_500) if rng.random() < 0.2 else rng.randint(5_500, 6_500),
-            rng.randint(11_600, 13_400),
+            rng.randint(12_500, 14_500) if rng.random() < 0.2 else rng.randint(5_500, 6_500),
+            rng.randint(14_500, 16_000),
             tuple(rng.randint(340, 460) for _ in range(rng.randint(12, 18))),
             rng.randint(2_500, 4_000),
         )
@@ -72,7 +75,12 @@ class TurnRow:
 @dataclass
 class Result:
     naive: list[TurnRow] = field(default_factory=list)
+    # the naive arbiter with one consumer released each turn (not sticky)
+    naive_loose: dict[str, list[TurnRow]] = field(
+        default_factory=lambda: {"retrieval": [], "scratchpad": []}
+    )
     ledger: list[TurnRow] = field(default_factory=list)
+    off: list[TurnRow] | None = None  # the ledger without its rule (ledger/fleet/variants.py)
     calls: int = 0
     session_ids: list[str] = field(default_factory=list)
 
@@ -84,7 +92,9 @@ def _keep(pool: list[tuple[str, int]], cap: int) -> list[tuple[str, int]]:
     return pool
 
 
-def run_naive(turns: tuple[TurnPlan, ...]) -> list[TurnRow]:
+def run_naive(turns: tuple[TurnPlan, ...], released: str | None = None) -> list[TurnRow]:
+    """`released`: the consumer (retrieval or scratchpad) that is not sticky: it holds
+    only this turn's own tokens."""
     ret: list[tuple[str, int]] = []
     scr: list[tuple[str, int]] = []
     rows = []
@@ -99,18 +109,23 @@ def run_naive(turns: tuple[TurnPlan, ...]) -> list[TurnRow]:
         rows.append(TurnRow(p.turn, p.working_set, residual, util, regime))
         ret = _keep(ret + [(f"c{p.turn}-{k}", c) for k, c in enumerate(p.chunks)], RETRIEVAL_KEEP)
         scr = _keep([*scr, (f"tool{p.turn}", p.tool)], SCRATCHPAD_KEEP)
+        if released == "retrieval":
+            ret = [(i, t) for i, t in ret if i.startswith(f"c{p.turn}-")]
+        elif released == "scratchpad":
+            scr = scr[-1:]
     return rows
 
 
-def run_ledger(agent: SimAgent, turns: tuple[TurnPlan, ...]) -> list[TurnRow]:
+def run_ledger(agent: SimAgent, turns: tuple[TurnPlan, ...], rule: bool = True) -> list[TurnRow]:
     """The same turns and retention policies; working memory is the turn's declared
-    working set, gated by begin_turn (no item of its own)."""
+    working set, gated by begin_turn (no item of its own). Without the rule the agent
+    declares none: begin_turn judges and reclaims nothing."""
     ret: list[Doc] = []
     scr: list[Doc] = []
     rows = []
     for p in turns:
         try:
-            t = agent.begin(p.working_set, p.output)
+            t = agent.begin(p.working_set if rule else 0, p.output)
         except WorkingMemoryStarvation as exc:  # pragma: no cover - reclamation suffices here
             rows.append(TurnRow(p.turn, p.working_set, exc.residual, exc.utilization, "refused"))
             continue
@@ -142,14 +157,21 @@ def _keep_docs(pool: list[Doc], cap: int) -> list[Doc]:
     return pool
 
 
-def run(ledger: Ledger, seed: int, tag: str) -> Result:
-    out = Result()
+def run(ledger: Ledger, seed: int, tag: str, rule: bool = True, off: bool = True) -> Result:
+    """Naive and ledger (`rule`: with its rule) on each session; `off`: the ledger
+    without its rule too."""
+    out = Result(off=[] if off else None)
     for i in range(SESSIONS):
         turns = plan(seed, i)
         out.naive += run_naive(turns)
-        sid = f"starvation-{seed}-{i}@{tag}"
-        agent = SimAgent(ledger, sid, BUDGET)
-        out.ledger += run_ledger(agent, turns)
-        out.calls += agent.calls
-        out.session_ids.append(sid)
+        for consumer, loose in out.naive_loose.items():
+            loose += run_naive(turns, released=consumer)
+        for with_rule, rows in ((rule, out.ledger), (False, out.off)):
+            if rows is None:
+                continue
+            sid = f"starvation-{seed}-{i}{'' if with_rule else '-off'}@{tag}"
+            agent = SimAgent(ledger, sid, BUDGET)
+            rows += run_ledger(agent, turns, with_rule)
+            out.calls += agent.calls
+            out.session_ids.append(sid)
     return out

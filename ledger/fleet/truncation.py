@@ -82,14 +82,46 @@ class Counts:
 class Result:
     naive: Counts = field(default_factory=Counts)
     ledger: Counts = field(default_factory=Counts)
+    off: Counts | None = None  # the ledger without its rule (ledger/fleet/variants.py)
     calls: int = 0
     session_ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Reaction:
+    """The agent's side, the same under every arbiter: which tool call it makes in a
+    turn. A result that came back cut is asked for again on the next turn (the agent
+    lacks it), at most REPEATS times; a prompt without its permission paragraph lets
+    the forbidden read through; otherwise the turn's own tool call, if any."""
+
+    cut: int = 0  # tokens of the result that came back cut (0: none)
+    tries: int = 0  # times that call was made
+
+    def call(self, p: TurnPlan, clause: bool, c: Counts) -> int:
+        if self.cut:
+            c.repeated_calls += 1  # lacking the result, the agent asks again
+            return self.cut
+        if not clause:
+            c.forbidden_calls += 1  # nothing in the prompt forbids it any more
+            return FORBIDDEN
+        return p.tool
+
+    def got(self, tokens: int, whole: bool) -> None:
+        """The call's result arrived whole (or spilled: the agent has its handle), or cut."""
+        if whole:
+            self.cut, self.tries = 0, 0
+            return
+        self.tries += 1
+        self.cut = tokens if self.tries <= REPEATS else 0
+        if not self.cut:
+            self.tries = 0  # the agent gives up on it
 
 
 def run_naive(turns: tuple[TurnPlan, ...], c: Counts) -> None:
     b = BUDGET
     system, memory = b.system_prompt, 0
     results: list[int] = []  # the scratchpad, oldest first
+    agent = Reaction()
 
     def room() -> int:
         return b.window - b.output_reserve - b.tool_framing - system - memory - sum(results)
@@ -97,15 +129,14 @@ def run_naive(turns: tuple[TurnPlan, ...], c: Counts) -> None:
     def take(tokens: int) -> bool:
         """Admit a result; False when it had to be truncated."""
         nonlocal memory, system
-        if tokens <= room():
-            results.append(tokens)
-            return True
-        memory = 0  # memory goes first
+        if tokens > room():
+            memory = 0  # memory goes first
         if tokens > room() and system == b.system_prompt:
             system -= CLAUSE  # "redundant boilerplate": the permission paragraph
             c.compression_events += 1
         if tokens <= room():
             results.append(tokens)
+            c.admitted_whole += 1
             return True
         results.append(max(0, room()))  # cut mid-JSON
         c.truncated += 1
@@ -115,23 +146,20 @@ def run_naive(turns: tuple[TurnPlan, ...], c: Counts) -> None:
         memory = min(p.chunks * 300, max(0, room()))  # memory is slack: what fits
         if system < b.system_prompt and room() >= CLAUSE:
             system = b.system_prompt  # room to spare: the full prompt is back
-        if system < b.system_prompt:
-            c.damaged_turns += 1
-            c.forbidden_calls += 1  # nothing in the prompt forbids it any more
-            whole = take(FORBIDDEN)
-            for _ in range(REPEATS):
-                if whole:
-                    break
-                c.repeated_calls += 1  # lacking the result, the agent asks again
-                whole = take(FORBIDDEN)
-        elif p.tool:
-            take(p.tool)
+        clause = system == b.system_prompt
+        c.damaged_turns += not clause
+        tokens = agent.call(p, clause, c)
+        if tokens:
+            agent.got(tokens, take(tokens))
         del results[: max(0, len(results) - KEEP_RESULTS)]
 
 
-def run_ledger(agent: SimAgent, turns: tuple[TurnPlan, ...], c: Counts) -> None:
+def run_ledger(agent: SimAgent, turns: tuple[TurnPlan, ...], c: Counts, rule: bool = True) -> None:
+    """The same pipeline and the same agent; without the rule a result that does not
+    fit is truncated (its head admitted) instead of spilled."""
     results: list[Doc] = []
     memory: list[Doc] = []
+    react = Reaction()
     for p in turns:
         t = agent.begin(2_000)
         gone = {i for _, i in (*t.reclaimed, *t.dropped)}
@@ -141,20 +169,26 @@ def run_ledger(agent: SimAgent, turns: tuple[TurnPlan, ...], c: Counts) -> None:
         memory = list(got.kept)
         if got.refused:
             c.refusals += 1  # memory, the only elastic source, is what gives way
-        if agent.snapshot().system_prompt != BUDGET.system_prompt:  # never: a floor
-            c.damaged_turns += 1
-        if p.tool:
+        clause = agent.snapshot().system_prompt >= BUDGET.system_prompt  # a floor: always
+        c.damaged_turns += not clause
+        tokens = react.call(p, clause, c)
+        if tokens and not rule:
+            head = _truncating(agent, Doc(f"tool{p.turn}", tokens), c)
+            results += [head] if head.tokens else []
+            react.got(tokens, head.tokens >= tokens)
+        elif tokens:
             try:
-                res = agent.tool_result(Doc(f"tool{p.turn}", p.tool))
+                res = agent.tool_result(Doc(f"tool{p.turn}", tokens))
             except AdmissionRefused:
                 c.refusals += 1
             else:
                 if res.spilled:
                     c.spilled += 1
-                elif res.charged == p.tool:
+                elif res.charged == tokens:
                     c.admitted_whole += 1
-                if res.charged < p.tool and not res.spilled:
-                    c.truncated += 1  # never: admitted whole or spilled
+                cut = res.charged < tokens and not res.spilled and not res.refused
+                c.truncated += cut  # never: admitted whole, spilled, or refused with a note
+                react.got(tokens, not cut)
                 memory = [m for m in memory if m not in res.evicted]
                 results.append(res.result)
         drop = results[: max(0, len(results) - KEEP_RESULTS)]
@@ -163,14 +197,31 @@ def run_ledger(agent: SimAgent, turns: tuple[TurnPlan, ...], c: Counts) -> None:
         agent.end(max(1, agent.snapshot().occupancy))
 
 
-def run(ledger: Ledger, seed: int, tag: str) -> Result:
-    out = Result()
+def _truncating(agent: SimAgent, doc: Doc, c: Counts) -> Doc:
+    """A tool result admitted by its head: what fits is kept, the rest is cut."""
+    head = Doc(doc.id, max(0, min(doc.tokens, agent.snapshot().free)))
+    if head.tokens and not agent.admit(Consumer.SCRATCHPAD, [head]).kept:
+        head = Doc(doc.id, 0)
+    if head.tokens >= doc.tokens:
+        c.admitted_whole += 1
+    else:
+        c.truncated += 1
+    return head
+
+
+def run(ledger: Ledger, seed: int, tag: str, rule: bool = True, off: bool = True) -> Result:
+    """Naive and ledger (`rule`: with its rule) on each session; `off`: the ledger
+    without its rule too."""
+    out = Result(off=Counts() if off else None)
     for i in range(SESSIONS):
         turns = plan(seed, i)
         run_naive(turns, out.naive)
-        sid = f"truncation-{seed}-{i}@{tag}"
-        agent = SimAgent(ledger, sid, BUDGET)
-        run_ledger(agent, turns, out.ledger)
-        out.calls += agent.calls
-        out.session_ids.append(sid)
+        for with_rule, counts in ((rule, out.ledger), (False, out.off)):
+            if counts is None:
+                continue
+            sid = f"truncation-{seed}-{i}{'' if with_rule else '-off'}@{tag}"
+            agent = SimAgent(ledger, sid, BUDGET)
+            run_ledger(agent, turns, counts, with_rule)
+            out.calls += agent.calls
+            out.session_ids.append(sid)
     return out
