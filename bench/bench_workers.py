@@ -3,6 +3,7 @@ with --idle, what an idle worker costs and how fast it picks up a job.
 
     python -m bench.bench_workers [--jobs N] [--json] [--reps R] [--partitions P]
                                   [--claim-idle-ms MS] [--poll-interval S]
+    python -m bench.bench_workers --metrics SESSIONS [--rounds R] [--latency-jobs N]
     python -m bench.bench_workers --idle [--partitions P] [--idle-seconds S]
                                   [--latency-jobs N] [--cluster] [--baseline DIR]
                                   [--sweep-interval S]
@@ -45,6 +46,12 @@ What it measures (a fresh key prefix for every run):
    (ledger.testing.cluster) instead of one server. --sweep-interval S: the workers'
    LEDGER_WORKER_SWEEP_INTERVAL (their default otherwise). The commands per second are
    shown by name too.
+
+4. Metrics (--metrics SESSIONS, instead of 1 and 2): pickup latency as in 3 with that
+   many live sessions open, the worker started with a metrics port and
+   OBSERVE_INTERVAL=1 (a metrics pass over every session each second, in its own
+   thread) against one without, in interleaved rounds; the median per round and the
+   median ratio on / off with its min-max.
 
 The numbers depend on the machine and on whatever else runs on it: worker processes,
 redis-server and this script share the CPUs (``nproc`` is reported).
@@ -113,7 +120,9 @@ class Run:
             self.r.delete(*keys[k : k + 500])
         self.led.close()
 
-    def spawn(self, consumer: str, source: Path | None = None) -> WorkerProc:
+    def spawn(
+        self, consumer: str, source: Path | None = None, extra: dict[str, str] | None = None
+    ) -> WorkerProc:
         env = {
             "LEDGER_REDIS_URL": self.url,
             "LEDGER_PREFIX": self.prefix,
@@ -127,6 +136,7 @@ class Run:
             env["PYTHONPATH"] = str(source)
             if self.p.sweep_interval is not None:
                 env["LEDGER_WORKER_SWEEP_INTERVAL"] = str(self.p.sweep_interval)
+        env.update(extra or {})
         w = spawn_worker(consumer, env, self.logs / f"{self.prefix}-{consumer}.log")
         self.workers.append(w)
         return w
@@ -305,6 +315,65 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def pickup(run: Run, w: WorkerProc, sids: list[str], epochs: list[int]) -> list[float]:
+    """One hard_reset job at a time, each after a random pause of 20-120 ms: seconds from
+    its XADD until it is gone from its stream (done), sorted."""
+    ks, lat = run.led.keyspace, []
+    for sid, epoch in zip(sids, epochs, strict=True):
+        time.sleep(random.uniform(0.02, 0.12))
+        stream = ks.jobs(ks.partition_of(sid))
+        fields = {"kind": "hard_reset", "session": sid, "epoch": epoch, "reason": "bench"}
+        t = time.perf_counter()
+        eid = run.r.xadd(stream, fields)  # type: ignore[arg-type]
+        while run.r.xrange(stream, eid, eid):
+            if time.perf_counter() - t > 30:
+                raise RuntimeError(f"job {sid} not picked up within 30 s: {w.tail()}")
+            time.sleep(0.0005)
+        lat.append(time.perf_counter() - t)
+    return sorted(lat)
+
+
+def with_metrics(params: Params, live: int, rounds: int) -> dict[str, Any]:
+    """Pickup latency with `live` sessions open, the worker's metrics on (a pass over
+    every session each second, OBSERVE_INTERVAL=1, in its own thread) against off,
+    in interleaved rounds (off, on, off, on, ...) of latency_jobs jobs each."""
+    with (
+        servers.standalone() as server,
+        tempfile.TemporaryDirectory(prefix="bench-workers-") as d,
+        run_on(server.url, params, Path(d)) as run,
+    ):
+        ids = [f"live-{i}" for i in range(live)]
+        for k in range(0, live, 500):
+            run.led.run_many([run.led.open_call(sid, BUDGET, None) for sid in ids[k : k + 500]])
+        out: dict[str, list[float]] = {"off": [], "on": []}
+        for r in range(rounds):
+            for mode in ("off", "on"):
+                extra = {}
+                if mode == "on":
+                    extra = {
+                        "LEDGER_WORKER_METRICS_PORT": str(servers.free_port()),
+                        "LEDGER_WORKER_OBSERVE_INTERVAL": "1",
+                    }
+                w = run.spawn(f"{mode}-{r}", extra=extra)
+                w.wait_started()
+                time.sleep(1.5)  # the first metrics pass is under way
+                sids = [f"j-{mode}-{r}-{i}" for i in range(params.latency_jobs)]
+                epochs = [run.led.open_session(sid, BUDGET).epoch for sid in sids]
+                out[mode].append(statistics.median(pickup(run, w, sids, epochs)))
+                w.stop()
+        env = environment(server.url)
+    ratios = [on / off for on, off in zip(out["on"], out["off"], strict=True)]
+    return {
+        "env": env,
+        "live_sessions": live,
+        "rounds": rounds,
+        "jobs_per_round": params.latency_jobs,
+        "pickup_ms_median": {m: [round(1000 * x, 2) for x in v] for m, v in out.items()},
+        "ratio_on_off": round(statistics.median(ratios), 3),
+        "ratio_min_max": [round(min(ratios), 3), round(max(ratios), 3)],
+    }
+
+
 def idle(
     url: str, nodes: list[redis.Redis], params: Params, logs: Path, source: Path
 ) -> dict[str, Any]:
@@ -318,23 +387,11 @@ def idle(
         c1, cpu1, t1 = commands(nodes), cpu_seconds(w.proc.pid), time.perf_counter()
         per_s = {k: (n - c0.get(k, 0)) / (t1 - t0) for k, n in c1.items()}
         run.open_sessions(params.latency_jobs)
-        ks, lat = run.led.keyspace, []
-        for sid, epoch in zip(run.sids, run.epochs, strict=True):
-            time.sleep(random.uniform(0.02, 0.12))
-            stream = ks.jobs(ks.partition_of(sid))
-            fields = {"kind": "hard_reset", "session": sid, "epoch": epoch, "reason": "bench"}
-            t = time.perf_counter()
-            eid = run.r.xadd(stream, fields)  # type: ignore[arg-type]
-            while run.r.xrange(stream, eid, eid):
-                if time.perf_counter() - t > 30:
-                    raise RuntimeError(f"job {sid} not picked up within 30 s: {w.tail()}")
-                time.sleep(0.0005)
-            lat.append(time.perf_counter() - t)
+        lat = pickup(run, w, run.sids, run.epochs)
         code = w.stop()
         run.check_each_applied_once()
         if code:
             raise RuntimeError(f"idle worker exited with {code}: {w.tail()}")
-    lat.sort()
     return {
         "source": str(source),
         "commands_per_s": round(sum(per_s.values()), 1),
@@ -490,6 +547,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cluster", action="store_true", help="--idle on a 3-primary cluster")
     ap.add_argument("--baseline", type=Path, help="--idle: also the worker of this tree")
     ap.add_argument("--sweep-interval", type=float, help="--idle: the workers' lease sweeps")
+    ap.add_argument(
+        "--metrics",
+        type=int,
+        metavar="SESSIONS",
+        help="instead: pickup latency with this many live sessions, metrics on vs off",
+    )
+    ap.add_argument("--rounds", type=int, default=3, help="--metrics: interleaved rounds")
     a = ap.parse_args(argv)
     if a.jobs < 1 or a.reps < 1 or a.latency_jobs < 1:
         ap.error("--jobs, --reps and --latency-jobs must be at least 1")
@@ -503,6 +567,19 @@ def main(argv: list[str] | None = None) -> int:
         a.latency_jobs,
         a.sweep_interval,
     )
+    if a.metrics:
+        res = with_metrics(params, a.metrics, a.rounds)
+        if a.json:
+            print(json.dumps(res, indent=2))
+        else:
+            med = res["pickup_ms_median"]
+            print(
+                f"pickup latency, {res['live_sessions']} live sessions, {res['rounds']} rounds "
+                f"of {res['jobs_per_round']} jobs: median per round off {med['off']} ms, on "
+                f"{med['on']} ms; on / off {res['ratio_on_off']} "
+                f"(min-max {res['ratio_min_max']})"
+            )
+        return 0
     if a.idle:
         sources = [p.resolve() for p in (a.baseline, ROOT) if p is not None]
         res = run_idle(params, sources, a.cluster)

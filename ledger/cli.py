@@ -86,10 +86,15 @@ def cmd_demo(args: argparse.Namespace, out: Console) -> int:
     )
     if not args.json:
         out.print(
-            f"[bold]ledger demo[/]: each incident's scenario under its naive arbiter and under "
-            f"the ledger, against [cyan]{settings.redis_url}[/], seed {config.seed}; "
-            f"scenario 001 on {config.sessions} agent sessions (median 40 turns, capped at "
-            f"{config.max_turns}) and {config.workers} workers"
+            "[bold]ledger demo[/]: each incident's scenario under its naive arbiter, under "
+            + (
+                f"the ledger without {config.without}"
+                if config.without
+                else "the ledger and under the ledger without its rule"
+            )
+            + f", against [cyan]{settings.redis_url}[/], seed {config.seed}; scenario 001 on "
+            f"{config.sessions} agent sessions (median 40 turns, capped at {config.max_turns}; "
+            f"and {config.tail} more beyond turn 120) and {config.workers} workers"
         )
     # progress on stderr for every stage, --json included (stdout holds the JSON alone)
     with Progress(console=Console(stderr=True), transient=True) as bar:
@@ -382,8 +387,10 @@ class TopView:
         "age",
     )
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, sort: str = "util", match: str | None = None) -> None:
         self.limit = limit
+        self.sort = sort
+        self.match = match
         self.prev: dict[str, tuple[int, int, int]] = {}  # sid -> now_ms, turn, refusals
 
     def frame(self, ledger: Ledger, width: int = 80, live: bool = False) -> Group:
@@ -394,9 +401,10 @@ class TopView:
         from rich.table import Table
         from rich.text import Text
 
-        from ledger.views import busiest, regime
+        from ledger.views import busiest, fleet_status, listed, regime
 
-        rows, totals = busiest(ledger, self.limit)
+        rows, totals = busiest(ledger, self.limit, self.sort, self.match)
+        fleet = fleet_status(ledger)
         cells: list[list[str]] = []
         seen: dict[str, tuple[int, int, int]] = {}
         for sid, snap in rows:
@@ -422,8 +430,14 @@ class TopView:
                 ]
             )
         self.prev = seen
+        shown = "" if self.match is None else f" matching {self.match}"
+        header = (
+            f"ledger top {time.strftime('%H:%M:%S')}: {len(listed(ledger))} sessions; jobs "
+            f"lag {fleet.lag}, pending {fleet.pending}; dead letters {fleet.dead}"
+            + ("; no worker has run" if fleet.groups == 0 else "")
+        )
         t = Table(
-            title=f"ledger top {time.strftime('%H:%M:%S')}: busiest {len(rows)} sessions",
+            title=f"top {len(rows)}{shown} by {self.sort}",
             box=box.SIMPLE_HEAD,
             show_edge=False,
             padding=(0, 0),
@@ -440,12 +454,46 @@ class TopView:
         t.add_column("session", no_wrap=True, overflow="crop", width=sid_width)
         for col, w in zip(self.COLUMNS, widths, strict=True):
             t.add_column(col, justify="right", no_wrap=True, width=w)
-        for (sid, _), row in zip(rows, cells, strict=True):
-            t.add_row(cut_middle(sid, sid_width), *row)
+        for sid, row in zip(distinct_cuts([sid for sid, _ in rows], sid_width), cells, strict=True):
+            t.add_row(sid, *row)
         # only the indicators that are not zero: the footer stays one line on a quiet fleet
         indicators = ", ".join(f"{k}={v}" for k, v in sorted(totals.items()) if v) or "none"
         keys = "; q quits" if live else ""
-        return Group(t, Text(f"* compaction pending; indicators: {indicators}{keys}"))
+        return Group(
+            Text(header, overflow="fold"),
+            t,
+            Text(f"* compaction pending; indicators: {indicators}{keys}", overflow="fold"),
+        )
+
+
+def distinct_cuts(ids: list[str], width: int, head: int = 6, tail: int = 4) -> list[str]:
+    """``ids`` in at most ``width`` characters each, cut where they do not differ: the
+    prefix and the suffix they all share shrink to a few characters around an
+    ellipsis, and what tells them apart stays (cut in its middle only if still too
+    long). ``tenant-acme/agent-se-0007-of-the-fleet`` -> ``tenant…0007…leet``."""
+    if all(len(i) <= width for i in ids):
+        return list(ids)
+    if len(set(ids)) < 2:
+        return [cut_middle(i, width) for i in ids]
+    pre = _shared_start(ids)
+    suf = _shared_start([i[len(pre) :][::-1] for i in ids])[::-1]
+    start = pre if len(pre) <= head + 1 else pre[:head] + "…"
+    end = suf if len(suf) <= tail + 1 else "…" + suf[len(suf) - tail :]
+    out = []
+    for i in ids:
+        core = i[len(pre) : len(i) - len(suf)]
+        room = width - len(start) - len(end)
+        out.append(start + cut_middle(core, room) + end if room >= 3 else cut_middle(i, width))
+    return out
+
+
+def _shared_start(texts: list[str]) -> str:
+    """The longest start every text has (character by character)."""
+    first, last = min(texts), max(texts)
+    n = 0
+    while n < min(len(first), len(last)) and first[n] == last[n]:
+        n += 1
+    return first[:n]
 
 
 def cut_middle(text: str, width: int) -> str:
@@ -510,7 +558,7 @@ def cmd_top(args: argparse.Namespace, out: Console, keys: IO[str] | None = None)
     from ledger.client import Ledger
 
     # by default as many rows as the terminal has lines, less the title, header and footer
-    view = TopView(args.limit or max(5, out.height - 6))
+    view = TopView(args.limit or max(5, out.height - 7), args.sort, args.match)
     keys = sys.stdin if keys is None else keys
     with Ledger.from_settings(_settings(args)) as ledger:
         if args.once:
@@ -673,6 +721,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tp.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
     tp.add_argument("--once", action="store_true", help="print one frame and exit")
+    tp.add_argument(
+        "--sort",
+        choices=("util", "free", "refused", "drift", "turn"),
+        default="util",
+        help="rank sessions by utilization (default), least free room, refusals, |drift| or turn",
+    )
+    tp.add_argument("--match", metavar="GLOB", help="only sessions whose id matches, e.g. 'acme/*'")
     tp.set_defaults(func=cmd_top)
     dl = sub.add_parser(
         "dead",

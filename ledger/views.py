@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import fnmatch
 import heapq
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -187,17 +188,33 @@ def audits(
 
 
 # The fields a row of `top` is ranked by: utilization = (S + T + a_w + a_m + a_s) / W.
-_RANK = ("W", "S", "T", "a_w", "a_m", "a_s")
+_RANK = ("W", "S", "T", "a_w", "a_m", "a_s", "fr", "dr", "tn")
+
+# ledger top --sort: the rank of a session's row, from the fields of its snapshot reply
+SORTS: dict[str, Callable[[dict[str, int]], float]] = {
+    "util": lambda v: (v["S"] + v["T"] + v["a_w"] + v["a_m"] + v["a_s"]) / v["W"],
+    "free": lambda v: -v["fr"],  # the least free room first
+    "refused": lambda v: v.get("x:refused", 0),
+    "drift": lambda v: abs(v["dr"]),
+    "turn": lambda v: v["tn"],
+}
 
 
-def busiest(ledger: Ledger, limit: int = 10) -> tuple[list[tuple[str, Snapshot]], dict[str, int]]:
-    """The sessions with the highest utilization, and the indicators summed over all.
+def busiest(
+    ledger: Ledger, limit: int = 10, sort: str = "util", match: str | None = None
+) -> tuple[list[tuple[str, Snapshot]], dict[str, int]]:
+    """The sessions ranked first by `sort` (SORTS: utilization by default), among those
+    whose id matches the glob `match`, and the indicators summed over those sessions.
     Every session's snapshot is read (``BATCH`` per round trip); only the rows shown
     are parsed whole, the others only for their rank and counters."""
+    rank = SORTS[sort]
     totals: dict[str, int] = {}
     ranked: list[tuple[float, str, object]] = []
     where: dict[str, int] = {}  # field -> position in the reply (its order is fixed)
-    for chunk in _batches(listed(ledger)):
+    ids = listed(ledger)
+    if match is not None:
+        ids = [sid for sid in ids if fnmatch.fnmatchcase(sid, match)]
+    for chunk in _batches(ids):
         calls = [protocol.snapshot(ledger.keyspace.session(sid)) for sid in chunk]
         for sid, call, raw in zip(chunk, calls, raw_many(ledger, calls), strict=True):
             if isinstance(raw, BaseException):
@@ -217,13 +234,12 @@ def busiest(ledger: Ledger, limit: int = 10) -> tuple[list[tuple[str, Snapshot]]
             for name, i in where.items():
                 k, _, val = parts[i].partition("=")
                 if k != name:  # another layout: read it by name
-                    return _busiest_by_name(ledger, limit)
+                    return _busiest_by_name(ledger, limit, ids, rank)
                 v[name] = int(val)
             for name, n in v.items():
                 if name.startswith("x:"):
                     totals[name[2:]] = totals.get(name[2:], 0) + n
-            taken = v["S"] + v["T"] + v["a_w"] + v["a_m"] + v["a_s"]
-            ranked.append((taken / v["W"], sid, raw))
+            ranked.append((rank(v), sid, raw))
     top = heapq.nlargest(limit, ranked, key=lambda row: row[0])
     return [
         (sid, collect([protocol.snapshot(ledger.keyspace.session(sid))], [raw], False)[0])
@@ -231,16 +247,46 @@ def busiest(ledger: Ledger, limit: int = 10) -> tuple[list[tuple[str, Snapshot]]
     ], totals
 
 
+@dataclass(frozen=True)
+class FleetStatus:
+    """The header of ``ledger top``: job streams summed over partitions."""
+
+    lag: int  # jobs not yet delivered to the workers' group
+    pending: int  # delivered, not acknowledged
+    dead: int  # in the dead-letter streams
+    groups: int  # partitions whose stream has a consumer group (0: no worker ever ran)
+
+
+def fleet_status(ledger: Ledger) -> FleetStatus:
+    """Lag, pending and dead letters over every partition, in one pipelined round trip
+    (XINFO GROUPS and XLEN per partition; a stream not made yet counts 0)."""
+    ks = ledger.keyspace
+    lag = pending = dead = groups = 0
+    with translated(), ledger.client.pipeline(transaction=False) as pipe:
+        for p in range(ks.partitions):
+            pipe.xinfo_groups(ks.jobs(p))
+            pipe.xlen(f"{ks.tag(p)}:dead")
+        replies = pipe.execute(raise_on_error=False)
+    for info, length in zip(replies[::2], replies[1::2], strict=True):
+        if isinstance(info, list) and info:
+            groups += 1
+            lag += max(int(g.get("lag") or 0) for g in info)
+            pending += max(int(g.get("pending") or 0) for g in info)
+        if isinstance(length, int):
+            dead += length
+    return FleetStatus(lag, pending, dead, groups)
+
+
 def _busiest_by_name(
-    ledger: Ledger, limit: int
+    ledger: Ledger, limit: int, ids: list[str], rank: Callable[[dict[str, int]], float]
 ) -> tuple[list[tuple[str, Snapshot]], dict[str, int]]:
-    rows = snapshots(ledger, listed(ledger))
+    rows = snapshots(ledger, ids)
     totals: dict[str, int] = {}
     for _, snap in rows:
         for name, value in snap.raw.items():
             if name.startswith("x:"):
                 totals[name[2:]] = totals.get(name[2:], 0) + value
-    rows.sort(key=lambda r: r[1].utilization, reverse=True)
+    rows.sort(key=lambda r: rank(r[1].raw), reverse=True)
     return rows[:limit], totals
 
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
+import shutil
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -278,3 +281,62 @@ def test_version_and_a_closed_pipe(tmp_path: Path) -> None:
     )
     assert pipe.returncode == 0 and pipe.stdout.count("\n") == 1
     assert "Traceback" not in pipe.stderr and "BrokenPipe" not in pipe.stderr
+
+
+def _pane(name: str) -> list[str]:
+    got = subprocess.run(
+        ["tmux", "capture-pane", "-p", "-t", name], capture_output=True, text=True, check=True
+    )
+    return got.stdout.splitlines()
+
+
+@pytest.mark.timeout(120)
+def test_top_in_tmux_at_80x24_with_300_sessions_of_one_tenant(
+    redis_server: RedisProcess, prefix: str
+) -> None:
+    """`ledger top`, live, in a real terminal (tmux, 80x24), 300 sessions whose ids share
+    a tenant prefix: the frame fits, every row's id is distinct, every number whole, a
+    fleet header on top; `--sort refused` ranks the refused sessions first; q quits."""
+    assert shutil.which("tmux"), "tmux is needed (apt-get install tmux; .ci/run installs it)"
+    ids = [f"tenant-acme/agent-se-{i:04d}-of-the-fleet" for i in range(300)]
+    with Ledger.from_settings(LedgerSettings(redis_url=redis_server.url, prefix=prefix)) as led:
+        _open_many(led, ids)
+        for sid in ids[:3]:
+            with pytest.raises(ledger.AdmissionRefused):  # x:refused
+                led.session(sid).reserve("scratchpad", "r", 10_000_000)
+    name = f"top-{uuid.uuid4().hex[:6]}"
+    argv = [sys.executable, "-m", "ledger.cli", "--url", redis_server.url, "--prefix", prefix]
+    cmd = shlex.join([*argv, "top", "--interval", "0.5", "--sort", "refused"])
+    subprocess.run(
+        ["tmux", "new-session", "-d", "-s", name, "-x", "80", "-y", "24", cmd], check=True
+    )
+    try:
+        deadline = time.monotonic() + 30
+        lines: list[str] = []
+        while time.monotonic() < deadline:
+            lines = _pane(name)
+            if any("q quits" in line for line in lines):
+                break
+            time.sleep(0.2)
+        text = "\n".join(lines)
+        assert "q quits" in text, text
+        assert len(lines) <= 24 and max(len(line) for line in lines) <= 80, text
+        assert re.search(r"\b300 sessions; jobs lag 0, pending 0; dead letters 0\b", text), text
+        rows = [line.split() for line in lines if line.lstrip().startswith("tenant")]
+        assert len(rows) >= 10, text  # as many rows as the height leaves
+        shown = [r[0] for r in rows]
+        assert len(set(shown)) == len(shown), shown  # distinct: cut in the middle
+        for r in rows:  # regime, then numbers that are whole (no cell cut or wrapped)
+            assert all(re.fullmatch(r"[+-]?\d+(\.\d+)?!?|-|\d+[smhd]", c) for c in r[3:]), r
+        refused = [r[7] for r in rows]  # session, regime, util, free, resid, turn, turn/s
+        assert refused[:3] == ["1", "1", "1"] and set(refused[3:]) == {"0"}, rows  # --sort
+        subprocess.run(["tmux", "send-keys", "-t", name, "q"], check=True)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            alive = subprocess.run(["tmux", "has-session", "-t", name], capture_output=True)
+            if alive.returncode != 0:
+                break
+            time.sleep(0.2)
+        assert alive.returncode != 0, "q did not quit"
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", name], capture_output=True)

@@ -108,6 +108,8 @@ def check_command(argv: list[str]) -> None:
         try:
             cli.build_parser().parse_args(argv[1:])
         except SystemExit as exc:
+            if exc.code == 0 and {"--version", "--help", "-h"} & set(argv):
+                return  # it prints and exits 0, as it should
             pytest.fail(f"`{shlex.join(argv)}` is not a valid ledger command line ({exc})")
     elif prog in ("python", "python3") and argv[1].endswith(".py"):
         # a script of the repository, with options its own parser takes
@@ -139,6 +141,10 @@ def check_command(argv: list[str]) -> None:
         for arg in argv[1:]:
             if not arg.startswith("-") and arg.startswith("tests"):
                 assert (ROOT / arg.split("::")[0]).exists(), arg
+    elif prog == "promtool":  # the files it checks are the repository's
+        assert argv[1] in ("check", "test"), argv
+        for arg in argv[3:]:
+            assert (ROOT / arg).is_file(), f"no file {arg}"
     elif prog == "docker":
         assert argv[1] == "compose", argv
         if "--profile" in argv:

@@ -74,9 +74,14 @@ def _decay(n: Summary, lg: Summary, off: Summary | None, out: dict[str, Check]) 
     )
     l10, l60, l120 = (_rate(lg, t) for t in (10, 60, 120))
     trend = lg["retrieval_trend_per_100_turns"] or 0.0
+    low = lg["retrieval_min"] or {"rate": float("nan"), "turn": None}
     out["001 ledger retrieval admission"] = _c(
-        min(l10, l60, l120) >= 0.88 and trend >= -0.05 and l120 >= l10 - 0.05,
-        f"{l10:.2f} / {l60:.2f} / {l120:.2f}, trend {trend:+.3f} per 100 turns",
+        min(l10, l60, l120) >= 0.88
+        and low["rate"] >= 0.88
+        and trend >= -0.05
+        and l120 >= l10 - 0.05,
+        f"{l10:.2f} / {l60:.2f} / {l120:.2f}, lowest {low['rate']:.2f} (turn {low['turn']}), "
+        f"trend {trend:+.3f} per 100 turns",
     )
     out["001 ledger retrieval refusals: some, all compaction_pending"] = _c(
         bool(lg["retrieval_refusals"])

@@ -74,12 +74,12 @@ COMPACT_MS, COMPACT_MS_PER_K = 120.0, 0.9
 REBUILD_MS = 700.0
 # Time in the demo runs at 1/50 of a real deployment's: the worker's summarizer call
 # (a model's 1 s + 5 ms per 1k tokens summarized) and the agent's bound on waiting for a
-# pending compaction before it asks for recall or retrieval (3 s). A streak of failed
+# pending compaction before it asks for recall or retrieval (7.5 s). A streak of failed
 # compactions outlasts the wait, so the turn is judged against it.
 SUMMARIZE_S, SUMMARIZE_S_PER_K = 0.02, 0.0001
 AMORTIZE_TURNS = 9  # the naive arbiter's estimate of the turns a compaction lasts
-QUICK = 0.25  # share of turns the user answers at once (no think time)
-COMPACTION_WAIT_S = 0.06  # the agent's bound on waiting for a pending compaction
+QUICK = 0.1  # share of turns the user answers at once (no think time)
+COMPACTION_WAIT_S = 0.15  # the agent's bound on waiting for a pending compaction
 
 
 @dataclass(frozen=True, slots=True)
