@@ -652,7 +652,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--sessions",
         type=int,
-        help="scenario 001's fleet (default 48; --large: 330, about 20 alive at turn 120)",
+        help="scenario 001's fleet (default 48; --large: 330), and 30 more beyond turn 120",
     )
     d.add_argument(
         "--large", action="store_true", help="the large fleet for scenario 001 (330 sessions)"
