@@ -21,7 +21,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any
 
 from ledger.errors import (
     BackendUnavailable,
@@ -639,8 +639,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--prefix", help="key prefix (default: LEDGER_PREFIX or 'ledger')")
     p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    # --url and --prefix are taken after the command too (`ledger audit --url ...`)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--url", default=argparse.SUPPRESS, help="Redis URL (as above)")
+    common.add_argument("--prefix", default=argparse.SUPPRESS, help="key prefix (as above)")
     sub = p.add_subparsers(dest="command", required=True)
-    d = sub.add_parser(
+
+    def add(name: str, **kw: Any) -> argparse.ArgumentParser:
+        return sub.add_parser(name, parents=[common], **kw)
+
+    d = add(
         "demo",
         help="a fleet of agent sessions: naive arbiter vs the ledger",
         description="Run each scenario (starvation, compaction-decay, "
@@ -682,7 +690,7 @@ def build_parser() -> argparse.ArgumentParser:
         '(needs matplotlib: pip install "redis-token-ledger[plot]")',
     )
     d.set_defaults(func=cmd_demo)
-    a = sub.add_parser(
+    a = add(
         "audit",
         help="prove counters equal items (exit 1 on any violation)",
         description="Check every session's counters (or the named sessions') against its "
@@ -701,7 +709,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a.add_argument("--verbose", "-v", action="store_true", help="also list each clean session")
     a.set_defaults(func=cmd_audit)
-    i = sub.add_parser("inspect", help="one session: allocations, items, reservations, journal")
+    i = add("inspect", help="one session: allocations, items, reservations, journal")
     i.add_argument("session")
     i.add_argument("--items", type=int, default=20, help="newest items shown (default 20)")
     i.add_argument("--journal", type=int, default=10, help="journal entries shown (default 10)")
@@ -713,9 +721,7 @@ def build_parser() -> argparse.ArgumentParser:
         "ids); repeatable",
     )
     i.set_defaults(func=cmd_inspect)
-    tp = sub.add_parser(
-        "top", help="live view of the busiest sessions and the indicators (q quits)"
-    )
+    tp = add("top", help="live view of the busiest sessions and the indicators (q quits)")
     tp.add_argument(
         "--limit", type=int, help="sessions shown (default: as many as the terminal's height fits)"
     )
@@ -729,7 +735,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tp.add_argument("--match", metavar="GLOB", help="only sessions whose id matches, e.g. 'acme/*'")
     tp.set_defaults(func=cmd_top)
-    dl = sub.add_parser(
+    dl = add(
         "dead",
         help="jobs the worker gave up on: list, replay, purge",
         description="Each partition keeps the jobs the worker dead-lettered (after "
@@ -744,7 +750,7 @@ def build_parser() -> argparse.ArgumentParser:
     dl.add_argument("--limit", type=int, default=100, help="letters listed (default 100)")
     dl.add_argument("--json", action="store_true", help="list as one JSON object")
     dl.set_defaults(func=cmd_dead)
-    sc = sub.add_parser(
+    sc = add(
         "scripts",
         help="write every Lua script as the clients send it to DIR/<name>.lua",
         description="Each operation's full text (the _common.lua definitions it uses, then "
@@ -753,7 +759,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sc.add_argument("dir", type=Path, metavar="DIR")
     sc.set_defaults(func=cmd_scripts)
-    w = sub.add_parser(
+    w = add(
         "worker",
         help="background worker: compaction and hard-reset jobs, lease expiry",
         description="Consume the partitions' job streams (consumer group), take over jobs of "

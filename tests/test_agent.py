@@ -14,6 +14,7 @@ import pytest
 
 from ledger import (
     AsyncLedger,
+    Consumer,
     ContextDrift,
     ContextDriftWarning,
     InvalidArgument,
@@ -91,6 +92,40 @@ def test_turn_admits_app_objects_and_hands_back_reclaimed_ones(ledger: Ledger) -
         t2.prompt([SYSTEM, *left])
     assert t2.report is not None and t2.report.drift == 0
     assert s.audit().clean
+
+
+class CountingCounter:
+    """TOK, its calls counted."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, text: str) -> int:
+        self.calls += 1
+        return TOK(text)
+
+
+def test_each_objects_text_is_counted_once_per_process(ledger: Ledger) -> None:
+    """The counter runs once per distinct text: admitting, building the prompt and ending
+    turn after turn with the same objects counts only the new ones; the counts are the
+    counter's own (the cache changes no number)."""
+    s = ledger.open_session(f"s-{uuid.uuid4().hex[:8]}", budget(window=6_000))
+    counter = CountingCounter()
+    agent = Agent(s, counter)
+    docs = [{"id": f"d{i}", "content": f"chunk {i} " * (20 + i)} for i in range(8)]
+    seen: list[dict[str, Any]] = []
+    for turn in range(4):
+        new = docs[2 * turn : 2 * turn + 2]
+        before = counter.calls
+        with agent.turn(working_set=100) as t:
+            t.admit("retrieval", new)
+            seen += new
+            t.prompt([SYSTEM, *seen])
+        assert t.report is not None and t.report.drift == 0
+        assert counter.calls - before <= len(new) + (1 if turn == 0 else 0)  # + SYSTEM once
+    assert counter.calls == len(docs) + 1
+    assert s.snapshot().used[Consumer.RETRIEVAL] == sum(agent.core.tokens(d) for d in docs)
+    assert counter.calls == len(docs) + 1  # counting again for the check: from the cache
 
 
 def test_spill_preview_is_cut_to_the_budget_and_read_back_by_another_worker(

@@ -340,3 +340,12 @@ def test_top_in_tmux_at_80x24_with_300_sessions_of_one_tenant(
         assert alive.returncode != 0, "q did not quit"
     finally:
         subprocess.run(["tmux", "kill-session", "-t", name], capture_output=True)
+
+
+def test_url_and_prefix_are_taken_after_the_command_too() -> None:
+    parse = cli.build_parser().parse_args
+    assert parse(["audit", "--url", "redis://b", "--prefix", "p2"]).url == "redis://b"
+    assert parse(["--url", "redis://a", "audit"]).url == "redis://a"
+    got = parse(["--url", "redis://a", "--prefix", "p1", "top", "--url", "redis://b"])
+    assert (got.url, got.prefix) == ("redis://b", "p1")  # the later one wins
+    assert parse(["inspect", "s"]).url is None  # no URL given: the settings decide

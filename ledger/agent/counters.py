@@ -18,6 +18,7 @@ import gzip
 import hashlib
 import importlib.util
 import math
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -140,14 +141,32 @@ class Calibrated:
     agent layer keeps one per session and takes the factor from Redis at each turn, so
     that every process counts alike."""
 
+    CACHED = 4096  # texts whose base count is kept (the least recently used go first)
+
     def __init__(self, base: Callable[[str], int]) -> None:
         self.base = base
         self.factor = 1.0
         self.name = str(getattr(base, "name", type(base).__name__))
+        # base counts by content: an object's text is counted once per process, not on
+        # every admit, prompt and end_turn that names it again (a counter is a function
+        # of the text alone)
+        self._counts: OrderedDict[object, int] = OrderedDict()
+        self.calls = 0  # calls of the base counter (the cache's misses)
 
     def __call__(self, text: str, /) -> int:
-        n = self.base(text)
-        if self.factor == 1.0 or type(n) is not int:
+        key: object = text if len(text) <= 256 else (len(text), _digest(text))
+        n = self._counts.get(key)
+        if n is None:
+            self.calls += 1
+            n = self.base(text)
+            if type(n) is not int:
+                return n  # not a count: count() says what is wrong, nothing is kept
+            self._counts[key] = n
+            if len(self._counts) > self.CACHED:
+                self._counts.popitem(last=False)
+        else:
+            self._counts.move_to_end(key)
+        if self.factor == 1.0:
             return n
         return math.ceil(n * self.factor)
 
@@ -156,6 +175,10 @@ class Calibrated:
         if not callable(trunc):
             raise AttributeError("truncate")
         return str(trunc(text, math.floor(tokens / self.factor)))
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 def is_estimate(counter: object) -> bool:

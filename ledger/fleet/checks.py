@@ -103,10 +103,16 @@ def _decay(n: Summary, lg: Summary, off: Summary | None, out: dict[str, Check]) 
         o60, o120 = _rate(off, 60), _rate(off, 120)
         exhausted = off["retrieval_refusals"].get("token_budget_exhausted", 0)
         oe, ol = off["compaction_interval"]["early"], off["compaction_interval"]["late"]
-        out["001 without compaction credit: compactions accelerate, budget refusals return"] = _c(
-            oe is not None and ol is not None and ol <= 0.5 * oe and exhausted > 0,
-            f"interval early {_n(oe)}, after turn 80 {_n(ol)}; token_budget_exhausted="
-            f"{exhausted}; retrieval {o60:.2f} / {o120:.2f} at turns 60/120",
+        olow = off["retrieval_min"] or {"rate": float("nan"), "turn": None}
+        out["001 without compaction credit: retrieval starves, compactions accelerate"] = _c(
+            olow["rate"] <= low["rate"] - 0.3
+            and oe is not None
+            and ol is not None
+            and ol <= 0.5 * oe
+            and exhausted > 0,
+            f"retrieval {o60:.2f} / {o120:.2f} at turns 60/120, lowest {olow['rate']:.2f} "
+            f"(turn {olow['turn']}); interval early {_n(oe)}, after turn 80 {_n(ol)}; "
+            f"token_budget_exhausted={exhausted}",
         )
 
 

@@ -123,6 +123,9 @@ class SessionRun:
     def count(self, name: str, n: int = 1) -> None:
         self.counts[name] = self.counts.get(name, 0) + n
 
+    def count_of(self, name: str) -> int:
+        return self.counts.get(name, 0)
+
 
 # --- workload ---------------------------------------------------------------------
 
@@ -340,11 +343,8 @@ def run_ledger(agent: SimAgent, turns: Sequence[TurnPlan], think_s: float = 5.0)
                 state["rebuild"] = True
             except WorkingMemoryStarvation as full:
                 # The window is full and the turn cannot start (only without compaction
-                # credit: with it, the hard reset comes first). The agent drops the oldest
-                # history the ledger names, as the naive arbiter does past the window.
-                old = [i for i in full.compact if not i.startswith("sum-")] or list(full.compact)
-                agent.session.release(WM, old)
-                run.count("history_dropped", len(old))
+                # credit: with it, the hard reset comes first).
+                _make_room(agent, full, run)
         else:  # pragma: no cover - the worker never resets the same session 8 times a turn
             raise RuntimeError(f"turn {p.turn} of {run.session_id} could not run")
         state["rebuild"] = False
@@ -357,6 +357,28 @@ def run_ledger(agent: SimAgent, turns: Sequence[TurnPlan], think_s: float = 5.0)
         shed_before = not rec.retrieval
         run.records.append(rec)
     return run
+
+
+def _make_room(agent: SimAgent, full: WorkingMemoryStarvation, run: SessionRun) -> None:
+    """What the naive arbiter does past the window: drop the oldest history the ledger
+    names, and when only the summary is left, cut it by what is missing (the summary
+    given back, a shorter one admitted in its place)."""
+    old = [i for i in full.compact if not i.startswith("sum-")]
+    if old:
+        agent.session.release(WM, old)
+        run.count("history_dropped", len(old))
+        return
+    held = {i.id: i for i in agent.session.ledger.items(agent.session.id)}
+    for sid in full.compact:
+        item = held.get(sid)
+        if item is None:
+            continue
+        agent.session.release(WM, [sid])
+        left = item.tokens - full.shortfall
+        if left > 0:
+            agent.session.admit(WM, [Item(f"{sid.split('.')[0]}.{run.count_of('cuts')}", left)])
+        run.count("cuts")
+        return
 
 
 def _ledger_turn(

@@ -87,10 +87,14 @@ def _decay_summary(runs: Sequence[decay.SessionRun], ledger: bool) -> dict[str, 
         mt, mc = _mean(t for t, _ in pts) or 0.0, _mean(c for _, c in pts) or 0.0
         den = sum((t - mt) ** 2 for t, _ in pts)
         slope = 100 * sum((t - mt) * (c - mc) for t, c in pts) / den if den else 0.0
-    # the lowest retrieval admission over turn +- WINDOW_TURNS, where 10 or more sessions
-    # are alive (the curve the plot draws), and the turn it is at
+    # the lowest retrieval admission over turn +- WINDOW_TURNS (a whole window: not in
+    # the last turns), where 10 or more sessions are alive (the curve the plot draws)
     smooth = _smooth(curve, alive)
-    low = [(c, t) for t, c in enumerate(smooth) if t >= CHECKPOINTS[0] and alive[t] >= 10]
+    low = [
+        (c, t)
+        for t, c in enumerate(smooth)
+        if CHECKPOINTS[0] <= t <= max_turn - WINDOW_TURNS and alive[t] >= 10  # whole windows
+    ]
     early = _mean(d for t, d in iv if t < EARLY)
     late = _mean(d for t, d in iv if t >= LATE)
     w = decay.WINDOW
