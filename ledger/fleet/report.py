@@ -529,7 +529,7 @@ def table(s: dict[str, Any]) -> Table:
 def narrow(s: dict[str, Any], width: int = 80) -> str:
     """The rows as blocks for a narrow terminal: a heading per measure, then one line per
     column, wrapped at spaces only, so that no number is ever split across lines."""
-    out = [title(s), ""]
+    out = [textwrap.fill(title(s), width, break_long_words=False), ""]
     scenario = ""
     for row in rows(s):
         scenario = row[0] or scenario
