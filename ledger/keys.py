@@ -116,6 +116,10 @@ class KeySpace:
     def jobs(self, partition: int) -> str:
         return f"{self.tag(partition)}:jobs"
 
+    def dead_letters(self, partition: int) -> str:
+        """The stream of the partition's jobs the workers gave up on."""
+        return f"{self.tag(partition)}:dead"
+
     def observer(self) -> str:
         """The lease of the one worker that keeps the fleet's indicators (a string: the
         holder's consumer name, with a TTL), under partition 0's tag."""

@@ -265,7 +265,7 @@ def fleet_status(ledger: Ledger) -> FleetStatus:
     with translated(), ledger.client.pipeline(transaction=False) as pipe:
         for p in range(ks.partitions):
             pipe.xinfo_groups(ks.jobs(p))
-            pipe.xlen(f"{ks.tag(p)}:dead")
+            pipe.xlen(ks.dead_letters(p))
         replies = pipe.execute(raise_on_error=False)
     for info, length in zip(replies[::2], replies[1::2], strict=True):
         if isinstance(info, list) and info:
@@ -319,7 +319,7 @@ def dead_letters(ledger: Ledger, limit: int = 100) -> tuple[dict[int, int], list
     letters: list[DeadLetter] = []
     with translated():
         for p in range(ledger.keyspace.partitions):
-            name = f"{ledger.keyspace.tag(p)}:dead"
+            name = ledger.keyspace.dead_letters(p)
             n = int(ledger.client.xlen(name))
             if not n:
                 continue
@@ -356,7 +356,7 @@ def _take(ledger: Ledger, refs: Sequence[str] | None) -> list[DeadLetter]:
     with translated():
         for ref in refs:
             p, entry = _parse_ref(ref, ledger.keyspace.partitions)
-            got = ledger.client.xrange(f"{ledger.keyspace.tag(p)}:dead", entry, entry)
+            got = ledger.client.xrange(ledger.keyspace.dead_letters(p), entry, entry)
             if not got:
                 raise LedgerError(f"no dead letter {ref!r} (listed, replayed or purged?)")
             fields = {_text(k): _text(v) for k, v in (got[0][1] or {}).items()}
@@ -370,10 +370,10 @@ def replay_dead(ledger: Ledger, refs: Sequence[str] | None) -> list[str]:
     remove them from the dead-letter stream. Returns the new entry ids."""
     out = []
     for letter in _take(ledger, refs):
-        tag = ledger.keyspace.tag(letter.partition)
+        ks, p = ledger.keyspace, letter.partition
         with translated():
-            new = ledger.client.xadd(f"{tag}:jobs", dict(letter.job))  # type: ignore[arg-type]
-            ledger.client.xdel(f"{tag}:dead", letter.entry)
+            new = ledger.client.xadd(ks.jobs(p), dict(letter.job))  # type: ignore[arg-type]
+            ledger.client.xdel(ks.dead_letters(p), letter.entry)
         out.append(_text(new))
     return out
 
@@ -384,6 +384,6 @@ def purge_dead(ledger: Ledger, refs: Sequence[str] | None) -> int:
     for letter in _take(ledger, refs):
         with translated():
             n += int(
-                ledger.client.xdel(f"{ledger.keyspace.tag(letter.partition)}:dead", letter.entry)
+                ledger.client.xdel(ledger.keyspace.dead_letters(letter.partition), letter.entry)
             )
     return n

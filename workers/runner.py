@@ -436,7 +436,7 @@ class Worker:
         return self.ledger.keyspace.jobs(partition)
 
     def dead_letter(self, partition: int) -> str:
-        return f"{self.ledger.keyspace.tag(partition)}:dead"
+        return self.ledger.keyspace.dead_letters(partition)
 
     def _errors_hash(self, partition: int) -> str:
         return f"{self.ledger.keyspace.tag(partition)}:errors"
