@@ -403,7 +403,8 @@ class TopView:
 
         from ledger.views import busiest, fleet_status, listed, regime
 
-        rows, totals = busiest(ledger, self.limit, self.sort, self.match)
+        ids = listed(ledger)  # one SCAN a frame: the header's count and the ranking
+        rows, totals = busiest(ledger, self.limit, self.sort, self.match, ids)
         fleet = fleet_status(ledger)
         cells: list[list[str]] = []
         seen: dict[str, tuple[int, int, int]] = {}
@@ -432,7 +433,7 @@ class TopView:
         self.prev = seen
         shown = "" if self.match is None else f" matching {self.match}"
         header = (
-            f"ledger top {time.strftime('%H:%M:%S')}: {len(listed(ledger))} sessions; jobs "
+            f"ledger top {time.strftime('%H:%M:%S')}: {len(ids)} sessions; jobs "
             f"lag {fleet.lag}, pending {fleet.pending}; dead letters {fleet.dead}"
             + ("; no worker has run" if fleet.groups == 0 else "")
         )

@@ -201,7 +201,11 @@ SORTS: dict[str, Callable[[dict[str, int]], float]] = {
 
 
 def busiest(
-    ledger: Ledger, limit: int = 10, sort: str = "util", match: str | None = None
+    ledger: Ledger,
+    limit: int = 10,
+    sort: str = "util",
+    match: str | None = None,
+    ids: list[str] | None = None,
 ) -> tuple[list[tuple[str, Snapshot]], dict[str, int]]:
     """The sessions ranked first by `sort` (SORTS: utilization by default), among those
     whose id matches the glob `match`, and the indicators summed over those sessions.
@@ -211,7 +215,7 @@ def busiest(
     totals: dict[str, int] = {}
     ranked: list[tuple[float, str, object]] = []
     where: dict[str, int] = {}  # field -> position in the reply (its order is fixed)
-    ids = listed(ledger)
+    ids = listed(ledger) if ids is None else ids  # (the caller's SCAN, if it made one)
     if match is not None:
         ids = [sid for sid in ids if fnmatch.fnmatchcase(sid, match)]
     for chunk in _batches(ids):
