@@ -8,6 +8,7 @@ from ledger.errors import (
     AdmissionRefused,
     BackendUnavailable,
     BillingDriftWarning,
+    CompactionPending,
     ConfigurationError,
     ContextDrift,
     ContextDriftWarning,
@@ -71,6 +72,7 @@ __all__ = [
     "TurnConflict",
     "TurnInProgress",
     "TurnLost",
+    "CompactionPending",
     "UnknownReservation",
     "UnknownSession",
 ]

@@ -559,11 +559,16 @@ class SessionCore:
         *,
         takeover: bool = False,
         lease_ms: int | None = None,
+        await_compaction: bool = False,
         op_id: str | None = None,
     ) -> Call[TurnStarted]:
         """Start a turn: take the session's turn lease for this handle's ``owner`` and
         gate on residual working memory vs ``working_set``
         (docs/rules.md#working-memory-starvation).
+
+        With ``await_compaction`` a pending compaction refuses the turn
+        (``CompactionPending``: whether a worker computes it now; nothing changed), so the
+        caller can wait for it to land before the turn (the agent layer does).
 
         Another owner's open turn refuses it (``TurnInProgress``, nothing changed) unless
         its lease lapsed or ``takeover`` is given: that turn is then rolled back first.
@@ -581,6 +586,7 @@ class SessionCore:
             self.owner,
             self.lease_ms if lease_ms is None else lease_ms,
             takeover,
+            await_compaction,
         )
         return Call(call.script, call.keys, call.args, self._began(call.parse))
 

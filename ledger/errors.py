@@ -93,6 +93,23 @@ class TurnLost(TurnConflict):
         self.rolled_back = "rolled back" in message
 
 
+class CompactionPending(TurnConflict):
+    """``begin_turn`` asked to wait for a pending compaction (the agent layer does, on a
+    worker-owned session, while ``await_compaction`` allows): the turn did not begin and
+    nothing changed. ``computing``: a worker (``worker``) is computing it now, until
+    ``until_ms`` (Redis's clock); else none has picked it up yet. Begin again later, or
+    without waiting."""
+
+    _RE = re.compile(r"computed by (\S+) until (\d+)")
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        m = self._RE.search(message)
+        self.computing = m is not None
+        self.worker: str | None = m.group(1) if m else None
+        self.until_ms: int | None = int(m.group(2)) if m else None
+
+
 class PermissionDenied(LedgerError, PermissionError):
     """Redis refused the credentials (AUTH) or a command or key (ACL, NOPERM)."""
 
@@ -258,6 +275,7 @@ _CODES: Final[dict[str, type[LedgerError]]] = {
     "EXPIRED": ReservationExpired,
     "TURNHELD": TurnInProgress,
     "TURNLOST": TurnLost,
+    "COMPACTING": CompactionPending,
 }
 
 _UNAVAILABLE = (

@@ -6,7 +6,7 @@ structures (the reservation deadline index), so one script can touch all of
 them on Redis Cluster::
 
     <prefix>:{p<N>}:s:<session_id>     session hash (see lua/_common.lua)
-    <prefix>:{p<N>}:out:<session_id>   outcome hash, 256 buckets of stored replies by
+    <prefix>:{p<N>}:out:<session_id>   outcome hash, buckets of stored replies by the
                                        SHA-1 of the op id: the current generation (see
                                        lua/_common.lua)
     <prefix>:{p<N>}:old:<session_id>   outcome hash of the previous generation

@@ -428,7 +428,10 @@ def begin_turn(
     owner: str,
     lease_ms: int,
     takeover: bool = False,
+    await_compaction: bool = False,
 ) -> Call[TurnStarted]:
+    """``await_compaction``: refuse the turn (``CompactionPending``, nothing changed) while
+    a compaction is pending; the call then also names the summaries hash."""
     body = [
         _num(working_set),
         "-" if output_reserve is None else _num(output_reserve),
@@ -437,9 +440,11 @@ def begin_turn(
         _lease(lease_ms),
         "1" if takeover else "0",
     ]
-    return _mutating(
-        "begin_turn", keys.for_script(keys.jobs, keys.deadlines), op_id, epoch, body, _turn_started
-    )
+    extra: tuple[str, ...] = (keys.jobs, keys.deadlines)
+    if await_compaction:
+        body.append("1")
+        extra = (*extra, keys.compacted)
+    return _mutating("begin_turn", keys.for_script(*extra), op_id, epoch, body, _turn_started)
 
 
 def abort_turn(keys: SessionKeys, op_id: str, epoch: int, turn: int) -> Call[TurnAborted]:

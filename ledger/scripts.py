@@ -188,9 +188,24 @@ def reply_codes() -> dict[str, str]:
 
 def outcome_key(op_id: str) -> tuple[str, str]:
     """Where an op id's outcome is stored: (bucket, key), the first two and the next
-    fourteen hex digits of the SHA-1 of its UTF-8 bytes (lua/_common.lua, ``recorded``)."""
+    fourteen hex digits of the SHA-1 of its UTF-8 bytes (lua/_common.lua, ``recorded``).
+    A generation of many outcomes writes the later ones to buckets of the first three or
+    four digits (:func:`outcome_buckets`); the key is the same in each."""
     h = hashlib.sha1(op_id.encode()).hexdigest()
     return h[:2], h[2:16]
+
+
+def outcome_buckets(op_id: str) -> tuple[str, str, str]:
+    """The bucket fields an op id's outcome may be in: the first 2, 3 and 4 hex digits
+    of the SHA-1 of its UTF-8 bytes."""
+    h = hashlib.sha1(op_id.encode()).hexdigest()
+    return h[:2], h[:3], h[:4]
+
+
+def is_bucket(field: str) -> bool:
+    """Whether a field of an outcome hash is a bucket (2 to 4 hex digits), not one of the
+    generation's own fields (``e``, ``k``, ``g``)."""
+    return 2 <= len(field) <= 4 and all(c in "0123456789abcdef" for c in field)
 
 
 def stored_outcomes(bucket: str, base: int = 0) -> list[tuple[str, str, str]]:

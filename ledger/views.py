@@ -16,7 +16,7 @@ from ledger.core import collect
 from ledger.errors import InvalidArgument, LedgerError, UnknownSession, translated
 from ledger.models import AuditReport, Consumer, HeldItem, Snapshot
 from ledger.protocol import Call
-from ledger.scripts import outcome_key, stored_outcomes
+from ledger.scripts import is_bucket, outcome_buckets, outcome_key, stored_outcomes
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,10 +75,10 @@ def view(ledger: Ledger, session_id: str, journal: int = 10) -> SessionView:
             for field, bucket in ledger.client.hscan_iter(k):
                 if len(entries) >= journal:
                     break
-                if len(_text(field)) != 2:  # not a bucket
+                if not is_bucket(_text(field)):
                     continue
                 for key, _, reply in stored_outcomes(_text(bucket), base)[: journal - len(entries)]:
-                    entries.append(JournalEntry(_text(field) + key, reply))
+                    entries.append(JournalEntry(_text(field)[:2] + key, reply))
     return SessionView(
         session_id,
         snap,
@@ -96,16 +96,17 @@ def stored_outcome(ledger: Ledger, session_id: str, op_id: str) -> tuple[str, st
     sent, refused with an error, or older than the op retention). A retry of the op id
     with the same arguments gets this reply and changes nothing."""
     keys = ledger.keyspace.session(session_id)
-    bucket, key = outcome_key(op_id)
+    _, key = outcome_key(op_id)
     ledger.check_open()
     with translated():
         for name, k in (("current", keys.outcomes), ("previous", keys.outcomes_old)):
-            raw, base = ledger.client.hmget(k, [bucket, "e"])
-            if raw is None:
-                continue
-            for got, _, reply in stored_outcomes(_text(raw), int(base or 0)):
-                if got == key:
-                    return name, reply
+            *raws, base = ledger.client.hmget(k, [*outcome_buckets(op_id), "e"])
+            for raw in raws:
+                if raw is None:
+                    continue
+                for got, _, reply in stored_outcomes(_text(raw), int(base or 0)):
+                    if got == key:
+                        return name, reply
     return None
 
 

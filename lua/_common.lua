@@ -59,13 +59,15 @@
 -- and '<tag>:old:<session>'): the current and the previous generation of outcomes,
 -- kept out of the session hash so that a scan of the session never reads them.
 --   <bucket>            the outcomes of the op ids whose SHA-1 starts with these two
---                       hex digits, one after the other: '\30<key><fingerprint><reply>',
---                       key: the next 14 hex digits of the op id's SHA-1, the
---                       reply's keys coded and its epoch relative to e (see `pack`);
---                       a few hundred fields, so that a field costs little next to
---                       the outcomes it holds, and a call reads and writes one bucket
---                       of about 1/256 of them
+--                       (three, four) hex digits, one after the other:
+--                       '\30<key><fingerprint><reply>', key: hex digits 3-16 of the op
+--                       id's SHA-1, the reply's keys coded and its epoch relative to e
+--                       (see `pack`); a generation widens its buckets as it grows (see
+--                       `bucket_width`), so that a call rewrites a bucket of about 32 outcomes
+--                       at most, and a field costs little next to the outcomes it holds
 --   e                   the generation's epoch base: the epoch of its first outcome
+--   k                   the outcomes the generation holds (a rollback leaves it as it is)
+--   g                   0: the generation began when no previous one existed
 -- The first commit after gz renames the current generation to the previous one (the
 -- one it replaces is at least one op retention old) and gives that one the op
 -- retention as its TTL: an outcome lives at least the op retention, at most about
@@ -219,40 +221,72 @@ local function pack(fp, out, base)
   return fp .. string.gsub('|' .. out, '|[%w_]+=', PACK)
 end
 
--- The current generation's bucket of this call's op id, the op's key in it and the
--- generation's epoch base ('e'), as `recorded` read them, for `store` to append to;
--- and the base of the generation a stored outcome was found in, for `replay`.
+-- The current generation's bucket of this call's op id, as `recorded` read it, for
+-- `store` to append to: the op's SHA-1 (h), its record key (at), the bucket field it is
+-- written to (b) and that bucket's text (cur), the generation's outcome count (k) and
+-- epoch base (e); and the base of the generation a stored outcome was found in (found).
 local BUCKET = {}
+
+-- A generation's outcomes go to buckets named by the first 2 hex digits of the op id's
+-- SHA-1 until it holds WIDEN[1] outcomes, then by the first 3 (4,096 buckets) until
+-- WIDEN[2], then by 4: a bucket a call rewrites keeps about 32 outcomes however many the
+-- generation holds, and a field costs little next to the outcomes in it. Records already
+-- written stay where they are; a lookup reads the op's bucket of each width.
+local WIDEN = { 8192, 8192 + 131072 }
+local function bucket_width(k)
+  if k < WIDEN[1] then return 2 end
+  return k < WIDEN[2] and 3 or 4
+end
+
+-- The record of this op in one generation's buckets (got: the HMGET of its 2-, 3- and
+-- 4-digit buckets), or false.
+local function find_record(got, at)
+  for i = 1, 3 do
+    local src = got[i]
+    if src then
+      local _, j = string.find(src, at, 1, true)
+      if j then return string.sub(src, j + 1, (string.find(src, '\30', j + 1, true) or 0) - 1) end
+    end
+  end
+  return false
+end
 
 -- The outcome stored for this op id in either generation ('<fingerprint><coded
 -- reply>'), or false. Every mutating script calls it before `store`. An op id is kept
--- as 16 hex digits of its SHA-1: the first two name the bucket, the next fourteen
+-- as 16 hex digits of its SHA-1: the first two to four name its bucket, digits 3 to 16
 -- (56 bits) mark its record, so a record's size does not depend on the op id's length.
+-- The previous generation is read only when there may be one (field 'g' of the current
+-- one: 0 when it began with none; absent in a generation an older version began).
 local function recorded(op)
   local h = redis.sha1hex(op)
-  local b, at = string.sub(h, 1, 2), '\30' .. string.sub(h, 3, 16)
-  local got = redis.call('HMGET', OUT, b, 'e')
-  local src = got[1] or ''
-  BUCKET.b, BUCKET.at, BUCKET.cur, BUCKET.e, BUCKET.found = b, at, src, got[2], got[2]
-  local _, j = string.find(src, at, 1, true)
-  if not j then
-    got = redis.call('HMGET', OLD, b, 'e')
-    src, BUCKET.found = got[1] or '', got[2]
-    _, j = string.find(src, at, 1, true)
-    if not j then return false end
-  end
-  return string.sub(src, j + 1, (string.find(src, '\30', j + 1, true) or 0) - 1)
+  local b2, b3, b4 = string.sub(h, 1, 2), string.sub(h, 1, 3), string.sub(h, 1, 4)
+  local at = '\30' .. string.sub(h, 3, 16)
+  local got = redis.call('HMGET', OUT, b2, b3, b4, 'e', 'k', 'g')
+  local k = tonumber(got[5]) or 0
+  local w = bucket_width(k)
+  BUCKET.h, BUCKET.at, BUCKET.k, BUCKET.e, BUCKET.found = h, at, k, got[4], got[4]
+  BUCKET.b, BUCKET.cur = string.sub(h, 1, w), got[w - 1] or ''
+  local rec = find_record(got, at)
+  if rec or got[6] == '0' then return rec end
+  got = redis.call('HMGET', OLD, b2, b3, b4, 'e')
+  BUCKET.found = got[4]
+  return find_record(got, at)
 end
 
 -- Append the outcome of the op `recorded` looked up to its bucket in the current
--- generation (fresh: the generation was just rotated, the bucket starts empty). The
--- first outcome of a generation sets its epoch base 'e': its own epoch, or, for a reply
--- without one (the worker's `expire`), the session's (KEYS[1]), else its last one.
+-- generation (fresh: the generation was just rotated, it starts empty). The first
+-- outcome of a generation sets its epoch base 'e': its own epoch, or, for a reply
+-- without one (the worker's `expire`), the session's (KEYS[1]), else its last one; and
+-- 'g': 0 when no previous generation exists.
 local function store(fp, out, fresh)
-  local cur, base = BUCKET.cur, BUCKET.e
-  if fresh then cur, base = '', nil end
+  local cur, base, k = BUCKET.cur, BUCKET.e, BUCKET.k
+  if fresh then cur, base, k = '', nil, 0 end
+  local b = string.sub(BUCKET.h, 1, bucket_width(k))
+  if b ~= BUCKET.b then cur = '' end  -- (the generation just widened, or was rotated)
+  BUCKET.b = b
   if base then
-    redis.call('HSET', OUT, BUCKET.b, cur .. BUCKET.at .. pack(fp, out, tonumber(base)))
+    redis.call('HSET', OUT, b, cur .. BUCKET.at .. pack(fp, out, tonumber(base)),
+      'k', string.format('%d', k + 1))
     return
   end
   base = string.match(out, '|epoch=(%d+)')
@@ -260,7 +294,8 @@ local function store(fp, out, fresh)
     local h = redis.call('HMGET', KEYS[1], 'ep', 'pe')
     base = h[1] or h[2] or '0'
   end
-  redis.call('HSET', OUT, BUCKET.b, cur .. BUCKET.at .. pack(fp, out, tonumber(base)), 'e', base)
+  redis.call('HSET', OUT, b, cur .. BUCKET.at .. pack(fp, out, tonumber(base)), 'e', base,
+    'k', string.format('%d', k + 1), 'g', fresh and '1' or redis.call('EXISTS', OLD))
 end
 
 -- A stored outcome for this op id: the reply to send again, or nil when the op is
@@ -392,9 +427,11 @@ local function rollback(key, dl, sid, why)
   -- told that an effect this rollback undid took place.
   local keys = {}
   for k in string.gmatch(f.uo or '', '(%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x)') do
-    local b = string.sub(k, 1, 2)
-    keys[b] = keys[b] or {}
-    keys[b][#keys[b] + 1] = string.sub(k, 3)
+    for w = 2, 4 do
+      local b = string.sub(k, 1, w)
+      keys[b] = keys[b] or {}
+      keys[b][#keys[b] + 1] = string.sub(k, 3)
+    end
   end
   for b, ks in pairs(keys) do
     for _, gen in ipairs({ OUT, OLD }) do
@@ -567,7 +604,7 @@ local function commit(key, now, op, fp, out, args, J)
   end
   store(fp, out, rotate)
   if J.uo then
-    args[#args + 1], args[#args + 2] = 'uo', J.uo .. BUCKET.b .. string.sub(BUCKET.at, 2)
+    args[#args + 1], args[#args + 2] = 'uo', J.uo .. string.sub(BUCKET.h, 1, 16)
   end
   if #args > 0 then redis.call('HSET', key, unpack(args)) end
   if refresh then redis.call('PEXPIRE', key, J.ttl) end

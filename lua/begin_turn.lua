@@ -8,6 +8,9 @@
 -- KEYS[3]  partition deadline index the turn lease's member '<session>|~' (score: its end)
 -- KEYS[4]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
 -- KEYS[5]  previous outcome hash   previous generation ('<tag>:old:<session>')
+--          With ARGV[9], 6 KEYS: KEYS[4] the session's summaries hash
+--          '<tag>:compacted:<session>' (its field '~' is '<worker>|<until ms>' while a
+--          worker computes the compaction), then the two outcome hashes.
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
 -- ARGV[3]  working set             tokens the turn must hold in working memory, 0..1e8
@@ -16,6 +19,10 @@
 -- ARGV[6]  owner                   who serves the turn, [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[7]  lease                   milliseconds the turn is held without a renewal, 1..86400000
 -- ARGV[8]  takeover                1: take a live turn over (roll it back); 0: refuse
+-- ARGV[9]  (optional) await         1: refuse the turn while a compaction is pending
+--                                  (LEDGER_COMPACTING, nothing changed), so that the caller
+--                                  waits for it to land first; needs KEYS[4]. 0 or absent:
+--                                  begin whatever is pending
 --
 -- The turn lease (docs/agent.md#turn-leases). While a turn is open another owner's
 -- begin_turn is refused (LEDGER_TURNHELD, nothing changed) unless it takes over; a
@@ -51,7 +58,10 @@
 --   cannot fit at all.
 -- Errors: LEDGER_BADARG, LEDGER_CONFIG (the output reserve makes the reserved floor
 --         exceed the window), LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED,
---         LEDGER_TURNHELD (another owner's turn is open and its lease live).
+--         LEDGER_TURNHELD (another owner's turn is open and its lease live),
+--         LEDGER_COMPACTING (with ARGV[9] 1, a compaction is pending: 'compaction pending,
+--         computed by <worker> until <ms>' or 'compaction pending, not picked up'; checked
+--         after the replay, the epoch and the budget, before the turn lease).
 -- Calls: HMGET, TIME, HSET, ZADD, HDEL (HGETALL and the rollback's writes to roll a turn back; HGET when a compaction becomes pending; HGETALL and HDEL only to rotate or reclaim; HINCRBY; XADD when a
 --        compaction becomes pending)
 --        and HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due.
@@ -67,9 +77,13 @@ sid = session_arg(ARGV[5])
 owner = id_arg(ARGV[6], 'turn owner')
 lease = int_arg(ARGV[7], 'lease ms', 1, 86400000)
 takeover = int_arg(ARGV[8], 'takeover', 0, 1)
-if #ARGV ~= 8 then fail('BADARG', 'expected 8 arguments, got ' .. #ARGV) end
+local await = #ARGV == 9 and int_arg(ARGV[9], 'await', 0, 1) or 0
+if #ARGV ~= 8 and #ARGV ~= 9 then fail('BADARG', 'expected 8 or 9 arguments, got ' .. #ARGV) end
 
-key_arg(2, 'jobs', 'deadlines')
+if #KEYS == 6 then key_arg(2, 'jobs', 'deadlines', 'compacted:%s') else key_arg(2, 'jobs', 'deadlines') end
+if await == 1 and #KEYS ~= 6 then
+  fail('BADARG', 'await 1 needs the summaries hash as KEYS[4] (6 keys), got ' .. #KEYS .. ' keys')
+end
 local key = KEYS[1]
 local FIELDS = { 'ep', 'tn', 'W', 'S', 'T', 'R0', 'F_w', 'F_m', 'a_w', 'a_m', 'a_s', 'u_w', 'u_r',
   'u_m', 'u_s', 'n_w', 'n_r', 'n_m', 'n_s', 'EV', 'HW', 'kt', 'rut', 'rup', 'cd', 'gz', 'xp', 'fr',
@@ -83,6 +97,15 @@ if H.S + H.T + H.F_w + H.F_m + out2 > H.W then
     (H.S + H.T + H.F_w + H.F_m + out2) .. ' exceed the window ' .. H.W)
 end
 local now = now_ms()
+-- A pending compaction lands only between turns: a caller that waits for it is told so
+-- (and whether a worker computes it now), and nothing changes.
+if await == 1 and H.cd == 1 then
+  local who, till = string.match(redis.call('HGET', KEYS[4], '~') or '', '^(.*)|(%d+)$')
+  if till and tonumber(till) > now then
+    fail('COMPACTING', 'compaction pending, computed by ' .. who .. ' until ' .. till)
+  end
+  fail('COMPACTING', 'compaction pending, not picked up')
+end
 -- The same owner beginning again while its lease is live ends its open turn as it
 -- stands (implicit); a lapsed lease, or a takeover, rolls the open turn back, whoever
 -- owned it (a process restarted under the same owner name is not the one that died).

@@ -151,3 +151,65 @@ def test_bench_durability_measures_both_sides(capsys: pytest.CaptureFixture[str]
     assert isinstance(plain, dict) and isinstance(acked, dict)
     assert plain["waits"] == 0 and acked["waits"] == 20  # one WAIT per write
     assert acked["wall_us"] > 0 and plain["wall_us"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+@pytest.mark.timeout(300)
+def test_bench_turn_prints_every_figure_beside_its_reference() -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.bench_turn",
+            *["--rounds", "2", "--calls", "20"],
+            *["--outcomes", "3000", "--items", "300"],
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = proc.stdout.splitlines()[1:]
+    assert len(rows) == 9, proc.stdout
+    for line in rows:
+        numbers = [float(x) for x in line[44:].split()[:2]]
+        assert all(n > 0 for n in numbers), line
+    assert "admit at 3,000 outcomes vs 1,000" in proc.stdout
+
+
+@pytest.mark.redis
+def test_the_reference_admit_keeps_its_promises(redis_server: object) -> None:
+    """bench/admit_reference.lua is a fair reference only if it is careful: bad input
+    is refused before any write, a retry gets the first reply and is not applied again,
+    another call under the same op id is refused, an item that does not fit writes
+    nothing."""
+    import redis
+
+    from ledger import Ledger, LedgerSettings, SessionBudget
+
+    url = redis_server.url  # type: ignore[attr-defined]
+    r = redis.Redis.from_url(url)
+    ref = r.register_script((ROOT / "bench" / "admit_reference.lua").read_text())
+    with Ledger.from_settings(LedgerSettings(redis_url=url, prefix="refadmit")) as led:
+        s = led.open_session("s", SessionBudget(window=10_000, system_prompt=100))
+        key = s.keys.session
+        op = key.rsplit(":s:", 1)[0] + ":op:s:"
+
+        def call(op_id: str, item: str, tokens: object) -> bytes:
+            args = [op_id, s.epoch, "r", item, tokens, 0, 60_000]
+            return ref(keys=[key, op + op_id], args=args)  # type: ignore[no-any-return]
+
+        before = r.hgetall(key)
+        for bad in ("0", "-5", "x", "05"):
+            with pytest.raises(redis.ResponseError, match="BADARG"):
+                call("op-bad", "a", bad)
+        assert r.hgetall(key) == before and not r.exists(op + "op-bad")
+        first = call("op-1", "a", 500)
+        assert first.startswith(b"status=ok|charged=500")
+        assert call("op-1", "a", 500) == first and s.snapshot().free == 10_000 - 100 - 500
+        with pytest.raises(redis.ResponseError, match="OPREUSED"):
+            call("op-1", "b", 500)
+        assert call("op-2", "big", 50_000).startswith(b"status=refused")
+        assert not r.hexists(key, "i:r:big")

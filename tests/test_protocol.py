@@ -216,7 +216,10 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
         assert stored["fingerprint"] == opened["op_fingerprint"]
         assert bucket(out, opened["argv"][0]) == stored["record"]
         assert r.hget(out, "e") == epoch.encode()
-        assert r.hlen(out) == 2 and r.exists(old) == 0
+        # beside the bucket and 'e': the generation's count 'k' and 'g' = 0 (it began with
+        # no previous generation, so none is read)
+        assert r.hmget(out, "k", "g") == [b"1", b"0"] and r.hlen(out) == 4
+        assert r.exists(old) == 0
         assert not [f for f in r.hkeys(key) if f.startswith(b"o:") or f in (b"ol", b"cl")]
         # The same call again is answered from the record.
         assert _reply(r.eval(text["open"], 8, *okeys, *opened["argv"]))["epoch"] == epoch
@@ -254,11 +257,12 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
         assert (got["status"], got["count"], got["missing"]) == ("ok", "0", "x")
         assert 0 < r.pttl(old) <= retention and r.pttl(out) > 0
         key_of = hashlib.sha1(argv[0].encode()).hexdigest()[2:16]
-        assert r.hlen(out) == 2 and "\x1e" + key_of in bucket(old, argv[0])
+        assert r.hmget(out, "k", "g") == [b"1", b"1"] and r.hlen(out) == 4
+        assert "\x1e" + key_of in bucket(old, argv[0])
         assert int(r.hget(key, "gz") or 0) > int(epoch)
         again = r.eval(text["admit"], 4, *adk, *argv)
         assert _reply(again) == _reply(r.eval(text["admit"], 4, *adk, *argv))
-        assert _reply(again)["charged"] == "200" and r.hlen(out) == 2
+        assert _reply(again)["charged"] == "200" and r.hlen(out) == 4
         with pytest.raises(redis.ResponseError, match=r"^LEDGER_OPREUSED "):
             r.eval(text["admit"], 4, *adk, *argv[:-1], "1")
         # A turn that ends above the high-water mark (5760 of 8000) writes a compaction

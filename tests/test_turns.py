@@ -594,3 +594,56 @@ def test_a_turn_a_reset_cut_off_is_over(ledger: Ledger) -> None:
     with pytest.raises(TurnLost, match="rolled back \\(reset\\)"):
         a.end_turn(t.turn, 5_000, mark="ckpt-of-dead-turn")
     assert a.begin_turn(0).mark is None
+
+
+def test_begin_turn_awaiting_a_pending_compaction_refuses_and_changes_nothing(
+    ledger: Ledger,
+) -> None:
+    """With await_compaction, begin_turn says a compaction is pending (and whether a
+    worker computes it, from the summaries hash's '~') instead of beginning: no lease, no
+    turn, nothing changed. Without a pending compaction, or without await, it begins."""
+    from ledger import CompactionPending
+
+    s = ledger.open_session(f"aw-{uuid.uuid4().hex[:8]}", BUDGET)
+    first = s.begin_turn(0, await_compaction=True)  # nothing pending: it begins
+    s.end_turn(first.turn, 1_600)
+    ledger.client.hset(s.keys.session, "cd", 1)  # a compaction becomes pending
+    before = ledger.client.hgetall(s.keys.session)
+    with pytest.raises(CompactionPending, match="not picked up") as no_worker:
+        s.begin_turn(0, await_compaction=True)
+    assert not no_worker.value.computing
+    until = int(time.time() * 1000) + 60_000
+    ledger.client.hset(s.keys.compacted, "~", f"worker-7|{until}")
+    with pytest.raises(CompactionPending) as running:
+        s.begin_turn(0, await_compaction=True)
+    assert running.value.computing and running.value.worker == "worker-7"
+    assert running.value.until_ms == until
+    assert ledger.client.hgetall(s.keys.session) == before  # no lease, no turn, nothing
+    ledger.client.hset(s.keys.compacted, "~", f"worker-7|{until - 120_000}")  # lapsed
+    with pytest.raises(CompactionPending, match="not picked up"):
+        s.begin_turn(0, await_compaction=True)
+    assert s.begin_turn(0).turn == first.turn + 1  # without await it begins
+
+
+def test_a_turn_with_no_compaction_pending_is_one_call_to_begin(ledger: Ledger) -> None:
+    """The agent asks begin_turn itself whether to wait for a compaction: a worker-owned
+    session's turn calls no snapshot before it (only the agent's first turn asks, once,
+    who compacts the session)."""
+    from ledger import Agent
+
+    s = ledger.open_session(f"one-{uuid.uuid4().hex[:8]}", BUDGET)
+    agent = Agent(s, len)
+    ran: list[str] = []
+    run = ledger.run
+
+    def counted(call: Any) -> Any:
+        ran.append(call.script)
+        return run(call)
+
+    ledger.run = counted  # type: ignore[method-assign]
+    for i in range(3):
+        with agent.turn(0) as t:
+            t.admit("retrieval", [{"id": f"d{i}", "content": "x" * 50}])
+            t.prompt(100)
+    ledger.run = run  # type: ignore[method-assign]
+    assert ran == ["snapshot", *["begin_turn", "admit", "end_turn"] * 3], ran

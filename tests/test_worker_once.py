@@ -11,6 +11,7 @@ escalation.
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from collections.abc import Iterator
@@ -245,3 +246,35 @@ def test_an_outcome_outlives_a_rotation_and_is_dropped_after_the_next(led: Ledge
         s.admit("scratchpad", [Item("other", 10)], op_id="op-kept")
     assert jobs.forget_outcome(led, sid, "op-kept") >= 0
     assert not jobs.stored_outcome(led, sid, "op-kept")
+
+
+def test_a_growing_generation_widens_its_buckets_and_answers_every_retry(led: Ledger) -> None:
+    """Past 8,192 outcomes a generation writes to buckets of three hex digits (so a call
+    rewrites a bucket of a few dozen outcomes, never of thousands): an outcome stored
+    before the widening and one after are both replayed, a turn rolled back drops its
+    outcomes from the wide buckets too, and a rotation starts narrow again."""
+    sid = f"wide-{uuid.uuid4().hex[:8]}"
+    s = led.open_session(sid, jobs.BUDGET)
+    out = led.keyspace.session(sid).outcomes
+    before = s.admit("scratchpad", [Item("a", 10)], op_id="op-narrow")
+    led.client.hset(out, "k", 8192)  # as if 8,192 outcomes were kept
+    wide = s.admit("scratchpad", [Item("b", 10)], op_id="op-wide")
+    h = hashlib.sha1(b"op-wide").hexdigest()
+    assert led.client.hget(out, h[:3]) and int(led.client.hget(out, "k") or 0) == 8193
+    assert h[2:16] not in jobs.text(led.client.hget(out, h[:2]) or b"")
+    assert s.admit("scratchpad", [Item("a", 10)], op_id="op-narrow") == before
+    assert s.admit("scratchpad", [Item("b", 10)], op_id="op-wide") == wide
+    assert s.snapshot().used[Consumer.SCRATCHPAD] == 20  # neither retry applied again
+    with pytest.raises(OperationIdReused):
+        s.admit("scratchpad", [Item("c", 10)], op_id="op-wide")
+    # a turn's outcome in a wide bucket goes with the turn when it is rolled back
+    t = s.begin_turn(0, lease_ms=60_000)
+    s.admit("scratchpad", [Item("t", 10)], op_id="op-in-turn", turn=t.turn)
+    assert jobs.stored_outcome(led, sid, "op-in-turn")
+    s.abort_turn(t.turn)
+    assert not jobs.stored_outcome(led, sid, "op-in-turn")
+    time.sleep(1.1)  # past the op retention: the next call rotates, to narrow buckets
+    s.release("scratchpad", ["a"], op_id="op-after")
+    a = hashlib.sha1(b"op-after").hexdigest()
+    assert led.client.hmget(out, "k", "g") == [b"1", b"1"] and led.client.hget(out, a[:2])
+    assert s.admit("scratchpad", [Item("b", 10)], op_id="op-wide") == wide  # from the old

@@ -30,6 +30,7 @@ from ledger.core import SessionCore
 from ledger.errors import (
     AdmissionRefused,
     BillingDriftWarning,
+    CompactionPending,
     InvalidArgument,
     LedgerError,
     TurnInProgress,
@@ -473,21 +474,35 @@ class AgentCore:
             with contextlib.suppress(LedgerError):
                 yield self.session.abort_turn_call(self.session.turn)
         worker = yield from self._worker_owned()
-        waited_for = 0.0
-        if worker and self.await_compaction > 0:
-            # The credit ordering, seen from the caller: a worker's compaction commits
-            # only between turns, so a pending one is waited for (bounded) before the turn
-            # whose retrieval it would make room for. Asked of the ledger, as another
-            # process may have served the turn that made it due.
-            waited_for = yield from self._wait_compaction(self.await_compaction)
-        waited = 0.0
+        # The credit ordering, seen from the caller: a worker's compaction commits only
+        # between turns, so a pending one is waited for (bounded) before the turn whose
+        # retrieval it would make room for. begin_turn itself says whether one is pending
+        # (asked of the ledger, as another process may have served the turn that made it
+        # due): a turn with nothing pending costs no extra call.
+        awaiting = worker and self.await_compaction > 0
+        waited_for = waited = 0.0
         while True:
             call = self.session.begin_turn_call(
-                working_set, output_reserve, takeover=takeover, lease_ms=self.lease_ms
+                working_set,
+                output_reserve,
+                takeover=takeover,
+                lease_ms=self.lease_ms,
+                await_compaction=awaiting,
             )
             try:
                 started: TurnStarted = yield call
                 break
+            except CompactionPending as pending:
+                self.compaction_pending = True
+                # not waited for past the bound, nor past compaction_pickup while no worker
+                # has picked it up (none may be running)
+                if waited_for >= self.await_compaction or (
+                    not pending.computing and waited_for >= self.compaction_pickup
+                ):
+                    awaiting = False
+                    continue
+                yield Sleep(self.poll_interval)
+                waited_for += self.poll_interval
             except TurnInProgress as busy:
                 if waited >= wait:
                     raise
@@ -649,22 +664,6 @@ class AgentCore:
         kept = tuple(o for (_, o), h in zip(planned, held, strict=True) if h)
         refused = tuple(o for (_, o), h in zip(planned, held, strict=True) if not h)
         return Admission(kept, refused, exc.reason, 0, exc.free)
-
-    def _wait_compaction(self, bound: float) -> Generator[Call[Any] | Sleep, Any, float]:
-        """Wait until no compaction is pending, at most ``bound`` seconds, as long as a
-        worker is computing it (a compaction no worker picked up within
-        ``compaction_pickup`` seconds is not waited for: none may be running). Returns the
-        seconds waited."""
-        waited = 0.0
-        while True:
-            snap: Snapshot = yield self.session.snapshot_call()
-            if not snap.compaction_pending:
-                self.compaction_pending = False
-                return waited
-            if waited >= bound or (not snap.compacting and waited >= self.compaction_pickup):
-                return waited
-            yield Sleep(self.poll_interval)
-            waited += self.poll_interval
 
     def tool_result(
         self, result: Obj, text: str | None = None, turn: int | None = None

@@ -1,0 +1,278 @@
+"""The cost of a governed turn, each figure beside its reference as a ratio.
+
+    python -m bench.bench_turn [--rounds 15] [--calls 200] [--outcomes 100000] [--items 10000]
+
+Starts its own redis-server. Phases are interleaved in every round (their order
+alternates); each row prints the median ratio over the rounds with its min-max. Server
+time is INFO commandstats usec (CONFIG RESETSTAT before each phase).
+
+1. admit: a single-item admit (`lua/admit.lua`) on a session holding 1,000 items and
+   1,000 outcomes, against `bench/admit_reference.lua` (a careful hand-written admit:
+   every argument checked, at-most-once through an op key SET PX, epoch fence) on a
+   session filled the same way; calls back to back in pipelines.
+2. history: the same admit at `--outcomes` retained outcomes against 1,000, and the
+   outcome hashes' memory per retained outcome (MEMORY USAGE).
+3. turn: an agent turn (begin, a user message, 12 chunks, one tool result, end with the
+   prompt as a list), against one pipeline writing the same items with plain HSETs:
+   round trips (requests sent), server usec and client CPU per turn; the tokenizer's
+   calls and CPU per turn apart (a real BPE tokenizer).
+4. reclaim: a `begin_turn` that reclaims one scratchpad item on a session holding
+   `--items` items, against a `begin_turn` on it that reclaims nothing; and a small
+   session's admits right after such a begin_turn against right before it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import redis
+import redis.connection
+
+from ledger import Agent, Item, Ledger, LedgerSettings, SessionBudget, TiktokenCounter
+from ledger.client import Session
+from ledger.testing import standalone
+
+BIG = SessionBudget(window=100_000_000, system_prompt=100)
+RECLAIM = SessionBudget(window=200_000, system_prompt=100, output_reserve=0)
+SENT = [0]  # requests sent (round trips: a pipeline is one)
+NAMES: set[str] = set()  # the commands the client sent
+
+
+def _counting_sends() -> None:
+    conn = redis.connection.Connection
+    send, one, packs = conn.send_packed_command, conn.send_command, conn.pack_commands
+
+    def counted(self: Any, command: Any, check_health: bool = True) -> None:
+        SENT[0] += 1
+        send(self, command, check_health)
+
+    def named(self: Any, *args: Any, **kwargs: Any) -> None:
+        NAMES.add(str(args[0]).lower())
+        one(self, *args, **kwargs)
+
+    def all_named(self: Any, commands: Any) -> Any:
+        NAMES.update(str(c[0]).lower() for c in commands)
+        return packs(self, commands)
+
+    conn.send_packed_command = counted  # type: ignore[method-assign]
+    conn.send_command = named  # type: ignore[method-assign]
+    conn.pack_commands = all_named  # type: ignore[method-assign]
+
+
+@contextmanager
+def server_usec(r: redis.Redis, out: list[float]) -> Iterator[None]:
+    """Appends the server usec of the commands the block sent: a script's includes the
+    commands it calls; MULTI/EXEC are left out (EXEC's time is the commands it runs)."""
+    r.config_resetstat()
+    NAMES.clear()
+    yield
+    sent = NAMES - {"multi", "exec", "config resetstat", "info"}
+    st = r.info("commandstats")
+    out.append(sum(float(st[f"cmdstat_{n}"]["usec"]) for n in sent if f"cmdstat_{n}" in st))
+
+
+def row(name: str, num: list[float], den: list[float], what: str) -> str:
+    ratios = sorted(a / b for a, b in zip(num, den, strict=True))
+    n, d = statistics.median(num), statistics.median(den)
+    return (
+        f"{name:<44} {n:10.1f} {d:10.1f} {statistics.median(ratios):6.2f}x "
+        f"({ratios[0]:.2f}-{ratios[-1]:.2f})  {what}"
+    )
+
+
+def fill(led: Ledger, s: Session, items: int, outcomes: int) -> None:
+    """`items` held retrieval items, then single-item admit/release pairs up to
+    `outcomes` outcomes in all."""
+    calls: list[Any] = [s.admit_call("retrieval", [Item(f"h{i}", 1)]) for i in range(items)]
+    calls += [
+        s.admit_call("scratchpad", [Item("churn", 1)])
+        if i % 2 == 0
+        else s.release_call("scratchpad", ["churn"])
+        for i in range(max(outcomes - items, 0))
+    ]
+    for i in range(0, len(calls), 1000):
+        led.run_many(calls[i : i + 1000])
+
+
+def admits(led: Ledger, s: Session, n: int, tag: str) -> Callable[[], None]:
+    def go() -> None:
+        led.run_many([s.admit_call("retrieval", [Item(f"{tag}{uuid.uuid4().hex}", 1)])
+                      for _ in range(n)])  # fmt: skip
+
+    return go
+
+
+def bench_admit(led: Ledger, r: redis.Redis, a: argparse.Namespace) -> list[str]:
+    ref = r.register_script(Path(__file__).with_name("admit_reference.lua").read_text())
+    own, mine, big = (led.open_session(f"adm-{n}", BIG) for n in ("ledger", "ref", "history"))
+    for s, k in ((own, 1000), (mine, 1000), (big, a.outcomes)):
+        fill(led, s, 1000, 1000 + k if s is big else 2000)
+    tag = mine.keys.session.rsplit(":s:", 1)[0]
+
+    def reference() -> None:
+        p = r.pipeline(transaction=False)
+        for _ in range(a.calls):
+            op, iid = uuid.uuid4().hex, uuid.uuid4().hex
+            ref(keys=[mine.keys.session, f"{tag}:op:{mine.id}:{op}"],
+                args=[op, mine.epoch, "r", iid, 1, 0, 3_600_000], client=p)  # fmt: skip
+        p.execute()
+
+    t: dict[str, list[float]] = {k: [] for k in ("ledger", "ref", "history")}
+    phases = {"ledger": admits(led, own, a.calls, "n"), "ref": reference,
+              "history": admits(led, big, a.calls, "n")}  # fmt: skip
+    for rnd in range(a.rounds):
+        for name in sorted(phases, reverse=rnd % 2 == 1):
+            with server_usec(r, t[name]):
+                phases[name]()
+    per = {k: [u / a.calls for u in v] for k, v in t.items()}
+    retained = {s: s.snapshot().raw for s in (own, big)}  # noqa: F841 (kept for debugging)
+    mem = [
+        sum(r.memory_usage(k, samples=0) or 0 for k in (s.keys.outcomes, s.keys.outcomes_old))
+        for s in (own, big)
+    ]
+    count = [2000 + a.rounds * a.calls, 1000 + a.outcomes + a.rounds * a.calls]
+    return [
+        row("admit, 1,000 items + 1,000 outcomes (us)", per["ledger"], per["ref"],
+            "target <= 1.2x the careful hand-written admit"),
+        row(f"admit at {a.outcomes:,} outcomes vs 1,000 (us)", per["history"], per["ledger"],
+            "target <= 1.15x"),
+        f"{'memory per retained outcome (B)':<44} {mem[1] / count[1]:10.1f} "
+        f"{mem[0] / count[0]:10.1f}  at {count[1]:,} / {count[0]:,} outcomes; target <= 64 B",
+    ]  # fmt: skip
+
+
+class Tokenizer:
+    """The real BPE tokenizer, its calls and CPU counted."""
+
+    def __init__(self) -> None:
+        self.enc, self.calls, self.cpu = TiktokenCounter(), 0, 0.0
+
+    def __call__(self, text: str) -> int:
+        t = time.process_time()
+        n = self.enc(text)
+        self.calls += 1
+        self.cpu += time.process_time() - t
+        return n
+
+
+def bench_turn(led: Ledger, r: redis.Redis, a: argparse.Namespace) -> list[str]:
+    s = led.open_session("turn", SessionBudget(window=10_000_000, system_prompt=100))
+    tok = Tokenizer()
+    agent = Agent(s, tok)
+    system = "You answer from the documents. " * 10
+    history: list[dict[str, str]] = []
+    words = ["the", "ledger", "keeps", "every", "worker", "on", "one", "budget", "of", "tokens"]
+
+    def text(i: int, n: int) -> str:
+        return " ".join(words[(i + k) % len(words)] for k in range(n)) + f" #{i}"
+
+    def turn(i: int) -> None:
+        user = {"id": f"u{i}", "content": text(i, 20)}
+        chunks = [{"id": f"c{i}-{k}", "content": text(i * 13 + k, 120)} for k in range(12)]
+        with agent.turn(0) as t:
+            t.admit("working_memory", [user])
+            t.admit("retrieval", chunks)
+            out = t.tool_result({"id": f"tool{i}", "content": text(i * 7, 200)})
+            t.prompt([system, *history, user, *chunks, out.text])
+        history.append(user)
+
+    def floor(i: int) -> None:
+        fields = {f"i:r:f{i}-{k}": f"150|{i}|0|{k}" for k in range(12)}
+        fields.update({f"i:w:fu{i}": f"25|{i}|0|1", f"i:s:ft{i}": f"250|{i}|0|2"})
+        p = r.pipeline(transaction=False)
+        p.hset("floor", mapping={**fields, "tn": i, "fr": 1000})
+        p.execute()
+
+    usec: dict[str, list[float]] = {"turn": [], "floor": []}
+    cpu: dict[str, list[float]] = {"turn": [], "floor": []}
+    sent: dict[str, list[float]] = {"turn": [], "floor": []}
+    calls, tcpu = [], []
+    turn(0)  # the agent's first turn asks once whether a worker compacts the session
+    n = max(a.calls // 20, 5)
+    for rnd in range(a.rounds):
+        for name, step in sorted({"turn": turn, "floor": floor}.items(), reverse=rnd % 2 == 1):
+            c0, k0, s0, t0 = tok.calls, tok.cpu, SENT[0], time.process_time()
+            with server_usec(r, usec[name]):
+                for i in range(n):
+                    step(1 + rnd * n + i)
+            cpu[name].append((time.process_time() - t0 - (tok.cpu - k0)) * 1e6 / n)
+            sent[name].append((SENT[0] - s0 - 2) / n)  # less RESETSTAT and INFO
+            if name == "turn":
+                calls.append((tok.calls - c0) / n)
+                tcpu.append((tok.cpu - k0) * 1e6 / n)
+    us = {k: [u / n for u in v] for k, v in usec.items()}
+    return [
+        row("governed turn: round trips", sent["turn"], sent["floor"], "target <= 3"),
+        row("governed turn: server us", us["turn"], us["floor"], "target <= 5x"),
+        row("governed turn: client CPU us, no tokenizer", cpu["turn"], cpu["floor"],
+            "target <= 3x"),
+        f"{'governed turn: tokenizer calls, CPU us':<44} {statistics.median(calls):10.1f} "
+        f"{statistics.median(tcpu):10.1f}  14 new objects a turn",
+    ]  # fmt: skip
+
+
+def bench_reclaim(led: Ledger, r: redis.Redis, a: argparse.Namespace) -> list[str]:
+    s = led.open_session("reclaim", RECLAIM)
+    small = led.open_session("small", BIG)
+    fill(led, small, 10, 0)
+    held = a.items - 2
+    for i in range(0, held, 1000):
+        led.run_many([s.admit_call("working_memory", [Item(f"w{j}", 5)])
+                      for j in range(i, min(i + 1000, held))])  # fmt: skip
+    # the working set: 20,000 tokens under the residual without scratchpad; the two
+    # scratchpad items (35,000) leave it short, reclaiming the older one (30,000) is enough
+    want = 200_000 - 100 - 20_000
+    t: dict[str, list[float]] = {k: [] for k in ("reclaim", "plain", "before", "after")}
+    small_admits = admits(led, small, 50, "g")
+    for rnd in range(a.rounds):
+        s.admit("scratchpad", [Item(f"x{rnd}a", 30_000), Item(f"x{rnd}b", 5_000)])
+        for name in ("reclaim", "plain") if rnd % 2 == 0 else ("plain", "reclaim"):
+            if name == "reclaim":
+                with server_usec(r, t["before"]):
+                    small_admits()
+                with server_usec(r, t["reclaim"]):
+                    st = s.begin_turn(want, 0)
+                with server_usec(r, t["after"]):
+                    small_admits()
+                assert len(st.reclaimed) == 1, st
+            else:
+                with server_usec(r, t["plain"]):
+                    st = s.begin_turn(0, 0)
+                assert not st.reclaimed
+            s.end_turn(st.turn, 100 + 5 * held)
+        s.release("scratchpad", [f"x{rnd}b"])
+    return [
+        row(f"reclaiming begin_turn at {a.items:,} items (us)", t["reclaim"], t["plain"],
+            "vs one that reclaims nothing; target <= 1 ms"),
+        row("small session's 50 admits after it vs before", t["after"], t["before"],
+            "target <= 1.1x"),
+    ]  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--outcomes", type=int, default=100_000)
+    ap.add_argument("--items", type=int, default=10_000)
+    a = ap.parse_args()
+    _counting_sends()
+    with standalone() as srv:
+        r = redis.Redis.from_url(srv.url)
+        settings = LedgerSettings(redis_url=srv.url, prefix="bt", op_retention_seconds=86_400)
+        with Ledger.from_settings(settings) as led:
+            print(f"{'figure':<44} {'project':>10} {'reference':>10}  ratio (min-max)")
+            for part in (bench_admit, bench_turn, bench_reclaim):
+                for line in part(led, r, a):
+                    print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
