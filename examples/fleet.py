@@ -63,12 +63,20 @@ class Fleet:
         self.procs = [self.spawn() for _ in range(processes)]
         here = str(Path(script).resolve().parent)
         env = {**self.env, "PYTHONPATH": os.pathsep.join([here, self.env.get("PYTHONPATH", "")])}
-        log = os.environ.get("LEDGER_EXAMPLE_WORKER_LOG")  # the worker's JSON log lines, if named
-        out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
-        self.worker = subprocess.Popen(
-            [sys.executable, "-m", "ledger.cli", "--url", url, "worker", "--compactor", compactor,
-             "--claim-idle-ms", "1000"],
-            env=env, stdout=out, stderr=subprocess.STDOUT)
+        # the worker's JSON log lines (in LEDGER_EXAMPLE_WORKER_LOG, if named): read until it
+        # says it started, as a deployment waits for its workers to be ready
+        log = Path(os.environ.get("LEDGER_EXAMPLE_WORKER_LOG") or Path(self.db).with_name("worker.log"))
+        seen = log.stat().st_size if log.exists() else 0
+        with open(log, "ab") as out:
+            self.worker = subprocess.Popen(
+                [sys.executable, "-m", "ledger.cli", "--url", url, "worker", "--compactor", compactor,
+                 "--claim-idle-ms", "1000"],
+                env=env, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while b"worker started" not in log.read_bytes()[seen:]:
+            if self.worker.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the worker did not start: {log.read_bytes()[seen:][-2000:]!r}")
+            time.sleep(0.05)
 
     def spawn(self) -> subprocess.Popen[str]:
         p = subprocess.Popen([sys.executable, self.script, "--serve", "--url", self.url, "--session",

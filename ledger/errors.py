@@ -97,10 +97,12 @@ class CompactionPending(TurnConflict):
     """``begin_turn`` asked to wait for a pending compaction (the agent layer does, on a
     worker-owned session, while ``await_compaction`` allows): the turn did not begin and
     nothing changed. ``computing``: a worker (``worker``) is computing it now, until
-    ``until_ms`` (Redis's clock); else none has picked it up yet. Begin again later, or
-    without waiting."""
+    ``until_ms`` (Redis's clock); else none has picked it up yet, and ``requested_ms_ago``
+    says how long ago its job was requested (``None`` when the session does not say). Begin
+    again later, or without waiting."""
 
     _RE = re.compile(r"computed by (\S+) until (\d+)")
+    _ASKED = re.compile(r"requested (\d+) ms ago")
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -108,6 +110,8 @@ class CompactionPending(TurnConflict):
         self.computing = m is not None
         self.worker: str | None = m.group(1) if m else None
         self.until_ms: int | None = int(m.group(2)) if m else None
+        asked = self._ASKED.search(message)
+        self.requested_ms_ago: int | None = int(asked.group(1)) if asked else None
 
 
 class PermissionDenied(LedgerError, PermissionError):

@@ -25,6 +25,7 @@
 --                       pathological
 --   cd kf kn kt rq      compaction pending, consecutive failed compactions, compactions
 --                       done, turn of the last one, hard reset requested
+--   cq                  when the last compaction job was requested (ms, Redis's clock)
 --   kg pm               a compaction's minimum gain (tokens); memory (retrieval + recall)
 --                       tokens admitted since the pending compaction became pending
 --   ws ai ao an pu      this turn's working set, span input and output tokens, span
@@ -568,10 +569,14 @@ local function worker_compacts(key)
   return redis.call('HGET', key, 'ca') ~= '1'
 end
 
+-- A compaction job also stamps the session with when it was requested (cq, ms of Redis's
+-- clock, from the entry's id), so that a caller waiting for it can tell a worker that is
+-- late from no worker at all.
 local function enqueue(stream, kind, sid, epoch, op, reason)
   local inc = redis.call('HGET', KEYS[1], 'inc')
-  redis.call('XADD', stream, '*', 'kind', kind, 'session', sid, 'epoch', epoch, 'reason', reason,
-    'op', op, 'inc', inc or '0')
+  local id = redis.call('XADD', stream, '*', 'kind', kind, 'session', sid, 'epoch', epoch,
+    'reason', reason, 'op', op, 'inc', inc or '0')
+  if kind == 'compact' then redis.call('HSET', KEYS[1], 'cq', string.match(id, '^%d+')) end
 end
 
 -- Record the outcome under its op id in the current generation and write args

@@ -104,6 +104,11 @@ if await == 1 and H.cd == 1 then
   if till and tonumber(till) > now then
     fail('COMPACTING', 'compaction pending, computed by ' .. who .. ' until ' .. till)
   end
+  local asked = tonumber(redis.call('HGET', key, 'cq') or '')
+  if asked then
+    fail('COMPACTING', 'compaction pending, not picked up, requested ' ..
+      string.format('%d', math.max(now - asked, 0)) .. ' ms ago')
+  end
   fail('COMPACTING', 'compaction pending, not picked up')
 end
 -- The same owner beginning again while its lease is live ends its open turn as it

@@ -261,6 +261,38 @@ def test_the_next_turn_waits_for_a_pending_compaction_before_it_begins(ledger: L
     th.join()
 
 
+def test_with_no_worker_only_the_first_turn_after_the_request_waits(ledger: Ledger) -> None:
+    """A compaction no worker picks up is waited for until compaction_pickup after it was
+    requested (the session's ``cq``, Redis's clock), not after each turn's own wait: the
+    turn right after the request waits, the next ones begin at once. Without the request's
+    time (a session stamped before ``cq`` existed) every turn waits again."""
+    s = ledger.open_session(
+        f"s-{uuid.uuid4().hex[:8]}", budget(high_water_mark=0.2, framing_tolerance=None)
+    )
+    agent = Agent(s, TOK, await_compaction=5.0, compaction_pickup=0.3, poll_interval=0.02)
+    with agent.turn() as t:
+        t.admit(
+            "working_memory", [{"id": f"m{i}", "content": "gamma delta " * 100} for i in range(8)]
+        )
+        t.prompt(100)
+    assert t.report is not None and t.report.compaction_due
+    asked = int(ledger.client.hget(s.keys.session, "cq") or 0)
+    now_ms = int(ledger.client.time()[0]) * 1000
+    assert abs(now_ms - asked) < 5_000  # stamped from the job entry's id
+
+    def waited() -> float:
+        with agent.turn() as t:
+            t.prompt(100)
+        assert t.state is not None
+        return t.state.waited_compaction
+
+    assert 0.25 <= waited() < 1.0  # the request is fresh: a worker may be late
+    assert waited() == 0.0  # requested long ago, never picked up: none is running
+    assert waited() == 0.0
+    ledger.client.hdel(s.keys.session, "cq")
+    assert waited() >= 0.25  # without it each turn's wait is all it can time
+
+
 def test_retrieval_refused_honestly_when_the_compaction_does_not_come(ledger: Ledger) -> None:
     s = ledger.open_session(
         f"s-{uuid.uuid4().hex[:8]}", budget(high_water_mark=0.2, framing_tolerance=None)

@@ -63,7 +63,7 @@ BOOKKEEPING = {
 BOOKKEEPING |= {"sq"}  # item sequence numbers are never reused
 # What a compaction attempt counted stays (the jobs it enqueued cannot be taken back), and
 # a compaction made due by the turn stays due.
-BOOKKEEPING |= {"cd", "pm", "kf", "kn", "kt", "rq"}
+BOOKKEEPING |= {"cd", "cq", "pm", "kf", "kn", "kt", "rq"}
 
 
 def _text(x: Any) -> str:
@@ -608,10 +608,15 @@ def test_begin_turn_awaiting_a_pending_compaction_refuses_and_changes_nothing(
     first = s.begin_turn(0, await_compaction=True)  # nothing pending: it begins
     s.end_turn(first.turn, 1_600)
     ledger.client.hset(s.keys.session, "cd", 1)  # a compaction becomes pending
-    before = ledger.client.hgetall(s.keys.session)
     with pytest.raises(CompactionPending, match="not picked up") as no_worker:
         s.begin_turn(0, await_compaction=True)
-    assert not no_worker.value.computing
+    assert not no_worker.value.computing and no_worker.value.requested_ms_ago is None
+    asked = int(ledger.client.time()[0]) * 1000 - 5_000  # the job was requested 5 s ago
+    ledger.client.hset(s.keys.session, "cq", asked)
+    before = ledger.client.hgetall(s.keys.session)
+    with pytest.raises(CompactionPending, match=r"requested [0-9]+ ms ago") as late:
+        s.begin_turn(0, await_compaction=True)
+    assert 4_000 <= (late.value.requested_ms_ago or 0) < 60_000
     until = int(time.time() * 1000) + 60_000
     ledger.client.hset(s.keys.compacted, "~", f"worker-7|{until}")
     with pytest.raises(CompactionPending) as running:

@@ -281,6 +281,7 @@ class AgentCore:
         store_content: bool | None = None,
         summary_of: Callable[[str, str], Obj] | None = None,
         await_compaction: float = 2.0,
+        compaction_pickup: float = 1.0,
         lease_ms: int | None = None,
         renew: bool = True,
         billing_tolerance: float = 0.02,
@@ -295,6 +296,12 @@ class AgentCore:
         lease_ms = session.lease_ms if lease_ms is None else lease_ms
         if type(lease_ms) is not int or not 1 <= lease_ms <= 86_400_000:
             raise InvalidArgument(f"lease_ms must be an int in 1..86400000, got {lease_ms!r}")
+        for name, value in (
+            ("await_compaction", await_compaction),
+            ("compaction_pickup", compaction_pickup),
+        ):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise InvalidArgument(f"{name} must be seconds >= 0, got {value!r}")
         if not 0 <= billing_tolerance < 1:
             raise InvalidArgument(f"billing_tolerance must be in [0, 1), got {billing_tolerance!r}")
         self.session = session
@@ -315,8 +322,9 @@ class AgentCore:
         self._worker: bool | None = None  # the worker compacts this session (asked once)
         self.summary_of = summary_of or default_summary
         self.await_compaction = await_compaction
-        # a pending compaction no worker has picked up after this long is not waited for
-        self.compaction_pickup = 0.25
+        # a pending compaction no worker has picked up this long after it was requested
+        # is not waited for (no worker may be running)
+        self.compaction_pickup = compaction_pickup
         # a turn's lease (default: the session's, the setting turn_lease_ms); the faces
         # renew it every third of it while the turn runs
         self.lease_ms: int = lease_ms
@@ -494,10 +502,15 @@ class AgentCore:
                 break
             except CompactionPending as pending:
                 self.compaction_pending = True
-                # not waited for past the bound, nor past compaction_pickup while no worker
-                # has picked it up (none may be running)
+                # Not waited for past the bound, nor while no worker has picked it up
+                # compaction_pickup after it was requested (none may be running): timed
+                # from the request (Redis's clock), not from this wait, so a worker that
+                # is late under load is waited for, while with no worker only the first
+                # turn after the request waits and the next ones begin at once.
+                asked = pending.requested_ms_ago
+                age = waited_for if asked is None else asked / 1000
                 if waited_for >= self.await_compaction or (
-                    not pending.computing and waited_for >= self.compaction_pickup
+                    not pending.computing and age >= self.compaction_pickup
                 ):
                     awaiting = False
                     continue

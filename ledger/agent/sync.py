@@ -49,7 +49,8 @@ class Agent:
     ``lease_ms`` is a turn's lease (renewed in the background every third of it while the
     turn runs, unless ``renew=False``); ``await_compaction`` the seconds a turn of a
     worker-owned session waits, before it begins, for a compaction the ledger reports
-    pending (docs/agent.md).
+    pending, and ``compaction_pickup`` the seconds after its request past which one no
+    worker picked up is not waited for (docs/agent.md).
     """
 
     def __init__(
