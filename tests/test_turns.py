@@ -608,9 +608,11 @@ def test_begin_turn_awaiting_a_pending_compaction_refuses_and_changes_nothing(
     first = s.begin_turn(0, await_compaction=True)  # nothing pending: it begins
     s.end_turn(first.turn, 1_600)
     ledger.client.hset(s.keys.session, "cd", 1)  # a compaction becomes pending
+    unstamped = ledger.client.hgetall(s.keys.session)
     with pytest.raises(CompactionPending, match="not picked up") as no_worker:
         s.begin_turn(0, await_compaction=True)
     assert not no_worker.value.computing and no_worker.value.requested_ms_ago is None
+    assert ledger.client.hgetall(s.keys.session) == unstamped  # nothing changed
     asked = int(ledger.client.time()[0]) * 1000 - 5_000  # the job was requested 5 s ago
     ledger.client.hset(s.keys.session, "cq", asked)
     before = ledger.client.hgetall(s.keys.session)
