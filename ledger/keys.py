@@ -14,6 +14,11 @@ them on Redis Cluster::
                                        members '<session_id>|<reservation_id>', and
                                        of turn lease ends, members '<session_id>|~'
     <prefix>:{p<N>}:jobs               stream of jobs for the workers (hard resets)
+    <prefix>:{p<N>}:tally              hash indicator name -> how often the partition's
+                                       sessions counted it, ever: kept by the scripts in
+                                       the step that counts (the session's 'x:<name>'
+                                       grows with it), read by the worker that exports
+                                       the fleet's indicators; no TTL
     <prefix>:{p0}:observer             the lease of the worker that keeps the fleet's
                                        indicators (its consumer name, with a TTL)
     <prefix>:{p<N>}:spill:<session_id>
@@ -69,6 +74,7 @@ class SessionKeys:
     session: str
     deadlines: str
     jobs: str
+    tally: str
     spills: str
     spilled: str
     content: str
@@ -85,8 +91,8 @@ class SessionKeys:
 
     def for_script(self, *extra: str) -> tuple[str, ...]:
         """The KEYS of a mutating script: the session hash, the script's own keys, then
-        the two outcome hashes (always last)."""
-        return (self.session, *extra, self.outcomes, self.outcomes_old)
+        the partition's tally and the two outcome hashes (always last)."""
+        return (self.session, *extra, self.tally, self.outcomes, self.outcomes_old)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +122,10 @@ class KeySpace:
     def jobs(self, partition: int) -> str:
         return f"{self.tag(partition)}:jobs"
 
+    def tally(self, partition: int) -> str:
+        """The partition's indicator counts (a hash the scripts keep, see lua/_common.lua)."""
+        return f"{self.tag(partition)}:tally"
+
     def dead_letters(self, partition: int) -> str:
         """The stream of the partition's jobs the workers gave up on."""
         return f"{self.tag(partition)}:dead"
@@ -138,6 +148,7 @@ class KeySpace:
             f"{self.tag(p)}:s:{session_id}",
             self.deadlines(p),
             self.jobs(p),
+            self.tally(p),
             f"{self.tag(p)}:spill:{session_id}",
             f"{self.tag(p)}:spilled:{session_id}",
             f"{self.tag(p)}:content:{session_id}",

@@ -128,7 +128,7 @@ end
 
 -- KEYS[i], KEYS[i + 1], ... must be the keys that the suffixes given name for the
 -- session in KEYS[1] ('<prefix>:{p<N>}:s:<session>': '<prefix>:{p<N>}:<suffix>'), in that
--- order, followed only by the two outcome hashes; '%s' in a suffix stands for the
+-- order, followed only by the partition's tally and the two outcome hashes; '%s' in a suffix stands for the
 -- session id. The names are only compared, never used to reach a key: the scripts use
 -- KEYS as given.
 local function key_arg(i, ...)
@@ -138,11 +138,11 @@ local function key_arg(i, ...)
     want[k] = tag and (tag .. ':' .. string.format(suffix, sid)) or suffix
     ok = ok and KEYS[i + k - 1] == want[k]
   end
-  if not ok or #KEYS ~= i + #want + 1 then
+  if not ok or #KEYS ~= i + #want + 2 then
     local shown = {}
     for k = 1, #want do shown[k] = show(want[k]) end
     fail('BADARG', 'KEYS must be the session key, ' .. table.concat(shown, ', ') ..
-      ' and the outcome keys, got ' .. #KEYS .. ' keys: ' .. show(KEYS[i]))
+      ', the tally and the outcome keys, got ' .. #KEYS .. ' keys: ' .. show(KEYS[i]))
   end
 end
 
@@ -159,8 +159,17 @@ local function consumer_name(c)
   return ({ w = 'working_memory', r = 'retrieval', m = 'recall', s = 'scratchpad' })[c] or c
 end
 
--- The outcome hashes: the last two KEYS of every mutating script (checked by op_args).
-local OUT, OLD = KEYS[#KEYS - 1], KEYS[#KEYS]
+-- The partition's tally and the outcome hashes: the last three KEYS of every mutating
+-- script (checked by op_args).
+local TALLY, OUT, OLD = KEYS[#KEYS - 2], KEYS[#KEYS - 1], KEYS[#KEYS]
+
+-- Count an indicator (docs/operations.md#metrics): the session's telemetry counter
+-- 'x:<name>' and the same field of its partition's tally, which outlives the session,
+-- grow by n in the same step. The tally is what the worker exports for the fleet.
+local function indicate(key, name, n)
+  redis.call('HINCRBY', key, 'x:' .. name, n)
+  redis.call('HINCRBY', TALLY, name, n)
+end
 
 -- The prologue of every mutating call: ARGV[1] op id, ARGV[2] the epoch the caller
 -- believes current ('*' where the script allows an unfenced call), followed by
@@ -170,12 +179,14 @@ local OUT, OLD = KEYS[#KEYS - 1], KEYS[#KEYS]
 -- every argument after the op id, ARGV[2] without its '@<turn>' (the first 12 hex digits
 -- of their SHA-1): a client cannot claim one, so an op id sent again with other
 -- arguments is always refused, whatever the client. It also
--- checks that the last two KEYS are the outcome hashes of the session in KEYS[1].
+-- checks that the last three KEYS are the tally of the partition and the outcome hashes
+-- of the session in KEYS[1].
 local function op_args(name, unfenced_ok)
   local tag, sid = string.match(KEYS[1] or '', '^([^{]*{p%d+}):s:(.+)$')
-  if not tag or #KEYS < 3 or OUT ~= tag .. ':out:' .. sid or OLD ~= tag .. ':old:' .. sid then
-    fail('BADARG', 'KEYS must end with the outcome keys of the session key ' ..
-      show(KEYS[1]) .. ', got ' .. #KEYS .. ' keys')
+  if not tag or #KEYS < 4 or TALLY ~= tag .. ':tally' or OUT ~= tag .. ':out:' .. sid or
+      OLD ~= tag .. ':old:' .. sid then
+    fail('BADARG', 'KEYS must end with the partition\'s tally and the outcome keys of the ' ..
+      'session key ' .. show(KEYS[1]) .. ', got ' .. #KEYS .. ' keys')
   end
   local op = id_arg(ARGV[1], 'operation id')
   if unfenced_ok and ARGV[2] == '*' then
@@ -503,7 +514,7 @@ local function rollback(key, dl, sid, why)
   redis.call('HSET', key, unpack(set))
   redis.call('ZREM', dl, unpack(zrem))
   if #zadd > 0 then redis.call('ZADD', dl, unpack(zadd)) end
-  redis.call('HINCRBY', key, 'x:rolled_back', 1)
+  indicate(key, 'rolled_back', 1)
   return tn
 end
 

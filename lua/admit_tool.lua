@@ -19,8 +19,9 @@
 -- KEYS[3]  spill hash              '<tag>:spill:<session>': call id -> spilled content
 -- KEYS[4]  spill index             '<tag>:spilled:<session>': sorted set of call ids, scored
 --                                  by the end of their spill TTL (ms, Redis's clock)
--- KEYS[5]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
--- KEYS[6]  previous outcome hash   previous generation ('<tag>:old:<session>')
+-- KEYS[5]  partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
+-- KEYS[6]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[7]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch[@turn]             integer; older than the session's -> LEDGER_STALE; @turn:
 --                                  a call of that turn (see `fence`)
@@ -83,7 +84,7 @@ local gain = math.max(H.a_m, H.F_m) - math.max(H.a_m - held, H.F_m)
 local size, outcome = tokens, 'admitted'
 if tokens > H.fr + gain then size, outcome = math.min(tokens, H.pv), 'spilled' end
 if size > H.fr + gain then
-  redis.call('HINCRBY', key, 'x:refused', 1)
+  indicate(key, 'refused', 1)
   return commit(key, now, op, fp, table.concat({ 'status=refused|reason=', refusal_reason(key, size),
     '|requested=', tokens, '|free=', H.fr, '|epoch=', H.ep, '|turn=', H.tn }), {}, J)
 end
@@ -117,7 +118,7 @@ if size > fr then
     evicted[#evicted + 1] = it.c .. ':' .. it.id
   end
   redis.call('HDEL', key, unpack(dead))
-  redis.call('HINCRBY', key, 'x:evicted_memory', #dead)
+  indicate(key, 'evicted_memory', #dead)
   if in_turn then ul = journal(R[3], dead, was) end
 end
 if outcome == 'spilled' then
@@ -130,7 +131,7 @@ if outcome == 'spilled' then
   redis.call('ZADD', KEYS[4], now + H.sttl, call)
   redis.call('PEXPIRE', KEYS[3], H.sttl)
   redis.call('PEXPIRE', KEYS[4], H.sttl)
-  redis.call('HINCRBY', key, 'x:spilled', 1)
+  indicate(key, 'spilled', 1)
 end
 if ARGV[6] == '1' then
   put(KEYS[2], { 's:' .. call, ARGV[5] }, J, key)

@@ -6,11 +6,12 @@
 -- KEYS[2]  partition job stream    a compaction job is appended when one becomes pending
 --                                  (worker-owned sessions only)
 -- KEYS[3]  partition deadline index the turn lease's member '<session>|~' (score: its end)
--- KEYS[4]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
--- KEYS[5]  previous outcome hash   previous generation ('<tag>:old:<session>')
---          With ARGV[9], 6 KEYS: KEYS[4] the session's summaries hash
+-- KEYS[4]  partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
+-- KEYS[5]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[6]  previous outcome hash   previous generation ('<tag>:old:<session>')
+--          With ARGV[9], 7 KEYS: KEYS[4] the session's summaries hash
 --          '<tag>:compacted:<session>' (its field '~' is '<worker>|<until ms>' while a
---          worker computes the compaction), then the two outcome hashes.
+--          worker computes the compaction), then the tally and the two outcome hashes.
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
 -- ARGV[3]  working set             tokens the turn must hold in working memory, 0..1e8
@@ -80,9 +81,9 @@ takeover = int_arg(ARGV[8], 'takeover', 0, 1)
 local await = #ARGV == 9 and int_arg(ARGV[9], 'await', 0, 1) or 0
 if #ARGV ~= 8 and #ARGV ~= 9 then fail('BADARG', 'expected 8 or 9 arguments, got ' .. #ARGV) end
 
-if #KEYS == 6 then key_arg(2, 'jobs', 'deadlines', 'compacted:%s') else key_arg(2, 'jobs', 'deadlines') end
-if await == 1 and #KEYS ~= 6 then
-  fail('BADARG', 'await 1 needs the summaries hash as KEYS[4] (6 keys), got ' .. #KEYS .. ' keys')
+if #KEYS == 7 then key_arg(2, 'jobs', 'deadlines', 'compacted:%s') else key_arg(2, 'jobs', 'deadlines') end
+if await == 1 and #KEYS ~= 7 then
+  fail('BADARG', 'await 1 needs the summaries hash as KEYS[4] (7 keys), got ' .. #KEYS .. ' keys')
 end
 local key = KEYS[1]
 local FIELDS = { 'ep', 'tn', 'W', 'S', 'T', 'R0', 'F_w', 'F_m', 'a_w', 'a_m', 'a_s', 'u_w', 'u_r',
@@ -205,7 +206,7 @@ if start_residual < need() then
         held = held - it.t
       end
     end
-    redis.call('HINCRBY', key, 'x:starvation', 1)
+    indicate(key, 'starvation', 1)
     if H.cd ~= 1 and worker_compacts(key) then enqueue(KEYS[2], 'compact', sid, H.ep, op, regime) end
     return commit(key, now, op, fp, table.concat({ 'status=refused|reason=',
       regime == 'loud' and 'compaction_pending' or 'starvation', '|requested=', need(),
@@ -214,7 +215,7 @@ if start_residual < need() then
       '|rolled_back=', rolled }),
       H.cd == 1 and { 'cd', 1 } or { 'cd', 1, 'pm', 0 }, { gz = H.gz, xp = H.xp })
   end
-  redis.call('HINCRBY', key, 'x:' .. regime, 1)
+  indicate(key, regime, 1)
 end
 
 if #dead > 0 then

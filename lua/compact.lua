@@ -13,8 +13,9 @@
 -- KEYS[2]  partition job stream
 -- KEYS[3]  content store           '<tag>:content:<session>'
 -- KEYS[4]  summaries               '<tag>:compacted:<session>'
--- KEYS[5]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
--- KEYS[6]  previous outcome hash   previous generation ('<tag>:old:<session>')
+-- KEYS[5]  partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
+-- KEYS[6]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[7]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch[@turn]             integer; older than the session's -> LEDGER_STALE; @turn:
 --                                  a call of that turn (see `fence`)
@@ -227,7 +228,7 @@ end
 if ok then
   args[#args + 1], args[#args + 2], args[#args + 3], args[#args + 4] = 'kn', H.kn + 1, 'kt', H.tn
 elseif H.rq == 0 then
-  redis.call('HINCRBY', key, 'x:failed_compactions', 1)
+  indicate(key, 'failed_compactions', 1)
 end
 if fits and not in_turn and #gone > 0 then
   redis.call('HDEL', KEYS[3], unpack(gone))
@@ -244,7 +245,7 @@ if text and sum_t > 0 then
 end
 if escalate then
   enqueue(KEYS[2], 'hard_reset', sid, H.ep, op, 'failed_compactions')
-  redis.call('HINCRBY', key, 'x:escalations', 1)
+  indicate(key, 'escalations', 1)
   args[#args + 1], args[#args + 2] = 'rq', 1
 elseif not ok and H.rq == 0 and worker_compacts(key) and (job ~= '-' or H.cd ~= 1) then
   -- (an agent's own failed compaction while a job is queued already adds no second one)

@@ -6,8 +6,9 @@
 -- KEYS[3..7]  the session's data   '<tag>:content:<session>', '<tag>:compacted:<session>',
 --                                  '<tag>:history:<session>', '<tag>:spill:<session>',
 --                                  '<tag>:spilled:<session>' (deleted)
--- KEYS[8]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
--- KEYS[9]  previous outcome hash   previous generation ('<tag>:old:<session>')
+-- KEYS[8]  partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
+-- KEYS[9]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[10]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch or '*'            '*' deletes whatever the epoch (operators)
 -- ARGV[3]  session id

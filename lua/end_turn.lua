@@ -3,8 +3,9 @@
 -- KEYS[1]  session hash
 -- KEYS[2]  partition job stream    a compaction job is appended when one becomes pending
 -- KEYS[3]  partition deadline index the turn lease's member '<session>|~' is removed
--- KEYS[4]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
--- KEYS[5]  previous outcome hash   previous generation ('<tag>:old:<session>')
+-- KEYS[4]  partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
+-- KEYS[5]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[6]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
 -- ARGV[3]  turn                    the current turn (as begin_turn returned it)
@@ -81,10 +82,10 @@ if final > H.W then
 elseif tol >= 0 and math.abs(drift) > tol then
   flag = 'drift'
 end
-if flag ~= 'none' then redis.call('HINCRBY', key, 'x:drift', 1) end
+if flag ~= 'none' then indicate(key, 'drift', 1) end
 local wm_budget = H.F_w > 0 and H.F_w or H.W
 local rollup = (H.tn - H.kt > H.rut or H.a_w * 1000 > H.rup * wm_budget) and 1 or 0
-redis.call('HINCRBY', key, 'x:class:' .. class, 1)
+indicate(key, 'class:' .. class, 1)
 if due == 1 and H.cd ~= 1 and worker_compacts(key) then
   enqueue(KEYS[2], 'compact', sid, H.ep, op, 'high_water_mark')
 end

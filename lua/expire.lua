@@ -7,8 +7,9 @@
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  partition deadline index
--- KEYS[3]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
--- KEYS[4]  previous outcome hash   previous generation ('<tag>:old:<session>')
+-- KEYS[3]  partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
+-- KEYS[4]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[5]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch or '*'            the sweeper sends '*': expiry is not fenced
 -- ARGV[3]  session id
@@ -91,7 +92,7 @@ if #gone > 0 then redis.call('ZREM', KEYS[2], unpack(gone)) end
 local args = {}
 if expired > 0 then
   redis.call('HDEL', key, unpack(dead))
-  redis.call('HINCRBY', key, 'x:expired', expired)
+  indicate(key, 'expired', expired)
   args = { 'fr', H.fr, 'a_w', H.a_w, 'a_m', H.a_m, 'a_s', H.a_s, 'v_w', H.v_w, 'v_r', H.v_r,
     'v_m', H.v_m, 'v_s', H.v_s, 'nv', H.nv }
 end

@@ -5,8 +5,9 @@
 --                                  '<tag>:history:<session>', '<tag>:spill:<session>',
 --                                  '<tag>:spilled:<session>': deleted when a new incarnation
 --                                  is created (whatever an earlier one left is not its own)
--- KEYS[7]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
--- KEYS[8]  previous outcome hash   previous generation ('<tag>:old:<session>')
+-- KEYS[7]  partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
+-- KEYS[8]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[9]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch                   ignored on open (send 0); a new session starts at the epoch
 --                                  Redis's clock gives in ms (above any earlier incarnation's),

@@ -12,8 +12,9 @@
 -- it does not hold, an item to drop that it holds).
 --
 -- KEYS[1]  session hash
--- KEYS[2]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
--- KEYS[3]  previous outcome hash   previous generation ('<tag>:old:<session>')
+-- KEYS[2]  partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
+-- KEYS[3]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[4]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch[@turn]             integer; older than the session's -> LEDGER_STALE; @turn:
 --                                  a call of that turn (see `fence`)
@@ -116,7 +117,7 @@ local a_m = U.r + H.v_r + U.m + H.v_m
 local a_s = U.s + H.v_s
 local fr = H.W - H.S - H.T - H.out - math.max(a_w, H.F_w) - math.max(a_m, H.F_m) - a_s
 if fr < 0 then
-  redis.call('HINCRBY', key, 'x:refused', 1)
+  indicate(key, 'refused', 1)
   return commit(key, now, op, fp, table.concat({ 'status=refused|reason=token_budget_exhausted',
     '|requested=', total, '|free=', H.fr, '|epoch=', H.ep, '|turn=', H.tn }), {}, J)
 end
@@ -137,7 +138,7 @@ end
 if R[5] then args[#args + 1], args[#args + 2] = 'qs', table.concat(qs, ',') end
 if R[6] then args[#args + 1], args[#args + 2] = 'qd', table.concat(qd, ',') end
 if #dead > 0 then redis.call('HDEL', key, unpack(dead)) end
-redis.call('HINCRBY', key, 'x:reconciled', 1)
+indicate(key, 'reconciled', 1)
 local upd = { 'sq', sq, 'fr', fr, 'a_w', a_w, 'a_m', a_m, 'a_s', a_s, 'df', 0 }
 for _, c in ipairs({ 'w', 'r', 'm', 's' }) do
   upd[#upd + 1], upd[#upd + 2], upd[#upd + 3], upd[#upd + 4] = 'u_' .. c, U[c], 'n_' .. c, N[c]

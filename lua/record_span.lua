@@ -7,8 +7,9 @@
 -- the agent should summarize and proceed instead of recalling again.
 --
 -- KEYS[1]  session hash
--- KEYS[2]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
--- KEYS[3]  previous outcome hash   previous generation ('<tag>:old:<session>')
+-- KEYS[2]  partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
+-- KEYS[3]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[4]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
 -- ARGV[3]  turn                    the current turn
@@ -42,7 +43,7 @@ local prompt = math.max(1, H.S + H.T + H.a_w + H.a_m + H.a_s)
 local ratio = math.floor(H.ai * 1000 / prompt)
 local J = { gz = H.gz, xp = H.xp, uo = in_turn and (R[2] or '') or nil }
 if ratio > H.amp then
-  redis.call('HINCRBY', key, 'x:fanout_refused', 1)
+  indicate(key, 'fanout_refused', 1)
   return commit(key, now, op, fp, table.concat({ 'status=refused|reason=fanout_guard|requested=', tin,
     '|ratio=', ratio, '|threshold=', H.amp, '|advice=summarize_and_proceed|free=', H.fr,
     '|epoch=', H.ep, '|turn=', H.tn }), {}, J)

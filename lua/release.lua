@@ -1,8 +1,9 @@
 -- release.lua: give back items a consumer holds.
 --
 -- KEYS[1]  session hash
--- KEYS[2]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
--- KEYS[3]  previous outcome hash   previous generation ('<tag>:old:<session>')
+-- KEYS[2]  partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
+-- KEYS[3]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[4]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch[@turn]             integer; older than the session's -> LEDGER_STALE; @turn:
 --                                  a call of that turn (see `fence`)

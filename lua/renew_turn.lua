@@ -6,8 +6,9 @@
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  partition deadline index the turn lease's member '<session>|~' (score: its end)
--- KEYS[3]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
--- KEYS[4]  previous outcome hash   previous generation ('<tag>:old:<session>')
+-- KEYS[3]  partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
+-- KEYS[4]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[5]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch@turn              the epoch and the open turn
 -- ARGV[3]  session id              must name KEYS[1]

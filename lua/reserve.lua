@@ -2,8 +2,9 @@
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  partition deadline index (sorted set: score deadline ms, member '<session>|<reservation>')
--- KEYS[3]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
--- KEYS[4]  previous outcome hash   previous generation ('<tag>:old:<session>')
+-- KEYS[3]  partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
+-- KEYS[4]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[5]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch[@turn]             integer; older than the session's -> LEDGER_STALE; @turn:
 --                                  a call of that turn (see `fence`)
@@ -60,12 +61,12 @@ if g == 'm' and H.cd == 1 then  -- compaction credit: memory waits for the pendi
   local bound = (x.kf or 0) > 0 and 'failed' or 'pending'
   if bound == 'failed' or tokens > x.W - x.out - x.HW - pm then
     reason, extra = 'compaction_pending', { 'bound=' .. bound, 'baseline=' .. (x.HW + pm) }
-    redis.call('HINCRBY', key, 'x:refused_pending', 1)
+    indicate(key, 'refused_pending', 1)
   end
 end
 if not reason and d > H.fr then reason = refusal_reason(key, tokens) end
 if reason then
-  redis.call('HINCRBY', key, 'x:refused', 1)
+  indicate(key, 'refused', 1)
   local out = { 'status=refused', 'reason=' .. reason, 'requested=' .. tokens, 'free=' .. H.fr,
     'epoch=' .. H.ep, 'turn=' .. H.tn }
   for _, kv in ipairs(extra or {}) do out[#out + 1] = kv end

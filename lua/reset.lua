@@ -8,8 +8,9 @@
 -- KEYS[2]  partition deadline index
 -- KEYS[3]  content store           '<tag>:content:<session>' (deleted: no item is left)
 -- KEYS[4]  summaries               '<tag>:compacted:<session>' (deleted: nothing to deliver)
--- KEYS[5]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
--- KEYS[6]  previous outcome hash   previous generation ('<tag>:old:<session>')
+-- KEYS[5]  partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
+-- KEYS[6]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[7]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch                   the epoch being reset; older -> LEDGER_STALE (a reset
 --                                  job delivered twice applies once)
@@ -55,7 +56,7 @@ if R[3] then dead[#dead + 1] = 'qd' end
 for i = 1, #dead, 1000 do redis.call('HDEL', key, unpack(dead, i, math.min(i + 999, #dead))) end
 if R[1] then members[#members + 1] = sid .. '|' .. LEASE end
 if #members > 0 then redis.call('ZREM', KEYS[2], unpack(members)) end
-redis.call('HINCRBY', key, 'x:resets', 1)
+indicate(key, 'resets', 1)
 redis.call('DEL', KEYS[3], KEYS[4])  -- (after a write that may be refused on a full server)
 local args = { 'ep', H.ep + 1, 'fr', H.W - H.S - H.T - H.out - H.F_w - H.F_m, 'nv', 0,
   'a_w', 0, 'a_m', 0, 'a_s', 0, 'x:last_reset', reason, 'cd', 0, 'kf', 0, 'rq', 0, 'kt', H.tn,

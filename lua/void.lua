@@ -2,8 +2,9 @@
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  partition deadline index
--- KEYS[3]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
--- KEYS[4]  previous outcome hash   previous generation ('<tag>:old:<session>')
+-- KEYS[3]  partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
+-- KEYS[4]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[5]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch[@turn]             integer; older than the session's -> LEDGER_STALE; @turn:
 --                                  a call of that turn (see `fence`)

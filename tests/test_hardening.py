@@ -263,7 +263,7 @@ def test_raw_eval_open_verifies_the_budget(
 ) -> None:
     r = redis.Redis.from_url(redis_server.url)
     keys = _KS.session(f"raw-{uuid.uuid4().hex[:8]}")
-    names = [keys.session, *keys.data, keys.outcomes, keys.outcomes_old]
+    names = list(keys.for_script(*keys.data))
     eight, nine = (
         SessionBudget(window=8_000, system_prompt=500),
         SessionBudget(window=9_000, system_prompt=500),

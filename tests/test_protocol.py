@@ -60,9 +60,12 @@ def test_key_vectors() -> None:
         v["content"],
         v["compacted"],
     )
-    assert (k.outcomes, k.outcomes_old) == (v["outcomes"], v["outcomes_old"])
-    # A mutating script's KEYS: the session, its own keys, the two outcome hashes last.
-    assert k.for_script(k.jobs) == (v["session"], v["jobs"], v["outcomes"], v["outcomes_old"])
+    assert (k.outcomes, k.outcomes_old, k.tally) == (v["outcomes"], v["outcomes_old"], v["tally"])
+    # A mutating script's KEYS: the session, its own keys, the partition's tally and the
+    # two outcome hashes last.
+    assert k.for_script(k.jobs) == (
+        v["session"], v["jobs"], v["tally"], v["outcomes"], v["outcomes_old"]
+    )  # fmt: skip
     assert (k.spills, k.spilled, k.history) == (v["spills"], v["spilled"], v["history"])
     assert ks.session_key_parts(v["session"]) == (v["partition"], v["session_id"])
     # The worker's own keys in the partition (dead letters, job errors).
@@ -184,11 +187,12 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
     for name, body in text.items():  # EVALSHA digests: what SCRIPT LOAD answers
         assert r.script_load(body) == printed[str(tmp_path / f"{name}.lua")]
     opened, other, admit = VECTORS["calls"]
-    okeys = opened["keys"]  # the session, its five data keys, the outcome hashes
-    key, content, out, old = okeys[0], okeys[1], okeys[-2], okeys[-1]
-    adk = [key, content, out, old]  # admit's KEYS
+    okeys = opened["keys"]  # the session, its five data keys, the tally, the outcome hashes
+    key, content, tally, out, old = okeys[0], okeys[1], okeys[-3], okeys[-2], okeys[-1]
+    adk = [key, content, tally, out, old]  # admit's KEYS
     assert content == VECTORS["keys"]["content"] and admit["keys"] == adk
     assert (out, old) == (VECTORS["keys"]["outcomes"], VECTORS["keys"]["outcomes_old"])
+    assert tally == VECTORS["keys"]["tally"]
     everything = (*okeys, VECTORS["keys"]["jobs"], VECTORS["keys"]["deadlines"])
     r.delete(*everything)
 
@@ -198,12 +202,14 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
         return raw.decode()
 
     try:
-        # Without the outcome hashes as its last two KEYS a mutating script refuses.
-        for keys in ([key], [*okeys[:-2], old, out], [*okeys[:-1], f"{old}x"]):
+        # Without the tally and the outcome hashes as its last three KEYS a mutating
+        # script refuses.
+        for keys in ([key], [*okeys[:-2], old, out], [*okeys[:-1], f"{old}x"],
+                     [*okeys[:-3], out, old]):  # fmt: skip
             with pytest.raises(redis.ResponseError, match=r"^LEDGER_BADARG "):
                 r.eval(text["open"], len(keys), *keys, *opened["argv"])
         assert r.exists(key, out, old) == 0
-        got = _reply(r.eval(text["open"], 8, *okeys, *opened["argv"]))
+        got = _reply(r.eval(text["open"], 9, *okeys, *opened["argv"]))
         assert (got["status"], got["created"], got["turn"]) == ("ok", "1", "0")
         epoch = got["epoch"]
         # What the server stored: the budget fingerprint as sent, and the outcome under
@@ -222,16 +228,16 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
         assert r.exists(old) == 0
         assert not [f for f in r.hkeys(key) if f.startswith(b"o:") or f in (b"ol", b"cl")]
         # The same call again is answered from the record.
-        assert _reply(r.eval(text["open"], 8, *okeys, *opened["argv"]))["epoch"] == epoch
+        assert _reply(r.eval(text["open"], 9, *okeys, *opened["argv"]))["epoch"] == epoch
         # Another budget under another op id: the session exists with another budget.
         with pytest.raises(redis.ResponseError, match=r"^LEDGER_CONFLICT "):
-            r.eval(text["open"], 8, *okeys, *other["argv"])
+            r.eval(text["open"], 9, *okeys, *other["argv"])
         # The first op id with other arguments.
         with pytest.raises(redis.ResponseError, match=r"^LEDGER_OPREUSED "):
-            r.eval(text["open"], 8, *okeys, opened["argv"][0], *other["argv"][1:])
+            r.eval(text["open"], 9, *okeys, opened["argv"][0], *other["argv"][1:])
         # admit, fenced by the epoch open answered.
         argv = [admit["argv"][0], epoch, *admit["argv"][2:]]
-        got = _reply(r.evalsha(printed[str(tmp_path / "admit.lua")], 4, *adk, *argv))
+        got = _reply(r.evalsha(printed[str(tmp_path / "admit.lua")], 5, *adk, *argv))
         assert (got["status"], got["charged"], got["admitted"]) == ("ok", "200", "2")
         reply = "|".join(f"{k}={v}" for k, v in got.items())
         fp = op_fingerprint("admit", argv)
@@ -239,9 +245,10 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
         with pytest.raises(redis.ResponseError, match=r"^LEDGER_STALE "):
             r.eval(
                 text["admit"],
-                4,
+                5,
                 key,
                 content,
+                tally,
                 out,
                 old,
                 "op-admit-2",
@@ -253,36 +260,54 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
         # new generation; a retry is still answered from the previous one.
         retention = int(opened["argv"][11])
         r.hset(key, "gz", 0)
-        got = _reply(r.eval(text["release"], 3, key, out, old, "op-rel-1", epoch, "r", "1", "x"))
+        got = _reply(
+            r.eval(text["release"], 4, key, tally, out, old, "op-rel-1", epoch, "r", "1", "x")
+        )
         assert (got["status"], got["count"], got["missing"]) == ("ok", "0", "x")
         assert 0 < r.pttl(old) <= retention and r.pttl(out) > 0
         key_of = hashlib.sha1(argv[0].encode()).hexdigest()[2:16]
         assert r.hmget(out, "k", "g") == [b"1", b"1"] and r.hlen(out) == 4
         assert "\x1e" + key_of in bucket(old, argv[0])
         assert int(r.hget(key, "gz") or 0) > int(epoch)
-        again = r.eval(text["admit"], 4, *adk, *argv)
-        assert _reply(again) == _reply(r.eval(text["admit"], 4, *adk, *argv))
+        again = r.eval(text["admit"], 5, *adk, *argv)
+        assert _reply(again) == _reply(r.eval(text["admit"], 5, *adk, *argv))
         assert _reply(again)["charged"] == "200" and r.hlen(out) == 4
         with pytest.raises(redis.ResponseError, match=r"^LEDGER_OPREUSED "):
-            r.eval(text["admit"], 4, *adk, *argv[:-1], "1")
+            r.eval(text["admit"], 5, *adk, *argv[:-1], "1")
         # A turn that ends above the high-water mark (5760 of 8000) writes a compaction
         # job to the partition's stream, with the fields of docs/protocol.md, in order.
         sid, jobs = opened["session_id"], VECTORS["keys"]["jobs"]
         dl = VECTORS["keys"]["deadlines"]
-        begin = [key, jobs, dl, out, old, "op-b1", epoch, "0", "-", sid, "node-1", "30000", "0"]
-        got = _reply(r.eval(text["begin_turn"], 5, *begin))
+        begin = [
+            key,
+            jobs,
+            dl,
+            tally,
+            out,
+            old,
+            "op-b1",
+            epoch,
+            "0",
+            "-",
+            sid,
+            "node-1",
+            "30000",
+            "0",
+        ]
+        got = _reply(r.eval(text["begin_turn"], 6, *begin))
         assert (got["status"], got["turn"], got["rolled_back"]) == ("ok", "1", "0")
         assert r.zscore(dl, f"{sid}|~") == int(got["lease"])  # the turn lease's member
         # The turn is held: another owner's begin_turn and a call of no turn are refused.
-        other_begin = [*begin[:5], "op-b2", *begin[6:10], "node-2", "30000", "0"]
+        other_begin = [*begin[:6], "op-b2", *begin[7:11], "node-2", "30000", "0"]
         with pytest.raises(redis.ResponseError, match=r"^LEDGER_TURNHELD turn 1 is held by node-1"):
-            r.eval(text["begin_turn"], 5, *other_begin)
+            r.eval(text["begin_turn"], 6, *other_begin)
         with pytest.raises(redis.ResponseError, match=r"^LEDGER_TURNHELD "):
             r.eval(
                 text["admit"],
-                4,
+                5,
                 key,
                 content,
+                tally,
                 out,
                 old,
                 "op-w0",
@@ -296,9 +321,13 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
             )
         # The turn's calls carry '<epoch>@<turn>'.
         w1 = ["op-w1", f"{epoch}@1", "w", "all", "1", "turn-1", "6000", "0"]
-        r.eval(text["admit"], 4, *adk, *w1)
-        end = [key, jobs, dl, out, old, "op-e1", epoch, "1", "6700", "0", sid, "ck-1"]
-        assert _reply(r.eval(text["end_turn"], 5, *end))["compaction_due"] == "1"
+        r.eval(text["admit"], 5, *adk, *w1)
+        end = [key, jobs, dl, tally, out, old, "op-e1", epoch, "1", "6700", "0", sid, "ck-1"]
+        ended = _reply(r.eval(text["end_turn"], 6, *end))
+        assert ended["compaction_due"] == "1"
+        # The indicator it counted: the session's x:class:<class> and the partition's tally.
+        counted = f"class:{ended['class']}"
+        assert r.hget(key, f"x:{counted}") == b"1" and r.hget(tally, counted) == b"1"
         assert r.zscore(dl, f"{sid}|~") is None and r.hget(key, "cm") == b"ck-1"
         [(_, fields)] = r.xrange(jobs)
         table = re.search(

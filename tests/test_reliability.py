@@ -197,7 +197,7 @@ def test_8_a_session_id_that_is_only_a_suffix_of_the_key_is_refused(
 def _same_kind(keys: Any, other: str) -> str:
     """The session's own key of the kind `other` is (deadlines, jobs, a data key or an
     outcome hash)."""
-    kinds = {":deadlines": keys.deadlines, ":jobs": keys.jobs}
+    kinds = {":deadlines": keys.deadlines, ":jobs": keys.jobs, ":tally": keys.tally}
     kinds.update({":out:": keys.outcomes, ":old:": keys.outcomes_old})
     kinds.update({":content:": keys.content, ":compacted:": keys.compacted})
     kinds.update({":history:": keys.history, ":spilled:": keys.spilled, ":spill:": keys.spills})

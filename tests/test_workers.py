@@ -14,6 +14,7 @@ Every test uses its own key prefix on the session's ``redis_server`` and
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import hashlib
@@ -36,7 +37,12 @@ import redis
 from prometheus_client import generate_latest
 
 from ledger import Item, Ledger, LedgerSettings, SessionBudget, scripts
-from ledger.errors import InvalidArgument, ReservationExpired, UnknownReservation
+from ledger.errors import (
+    AdmissionRefused,
+    InvalidArgument,
+    ReservationExpired,
+    UnknownReservation,
+)
 from ledger.models import Consumer, PartitionCheck
 from ledger.testing import WorkerProc, spawn_worker
 from ledger.workers.compactors import CompactionPlan, CompactionRequest
@@ -803,6 +809,34 @@ def test_indicators_are_counted_once_for_the_fleet_and_never_drop(led: Ledger) -
     assert b.metrics.registry.get_sample_value("ledger_observer") == 1
     a.observe()
     assert a.metrics.registry.get_sample_value("ledger_observer") == 0
+
+
+def test_the_metrics_pass_reads_the_tallies_not_the_sessions(led: Ledger) -> None:
+    """The fleet's indicators come from one tally per partition, kept by the scripts: a
+    pass reads as many hashes with 200 sessions as with none, and its totals equal the
+    sessions' own counters summed, also after sessions are deleted."""
+    w = in_process_worker(led, consumer="obs-tally")
+    r = led.client
+
+    def pass_reads() -> int:
+        r.config_resetstat()
+        w.observe()
+        stats = r.info("commandstats")
+        return sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("hgetall", "scan"))
+
+    assert pass_reads() == PARTITIONS  # one HGETALL a partition, no SCAN
+    budget = SessionBudget(window=1_000, system_prompt=100)
+    sessions = [led.open_session(f"tally-{i}", budget) for i in range(200)]
+    for s in sessions:
+        with contextlib.suppress(AdmissionRefused):
+            s.admit("retrieval", [Item("big", 950)])  # refused: one indicator each
+    assert pass_reads() == PARTITIONS
+    got = w.metrics.registry.get_sample_value("ledger_indicator_total", {"name": "refused"})
+    assert got == 200 == sum(s.snapshot().raw["x:refused"] for s in sessions)
+    for s in sessions[:150]:
+        s.delete()
+    w.observe()  # what deleted sessions counted stays counted
+    assert w.metrics.registry.get_sample_value("ledger_indicator_total", {"name": "refused"}) == 200
 
 
 def test_failing_compactor_is_retried_then_succeeds(led: Ledger) -> None:

@@ -59,7 +59,7 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, ParamSpec, TypeVar
@@ -89,6 +89,8 @@ from ledger.workers.trouble import TRANSIENT, Backoff, kind_of
 
 try:
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+    from prometheus_client.core import CounterMetricFamily, Metric
+    from prometheus_client.registry import Collector
 except ImportError as exc:  # the worker's metrics: the `worker` extra
     raise missing("prometheus-client", "worker", "the ledger worker") from exc
 
@@ -189,6 +191,35 @@ class WorkerSettings(BaseSettings):
     )
 
 
+class FleetIndicators(Collector):
+    """``ledger_indicator_total{name}``: the fleet's indicators as the partitions' tallies
+    hold them (docs/protocol.md#indicators-the-partition-tally), exported by the one
+    worker holding the observer lease (``values`` set by its metrics pass; None on every
+    other worker, which exports no sample). A counter's value is the tally itself, kept in
+    Redis: sessions that expire or are deleted keep what they counted, a new holder
+    exports the same totals, and ``sum(rate(...))`` over workers counts each change once."""
+
+    values: dict[str, int] | None = None
+
+    def describe(self) -> Iterator[Metric]:
+        yield self._family()
+
+    def collect(self) -> Iterator[Metric]:
+        family = self._family()
+        for name, value in sorted((self.values or {}).items()):
+            family.add_metric([name], value)
+        yield family
+
+    @staticmethod
+    def _family() -> CounterMetricFamily:
+        return CounterMetricFamily(
+            "ledger_indicator",
+            "Leading indicators of the rules (docs/rules.md), for the fleet: the partitions' "
+            "tallies, kept by the scripts as they count, exported by the observer lease's holder",
+            labels=["name"],
+        )
+
+
 class Metrics:
     """The worker's Prometheus metrics, in their own registry."""
 
@@ -218,23 +249,8 @@ class Metrics:
         self.pending = Gauge(
             "ledger_partition_pending", "Entries delivered, not acked", ["partition"], registry=r
         )
-        self.drift_max = Gauge(
-            "ledger_drift_tokens_max",
-            "Largest |real prompt - occupancy| at the last end_turn, over sessions",
-            registry=r,
-        )
-        self.drift_flagged = Gauge(
-            "ledger_drift_flagged_sessions",
-            "Sessions whose last end_turn flagged drift (not reconciled since)",
-            registry=r,
-        )
-        self.indicator = Counter(
-            "ledger_indicator",
-            "Leading indicators of the rules (docs/rules.md): the sessions' telemetry counters "
-            "as they grow, counted once for the fleet by the worker holding the observer lease",
-            ["name"],
-            registry=r,
-        )
+        self.indicators = FleetIndicators()
+        r.register(self.indicators)
         self.observer = Gauge(
             "ledger_observer",
             "1 while this worker holds the observer lease (it exports the fleet's indicators)",
@@ -386,7 +402,6 @@ class Worker:
         self._blocking = self._one_node and type(ledger.client) is redis.Redis
         self._on_cluster = isinstance(ledger.client, redis.cluster.RedisCluster)
         self._last_sweep = 0.0
-        self._seen: dict[str, dict[str, int]] = {}  # sessions' counters at the last pass
         self._due: dict[int, float] = {}  # cluster: partition -> when its first lease is due
         self._idle: set[int] = set()  # cluster: partitions holding a job to take over
         self._next_check: dict[int, float] = {}  # cluster: slice -> when it is checked next
@@ -1082,8 +1097,8 @@ class Worker:
         return False
 
     def _observe_loop(self, stop: threading.Event) -> None:
-        """The metrics passes, every observe_interval, in their own thread: a pass over
-        thousands of sessions never holds up a job, a lease or SIGTERM."""
+        """The metrics passes, every observe_interval, in their own thread: a slow Redis
+        never holds up a job, a lease or SIGTERM."""
         while not stop.is_set():
             try:
                 self.observe()
@@ -1096,10 +1111,24 @@ class Worker:
                 )
             stop.wait(self.settings.observe_interval)
 
+    def tallies(self) -> dict[str, int]:
+        """The fleet's indicators: every partition's tally (one small hash each, kept by
+        the scripts as they count), summed; one pipeline, whatever the sessions."""
+        client, ks = self.ledger.client, self.ledger.keyspace
+        pipe = client.pipeline(transaction=False)
+        for p in range(ks.partitions):
+            pipe.hgetall(ks.tally(p))
+        total: dict[str, int] = {}
+        for got in pipe.execute():
+            for k, v in got.items():
+                name = k.decode() if isinstance(k, bytes) else k
+                total[name] = total.get(name, 0) + int(v)
+        return total
+
     @_ledger_errors
     def observe(self) -> None:
-        """Refresh the lag and dead-letter gauges; on the observer lease's holder, count
-        what the sessions' telemetry counters grew by since the last pass (a SCAN)."""
+        """Refresh the lag and dead-letter gauges; on the observer lease's holder, read
+        the fleet's indicators from the partitions' tallies (no session is read)."""
         client, s = self.ledger.client, self.settings
         for p in self.partitions:
             try:
@@ -1118,31 +1147,7 @@ class Worker:
             self.metrics.dead_depth.labels(str(p)).set(client.xlen(self.dead_letter(p)))
         held = self._observer_lease()
         self.metrics.observer.set(1 if held else 0)
-        if not held:
-            self._seen.clear()  # a later lease starts from what it sees then
-            return
-        drift_max, flagged = 0, 0
-        seen: dict[str, dict[str, int]] = {}
-        for sid in self.ledger.session_ids():
-            raw = client.hgetall(self.ledger.keyspace.session(sid).session)
-            counters = seen[sid] = {}
-            for k, v in raw.items():
-                name = k.decode() if isinstance(k, bytes) else k
-                if name.startswith("x:") and name != "x:last_reset":
-                    counters[name[2:]] = int(v)
-                elif name == "dr":
-                    drift_max = max(drift_max, abs(int(v)))
-                elif name == "df":
-                    flagged += int(v)
-            before = self._seen.get(sid, {})
-            for name, value in counters.items():
-                # a session deleted and opened again starts its counters from 0
-                grew = value - before.get(name, 0) if value >= before.get(name, 0) else value
-                if grew > 0:
-                    self.metrics.indicator.labels(name).inc(grew)
-        self._seen = seen  # sessions that are gone keep what they counted
-        self.metrics.drift_max.set(drift_max)
-        self.metrics.drift_flagged.set(flagged)
+        self.metrics.indicators.values = self.tallies() if held else None
 
     def check_redis(self) -> health.HealthReport:
         """Check the Redis settings the ledger needs; log a warning when what is wrong
