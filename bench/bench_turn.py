@@ -176,9 +176,7 @@ def bench_turn(led: Ledger, r: redis.Redis, a: argparse.Namespace) -> list[str]:
     def turn(i: int) -> None:
         user = {"id": f"u{i}", "content": text(i, 20)}
         chunks = [{"id": f"c{i}-{k}", "content": text(i * 13 + k, 120)} for k in range(12)]
-        with agent.turn(0) as t:
-            t.admit("working_memory", [user])
-            t.admit("retrieval", chunks)
+        with agent.turn(0, admit={"working_memory": [user], "retrieval": chunks}) as t:
             out = t.tool_result({"id": f"tool{i}", "content": text(i * 7, 200)})
             t.prompt([system, *history, user, *chunks, out.text])
         history.append(user)

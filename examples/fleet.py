@@ -111,7 +111,8 @@ def in_process(server: Any, turns: int, drift_at: int | None, compactor: Any) ->
     from ledger import Ledger
     from ledger.workers.runner import Worker, WorkerSettings
 
-    ledger = Ledger.from_settings(server.gov.agent.session.ledger.settings)  # (the worker's own)
+    agent = server.gov.agent if hasattr(server, "gov") else server.agent
+    ledger = Ledger.from_settings(agent.session.ledger.settings)  # (the worker's own)
     worker = Worker(ledger, WorkerSettings(), compactor=compactor)
     stop = threading.Event()
     thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)

@@ -4,6 +4,7 @@ from ledger import models
 from ledger.agent import Agent, AsyncAgent, EstimatingCounter, TiktokenCounter
 from ledger.aio import AsyncLedger, AsyncSession
 from ledger.client import Ledger, Session
+from ledger.core import new_op_id
 from ledger.errors import (
     AdmissionRefused,
     BackendUnavailable,
@@ -75,6 +76,7 @@ __all__ = [
     "CompactionPending",
     "UnknownReservation",
     "UnknownSession",
+    "new_op_id",
 ]
 __all__ += models.__all__
 __version__ = "0.1.0"

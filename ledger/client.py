@@ -160,7 +160,7 @@ class Ledger(LedgerCore):
                     raise executed
                 self.check_acked(batch[todo[0]], count)
                 replies = [*loaded[: len(load)], *executed]
-            todo = batch_replies(replies, len(load), todo, raws)
+            todo = batch_replies(replies, len(load), todo, raws, batch)
             if not todo:
                 return raws
             for name in {batch[i].script for i in todo}:

@@ -39,6 +39,7 @@ from ledger.errors import (
 from ledger.keys import KeySpace, SessionKeys
 from ledger.models import (
     Admitted,
+    BegunBy,
     Compaction,
     Consumer,
     Deleted,
@@ -127,6 +128,16 @@ def collect(
     return out
 
 
+def _fenced_on_first(calls: Sequence[Call[Any]]) -> bool:
+    """Whether every call after the first names its turn by the first's op id
+    (``<epoch>@~<op id>``, :class:`~ledger.models.BegunBy`): then none of them can take
+    effect before the first has (the script refuses it, changing nothing)."""
+    if not calls[0].args:
+        return False
+    fence = f"@~{calls[0].args[0]!s}"
+    return all(len(c.args) > 1 and str(c.args[1]).endswith(fence) for c in calls[1:])
+
+
 def batch_loads(batch: Sequence[Call[Any]]) -> list[str]:
     """The scripts to load inside a batch's transaction, before its calls: those of
     every session that the batch reaches with more than one script. Inside one EXEC
@@ -134,29 +145,42 @@ def batch_loads(batch: Sequence[Call[Any]]) -> list[str]:
     session reached by one script keeps its order when only the calls that met NOSCRIPT
     are sent again, and sessions are independent of each other. A session reached by
     several scripts could see a later call run before an earlier one: its scripts are
-    loaded first (each SCRIPT LOAD sends the script's text, a few KB)."""
-    by_session: dict[str, set[str]] = defaultdict(set)
+    loaded first (each SCRIPT LOAD sends the script's text, a few KB), unless its later
+    calls are fenced on its first (a begin_turn and its turn's first calls): they cannot
+    take effect before it, and are sent again after it (see :func:`batch_replies`)."""
+    by_session: dict[str, list[Call[Any]]] = defaultdict(list)
     for c in batch:
-        by_session[c.keys[0]].add(c.script)
-    names = {name for used in by_session.values() if len(used) > 1 for name in used}
+        by_session[c.keys[0]].append(c)
+    names = {
+        c.script
+        for calls in by_session.values()
+        if len({c.script for c in calls}) > 1 and not _fenced_on_first(calls)
+        for c in calls
+    }
     return sorted(names)
 
 
 def batch_replies(
-    replies: Sequence[object], loaded: int, todo: Sequence[int], raws: list[object]
+    replies: Sequence[object],
+    loaded: int,
+    todo: Sequence[int],
+    raws: list[object],
+    batch: Sequence[Call[Any]],
 ) -> list[int]:
     """Store the calls' replies (after the `loaded` SCRIPT LOAD replies) in raws, and
-    return the indices that met NOSCRIPT, to send again once their scripts are loaded. A
-    transient error is raised: the whole batch is sent again, which its op ids make
-    safe."""
-    missing = []
+    return the indices to send again once their scripts are loaded: those that met
+    NOSCRIPT, and every later call of a session one of them reached (calls fenced on it,
+    refused while it had not run). A transient error is raised: the whole batch is sent
+    again, which its op ids make safe."""
+    missing: list[int] = []
     for i, reply in zip(todo, replies[loaded:], strict=True):
         if isinstance(reply, NoScriptError):
             missing.append(i)
         elif isinstance(reply, BaseException) and is_transient(reply):
             raise reply
         raws[i] = reply
-    return missing
+    first = {batch[i].keys[0]: i for i in reversed(missing)}
+    return [i for i in todo if i in missing or first.get(batch[i].keys[0], len(batch)) < i]
 
 
 class LedgerCore:
@@ -415,7 +439,7 @@ class SessionCore:
         self.turn: int | None = None  # the open turn this handle began (its calls' stamp)
         self._last_left = 0  # the last turn this handle ended or rolled back
 
-    def _stamp(self, turn: int | None = None) -> Epoch:
+    def _stamp(self, turn: int | BegunBy | None = None) -> Epoch:
         """ARGV[2]: the epoch, and the turn the call belongs to (``turn``, by default the
         one this handle holds)."""
         return stamp(self.epoch, self.turn if turn is None else turn)
@@ -458,7 +482,7 @@ class SessionCore:
         *,
         partial: bool = False,
         texts: Sequence[str | bytes] | None = None,
-        turn: int | None = None,
+        turn: int | BegunBy | None = None,
         op_id: str | None = None,
     ) -> Call[Admitted]:
         """Admit items for a consumer in one atomic step: all of them (or a refusal), or
@@ -476,7 +500,7 @@ class SessionCore:
         consumer: Consumer | str,
         item_ids: Sequence[str],
         *,
-        turn: int | None = None,
+        turn: int | BegunBy | None = None,
         op_id: str | None = None,
     ) -> Call[Released]:
         """Give back items; ids not held are reported as missing."""
@@ -491,7 +515,7 @@ class SessionCore:
         tokens: int,
         *,
         lease_ms: int = 30_000,
-        turn: int | None = None,
+        turn: int | BegunBy | None = None,
         op_id: str | None = None,
     ) -> Call[Reservation]:
         """Hold an estimate until a deadline on Redis's clock (phase one of two)."""
@@ -514,7 +538,7 @@ class SessionCore:
         item_id: str | None = None,
         *,
         priority: int = 0,
-        turn: int | None = None,
+        turn: int | BegunBy | None = None,
         op_id: str | None = None,
     ) -> Call[Settled]:
         """Turn a reservation into an item of its actual size (lower or higher), named
@@ -527,7 +551,7 @@ class SessionCore:
     settle = operation(settle_call)
 
     def void_call(
-        self, reservation_id: str, *, turn: int | None = None, op_id: str | None = None
+        self, reservation_id: str, *, turn: int | BegunBy | None = None, op_id: str | None = None
     ) -> Call[Voided]:
         """Cancel a reservation and give its tokens back."""
         return protocol.void(self.keys, _op(op_id), self._stamp(turn), reservation_id)
@@ -677,7 +701,7 @@ class SessionCore:
         self,
         items: Mapping[Any, Sequence[Item]],
         *,
-        turn: int | None = None,
+        turn: int | BegunBy | None = None,
         op_id: str | None = None,
     ) -> Call[Reconciled]:
         """Set each named consumer's items to exactly ``items[consumer]`` in one atomic
@@ -694,7 +718,7 @@ class SessionCore:
         summary: Item | None,
         *,
         summary_text: str | None = None,
-        turn: int | None = None,
+        turn: int | BegunBy | None = None,
         op_id: str | None = None,
     ) -> Call[Compaction]:
         """Commit a compaction: ``replaced`` items (working-memory ids, or (consumer, id)
@@ -716,7 +740,7 @@ class SessionCore:
         content: bytes | str,
         *,
         keep_text: bool = False,
-        turn: int | None = None,
+        turn: int | BegunBy | None = None,
         op_id: str | None = None,
     ) -> Call[ToolResult]:
         """Admit a tool result whole, or spill it to a handle with a bounded preview

@@ -20,6 +20,7 @@ __all__ = [
     "Consumer",
     "SessionBudget",
     "Item",
+    "BegunBy",
     "HeldItem",
     "Opened",
     "Admitted",
@@ -255,6 +256,16 @@ class Item:
     id: str
     tokens: int
     priority: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class BegunBy:
+    """A turn named by the op id of the ``begin_turn`` call that opens it: the ``turn`` of
+    calls sent in one batch with that call, after it, before the turn's number is known
+    (``ledger.run_many([begin, admit(..., turn=BegunBy(begin_op))])``). Such a call is of
+    the turn when that ``begin_turn`` opened it, else ``TurnLost`` (nothing changed)."""
+
+    op_id: str
 
 
 @dataclass(frozen=True, slots=True)

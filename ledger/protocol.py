@@ -25,6 +25,7 @@ from ledger.keys import SessionKeys
 from ledger.models import (
     Admitted,
     AuditReport,
+    BegunBy,
     Compaction,
     Consumer,
     Deleted,
@@ -135,12 +136,15 @@ class Stamp(str):
 Epoch = int | str  # an epoch, '*' (unfenced), or a Stamp
 
 
-def stamp(epoch: int, turn: int | None) -> Epoch:
+def stamp(epoch: int, turn: int | BegunBy | None) -> Epoch:
     """ARGV[2] of a call: the epoch, and the turn the call belongs to when it is made in
     one ('<epoch>@<turn>', docs/protocol.md#turns): only calls of the open turn are
-    accepted while a turn is open."""
+    accepted while a turn is open. A turn named by its begin (:class:`BegunBy`) is
+    '<epoch>@~<op id>'."""
     if turn is None:
         return epoch
+    if isinstance(turn, BegunBy) and type(epoch) is int:
+        return Stamp(f"{epoch}@~{check_id(turn.op_id, 'op id of the turn')}")
     if type(epoch) is not int or type(turn) is not int or turn < 1:
         raise InvalidArgument(
             f"a turn stamp needs an int epoch and turn >= 1, got {epoch!r}@{turn!r}"

@@ -42,6 +42,8 @@
 --   te                  the last turn ended by end_turn
 --   lo le               the open turn's owner and its lease's end (ms, Redis's clock): a
 --                       turn is open (turn tn) exactly while lo is set
+--   lb                  the op id of the begin_turn that opened the open turn (calls sent
+--                       with it, before its number is known, stamp '<epoch>@~<op id>')
 --   uo                  the open turn's op keys (the outcomes a rollback removes)
 --   ul                  the open turn's undo log: '\31<field>\30<value before the turn
 --                       first changed it>' per item or reservation field it changed (''
@@ -173,8 +175,10 @@ end
 
 -- The prologue of every mutating call: ARGV[1] op id, ARGV[2] the epoch the caller
 -- believes current ('*' where the script allows an unfenced call), followed by
--- '@<turn>' for a call made in that turn (see `fence`). Returns op, the call's
--- fingerprint, epoch (nil for '*') and turn (nil for a call of no turn), or fails with
+-- '@<turn>' for a call made in that turn, or '@~<op id>' for a call made in the turn that
+-- the begin_turn of that op id opened (sent with it, its number not known yet; see
+-- `fence`). Returns op, the call's fingerprint, epoch (nil for '*') and turn (nil for a
+-- call of no turn; the string '~<op id>' for a turn named by its begin), or fails with
 -- BADARG. The fingerprint is computed here, by the server, over the script's name and
 -- every argument after the op id, ARGV[2] without its '@<turn>' (the first 12 hex digits
 -- of their SHA-1): a client cannot claim one, so an op id sent again with other
@@ -194,7 +198,11 @@ local function op_args(name, unfenced_ok)
   end
   local e, t = ARGV[2], nil
   local a, b = string.match(type(e) == 'string' and e or '', '^([^@]*)@(.*)$')
-  if a then e, t = a, int_arg(b, 'turn of the call', 1, 1e15) end
+  if a and string.sub(b, 1, 1) == '~' then
+    e, t = a, '~' .. id_arg(string.sub(b, 2), 'op id of the turn of the call')
+  elseif a then
+    e, t = a, int_arg(b, 'turn of the call', 1, 1e15)
+  end
   -- The turn a call is stamped with is a fence, not an argument: the same call sent
   -- again from another turn has the same fingerprint (and gets its first outcome back).
   local rest = #ARGV > 2 and ('\31' .. table.concat(ARGV, '\31', 3)) or ''
@@ -367,8 +375,8 @@ end
 
 -- Whether a call belongs to the open turn, given the session's lease owner (lo, nil
 -- when no turn is open), its turn (tn) and the turn the call is stamped with (tok, nil
--- for a call of no turn; see `op_args`): true for a call of the open turn, false for a
--- call of no turn while none is open. A call of no turn while a turn is open fails with
+-- for a call of no turn, '~<op id>' for the turn that begin_turn opened; see `op_args`):
+-- true for a call of the open turn, false for a call of no turn while none is open. A call of no turn while a turn is open fails with
 -- TURNHELD; a call of a turn that is not open (ended, rolled back, or followed by
 -- another) fails with TURNLOST. Either way nothing has changed. `unleased`: end_turn and
 -- record_span also account the current turn when it never held a lease (turn 0, before
@@ -379,6 +387,12 @@ local function fence(key, lo, tn, tok, unleased)
     return false
   end
   if lo and tok == tn then return true end
+  if type(tok) == 'string' then
+    local by = string.sub(tok, 2)
+    if lo and redis.call('HGET', key, 'lb') == by then return true end
+    fail('TURNLOST', 'the turn begun by op ' .. by .. ' is not open' ..
+      (lo and (' (turn ' .. tn .. ' is, held by ' .. lo .. ')') or ''))
+  end
   local v = redis.call('HMGET', key, 'rb', 'te')
   local why = ''
   local rt, rwhy = string.match(v[1] or '', '^(%d+) (.*)$')
@@ -433,7 +447,7 @@ local function rollback(key, dl, sid, why)
   for field, was in string.gmatch(f.ul or '', '\31([^\30\31]+)\30([^\31]*)') do
     prior[field] = was
   end
-  local dead, set, zrem, zadd = { 'lo', 'le', 'ul', 'vs', 'vd', 'uo' }, {}, { sid .. '|' .. LEASE }, {}
+  local dead, set, zrem, zadd = { 'lo', 'le', 'lb', 'ul', 'vs', 'vd', 'uo' }, {}, { sid .. '|' .. LEASE }, {}
   -- The outcomes of the turn's calls go: a call sent again is then judged anew (refused
   -- as a call of a turn no longer open, or done once in the turn that sends it), never
   -- told that an effect this rollback undid took place.

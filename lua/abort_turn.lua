@@ -24,7 +24,9 @@
 local op, fp, epoch, tok = op_args('abort_turn', false)
 local sid
 sid = session_arg(ARGV[3])
-if not tok then fail('BADARG', 'abort_turn needs the turn to roll back: send <epoch>@<turn>') end
+if type(tok) ~= 'number' then
+  fail('BADARG', 'abort_turn needs the turn to roll back: send <epoch>@<turn>')
+end
 if #ARGV ~= 3 then fail('BADARG', 'expected 3 arguments, got ' .. #ARGV) end
 
 key_arg(2, 'deadlines')

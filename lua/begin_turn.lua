@@ -236,7 +236,8 @@ if implicit or queued_s ~= '' or queued_d ~= '' then redis.call('HDEL', key, 'qs
 local logged, was = { 'out', 'pm' }, { H.out, H.cd == 1 and (H.pm or 0) or 0 }
 for i = 1, #dead do logged[i + 2], was[i + 2] = dead[i], dead_rec[i] end
 local args = { 'tn', turn, 'out', out2, 'ws', ws, 'fr', fr, 'ai', 0, 'ao', 0, 'an', 0,
-  'a_w', A.w, 'a_m', A.m, 'a_s', A.s, 'lo', owner, 'le', le, 'ul', journal(nil, logged, was, true) }
+  'a_w', A.w, 'a_m', A.m, 'a_s', A.s, 'lo', owner, 'le', le, 'lb', op,
+  'ul', journal(nil, logged, was, true) }
 if queued_s ~= '' then args[#args + 1], args[#args + 2] = 'vs', queued_s end
 if queued_d ~= '' then args[#args + 1], args[#args + 2] = 'vd', queued_d end
 for _, c in ipairs({ 'w', 'r', 'm', 's' }) do

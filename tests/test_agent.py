@@ -22,6 +22,7 @@ from ledger import (
     Ledger,
     LedgerSettings,
     SessionBudget,
+    TurnInProgress,
 )
 from ledger.agent import Agent, AsyncAgent, EstimatingCounter, TiktokenCounter, ledger_id
 from tests.conftest import make_settings
@@ -91,6 +92,48 @@ def test_turn_admits_app_objects_and_hands_back_reclaimed_ones(ledger: Ledger) -
         left = [d for d in got.kept if d not in t2.dropped]
         t2.prompt([SYSTEM, *left])
     assert t2.report is not None and t2.report.drift == 0
+    assert s.audit().clean
+
+
+def test_a_turns_first_admissions_go_in_the_round_trip_that_begins_it(ledger: Ledger) -> None:
+    """agent.turn(admit=...): begin_turn and the admissions in one round trip (one
+    run_many, no other call), the same Admission results as turn.admit, in the turn (a
+    rollback takes them back); a begin refused by another owner's turn admits nothing."""
+    s = ledger.open_session(f"s-{uuid.uuid4().hex[:8]}", budget(window=3_000))
+    agent = Agent(s, TOK, store_content=False)
+    sent: list[list[str]] = []
+    run, run_many = ledger.run, ledger.run_many
+
+    def one(call: Any, **kw: Any) -> Any:
+        sent.append([call.script])
+        return run(call, **kw)
+
+    def many(calls: Any, **kw: Any) -> Any:
+        sent.append([c.script for c in calls])
+        return run_many(calls, **kw)
+
+    ledger.run, ledger.run_many = one, many  # type: ignore[method-assign]
+    user = {"id": "u1", "content": "What changed?"}
+    docs = [doc(i) for i in range(30)]
+    with agent.turn(200, admit={"working_memory": [user], "retrieval": docs}) as t:
+        # (the agent's first turn asks once whether a worker compacts the session)
+        assert sent == [["snapshot"], ["begin_turn", "admit", "admit"]]
+        w, r = t.admissions
+        assert w.kept == (user,) and r.kept and r.refused and r.reason == "token_budget_exhausted"
+        assert list(r.kept) == docs[: len(r.kept)]
+        t.prompt([SYSTEM, user, *r.kept])
+    assert t.report is not None and t.report.drift == 0 and len(sent) == 3  # + end_turn
+    with pytest.raises(RuntimeError), agent.turn(0, admit={"retrieval": [doc(99)]}):
+        raise RuntimeError("the model call failed")
+    assert ledger_id(doc(99)["id"]) not in {i.id for i in ledger.items(s.id)}  # rolled back
+    other = ledger.session(s.id, owner="other-process")
+    held = other.begin_turn(0)
+    before = state(ledger, s.id)
+    with pytest.raises(TurnInProgress), agent.turn(0, admit={"retrieval": [doc(98)]}):
+        pass
+    assert state(ledger, s.id) == before  # nothing admitted into the other owner's turn
+    other.end_turn(held.turn, other.snapshot().occupancy)
+    ledger.run, ledger.run_many = run, run_many  # type: ignore[method-assign]
     assert s.audit().clean
 
 
@@ -314,13 +357,14 @@ def test_retrieval_refused_honestly_when_the_compaction_does_not_come(ledger: Le
 async def test_async_face_is_the_same_layer(aledger: AsyncLedger) -> None:
     s = await aledger.open_session(f"s-{uuid.uuid4().hex[:8]}", budget())
     agent = AsyncAgent(s, TOK)
-    async with agent.turn(working_set=100) as t:
+    async with agent.turn(working_set=100, admit={"retrieval": [doc(3)]}) as t:
+        assert t.admissions[0].kept == (doc(3),)
         got = await t.admit("retrieval", [doc(1), doc(2)])
         out = await t.tool_result({"id": "call-1", "content": "r," * 20_000})
         assert out.spilled and TOK(out.text) <= out.charged
         with pytest.raises(InvalidArgument):
             await t.admit("retrieval", [{"content": "no id"}])
-        t.prompt([SYSTEM, *got.kept, out.text])
+        t.prompt([SYSTEM, doc(3), *got.kept, out.text])
     assert t.report is not None and t.report.drift == 0
     assert await agent.read_spill(out.handle or "") == "r," * 20_000
     assert (await s.audit()).clean

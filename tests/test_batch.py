@@ -12,6 +12,7 @@ import redis.asyncio.cluster
 from ledger import (
     AdmissionRefused,
     AsyncLedger,
+    BegunBy,
     InvalidArgument,
     Item,
     Ledger,
@@ -201,6 +202,46 @@ def test_batch_loads_only_for_sessions_reached_by_several_scripts() -> None:
     assert batch_loads(one_each) == []
     mixed = [*one_each, s1.release_call("retrieval", ["a"])]
     assert batch_loads(mixed) == ["admit", "release"]
+
+
+def test_a_begin_and_its_fenced_calls_load_no_script() -> None:
+    """Calls stamped with the first call's op id (BegunBy) cannot run before it: such a
+    batch sends no SCRIPT LOAD; one that is not fenced on its first call does."""
+    from ledger.core import batch_loads
+
+    s = SessionCore(KeySpace("t", 16).session("s1"), 1)
+    fenced = [s.begin_turn_call(0, op_id="op-b"),
+              s.admit_call("retrieval", [Item("a", 1)], turn=BegunBy("op-b")),
+              s.release_call("scratchpad", ["x"], turn=BegunBy("op-b"))]  # fmt: skip
+    assert batch_loads(fenced) == []
+    other = [*fenced[:2], s.release_call("scratchpad", ["x"], turn=BegunBy("op-other"))]
+    assert batch_loads(other) == ["admit", "begin_turn", "release"]
+    assert batch_loads([*fenced, s.snapshot_call()]) == [
+        "admit",
+        "begin_turn",
+        "release",
+        "snapshot",
+    ]
+
+
+@pytest.mark.parametrize("backend", ["embedded", "redis"], indirect=True)
+def test_a_fenced_batch_is_in_order_when_only_its_later_scripts_are_cached(
+    ledger: Ledger, budget: SessionBudget
+) -> None:
+    """After a SCRIPT FLUSH and one admit (which loads admit.lua alone), a begin_turn and
+    an admit fenced on it: the admit runs first and is refused (TurnLost, nothing
+    changed), the begin meets NOSCRIPT; both are sent again, in order, and both land."""
+    s = ledger.open_session(_sid(), budget)
+    ledger.client.script_flush()
+    s.admit("retrieval", [Item("small", 1)])  # admit.lua is cached again, begin_turn.lua not
+    got = ledger.run_many([
+        s.begin_turn_call(0, op_id="op-begin-1"),
+        s.admit_call("retrieval", [Item("in-turn", 5)], turn=BegunBy("op-begin-1")),
+    ])  # fmt: skip
+    assert got[1].charged == 5 and s.turn == got[0].turn
+    assert {i.id: i.turn for i in ledger.items(s.id)}["in-turn"] == got[0].turn
+    s.end_turn(got[0].turn, s.snapshot().occupancy)
+    assert s.audit().clean
 
 
 def test_a_batch_has_at_most_1000_calls(ledger: Ledger, budget: SessionBudget) -> None:

@@ -2,8 +2,9 @@
 alternately by two agent OS processes on a real redis-server, with a real `ledger
 worker` compacting, the conversation shared the framework's own way (LangGraph and a
 LangChain create_agent agent: a SqliteSaver checkpointer both processes open; the
-Agents SDK: its Session, the ledger's governed one in Redis), and the README's loop on
-a real Redis with a worker serving its prefix.
+Agents SDK: its Session, the ledger's governed one in Redis; the agent layer with no
+framework: the app's own versioned table in SQLite, a turn's first admissions sent with
+its begin), and the README's loop on a real Redis with a worker serving its prefix.
 
 Each framework's run (examples/*_agent.py, 40 turns) has turns ending above and below
 the high-water mark, drift injected on one turn (and repaired with gov.reconcile), the
@@ -28,7 +29,7 @@ from tests import servers
 from tests.test_readme import README, blocks
 
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES = ["langgraph", "langchain", "openai_agents"]
+EXAMPLES = ["langgraph", "langchain", "openai_agents", "plain"]
 TURNS, DRIFT_AT, RACE_AT, KILL_AT, LEASE_S, TOLERANCE = 40, 17, 11, 23, 2.0, 8
 
 

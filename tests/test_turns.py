@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from ledger import (
+    BegunBy,
     Consumer,
     InvalidArgument,
     Item,
@@ -22,6 +23,7 @@ from ledger import (
     SessionConflict,
     TurnInProgress,
     TurnLost,
+    TurnStarted,
     protocol,
 )
 from ledger.client import Session
@@ -50,6 +52,7 @@ BOOKKEEPING = {
     "ul",
     "vs",
     "vd",
+    "lb",
     "qs",
     "qd",
     "rb",
@@ -128,6 +131,46 @@ def test_a_second_begin_is_refused_before_anything_changes(ledger: Ledger) -> No
     assert snap.turn_open and snap.turn_owner == "A" and snap.turn == t.turn
     assert a.end_turn(t.turn, 5_100).turn == t.turn
     assert b.begin_turn(500).turn == t.turn + 1  # free again
+    assert ledger.audit(a.id).clean
+
+
+def test_a_turns_first_calls_go_in_the_batch_that_begins_it(ledger: Ledger) -> None:
+    """Calls stamped with their begin_turn's op id (BegunBy) are of the turn that begin
+    opened: one round trip begins the turn and admits into it. When the begin is refused
+    (another owner's turn, starvation) they are refused too (TurnLost), nothing changed:
+    never admitted into another owner's turn or into none."""
+    a = loaded(ledger, "A")
+    b = ledger.session(a.id, owner="B")
+    op = new_op_id()
+    began, admitted, released = ledger.run_many([
+        a.begin_turn_call(500, op_id=op),
+        a.admit_call(R, [Item("first", 100)], turn=BegunBy(op)),
+        a.release_call(M, ["m1"], turn=BegunBy(op)),
+    ])  # fmt: skip
+    assert a.turn == began.turn and admitted.charged == 100 and released.count == 1
+    # they are the turn's own: a rollback undoes them
+    a.abort_turn()
+    held = {(i.consumer, i.id) for i in ledger.items(a.id)}
+    assert (R, "first") not in held and (M, "m1") in held
+    t = a.begin_turn(500)
+    before = whole(ledger, a)
+    op2 = new_op_id()
+    got = ledger.run_many(
+        [b.begin_turn_call(500, op_id=op2), b.admit_call(R, [Item("b", 1)], turn=BegunBy(op2))],
+        return_exceptions=True,
+    )
+    assert isinstance(got[0], TurnInProgress) and isinstance(got[1], TurnLost)
+    assert f"begun by op {op2} is not open" in str(got[1])
+    assert whole(ledger, a) == before  # not into A's open turn
+    a.end_turn(t.turn, 5_100)
+    starved = ledger.run_many(
+        [b.begin_turn_call(10**7, op_id=op2), b.admit_call(R, [Item("b", 1)], turn=BegunBy(op2))],
+        return_exceptions=True,
+    )
+    assert not isinstance(starved[0], TurnStarted) and isinstance(starved[1], TurnLost)
+    # an op id's turn is a fence, not an argument; abort_turn takes only a number
+    with pytest.raises(InvalidArgument):
+        ledger.run(protocol.abort_turn(a.keys, new_op_id(), a.epoch, BegunBy(op)))  # type: ignore[arg-type]
     assert ledger.audit(a.id).clean
 
 

@@ -62,7 +62,8 @@ class AsyncAgent:
         self._ttl_ms: int | None = None
 
     async def run(self, op: Op[T]) -> T:
-        return await drive_async(op, self.session.ledger.run, asyncio.sleep, self._io)
+        ledger = self.session.ledger
+        return await drive_async(op, ledger.run, asyncio.sleep, self._io, ledger.run_many)
 
     async def _io(self, effect: Held | Store | Fetch | Note) -> Any:
         """The reads and writes outside the ledger's scripts: which items are held, the
@@ -103,14 +104,17 @@ class AsyncAgent:
         *,
         wait: float = 0.0,
         takeover: bool = False,
+        admit: Mapping[Consumer | str, Sequence[Obj]] | None = None,
     ) -> AsyncTurn:
         """``async with agent.turn(working_set) as turn:`` takes the session's turn and
         runs begin_turn on entry; on a clean exit end_turn with the prompt given to
         :meth:`AsyncTurn.prompt`; on an exception the turn is rolled back
         (:meth:`AsyncTurn.abort`). A turn another process holds is waited for up to
         ``wait`` seconds, then :class:`~ledger.errors.TurnInProgress`; ``takeover`` rolls
-        it back and takes it at once."""
-        return AsyncTurn(self, working_set, output_reserve, wait, takeover)
+        it back and takes it at once. ``admit`` (consumer -> app objects) admits the
+        turn's first objects in the round trip that begins it: their results are
+        :attr:`AsyncTurn.admissions`, in that order."""
+        return AsyncTurn(self, working_set, output_reserve, wait, takeover, admit)
 
     def track(self, consumer: Consumer | str, objs: Sequence[Obj]) -> None:
         self.core.track(consumer, objs)
@@ -138,10 +142,11 @@ class AsyncTurn:
         output_reserve: int | None,
         wait: float = 0.0,
         takeover: bool = False,
+        admit: Mapping[Consumer | str, Sequence[Obj]] | None = None,
     ) -> None:
         self.agent = agent
         self._begin = (working_set, output_reserve)
-        self._wait, self._takeover = wait, takeover
+        self._wait, self._takeover, self._admit = wait, takeover, admit
         self.state: TurnState | None = None
         self._prompt: int | None = None
         self._beat: AsyncHeartbeat | None = None
@@ -149,7 +154,7 @@ class AsyncTurn:
     async def __aenter__(self) -> AsyncTurn:
         core = self.agent.core
         self.state = await self.agent.run(
-            core.begin(*self._begin, wait=self._wait, takeover=self._takeover)
+            core.begin(*self._begin, wait=self._wait, takeover=self._takeover, admit=self._admit)
         )
         if core.renew_leases:
             self._beat = AsyncHeartbeat(self._renew, core.lease_ms / 3000)
@@ -203,6 +208,11 @@ class AsyncTurn:
     @property
     def dropped(self) -> list[Obj]:
         return self._state.dropped
+
+    @property
+    def admissions(self) -> list[Admission[Any]]:
+        """This turn's admissions, in order: first those of ``agent.turn(admit=...)``."""
+        return self._state.admissions
 
     @property
     def report(self) -> TurnReport | None:

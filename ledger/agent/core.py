@@ -1,7 +1,8 @@
 """The agent layer's logic, written once with no I/O.
 
 Each operation is a generator: it yields the ledger :class:`~ledger.protocol.Call` it
-needs (or a :class:`Sleep`), is sent the call's result (or thrown its error), and
+needs (or a :class:`Batch` of calls, a :class:`Sleep`), is sent the call's result (or
+thrown its error; a batch is sent each call's result or error in its place), and
 returns the operation's result. The sync face (:mod:`ledger.agent.sync`) drives it
 with ``Ledger.run`` and ``time.sleep``, the asyncio face (:mod:`ledger.agent.aio`)
 with ``await AsyncLedger.run`` and ``asyncio.sleep``: the same code decides for both.
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from ledger.agent.counters import Calibrated, count, cut_to, is_estimate
-from ledger.core import SessionCore
+from ledger.core import SessionCore, new_op_id
 from ledger.errors import (
     AdmissionRefused,
     BillingDriftWarning,
@@ -36,6 +37,8 @@ from ledger.errors import (
     TurnInProgress,
 )
 from ledger.models import (
+    Admitted,
+    BegunBy,
     Consumer,
     Item,
     Reconciled,
@@ -49,7 +52,7 @@ from ledger.protocol import ID_RE, Call
 
 T = TypeVar("T")
 Obj = Any
-Op = Generator["Call[Any] | Sleep | Held | Store | Fetch | Note", Any, T]
+Op = Generator["Call[Any] | Batch | Sleep | Held | Store | Fetch | Note", Any, T]
 Effect = Any  # Held | Store | Fetch | Note: the reads and writes outside the ledger's scripts
 
 # Fields of the session's summaries hash that are no summary ('~' is no id's character):
@@ -112,6 +115,9 @@ def default_text(obj: Obj) -> str:
     the tool calls a message carries."""
     if isinstance(obj, str):
         return obj
+    plain = type(obj) is dict and "page_content" not in obj and not obj.get("tool_calls")
+    if plain and isinstance(obj.get("content"), str):
+        return str(obj["content"])  # a plain message or chunk dict, the common case (fast)
     for name in ("page_content", "content", "text", "output"):
         v = obj.get(name) if isinstance(obj, Mapping) else getattr(obj, name, None)
         if v is not None:
@@ -135,6 +141,14 @@ class Sleep:
     """An effect: wait this long (the drivers sleep, sync or async)."""
 
     seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """An effect: these calls in one round trip (``run_many``), in order; the operation
+    is sent each call's result, or its error, in its place."""
+
+    calls: tuple[Call[Any], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -464,11 +478,17 @@ class AgentCore:
         *,
         wait: float = 0.0,
         takeover: bool = False,
+        admit: Mapping[Consumer | str, Sequence[Obj]] | None = None,
     ) -> Op[TurnState]:
         """Take the session's turn (its lease) and start it. Another process's live turn
         is waited for up to ``wait`` seconds (polling), then ``TurnInProgress``; with
         ``takeover`` it is rolled back and this turn starts at once. An agent serves one
-        turn at a time: a second one while its first runs is refused the same way."""
+        turn at a time: a second one while its first runs is refused the same way.
+
+        ``admit`` (consumer -> app objects, in order): the turn's first admissions, sent
+        in the round trip that begins it (each call names the turn by its begin's op id,
+        so it lands in this turn or, when the begin is refused, nowhere); their
+        :class:`Admission` results are the state's first ``admissions``."""
         if self.live_turns:
             held = min(self.live_turns)
             raise TurnInProgress(
@@ -488,17 +508,34 @@ class AgentCore:
         # (asked of the ledger, as another process may have served the turn that made it
         # due): a turn with nothing pending costs no extra call.
         awaiting = worker and self.await_compaction > 0
+        plans: list[tuple[Consumer, list[tuple[Item, Obj]], list[str] | None]] = []
+        for consumer, objs in (admit or {}).items():
+            planned = self.items(objs)
+            if planned:
+                c = Consumer.parse(consumer)
+                plans.append((c, planned, (yield from self._texts(planned))))
+        got: list[Any] = []
         waited_for = waited = 0.0
         while True:
+            op_id = new_op_id()
             call = self.session.begin_turn_call(
                 working_set,
                 output_reserve,
                 takeover=takeover,
                 lease_ms=self.lease_ms,
                 await_compaction=awaiting,
+                op_id=op_id,
             )
             try:
-                started: TurnStarted = yield call
+                if plans:
+                    got = yield Batch(
+                        (call, *(self._admission(*plan, BegunBy(op_id)) for plan in plans))
+                    )
+                    if isinstance(got[0], BaseException):
+                        raise got[0]
+                    started: TurnStarted = got[0]
+                else:
+                    started = yield call
                 break
             except CompactionPending as pending:
                 self.compaction_pending = True
@@ -532,6 +569,13 @@ class AgentCore:
         if started.summaries or self.calibrate:
             yield from self._deliver(state)
         state.dropped, state.unresolved = self.resolve(state.drop_refs)
+        for (c, planned, _), result in zip(plans, got[1:], strict=True):
+            if isinstance(result, AdmissionRefused):
+                state.admissions.append((yield from self._on_refusal(c, planned, result)))
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                state.admissions.append(self._admitted(c, planned, result))
         return state
 
     def _deliver(self, state: TurnState) -> Generator[Fetch, Any, None]:
@@ -643,17 +687,36 @@ class AgentCore:
         planned = self.items(objs, priority)
         if not planned:
             return Admission((), (), None, 0, -1)
-        memory = c in (Consumer.RETRIEVAL, Consumer.RECALL)
         texts = yield from self._texts(planned)
-        call = self.session.admit_call(
-            c, [it for it, _ in planned], partial=True, texts=texts, turn=turn
-        )
         try:
-            got = yield call
+            got = yield self._admission(c, planned, texts, turn)
         except AdmissionRefused as exc:
-            if memory and exc.reason == "compaction_pending":
-                self.compaction_pending = True
-            return (yield from self._refused(c, planned, exc))
+            return (yield from self._on_refusal(c, planned, exc))
+        return self._admitted(c, planned, got)
+
+    def _admission(
+        self,
+        c: Consumer,
+        planned: list[tuple[Item, Obj]],
+        texts: list[str] | None,
+        turn: int | BegunBy | None,
+    ) -> Call[Admitted]:
+        """The call admitting planned objects: the longest prefix that fits."""
+        items = [it for it, _ in planned]
+        return self.session.admit_call(c, items, partial=True, texts=texts, turn=turn)
+
+    def _on_refusal(
+        self, c: Consumer, planned: list[tuple[Item, Obj]], exc: AdmissionRefused
+    ) -> Generator[Held, Any, Admission[Any]]:
+        if c in (Consumer.RETRIEVAL, Consumer.RECALL) and exc.reason == "compaction_pending":
+            self.compaction_pending = True
+        return (yield from self._refused(c, planned, exc))
+
+    def _admitted(
+        self, c: Consumer, planned: list[tuple[Item, Obj]], got: Admitted
+    ) -> Admission[Any]:
+        """Which planned objects made it in, from an admission's result."""
+        memory = c in (Consumer.RETRIEVAL, Consumer.RECALL)
         skipped = set(got.skipped)
         kept = tuple(o for it, o in planned if it.id not in skipped)
         refused = tuple(o for it, o in planned if it.id in skipped)
@@ -821,6 +884,7 @@ def drive_sync(
     run: Callable[[Call[Any]], Any],
     sleep: Callable[[float], None],
     io: Callable[[Effect], Any],
+    run_many: Callable[..., list[Any]],
 ) -> T:
     """Run an operation to its result with a sync ledger."""
     try:
@@ -832,6 +896,9 @@ def drive_sync(
                 continue
             if isinstance(effect, (Held, Store, Fetch, Note)):
                 effect = op.send(io(effect))
+                continue
+            if isinstance(effect, Batch):
+                effect = op.send(run_many(list(effect.calls), return_exceptions=True))
                 continue
             try:
                 result = run(effect)
@@ -848,6 +915,7 @@ async def drive_async(
     run: Callable[[Call[Any]], Awaitable[Any]],
     sleep: Callable[[float], Awaitable[None]],
     io: Callable[[Effect], Awaitable[Any]],
+    run_many: Callable[..., Awaitable[list[Any]]],
 ) -> T:
     """Run an operation to its result with an asyncio ledger."""
     try:
@@ -859,6 +927,9 @@ async def drive_async(
                 continue
             if isinstance(effect, (Held, Store, Fetch, Note)):
                 effect = op.send(await io(effect))
+                continue
+            if isinstance(effect, Batch):
+                effect = op.send(await run_many(list(effect.calls), return_exceptions=True))
                 continue
             try:
                 result = await run(effect)

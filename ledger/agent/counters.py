@@ -142,6 +142,7 @@ class Calibrated:
     that every process counts alike."""
 
     CACHED = 4096  # texts whose base count is kept (the least recently used go first)
+    KEYED = 4096  # characters up to which a text is its own cache key
 
     def __init__(self, base: Callable[[str], int]) -> None:
         self.base = base
@@ -154,7 +155,10 @@ class Calibrated:
         self.calls = 0  # calls of the base counter (the cache's misses)
 
     def __call__(self, text: str, /) -> int:
-        key: object = text if len(text) <= 256 else (len(text), _digest(text))
+        # a text up to KEYED characters is its own key (Python caches a str's hash, so the
+        # same object counted again costs a lookup); a longer one is keyed by a digest, so
+        # that the cache holds no large text
+        key: object = text if len(text) <= self.KEYED else (len(text), _digest(text))
         n = self._counts.get(key)
         if n is None:
             self.calls += 1

@@ -1,4 +1,5 @@
-"""Renewing a turn's lease while the turn runs: a thread (sync) or a task (asyncio).
+"""Renewing a turn's lease while the turn runs: on the process's lease thread (sync) or
+as a task (asyncio).
 
 A turn holds the session's lease for ``lease_ms`` (docs/agent.md#turn-leases); a model
 call or a tool may take longer. The agent layer's turn renews it every third of the
@@ -10,43 +11,102 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
+import os
 import threading
+import time
 from collections.abc import Awaitable, Callable
 
 from ledger.errors import TurnLost
 
 
+class _Beats:
+    """One daemon thread per process that runs every live :class:`Heartbeat` when due: a
+    turn starts no thread of its own (starting and joining one per turn cost more than
+    the rest of a short turn's client work). Made again in a forked child."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.due: list[tuple[float, int, Heartbeat]] = []
+        self.cond = threading.Condition()
+        self.seq = 0
+        self.thread = threading.Thread(target=self._run, name="ledger-turn-leases", daemon=True)
+        self.thread.start()
+
+    def add(self, hb: Heartbeat) -> None:
+        with self.cond:
+            self.seq += 1
+            heapq.heappush(self.due, (time.monotonic() + hb.interval, self.seq, hb))
+            self.cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.due or self.due[0][0] > time.monotonic():
+                    self.cond.wait(self.due[0][0] - time.monotonic() if self.due else None)
+                _, _, hb = heapq.heappop(self.due)
+                if hb.stopped:
+                    continue
+                hb.idle.clear()
+            again = hb.run_once()
+            with self.cond:
+                hb.idle.set()
+                if again and not hb.stopped:
+                    self.seq += 1
+                    heapq.heappush(self.due, (time.monotonic() + hb.interval, self.seq, hb))
+
+
+_BEATS: _Beats | None = None
+_BEATS_LOCK = threading.Lock()
+
+
+def _beats() -> _Beats:
+    global _BEATS
+    with _BEATS_LOCK:
+        if _BEATS is None or _BEATS.pid != os.getpid():
+            _BEATS = _Beats()
+        return _BEATS
+
+
 class Heartbeat:
-    """Calls ``beat()`` every ``interval`` seconds in a daemon thread until :meth:`stop`
-    or until a beat raises :class:`TurnLost` (kept in ``lost``). Other errors (Redis
-    away for a moment) are kept in ``last_error`` and the next beat tries again."""
+    """Calls ``beat()`` every ``interval`` seconds, on the process's lease thread, until
+    :meth:`stop` or until a beat raises :class:`TurnLost` (kept in ``lost``). Other errors
+    (Redis away for a moment) are kept in ``last_error`` and the next beat tries again."""
 
     def __init__(self, beat: Callable[[], object], interval: float) -> None:
         self.beat, self.interval = beat, interval
         self.lost: TurnLost | None = None
         self.last_error: Exception | None = None
         self.beats = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="ledger-turn-lease", daemon=True)
+        self.stopped = False
+        self.idle = threading.Event()  # clear while a beat runs
+        self.idle.set()
 
     def start(self) -> None:
-        self._thread.start()
+        _beats().add(self)
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self.beat()
-                self.beats += 1
-            except TurnLost as exc:
-                self.lost = exc
-                return
-            except Exception as exc:
-                self.last_error = exc
+    def run_once(self) -> bool:
+        """One beat; whether to beat again."""
+        try:
+            self.beat()
+            self.beats += 1
+        except TurnLost as exc:
+            self.lost = exc
+            return False
+        except Exception as exc:
+            self.last_error = exc
+        return True
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=30)
+        """No beat after this returns (one running now is waited for)."""
+        beats = _BEATS
+        if beats is None:
+            self.stopped = True
+            return
+        with beats.cond:  # the lease thread decides under it whether to beat
+            self.stopped = True
+        if threading.current_thread() is not beats.thread:
+            self.idle.wait(timeout=30)
 
 
 class AsyncHeartbeat:

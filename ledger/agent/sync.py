@@ -61,7 +61,8 @@ class Agent:
         self._ttl_ms: int | None = None
 
     def run(self, op: Op[T]) -> T:
-        return drive_sync(op, self.session.ledger.run, time.sleep, self._io)
+        ledger = self.session.ledger
+        return drive_sync(op, ledger.run, time.sleep, self._io, ledger.run_many)
 
     def _io(self, effect: Held | Store | Fetch | Note) -> Any:
         """The reads and writes outside the ledger's scripts: which items are held, the
@@ -102,14 +103,17 @@ class Agent:
         *,
         wait: float = 0.0,
         takeover: bool = False,
+        admit: Mapping[Consumer | str, Sequence[Obj]] | None = None,
     ) -> Turn:
         """``with agent.turn(working_set) as turn:`` takes the session's turn and
         runs begin_turn on entry; on a clean exit end_turn with the prompt given to
         :meth:`Turn.prompt`; on an exception the turn is rolled back
         (:meth:`Turn.abort`). A turn another process holds is waited for up to
         ``wait`` seconds, then :class:`~ledger.errors.TurnInProgress`; ``takeover`` rolls
-        it back and takes it at once."""
-        return Turn(self, working_set, output_reserve, wait, takeover)
+        it back and takes it at once. ``admit`` (consumer -> app objects) admits the
+        turn's first objects in the round trip that begins it: their results are
+        :attr:`Turn.admissions`, in that order."""
+        return Turn(self, working_set, output_reserve, wait, takeover, admit)
 
     def track(self, consumer: Consumer | str, objs: Sequence[Obj]) -> None:
         self.core.track(consumer, objs)
@@ -137,10 +141,11 @@ class Turn:
         output_reserve: int | None,
         wait: float = 0.0,
         takeover: bool = False,
+        admit: Mapping[Consumer | str, Sequence[Obj]] | None = None,
     ) -> None:
         self.agent = agent
         self._begin = (working_set, output_reserve)
-        self._wait, self._takeover = wait, takeover
+        self._wait, self._takeover, self._admit = wait, takeover, admit
         self.state: TurnState | None = None
         self._prompt: int | None = None
         self._beat: Heartbeat | None = None
@@ -148,7 +153,7 @@ class Turn:
     def __enter__(self) -> Turn:
         core = self.agent.core
         self.state = self.agent.run(
-            core.begin(*self._begin, wait=self._wait, takeover=self._takeover)
+            core.begin(*self._begin, wait=self._wait, takeover=self._takeover, admit=self._admit)
         )
         if core.renew_leases:
             self._beat = Heartbeat(self._renew, core.lease_ms / 3000)
@@ -202,6 +207,11 @@ class Turn:
     @property
     def dropped(self) -> list[Obj]:
         return self._state.dropped
+
+    @property
+    def admissions(self) -> list[Admission[Any]]:
+        """This turn's admissions, in order: first those of ``agent.turn(admit=...)``."""
+        return self._state.admissions
 
     @property
     def report(self) -> TurnReport | None:

@@ -62,7 +62,7 @@ class _CountingAgent(Agent):
         self.refusals: list[AdmissionRefused] = []
 
     def run(self, op: Op[T]) -> T:
-        return drive_sync(op, self._send, time.sleep, self._io)
+        return drive_sync(op, self._send, time.sleep, self._io, self.session.ledger.run_many)
 
     def _send(self, call: Call[Any]) -> Any:
         self.calls += 1
