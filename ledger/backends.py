@@ -15,6 +15,7 @@ import redis.asyncio.cluster
 import redis.cluster
 import redis.exceptions as rex
 from redis.backoff import NoBackoff
+from redis.asyncio.retry import Retry as AsyncRetry
 from redis.retry import Retry
 
 from ledger.errors import BackendUnavailable, ConfigurationError, PermissionDenied, translate
@@ -164,13 +165,14 @@ class _CompiledRuntime:
         return getattr(self._runtime, name)
 
 
-def _options(settings: LedgerSettings) -> dict[str, Any]:
+def _options(settings: LedgerSettings, *, asyncio: bool = False) -> dict[str, Any]:
     # redis-py re-sends a timed-out command by default; the ledger retries itself
-    # (tenacity, same operation id), so the driver's own retry is switched off.
+    # (tenacity, same operation id), so the driver's own retry is switched off. An
+    # asyncio client gets the asyncio policy (redis-py 8.2 warns on a sync one).
     return {
         "socket_timeout": settings.socket_timeout,
         "socket_connect_timeout": settings.connect_timeout,
-        "retry": Retry(NoBackoff(), 0),
+        "retry": (AsyncRetry if asyncio else Retry)(NoBackoff(), 0),
     }
 
 
@@ -210,8 +212,10 @@ def async_client(settings: LedgerSettings) -> AsyncClient:
     if t.kind == "embedded":
         return _fakeredis().FakeAsyncRedis(server=embedded_server(t.url))  # type: ignore[no-any-return]
     if t.kind == "cluster":
-        return redis.asyncio.cluster.RedisCluster.from_url(t.url, **_options(settings))
-    return redis.asyncio.Redis.from_url(t.url, **_options(settings))
+        return redis.asyncio.cluster.RedisCluster.from_url(
+            t.url, **_options(settings, asyncio=True)
+        )
+    return redis.asyncio.Redis.from_url(t.url, **_options(settings, asyncio=True))
 
 
 # --- durable writes: a plain client of the primary that serves a key -------------------
@@ -278,6 +282,6 @@ async def async_primary(
         raise BackendUnavailable(f"no node of the Redis Cluster serves the slot of {key!r}")
     if node.name not in nodes:
         nodes[node.name] = redis.asyncio.Redis.from_url(
-            _node_url(settings, node.host, int(node.port)), **_options(settings)
+            _node_url(settings, node.host, int(node.port)), **_options(settings, asyncio=True)
         )
     return nodes[node.name]  # type: ignore[no-any-return]
