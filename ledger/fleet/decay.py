@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from statistics import NormalDist
 
-from ledger.errors import StaleEpoch, WorkingMemoryStarvation
+from ledger.errors import AdmissionRefused, StaleEpoch, WorkingMemoryStarvation
 from ledger.fleet.agent import Doc, SimAgent
 from ledger.models import Consumer, Item, SessionBudget, Snapshot
 from ledger.workers.compactors import CompactionPlan, CompactionRequest
@@ -344,7 +344,12 @@ def run_ledger(agent: SimAgent, turns: Sequence[TurnPlan], think_s: float = 5.0)
             except WorkingMemoryStarvation as full:
                 # The window is full and the turn cannot start (only without compaction
                 # credit: with it, the hard reset comes first).
-                _make_room(agent, full, run)
+                try:
+                    _make_room(agent, full, run)
+                except StaleEpoch:  # the worker's hard reset came first
+                    agent.adopt_reset()
+                    run.count("resets_seen")
+                    state["rebuild"] = True
         else:  # pragma: no cover - a turn starts after a few resets or cuts
             raise RuntimeError(f"turn {p.turn} of {run.session_id} could not run")
         state["rebuild"] = False
@@ -375,7 +380,12 @@ def _make_room(agent: SimAgent, full: WorkingMemoryStarvation, run: SessionRun) 
     agent.session.release(WM, [item.id])
     left = item.tokens - max(1, full.shortfall)
     if left > 0 and item.id.startswith("sum-"):
-        agent.session.admit(WM, [Item(f"{item.id.split('.')[0]}.{run.count_of('cuts')}", left)])
+        try:
+            agent.session.admit(WM, [Item(f"{item.id.split('.')[0]}.{run.count_of('cuts')}", left)])
+        except AdmissionRefused:
+            # The worker's compaction filled the window again between the refusal and
+            # the cut: the shorter summary is not kept, the next attempt looks again.
+            run.count("cuts_refused")
     run.count("cuts")
 
 
