@@ -14,8 +14,8 @@ import redis.asyncio
 import redis.asyncio.cluster
 import redis.cluster
 import redis.exceptions as rex
-from redis.backoff import NoBackoff
 from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from ledger.errors import BackendUnavailable, ConfigurationError, PermissionDenied, translate
