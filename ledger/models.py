@@ -9,7 +9,7 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -18,6 +18,12 @@ from ledger.errors import ConfigurationError, InvalidArgument
 # Exported by ``ledger`` as they are: a new result model is added here, nowhere else.
 __all__ = [
     "Consumer",
+    "CompactionMode",
+    "Regime",
+    "Classification",
+    "DriftFlag",
+    "CompactionOutcome",
+    "ToolResultOutcome",
     "SessionBudget",
     "Item",
     "BegunBy",
@@ -84,6 +90,61 @@ _BY_CODE = {v: k for k, v in _CODES.items()}
 _BY_VALUE: dict[object, Consumer] = {c.value: c for c in Consumer}
 
 
+# The closed sets of the wire protocol (docs/protocol.md). Each is a StrEnum: a member
+# is its wire string (``Regime.OK == "ok"``, ``str(Regime.OK) == "ok"``, JSON ``"ok"``).
+
+
+class CompactionMode(enum.StrEnum):
+    """Who compacts a session (``SessionBudget.compaction``)."""
+
+    WORKER = "worker"  # the background worker runs its compactor on due compactions
+    AGENT = "agent"  # the agent commits compactions inline; the worker never compacts it
+
+
+class Regime(enum.StrEnum):
+    """The begin-turn gate's regime (docs/rules.md#working-memory-starvation)."""
+
+    OK = "ok"  # working memory fits
+    STARVATION = "starvation"  # short, utilization at or below the eviction threshold
+    LOUD = "loud"  # short, utilization above the eviction threshold
+
+
+class Classification(enum.StrEnum):
+    """A turn's amplification class (docs/rules.md#amplification)."""
+
+    SATURATION = "saturation"
+    FRAGMENTATION = "fragmentation"
+    PATHOLOGICAL = "pathological"
+    AMBIGUOUS = "ambiguous"
+
+
+class DriftFlag(enum.StrEnum):
+    """What ``end_turn`` judged of the real prompt against the ledger's occupancy."""
+
+    NONE = "none"
+    DRIFT = "drift"  # it differs by more than the framing tolerance
+    OVER_WINDOW = "over_window"  # it is larger than the window
+
+
+class CompactionOutcome(enum.StrEnum):
+    """What a ``compact`` did (docs/rules.md#compaction-credit)."""
+
+    COMPACTED = "compacted"
+    FAILED = "failed"  # still above the high-water mark
+    DEFERRED = "deferred"  # under the mark, but the gain is below compaction_min_gain
+    DID_NOT_FIT = "did_not_fit"  # the summary does not fit: nothing replaced
+    ALREADY = "already"  # the job was committed before: nothing changed
+    TURN_OPEN = "turn_open"  # a job's compaction while a turn is open: nothing changed
+
+
+class ToolResultOutcome(enum.StrEnum):
+    """What ``admit_tool_result`` did with a tool result."""
+
+    ADMITTED = "admitted"
+    SPILLED = "spilled"  # spilled to a handle; the prompt holds a preview
+    DUPLICATE = "duplicate"  # already held
+
+
 class SessionBudget(BaseModel):
     """How one session's token window is divided. All sizes are in tokens.
 
@@ -121,8 +182,9 @@ class SessionBudget(BaseModel):
     amplification_saturation: float = Field(default=1.5, gt=0.0, le=1000.0)
     amplification_fragmentation: float = Field(default=3.0, gt=0.0, le=1000.0)
     amplification_pathological: float = Field(default=8.0, gt=0.0, le=1000.0)
-    compaction: Literal["worker", "agent"] = Field(
-        default="worker",
+    compaction: CompactionMode = Field(
+        default=CompactionMode.WORKER,
+        strict=False,  # the wire strings too: "worker", "agent"
         description="who compacts the session: 'worker' (the background worker runs its "
         "compactor on due compactions) or 'agent' (the ledger reports a compaction due and "
         "the agent commits it inline through compact; the worker never compacts it)",
@@ -376,7 +438,7 @@ class TurnStarted:
     is released each turn.
     """
 
-    regime: str  # ok | starvation | loud
+    regime: Regime
     turn: int
     residual: int
     need: int
@@ -431,7 +493,7 @@ class TurnReport:
 
     turn: int
     ratio: float
-    classification: str  # saturation | fragmentation | pathological | ambiguous
+    classification: Classification
     utilization: float
     utilization_delta: float
     spans: int
@@ -442,11 +504,11 @@ class TurnReport:
     occupancy: int = 0
     drift: int = 0  # the real prompt minus occupancy
     tolerance: int | None = None
-    flag: str = "none"  # none | drift | over_window
+    flag: DriftFlag = DriftFlag.NONE
 
     @property
     def flagged(self) -> bool:
-        return self.flag != "none"
+        return self.flag != DriftFlag.NONE
 
 
 @dataclass(frozen=True, slots=True)
@@ -469,7 +531,7 @@ class Compaction:
     (docs/rules.md#compaction-credit)."""
 
     compacted: bool  # False: a failed compaction (above the mark, too small a gain, no fit)
-    outcome: str  # compacted | failed | deferred | did_not_fit | already (committed before)
+    outcome: CompactionOutcome
     occupancy: int
     high_water_mark: int
     dropped: int
@@ -487,7 +549,7 @@ class Compaction:
 class ToolResult:
     """A tool result admitted whole, spilled to a handle with a preview, or a duplicate."""
 
-    outcome: str  # admitted | spilled | duplicate
+    outcome: ToolResultOutcome
     item: str
     charged: int
     tokens: int
@@ -499,7 +561,7 @@ class ToolResult:
 
     @property
     def spilled(self) -> bool:
-        return self.outcome == "spilled"
+        return self.outcome == ToolResultOutcome.SPILLED
 
 
 @dataclass(frozen=True, slots=True)

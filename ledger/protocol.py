@@ -26,15 +26,19 @@ from ledger.models import (
     Admitted,
     AuditReport,
     BegunBy,
+    Classification,
     Compaction,
+    CompactionOutcome,
     Consumer,
     Deleted,
+    DriftFlag,
     Expired,
     HeldItem,
     Item,
     Opened,
     PartitionCheck,
     Reconciled,
+    Regime,
     Released,
     Reservation,
     ResetDone,
@@ -43,6 +47,7 @@ from ledger.models import (
     Snapshot,
     SpanRecorded,
     ToolResult,
+    ToolResultOutcome,
     TurnAborted,
     TurnRenewed,
     TurnReport,
@@ -210,7 +215,7 @@ def open_session(
                 -1 if b.framing_tolerance is None else b.framing_tolerance,
             )
         ]
-        + [b.compaction, str(b.compaction_min_gain_tokens)]
+        + [b.compaction.value, str(b.compaction_min_gain_tokens)]
     )
     return _mutating("open", keys.for_script(*keys.data), op_id, 0, body, _opened)
 
@@ -394,7 +399,7 @@ def _turn_started(r: Reply) -> TurnStarted:
     _refusal(r)
     rolled = int(r.get("rolled_back") or 0)
     return TurnStarted(
-        r["regime"],
+        Regime(r["regime"]),
         int(r["turn"]),
         int(r["residual"]),
         int(r["need"]),
@@ -514,7 +519,7 @@ def _report(r: Reply) -> TurnReport:
     return TurnReport(
         int(r["turn"]),
         int(r["ratio"]) / 1000,
-        r["class"],
+        Classification(r["class"]),
         int(r["utilization"]) / 1000,
         int(r["utilization_delta"]) / 1000,
         int(r["spans"]),
@@ -525,12 +530,12 @@ def _report(r: Reply) -> TurnReport:
         int(r["occupancy"]),
         int(r["drift"]),
         None if int(r["tolerance"]) < 0 else int(r["tolerance"]),
-        r["flag"],
+        DriftFlag(r["flag"]),
     )
 
 
 def drift_message(r: TurnReport, prompt: int) -> str:
-    if r.flag == "over_window":
+    if r.flag == DriftFlag.OVER_WINDOW:
         return (
             f"turn {r.turn}: the real prompt of {prompt} tokens is larger than the window "
             f"(occupancy {r.occupancy}, drift {r.drift:+d})"
@@ -627,8 +632,8 @@ def reconcile(
 def _compaction(r: Reply) -> Compaction:
     _refusal(r)
     return Compaction(
-        r["outcome"] == "compacted",
-        r["outcome"],
+        r["outcome"] == CompactionOutcome.COMPACTED,
+        CompactionOutcome(r["outcome"]),
         int(r["occupancy"]),
         int(r["high_water"]),
         int(r["dropped"]),
@@ -710,7 +715,7 @@ def check_entry_id(value: object) -> str:
 def _tool(r: Reply) -> ToolResult:
     _refusal(r)
     return ToolResult(
-        r["outcome"],
+        ToolResultOutcome(r["outcome"]),
         r["item"],
         int(r["charged"]),
         int(r["tokens"]),

@@ -14,7 +14,7 @@ from ledger import protocol
 from ledger.client import Ledger
 from ledger.core import collect
 from ledger.errors import InvalidArgument, LedgerError, UnknownSession, translated
-from ledger.models import AuditReport, Consumer, HeldItem, Snapshot
+from ledger.models import AuditReport, Consumer, HeldItem, Regime, Snapshot
 from ledger.protocol import Call
 from ledger.scripts import is_bucket, outcome_buckets, outcome_key, stored_outcomes
 
@@ -33,7 +33,7 @@ class JournalEntry:
 class SessionView:
     session_id: str
     snapshot: Snapshot
-    regime: str
+    regime: Regime
     items: list[HeldItem]
     reservations: list[tuple[str, Consumer, int, int]]  # id, consumer, tokens, deadline ms
     journal: list[JournalEntry]  # outcomes kept for retries, current generation first
@@ -44,14 +44,14 @@ def _text(v: object) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-def regime(snap: Snapshot, working_set: int) -> str:
+def regime(snap: Snapshot, working_set: int) -> Regime:
     """The starvation gate's regime for a declared working set (the last begin_turn's):
     docs/rules.md#working-memory-starvation."""
     wm = Consumer.WORKING_MEMORY
     need = max(working_set, snap.used[wm] + snap.reserved[wm], snap.working_memory_floor)
     if snap.residual_working_memory >= need:
-        return "ok"
-    return "loud" if snap.occupancy >= snap.eviction_threshold else "starvation"
+        return Regime.OK
+    return Regime.LOUD if snap.occupancy >= snap.eviction_threshold else Regime.STARVATION
 
 
 def view(ledger: Ledger, session_id: str, journal: int = 10) -> SessionView:

@@ -39,10 +39,12 @@ from ledger.errors import (
 from ledger.models import (
     Admitted,
     BegunBy,
+    CompactionOutcome,
     Consumer,
     Item,
     Reconciled,
     Snapshot,
+    ToolResultOutcome,
     TurnAborted,
     TurnRenewed,
     TurnReport,
@@ -238,7 +240,7 @@ class ToolOutcome(Generic[T]):
 @dataclass(frozen=True, slots=True)
 class Compacted:
     compacted: bool
-    outcome: str
+    outcome: CompactionOutcome
     dropped: tuple[Obj, ...]  # app objects the summary replaced: drop them
     summary: Obj | None
     occupancy: int
@@ -776,7 +778,9 @@ class AgentCore:
             )  # fmt: skip
         evicted, unknown = self.resolve(got.evicted)
         self.known[(Consumer.SCRATCHPAD, iid)] = result
-        if got.outcome == "spilled" or got.preview_tokens > 0:  # spilled, now or before
+        if (
+            got.outcome == ToolResultOutcome.SPILLED or got.preview_tokens > 0
+        ):  # spilled, now or before
             shown = self.preview(app_id, body, tokens, got.preview_tokens, iid)
             return ToolOutcome(
                 result, shown, True, iid, tokens, got.charged, tuple(evicted), tuple(unknown)
