@@ -9,9 +9,17 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from ledger.errors import ConfigurationError, InvalidArgument
 
@@ -182,7 +190,9 @@ class SessionBudget(BaseModel):
     amplification_saturation: float = Field(default=1.5, gt=0.0, le=1000.0)
     amplification_fragmentation: float = Field(default=3.0, gt=0.0, le=1000.0)
     amplification_pathological: float = Field(default=8.0, gt=0.0, le=1000.0)
-    compaction: CompactionMode = Field(
+    # dumped as its plain string, as before it was an enum (and a model_copy's unvalidated
+    # string too, without a serializer warning)
+    compaction: Annotated[CompactionMode, PlainSerializer(str, return_type=str)] = Field(
         default=CompactionMode.WORKER,
         strict=False,  # the wire strings too: "worker", "agent"
         description="who compacts the session: 'worker' (the background worker runs its "

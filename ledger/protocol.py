@@ -215,7 +215,7 @@ def open_session(
                 -1 if b.framing_tolerance is None else b.framing_tolerance,
             )
         ]
-        + [b.compaction.value, str(b.compaction_min_gain_tokens)]
+        + [str(b.compaction), str(b.compaction_min_gain_tokens)]
     )
     return _mutating("open", keys.for_script(*keys.data), op_id, 0, body, _opened)
 
