@@ -1,4 +1,9 @@
-"""Budgets, items and results: plain data shared by the sync and asyncio clients."""
+"""Budgets, items and results: plain data shared by the sync and asyncio clients.
+
+A result of four fields or more is keyword-only (``kw_only=True``): it is built by name,
+so a reordering of its fields cannot silently swap two of them. A closed set of wire
+strings is a ``StrEnum`` (``Regime``, ``Classification``, ...): each member is its string.
+"""
 
 from __future__ import annotations
 
@@ -340,7 +345,7 @@ class BegunBy:
     op_id: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class HeldItem:
     """An item as the ledger holds it."""
 
@@ -359,7 +364,7 @@ class Opened:
     turn: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Admitted:
     """Outcome of an admission: what was charged, and what was not."""
 
@@ -372,7 +377,7 @@ class Admitted:
     turn: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Released:
     released: int
     count: int
@@ -382,7 +387,7 @@ class Released:
     turn: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Reservation:
     id: str
     deadline_ms: int
@@ -391,7 +396,7 @@ class Reservation:
     turn: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Settled:
     reservation: str
     item: str
@@ -401,7 +406,7 @@ class Settled:
     turn: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Voided:
     reservation: str
     released: int
@@ -410,7 +415,7 @@ class Voided:
     turn: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Expired:
     """``expire``: reservations released past their deadline, and the turn rolled back
     when its lease had lapsed."""
@@ -438,7 +443,7 @@ class ResetDone:
     released: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TurnStarted:
     """The begin-turn gate's verdict (docs/rules.md#working-memory-starvation), and what
     was reclaimed to reach it.
@@ -470,7 +475,7 @@ class TurnStarted:
     mark: str | None = None  # the commit mark of the last ended turn (e.g. a checkpoint id)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TurnAborted:
     """``abort_turn``: the turn rolled back (None when it was no longer open)."""
 
@@ -489,7 +494,7 @@ class TurnRenewed:
     epoch: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SpanRecorded:
     turn: int
     spans: int
@@ -497,7 +502,7 @@ class SpanRecorded:
     ratio: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TurnReport:
     """A turn's amplification ratio and class (docs/rules.md#amplification)."""
 
@@ -521,7 +526,7 @@ class TurnReport:
         return self.flag != DriftFlag.NONE
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Reconciled:
     """The ledger set to the items the prompt really holds (``reconcile``)."""
 
@@ -535,7 +540,7 @@ class Reconciled:
     turn: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Compaction:
     """A committed compaction, judged against the high-water mark
     (docs/rules.md#compaction-credit)."""
@@ -555,7 +560,7 @@ class Compaction:
     gain: int = 0  # occupancy before minus after (0 when nothing was applied)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ToolResult:
     """A tool result admitted whole, spilled to a handle with a preview, or a duplicate."""
 
@@ -579,7 +584,7 @@ class Deleted:
     deleted: bool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class AuditReport:
     """Whether a session's counters equal its items, and which leases are overdue."""
 
@@ -590,7 +595,7 @@ class AuditReport:
     now_ms: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Snapshot:
     """A consistent reading of one session, taken in one atomic step."""
 
