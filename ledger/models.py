@@ -1,4 +1,9 @@
-"""Budgets, items and results: plain data shared by the sync and asyncio clients."""
+"""Budgets, items and results: plain data shared by the sync and asyncio clients.
+
+A result of four fields or more is keyword-only (``kw_only=True``): it is built by name,
+so a reordering of its fields cannot silently swap two of them. A closed set of wire
+strings is a ``StrEnum`` (``Regime``, ``Classification``, ...): each member is its string.
+"""
 
 from __future__ import annotations
 
@@ -9,15 +14,29 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from ledger.errors import ConfigurationError, InvalidArgument
 
 # Exported by ``ledger`` as they are: a new result model is added here, nowhere else.
 __all__ = [
     "Consumer",
+    "CompactionMode",
+    "Regime",
+    "Classification",
+    "DriftFlag",
+    "CompactionOutcome",
+    "ToolResultOutcome",
     "SessionBudget",
     "Item",
     "BegunBy",
@@ -84,6 +103,61 @@ _BY_CODE = {v: k for k, v in _CODES.items()}
 _BY_VALUE: dict[object, Consumer] = {c.value: c for c in Consumer}
 
 
+# The closed sets of the wire protocol (docs/protocol.md). Each is a StrEnum: a member
+# is its wire string (``Regime.OK == "ok"``, ``str(Regime.OK) == "ok"``, JSON ``"ok"``).
+
+
+class CompactionMode(enum.StrEnum):
+    """Who compacts a session (``SessionBudget.compaction``)."""
+
+    WORKER = "worker"  # the background worker runs its compactor on due compactions
+    AGENT = "agent"  # the agent commits compactions inline; the worker never compacts it
+
+
+class Regime(enum.StrEnum):
+    """The begin-turn gate's regime (docs/rules.md#working-memory-starvation)."""
+
+    OK = "ok"  # working memory fits
+    STARVATION = "starvation"  # short, utilization at or below the eviction threshold
+    LOUD = "loud"  # short, utilization above the eviction threshold
+
+
+class Classification(enum.StrEnum):
+    """A turn's amplification class (docs/rules.md#amplification)."""
+
+    SATURATION = "saturation"
+    FRAGMENTATION = "fragmentation"
+    PATHOLOGICAL = "pathological"
+    AMBIGUOUS = "ambiguous"
+
+
+class DriftFlag(enum.StrEnum):
+    """What ``end_turn`` judged of the real prompt against the ledger's occupancy."""
+
+    NONE = "none"
+    DRIFT = "drift"  # it differs by more than the framing tolerance
+    OVER_WINDOW = "over_window"  # it is larger than the window
+
+
+class CompactionOutcome(enum.StrEnum):
+    """What a ``compact`` did (docs/rules.md#compaction-credit)."""
+
+    COMPACTED = "compacted"
+    FAILED = "failed"  # still above the high-water mark
+    DEFERRED = "deferred"  # under the mark, but the gain is below compaction_min_gain
+    DID_NOT_FIT = "did_not_fit"  # the summary does not fit: nothing replaced
+    ALREADY = "already"  # the job was committed before: nothing changed
+    TURN_OPEN = "turn_open"  # a job's compaction while a turn is open: nothing changed
+
+
+class ToolResultOutcome(enum.StrEnum):
+    """What ``admit_tool_result`` did with a tool result."""
+
+    ADMITTED = "admitted"
+    SPILLED = "spilled"  # spilled to a handle; the prompt holds a preview
+    DUPLICATE = "duplicate"  # already held
+
+
 class SessionBudget(BaseModel):
     """How one session's token window is divided. All sizes are in tokens.
 
@@ -121,8 +195,11 @@ class SessionBudget(BaseModel):
     amplification_saturation: float = Field(default=1.5, gt=0.0, le=1000.0)
     amplification_fragmentation: float = Field(default=3.0, gt=0.0, le=1000.0)
     amplification_pathological: float = Field(default=8.0, gt=0.0, le=1000.0)
-    compaction: Literal["worker", "agent"] = Field(
-        default="worker",
+    # dumped as its plain string, as before it was an enum (and a model_copy's unvalidated
+    # string too, without a serializer warning)
+    compaction: Annotated[CompactionMode, PlainSerializer(str, return_type=str)] = Field(
+        default=CompactionMode.WORKER,
+        strict=False,  # the wire strings too: "worker", "agent"
         description="who compacts the session: 'worker' (the background worker runs its "
         "compactor on due compactions) or 'agent' (the ledger reports a compaction due and "
         "the agent commits it inline through compact; the worker never compacts it)",
@@ -268,7 +345,7 @@ class BegunBy:
     op_id: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class HeldItem:
     """An item as the ledger holds it."""
 
@@ -287,7 +364,7 @@ class Opened:
     turn: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Admitted:
     """Outcome of an admission: what was charged, and what was not."""
 
@@ -300,7 +377,7 @@ class Admitted:
     turn: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Released:
     released: int
     count: int
@@ -310,7 +387,7 @@ class Released:
     turn: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Reservation:
     id: str
     deadline_ms: int
@@ -319,7 +396,7 @@ class Reservation:
     turn: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Settled:
     reservation: str
     item: str
@@ -329,7 +406,7 @@ class Settled:
     turn: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Voided:
     reservation: str
     released: int
@@ -338,7 +415,7 @@ class Voided:
     turn: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Expired:
     """``expire``: reservations released past their deadline, and the turn rolled back
     when its lease had lapsed."""
@@ -366,7 +443,7 @@ class ResetDone:
     released: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TurnStarted:
     """The begin-turn gate's verdict (docs/rules.md#working-memory-starvation), and what
     was reclaimed to reach it.
@@ -376,7 +453,7 @@ class TurnStarted:
     is released each turn.
     """
 
-    regime: str  # ok | starvation | loud
+    regime: Regime
     turn: int
     residual: int
     need: int
@@ -398,7 +475,7 @@ class TurnStarted:
     mark: str | None = None  # the commit mark of the last ended turn (e.g. a checkpoint id)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TurnAborted:
     """``abort_turn``: the turn rolled back (None when it was no longer open)."""
 
@@ -417,7 +494,7 @@ class TurnRenewed:
     epoch: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SpanRecorded:
     turn: int
     spans: int
@@ -425,13 +502,13 @@ class SpanRecorded:
     ratio: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TurnReport:
     """A turn's amplification ratio and class (docs/rules.md#amplification)."""
 
     turn: int
     ratio: float
-    classification: str  # saturation | fragmentation | pathological | ambiguous
+    classification: Classification
     utilization: float
     utilization_delta: float
     spans: int
@@ -442,14 +519,14 @@ class TurnReport:
     occupancy: int = 0
     drift: int = 0  # the real prompt minus occupancy
     tolerance: int | None = None
-    flag: str = "none"  # none | drift | over_window
+    flag: DriftFlag = DriftFlag.NONE
 
     @property
     def flagged(self) -> bool:
-        return self.flag != "none"
+        return self.flag != DriftFlag.NONE
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Reconciled:
     """The ledger set to the items the prompt really holds (``reconcile``)."""
 
@@ -463,13 +540,13 @@ class Reconciled:
     turn: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Compaction:
     """A committed compaction, judged against the high-water mark
     (docs/rules.md#compaction-credit)."""
 
     compacted: bool  # False: a failed compaction (above the mark, too small a gain, no fit)
-    outcome: str  # compacted | failed | deferred | did_not_fit | already (committed before)
+    outcome: CompactionOutcome
     occupancy: int
     high_water_mark: int
     dropped: int
@@ -483,11 +560,11 @@ class Compaction:
     gain: int = 0  # occupancy before minus after (0 when nothing was applied)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ToolResult:
     """A tool result admitted whole, spilled to a handle with a preview, or a duplicate."""
 
-    outcome: str  # admitted | spilled | duplicate
+    outcome: ToolResultOutcome
     item: str
     charged: int
     tokens: int
@@ -499,7 +576,7 @@ class ToolResult:
 
     @property
     def spilled(self) -> bool:
-        return self.outcome == "spilled"
+        return self.outcome == ToolResultOutcome.SPILLED
 
 
 @dataclass(frozen=True, slots=True)
@@ -507,7 +584,7 @@ class Deleted:
     deleted: bool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class AuditReport:
     """Whether a session's counters equal its items, and which leases are overdue."""
 
@@ -518,7 +595,7 @@ class AuditReport:
     now_ms: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Snapshot:
     """A consistent reading of one session, taken in one atomic step."""
 

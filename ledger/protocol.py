@@ -26,15 +26,19 @@ from ledger.models import (
     Admitted,
     AuditReport,
     BegunBy,
+    Classification,
     Compaction,
+    CompactionOutcome,
     Consumer,
     Deleted,
+    DriftFlag,
     Expired,
     HeldItem,
     Item,
     Opened,
     PartitionCheck,
     Reconciled,
+    Regime,
     Released,
     Reservation,
     ResetDone,
@@ -43,6 +47,7 @@ from ledger.models import (
     Snapshot,
     SpanRecorded,
     ToolResult,
+    ToolResultOutcome,
     TurnAborted,
     TurnRenewed,
     TurnReport,
@@ -116,7 +121,12 @@ def _refusal(r: Reply) -> None:
         raise WorkingMemoryStarvation(r)
     if r["reason"] == "fanout_guard":
         raise FanoutRefused(r)
-    raise AdmissionRefused(r["reason"], int(r.get("requested", 0)), int(r.get("free", 0)), r)
+    raise AdmissionRefused(
+        reason=r["reason"],
+        requested=int(r.get("requested", 0)),
+        free=int(r.get("free", 0)),
+        detail=r,
+    )
 
 
 def _pairs(text: str) -> tuple[tuple[Consumer, str], ...]:
@@ -162,14 +172,14 @@ def _mutating(
 ) -> Call[T]:
     check_id(op_id, "operation id")
     head = epoch if isinstance(epoch, Stamp) or epoch == "*" else _num(epoch)
-    return Call(script, tuple(keys), (op_id, head, *body), parse)
+    return Call(script=script, keys=tuple(keys), args=(op_id, head, *body), parse=parse)
 
 
 # --- open ---------------------------------------------------------------------------
 
 
 def _opened(r: Reply) -> Opened:
-    return Opened(r["created"] == "1", int(r["epoch"]), int(r["turn"]))
+    return Opened(created=r["created"] == "1", epoch=int(r["epoch"]), turn=int(r["turn"]))
 
 
 def open_session(
@@ -210,7 +220,7 @@ def open_session(
                 -1 if b.framing_tolerance is None else b.framing_tolerance,
             )
         ]
-        + [b.compaction, str(b.compaction_min_gain_tokens)]
+        + [str(b.compaction), str(b.compaction_min_gain_tokens)]
     )
     return _mutating("open", keys.for_script(*keys.data), op_id, 0, body, _opened)
 
@@ -221,13 +231,13 @@ def open_session(
 def _admitted(r: Reply) -> Admitted:
     _refusal(r)
     return Admitted(
-        int(r["charged"]),
-        int(r["admitted"]),
-        int(r["duplicates"]),
-        _ids(r["skipped"]),
-        int(r["free"]),
-        int(r["epoch"]),
-        int(r["turn"]),
+        charged=int(r["charged"]),
+        admitted=int(r["admitted"]),
+        duplicates=int(r["duplicates"]),
+        skipped=_ids(r["skipped"]),
+        free=int(r["free"]),
+        epoch=int(r["epoch"]),
+        turn=int(r["turn"]),
     )
 
 
@@ -261,12 +271,12 @@ def admit(
 
 def _released(r: Reply) -> Released:
     return Released(
-        int(r["released"]),
-        int(r["count"]),
-        _ids(r["missing"]),
-        int(r["free"]),
-        int(r["epoch"]),
-        int(r["turn"]),
+        released=int(r["released"]),
+        count=int(r["count"]),
+        missing=_ids(r["missing"]),
+        free=int(r["free"]),
+        epoch=int(r["epoch"]),
+        turn=int(r["turn"]),
     )
 
 
@@ -286,7 +296,11 @@ def release(
 def _reserved(r: Reply) -> Reservation:
     _refusal(r)
     return Reservation(
-        r["reservation"], int(r["deadline_ms"]), int(r["free"]), int(r["epoch"]), int(r["turn"])
+        id=r["reservation"],
+        deadline_ms=int(r["deadline_ms"]),
+        free=int(r["free"]),
+        epoch=int(r["epoch"]),
+        turn=int(r["turn"]),
     )
 
 
@@ -312,12 +326,12 @@ def reserve(
 def _settled(r: Reply) -> Settled:
     _refusal(r)
     return Settled(
-        r["reservation"],
-        r["item"],
-        int(r["charged"]),
-        int(r["free"]),
-        int(r["epoch"]),
-        int(r["turn"]),
+        reservation=r["reservation"],
+        item=r["item"],
+        charged=int(r["charged"]),
+        free=int(r["free"]),
+        epoch=int(r["epoch"]),
+        turn=int(r["turn"]),
     )
 
 
@@ -338,7 +352,11 @@ def settle(
 
 def _voided(r: Reply) -> Voided:
     return Voided(
-        r["reservation"], int(r["released"]), int(r["free"]), int(r["epoch"]), int(r["turn"])
+        reservation=r["reservation"],
+        released=int(r["released"]),
+        free=int(r["free"]),
+        epoch=int(r["epoch"]),
+        turn=int(r["turn"]),
     )
 
 
@@ -349,7 +367,12 @@ def void(keys: SessionKeys, op_id: str, epoch: Epoch, reservation_id: str) -> Ca
 
 def _expired(r: Reply) -> Expired:
     rolled = int(r.get("rolled_back") or 0)
-    return Expired(int(r["expired"]), int(r["released"]), _ids(r["pending"]), rolled or None)
+    return Expired(
+        expired=int(r["expired"]),
+        released=int(r["released"]),
+        pending=_ids(r["pending"]),
+        rolled_back=rolled or None,
+    )
 
 
 # The member of a partition's deadline index that stands for a session's turn lease
@@ -371,14 +394,21 @@ def worker_check(deadlines: str, jobs: str, group: str, idle_ms: int) -> Call[Pa
 
     def parse(r: Reply) -> PartitionCheck:
         due = int(r["due"])
-        return PartitionCheck(None if due < 0 else due, r["idle"] == "1")
+        return PartitionCheck(due_ms=None if due < 0 else due, idle=r["idle"] == "1")
 
-    return Call("worker_check", (deadlines, jobs), (check_id(group, "group"), _num(idle_ms)), parse)
+    return Call(
+        script="worker_check",
+        keys=(deadlines, jobs),
+        args=(check_id(group, "group"), _num(idle_ms)),
+        parse=parse,
+    )
 
 
 def reset(keys: SessionKeys, op_id: str, epoch: Epoch, reason: str) -> Call[ResetDone]:
     def parse(r: Reply) -> ResetDone:
-        return ResetDone(int(r["epoch"]), int(r["dropped"]), int(r["released"]))
+        return ResetDone(
+            epoch=int(r["epoch"]), dropped=int(r["dropped"]), released=int(r["released"])
+        )
 
     body = [keys.session_id, check_id(reason, "reason")]
     return _mutating(
@@ -394,23 +424,23 @@ def _turn_started(r: Reply) -> TurnStarted:
     _refusal(r)
     rolled = int(r.get("rolled_back") or 0)
     return TurnStarted(
-        r["regime"],
-        int(r["turn"]),
-        int(r["residual"]),
-        int(r["need"]),
-        int(r["utilization"]) / 1000,
-        _pairs(r["reclaimed"]),
-        int(r["rotated"]),
-        int(r["released"]),
-        r["compaction_due"] == "1",
-        r["rollup"] == "1",
-        int(r["free"]),
-        int(r["epoch"]),
-        _ids(r.get("summaries", "")),
-        _pairs(r.get("dropped", "")),
-        int(r.get("lease") or 0),
-        rolled or None,
-        r.get("mark") or None,
+        regime=Regime(r["regime"]),
+        turn=int(r["turn"]),
+        residual=int(r["residual"]),
+        need=int(r["need"]),
+        utilization=int(r["utilization"]) / 1000,
+        reclaimed=_pairs(r["reclaimed"]),
+        rotated=int(r["rotated"]),
+        released=int(r["released"]),
+        compaction_due=r["compaction_due"] == "1",
+        rollup_hint=r["rollup"] == "1",
+        free=int(r["free"]),
+        epoch=int(r["epoch"]),
+        summaries=_ids(r.get("summaries", "")),
+        dropped=_pairs(r.get("dropped", "")),
+        lease_until_ms=int(r.get("lease") or 0),
+        rolled_back=rolled or None,
+        mark=r.get("mark") or None,
     )
 
 
@@ -454,7 +484,12 @@ def begin_turn(
 def abort_turn(keys: SessionKeys, op_id: str, epoch: int, turn: int) -> Call[TurnAborted]:
     def parse(r: Reply) -> TurnAborted:
         rolled = int(r["rolled_back"])
-        return TurnAborted(rolled or None, int(r["turn"]), int(r["free"]), int(r["epoch"]))
+        return TurnAborted(
+            rolled_back=rolled or None,
+            turn=int(r["turn"]),
+            free=int(r["free"]),
+            epoch=int(r["epoch"]),
+        )
 
     return _mutating(
         "abort_turn",
@@ -470,7 +505,9 @@ def renew_turn(
     keys: SessionKeys, op_id: str, epoch: int, turn: int, lease_ms: int
 ) -> Call[TurnRenewed]:
     def parse(r: Reply) -> TurnRenewed:
-        return TurnRenewed(int(r["turn"]), int(r["lease"]), int(r["epoch"]))
+        return TurnRenewed(
+            turn=int(r["turn"]), lease_until_ms=int(r["lease"]), epoch=int(r["epoch"])
+        )
 
     return _mutating(
         "renew_turn",
@@ -485,7 +522,10 @@ def renew_turn(
 def _span(r: Reply) -> SpanRecorded:
     _refusal(r)
     return SpanRecorded(
-        int(r["turn"]), int(r["spans"]), int(r["span_input"]), int(r["ratio"]) / 1000
+        turn=int(r["turn"]),
+        spans=int(r["spans"]),
+        span_input=int(r["span_input"]),
+        ratio=int(r["ratio"]) / 1000,
     )
 
 
@@ -512,25 +552,25 @@ def _turn_stamp(epoch: Epoch, turn: object) -> Epoch:
 
 def _report(r: Reply) -> TurnReport:
     return TurnReport(
-        int(r["turn"]),
-        int(r["ratio"]) / 1000,
-        r["class"],
-        int(r["utilization"]) / 1000,
-        int(r["utilization_delta"]) / 1000,
-        int(r["spans"]),
-        int(r["span_input"]),
-        r["compaction_due"] == "1",
-        r["rollup"] == "1",
-        int(r["epoch"]),
-        int(r["occupancy"]),
-        int(r["drift"]),
-        None if int(r["tolerance"]) < 0 else int(r["tolerance"]),
-        r["flag"],
+        turn=int(r["turn"]),
+        ratio=int(r["ratio"]) / 1000,
+        classification=Classification(r["class"]),
+        utilization=int(r["utilization"]) / 1000,
+        utilization_delta=int(r["utilization_delta"]) / 1000,
+        spans=int(r["spans"]),
+        span_input=int(r["span_input"]),
+        compaction_due=r["compaction_due"] == "1",
+        rollup_hint=r["rollup"] == "1",
+        epoch=int(r["epoch"]),
+        occupancy=int(r["occupancy"]),
+        drift=int(r["drift"]),
+        tolerance=None if int(r["tolerance"]) < 0 else int(r["tolerance"]),
+        flag=DriftFlag(r["flag"]),
     )
 
 
 def drift_message(r: TurnReport, prompt: int) -> str:
-    if r.flag == "over_window":
+    if r.flag == DriftFlag.OVER_WINDOW:
         return (
             f"turn {r.turn}: the real prompt of {prompt} tokens is larger than the window "
             f"(occupancy {r.occupancy}, drift {r.drift:+d})"
@@ -583,14 +623,14 @@ def end_turn(
 def _reconciled(r: Reply) -> Reconciled:
     _refusal(r)
     return Reconciled(
-        int(r["added"]),
-        int(r["resized"]),
-        int(r["kept"]),
-        _pairs(r["removed"]),
-        int(r["delta"]),
-        int(r["free"]),
-        int(r["epoch"]),
-        int(r["turn"]),
+        added=int(r["added"]),
+        resized=int(r["resized"]),
+        kept=int(r["kept"]),
+        removed=_pairs(r["removed"]),
+        delta=int(r["delta"]),
+        free=int(r["free"]),
+        epoch=int(r["epoch"]),
+        turn=int(r["turn"]),
     )
 
 
@@ -626,20 +666,21 @@ def reconcile(
 
 def _compaction(r: Reply) -> Compaction:
     _refusal(r)
+    outcome = CompactionOutcome(r["outcome"])
     return Compaction(
-        r["outcome"] == "compacted",
-        r["outcome"],
-        int(r["occupancy"]),
-        int(r["high_water"]),
-        int(r["dropped"]),
-        int(r["summary"]),
-        _pairs(r["missing"]),
-        int(r["failures"]),
-        r["escalated"] == "1",
-        int(r["free"]),
-        int(r["epoch"]),
-        int(r["turn"]),
-        int(r.get("gain", 0)),
+        compacted=outcome == CompactionOutcome.COMPACTED,
+        outcome=outcome,
+        occupancy=int(r["occupancy"]),
+        high_water_mark=int(r["high_water"]),
+        dropped=int(r["dropped"]),
+        summary=int(r["summary"]),
+        missing=_pairs(r["missing"]),
+        failures=int(r["failures"]),
+        escalated=r["escalated"] == "1",
+        free=int(r["free"]),
+        epoch=int(r["epoch"]),
+        turn=int(r["turn"]),
+        gain=int(r.get("gain", 0)),
     )
 
 
@@ -710,15 +751,15 @@ def check_entry_id(value: object) -> str:
 def _tool(r: Reply) -> ToolResult:
     _refusal(r)
     return ToolResult(
-        r["outcome"],
-        r["item"],
-        int(r["charged"]),
-        int(r["tokens"]),
-        int(r["preview"]),
-        _pairs(r["evicted"]),
-        int(r["free"]),
-        int(r["epoch"]),
-        int(r["turn"]),
+        outcome=ToolResultOutcome(r["outcome"]),
+        item=r["item"],
+        charged=int(r["charged"]),
+        tokens=int(r["tokens"]),
+        preview_tokens=int(r["preview"]),
+        evicted=_pairs(r["evicted"]),
+        free=int(r["free"]),
+        epoch=int(r["epoch"]),
+        turn=int(r["turn"]),
     )
 
 
@@ -753,7 +794,12 @@ def read_spill(keys: SessionKeys, call_id: str) -> Call[bytes | None]:
     content itself, not ``k=v`` pairs: ``Ledger.read_spill`` sends it and takes the reply
     as it is (``Ledger.run`` would refuse it)."""
     cid = check_id(call_id, "tool-call id")
-    return Call("read_spill", (keys.session, keys.spills, keys.spilled), (cid,), _not_pairs)
+    return Call(
+        script="read_spill",
+        keys=(keys.session, keys.spills, keys.spilled),
+        args=(cid,),
+        parse=_not_pairs,
+    )
 
 
 def _not_pairs(r: Reply) -> bytes | None:
@@ -770,7 +816,7 @@ def delete(keys: SessionKeys, op_id: str, epoch: Epoch) -> Call[Deleted]:
         op_id,
         epoch,
         [keys.session_id],
-        lambda r: Deleted(r["deleted"] == "1"),
+        lambda r: Deleted(deleted=r["deleted"] == "1"),
     )
 
 
@@ -829,17 +875,21 @@ def _snapshot(r: Reply) -> Snapshot:
 
 
 def snapshot(keys: SessionKeys) -> Call[Snapshot]:
-    return Call("snapshot", (keys.session, keys.compacted), (), _snapshot)
+    return Call(script="snapshot", keys=(keys.session, keys.compacted), args=(), parse=_snapshot)
 
 
 def audit(keys: SessionKeys) -> Call[AuditReport]:
     def parse(r: Reply) -> AuditReport:
         problems = tuple(p for p in r.get("problems", "").split(";") if p)
         return AuditReport(
-            keys.session_id, r["status"] == "clean", problems, _ids(r["overdue"]), int(r["now"])
+            session_id=keys.session_id,
+            clean=r["status"] == "clean",
+            problems=problems,
+            overdue=_ids(r["overdue"]),
+            now_ms=int(r["now"]),
         )
 
-    return Call("audit", (keys.session,), (), parse)
+    return Call(script="audit", keys=(keys.session,), args=(), parse=parse)
 
 
 def committed_items(fields: Mapping[Any, Any]) -> list[HeldItem]:
@@ -868,5 +918,14 @@ def held_items(fields: Mapping[Any, Any]) -> list[HeldItem]:
         _, code, item = name.split(":", 2)
         text = v.decode() if isinstance(v, bytes) else v
         tokens, turn, prio, seq = (int(x) for x in text.split("|"))
-        out.append(HeldItem(Consumer.from_code(code), item, tokens, turn, prio, seq))
+        out.append(
+            HeldItem(
+                consumer=Consumer.from_code(code),
+                id=item,
+                tokens=tokens,
+                turn=turn,
+                priority=prio,
+                seq=seq,
+            )
+        )
     return sorted(out, key=lambda it: it.seq)

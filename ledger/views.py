@@ -14,7 +14,7 @@ from ledger import protocol
 from ledger.client import Ledger
 from ledger.core import collect
 from ledger.errors import InvalidArgument, LedgerError, UnknownSession, translated
-from ledger.models import AuditReport, Consumer, HeldItem, Snapshot
+from ledger.models import AuditReport, Consumer, HeldItem, Regime, Snapshot
 from ledger.protocol import Call
 from ledger.scripts import is_bucket, outcome_buckets, outcome_key, stored_outcomes
 
@@ -29,11 +29,11 @@ class JournalEntry:
     reply: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SessionView:
     session_id: str
     snapshot: Snapshot
-    regime: str
+    regime: Regime
     items: list[HeldItem]
     reservations: list[tuple[str, Consumer, int, int]]  # id, consumer, tokens, deadline ms
     journal: list[JournalEntry]  # outcomes kept for retries, current generation first
@@ -44,14 +44,14 @@ def _text(v: object) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-def regime(snap: Snapshot, working_set: int) -> str:
+def regime(snap: Snapshot, working_set: int) -> Regime:
     """The starvation gate's regime for a declared working set (the last begin_turn's):
     docs/rules.md#working-memory-starvation."""
     wm = Consumer.WORKING_MEMORY
     need = max(working_set, snap.used[wm] + snap.reserved[wm], snap.working_memory_floor)
     if snap.residual_working_memory >= need:
-        return "ok"
-    return "loud" if snap.occupancy >= snap.eviction_threshold else "starvation"
+        return Regime.OK
+    return Regime.LOUD if snap.occupancy >= snap.eviction_threshold else Regime.STARVATION
 
 
 def view(ledger: Ledger, session_id: str, journal: int = 10) -> SessionView:
@@ -80,13 +80,13 @@ def view(ledger: Ledger, session_id: str, journal: int = 10) -> SessionView:
                 for key, _, reply in stored_outcomes(_text(bucket), base)[: journal - len(entries)]:
                     entries.append(JournalEntry(_text(field)[:2] + key, reply))
     return SessionView(
-        session_id,
-        snap,
-        regime(snap, snap.raw.get("ws", 0)),
-        protocol.held_items(raw),
-        sorted(reservations),
-        entries[:journal],
-        counters,
+        session_id=session_id,
+        snapshot=snap,
+        regime=regime(snap, snap.raw.get("ws", 0)),
+        items=protocol.held_items(raw),
+        reservations=sorted(reservations),
+        journal=entries[:journal],
+        counters=counters,
     )
 
 
@@ -252,7 +252,7 @@ def busiest(
     ], totals
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FleetStatus:
     """The header of ``ledger top``: job streams summed over partitions."""
 
@@ -279,7 +279,7 @@ def fleet_status(ledger: Ledger) -> FleetStatus:
             pending += max(int(g.get("pending") or 0) for g in info)
         if isinstance(length, int):
             dead += length
-    return FleetStatus(lag, pending, dead, groups)
+    return FleetStatus(lag=lag, pending=pending, dead=dead, groups=groups)
 
 
 def _busiest_by_name(
@@ -302,7 +302,7 @@ def _busiest_by_name(
 JOB_FIELDS = ("kind", "session", "epoch", "reason", "op", "inc")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DeadLetter:
     """One job the worker gave up on: ``ref`` is ``p<partition>:<entry id>`` (entry ids
     repeat across partitions); ``job`` the entry id it had in the job stream."""
@@ -334,10 +334,10 @@ def dead_letters(ledger: Ledger, limit: int = 100) -> tuple[dict[int, int], list
                     e = _text(eid)
                     letters.append(
                         DeadLetter(
-                            f"p{p}:{e}",
-                            p,
-                            e,
-                            {_text(k): _text(v) for k, v in (fields or {}).items()},
+                            ref=f"p{p}:{e}",
+                            partition=p,
+                            entry=e,
+                            fields={_text(k): _text(v) for k, v in (fields or {}).items()},
                         )
                     )
     return depths, letters
@@ -365,7 +365,7 @@ def _take(ledger: Ledger, refs: Sequence[str] | None) -> list[DeadLetter]:
             if not got:
                 raise LedgerError(f"no dead letter {ref!r} (listed, replayed or purged?)")
             fields = {_text(k): _text(v) for k, v in (got[0][1] or {}).items()}
-            found.append(DeadLetter(ref, p, entry, fields))
+            found.append(DeadLetter(ref=ref, partition=p, entry=entry, fields=fields))
     return found
 
 

@@ -73,7 +73,12 @@ def message(n: int) -> dict[str, str]:
 def test_summarizer_over_a_langchain_chat_model() -> None:
     model = GenericFakeChatModel(messages=iter([AIMessage("the gist: 42")]))
     s = LLMSummarizer(model, words, keep_last=1)
-    items = tuple(HeldItem(Consumer.WORKING_MEMORY, f"m{k}", 100, k, 0, k + 1) for k in range(3))
+    items = tuple(
+        HeldItem(
+            consumer=Consumer.WORKING_MEMORY, id=f"m{k}", tokens=100, turn=k, priority=0, seq=k + 1
+        )
+        for k in range(3)
+    )
     req = CompactionRequest(
         "s", 1, 3, items, 300, 200, 1000, {"w:m0": "zero", "w:m1": "one", "w:m2": "two"}
     )
@@ -202,7 +207,9 @@ def test_openai_compatible_chat_and_from_env(monkeypatch: pytest.MonkeyPatch) ->
     )
     chat = mod.OpenAICompatibleChat("http://llm.local/v1/", "m1", api_key="k")
     s = LLMSummarizer(chat, words, keep_last=0)
-    items = (HeldItem(Consumer.WORKING_MEMORY, "m0", 100, 1, 0, 1),)
+    items = (
+        HeldItem(consumer=Consumer.WORKING_MEMORY, id="m0", tokens=100, turn=1, priority=0, seq=1),
+    )
     plan = asyncio.run(s(CompactionRequest("s", 1, 2, items, 100, 50, 1000, {"w:m0": "x"})))
     assert plan.summary_text == "short gist" and plan.summary is not None
     assert seen[0]["url"] == "http://llm.local/v1/chat/completions" and seen[0]["model"] == "m1"

@@ -56,14 +56,17 @@ def _scripts_built() -> dict[str, str]:
         if not isinstance(fn, ast.FunctionDef):
             continue
         for node in ast.walk(fn):
-            if (
+            if not (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Name)
                 and node.func.id in ("Call", "_mutating")
-                and node.args
-                and isinstance(node.args[0], ast.Constant)
             ):
-                out[fn.name] = node.args[0].value
+                continue
+            # the script's name: the first argument, or the keyword script=
+            named = [k.value for k in node.keywords if k.arg == "script"]
+            first = node.args[0] if node.args else named[0] if named else None
+            if isinstance(first, ast.Constant):
+                out[fn.name] = first.value
     return out
 
 

@@ -195,13 +195,28 @@ class Model:
         for i, t, p in taken:
             self.seq += 1
             held[i] = (t, p, self.seq)
-        return Admitted(charged, len(taken), dups, tuple(skipped), self.free(), self.ep, 0)
+        return Admitted(
+            charged=charged,
+            admitted=len(taken),
+            duplicates=dups,
+            skipped=tuple(skipped),
+            free=self.free(),
+            epoch=self.ep,
+            turn=0,
+        )
 
     def _release(self, c: str, ids: tuple[str, ...]) -> Outcome:
         held = self.items[c]
         missing = tuple(i for i in ids if i not in held)
         gone = [held.pop(i) for i in ids if i in held]
-        return Released(sum(t for t, _, _ in gone), len(gone), missing, self.free(), self.ep, 0)
+        return Released(
+            released=sum(t for t, _, _ in gone),
+            count=len(gone),
+            missing=missing,
+            free=self.free(),
+            epoch=self.ep,
+            turn=0,
+        )
 
     def _reserve(self, c: str, rid: str, tokens: int) -> Outcome:
         if rid in self.resv or rid in self.items[c]:  # settle names the item after it
@@ -209,7 +224,7 @@ class Model:
         if self.free(GROUP[c], tokens) < 0:
             return self.refuse(tokens)
         self.resv[rid] = (c, tokens)
-        return Reservation(rid, -1, self.free(), self.ep, 0)
+        return Reservation(id=rid, deadline_ms=-1, free=self.free(), epoch=self.ep, turn=0)
 
     def _settle(self, rid: str, actual: int, item: str, prio: int) -> Outcome:
         if rid not in self.resv:
@@ -222,13 +237,15 @@ class Model:
         del self.resv[rid]
         self.seq += 1
         self.items[c][item] = (actual, prio, self.seq)
-        return Settled(rid, item, actual, self.free(), self.ep, 0)
+        return Settled(
+            reservation=rid, item=item, charged=actual, free=self.free(), epoch=self.ep, turn=0
+        )
 
     def _void(self, rid: str) -> Outcome:
         if rid not in self.resv:
             return ("UnknownReservation",)
         _, est = self.resv.pop(rid)
-        return Voided(rid, est, self.free(), self.ep, 0)
+        return Voided(reservation=rid, released=est, free=self.free(), epoch=self.ep, turn=0)
 
 
 def same(actual: Outcome, expected: Outcome) -> bool:

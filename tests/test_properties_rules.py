@@ -62,11 +62,16 @@ from ledger import AdmissionRefused, Consumer, Item, Ledger, LedgerError, Sessio
 from ledger.errors import ContextDriftWarning, FanoutRefused, WorkingMemoryStarvation
 from ledger.models import (
     Admitted,
+    Classification,
     Compaction,
+    CompactionOutcome,
+    DriftFlag,
     HeldItem,
+    Regime,
     Released,
     SpanRecorded,
     ToolResult,
+    ToolResultOutcome,
     TurnReport,
     TurnStarted,
 )
@@ -276,7 +281,14 @@ class Model:
 
     def held(self) -> list[HeldItem]:
         out = [
-            HeldItem(Consumer.from_code(c), i, r.tokens, r.turn, r.prio, r.seq)
+            HeldItem(
+                consumer=Consumer.from_code(c),
+                id=i,
+                tokens=r.tokens,
+                turn=r.turn,
+                priority=r.prio,
+                seq=r.seq,
+            )
             for c in CODES
             for i, r in self.items[c].items()
         ]
@@ -347,13 +359,26 @@ class Model:
         for i, t, p in taken:
             self.add(c, i, t, p)
         assert fr == self.free()
-        return Admitted(charged, len(taken), dups, tuple(skipped), fr, self.ep, self.tn)
+        return Admitted(
+            charged=charged,
+            admitted=len(taken),
+            duplicates=dups,
+            skipped=tuple(skipped),
+            free=fr,
+            epoch=self.ep,
+            turn=self.tn,
+        )
 
     def _release(self, op_id: str, c: str, ids: tuple[str, ...]) -> Outcome:
         missing = tuple(i for i in ids if i not in self.items[c])
         gone = [self.items[c].pop(i) for i in ids if i in self.items[c]]
         return Released(
-            sum(r.tokens for r in gone), len(gone), missing, self.free(), self.ep, self.tn
+            released=sum(r.tokens for r in gone),
+            count=len(gone),
+            missing=missing,
+            free=self.free(),
+            epoch=self.ep,
+            turn=self.tn,
         )
 
     def _begin(self, op_id: str, ws: int, out: int | None) -> Outcome:
@@ -440,20 +465,20 @@ class Model:
         summaries, dropped = tuple(self.qs), pairs(self.qd)
         self.qs, self.qd, self.open = [], [], True
         return TurnStarted(
-            regime,
-            self.tn,
-            residual(),
-            need(),
-            util / 1000,
-            pairs(reclaimed),
-            rotated,
-            released,
-            due,
-            rollup,
-            self.free(),
-            self.ep,
-            summaries,
-            dropped,
+            regime=Regime(regime),
+            turn=self.tn,
+            residual=residual(),
+            need=need(),
+            utilization=util / 1000,
+            reclaimed=pairs(reclaimed),
+            rotated=rotated,
+            released=released,
+            compaction_due=due,
+            rollup_hint=rollup,
+            free=self.free(),
+            epoch=self.ep,
+            summaries=summaries,
+            dropped=dropped,
         )
 
     def _tool(self, op_id: str, call: str, tokens: int) -> Outcome:
@@ -462,7 +487,17 @@ class Model:
             # held smaller than the result (a spill's preview): that is what may be shown
             held = self.items["s"][call].tokens
             shown = held if held < tokens else 0
-            return ToolResult("duplicate", call, 0, tokens, shown, (), fr, self.ep, self.tn)
+            return ToolResult(
+                outcome=ToolResultOutcome.DUPLICATE,
+                item=call,
+                charged=0,
+                tokens=tokens,
+                preview_tokens=shown,
+                evicted=(),
+                free=fr,
+                epoch=self.ep,
+                turn=self.tn,
+            )
         a_m = self.active()["m"]
         held = self.used("r") + self.used("m")
         gain = max(a_m, F_M) - max(a_m - held, F_M)
@@ -491,7 +526,15 @@ class Model:
         assert fr - size == self.free()
         preview = size if outcome == "spilled" else 0
         return ToolResult(
-            outcome, call, size, tokens, preview, pairs(evicted), fr - size, self.ep, self.tn
+            outcome=ToolResultOutcome(outcome),
+            item=call,
+            charged=size,
+            tokens=tokens,
+            preview_tokens=preview,
+            evicted=pairs(evicted),
+            free=fr - size,
+            epoch=self.ep,
+            turn=self.tn,
         )
 
     def _compact(
@@ -551,19 +594,19 @@ class Model:
             "compacted" if ok else "deferred" if deferred else ("failed" if fits else "did_not_fit")
         )
         return Compaction(
-            ok,
-            outcome,
-            occ,
-            self.HW,
-            dropped,
-            sum_t,
-            missing,
-            self.kf,
-            escalate,
-            self.free(),
-            self.ep,
-            self.tn,
-            gain,
+            compacted=ok,
+            outcome=CompactionOutcome(outcome),
+            occupancy=occ,
+            high_water_mark=self.HW,
+            dropped=dropped,
+            summary=sum_t,
+            missing=missing,
+            failures=self.kf,
+            escalated=escalate,
+            free=self.free(),
+            epoch=self.ep,
+            turn=self.tn,
+            gain=gain,
         )
 
     def _span(self, op_id: str, turn: int, tin: int, tout: int) -> Outcome:
@@ -578,7 +621,12 @@ class Model:
         self.ai += tin
         self.ao += tout
         self.an += 1
-        return SpanRecorded(self.tn, self.an, self.ai, (self.ai * 1000 // prompt) / 1000)
+        return SpanRecorded(
+            turn=self.tn,
+            spans=self.an,
+            span_input=self.ai,
+            ratio=(self.ai * 1000 // prompt) / 1000,
+        )
 
     def _end(self, op_id: str, turn: int, final: int, trend: int) -> Outcome:
         if turn != self.tn or self.te == turn:
@@ -611,20 +659,20 @@ class Model:
         self.pu, self.cd, self.te, self.df = util, int(due), turn, flag != "none"
         self.open = False
         return TurnReport(
-            self.tn,
-            ratio / 1000,
-            cls,
-            util / 1000,
-            delta / 1000,
-            self.an,
-            self.ai,
-            due,
-            rollup,
-            self.ep,
-            occ,
-            final - occ,
-            None,
-            flag,
+            turn=self.tn,
+            ratio=ratio / 1000,
+            classification=Classification(cls),
+            utilization=util / 1000,
+            utilization_delta=delta / 1000,
+            spans=self.an,
+            span_input=self.ai,
+            compaction_due=due,
+            rollup_hint=rollup,
+            epoch=self.ep,
+            occupancy=occ,
+            drift=final - occ,
+            tolerance=None,
+            flag=DriftFlag(flag),
         )
 
 

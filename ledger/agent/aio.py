@@ -114,7 +114,14 @@ class AsyncAgent:
         it back and takes it at once. ``admit`` (consumer -> app objects) admits the
         turn's first objects in the round trip that begins it: their results are
         :attr:`AsyncTurn.admissions`, in that order."""
-        return AsyncTurn(self, working_set, output_reserve, wait, takeover, admit)
+        return AsyncTurn(
+            self,
+            working_set=working_set,
+            output_reserve=output_reserve,
+            wait=wait,
+            takeover=takeover,
+            admit=admit,
+        )
 
     def track(self, consumer: Consumer | str, objs: Sequence[Obj]) -> None:
         self.core.track(consumer, objs)

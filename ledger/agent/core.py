@@ -39,10 +39,12 @@ from ledger.errors import (
 from ledger.models import (
     Admitted,
     BegunBy,
+    CompactionOutcome,
     Consumer,
     Item,
     Reconciled,
     Snapshot,
+    ToolResultOutcome,
     TurnAborted,
     TurnRenewed,
     TurnReport,
@@ -182,7 +184,7 @@ class Note:
     fields: tuple[tuple[str, str], ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class BillingCheck:
     """One model call's prompt as the ledger counted it against what the provider billed
     for it (its reported input tokens)."""
@@ -205,7 +207,7 @@ def default_summary(summary_id: str, text: str) -> Obj:
     return {"id": summary_id, "role": "system", "content": text}
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Admission(Generic[T]):
     """Which app objects made it into the prompt."""
 
@@ -216,7 +218,7 @@ class Admission(Generic[T]):
     free: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ToolOutcome(Generic[T]):
     """A tool result admitted whole, or spilled: ``text`` is what goes in the prompt
     (the whole result, or a preview cut to the preview budget with the handle)."""
@@ -235,10 +237,10 @@ class ToolOutcome(Generic[T]):
     reason: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Compacted:
     compacted: bool
-    outcome: str
+    outcome: CompactionOutcome
     dropped: tuple[Obj, ...]  # app objects the summary replaced: drop them
     summary: Obj | None
     occupancy: int
@@ -623,7 +625,15 @@ class AgentCore:
         if flagged and self.calibrate and plausible:
             learned = round(self.counter.factor * billed / counted, 4)
             yield Note(((CALIBRATION, f"{learned}|{state.turn}|{counted}|{billed}"),))
-        check = BillingCheck(state.turn, counted, billed, tolerance, flagged, plausible, learned)
+        check = BillingCheck(
+            turn=state.turn,
+            counted=counted,
+            billed=billed,
+            tolerance=tolerance,
+            flagged=flagged,
+            plausible=plausible,
+            learned=learned,
+        )
         state.billing.append(check)
         if flagged:
             warnings.warn(BillingDriftWarning(check, billing_message(check)), stacklevel=4)
@@ -686,7 +696,7 @@ class AgentCore:
         c = Consumer.parse(consumer)
         planned = self.items(objs, priority)
         if not planned:
-            return Admission((), (), None, 0, -1)
+            return Admission(kept=(), refused=(), reason=None, charged=0, free=-1)
         texts = yield from self._texts(planned)
         try:
             got = yield self._admission(c, planned, texts, turn)
@@ -730,7 +740,9 @@ class AgentCore:
                 if memory and self.compaction_pending
                 else "token_budget_exhausted"
             )
-        return Admission(kept, refused, reason, got.charged, got.free)
+        return Admission(
+            kept=kept, refused=refused, reason=reason, charged=got.charged, free=got.free
+        )
 
     def _refused(
         self, c: Consumer, planned: list[tuple[Item, Obj]], exc: AdmissionRefused
@@ -739,7 +751,7 @@ class AgentCore:
         held: list[bool] = yield Held(tuple(f"i:{c.code}:{it.id}" for it, _ in planned))
         kept = tuple(o for (_, o), h in zip(planned, held, strict=True) if h)
         refused = tuple(o for (_, o), h in zip(planned, held, strict=True) if not h)
-        return Admission(kept, refused, exc.reason, 0, exc.free)
+        return Admission(kept=kept, refused=refused, reason=exc.reason, charged=0, free=exc.free)
 
     def tool_result(
         self, result: Obj, text: str | None = None, turn: int | None = None
@@ -771,18 +783,42 @@ class AgentCore:
             evicted, unknown = self.resolve(noted.evicted)
             self.known[(Consumer.SCRATCHPAD, iid)] = result
             return ToolOutcome(
-                result, note, False, None, tokens, noted.charged, tuple(evicted),
-                tuple(unknown), True, exc.reason,
-            )  # fmt: skip
+                result=result,
+                text=note,
+                spilled=False,
+                handle=None,
+                tokens=tokens,
+                charged=noted.charged,
+                evicted=tuple(evicted),
+                unresolved=tuple(unknown),
+                refused=True,
+                reason=exc.reason,
+            )
         evicted, unknown = self.resolve(got.evicted)
         self.known[(Consumer.SCRATCHPAD, iid)] = result
-        if got.outcome == "spilled" or got.preview_tokens > 0:  # spilled, now or before
+        if (
+            got.outcome == ToolResultOutcome.SPILLED or got.preview_tokens > 0
+        ):  # spilled, now or before
             shown = self.preview(app_id, body, tokens, got.preview_tokens, iid)
             return ToolOutcome(
-                result, shown, True, iid, tokens, got.charged, tuple(evicted), tuple(unknown)
+                result=result,
+                text=shown,
+                spilled=True,
+                handle=iid,
+                tokens=tokens,
+                charged=got.charged,
+                evicted=tuple(evicted),
+                unresolved=tuple(unknown),
             )
         return ToolOutcome(
-            result, body, False, None, tokens, got.charged, tuple(evicted), tuple(unknown)
+            result=result,
+            text=body,
+            spilled=False,
+            handle=None,
+            tokens=tokens,
+            charged=got.charged,
+            evicted=tuple(evicted),
+            unresolved=tuple(unknown),
         )
 
     def release(self, objs: Sequence[Obj], turn: int | None = None) -> Op[list[Obj]]:
@@ -808,7 +844,13 @@ class AgentCore:
             if item is not None and done.summary:
                 self.known[(Consumer.WORKING_MEMORY, item.id)] = summary
         self.compaction_pending = not done.compacted
-        return Compacted(done.compacted, done.outcome, tuple(dropped), summary, done.occupancy)
+        return Compacted(
+            compacted=done.compacted,
+            outcome=done.outcome,
+            dropped=tuple(dropped),
+            summary=summary,
+            occupancy=done.occupancy,
+        )
 
     def end(
         self, turn: int, prompt_tokens: int, mark: str | None = None, state: TurnState | None = None

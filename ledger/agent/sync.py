@@ -113,7 +113,14 @@ class Agent:
         it back and takes it at once. ``admit`` (consumer -> app objects) admits the
         turn's first objects in the round trip that begins it: their results are
         :attr:`Turn.admissions`, in that order."""
-        return Turn(self, working_set, output_reserve, wait, takeover, admit)
+        return Turn(
+            self,
+            working_set=working_set,
+            output_reserve=output_reserve,
+            wait=wait,
+            takeover=takeover,
+            admit=admit,
+        )
 
     def track(self, consumer: Consumer | str, objs: Sequence[Obj]) -> None:
         self.core.track(consumer, objs)
