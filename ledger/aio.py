@@ -1,7 +1,7 @@
 """The asyncio face: :class:`AsyncLedger` and :class:`AsyncSession`.
 
 This file is the source of both faces: ``ledger/client.py`` (:class:`~ledger.Ledger`,
-:class:`~ledger.Session`) is generated from it (``python -m ledger._unasync``; a test
+:class:`~ledger.Session`) is generated from it (``python tools/unasync.py``; a test
 checks it is up to date). Both share everything but the I/O (``ledger.core``,
 ``ledger.protocol``): each method builds the same :class:`~ledger.protocol.Call`.
 """

@@ -1,6 +1,6 @@
 """The synchronous face: :class:`Ledger` and :class:`Session`.
 
-GENERATED from ``ledger/aio.py`` by ``python -m ledger._unasync``: edit
+GENERATED from ``ledger/aio.py`` by ``python tools/unasync.py``: edit
 that file, not this one.
 """
 

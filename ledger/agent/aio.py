@@ -1,7 +1,7 @@
 """The agent layer's asyncio face: :class:`AsyncAgent` and its per-turn :class:`AsyncTurn`.
 
 This file is the source of both faces: ``ledger/agent/sync.py`` is generated from it
-(``python -m ledger._unasync``; a test checks it is up to date). Both drive the
+(``python tools/unasync.py``; a test checks it is up to date). Both drive the
 same operations of :mod:`ledger.agent.core`, which hold every decision.
 """
 

@@ -1,6 +1,6 @@
 """The agent layer's synchronous face: :class:`Agent` and its per-turn :class:`Turn`.
 
-GENERATED from ``ledger/agent/aio.py`` by ``python -m ledger._unasync``: edit
+GENERATED from ``ledger/agent/aio.py`` by ``python tools/unasync.py``: edit
 that file, not this one.
 """
 
