@@ -44,9 +44,12 @@ unasync = load_tool()
 
 def test_sync_faces_are_generated_from_the_async_ones() -> None:
     assert {(t.source, t.target) for t in unasync.TWINS} == {
-        ("ledger/aio.py", "ledger/client.py"),
-        ("ledger/agent/aio.py", "ledger/agent/sync.py"),
+        ("ledger/_async/client.py", "ledger/_sync/client.py"),
+        ("ledger/_async/agent.py", "ledger/_sync/agent.py"),
     }
+    assert {p.name for p in (ROOT / "ledger" / "_async").glob("*.py")} - {"__init__.py"} == {
+        p.name for p in (ROOT / "ledger" / "_sync").glob("*.py")
+    } - {"__init__.py"}  # every source has its twin, under the same name
     assert unasync.main(["--check"]) == 0
     for twin in unasync.TWINS:  # the first line says what made the file, and from what
         first = (ROOT / twin.target).read_text().splitlines()[0]

@@ -1,8 +1,9 @@
 """Generate the sync faces from their asyncio sources (not part of the package).
 
-``ledger/client.py`` (``Ledger``, ``Session``) is generated from ``ledger/aio.py`` and
-``ledger/agent/sync.py`` (``Agent``, ``Turn``) from ``ledger/agent/aio.py``.
-``python tools/unasync.py`` writes both; ``--check`` writes nothing and exits 1 when
+Each ``ledger/_async/<name>.py`` is the source of ``ledger/_sync/<name>.py``: ``client``
+(``Ledger``, ``Session``) and ``agent`` (``Agent``, ``Turn``); the public modules
+(``ledger.client``, ``ledger.aio``, ``ledger.agent.sync``, ``ledger.agent.aio``) re-export
+them. ``python tools/unasync.py`` writes both; ``--check`` writes nothing and exits 1 when
 either is stale (a test and CI run the check). Each file is made by word-level regular
 expressions only (the common ones, then its own), so a face cannot drift from its
 source: what cannot be written once for both belongs in a neutral module
@@ -33,17 +34,25 @@ COMMON: Rules = (
     (r"\basyncio\.sleep\b", "time.sleep"),
     (r"\(asyncio\)", "(sync)"),
     (r"\bAsyncSession\b", "Session"),
+    (r"\bledger\._async\.", "ledger._sync."),
 )
 
 
 @dataclass(frozen=True)
 class Twin:
-    """A sync face generated from an asyncio source (paths relative to the repository)."""
+    """``ledger/_sync/<name>.py``, generated from ``ledger/_async/<name>.py``."""
 
-    source: str
-    target: str
+    name: str
     header: str  # the generated file's module docstring (the source's is dropped)
     rules: Rules
+
+    @property
+    def source(self) -> str:
+        return f"ledger/_async/{self.name}.py"
+
+    @property
+    def target(self) -> str:
+        return f"ledger/_sync/{self.name}.py"
 
     def generate(self) -> str:
         text = (ROOT / self.source).read_text()
@@ -51,17 +60,15 @@ class Twin:
         for pattern, repl in self.rules + COMMON:
             body = re.sub(pattern, repl, body, flags=re.M)
         head = (
-            f'"""{self.header}\n\n'
-            f"GENERATED from ``{self.source}`` by ``python tools/unasync.py``: edit\n"
-            'that file, not this one.\n"""'
+            f"# GENERATED from {self.source} by tools/unasync.py: edit that file, not this one.\n"
+            f'"""{self.header}"""'
         )
         return head + body
 
 
 TWINS = (
     Twin(
-        source="ledger/aio.py",
-        target="ledger/client.py",
+        name="client",
         header="The synchronous face: :class:`Ledger` and :class:`Session`.",
         rules=(
             (r"^import asyncio\nimport functools$", "import functools\nimport time"),
@@ -81,8 +88,7 @@ TWINS = (
         ),
     ),
     Twin(
-        source="ledger/agent/aio.py",
-        target="ledger/agent/sync.py",
+        name="agent",
         header=(
             "The agent layer's synchronous face: :class:`Agent` and its per-turn :class:`Turn`."
         ),
@@ -92,7 +98,6 @@ TWINS = (
             (r"\bAsyncTurn\b", "Turn"),
             (r"\bdrive_async\b", "drive_sync"),
             (r"\bAsyncHeartbeat\b", "Heartbeat"),
-            (r"^from ledger\.aio import", "from ledger.client import"),
         ),
     ),
 )
