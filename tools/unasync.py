@@ -35,6 +35,8 @@ COMMON: Rules = (
     (r"\(asyncio\)", "(sync)"),
     (r"\bAsyncSession\b", "Session"),
     (r"\bledger\._async\.", "ledger._sync."),
+    (r"^(from collections\.abc import )Awaitable, ", r"\1"),
+    (r"\bAwaitable\[((?:[^\[\]]|\[[^\[\]]*\])*)\]", r"\1"),  # Awaitable[list[Any]] -> list[Any]
 )
 
 
@@ -72,8 +74,6 @@ TWINS = (
         header="The synchronous face: :class:`Ledger` and :class:`Session`.",
         rules=(
             (r"^import asyncio\nimport functools$", "import functools\nimport time"),
-            (r"^(from collections\.abc import )Awaitable, ", r"\1"),
-            (r"\bAwaitable\[Any\]", "Any"),
             (
                 r"^from redis\.asyncio\.cluster import RedisCluster as AsyncRedisCluster$",
                 "from redis.cluster import RedisCluster",
@@ -96,7 +96,6 @@ TWINS = (
             (r"^import asyncio\nimport contextlib$", "import contextlib\nimport time"),
             (r"\bAsyncAgent\b", "Agent"),
             (r"\bAsyncTurn\b", "Turn"),
-            (r"\bdrive_async\b", "drive_sync"),
             (r"\bAsyncHeartbeat\b", "Heartbeat"),
         ),
     ),

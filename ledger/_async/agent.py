@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -17,23 +17,59 @@ from ledger._async.client import AsyncSession
 from ledger.agent.core import (
     Admission,
     AgentCore,
+    Batch,
     BillingCheck,
     Compacted,
+    Effect,
     Fetch,
     Held,
     Note,
     Obj,
     Op,
+    Sleep,
     Store,
     ToolOutcome,
     TurnState,
-    drive_async,
 )
 from ledger.agent.lease import AsyncHeartbeat
 from ledger.errors import ContextDrift, InvalidArgument, LedgerError, TurnLost, translated
 from ledger.models import Consumer, Reconciled, TurnAborted, TurnReport
+from ledger.protocol import Call
 
 T = TypeVar("T")
+
+
+async def drive(
+    op: Op[T],
+    run: Callable[[Call[Any]], Awaitable[Any]],
+    sleep: Callable[[float], Awaitable[None]],
+    io: Callable[[Effect], Awaitable[Any]],
+    run_many: Callable[..., Awaitable[list[Any]]],
+) -> T:
+    """Run an operation of :mod:`ledger.agent.core` to its result: its calls with ``run``,
+    its batches with ``run_many``, its waits with ``sleep`` and its reads and writes
+    outside the ledger's scripts with ``io`` (asyncio)."""
+    try:
+        effect = next(op)
+        while True:
+            if isinstance(effect, Sleep):
+                await sleep(effect.seconds)
+                effect = op.send(None)
+                continue
+            if isinstance(effect, (Held, Store, Fetch, Note)):
+                effect = op.send(await io(effect))
+                continue
+            if isinstance(effect, Batch):
+                effect = op.send(await run_many(list(effect.calls), return_exceptions=True))
+                continue
+            try:
+                result = await run(effect)
+            except Exception as exc:
+                effect = op.throw(exc)
+                continue
+            effect = op.send(result)
+    except StopIteration as stop:
+        return stop.value  # type: ignore[no-any-return]
 
 
 def _text(x: object) -> str:
@@ -63,7 +99,7 @@ class AsyncAgent:
 
     async def run(self, op: Op[T]) -> T:
         ledger = self.session.ledger
-        return await drive_async(op, ledger.run, asyncio.sleep, self._io, ledger.run_many)
+        return await drive(op, ledger.run, asyncio.sleep, self._io, ledger.run_many)
 
     async def _io(self, effect: Held | Store | Fetch | Note) -> Any:
         """The reads and writes outside the ledger's scripts: which items are held, the

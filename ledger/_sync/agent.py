@@ -13,23 +13,59 @@ from ledger._sync.client import Session
 from ledger.agent.core import (
     Admission,
     AgentCore,
+    Batch,
     BillingCheck,
     Compacted,
+    Effect,
     Fetch,
     Held,
     Note,
     Obj,
     Op,
+    Sleep,
     Store,
     ToolOutcome,
     TurnState,
-    drive_sync,
 )
 from ledger.agent.lease import Heartbeat
 from ledger.errors import ContextDrift, InvalidArgument, LedgerError, TurnLost, translated
 from ledger.models import Consumer, Reconciled, TurnAborted, TurnReport
+from ledger.protocol import Call
 
 T = TypeVar("T")
+
+
+def drive(
+    op: Op[T],
+    run: Callable[[Call[Any]], Any],
+    sleep: Callable[[float], None],
+    io: Callable[[Effect], Any],
+    run_many: Callable[..., list[Any]],
+) -> T:
+    """Run an operation of :mod:`ledger.agent.core` to its result: its calls with ``run``,
+    its batches with ``run_many``, its waits with ``sleep`` and its reads and writes
+    outside the ledger's scripts with ``io`` (sync)."""
+    try:
+        effect = next(op)
+        while True:
+            if isinstance(effect, Sleep):
+                sleep(effect.seconds)
+                effect = op.send(None)
+                continue
+            if isinstance(effect, (Held, Store, Fetch, Note)):
+                effect = op.send(io(effect))
+                continue
+            if isinstance(effect, Batch):
+                effect = op.send(run_many(list(effect.calls), return_exceptions=True))
+                continue
+            try:
+                result = run(effect)
+            except Exception as exc:
+                effect = op.throw(exc)
+                continue
+            effect = op.send(result)
+    except StopIteration as stop:
+        return stop.value  # type: ignore[no-any-return]
 
 
 def _text(x: object) -> str:
@@ -59,7 +95,7 @@ class Agent:
 
     def run(self, op: Op[T]) -> T:
         ledger = self.session.ledger
-        return drive_sync(op, ledger.run, time.sleep, self._io, ledger.run_many)
+        return drive(op, ledger.run, time.sleep, self._io, ledger.run_many)
 
     def _io(self, effect: Held | Store | Fetch | Note) -> Any:
         """The reads and writes outside the ledger's scripts: which items are held, the
