@@ -150,6 +150,18 @@ def test_wheel_has_one_import_name(wheel: Path) -> None:
     assert tops == {"ledger"}, tops
 
 
+def test_wheel_ships_the_generated_faces_not_their_generator(wheel: Path) -> None:
+    """ledger/_sync/ is generated from ledger/_async/ by tools/unasync.py, a script of the
+    repository: the wheel carries both faces as checked in, and no generator."""
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        for face in ("client", "agent"):
+            for side in ("_async", "_sync"):
+                name = f"ledger/{side}/{face}.py"
+                assert z.read(name) == (ROOT / name).read_bytes(), name
+    assert not [n for n in names if "unasync" in n or n.startswith("tools/")]
+
+
 def test_wheel_requires_only_the_client(wheel: Path) -> None:
     with zipfile.ZipFile(wheel) as z:
         (meta,) = [n for n in z.namelist() if n.endswith(".dist-info/METADATA")]

@@ -1,11 +1,15 @@
-"""The sync faces are generated from their asyncio sources (``ledger._unasync``)."""
+"""The sync faces are generated from their asyncio sources (``tools/unasync.py``)."""
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import shutil
+import subprocess
+import sys
 import uuid
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -17,42 +21,88 @@ from ledger import (
     PartitionCheck,
     Session,
     SessionBudget,
-    _unasync,
     protocol,
 )
 from ledger.core import collect
 
+ROOT = Path(__file__).resolve().parent.parent
+TOOL = ROOT / "tools" / "unasync.py"
+
+
+def load_tool() -> ModuleType:
+    """tools/unasync.py, a script of the repository (not a module of the package)."""
+    spec = importlib.util.spec_from_file_location("unasync", TOOL)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["unasync"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+unasync = load_tool()
+
 
 def test_sync_faces_are_generated_from_the_async_ones() -> None:
-    assert {(t.source, t.target) for t in _unasync.TWINS} == {
-        ("aio.py", "client.py"),
-        ("agent/aio.py", "agent/sync.py"),
+    assert {(t.source, t.target) for t in unasync.TWINS} == {
+        ("ledger/_async/client.py", "ledger/_sync/client.py"),
+        ("ledger/_async/agent.py", "ledger/_sync/agent.py"),
     }
-    assert _unasync.main(["--check"]) == 0
+    assert {p.name for p in (ROOT / "ledger" / "_async").glob("*.py")} - {"__init__.py"} == {
+        p.name for p in (ROOT / "ledger" / "_sync").glob("*.py")
+    } - {"__init__.py"}  # every source has its twin, under the same name
+    assert unasync.main(["--check"]) == 0
+    for twin in unasync.TWINS:  # the first line says what made the file, and from what
+        first = (ROOT / twin.target).read_text().splitlines()[0]
+        assert "GENERATED" in first and twin.source in first, first
+    run = [sys.executable, str(TOOL), "--check"]
+    assert subprocess.run(run, cwd=ROOT, timeout=60).returncode == 0
 
 
-@pytest.mark.parametrize("twin", _unasync.TWINS, ids=lambda t: t.target)
-def test_a_hand_edit_of_a_generated_face_is_caught(
-    twin: _unasync.Twin,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    for t in _unasync.TWINS:
+def test_the_generator_is_not_in_the_package() -> None:
+    assert importlib.util.find_spec("ledger._unasync") is None
+    assert not list((ROOT / "ledger").rglob("*unasync*"))
+
+
+@pytest.fixture
+def tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A copy of every source and generated face, the generator pointed at it."""
+    for t in unasync.TWINS:
         for name in (t.source, t.target):
             (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(_unasync.PACKAGE / name, tmp_path / name)
-    monkeypatch.setattr(_unasync, "PACKAGE", tmp_path)
-    assert _unasync.main(["--check"]) == 0
-    target = tmp_path / twin.target
+            shutil.copy(ROOT / name, tmp_path / name)
+    monkeypatch.setattr(unasync, "ROOT", tmp_path)
+    assert unasync.main(["--check"]) == 0
+    return tmp_path
+
+
+@pytest.mark.parametrize("twin", unasync.TWINS, ids=lambda t: t.target)
+def test_a_hand_edit_of_a_generated_face_is_caught(
+    twin: object, tree: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tree / twin.target  # type: ignore[attr-defined]
     good = target.read_text()
     target.write_text(good.replace("def ", "def  ", 1))
-    assert _unasync.stale(twin)
-    assert _unasync.main(["--check"]) == 1
-    assert f"ledger/{twin.target} is stale" in capsys.readouterr().err
+    assert unasync.stale(twin)
+    assert unasync.main(["--check"]) == 1
+    assert f"{twin.target} is stale" in capsys.readouterr().err  # type: ignore[attr-defined]
     assert target.read_text() != good  # the check writes nothing
-    assert _unasync.main([]) == 0
-    assert target.read_text() == good and _unasync.main(["--check"]) == 0
+    assert unasync.main([]) == 0
+    assert target.read_text() == good and unasync.main(["--check"]) == 0
+
+
+@pytest.mark.parametrize("twin", unasync.TWINS, ids=lambda t: t.source)
+def test_an_edit_of_a_source_not_generated_is_caught(
+    twin: object, tree: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source, target = tree / twin.source, tree / twin.target  # type: ignore[attr-defined]
+    before = target.read_text()
+    source.write_text(source.read_text() + "\n\nasync def added() -> None:\n    await x()\n")
+    assert unasync.main(["--check"]) == 1
+    assert f"{twin.target} is stale" in capsys.readouterr().err  # type: ignore[attr-defined]
+    assert target.read_text() == before  # the check writes nothing
+    assert unasync.main([]) == 0
+    assert target.read_text().endswith("\n\ndef added() -> None:\n    x()\n")
+    assert unasync.main(["--check"]) == 0
 
 
 def public(cls: type) -> dict[str, inspect.Signature]:

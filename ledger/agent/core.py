@@ -3,9 +3,10 @@
 Each operation is a generator: it yields the ledger :class:`~ledger.protocol.Call` it
 needs (or a :class:`Batch` of calls, a :class:`Sleep`), is sent the call's result (or
 thrown its error; a batch is sent each call's result or error in its place), and
-returns the operation's result. The sync face (:mod:`ledger.agent.sync`) drives it
-with ``Ledger.run`` and ``time.sleep``, the asyncio face (:mod:`ledger.agent.aio`)
-with ``await AsyncLedger.run`` and ``asyncio.sleep``: the same code decides for both.
+returns the operation's result. The asyncio face's ``drive`` (``ledger/_async/agent.py``)
+runs it with ``await AsyncLedger.run`` and ``asyncio.sleep``, the sync face's (generated
+from it, ``ledger/_sync/agent.py``) with ``Ledger.run`` and ``time.sleep``: the same
+code decides for both.
 
 App objects (retrieved chunks, messages, tool results) keep their own ids; the
 ledger's item id is derived from the app id by :func:`ledger_id`, the same on every
@@ -22,7 +23,7 @@ import math
 import re
 import uuid
 import warnings
-from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -919,65 +920,3 @@ def billing_message(c: BillingCheck) -> str:
         f"turn {c.turn}: the provider billed {c.billed} input tokens for a prompt the ledger "
         f"counted at {c.counted} ({c.difference:+d}, tolerance {c.tolerance}): {why}"
     )
-
-
-def drive_sync(
-    op: Op[T],
-    run: Callable[[Call[Any]], Any],
-    sleep: Callable[[float], None],
-    io: Callable[[Effect], Any],
-    run_many: Callable[..., list[Any]],
-) -> T:
-    """Run an operation to its result with a sync ledger."""
-    try:
-        effect = next(op)
-        while True:
-            if isinstance(effect, Sleep):
-                sleep(effect.seconds)
-                effect = op.send(None)
-                continue
-            if isinstance(effect, (Held, Store, Fetch, Note)):
-                effect = op.send(io(effect))
-                continue
-            if isinstance(effect, Batch):
-                effect = op.send(run_many(list(effect.calls), return_exceptions=True))
-                continue
-            try:
-                result = run(effect)
-            except Exception as exc:
-                effect = op.throw(exc)
-                continue
-            effect = op.send(result)
-    except StopIteration as stop:
-        return stop.value  # type: ignore[no-any-return]
-
-
-async def drive_async(
-    op: Op[T],
-    run: Callable[[Call[Any]], Awaitable[Any]],
-    sleep: Callable[[float], Awaitable[None]],
-    io: Callable[[Effect], Awaitable[Any]],
-    run_many: Callable[..., Awaitable[list[Any]]],
-) -> T:
-    """Run an operation to its result with an asyncio ledger."""
-    try:
-        effect = next(op)
-        while True:
-            if isinstance(effect, Sleep):
-                await sleep(effect.seconds)
-                effect = op.send(None)
-                continue
-            if isinstance(effect, (Held, Store, Fetch, Note)):
-                effect = op.send(await io(effect))
-                continue
-            if isinstance(effect, Batch):
-                effect = op.send(await run_many(list(effect.calls), return_exceptions=True))
-                continue
-            try:
-                result = await run(effect)
-            except Exception as exc:
-                effect = op.throw(exc)
-                continue
-            effect = op.send(result)
-    except StopIteration as stop:
-        return stop.value  # type: ignore[no-any-return]

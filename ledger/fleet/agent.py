@@ -17,8 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from ledger._sync.agent import drive
 from ledger.agent import Admission, Agent, ToolOutcome, Turn
-from ledger.agent.core import Op, drive_sync
+from ledger.agent.core import Op
 from ledger.client import Ledger, Session
 from ledger.errors import AdmissionRefused, FanoutRefused
 from ledger.models import Consumer, SessionBudget, Snapshot, TurnReport, TurnStarted
@@ -62,7 +63,7 @@ class _CountingAgent(Agent):
         self.refusals: list[AdmissionRefused] = []
 
     def run(self, op: Op[T]) -> T:
-        return drive_sync(op, self._send, time.sleep, self._io, self.session.ledger.run_many)
+        return drive(op, self._send, time.sleep, self._io, self.session.ledger.run_many)
 
     def _send(self, call: Call[Any]) -> Any:
         self.calls += 1

@@ -1,8 +1,9 @@
-"""Generate the sync faces from their asyncio sources.
+"""Generate the sync faces from their asyncio sources (not part of the package).
 
-``ledger/client.py`` (``Ledger``, ``Session``) is generated from ``ledger/aio.py`` and
-``ledger/agent/sync.py`` (``Agent``, ``Turn``) from ``ledger/agent/aio.py``.
-``python -m ledger._unasync`` writes both; ``--check`` writes nothing and exits 1 when
+Each ``ledger/_async/<name>.py`` is the source of ``ledger/_sync/<name>.py``: ``client``
+(``Ledger``, ``Session``) and ``agent`` (``Agent``, ``Turn``); the public modules
+(``ledger.client``, ``ledger.aio``, ``ledger.agent.sync``, ``ledger.agent.aio``) re-export
+them. ``python tools/unasync.py`` writes both; ``--check`` writes nothing and exits 1 when
 either is stale (a test and CI run the check). Each file is made by word-level regular
 expressions only (the common ones, then its own), so a face cannot drift from its
 source: what cannot be written once for both belongs in a neutral module
@@ -11,12 +12,13 @@ source: what cannot be written once for both belongs in a neutral module
 
 from __future__ import annotations
 
+import argparse
 import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent  # the repository
 
 Rules = tuple[tuple[str, str], ...]
 
@@ -32,40 +34,46 @@ COMMON: Rules = (
     (r"\basyncio\.sleep\b", "time.sleep"),
     (r"\(asyncio\)", "(sync)"),
     (r"\bAsyncSession\b", "Session"),
+    (r"\bledger\._async\.", "ledger._sync."),
+    (r"^(from collections\.abc import )Awaitable, ", r"\1"),
+    (r"\bAwaitable\[((?:[^\[\]]|\[[^\[\]]*\])*)\]", r"\1"),  # Awaitable[list[Any]] -> list[Any]
 )
 
 
 @dataclass(frozen=True)
 class Twin:
-    """A sync face generated from an asyncio source (paths relative to the package)."""
+    """``ledger/_sync/<name>.py``, generated from ``ledger/_async/<name>.py``."""
 
-    source: str
-    target: str
+    name: str
     header: str  # the generated file's module docstring (the source's is dropped)
     rules: Rules
 
+    @property
+    def source(self) -> str:
+        return f"ledger/_async/{self.name}.py"
+
+    @property
+    def target(self) -> str:
+        return f"ledger/_sync/{self.name}.py"
+
     def generate(self) -> str:
-        text = (PACKAGE / self.source).read_text()
+        text = (ROOT / self.source).read_text()
         body = text.split('"""', 2)[2]  # drop the module docstring
         for pattern, repl in self.rules + COMMON:
             body = re.sub(pattern, repl, body, flags=re.M)
         head = (
-            f'"""{self.header}\n\n'
-            f"GENERATED from ``ledger/{self.source}`` by ``python -m ledger._unasync``: edit\n"
-            'that file, not this one.\n"""'
+            f"# GENERATED from {self.source} by tools/unasync.py: edit that file, not this one.\n"
+            f'"""{self.header}"""'
         )
         return head + body
 
 
 TWINS = (
     Twin(
-        source="aio.py",
-        target="client.py",
+        name="client",
         header="The synchronous face: :class:`Ledger` and :class:`Session`.",
         rules=(
             (r"^import asyncio\nimport functools$", "import functools\nimport time"),
-            (r"^(from collections\.abc import )Awaitable, ", r"\1"),
-            (r"\bAwaitable\[Any\]", "Any"),
             (
                 r"^from redis\.asyncio\.cluster import RedisCluster as AsyncRedisCluster$",
                 "from redis.cluster import RedisCluster",
@@ -80,8 +88,7 @@ TWINS = (
         ),
     ),
     Twin(
-        source="agent/aio.py",
-        target="agent/sync.py",
+        name="agent",
         header=(
             "The agent layer's synchronous face: :class:`Agent` and its per-turn :class:`Turn`."
         ),
@@ -89,9 +96,7 @@ TWINS = (
             (r"^import asyncio\nimport contextlib$", "import contextlib\nimport time"),
             (r"\bAsyncAgent\b", "Agent"),
             (r"\bAsyncTurn\b", "Turn"),
-            (r"\bdrive_async\b", "drive_sync"),
             (r"\bAsyncHeartbeat\b", "Heartbeat"),
-            (r"^from ledger\.aio import", "from ledger.client import"),
         ),
     ),
 )
@@ -99,18 +104,27 @@ TWINS = (
 
 def stale(twin: Twin) -> bool:
     """Whether the twin's checked-in file differs from what its source generates."""
-    path = PACKAGE / twin.target
+    path = ROOT / twin.target
     return not path.exists() or path.read_text() != twin.generate()
 
 
 def main(argv: list[str]) -> int:
-    if "--check" in argv:
+    parser = argparse.ArgumentParser(
+        prog="python tools/unasync.py", description="Generate the sync faces."
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 when a generated file differs from what its source makes",
+    )
+    args = parser.parse_args(argv)
+    if args.check:
         old = [t.target for t in TWINS if stale(t)]
         for name in old:
-            print(f"ledger/{name} is stale: run python -m ledger._unasync", file=sys.stderr)
+            print(f"{name} is stale: run python tools/unasync.py", file=sys.stderr)
         return 1 if old else 0
     for twin in TWINS:
-        (PACKAGE / twin.target).write_text(twin.generate())
+        (ROOT / twin.target).write_text(twin.generate())
     return 0
 
 

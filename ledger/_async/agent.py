@@ -1,0 +1,359 @@
+"""The agent layer's asyncio face: :class:`AsyncAgent` and its per-turn :class:`AsyncTurn`.
+
+This file is the source of both faces: ``ledger/_sync/agent.py`` is generated from it
+(``python tools/unasync.py``; a test checks it is up to date). Both drive the
+same operations of :mod:`ledger.agent.core`, which hold every decision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from types import TracebackType
+from typing import Any, TypeVar
+
+from ledger._async.client import AsyncSession
+from ledger.agent.core import (
+    Admission,
+    AgentCore,
+    Batch,
+    BillingCheck,
+    Compacted,
+    Effect,
+    Fetch,
+    Held,
+    Note,
+    Obj,
+    Op,
+    Sleep,
+    Store,
+    ToolOutcome,
+    TurnState,
+)
+from ledger.agent.lease import AsyncHeartbeat
+from ledger.errors import ContextDrift, InvalidArgument, LedgerError, TurnLost, translated
+from ledger.models import Consumer, Reconciled, TurnAborted, TurnReport
+from ledger.protocol import Call
+
+T = TypeVar("T")
+
+
+async def drive(
+    op: Op[T],
+    run: Callable[[Call[Any]], Awaitable[Any]],
+    sleep: Callable[[float], Awaitable[None]],
+    io: Callable[[Effect], Awaitable[Any]],
+    run_many: Callable[..., Awaitable[list[Any]]],
+) -> T:
+    """Run an operation of :mod:`ledger.agent.core` to its result: its calls with ``run``,
+    its batches with ``run_many``, its waits with ``sleep`` and its reads and writes
+    outside the ledger's scripts with ``io`` (asyncio)."""
+    try:
+        effect = next(op)
+        while True:
+            if isinstance(effect, Sleep):
+                await sleep(effect.seconds)
+                effect = op.send(None)
+                continue
+            if isinstance(effect, (Held, Store, Fetch, Note)):
+                effect = op.send(await io(effect))
+                continue
+            if isinstance(effect, Batch):
+                effect = op.send(await run_many(list(effect.calls), return_exceptions=True))
+                continue
+            try:
+                result = await run(effect)
+            except Exception as exc:
+                effect = op.throw(exc)
+                continue
+            effect = op.send(result)
+    except StopIteration as stop:
+        return stop.value  # type: ignore[no-any-return]
+
+
+def _text(x: object) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+class AsyncAgent:
+    """Governs one agent session's context with the ledger (asyncio).
+
+    ``counter`` counts a text's tokens (e.g. :class:`~ledger.agent.TiktokenCounter`);
+    ``id_of`` / ``text_of`` read an app object's id and text (defaults understand
+    ``id`` / ``tool_call_id`` / ``call_id`` and ``content`` / ``page_content`` /
+    ``text``); ``item_overhead`` tokens are added to every item (per-message framing).
+    ``lease_ms`` is a turn's lease (renewed in the background every third of it while the
+    turn runs, unless ``renew=False``); ``await_compaction`` the seconds a turn of a
+    worker-owned session waits, before it begins, for a compaction the ledger reports
+    pending, and ``compaction_pickup`` the seconds after its request past which one no
+    worker picked up is not waited for (docs/agent.md).
+    """
+
+    def __init__(
+        self, session: AsyncSession, counter: Callable[[str], int], **options: Any
+    ) -> None:
+        self.session = session
+        self.core = AgentCore(session, counter, **options)
+        self._ttl_ms: int | None = None
+
+    async def run(self, op: Op[T]) -> T:
+        ledger = self.session.ledger
+        return await drive(op, ledger.run, asyncio.sleep, self._io, ledger.run_many)
+
+    async def _io(self, effect: Held | Store | Fetch | Note) -> Any:
+        """The reads and writes outside the ledger's scripts: which items are held, the
+        content store (texts for the worker's compactor), the worker's summaries, the
+        session's calibration and billing report."""
+        self.session.ledger.check_open()
+        client, keys = self.session.ledger.client, self.session.keys
+        with translated():
+            if isinstance(effect, Note):
+                if self._ttl_ms is None:
+                    self._ttl_ms = int(await client.hget(keys.session, "ttl") or 86_400_000)
+                pipe = client.pipeline(transaction=False)
+                pipe.hset(keys.compacted, mapping=dict(effect.fields))
+                pipe.pexpire(keys.compacted, self._ttl_ms)
+                await pipe.execute()
+                return None
+            if isinstance(effect, Held):
+                values = await client.hmget(keys.session, effect.fields)
+                return [v is not None for v in values]
+            if isinstance(effect, Store):
+                if self._ttl_ms is None:
+                    self._ttl_ms = int(await client.hget(keys.session, "ttl") or 86_400_000)
+                if effect.texts:
+                    pipe = client.pipeline(transaction=False)
+                    pipe.hset(keys.content, mapping=dict(effect.texts))
+                    pipe.pexpire(keys.content, self._ttl_ms)
+                    await pipe.execute()
+                return None
+            if not effect.ids:
+                return []
+            raw = await client.hmget(keys.compacted, effect.ids)
+            return [None if v is None else _text(v) for v in raw]
+
+    def turn(
+        self,
+        working_set: int = 0,
+        output_reserve: int | None = None,
+        *,
+        wait: float = 0.0,
+        takeover: bool = False,
+        admit: Mapping[Consumer | str, Sequence[Obj]] | None = None,
+    ) -> AsyncTurn:
+        """``async with agent.turn(working_set) as turn:`` takes the session's turn and
+        runs begin_turn on entry; on a clean exit end_turn with the prompt given to
+        :meth:`AsyncTurn.prompt`; on an exception the turn is rolled back
+        (:meth:`AsyncTurn.abort`). A turn another process holds is waited for up to
+        ``wait`` seconds, then :class:`~ledger.errors.TurnInProgress`; ``takeover`` rolls
+        it back and takes it at once. ``admit`` (consumer -> app objects) admits the
+        turn's first objects in the round trip that begins it: their results are
+        :attr:`AsyncTurn.admissions`, in that order."""
+        return AsyncTurn(
+            self,
+            working_set=working_set,
+            output_reserve=output_reserve,
+            wait=wait,
+            takeover=takeover,
+            admit=admit,
+        )
+
+    def track(self, consumer: Consumer | str, objs: Sequence[Obj]) -> None:
+        self.core.track(consumer, objs)
+
+    async def read_spill(self, handle: str) -> str | None:
+        """A spilled tool result's whole text, from any worker (None once expired)."""
+        data = await self.session.ledger.read_spill(self.session.id, handle)
+        return None if data is None else data.decode()
+
+    async def reconcile(self, held: Mapping[Consumer | str, Sequence[Obj]]) -> Reconciled:
+        """Set the ledger to exactly the app objects the prompt holds (per consumer named)."""
+        return await self.run(self.core.reconcile(held))
+
+
+class AsyncTurn:
+    """One turn: begin_turn on entry, end_turn on a clean exit, abort_turn on an error.
+    ``dropped`` are the app objects the ledger reclaimed to start the turn (or a worker's
+    summary replaced), ``summaries`` the summaries delivered to it: :meth:`apply` does
+    both to the app's own objects, whichever process admitted them."""
+
+    def __init__(
+        self,
+        agent: AsyncAgent,
+        working_set: int,
+        output_reserve: int | None,
+        wait: float = 0.0,
+        takeover: bool = False,
+        admit: Mapping[Consumer | str, Sequence[Obj]] | None = None,
+    ) -> None:
+        self.agent = agent
+        self._begin = (working_set, output_reserve)
+        self._wait, self._takeover, self._admit = wait, takeover, admit
+        self.state: TurnState | None = None
+        self._prompt: int | None = None
+        self._beat: AsyncHeartbeat | None = None
+
+    async def __aenter__(self) -> AsyncTurn:
+        core = self.agent.core
+        self.state = await self.agent.run(
+            core.begin(*self._begin, wait=self._wait, takeover=self._takeover, admit=self._admit)
+        )
+        if core.renew_leases:
+            self._beat = AsyncHeartbeat(self._renew, core.lease_ms / 3000)
+            self._beat.start()
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            if kind is None and self._state.report is None and self._state.aborted is None:
+                await self.end()
+        except BaseException:
+            await self._stop()
+            await self._abort_quietly()
+            raise
+        await self._stop()
+        if kind is not None:
+            await self._abort_quietly()
+
+    async def _stop(self) -> None:
+        if self.state is not None:
+            self.agent.core.live_turns.discard(self.state.turn)
+        if self._beat is not None:
+            await self._beat.stop()
+
+    async def _renew(self) -> None:
+        await self.agent.run(self.agent.core.renew(self._state.turn))
+
+    async def _abort_quietly(self) -> None:
+        """After an error: roll the turn back. If even that fails (Redis away), the lease
+        lapses and the worker or the next turn rolls it back."""
+        state = self._state
+        if state.report is not None or state.aborted is not None:
+            return
+        with contextlib.suppress(LedgerError):
+            await self.abort()
+
+    @property
+    def _state(self) -> TurnState:
+        if self.state is None:
+            raise InvalidArgument(
+                "the turn has not begun: use it as `async with agent.turn() as turn:`"
+            )
+        return self.state
+
+    @property
+    def number(self) -> int:
+        return self._state.turn
+
+    @property
+    def dropped(self) -> list[Obj]:
+        return self._state.dropped
+
+    @property
+    def admissions(self) -> list[Admission[Any]]:
+        """This turn's admissions, in order: first those of ``agent.turn(admit=...)``."""
+        return self._state.admissions
+
+    @property
+    def report(self) -> TurnReport | None:
+        return self._state.report
+
+    @property
+    def summaries(self) -> list[Obj]:
+        """The worker's summaries delivered to this turn: put them in the prompt (the
+        objects they replaced are in ``dropped``). Each is delivered to one turn of the
+        session, once; if this turn is rolled back, to the next one."""
+        return self._state.summaries
+
+    @property
+    def rolled_back(self) -> int | None:
+        """The dead turn (a crash, a takeover) undone to start this one, or None."""
+        return self._state.rolled_back
+
+    @property
+    def mark(self) -> str | None:
+        """The commit mark the last ended turn left (e.g. the app state's version)."""
+        return self._state.started.mark
+
+    @property
+    def lost(self) -> TurnLost | None:
+        """Set when a renewal found the turn taken over or rolled back."""
+        return None if self._beat is None else self._beat.lost
+
+    async def billed(self, input_tokens: int, counted: int) -> BillingCheck:
+        """Record what the provider billed for a prompt this turn sent (its reported input
+        tokens) against the ledger's count of that prompt (``counted``): flagged beyond the
+        agent's ``billing_tolerance``; an estimating counter is calibrated from it."""
+        return await self.agent.run(self.agent.core.billed(self._state, input_tokens, counted))
+
+    def apply(self, objs: Sequence[Obj]) -> list[Obj]:
+        """The app's objects as this turn must hold them: what the ledger reclaimed and
+        what a delivered summary replaced left out (by ledger id, whichever process
+        admitted them), each delivered summary in the place of the first object it
+        replaced. Objects with no id stay. Call it on the state the turn starts from."""
+        return self.agent.core.apply(self._state, objs)
+
+    async def admit(
+        self, consumer: Consumer | str, objs: Sequence[Obj], priority: int = 0
+    ) -> Admission[Any]:
+        """Admit app objects (the longest prefix that fits); ``kept`` go in the prompt.
+        While a compaction is pending, retrieval and recall are judged on the
+        post-compaction baseline (a refusal then says ``compaction_pending``)."""
+        got = await self.agent.run(
+            self.agent.core.admit(consumer, objs, priority, self._state.turn)
+        )
+        self._state.admissions.append(got)
+        return got
+
+    async def tool_result(self, result: Obj, text: str | None = None) -> ToolOutcome[Any]:
+        """Admit a tool result whole, or spill it: put ``outcome.text`` in the prompt and
+        drop ``outcome.evicted``."""
+        got = await self.agent.run(self.agent.core.tool_result(result, text, self._state.turn))
+        self._state.tools.append(got)
+        return got
+
+    async def release(self, objs: Sequence[Obj]) -> list[Obj]:
+        return await self.agent.run(self.agent.core.release(objs, self._state.turn))
+
+    async def compact(self, replaced: Sequence[Obj], summary: Obj | None) -> Compacted:
+        return await self.agent.run(self.agent.core.compact(replaced, summary, self._state.turn))
+
+    async def renew(self) -> None:
+        """Renew the turn's lease now (the background renewal does it every third of it)."""
+        await self._renew()
+
+    def prompt(self, prompt: int | str | Sequence[Obj]) -> int:
+        """Give the real prompt (its tokens, its text, or the objects it is made of)."""
+        self._prompt = self.agent.core.prompt_tokens(prompt)
+        self._state.prompt_tokens = self._prompt
+        return self._prompt
+
+    async def end(
+        self, prompt: int | str | Sequence[Obj] | None = None, *, mark: str | None = None
+    ) -> TurnReport:
+        """End and commit the turn with the real prompt; ``mark`` (an id) is the app
+        state's version it commits, handed to the next turn (:attr:`mark`)."""
+        if prompt is not None:
+            self.prompt(prompt)
+        if self._prompt is None:
+            raise InvalidArgument("end_turn needs the real prompt: call turn.prompt(...) first")
+        try:
+            report = await self.agent.run(self.agent.core.end(self._state.turn, self._prompt, mark))
+        except ContextDrift as exc:
+            # The turn has ended (drift_action="raise"): keep its report all the same.
+            if isinstance(exc.report, TurnReport):
+                self._state.report = exc.report
+            raise
+        self._state.report = report
+        return report
+
+    async def abort(self) -> TurnAborted:
+        """Roll the turn back (docs/agent.md#a-dead-turn-is-undone): the ledger is as the
+        turn found it, its deliveries go to the next turn, its lease ends."""
+        await self._stop()
+        done = await self.agent.run(self.agent.core.abort(self._state.turn))
+        self._state.aborted = done
+        return done

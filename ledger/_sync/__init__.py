@@ -1,0 +1,3 @@
+"""The sync faces, generated from :mod:`ledger._async` by ``python tools/unasync.py``
+(never edited by hand). Import them from their public modules: :mod:`ledger.client` and
+:mod:`ledger.agent.sync` (or from ``ledger``)."""
