@@ -16,9 +16,9 @@ key after the WATCH (redis-py raises WatchError) and the whole step is retried a
 once, the idiom of redis-py's ``Redis.transaction``. Three round trips per attempt.
 
 :class:`LockAdmit` (and :class:`AsyncLockAdmit`) takes a redis-py ``Lock`` (SET NX PX,
-polled every ``sleep`` seconds while held by another client; released by a
+polled every ``LOCK_SLEEP`` seconds while held by another client; released by a
 compare-and-delete script) around HMGET, decide, MULTI/HINCRBY/HSET/EXEC. It is
-correct as long as no holder stalls for longer than ``lock_timeout`` (then the lock
+correct as long as no holder stalls for longer than its 10 s timeout (then the lock
 expires under it: the usual caveat of lease locks; the ledger's scripts have none).
 
 What they do *not* do, and the ledger does: operation ids with a stored outcome (a
@@ -75,14 +75,6 @@ def open_session(r: redis.Redis, key: str, window: int) -> bool:
     return bool(created)
 
 
-async def aopen_session(r: redis.asyncio.Redis, key: str, window: int) -> bool:
-    async with r.pipeline(transaction=True) as pipe:
-        pipe.hsetnx(key, WINDOW, window)
-        pipe.hsetnx(key, USED, 0)
-        created, _ = await pipe.execute()
-    return bool(created)
-
-
 def decide(values: list[Any], tokens: int) -> tuple[str, int, int]:
     """(status, charged, free) from HMGET window, used, i:<id>; raises NoSession."""
     window, used, held = values
@@ -107,11 +99,8 @@ def _check_tokens(tokens: int) -> None:
 class WatchAdmit:
     """Single-item admission as an optimistic transaction (sync)."""
 
-    nested = WATCH_NESTED
-
-    def __init__(self, r: redis.Redis, *, max_retries: int = WATCH_MAX_RETRIES) -> None:
+    def __init__(self, r: redis.Redis) -> None:
         self.r = r
-        self.max_retries = max_retries
 
     def admit(self, key: str, item_id: str, tokens: int) -> AltResult:
         _check_tokens(tokens)
@@ -132,7 +121,7 @@ class WatchAdmit:
                     return AltResult(status, charged, free, retries)
                 except WatchError:
                     retries += 1
-                    if retries > self.max_retries:
+                    if retries > WATCH_MAX_RETRIES:
                         raise TooManyRetries(f"{key}: lost {retries} races") from None
                     pipe.reset()
 
@@ -140,11 +129,8 @@ class WatchAdmit:
 class AsyncWatchAdmit:
     """Single-item admission as an optimistic transaction (asyncio)."""
 
-    nested = WATCH_NESTED
-
-    def __init__(self, r: redis.asyncio.Redis, *, max_retries: int = WATCH_MAX_RETRIES) -> None:
+    def __init__(self, r: redis.asyncio.Redis) -> None:
         self.r = r
-        self.max_retries = max_retries
 
     async def admit(self, key: str, item_id: str, tokens: int) -> AltResult:
         _check_tokens(tokens)
@@ -166,7 +152,7 @@ class AsyncWatchAdmit:
                     return AltResult(status, charged, free, retries)
                 except WatchError:
                     retries += 1
-                    if retries > self.max_retries:
+                    if retries > WATCH_MAX_RETRIES:
                         raise TooManyRetries(f"{key}: lost {retries} races") from None
                     await pipe.reset()
 
@@ -177,30 +163,13 @@ class AsyncWatchAdmit:
 class LockAdmit:
     """Single-item admission under a redis-py ``Lock`` per session (sync)."""
 
-    nested = LOCK_NESTED
-
-    def __init__(
-        self,
-        r: redis.Redis,
-        *,
-        lock_timeout: float = 10.0,
-        blocking_timeout: float = 60.0,
-        sleep: float = LOCK_SLEEP,
-    ) -> None:
+    def __init__(self, r: redis.Redis) -> None:
         self.r = r
-        self.lock_timeout = lock_timeout
-        self.blocking_timeout = blocking_timeout
-        self.sleep = sleep
 
     def admit(self, key: str, item_id: str, tokens: int) -> AltResult:
         _check_tokens(tokens)
         field = ITEM + item_id
-        lock = self.r.lock(
-            key + ":lock",
-            timeout=self.lock_timeout,
-            sleep=self.sleep,
-            blocking_timeout=self.blocking_timeout,
-        )
+        lock = self.r.lock(key + ":lock", timeout=10.0, sleep=LOCK_SLEEP, blocking_timeout=60.0)
         with lock:  # raises LockError when not acquired within blocking_timeout
             status, charged, free = decide(self.r.hmget(key, WINDOW, USED, field), tokens)
             if status == "ok":
@@ -214,30 +183,13 @@ class LockAdmit:
 class AsyncLockAdmit:
     """Single-item admission under a redis-py ``Lock`` per session (asyncio)."""
 
-    nested = LOCK_NESTED
-
-    def __init__(
-        self,
-        r: redis.asyncio.Redis,
-        *,
-        lock_timeout: float = 10.0,
-        blocking_timeout: float = 60.0,
-        sleep: float = LOCK_SLEEP,
-    ) -> None:
+    def __init__(self, r: redis.asyncio.Redis) -> None:
         self.r = r
-        self.lock_timeout = lock_timeout
-        self.blocking_timeout = blocking_timeout
-        self.sleep = sleep
 
     async def admit(self, key: str, item_id: str, tokens: int) -> AltResult:
         _check_tokens(tokens)
         field = ITEM + item_id
-        lock = self.r.lock(
-            key + ":lock",
-            timeout=self.lock_timeout,
-            sleep=self.sleep,
-            blocking_timeout=self.blocking_timeout,
-        )
+        lock = self.r.lock(key + ":lock", timeout=10.0, sleep=LOCK_SLEEP, blocking_timeout=60.0)
         async with lock:
             values = await self.r.hmget(key, WINDOW, USED, field)
             status, charged, free = decide(values, tokens)
@@ -269,20 +221,3 @@ def check(r: redis.Redis, key: str) -> list[str]:
     if used > window:
         problems.append(f"{key}: used {used} > window {window}")
     return problems
-
-
-__all__ = [
-    "LOCK_NESTED",
-    "WATCH_NESTED",
-    "AltResult",
-    "AsyncLockAdmit",
-    "AsyncWatchAdmit",
-    "LockAdmit",
-    "NoSession",
-    "TooManyRetries",
-    "WatchAdmit",
-    "aopen_session",
-    "check",
-    "decide",
-    "open_session",
-]
