@@ -2,28 +2,18 @@
 
     python -m bench.bench_core [--n N] [--reps R] [--json]
 
-It starts its own redis-server on a free port (ledger.testing.standalone).
+It starts its own redis-server and measures:
 
-What it measures:
-
-1. Server time per script call: CONFIG RESETSTAT, N calls, then INFO commandstats
-   (usec / calls of ``cmdstat_evalsha``). Phases: a bare ``return 1`` script, the
-   ledger's admit of one item, admit of 16 items, release of one item, reserve,
-   settle, snapshot. Each phase's set-up (opening a session, admitting the items a
-   release phase gives back, ...) happens before the RESETSTAT. Every phase runs
-   once per repetition, phases interleaved (their order rotated) across repetitions
-   to cancel drift; the median over repetitions is reported. The other commandstats
-   lines give the commands each script issues per call (HMGET, TIME, HSET, ...);
-   the static number of ``redis.call(`` sites in every Lua file is counted as well.
-2. Client throughput in a plain loop: ops/s, wall and CPU (time.process_time) per op
-   of a bare redis-py ``evalsha`` of ``return 1`` against the ledger's
-   ``session.admit("retrieval", [Item(...)])`` (which builds an op id and a
-   fingerprint, sends EVALSHA and parses the reply; tenacity only after a failure),
-   plus a bare ``evalsha`` of the admit script with pre-built arguments, and an
-   I/O-free attribution of the client's CPU (building the call, parsing the reply,
-   and for reference what a tenacity wrapper would cost).
-3. Memory: MEMORY USAGE (SAMPLES 0) of a freshly opened session hash and of one after
-   40 turns of (admit 3 items, release 1).
+1. Server time per script call (SERVER_PHASES): N calls after CONFIG RESETSTAT, then
+   EVALSHA usec / calls from INFO commandstats, each phase's set-up done before; phases
+   interleaved over the repetitions, median reported; the other commandstats lines give
+   the commands each script issues per call; the static ``redis.call(`` sites as well.
+2. Client throughput in a plain loop (CLIENT_LOOPS): ops/s, wall and CPU per op of a bare
+   ``evalsha`` of ``return 1``, of ``session.admit`` and of a bare ``evalsha`` of the
+   admit script with pre-built arguments; and the client CPU of the pieces of one call
+   without I/O (CPU_PARTS).
+3. Memory: MEMORY USAGE of a freshly opened session hash and of one after 40 turns of
+   (admit 3 items, release 1).
 """
 
 from __future__ import annotations
@@ -48,21 +38,9 @@ from ledger.testing import standalone
 Body = Callable[[], None]
 
 # Large window so that no phase is ever refused (16 x N one-token items per session).
-BENCH_BUDGET = SessionBudget(
-    window=100_000_000,
-    system_prompt=2_100,
-    tool_framing=150,
-    working_memory_floor=6_000,
-    output_reserve=1_024,
-)
-# A realistic session for the memory figures.
-MEMORY_BUDGET = SessionBudget(
-    window=128_000,
-    system_prompt=2_100,
-    tool_framing=150,
-    working_memory_floor=6_000,
-    output_reserve=1_024,
-)
+BENCH_BUDGET = SessionBudget(window=100_000_000, system_prompt=2_100, tool_framing=150,
+                             working_memory_floor=6_000, output_reserve=1_024)  # fmt: skip
+MEMORY_BUDGET = BENCH_BUDGET.model_copy(update={"window": 128_000})  # a realistic session
 LEASE_MS = 3_600_000
 TURNS = 40
 
@@ -70,10 +48,7 @@ TURNS = 40
 SERVER_PHASES: dict[str, tuple[str, str | None]] = {
     "return1": ("bare `return 1` script (floor)", None),
     "prelude_return1": ("admit's prelude (the _common.lua it uses) + return 1", "_common.lua"),
-    "admit_commands": (
-        "admit's HMGET, TIME and HSET alone, constant values (bench/admit_commands.lua)",
-        None,
-    ),
+    "admit_commands": ("admit's HMGET, TIME and HSET alone, constant values", None),
     "admit_1": ("admit 1 new item per call", "admit.lua"),
     "return1_warm": ("return 1, calls back to back in pipelines of 100 (warm)", None),
     "admit_commands_warm": ("admit_commands, back to back in pipelines of 100 (warm)", None),
@@ -258,40 +233,36 @@ class Bench:
             per = [r["usec"] / r["calls"] if r["calls"] else 0.0 for r in runs]
             in_cmds = [sum(u for _, u in r["inner"].values()) / r["calls"] if r["calls"] else 0.0
                        for r in runs]  # fmt: skip
-            inner_tot: dict[str, int] = {}
-            for r in runs:
-                for cmd, (c, _) in r["inner"].items():
-                    inner_tot[cmd] = inner_tot.get(cmd, 0) + c
             total_calls = sum(r["calls"] for r in runs)
-            warnings = []
-            if any(r["calls"] != self.n for r in runs):
-                warnings.append(
+            inner_tot: dict[str, int] = {}
+            for cmd, (c, _) in (kv for r in runs for kv in r["inner"].items()):
+                inner_tot[cmd] = inner_tot.get(cmd, 0) + c
+            warnings = (
+                [
                     f"evalsha calls per repetition {[r['calls'] for r in runs]} != n={self.n}: "
                     "another client used the server, or a script was reloaded"
-                )
+                ]
+                if any(r["calls"] != self.n for r in runs)
+                else []
+            )
             if any(r["failed"] for r in runs):
                 warnings.append(f"failed evalsha calls: {[r['failed'] for r in runs]}")
             out[name] = {
                 "what": what,
                 "script": lua or "(inline) return 1",
+                # the sites in the script, and in the part of _common.lua prepended to it
                 "static_redis_call": {
                     "script": static.get(lua, 0) if lua and lua != "_common.lua" else 0,
-                    # the sites in the part of _common.lua prepended to this script
                     "common": prelude_sites(lua) if lua else 0,
                 },
                 "usec_per_call": statistics.median(per),
                 "usec_per_call_reps": per,
-                # time Redis spent inside the commands the script issued (HMGET, HSET, ...);
-                # the rest of usec_per_call is Lua (argument checks, string work) and EVALSHA.
+                # time inside the commands the script issued; the rest is Lua and EVALSHA
                 "usec_in_commands_per_call": statistics.median(in_cmds),
-                "inner_calls_per_call": {
-                    cmd: c / total_calls
-                    for cmd, c in sorted(inner_tot.items(), key=lambda kv: -kv[1])
-                }
-                if total_calls
-                else {},
+                "inner_calls_per_call": {cmd: c / total_calls for cmd, c in sorted(
+                    inner_tot.items(), key=lambda kv: -kv[1])} if total_calls else {},
                 "warnings": warnings,
-            }
+            }  # fmt: skip
         floor = out["return1"]["usec_per_call"]  # every subset measures the floor
         for v in out.values():
             v["ratio_to_return1"] = v["usec_per_call"] / floor if floor else None
@@ -348,9 +319,7 @@ class Bench:
 
     def cpu_parts(self) -> dict[str, Any]:
         """Client CPU of the pieces of one ledger call, without any I/O."""
-        led = self.led
-        s = self.session()
-        n = self.n
+        led, s, n = self.led, self.session(), self.n
         call = s.admit_call("retrieval", [Item("probe", 1)])
         raw_reply = self.admit_script(keys=call.keys, args=call.args)
         self.drop_sessions()
@@ -369,43 +338,34 @@ class Bench:
             for _ in range(n):
                 call.parse(protocol.decode(raw_reply))
 
+        def cpu(fn: Body) -> float:
+            c0 = time.process_time()
+            fn()
+            return (time.process_time() - c0) / n * 1e6
+
         loops = {"tenacity": tenacity_loop, "build_call": build_loop, "parse_reply": parse_loop}
-        res: dict[str, list[float]] = {k: [] for k in loops}
-        for _ in range(self.reps):
-            for name, fn in loops.items():
-                c0 = time.process_time()
-                fn()
-                res[name].append((time.process_time() - c0) / n * 1e6)
+        res = interleaved(self.reps, {k: lambda fn=fn: cpu(fn) for k, fn in loops.items()})
         return {
-            name: {"what": CPU_PARTS[name], "cpu_us_per_op": statistics.median(v)}
-            for name, v in res.items()
+            k: {"what": CPU_PARTS[k], "cpu_us_per_op": statistics.median(v)} for k, v in res.items()
         }
 
     # -- memory
 
     def describe(self, key: str) -> dict[str, Any]:
         fields = self.r.hgetall(key)
-        classes = {"base": 0, "items": 0, "reservations": 0, "telemetry": 0}
-        sizes = dict.fromkeys(classes, 0)
+        names = {"i:": "items", "r:": "reservations", "x:": "telemetry"}
+        classes: dict[str, int] = {}
+        sizes: dict[str, int] = {}
         for f, v in fields.items():
-            name = f.decode() if isinstance(f, bytes) else str(f)
-            if name.startswith("i:"):
-                c = "items"
-            elif name.startswith("r:"):
-                c = "reservations"
-            elif name.startswith("x:"):
-                c = "telemetry"
-            else:
-                c = "base"
-            classes[c] += 1
-            sizes[c] += len(f) + len(v)
-        enc = self.r.object("encoding", key)
+            c = names.get(f[:2].decode(), "base")
+            classes[c] = classes.get(c, 0) + 1
+            sizes[c] = sizes.get(c, 0) + len(f) + len(v)
         return {
             "bytes": int(self.r.memory_usage(key, samples=0) or 0),
             "fields": len(fields),
-            "encoding": enc.decode() if isinstance(enc, bytes) else str(enc),
-            "fields_by_class": {k: v for k, v in classes.items() if v},
-            "payload_bytes_by_class": {k: v for k, v in sizes.items() if v},
+            "encoding": self.r.object("encoding", key).decode(),
+            "fields_by_class": classes,
+            "payload_bytes_by_class": sizes,
         }
 
     def memory(self) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import redis
 
+from bench.common import phase_usec
 from ledger import Item, Ledger, LedgerSettings, SessionBudget
 from ledger.testing import standalone
 
@@ -52,11 +53,7 @@ def main() -> None:
             res = []
             for _ in range(3):
                 s = setup()
-                r.config_resetstat()
-                for i in range(n):
-                    step(s, i)
-                st = r.info("commandstats")["cmdstat_evalsha"]
-                res.append(st["usec"] / st["calls"] * per_call)
+                res.append(phase_usec(r, lambda s=s: [step(s, i) for i in range(n)]) * per_call)
             print(f"{name:34s} {statistics.median(res):8.1f} us/call")
 
         ret1 = r.register_script("return 1")

@@ -14,7 +14,7 @@ this turn's prompt and what it replaced is not; the ledger's occupancy equals th
 prompt (drift 0, end_turn judges it); the items the ledger holds are exactly the
 prompt's objects. At the end: each compaction applied once (the session's compaction
 count equals the summaries applied, no summary id twice), the audit clean. Starts its
-own redis-server (tests.servers) unless ``--url`` is given.
+own redis-server.
 """
 
 from __future__ import annotations
@@ -35,9 +35,10 @@ from typing import Any
 
 from langchain_core.messages import AIMessage
 
+from bench.common import ROOT
 from ledger.adapters.summarizer import LLMSummarizer
+from ledger.testing import spawn_worker, standalone
 
-ROOT = Path(__file__).resolve().parent.parent
 SYSTEM = "You are a helpful assistant."
 SID = "e2e/agent"
 
@@ -103,24 +104,11 @@ def agent_process(url: str, prefix: str, inbox: Any, outbox: Any) -> None:
         )
 
 
-def spawn_worker(url: str, prefix: str, n: int, log_dir: Path) -> subprocess.Popen[bytes]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LEDGER_")}
-    env.update(
-        LEDGER_REDIS_URL=url,
-        LEDGER_PREFIX=prefix,
-        LEDGER_WORKER_COMPACTOR="bench.compaction_e2e:summarizer",
-        LEDGER_WORKER_CLAIM_IDLE_MS="500",
-        LEDGER_WORKER_CONSUMER=f"e2e-worker-{n}",
-        LEDGER_WORKER_POLL_INTERVAL="0.02",
-    )
-    with (log_dir / f"worker-{n}.log").open("wb") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "ledger.cli", "worker"],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+def start_worker(url: str, prefix: str, n: int, log_dir: Path) -> subprocess.Popen[bytes]:
+    env = {"LEDGER_REDIS_URL": url, "LEDGER_PREFIX": prefix, "PYTHONPATH": str(ROOT),
+           "LEDGER_WORKER_COMPACTOR": "bench.compaction_e2e:summarizer",
+           "LEDGER_WORKER_CLAIM_IDLE_MS": "500", "LEDGER_WORKER_POLL_INTERVAL": "0.02"}  # fmt: skip
+    return spawn_worker(f"e2e-worker-{n}", env, log_dir / f"worker-{n}.log").proc
 
 
 def run(url: str, turns: int, kills: int) -> dict[str, Any]:
@@ -135,7 +123,7 @@ def run(url: str, turns: int, kills: int) -> dict[str, Any]:
     agents = [ctx.Process(target=agent_process, args=(url, prefix, i, o)) for i, o in pipes]
     for p in agents:
         p.start()
-    workers = [spawn_worker(url, prefix, 0, log_dir)]
+    workers = [start_worker(url, prefix, 0, log_dir)]
     kill_at = sorted(random.Random(7).sample(range(5, turns - 5), kills)) if kills else []
     killed, pending_kill = 0, False
     state: list[dict[str, str]] = []
@@ -170,7 +158,7 @@ def run(url: str, turns: int, kills: int) -> dict[str, Any]:
                 workers[-1].send_signal(signal.SIGKILL)
                 workers[-1].wait()
                 killed += 1
-                workers.append(spawn_worker(url, prefix, len(workers), log_dir))
+                workers.append(start_worker(url, prefix, len(workers), log_dir))
     wall = time.perf_counter() - t0
     for i, _ in pipes:
         i.put(None)
@@ -210,18 +198,12 @@ def run(url: str, turns: int, kills: int) -> dict[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--url")
     ap.add_argument("--turns", type=int, default=50)
     ap.add_argument("--kills", type=int, default=2)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    if args.url:
-        res = run(args.url, args.turns, args.kills)
-    else:
-        from ledger.testing import standalone
-
-        with standalone() as server:
-            res = run(server.url, args.turns, args.kills)
+    with standalone() as server:
+        res = run(server.url, args.turns, args.kills)
     print(json.dumps(res, indent=2) if args.json else res)
     return 1 if res["failures"] else 0
 

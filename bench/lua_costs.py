@@ -36,13 +36,10 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from rich.console import Console
-from rich.table import Table
 
+from bench.common import ROOT, table
 from ledger import Item, Ledger, SessionBudget, protocol, scripts
 from ledger.testing import standalone
-
-ROOT = Path(__file__).resolve().parents[1]
 
 PIECES = (
     "empty",
@@ -194,28 +191,27 @@ def main() -> None:
         n = a.n or 1_000
         with standalone() as srv, Ledger.from_url(srv.url) as led:
             res = compare(led, a.against, n, a.reps)
-        t = Table(
-            title=f"Server time per EVALSHA, {a.against} vs working tree ({n:,} calls per phase, "
-            f"median of {a.reps}, interleaved)"
+        table(
+            f"Server time per EVALSHA, {a.against} vs working tree ({n:,} calls per phase, "
+            f"median of {a.reps}, interleaved)",
+            ["script", f"{a.against} us", "working tree us", "ratio"],
+            [
+                [m, f"{v['rev']:.2f}", f"{v['tree']:.2f}", f"{v['ratio']:.3f}"]
+                for m, v in res.items()
+            ],
         )
-        for col in ("script", f"{a.against} us", "working tree us", "ratio"):
-            t.add_column(col, justify="left" if col == "script" else "right")
-        for m, v in res.items():
-            t.add_row(m, f"{v['rev']:.2f}", f"{v['tree']:.2f}", f"{v['ratio']:.3f}")
-        Console().print(t)
         return
     n = a.n or 20_000
     with standalone() as srv:
         r = redis.Redis.from_url(srv.url)
         costs = measure(r, n)
         encodings = {k: r.object("encoding", k) for k in ("costs:ht", "costs:lp")}
-    t = Table(title=f"Lua pieces, warm, in-loop ({n:,} iterations in one call, best of 3)")
-    t.add_column("piece")
-    t.add_column("ns per use", justify="right")
-    for piece, ns in costs.items():
-        t.add_row(piece, f"{ns:,.0f}")
-    Console().print(t)
-    Console().print(f"[dim]scratch hashes: {encodings}[/dim]")
+    table(
+        f"Lua pieces, warm, in-loop ({n:,} iterations in one call, best of 3)",
+        ["piece", "ns per use"],
+        [[piece, f"{ns:,.0f}"] for piece, ns in costs.items()],
+    )
+    print(f"scratch hashes: {encodings}")
 
 
 if __name__ == "__main__":
