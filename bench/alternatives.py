@@ -1,29 +1,17 @@
-"""The ledger's single-item admission written the two conventional ways, without Lua.
+"""The ledger's single-item admission written the two conventional ways, without Lua:
+the baselines of bench_full. Both decide the same on a hash ``window``, ``used``,
+``i:<item id>``: an item already held is a duplicate (nothing charged); one that would
+take ``used`` above ``window`` is refused (nothing written); otherwise HINCRBY used and
+HSET the item in one MULTI/EXEC.
 
-Used by ``bench/bench_full.py`` as the baselines the ledger is compared against.
-Both implement the same decision on the same kind of session hash::
+WatchAdmit (and AsyncWatchAdmit): WATCH, HMGET, decide, MULTI/HINCRBY/HSET/EXEC, the
+whole step retried at once on WatchError (redis-py's ``Redis.transaction`` idiom).
+LockAdmit (and AsyncLockAdmit): the same under a redis-py ``Lock`` (SET NX PX, polled
+every LOCK_SLEEP s, released by a compare-and-delete script; correct while no holder
+stalls past its 10 s timeout).
 
-    <key>           hash: window <tokens>, used <tokens>, i:<item id> <tokens>
-
-"check capacity, then HINCRBY used and HSET the item": an item already held is a
-duplicate and charges nothing; an item that would take ``used`` above ``window`` is
-refused (nothing written); otherwise ``used`` grows by its tokens and the item is
-recorded, both in one MULTI/EXEC so no reader sees one without the other.
-
-:class:`WatchAdmit` (and :class:`AsyncWatchAdmit`) is optimistic: WATCH the key,
-HMGET, decide, MULTI/HINCRBY/HSET/EXEC; EXEC aborts when another client changed the
-key after the WATCH (redis-py raises WatchError) and the whole step is retried at
-once, the idiom of redis-py's ``Redis.transaction``. Three round trips per attempt.
-
-:class:`LockAdmit` (and :class:`AsyncLockAdmit`) takes a redis-py ``Lock`` (SET NX PX,
-polled every ``LOCK_SLEEP`` seconds while held by another client; released by a
-compare-and-delete script) around HMGET, decide, MULTI/HINCRBY/HSET/EXEC. It is
-correct as long as no holder stalls for longer than its 10 s timeout (then the lock
-expires under it: the usual caveat of lease locks; the ledger's scripts have none).
-
-What they do *not* do, and the ledger does: operation ids with a stored outcome (a
-retried call is not charged twice), floors per consumer, epochs, turns, TTLs. The
-comparison is therefore generous to them.
+They do not do what the ledger does on every call (op ids with a stored outcome,
+floors, epochs, turns, TTLs): the comparison is generous to them.
 """
 
 from __future__ import annotations
@@ -96,11 +84,13 @@ def _check_tokens(tokens: int) -> None:
 # --- WATCH / MULTI / EXEC ------------------------------------------------------------
 
 
-class WatchAdmit:
-    """Single-item admission as an optimistic transaction (sync)."""
-
-    def __init__(self, r: redis.Redis) -> None:
+class _Admit:
+    def __init__(self, r: Any) -> None:
         self.r = r
+
+
+class WatchAdmit(_Admit):
+    """Single-item admission as an optimistic transaction (sync)."""
 
     def admit(self, key: str, item_id: str, tokens: int) -> AltResult:
         _check_tokens(tokens)
@@ -126,11 +116,8 @@ class WatchAdmit:
                     pipe.reset()
 
 
-class AsyncWatchAdmit:
+class AsyncWatchAdmit(_Admit):
     """Single-item admission as an optimistic transaction (asyncio)."""
-
-    def __init__(self, r: redis.asyncio.Redis) -> None:
-        self.r = r
 
     async def admit(self, key: str, item_id: str, tokens: int) -> AltResult:
         _check_tokens(tokens)
@@ -160,11 +147,8 @@ class AsyncWatchAdmit:
 # --- redis-py Lock around read-modify-write -----------------------------------------
 
 
-class LockAdmit:
+class LockAdmit(_Admit):
     """Single-item admission under a redis-py ``Lock`` per session (sync)."""
-
-    def __init__(self, r: redis.Redis) -> None:
-        self.r = r
 
     def admit(self, key: str, item_id: str, tokens: int) -> AltResult:
         _check_tokens(tokens)
@@ -180,11 +164,8 @@ class LockAdmit:
         return AltResult(status, charged, free)
 
 
-class AsyncLockAdmit:
+class AsyncLockAdmit(_Admit):
     """Single-item admission under a redis-py ``Lock`` per session (asyncio)."""
-
-    def __init__(self, r: redis.asyncio.Redis) -> None:
-        self.r = r
 
     async def admit(self, key: str, item_id: str, tokens: int) -> AltResult:
         _check_tokens(tokens)
@@ -206,18 +187,12 @@ class AsyncLockAdmit:
 
 def check(r: redis.Redis, key: str) -> list[str]:
     """Problems of a session hash: used must equal the sum of its items, within window."""
-    fields = r.hgetall(key)
-    if not fields:
+    text = {k.decode(): int(v) for k, v in r.hgetall(key).items()}
+    if not text:
         return [f"{key}: missing"]
-    text = {
-        (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-        for k, v in fields.items()
-    }
-    window, used = int(text[WINDOW]), int(text[USED])
-    held = sum(int(v) for k, v in text.items() if k.startswith(ITEM))
-    problems = []
-    if used != held:
-        problems.append(f"{key}: used {used} != sum of items {held}")
+    window, used = text[WINDOW], text[USED]
+    held = sum(v for k, v in text.items() if k.startswith(ITEM))
+    problems = [f"{key}: used {used} != sum of items {held}"] if used != held else []
     if used > window:
         problems.append(f"{key}: used {used} > window {window}")
     return problems

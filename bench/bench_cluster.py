@@ -3,23 +3,15 @@
     python -m bench.bench_cluster [--primaries 1,2,3] [--sessions 1500] [--turns 10]
                                   [--threads 4] [--seed 1] [--rounds 1] [--json]
 
-Per size N: a throwaway cluster (ledger.testing.cluster; ``redis-cli --cluster
-create`` needs 3 masters, so for N < 3 every slot is then given to the first N of 3
-nodes and the others get no call), the scripts loaded on every primary, CONFIG
-RESETSTAT, then one fixed load through the sync Ledger in --threads threads:
---sessions sessions with seeded random ids (the same at every N), each opened, then
---turns cycles of begin_turn, admit (one retrieval item) and end_turn. Per primary,
-from INFO commandstats (evalsha, eval, fcall: the ledger's calls) and INFO cpu: its
-share of the calls, server usec per call, the partitions (``{p<N>}`` hash tags, P =
-LedgerSettings.partitions) whose slots it owns and the share of the ids in them. Then
-
-    capacity(N) = server usec per op of the whole N=1 cluster
-                  / max over primaries of that primary's server usec per op at N
-
-the throughput the busiest primary allows relative to one (N if calls spread evenly
-and cost the same); ``cpu_capacity``: the same ratio of server CPU time (INFO cpu, which
-counts the network I/O too); ``balance_capacity``: 1 / the largest share, the bound from
-the spread alone. --rounds R: every size R times, interleaved, and the medians.
+Per size N: a throwaway cluster (ledger.testing.cluster: for N < 3 every slot is given
+to the first N of 3 nodes), the scripts loaded, CONFIG RESETSTAT, then one fixed load in
+--threads threads: --sessions seeded random ids, each opened, then --turns cycles of
+begin_turn, admit, end_turn. Per primary, from INFO commandstats (evalsha, eval, fcall)
+and INFO cpu: its share of the calls, server usec per call, the partitions it owns and
+the share of the ids in them. capacity(N) = server usec per op of the N=1 cluster / the
+busiest primary's at N (N if the calls spread evenly); cpu_capacity: the same of server
+CPU time (network I/O included); balance_capacity: 1 / the largest share. --rounds R:
+every size R times, interleaved, and the medians.
 """
 
 from __future__ import annotations

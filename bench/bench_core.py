@@ -386,6 +386,36 @@ class Bench:
 # --- output --------------------------------------------------------------------------
 
 
+def server_table(title: str, res: dict[str, Any], key: str = "server") -> None:
+    rows = []
+    for name, v in res[key].items():
+        st, reps, us = v["static_redis_call"], v["usec_per_call_reps"], v["usec_per_call"]
+        inner = ", ".join(f"{c.upper()} {x:.3g}" for c, x in v["inner_calls_per_call"].items())
+        rows.append([
+            f"{name}\n[dim]{v['what']}[/dim]", v["script"],
+            f"{st['script']} + {st['common']}" if v["script"].endswith(".lua") else "0",
+            inner or "-", f"{us:.2f}", f"{min(reps):.2f}-{max(reps):.2f}",
+            f"{v['usec_in_commands_per_call']:.2f}", f"{us - v['usec_in_commands_per_call']:.2f}",
+            f"{v['ratio_to_return1']:.2f}", f"{1e6 / us:,.0f}" if us else "-",
+        ])  # fmt: skip
+        rows += [[f"[red]warning[/red] {w}"] for w in v["warnings"]]
+    table(title, ["phase", "script", "redis.call(\nsites: script\n+ common",
+                  "commands issued per call (dynamic)", "µs/call\nmedian", "min-max",
+                  "µs in those\ncommands", "µs in Lua\nitself", "x return 1",
+                  "calls/s/core\n(1e6/µs)"], rows, width=210,
+          left=("script", "commands issued per call (dynamic)"))  # fmt: skip
+
+
+def cpu_parts_table(title: str, res: dict[str, Any]) -> None:
+    """The CPU pieces, and their share of ledger_admit's CPU when the client loops ran."""
+    led = res.get("client", {}).get("ledger_admit", {}).get("cpu_us_per_op")
+    rows = [[n, v["what"], f"{v['cpu_us_per_op']:.1f}"] for n, v in res["client_cpu_parts"].items()]
+    for row, v in zip(rows, res["client_cpu_parts"].values(), strict=True):
+        row += [f"{v['cpu_us_per_op'] / led:.0%}"] if led else []
+    share = ["share of ledger-admit CPU"] if led else []
+    table(title, ["piece", "what", "CPU µs/op", *share], rows, left=("what",))
+
+
 def print_table(res: dict[str, Any]) -> None:
     env, p = res["env"], res["params"]
     print(
@@ -398,28 +428,7 @@ def print_table(res: dict[str, Any]) -> None:
         f"s, hash-max-listpack-entries/value {env['hash_max_listpack_entries']}/"
         f"{env['hash_max_listpack_value']}, total {res['elapsed_s']:.1f} s"
     )
-    rows = []
-    for name, v in res["server"].items():
-        st, reps = v["static_redis_call"], v["usec_per_call_reps"]
-        inner = ", ".join(f"{c.upper()} {x:.3g}" for c, x in v["inner_calls_per_call"].items())
-        rows.append([
-            f"{name}\n[dim]{v['what']}[/dim]", v["script"],
-            f"{st['script']} + {st['common']}" if v["script"].endswith(".lua") else "0",
-            inner or "-", f"{v['usec_per_call']:.2f}", f"{min(reps):.2f}-{max(reps):.2f}",
-            f"{v['usec_in_commands_per_call']:.2f}", f"{v['ratio_to_return1']:.2f}",
-            f"{1e6 / v['usec_per_call']:,.0f}" if v["usec_per_call"] else "-",
-        ])  # fmt: skip
-    table(
-        "1. Server time per call (INFO commandstats, cmdstat_evalsha usec/calls)",
-        ["phase", "script", "redis.call(\nsites: script\n+ common",
-         "commands issued per call (dynamic)", "µs/call\nmedian", "min-max",
-         "µs in those\ncommands", "x return 1", "calls/s/core\n(1e6/µs)"],
-        rows,
-        left=("script", "commands issued per call (dynamic)"),
-    )  # fmt: skip
-    for name, v in res["server"].items():
-        for w in v["warnings"]:
-            print(f"warning {name}: {w}")
+    server_table("1. Server time per call (INFO commandstats, cmdstat_evalsha usec/calls)", res)
     st = res["static_redis_call"]
     table(
         "Static `redis.call(` occurrences per Lua file (a script's prelude is the part of "
@@ -438,14 +447,7 @@ def print_table(res: dict[str, Any]) -> None:
           f"{v['server_us_per_op']:.2f}", f"{v['slowdown_vs_bare']:.2f}",
           f"{v['cpu_ratio_vs_bare']:.2f}"] for name, v in res["client"].items()],
     )  # fmt: skip
-    led_cpu = res["client"]["ledger_admit"]["cpu_us_per_op"]
-    table(
-        "Client CPU of the pieces of one ledger call (no I/O, median)",
-        ["piece", "what", "CPU µs/op", "share of ledger-admit CPU"],
-        [[n, v["what"], f"{v['cpu_us_per_op']:.1f}", f"{v['cpu_us_per_op'] / led_cpu:.0%}"]
-         for n, v in res["client_cpu_parts"].items()],
-        left=("what",),
-    )  # fmt: skip
+    cpu_parts_table("Client CPU of the pieces of one ledger call (no I/O, median)", res)
     fresh = res["memory"]["fresh"]["bytes"]
     table(
         "3. Memory of one session hash (MEMORY USAGE key SAMPLES 0)",

@@ -54,7 +54,9 @@ from bench.bench_core import (
     LEASE_MS,
     MEMORY_BUDGET,
     Bench,
+    cpu_parts_table,
     prelude_sites,
+    server_table,
     static_redis_calls,
 )
 from bench.common import (
@@ -1024,25 +1026,16 @@ def print_report(res: dict[str, Any]) -> None:
         title = f"{mode}: " + MODE_TITLES[mode].format(**p)
         print_table(title, MATRIX_COLUMNS, rows, left=("notes",), width=210)
     Console(width=210).print(f"[dim]{LEGEND}[/dim]")
-    cal = res["calibration"]
-    print_table(
-        "Server time per call, one idle client (bench_core phases, median)",
-        ["phase", "µs/call median", "min-max", "µs inside redis.call\ncommands",
-         "µs in Lua itself", "x return 1", "calls x reps"],
-        [[f"{name}\n[dim]{v['what']}[/dim]", f"{v['usec_per_call']:.2f}",
-          f"{min(v['usec_per_call_reps']):.2f}-{max(v['usec_per_call_reps']):.2f}",
-          f"{v['usec_in_commands_per_call']:.2f}",
-          f"{v['usec_per_call'] - v['usec_in_commands_per_call']:.2f}",
-          f"{v['ratio_to_return1']:.1f}", f"{p['calibration']['n']} x {p['calibration']['reps']}"]
-         for name, v in cal.items()],
-        width=210,
-    )  # fmt: skip
-    print_table(
-        "Client CPU of the pieces of one ledger call, no I/O (bench_core cpu_parts); tenacity "
-        "is entered only after a failed first try (Ledger.run's fast path): for reference",
-        ["piece", "what", "CPU µs/op"],
-        [[n, v["what"], f"{v['cpu_us_per_op']:.1f}"] for n, v in res["client_cpu_parts"].items()],
-        left=("what",),
+    server_table(
+        "Server time per call, one idle client (bench_core phases, median of "
+        f"{p['calibration']['reps']} x {p['calibration']['n']} calls)",
+        res,
+        "calibration",
+    )
+    cpu_parts_table(
+        "Client CPU of the pieces of one ledger call, no I/O (bench_core cpu_parts); "
+        "tenacity is entered only after a failed first try: for reference",
+        res,
     )
     w = mem["what_if_fresh_small_fields"]
     print_table(

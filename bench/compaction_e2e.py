@@ -3,18 +3,14 @@
     python -m bench.compaction_e2e [--turns 50] [--kills 2] [--json]
 
 One agent session (worker-owned, framing tolerance 0) whose turns are served
-alternately by two agent processes (the app's state, its prompt objects, travels with
-each turn); one background ``ledger worker`` process whose compactor is an LLM
-summarizer over a stub model answering after 0.5-2 s. The worker is killed with
-SIGKILL ``--kills`` times, each time while a summary is in flight, and a new one
-started (it takes the job over after ``claim_idle_ms``).
+alternately by two agent processes; one ``ledger worker`` process whose compactor is an
+LLM summarizer over a stub model answering after 0.5-2 s, killed with SIGKILL
+``--kills`` times while a summary is in flight, and a new one started.
 
-Checked after every turn: every summary committed since the agent's last turn is in
-this turn's prompt and what it replaced is not; the ledger's occupancy equals the real
-prompt (drift 0, end_turn judges it); the items the ledger holds are exactly the
-prompt's objects. At the end: each compaction applied once (the session's compaction
-count equals the summaries applied, no summary id twice), the audit clean. Starts its
-own redis-server.
+Checked after every turn: every summary committed since the agent's last turn is in the
+prompt and what it replaced is not; occupancy equals the real prompt (drift 0); the
+items held are the prompt's objects. At the end: each compaction applied once, the
+audit clean. Starts its own redis-server.
 """
 
 from __future__ import annotations

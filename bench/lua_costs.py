@@ -3,21 +3,16 @@
     python -m bench.lua_costs [--n 20000]
     python -m bench.lua_costs --against <git revision> [--n 1000] [--reps 20]
 
-Starts its own redis-server and runs each piece of ``bench/lua_costs.lua`` N times
-inside one EVALSHA; the cost of a piece is (EVALSHA usec from INFO commandstats -
-the same for the empty piece) / N, best of 3. These are warm, in-loop costs: a fresh
-call pays them again with cold caches, several times over (see the README).
+Runs each piece of ``bench/lua_costs.lua`` N times inside one EVALSHA on its own
+redis-server: (EVALSHA usec - the same for the empty piece) / N, best of 3; warm,
+in-loop costs (a fresh call pays them again with cold caches).
 
-With ``--against REV`` it compares instead the server time of whole scripts (admit
-of one item, begin_turn, end_turn) as assembled at git revision REV (its ``lua/``
-and ``ledger/scripts.py``) and in the working tree, on the same server, in one
-process: each phase is N calls on a fresh session, CONFIG RESETSTAT before, EVALSHA
-usec / calls from INFO commandstats after; each repetition runs every script's two
-versions back to back (scripts in rotated order), a first round for warm-up dropped, the
-median over repetitions reported, and the median of the ratio working tree / REV within
-each pair of back-to-back phases (which runs first alternates). Each phase's calls
-are built beforehand and sent back to back in pipelines of 100; end_turn's phase opens
-each turn with an EVAL of begin_turn, which the evalsha line does not count.
+``--against REV``: the server time of whole scripts (admit of one item, begin_turn,
+end_turn) as assembled at git revision REV and in the working tree: N calls a phase on a
+fresh session, sent back to back in pipelines of 100; both versions back to back in each
+repetition (which runs first alternates), a warm-up round dropped; medians, and the
+median ratio working tree / REV within each pair (end_turn's phase opens each turn with
+an EVAL of begin_turn, which the evalsha line does not count).
 """
 
 from __future__ import annotations
