@@ -943,21 +943,17 @@ def _f(x: float | None, spec: str = ".2f") -> str:
 
 
 def _notes(r: dict[str, Any], capped_matters: bool) -> str:
-    notes = []
-    if r["op"] in ALTERNATIVES and r["retries_per_op"]:
-        notes.append(f"retries/op {r['retries_per_op']:.2f}")
+    notes = [f"retries/op {r['retries_per_op']:.2f}"] if r["retries_per_op"] else []
     if r["capped_workers"] and capped_matters:
-        notes.append(f"[yellow]pre-built state ran out: {r['capped_workers']}/"
-                     f"{r['procs']} workers stopped early[/yellow]")  # fmt: skip
+        notes.append(f"[yellow]pre-built state ran out: {r['capped_workers']}/{r['procs']} "
+                     "workers stopped early[/yellow]")  # fmt: skip
     if r["unfinished"]:
         notes.append(f"[yellow]{r['unfinished']} still running {DRAIN_S:g} s after the "
                      "time box: cancelled, p99 is a lower bound[/yellow]")  # fmt: skip
     if r["errors"]:
         notes.append(f"[red]errors {r['errors']}[/red]")
-    if r["check"]:
-        notes.append(f"[red]check: {r['check'][0]}[/red]")
-    elif r["op"] != "floor":
-        notes.append("check ok")
+    if r["op"] != "floor":
+        notes.append(f"[red]check: {r['check'][0]}[/red]" if r["check"] else "check ok")
     if r["op"] == "begin_turn":
         notes.append(f"hash {r['session_fields_max']:,} fields at end")
     if r["mode"] == "pipelined" and r["op"] != "floor":
@@ -975,18 +971,14 @@ MODE_TITLES = {
     "pre-built EVALSHA); latency = batch",
 }
 LEGEND = (
-    "x floor / x WATCH / x Lock: this row's ops/s divided by that row's at the same mode, "
-    "processes and layout (> 1: faster). srv µs/call: EVALSHA usec/calls from INFO "
-    "commandstats (scripts include the commands they call); WATCH/Lock rows: the usec of all "
-    "top-level commands / ops (HINCRBY/HSET run inside EXEC and GET/DEL inside the Lock's "
-    "release script are already in EXEC's / EVALSHA's usec; the naive sum is in the JSON). "
-    "cmds/op: top-level commands per operation. redis.call( sites: static count in the row's "
-    "script(s) + its prelude from _common.lua. CPU µs/op: process_time of all worker "
-    "processes / ops. redis CPU %: the server's CPU during the row (100 = one core); other "
-    "CPU %: the machine's busy time not used by the server or the workers, approximate. The "
-    "alternatives implement single-item admission only: their ratios are meaningful for "
-    "admit_1. Redis's usec is wall time: with busy clients on the same cores it includes time "
-    "the server was descheduled; the one-idle-client table below is the clean server time."
+    "x floor / WATCH / Lock: ops/s over that row's at the same mode, processes and layout. "
+    "srv µs/call: EVALSHA usec/calls (a script's includes its commands); WATCH/Lock rows: "
+    "the usec of the top-level commands / ops (the naive sum is in the JSON). cmds/op: "
+    "top-level commands per operation. redis.call( sites: the script(s) + its prelude. CPU "
+    "µs/op: process_time of the workers / ops. redis / other CPU %: the server's, and the "
+    "machine's busy time outside the server and the workers (% of one core). The "
+    "alternatives only admit one item: their ratios mean something for admit_1. Redis's usec "
+    "is wall time (busy clients deschedule it): the one-idle-client table is the clean one."
 )
 
 
@@ -1002,7 +994,7 @@ def print_report(res: dict[str, Any]) -> None:
         f"{env.get('loadavg_after')}, CPU steal {env.get('cpu_steal_pct_during_run', 'n/a')} "
         f"%; CPU used by other processes on the host during the rows: mean "
         f"{res['other_cpu']['mean_pct']:.0f} %, max {res['other_cpu']['max_pct']:.0f} % of one "
-        f"core (of {env['nproc'] * 100} %)\nrows: {p['duration_s']} s time box each"
+        f"core (of {env['nproc'] * 100} %)\nrows: {p['duration']} s time box each"
         + (f", {p['ops_per_row']} ops per row" if p["ops_per_row"] else "")
         + f"; processes {p['procs']} (spawn); asyncio K={p['concurrency']} calls in flight "
         f"per process; pipeline B={p['batch']} calls; sessions: shared = one for all "
@@ -1028,7 +1020,7 @@ def print_report(res: dict[str, Any]) -> None:
     Console(width=210).print(f"[dim]{LEGEND}[/dim]")
     server_table(
         "Server time per call, one idle client (bench_core phases, median of "
-        f"{p['calibration']['reps']} x {p['calibration']['n']} calls)",
+        f"{p['calib_reps']} x {p['calib_n']} calls)",
         res,
         "calibration",
     )
@@ -1087,18 +1079,8 @@ def run(plan: Plan, progress: Callable[[str], None]) -> dict[str, Any]:
     res: dict[str, Any] = {
         "git": git_commit(),
         "env": env,
-        "params": {
-            "quick": plan.quick,
-            "procs": list(plan.procs),
-            "modes": list(plan.modes),
-            "duration_s": plan.duration,
-            "ops_per_row": plan.ops_per_row,
-            "concurrency": plan.concurrency,
-            "batch": plan.batch,
-            "calibration": {"n": plan.calib_n, "reps": plan.calib_reps},
-            "lock_poll_s": alt.LOCK_SLEEP,
-            "watch_max_retries": alt.WATCH_MAX_RETRIES,
-        },
+        "params": asdict(plan)
+        | {"lock_poll_s": alt.LOCK_SLEEP, "watch_max_retries": alt.WATCH_MAX_RETRIES},
         "static_redis_call": static_redis_calls(),
         "rows": rows,
         "calibration": cal,

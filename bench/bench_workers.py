@@ -101,34 +101,38 @@ class Run:
         self.epochs = [self.led.open_session(sid, BUDGET).epoch for sid in self.sids]
 
     def enqueue(self) -> None:
-        ks = self.led.keyspace
         pipe = self.r.pipeline(transaction=False)
         for sid, epoch in zip(self.sids, self.epochs, strict=True):
-            fields: dict[Any, Any] = {"kind": "hard_reset", "session": sid, "epoch": epoch}
-            fields.update(reason="bench", op="bench")
-            pipe.xadd(ks.jobs(ks.partition_of(sid)), fields)
+            pipe.xadd(self.stream(sid), {"kind": "hard_reset", "session": sid, "epoch": epoch,
+                                         "reason": "bench", "op": "bench"})  # fmt: skip
         pipe.execute()
+
+    def stream(self, sid: str) -> str:
+        return self.led.keyspace.jobs(self.led.keyspace.partition_of(sid))
+
+    @property
+    def streams(self) -> list[str]:
+        return [self.led.keyspace.jobs(p) for p in range(self.partitions)]
 
     def backlog(self) -> int:
         """Jobs not yet done: entries pending in the group, plus entries after its last
         delivered id. (Not XLEN: a worker killed between its XACK and its XDEL leaves an
         acknowledged entry in the stream for ever; see leftovers().)"""
-        streams = [self.led.keyspace.jobs(p) for p in range(self.partitions)]
         pipe = self.r.pipeline(transaction=False)
-        for stream in streams:
+        for stream in self.streams:
             pipe.xinfo_groups(stream)
-        groups = [_group(g) for g in pipe.execute()]
+        groups = [next(g for g in gs if g["name"] == GROUP.encode()) for gs in pipe.execute()]
         pending = sum(int(g["pending"]) for g in groups)
         if pending:
             return pending
         pipe = self.r.pipeline(transaction=False)
-        for stream, g in zip(streams, groups, strict=True):
-            pipe.xrange(stream, min=f"({_text(g['last-delivered-id'])}", max="+", count=1)
+        for stream, g in zip(self.streams, groups, strict=True):
+            pipe.xrange(stream, min=b"(" + g["last-delivered-id"], max="+", count=1)
         return sum(len(rows) for rows in pipe.execute())
 
     def leftovers(self) -> int:
         """Entries acknowledged but never deleted (their worker died between the two)."""
-        return sum(self.r.xlen(self.led.keyspace.jobs(p)) for p in range(self.partitions))
+        return sum(self.r.xlen(stream) for stream in self.streams)
 
     def wait_drained(self, timeout: float = 120.0, step: float = 0.005) -> None:
         deadline = time.monotonic() + timeout
@@ -150,31 +154,18 @@ class Run:
         if bad:
             raise RuntimeError(f"{len(bad)} sessions not reset exactly once, e.g. {bad[:5]}")
 
-    def held_by(self, consumer: str) -> list[tuple[str, str]]:
-        out = []
-        for p in range(self.partitions):
-            stream = self.led.keyspace.jobs(p)
-            for row in self.r.xpending_range(
-                stream, GROUP, min="-", max="+", count=100_000, consumername=consumer
-            ):
-                mid = row["message_id"]
-                out.append((stream, mid.decode() if isinstance(mid, bytes) else str(mid)))
-        return out
+    def held_by(self, consumer: str) -> list[tuple[str, bytes]]:
+        return [
+            (stream, row["message_id"])
+            for stream in self.streams
+            for row in self.r.xpending_range(stream, GROUP, "-", "+", 100_000, consumer)
+        ]
 
-    def still_there(self, entries: list[tuple[str, str]]) -> int:
+    def still_there(self, entries: list[tuple[str, bytes]]) -> int:
         pipe = self.r.pipeline(transaction=False)
         for stream, eid in entries:
             pipe.xrange(stream, eid, eid)
         return sum(1 for rows in pipe.execute() if rows)
-
-
-def _text(x: Any) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
-
-
-def _group(groups: list[dict[str, Any]]) -> dict[str, Any]:
-    [g] = [g for g in groups if _text(g["name"]) == GROUP]
-    return g
 
 
 def throughput(url: str, a: argparse.Namespace, logs: Path, workers: int) -> dict[str, Any]:
@@ -257,10 +248,10 @@ def commands(clients: list[redis.Redis]) -> dict[str, int]:
 def pickup(run: Run, w: WorkerProc, sids: list[str], epochs: list[int]) -> list[float]:
     """One hard_reset job at a time, each after a random pause of 20-120 ms: seconds from
     its XADD until it is gone from its stream (done), sorted."""
-    ks, lat = run.led.keyspace, []
+    lat = []
     for sid, epoch in zip(sids, epochs, strict=True):
         time.sleep(random.uniform(0.02, 0.12))
-        stream = ks.jobs(ks.partition_of(sid))
+        stream = run.stream(sid)
         fields = {"kind": "hard_reset", "session": sid, "epoch": epoch, "reason": "bench"}
         t = time.perf_counter()
         eid = run.r.xadd(stream, fields)  # type: ignore[arg-type]
