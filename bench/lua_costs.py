@@ -32,7 +32,7 @@ from typing import Any
 
 import redis
 
-from bench.common import ROOT, table
+from bench.common import ROOT, phase_usec, table
 from ledger import Item, Ledger, SessionBudget, protocol, scripts
 from ledger.testing import standalone
 
@@ -65,15 +65,12 @@ def measure(r: redis.Redis, n: int, reps: int = 3) -> dict[str, float]:
     r.hset("costs:ht", mapping={f"f{i}": "x" * 80 for i in range(300)})  # > 64 B: hashtable
     r.hset("costs:lp", mapping={f"f{i}": str(i) for i in range(300)})  # short: listpack
     args = ("3f9a0c1b2d4e5f6a7b8c1a", "1764481234")
-    raw: dict[str, float] = {}
-    for piece in PIECES:
-        best = float("inf")
-        for _ in range(reps):
-            r.config_resetstat()
-            r.evalsha(sha, 2, "costs:ht", "costs:lp", piece, n, *args)
-            usec = float(r.info("commandstats")["cmdstat_evalsha"]["usec"])
-            best = min(best, usec * 1000 / n)
-        raw[piece] = best
+    raw = {
+        piece: min(phase_usec(r, lambda piece=piece: r.evalsha(sha, 2, "costs:ht", "costs:lp",
+                                                               piece, n, *args)) * 1000 / n
+                   for _ in range(reps))
+        for piece in PIECES
+    }  # fmt: skip
     base = raw.pop("empty")
     return {piece: ns - base for piece, ns in raw.items()} | {"empty loop": base}
 
@@ -156,22 +153,15 @@ def compare(led: Ledger, rev: str, n: int, reps: int) -> dict[str, dict[str, flo
         k = rep % len(COMPARED)
         for name in COMPARED[k:] + COMPARED[:k]:
             pair = ("rev", "tree") if rep % 2 else ("tree", "rev")
-            got = {
-                v: _phase(led, name, sha[(name, v)], n if rep else min(n, 200), counter.__next__)
-                for v in pair
-            }
+            size = n if rep else min(n, 200)
+            got = {v: _phase(led, name, sha[(name, v)], size, counter.__next__) for v in pair}
             if rep:
                 for v, usec in got.items():
                     per[(name, v)].append(usec)
                 ratios[name].append(got["tree"] / got["rev"])
-    return {
-        m: {
-            "rev": statistics.median(per[(m, "rev")]),
-            "tree": statistics.median(per[(m, "tree")]),
-            "ratio": statistics.median(ratios[m]),
-        }
-        for m in COMPARED
-    }
+    med = statistics.median
+    return {m: {"rev": med(per[(m, "rev")]), "tree": med(per[(m, "tree")]), "ratio": med(ratios[m])}
+            for m in COMPARED}  # fmt: skip
 
 
 def main() -> None:
