@@ -128,16 +128,11 @@ class Bench:
             s.admit("retrieval", [Item(f"t{k}.{j}", tokens) for j in range(3)])
             s.release("retrieval", [f"t{k}.0"])
 
-    def server_stats(self) -> tuple[int, int, int, dict[str, tuple[int, int]]]:
-        """evalsha calls, usec, failed calls, and {command: (calls, usec)} of the rest."""
+    def server_stats(self) -> dict[str, Any]:
+        """EVALSHA's calls, usec and failed calls, and {command: (calls, usec)} of the rest."""
         ev = self.r.info("commandstats").get("cmdstat_evalsha", {})
-        inner = commandstats(self.r, IGNORED_STATS)
-        return (
-            int(ev.get("calls", 0)),
-            int(ev.get("usec", 0)),
-            int(ev.get("failed_calls", 0)),
-            inner,
-        )
+        figures = {k: int(ev.get(k, 0)) for k in ("calls", "usec", "failed_calls")}
+        return figures | {"inner": commandstats(self.r, IGNORED_STATS)}
 
     def _admit_calls(self, n: int) -> list[tuple[tuple[str, ...], tuple[Any, ...]]]:
         """KEYS and ARGV of n single-item admits on a new session, built beforehand."""
@@ -210,10 +205,10 @@ class Bench:
         body = self.phase(name, n)
         self.r.config_resetstat()
         body()
-        calls, usec, failed, inner = self.server_stats()
+        stats = self.server_stats()
         if name != "reserve":  # settle still needs the reservations
             self.drop_sessions()
-        return {"calls": calls, "usec": usec, "failed": failed, "inner": inner}
+        return stats
 
     def server(self, phases: Iterable[str] = SERVER_PHASES) -> dict[str, Any]:
         names = list(phases)
@@ -245,8 +240,8 @@ class Bench:
                 if any(r["calls"] != self.n for r in runs)
                 else []
             )
-            if any(r["failed"] for r in runs):
-                warnings.append(f"failed evalsha calls: {[r['failed'] for r in runs]}")
+            if any(r["failed_calls"] for r in runs):
+                warnings.append(f"failed evalsha calls: {[r['failed_calls'] for r in runs]}")
             out[name] = {
                 "what": what,
                 "script": lua or "(inline) return 1",
@@ -288,13 +283,13 @@ class Bench:
         w0, c0 = time.perf_counter(), time.process_time()
         body()
         w1, c1 = time.perf_counter(), time.process_time()
-        calls, usec, _, _ = self.server_stats()
+        st = self.server_stats()
         self.drop_sessions()
         return {
             "ops_per_s": n / (w1 - w0),
             "wall_us_per_op": (w1 - w0) / n * 1e6,
             "cpu_us_per_op": (c1 - c0) / n * 1e6,
-            "server_us_per_op": usec / calls if calls else 0.0,
+            "server_us_per_op": st["usec"] / st["calls"] if st["calls"] else 0.0,
         }
 
     def client(self) -> dict[str, Any]:
@@ -304,13 +299,11 @@ class Bench:
         raw = interleaved(
             self.reps, {k: lambda k=k: self.run_client_loop(k, self.n) for k in names}
         )
-        out: dict[str, Any] = {}
-        for name, runs in raw.items():
-            out[name] = {
-                "what": CLIENT_LOOPS[name],
-                **{m: statistics.median(r[m] for r in runs) for m in runs[0]},
-                "reps": runs,
-            }
+        out: dict[str, Any] = {
+            name: {"what": CLIENT_LOOPS[name], "reps": runs}
+            | {m: statistics.median(r[m] for r in runs) for m in runs[0]}
+            for name, runs in raw.items()
+        }
         b = out["bare_evalsha"]
         for v in out.values():
             v["slowdown_vs_bare"] = b["ops_per_s"] / v["ops_per_s"]
