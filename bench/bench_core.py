@@ -30,7 +30,7 @@ from typing import Any
 import redis
 from tenacity import Retrying
 
-from bench.common import commandstats, emit, environment, interleaved, steal_during, table
+from bench.common import commandstats, emit, environment, interleaved, machine, steal_during, table
 from ledger import Item, Ledger, SessionBudget, protocol, scripts
 from ledger.client import Session
 from ledger.testing import standalone
@@ -412,14 +412,9 @@ def cpu_parts_table(title: str, res: dict[str, Any]) -> None:
 def print_table(res: dict[str, Any]) -> None:
     env, p = res["env"], res["params"]
     print(
-        f"ledger core bench  redis-server {env['redis_version']}  nproc={env['nproc']}  "
-        f"cpu={env['cpu_model']}\npython {env['python']}, redis-py {env['redis_py']} (hiredis "
-        f"{env['hiredis']}), {env['platform']}\nload avg before/after {env['loadavg']}/"
-        f"{env.get('loadavg_after')}, CPU steal during run "
-        f"{env.get('cpu_steal_pct_during_run', 'n/a')} %\nN={p['n']} calls per phase, median "
-        f"of {p['reps']} repetitions (phases interleaved), op retention {p['op_retention_s']} "
-        f"s, hash-max-listpack-entries/value {env['hash_max_listpack_entries']}/"
-        f"{env['hash_max_listpack_value']}, total {res['elapsed_s']:.1f} s"
+        f"ledger core bench  {machine(env)}\nN={p['n']} calls per phase, median of {p['reps']} "
+        f"repetitions (phases interleaved), op retention {p['op_retention_s']} s, total "
+        f"{res['elapsed_s']:.1f} s"
     )
     server_table("1. Server time per call (INFO commandstats, cmdstat_evalsha usec/calls)", res)
     st = res["static_redis_call"]

@@ -67,6 +67,7 @@ from bench.common import (
     cpu_ticks,
     emit,
     environment,
+    machine,
     steal_during,
 )
 from bench.common import table as print_table
@@ -294,6 +295,7 @@ class Tally:
     errors: int = 0
     first_error: str | None = None
     lat: array = field(default_factory=lambda: array("d"))  # type: ignore[type-arg]
+    unfinished: int = 0
 
     def error(self, exc: BaseException) -> None:
         self.errors += 1
@@ -301,18 +303,8 @@ class Tally:
             self.first_error = f"{type(exc).__name__}: {exc}"[:300]
 
     def result(self, t0: float, t1: float, c0: float, c1: float, capped: bool) -> dict[str, Any]:
-        return {
-            "ops": self.ops,
-            "retries": self.retries,
-            "errors": self.errors,
-            "first_error": self.first_error,
-            "t_start": t0,
-            "t_end": t1,
-            "cpu_s": c1 - c0,
-            "capped": capped,
-            "lat": self.lat.tobytes(),
-            "unfinished": 0,
-        }
+        return asdict(self) | {"t_start": t0, "t_end": t1, "cpu_s": c1 - c0, "capped": capped,
+                               "lat": self.lat.tobytes()}  # fmt: skip
 
 
 def run_sync_row(spec: RowSpec, w: int, outbox: Any, barrier: Any) -> dict[str, Any]:
@@ -418,9 +410,8 @@ async def run_async_row(spec: RowSpec, w: int, outbox: Any, barrier: Any) -> dic
                 t.cancel()
             _, pending = await asyncio.wait(pending, timeout=0.05)
         tally.lat.extend(unfinished)
-        res = tally.result(t0, t1, c0, c1, capped=tally.ops + tally.errors >= cap)
-        res["unfinished"] = len(unfinished)
-        return res
+        tally.unfinished = len(unfinished)
+        return tally.result(t0, t1, c0, c1, capped=tally.ops + tally.errors >= cap)
 
 
 def worker_main(w: int, inbox: Any, outbox: Any, barriers: dict[int, Any]) -> None:
@@ -987,12 +978,8 @@ def print_report(res: dict[str, Any]) -> None:
 
     env, p, mem = res["env"], res["params"], res["memory"]
     print(
-        f"ledger full bench  commit {res['git']}  total {res['elapsed_s']:.0f} s\n"
-        f"machine: nproc={env['nproc']}  cpu={env['cpu_model']}  redis-server "
-        f"{env['redis_version']}  python {env['python']}, redis-py {env['redis_py']} (hiredis "
-        f"{env['hiredis']})  {env['platform']}\nload avg before/after {env['loadavg']}/"
-        f"{env.get('loadavg_after')}, CPU steal {env.get('cpu_steal_pct_during_run', 'n/a')} "
-        f"%; CPU used by other processes on the host during the rows: mean "
+        f"ledger full bench  commit {res['git']}  total {res['elapsed_s']:.0f} s\n{machine(env)}"
+        f"; CPU used by other processes on the host during the rows: mean "
         f"{res['other_cpu']['mean_pct']:.0f} %, max {res['other_cpu']['max_pct']:.0f} % of one "
         f"core (of {env['nproc'] * 100} %)\nrows: {p['duration']} s time box each"
         + (f", {p['ops_per_row']} ops per row" if p["ops_per_row"] else "")

@@ -186,14 +186,9 @@ def throughput(url: str, a: argparse.Namespace, logs: Path, workers: int) -> dic
         per_worker = {w.consumer: len(w.messages("job done")) for w in procs}
         if sum(per_worker.values()) != a.jobs or any(codes):
             raise RuntimeError(f"jobs done {per_worker}, exit codes {codes}")
-        return {
-            "workers": workers,
-            "jobs": a.jobs,
-            "seconds": round(elapsed, 4),
-            "enqueue_seconds": round(t_enq - t0, 4),
-            "jobs_per_s": round(a.jobs / elapsed, 1),
-            "per_worker": per_worker,
-        }
+        return {"workers": workers, "jobs": a.jobs, "seconds": round(elapsed, 4),
+                "enqueue_seconds": round(t_enq - t0, 4), "jobs_per_s": round(a.jobs / elapsed, 1),
+                "per_worker": per_worker}  # fmt: skip
 
 
 def takeover_once(url: str, a: argparse.Namespace, logs: Path) -> dict[str, Any] | None:
@@ -293,15 +288,11 @@ def with_metrics(a: argparse.Namespace) -> dict[str, Any]:
                 w.stop()
         env = environment(run.r)
     ratios = [on / off for on, off in zip(out["on"], out["off"], strict=True)]
-    return {
-        "env": env,
-        "live_sessions": a.metrics,
-        "rounds": a.rounds,
-        "jobs_per_round": a.latency_jobs,
-        "pickup_ms_median": {m: [round(1000 * x, 2) for x in v] for m, v in out.items()},
-        "ratio_on_off": round(statistics.median(ratios), 3),
-        "ratio_min_max": [round(min(ratios), 3), round(max(ratios), 3)],
-    }
+    return {"env": env, "live_sessions": a.metrics, "rounds": a.rounds,
+            "jobs_per_round": a.latency_jobs,
+            "pickup_ms_median": {m: [round(1000 * x, 2) for x in v] for m, v in out.items()},
+            "ratio_on_off": round(statistics.median(ratios), 3),
+            "ratio_min_max": [round(min(ratios), 3), round(max(ratios), 3)]}  # fmt: skip
 
 
 def idle(a: argparse.Namespace) -> dict[str, Any]:

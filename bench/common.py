@@ -100,6 +100,18 @@ def environment(r: redis.Redis) -> dict[str, Any]:
     }
 
 
+def machine(env: dict[str, Any]) -> str:
+    """The environment in two lines, for a report's head."""
+    return (
+        f"redis-server {env['redis_version']}  nproc={env['nproc']}  cpu={env['cpu_model']}  "
+        f"python {env['python']}, redis-py {env['redis_py']} (hiredis {env['hiredis']}), "
+        f"{env['platform']}\nload avg before/after {env['loadavg']}/{env.get('loadavg_after')}, "
+        f"CPU steal during run {env.get('cpu_steal_pct_during_run', 'n/a')} %, "
+        f"hash-max-listpack-entries/value {env['hash_max_listpack_entries']}/"
+        f"{env['hash_max_listpack_value']}"
+    )
+
+
 @contextlib.contextmanager
 def steal_during(env: dict[str, Any]) -> Any:
     """Adds the share of CPU time stolen by the hypervisor during the block to env."""

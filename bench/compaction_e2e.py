@@ -84,20 +84,13 @@ def agent_process(url: str, prefix: str, inbox: Any, outbox: Any) -> None:
             turn.prompt([SYSTEM, *new_state])
         report = turn.report
         assert report is not None
-        held = sorted(i.id for i in led.items(SID))
-        outbox.put(
-            {
-                "pid": os.getpid(),
-                "state": new_state,
-                "dropped": sorted(gone),
-                "summaries": [o["id"] for o in turn.summaries],
-                "drift": report.drift,
-                "occupancy": report.occupancy,
-                "due": report.compaction_due,
-                "held": held,
-                "compactions": led.session(SID).snapshot().raw["kn"],
-            }
-        )
+        outbox.put({
+            "pid": os.getpid(), "state": new_state, "dropped": sorted(gone),
+            "summaries": [o["id"] for o in turn.summaries], "drift": report.drift,
+            "occupancy": report.occupancy, "due": report.compaction_due,
+            "held": sorted(i.id for i in led.items(SID)),
+            "compactions": led.session(SID).snapshot().raw["kn"],
+        })  # fmt: skip
 
 
 def start_worker(url: str, prefix: str, n: int, log_dir: Path) -> subprocess.Popen[bytes]:
@@ -176,18 +169,13 @@ def run(url: str, turns: int, kills: int) -> dict[str, Any]:
     if not audit.clean:
         failures.append(f"audit: {audit.problems}")
     result = {
-        "turns": turns,
-        "agent_processes": len({r["pid"] for r in rows}),
-        "worker_kills": killed,
-        "compactions": compactions,
-        "summaries_applied": len(applied),
+        "turns": turns, "agent_processes": len({r["pid"] for r in rows}), "worker_kills": killed,
+        "compactions": compactions, "summaries_applied": len(applied),
         "max_abs_drift": max(abs(r["drift"]) for r in rows),
         "failed_compactions": snap.raw.get("x:failed_compactions", 0),
-        "resets": snap.raw.get("x:resets", 0),
-        "wall_seconds": round(wall, 1),
-        "failures": failures,
-        "logs": str(log_dir),
-    }
+        "resets": snap.raw.get("x:resets", 0), "wall_seconds": round(wall, 1),
+        "failures": failures, "logs": str(log_dir),
+    }  # fmt: skip
     led.close()
     return result
 
