@@ -21,8 +21,6 @@ import json
 import multiprocessing as mp
 import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +31,7 @@ from langchain_core.messages import AIMessage
 
 from bench.common import ROOT
 from ledger.adapters.summarizer import LLMSummarizer
-from ledger.testing import spawn_worker, standalone
+from ledger.testing import WorkerProc, spawn_worker, standalone
 
 SYSTEM = "You are a helpful assistant."
 SID = "e2e/agent"
@@ -93,11 +91,11 @@ def agent_process(url: str, prefix: str, inbox: Any, outbox: Any) -> None:
         })  # fmt: skip
 
 
-def start_worker(url: str, prefix: str, n: int, log_dir: Path) -> subprocess.Popen[bytes]:
+def start_worker(url: str, prefix: str, n: int, log_dir: Path) -> WorkerProc:
     env = {"LEDGER_REDIS_URL": url, "LEDGER_PREFIX": prefix, "PYTHONPATH": str(ROOT),
            "LEDGER_WORKER_COMPACTOR": "bench.compaction_e2e:summarizer",
            "LEDGER_WORKER_CLAIM_IDLE_MS": "500", "LEDGER_WORKER_POLL_INTERVAL": "0.02"}  # fmt: skip
-    return spawn_worker(f"e2e-worker-{n}", env, log_dir / f"worker-{n}.log").proc
+    return spawn_worker(f"e2e-worker-{n}", env, log_dir / f"worker-{n}.log")
 
 
 def run(url: str, turns: int, kills: int) -> dict[str, Any]:
@@ -144,8 +142,7 @@ def run(url: str, turns: int, kills: int) -> dict[str, Any]:
             pending_kill = not r["due"]  # kill while a summary is in flight
             if r["due"]:
                 time.sleep(0.3)
-                workers[-1].send_signal(signal.SIGKILL)
-                workers[-1].wait()
+                workers[-1].kill()
                 killed += 1
                 workers.append(start_worker(url, prefix, len(workers), log_dir))
     wall = time.perf_counter() - t0
@@ -157,8 +154,7 @@ def run(url: str, turns: int, kills: int) -> dict[str, Any]:
         i.close()
         o.close()
     for w in workers:
-        w.send_signal(signal.SIGTERM)
-        w.wait(15)
+        w.stop()
     snap = led.session(SID).snapshot()
     compactions = snap.raw["kn"]
     if len(set(applied)) != len(applied):
