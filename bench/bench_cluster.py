@@ -17,7 +17,6 @@ every size R times, interleaved, and the medians.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
@@ -26,6 +25,7 @@ from typing import Any
 
 import redis
 
+from bench.common import emit
 from ledger import Item, Ledger, LedgerSettings, SessionBudget, scripts
 from ledger.testing import cluster
 
@@ -150,17 +150,12 @@ def main(argv: list[str] | None = None) -> None:
         results += add_capacity(
             [run_size(n, ids, a.turns, a.threads) | {"round": k} for n in sizes]
         )
-    med = {
-        n: {m: statistics.median(r[m] for r in results if r["primaries"] == n) for m in METRICS}
-        for n in sizes
-    }
+    med = {n: {m: statistics.median(r[m] for r in results if r["primaries"] == n) for m in METRICS}
+           for n in sizes}  # fmt: skip
+    summary = [f"median of {a.rounds} round(s), N={n}: "
+               + ", ".join(f"{m} {v:.2f}x" for m, v in med[n].items()) for n in sizes]  # fmt: skip
     out = {"params": vars(a), "results": results, "median": med}
-    summary = [
-        f"median of {a.rounds} round(s), N={n}: "
-        + ", ".join(f"{m} {v:.2f}x" for m, v in med[n].items())
-        for n in sizes
-    ]
-    print(json.dumps(out, indent=2) if a.json else "\n".join([table(results), *summary]))
+    emit(out, a.json, lambda _: print("\n".join([table(results), *summary])))
 
 
 if __name__ == "__main__":
