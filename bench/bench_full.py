@@ -443,15 +443,9 @@ class Pool:
         self.inboxes = [ctx.Queue() for _ in range(self.size)]
         self.timing: dict[str, float] = {}
         self.cpu: dict[str, float] = {}
-        self.procs = [
-            ctx.Process(
-                target=worker_main,
-                args=(w, self.inboxes[w], self.outbox, self.barriers),
-                name=f"bench-worker-{w}",
-                daemon=True,
-            )
-            for w in range(self.size)
-        ]
+        self.procs = [ctx.Process(target=worker_main, name=f"bench-worker-{w}", daemon=True,
+                                  args=(w, self.inboxes[w], self.outbox, self.barriers))
+                      for w in range(self.size)]  # fmt: skip
         for p in self.procs:
             p.start()
         self.collect(self.size, "alive", 600)
@@ -463,9 +457,7 @@ class Pool:
             try:
                 what, w, payload = self.outbox.get(timeout=max(0.1, end - time.monotonic()))
             except queue.Empty:
-                raise RuntimeError(
-                    f"workers did not report {kind} within {timeout:.0f} s"
-                ) from None
+                raise RuntimeError(f"workers did not report {kind} in {timeout:.0f} s") from None
             if what == "error":
                 raise RuntimeError(f"worker {w} failed:\n{payload}")
             if what != kind:
