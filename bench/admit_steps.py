@@ -3,11 +3,13 @@
     python -m bench.admit_steps [--calls 1000] [--rounds 7]
 
 Starts its own redis-server and runs, on sessions of 40 turns, the same admit calls
-against lua/admit.lua cut short after each step (`return 1` in place of the rest),
-against bench/admit_commands.lua, and against `return 1`. The calls go back to back
-in pipelines (warm: what a busy server sees), and each variant's EVALSHA usec per
-call is taken from INFO commandstats, best and median of the rounds. A step's cost
-is the difference to the variant before it.
+against lua/admit.lua stopped at each step, against bench/admit_commands.lua, and
+against `return 1`. A step ends at a Redis command admit sends (before or after the
+first call of it): the script runs under a `redis` of its own whose `call` throws once
+it gets there, and the variant returns 1. Nothing depends on the script's text. The
+calls go back to back in pipelines (warm: what a busy server sees), and each variant's
+EVALSHA usec per call is taken from INFO commandstats, best and median of the rounds.
+A step's cost is the difference to the variant before it.
 """
 
 from __future__ import annotations
@@ -17,43 +19,57 @@ import statistics
 from pathlib import Path
 
 import redis
-from rich.console import Console
-from rich.table import Table
 
+from bench.bench_core import BENCH_BUDGET
+from bench.common import table
 from ledger import Item, Ledger, LedgerSettings, scripts
 from ledger.testing import standalone
 
-from .bench_core import BENCH_BUDGET
-
-# Each step ends before the line that starts with this text (lua/admit.lua).
+# (step, 'before' or 'after', the first call of this command): where each step ends
 STEPS = (
-    ("prelude (the _common.lua it uses)", "local op, fp, epoch, tok = op_args('admit', false)"),
-    ("check the 9 arguments", "local key = KEYS[1]"),
-    ("read the fields (HMGET)", "local again = gate(recorded(op)"),
-    ("read the outcome, replay, session, epoch, TIME", "local a, floor, sq, fr"),
-    ("the arithmetic", "local J = {"),
-    ("outcome record, reply, HSETs", None),
+    ("check the 9 arguments", "before", "HMGET"),
+    ("read the fields (HMGET)", "after", "HMGET"),
+    ("read the outcome, replay, session, epoch, TIME", "after", "TIME"),
+    ("the arithmetic, the fields to write", "before", "HSET"),
 )
+# A `redis` of the variant's own: its `call` throws STOP at the step's end. The chunk
+# runs in a pcall, inside the one error wrapper every script runs in.
+STOPPED = """local real, STOP, seen = redis, {}, false
+local redis = setmetatable({ call = function(cmd, ...)
+  if string.upper(cmd) == '%(cmd)s' then
+    if '%(when)s' == 'before' then error(STOP) end
+    seen = true
+  end
+  local r = real.call(cmd, ...)
+  if seen then error(STOP) end
+  return r
+end }, { __index = real })
+local ok, e = pcall(function()
+%(chunk)s
+end)
+if e == STOP then return 1 end
+error(ok and 'the step never came: admit sent no %(cmd)s' or e, 0)
+"""
+
+
+def stopped(when: str, cmd: str) -> str:
+    """admit.lua stopped before or after its first call of `cmd`, returning 1."""
+    body = (scripts.lua_dir() / "admit.lua").read_text()
+    chunk = scripts.prelude(body) + "\n" + body
+    return scripts.wrap(STOPPED % {"cmd": cmd, "when": when, "chunk": chunk})
 
 
 def variants() -> dict[str, str]:
-    """name -> Lua source: the floor, the commands alone, then admit cut after each step
-    (each under the error wrapper every script runs in)."""
-    body = (scripts.lua_dir() / "admit.lua").read_text()
-    full = scripts.source("admit")
-    lines = (scripts.prelude(body) + "\n" + body).split("\n")
+    """name -> Lua source: the floor, the commands alone, the prelude, then admit stopped
+    at each step, then the whole of it (each under the error wrapper)."""
+    prelude = scripts.prelude((scripts.lua_dir() / "admit.lua").read_text())
     out = {
         "return 1": "return 1",
         "admit's commands alone": Path(__file__).with_name("admit_commands.lua").read_text(),
+        "prelude (the _common.lua it uses)": scripts.wrap(prelude + "\nreturn 1\n"),
     }
-    for name, marker in STEPS:
-        if marker is None:
-            out[name] = full
-            continue
-        cut = next((i for i, line in enumerate(lines) if line.startswith(marker)), None)
-        if cut is None:
-            raise ValueError(f"lua/admit.lua has no line starting {marker!r}: update STEPS")
-        out[name] = scripts.wrap("\n".join(lines[:cut]) + "\nreturn 1\n")
+    out.update({name: stopped(when, cmd) for name, when, cmd in STEPS})
+    out["outcome record, reply, HSETs"] = scripts.source("admit")
     return out
 
 
@@ -85,17 +101,14 @@ def main() -> None:
     a = ap.parse_args()
     with standalone() as srv:
         per = measure(srv.url, a.calls, a.rounds)
-    t = Table(title=f"admit, step by step (warm, {a.calls} calls x {a.rounds} rounds)")
-    for col in ("variant", "µs/call best", "median", "step (best)"):
-        t.add_column(col, justify="left" if col == "variant" else "right")
-    prev: float | None = None
+    rows, prev = [], None
     for name, v in per.items():
         best = min(v)
         step = "" if prev is None or name == "admit's commands alone" else f"{best - prev:+.2f}"
-        t.add_row(name, f"{best:.2f}", f"{statistics.median(v):.2f}", step)
-        if name != "admit's commands alone":
-            prev = best
-    Console().print(t)
+        rows.append([name, f"{best:.2f}", f"{statistics.median(v):.2f}", step])
+        prev = prev if name == "admit's commands alone" else best
+    title = f"admit, step by step (warm, {a.calls} calls x {a.rounds} rounds)"
+    table(title, ["variant", "µs/call best", "median", "step (best)"], rows)
 
 
 if __name__ == "__main__":

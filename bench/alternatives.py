@@ -1,29 +1,17 @@
-"""The ledger's single-item admission written the two conventional ways, without Lua.
+"""The ledger's single-item admission written the two conventional ways, without Lua:
+the baselines of bench_full. Both decide the same on a hash ``window``, ``used``,
+``i:<item id>``: an item already held is a duplicate (nothing charged); one that would
+take ``used`` above ``window`` is refused (nothing written); otherwise HINCRBY used and
+HSET the item in one MULTI/EXEC.
 
-Used by ``bench/bench_full.py`` as the baselines the ledger is compared against.
-Both implement the same decision on the same kind of session hash::
+WatchAdmit (and AsyncWatchAdmit): WATCH, HMGET, decide, MULTI/HINCRBY/HSET/EXEC, the
+whole step retried at once on WatchError (redis-py's ``Redis.transaction`` idiom).
+LockAdmit (and AsyncLockAdmit): the same under a redis-py ``Lock`` (SET NX PX, polled
+every LOCK_SLEEP s, released by a compare-and-delete script; correct while no holder
+stalls past its 10 s timeout).
 
-    <key>           hash: window <tokens>, used <tokens>, i:<item id> <tokens>
-
-"check capacity, then HINCRBY used and HSET the item": an item already held is a
-duplicate and charges nothing; an item that would take ``used`` above ``window`` is
-refused (nothing written); otherwise ``used`` grows by its tokens and the item is
-recorded, both in one MULTI/EXEC so no reader sees one without the other.
-
-:class:`WatchAdmit` (and :class:`AsyncWatchAdmit`) is optimistic: WATCH the key,
-HMGET, decide, MULTI/HINCRBY/HSET/EXEC; EXEC aborts when another client changed the
-key after the WATCH (redis-py raises WatchError) and the whole step is retried at
-once, the idiom of redis-py's ``Redis.transaction``. Three round trips per attempt.
-
-:class:`LockAdmit` (and :class:`AsyncLockAdmit`) takes a redis-py ``Lock`` (SET NX PX,
-polled every ``sleep`` seconds while held by another client; released by a
-compare-and-delete script) around HMGET, decide, MULTI/HINCRBY/HSET/EXEC. It is
-correct as long as no holder stalls for longer than ``lock_timeout`` (then the lock
-expires under it: the usual caveat of lease locks; the ledger's scripts have none).
-
-What they do *not* do, and the ledger does: operation ids with a stored outcome (a
-retried call is not charged twice), floors per consumer, epochs, turns, TTLs. The
-comparison is therefore generous to them.
+They do not do what the ledger does on every call (op ids with a stored outcome,
+floors, epochs, turns, TTLs): the comparison is generous to them.
 """
 
 from __future__ import annotations
@@ -75,14 +63,6 @@ def open_session(r: redis.Redis, key: str, window: int) -> bool:
     return bool(created)
 
 
-async def aopen_session(r: redis.asyncio.Redis, key: str, window: int) -> bool:
-    async with r.pipeline(transaction=True) as pipe:
-        pipe.hsetnx(key, WINDOW, window)
-        pipe.hsetnx(key, USED, 0)
-        created, _ = await pipe.execute()
-    return bool(created)
-
-
 def decide(values: list[Any], tokens: int) -> tuple[str, int, int]:
     """(status, charged, free) from HMGET window, used, i:<id>; raises NoSession."""
     window, used, held = values
@@ -104,14 +84,13 @@ def _check_tokens(tokens: int) -> None:
 # --- WATCH / MULTI / EXEC ------------------------------------------------------------
 
 
-class WatchAdmit:
-    """Single-item admission as an optimistic transaction (sync)."""
-
-    nested = WATCH_NESTED
-
-    def __init__(self, r: redis.Redis, *, max_retries: int = WATCH_MAX_RETRIES) -> None:
+class _Admit:
+    def __init__(self, r: Any) -> None:
         self.r = r
-        self.max_retries = max_retries
+
+
+class WatchAdmit(_Admit):
+    """Single-item admission as an optimistic transaction (sync)."""
 
     def admit(self, key: str, item_id: str, tokens: int) -> AltResult:
         _check_tokens(tokens)
@@ -132,19 +111,13 @@ class WatchAdmit:
                     return AltResult(status, charged, free, retries)
                 except WatchError:
                     retries += 1
-                    if retries > self.max_retries:
+                    if retries > WATCH_MAX_RETRIES:
                         raise TooManyRetries(f"{key}: lost {retries} races") from None
                     pipe.reset()
 
 
-class AsyncWatchAdmit:
+class AsyncWatchAdmit(_Admit):
     """Single-item admission as an optimistic transaction (asyncio)."""
-
-    nested = WATCH_NESTED
-
-    def __init__(self, r: redis.asyncio.Redis, *, max_retries: int = WATCH_MAX_RETRIES) -> None:
-        self.r = r
-        self.max_retries = max_retries
 
     async def admit(self, key: str, item_id: str, tokens: int) -> AltResult:
         _check_tokens(tokens)
@@ -166,7 +139,7 @@ class AsyncWatchAdmit:
                     return AltResult(status, charged, free, retries)
                 except WatchError:
                     retries += 1
-                    if retries > self.max_retries:
+                    if retries > WATCH_MAX_RETRIES:
                         raise TooManyRetries(f"{key}: lost {retries} races") from None
                     await pipe.reset()
 
@@ -174,33 +147,13 @@ class AsyncWatchAdmit:
 # --- redis-py Lock around read-modify-write -----------------------------------------
 
 
-class LockAdmit:
+class LockAdmit(_Admit):
     """Single-item admission under a redis-py ``Lock`` per session (sync)."""
-
-    nested = LOCK_NESTED
-
-    def __init__(
-        self,
-        r: redis.Redis,
-        *,
-        lock_timeout: float = 10.0,
-        blocking_timeout: float = 60.0,
-        sleep: float = LOCK_SLEEP,
-    ) -> None:
-        self.r = r
-        self.lock_timeout = lock_timeout
-        self.blocking_timeout = blocking_timeout
-        self.sleep = sleep
 
     def admit(self, key: str, item_id: str, tokens: int) -> AltResult:
         _check_tokens(tokens)
         field = ITEM + item_id
-        lock = self.r.lock(
-            key + ":lock",
-            timeout=self.lock_timeout,
-            sleep=self.sleep,
-            blocking_timeout=self.blocking_timeout,
-        )
+        lock = self.r.lock(key + ":lock", timeout=10.0, sleep=LOCK_SLEEP, blocking_timeout=60.0)
         with lock:  # raises LockError when not acquired within blocking_timeout
             status, charged, free = decide(self.r.hmget(key, WINDOW, USED, field), tokens)
             if status == "ok":
@@ -211,33 +164,13 @@ class LockAdmit:
         return AltResult(status, charged, free)
 
 
-class AsyncLockAdmit:
+class AsyncLockAdmit(_Admit):
     """Single-item admission under a redis-py ``Lock`` per session (asyncio)."""
-
-    nested = LOCK_NESTED
-
-    def __init__(
-        self,
-        r: redis.asyncio.Redis,
-        *,
-        lock_timeout: float = 10.0,
-        blocking_timeout: float = 60.0,
-        sleep: float = LOCK_SLEEP,
-    ) -> None:
-        self.r = r
-        self.lock_timeout = lock_timeout
-        self.blocking_timeout = blocking_timeout
-        self.sleep = sleep
 
     async def admit(self, key: str, item_id: str, tokens: int) -> AltResult:
         _check_tokens(tokens)
         field = ITEM + item_id
-        lock = self.r.lock(
-            key + ":lock",
-            timeout=self.lock_timeout,
-            sleep=self.sleep,
-            blocking_timeout=self.blocking_timeout,
-        )
+        lock = self.r.lock(key + ":lock", timeout=10.0, sleep=LOCK_SLEEP, blocking_timeout=60.0)
         async with lock:
             values = await self.r.hmget(key, WINDOW, USED, field)
             status, charged, free = decide(values, tokens)
@@ -254,35 +187,12 @@ class AsyncLockAdmit:
 
 def check(r: redis.Redis, key: str) -> list[str]:
     """Problems of a session hash: used must equal the sum of its items, within window."""
-    fields = r.hgetall(key)
-    if not fields:
+    text = {k.decode(): int(v) for k, v in r.hgetall(key).items()}
+    if not text:
         return [f"{key}: missing"]
-    text = {
-        (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-        for k, v in fields.items()
-    }
-    window, used = int(text[WINDOW]), int(text[USED])
-    held = sum(int(v) for k, v in text.items() if k.startswith(ITEM))
-    problems = []
-    if used != held:
-        problems.append(f"{key}: used {used} != sum of items {held}")
+    window, used = text[WINDOW], text[USED]
+    held = sum(v for k, v in text.items() if k.startswith(ITEM))
+    problems = [f"{key}: used {used} != sum of items {held}"] if used != held else []
     if used > window:
         problems.append(f"{key}: used {used} > window {window}")
     return problems
-
-
-__all__ = [
-    "LOCK_NESTED",
-    "WATCH_NESTED",
-    "AltResult",
-    "AsyncLockAdmit",
-    "AsyncWatchAdmit",
-    "LockAdmit",
-    "NoSession",
-    "TooManyRetries",
-    "WatchAdmit",
-    "aopen_session",
-    "check",
-    "decide",
-    "open_session",
-]

@@ -3,29 +3,20 @@
     python -m bench.bench_cluster [--primaries 1,2,3] [--sessions 1500] [--turns 10]
                                   [--threads 4] [--seed 1] [--rounds 1] [--json]
 
-Per size N: a throwaway cluster (ledger.testing.cluster; ``redis-cli --cluster
-create`` needs 3 masters, so for N < 3 every slot is then given to the first N of 3
-nodes and the others get no call), the scripts loaded on every primary, CONFIG
-RESETSTAT, then one fixed load through the sync Ledger in --threads threads:
---sessions sessions with seeded random ids (the same at every N), each opened, then
---turns cycles of begin_turn, admit (one retrieval item) and end_turn. Per primary,
-from INFO commandstats (evalsha, eval, fcall: the ledger's calls) and INFO cpu: its
-share of the calls, server usec per call, the partitions (``{p<N>}`` hash tags, P =
-LedgerSettings.partitions) whose slots it owns and the share of the ids in them. Then
-
-    capacity(N) = server usec per op of the whole N=1 cluster
-                  / max over primaries of that primary's server usec per op at N
-
-the throughput the busiest primary allows relative to one (N if calls spread evenly
-and cost the same); ``cpu_capacity``: the same ratio of server CPU time (INFO cpu, which
-counts the network I/O too); ``balance_capacity``: 1 / the largest share, the bound from
-the spread alone. --rounds R: every size R times, interleaved, and the medians.
+Per size N: a throwaway cluster (ledger.testing.cluster: for N < 3 every slot is given
+to the first N of 3 nodes), the scripts loaded, CONFIG RESETSTAT, then one fixed load in
+--threads threads: --sessions seeded random ids, each opened, then --turns cycles of
+begin_turn, admit, end_turn. Per primary, from INFO commandstats (evalsha, eval, fcall)
+and INFO cpu: its share of the calls, server usec per call, the partitions it owns and
+the share of the ids in them. capacity(N) = server usec per op of the N=1 cluster / the
+busiest primary's at N (N if the calls spread evenly); cpu_capacity: the same of server
+CPU time (network I/O included); balance_capacity: 1 / the largest share. --rounds R:
+every size R times, interleaved, and the medians.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
@@ -34,6 +25,7 @@ from typing import Any
 
 import redis
 
+from bench.common import emit
 from ledger import Item, Ledger, LedgerSettings, SessionBudget, scripts
 from ledger.testing import cluster
 
@@ -158,17 +150,12 @@ def main(argv: list[str] | None = None) -> None:
         results += add_capacity(
             [run_size(n, ids, a.turns, a.threads) | {"round": k} for n in sizes]
         )
-    med = {
-        n: {m: statistics.median(r[m] for r in results if r["primaries"] == n) for m in METRICS}
-        for n in sizes
-    }
+    med = {n: {m: statistics.median(r[m] for r in results if r["primaries"] == n) for m in METRICS}
+           for n in sizes}  # fmt: skip
+    summary = [f"median of {a.rounds} round(s), N={n}: "
+               + ", ".join(f"{m} {v:.2f}x" for m, v in med[n].items()) for n in sizes]  # fmt: skip
     out = {"params": vars(a), "results": results, "median": med}
-    summary = [
-        f"median of {a.rounds} round(s), N={n}: "
-        + ", ".join(f"{m} {v:.2f}x" for m, v in med[n].items())
-        for n in sizes
-    ]
-    print(json.dumps(out, indent=2) if a.json else "\n".join([table(results), *summary]))
+    emit(out, a.json, lambda _: print("\n".join([table(results), *summary])))
 
 
 if __name__ == "__main__":

@@ -1,80 +1,46 @@
 """Core benchmark of the ledger on one Redis server, in one process and one run.
 
-    python -m bench.bench_core [--n N] [--reps R] [--json] [--url redis://host:port/0]
+    python -m bench.bench_core [--n N] [--reps R] [--json]
 
-Without ``--url`` it starts its own redis-server on a free port (ledger.testing.standalone)
-and stops it afterwards. With ``--url`` it runs CONFIG RESETSTAT on that server many
-times (its INFO commandstats are lost) and writes keys under a fresh ``bench<hex>``
-prefix, deleted at the end; use a server nobody else is using.
+It starts its own redis-server and measures:
 
-What it measures:
-
-1. Server time per script call: CONFIG RESETSTAT, N calls, then INFO commandstats
-   (usec / calls of ``cmdstat_evalsha``). Phases: a bare ``return 1`` script, the
-   ledger's admit of one item, admit of 16 items, release of one item, reserve,
-   settle, snapshot. Each phase's set-up (opening a session, admitting the items a
-   release phase gives back, ...) happens before the RESETSTAT. Every phase runs
-   once per repetition, phases interleaved (their order rotated) across repetitions
-   to cancel drift; the median over repetitions is reported. The other commandstats
-   lines give the commands each script issues per call (HMGET, TIME, HSET, ...);
-   the static number of ``redis.call(`` sites in every Lua file is counted as well.
-2. Client throughput in a plain loop: ops/s, wall and CPU (time.process_time) per op
-   of a bare redis-py ``evalsha`` of ``return 1`` against the ledger's
-   ``session.admit("retrieval", [Item(...)])`` (which builds an op id and a
-   fingerprint, sends EVALSHA and parses the reply; tenacity only after a failure),
-   plus a bare ``evalsha`` of the admit script with pre-built arguments, and an
-   I/O-free attribution of the client's CPU (building the call, parsing the reply,
-   and for reference what a tenacity wrapper would cost).
-3. Memory: MEMORY USAGE (SAMPLES 0) of a freshly opened session hash and of one after
-   40 turns of (admit 3 items, release 1).
+1. Server time per script call (SERVER_PHASES): N calls after CONFIG RESETSTAT, then
+   EVALSHA usec / calls from INFO commandstats, each phase's set-up done before; phases
+   interleaved over the repetitions, median reported; the other commandstats lines give
+   the commands each script issues per call; the static ``redis.call(`` sites as well.
+2. Client throughput in a plain loop (CLIENT_LOOPS): ops/s, wall and CPU per op of a bare
+   ``evalsha`` of ``return 1``, of ``session.admit`` and of a bare ``evalsha`` of the
+   admit script with pre-built arguments; and the client CPU of the pieces of one call
+   without I/O (CPU_PARTS).
+3. Memory: MEMORY USAGE of a freshly opened session hash and of one after 40 turns of
+   (admit 3 items, release 1).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
-import json
-import os
-import platform
-import shutil
 import statistics
-import subprocess
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
-ROOT = Path(__file__).resolve().parents[1]
+import redis
+from tenacity import Retrying
 
-import redis  # noqa: E402
-import redis.utils  # noqa: E402
-import tenacity  # noqa: E402
-from tenacity import Retrying  # noqa: E402
-
-from ledger import Item, Ledger, SessionBudget, protocol, scripts  # noqa: E402
-from ledger.client import Session  # noqa: E402
+from bench.common import commandstats, emit, environment, interleaved, machine, steal_during, table
+from ledger import Item, Ledger, SessionBudget, protocol, scripts
+from ledger.client import Session
+from ledger.testing import standalone
 
 Body = Callable[[], None]
 
 # Large window so that no phase is ever refused (16 x N one-token items per session).
-BENCH_BUDGET = SessionBudget(
-    window=100_000_000,
-    system_prompt=2_100,
-    tool_framing=150,
-    working_memory_floor=6_000,
-    output_reserve=1_024,
-)
-# A realistic session for the memory figures.
-MEMORY_BUDGET = SessionBudget(
-    window=128_000,
-    system_prompt=2_100,
-    tool_framing=150,
-    working_memory_floor=6_000,
-    output_reserve=1_024,
-)
+BENCH_BUDGET = SessionBudget(window=100_000_000, system_prompt=2_100, tool_framing=150,
+                             working_memory_floor=6_000, output_reserve=1_024)  # fmt: skip
+MEMORY_BUDGET = BENCH_BUDGET.model_copy(update={"window": 128_000})  # a realistic session
 LEASE_MS = 3_600_000
 TURNS = 40
 
@@ -82,10 +48,7 @@ TURNS = 40
 SERVER_PHASES: dict[str, tuple[str, str | None]] = {
     "return1": ("bare `return 1` script (floor)", None),
     "prelude_return1": ("admit's prelude (the _common.lua it uses) + return 1", "_common.lua"),
-    "admit_commands": (
-        "admit's HMGET, TIME and HSET alone, constant values (bench/admit_commands.lua)",
-        None,
-    ),
+    "admit_commands": ("admit's HMGET, TIME and HSET alone, constant values", None),
     "admit_1": ("admit 1 new item per call", "admit.lua"),
     "return1_warm": ("return 1, calls back to back in pipelines of 100 (warm)", None),
     "admit_commands_warm": ("admit_commands, back to back in pipelines of 100 (warm)", None),
@@ -106,78 +69,7 @@ CPU_PARTS: dict[str, str] = {
     "build_call": 'session.admit_call("retrieval", [Item(f"i{k}", 1)]) (op id, checks, blake2b)',
     "parse_reply": "call.parse(protocol.decode(raw_reply))",
 }
-IGNORED_STATS = ("cmdstat_evalsha", "cmdstat_info", "cmdstat_config")
-
-
-# --- environment ---------------------------------------------------------------------
-
-
-def nproc() -> int:
-    exe = shutil.which("nproc")
-    if exe:
-        with contextlib.suppress(OSError, ValueError, subprocess.SubprocessError):
-            return int(subprocess.run([exe], capture_output=True, text=True, timeout=5).stdout)
-    return len(os.sched_getaffinity(0))
-
-
-def cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
-
-
-def cpu_ticks() -> tuple[int, int] | None:
-    """(steal, total) jiffies of all CPUs from /proc/stat, None where unavailable."""
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        f = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-        return (f[7] if len(f) > 7 else 0), sum(f[:8])
-    return None
-
-
-def loadavg() -> list[float] | None:
-    with contextlib.suppress(OSError):
-        return [round(x, 2) for x in os.getloadavg()]
-    return None
-
-
-def redact(url: str) -> str:
-    p = urlsplit(url)
-    if p.password:
-        host = p.hostname or ""
-        netloc = f"{p.username or ''}:***@{host}" + (f":{p.port}" if p.port else "")
-        return urlunsplit(p._replace(netloc=netloc))
-    return url
-
-
-def environment(r: redis.Redis, where: str) -> dict[str, Any]:
-    info = r.info("server")
-    cfg = r.config_get("hash-max-listpack-*")
-    return {
-        "redis_version": info.get("redis_version"),
-        "redis_mode": info.get("redis_mode"),
-        "server": where,
-        "hash_max_listpack_entries": int(cfg.get("hash-max-listpack-entries") or -1),
-        "hash_max_listpack_value": int(cfg.get("hash-max-listpack-value") or -1),
-        "nproc": nproc(),
-        "cpu_count": os.cpu_count(),
-        "cpu_model": cpu_model(),
-        "python": platform.python_version(),
-        "redis_py": redis.__version__,
-        "tenacity": getattr(tenacity, "__version__", None) or _dist_version("tenacity"),
-        "hiredis": bool(getattr(redis.utils, "HIREDIS_AVAILABLE", False)),
-        "platform": platform.platform(),
-    }
-
-
-def _dist_version(name: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return "unknown"
+IGNORED_STATS = ("evalsha", "info", "config")
 
 
 def prelude_sites(lua: str) -> int:
@@ -236,51 +128,17 @@ class Bench:
             s.admit("retrieval", [Item(f"t{k}.{j}", tokens) for j in range(3)])
             s.release("retrieval", [f"t{k}.0"])
 
-    def server_stats(self) -> tuple[int, int, int, dict[str, tuple[int, int]]]:
-        """evalsha calls, usec, failed calls, and {command: (calls, usec)} of the rest."""
-        stats = self.r.info("commandstats")
-        ev = stats.get("cmdstat_evalsha", {})
-        inner = {
-            name.removeprefix("cmdstat_"): (int(v["calls"]), int(v["usec"]))
-            for name, v in stats.items()
-            if not name.startswith(IGNORED_STATS)
-        }
-        return (
-            int(ev.get("calls", 0)),
-            int(ev.get("usec", 0)),
-            int(ev.get("failed_calls", 0)),
-            inner,
-        )
+    def server_stats(self) -> dict[str, Any]:
+        """EVALSHA's calls, usec and failed calls, and {command: (calls, usec)} of the rest."""
+        ev = self.r.info("commandstats").get("cmdstat_evalsha", {})
+        figures = {k: int(ev.get(k, 0)) for k in ("calls", "usec", "failed_calls")}
+        return figures | {"inner": commandstats(self.r, IGNORED_STATS)}
 
-    # -- server phases: each does its set-up and returns the loop to measure
-
-    def ph_return1(self, n: int) -> Body:
-        bare = self.bare
-
-        def body() -> None:
-            for _ in range(n):
-                bare()
-
-        return body
-
-    def ph_prelude_return1(self, n: int) -> Body:
-        script = self.prelude_bare
-
-        def body() -> None:
-            for _ in range(n):
-                script()
-
-        return body
-
-    def ph_admit_commands(self, n: int) -> Body:
-        """The calls admit_1 would send, to admit_commands.lua: same keys, same ARGV."""
-        calls, script = self._admit_calls(n), self.admit_commands
-
-        def body() -> None:
-            for keys, args in calls:
-                script(keys=keys, args=args)
-
-        return body
+    def _admit_calls(self, n: int) -> list[tuple[tuple[str, ...], tuple[Any, ...]]]:
+        """KEYS and ARGV of n single-item admits on a new session, built beforehand."""
+        s = self.session()
+        built = [s.admit_call("retrieval", [Item(f"i{k}", 1)]) for k in range(n)]
+        return [(c.keys, c.args) for c in built]
 
     def _warm(self, sha: str, calls: list[tuple[tuple[str, ...], tuple[Any, ...]]]) -> Body:
         """Calls sent back to back in pipelines of 100: Redis runs them one after the
@@ -295,211 +153,157 @@ class Bench:
 
         return body
 
-    def _admit_calls(self, n: int) -> list[tuple[tuple[str, ...], tuple[Any, ...]]]:
-        """KEYS and ARGV of n single-item admits on a new session, built beforehand."""
-        s = self.session()
-        built = [s.admit_call("retrieval", [Item(f"i{k}", 1)]) for k in range(n)]
-        return [(c.keys, c.args) for c in built]
-
-    def ph_return1_warm(self, n: int) -> Body:
-        return self._warm(self.bare.sha, [((), ())] * n)
-
-    def ph_admit_commands_warm(self, n: int) -> Body:
-        return self._warm(self.admit_commands.sha, self._admit_calls(n))
-
-    def ph_admit_1_warm(self, n: int) -> Body:
-        return self._warm(self.admit_script.sha, self._admit_calls(n))
-
-    def ph_admit_1(self, n: int) -> Body:
-        s = self.session()
-
+    @staticmethod
+    def _each(xs: Iterable[Any], step: Callable[[Any], object]) -> Body:
         def body() -> None:
-            for k in range(n):
-                s.admit("retrieval", [Item(f"i{k}", 1)])
+            for x in xs:
+                step(x)
 
         return body
 
-    def ph_admit_16(self, n: int) -> Body:
+    # -- server phases: each does its set-up and returns the loop to measure
+
+    def phase(self, name: str, n: int) -> Body:
+        each = self._each
+        if name == "return1":
+            return each(range(n), lambda _: self.bare())
+        if name == "prelude_return1":
+            return each(range(n), lambda _: self.prelude_bare())
+        if name == "admit_commands":  # the calls admit_1 would send: same keys, same ARGV
+            script = self.admit_commands
+            return each(self._admit_calls(n), lambda c: script(keys=c[0], args=c[1]))
+        if name == "return1_warm":
+            return self._warm(self.bare.sha, [((), ())] * n)
+        if name.endswith("_warm"):
+            script = self.admit_commands if name == "admit_commands_warm" else self.admit_script
+            return self._warm(script.sha, self._admit_calls(n))
+        if name == "settle":
+            assert self._pending is not None, "settle runs right after reserve"
+            s, rids = self._pending
+            self._pending = None
+            return each(enumerate(rids), lambda kr: s.settle(kr[1], 1, f"x{kr[0]}"))
         s = self.session()
-        batches = [[Item(f"b{k}.{j}", 1) for j in range(16)] for k in range(n)]
-
-        def body() -> None:
-            for b in batches:
-                s.admit("retrieval", b)
-
-        return body
-
-    def ph_release_1(self, n: int) -> Body:
-        s = self.session()
-        ids = [f"i{k}" for k in range(n)]
-        for lo in range(0, n, 1000):
-            s.admit("retrieval", [Item(i, 1) for i in ids[lo : lo + 1000]])
-
-        def body() -> None:
-            for i in ids:
-                s.release("retrieval", [i])
-
-        return body
-
-    def ph_reserve(self, n: int) -> Body:
-        s = self.session()
-        rids = [f"r{k}" for k in range(n)]
-        self._pending = (s, rids)
-
-        def body() -> None:
-            for rid in rids:
-                s.reserve("retrieval", rid, 1, lease_ms=LEASE_MS)
-
-        return body
-
-    def ph_settle(self, n: int) -> Body:
-        assert self._pending is not None, "settle runs right after reserve"
-        s, rids = self._pending
-        self._pending = None
-
-        def body() -> None:
-            for k, rid in enumerate(rids):
-                s.settle(rid, 1, f"x{k}")
-
-        return body
-
-    def ph_snapshot(self, n: int) -> Body:
-        s = self.session()
+        if name == "admit_1":
+            return each(range(n), lambda k: s.admit("retrieval", [Item(f"i{k}", 1)]))
+        if name == "admit_16":
+            batches = [[Item(f"b{k}.{j}", 1) for j in range(16)] for k in range(n)]
+            return each(batches, lambda b: s.admit("retrieval", b))
+        if name == "release_1":
+            ids = [f"i{k}" for k in range(n)]
+            for lo in range(0, n, 1000):
+                s.admit("retrieval", [Item(i, 1) for i in ids[lo : lo + 1000]])
+            return each(ids, lambda i: s.release("retrieval", [i]))
+        if name == "reserve":
+            rids = [f"r{k}" for k in range(n)]
+            self._pending = (s, rids)
+            return each(rids, lambda rid: s.reserve("retrieval", rid, 1, lease_ms=LEASE_MS))
+        assert name == "snapshot", name
         self.turns(s, TURNS)
-
-        def body() -> None:
-            for _ in range(n):
-                s.snapshot()
-
-        return body
+        return each(range(n), lambda _: s.snapshot())
 
     def run_server_phase(self, name: str, n: int) -> dict[str, Any]:
-        body = getattr(self, f"ph_{name}")(n)
+        body = self.phase(name, n)
         self.r.config_resetstat()
         body()
-        calls, usec, failed, inner = self.server_stats()
+        stats = self.server_stats()
         if name != "reserve":  # settle still needs the reservations
             self.drop_sessions()
-        return {"calls": calls, "usec": usec, "failed": failed, "inner": inner}
+        return stats
 
-    def server(self) -> dict[str, Any]:
+    def server(self, phases: Iterable[str] = SERVER_PHASES) -> dict[str, Any]:
+        names = list(phases)
         # Warm-up: loads every script (no NOSCRIPT inside a measurement), warms caches.
-        for name in SERVER_PHASES:
+        for name in names:
             self.run_server_phase(name, min(self.n, 200))
-        units = [[p] for p in SERVER_PHASES if p not in ("reserve", "settle")]
-        units.insert(list(SERVER_PHASES).index("reserve"), ["reserve", "settle"])
-        raw: dict[str, list[dict[str, Any]]] = {p: [] for p in SERVER_PHASES}
-        for rep in range(self.reps):
-            k = rep % len(units)
-            for unit in units[k:] + units[:k]:
-                for name in unit:
-                    raw[name].append(self.run_server_phase(name, self.n))
+        units = {p: [p, "settle"] if p == "reserve" else [p] for p in names if p != "settle"}
+        got = interleaved(self.reps, {
+            u: lambda ps=ps: [self.run_server_phase(p, self.n) for p in ps]
+            for u, ps in units.items()
+        })  # fmt: skip
+        raw = {p: [res[i] for res in got[u]] for u, ps in units.items() for i, p in enumerate(ps)}
         static = static_redis_calls()
         out: dict[str, Any] = {}
-        for name, (what, lua) in SERVER_PHASES.items():
-            runs = raw[name]
+        for name in names:
+            (what, lua), runs = SERVER_PHASES[name], raw[name]
             per = [r["usec"] / r["calls"] if r["calls"] else 0.0 for r in runs]
             in_cmds = [sum(u for _, u in r["inner"].values()) / r["calls"] if r["calls"] else 0.0
                        for r in runs]  # fmt: skip
-            inner_tot: dict[str, int] = {}
-            for r in runs:
-                for cmd, (c, _) in r["inner"].items():
-                    inner_tot[cmd] = inner_tot.get(cmd, 0) + c
             total_calls = sum(r["calls"] for r in runs)
-            warnings = []
-            if any(r["calls"] != self.n for r in runs):
-                warnings.append(
+            inner_tot: dict[str, int] = {}
+            for cmd, (c, _) in (kv for r in runs for kv in r["inner"].items()):
+                inner_tot[cmd] = inner_tot.get(cmd, 0) + c
+            warnings = (
+                [
                     f"evalsha calls per repetition {[r['calls'] for r in runs]} != n={self.n}: "
                     "another client used the server, or a script was reloaded"
-                )
-            if any(r["failed"] for r in runs):
-                warnings.append(f"failed evalsha calls: {[r['failed'] for r in runs]}")
+                ]
+                if any(r["calls"] != self.n for r in runs)
+                else []
+            )
+            if any(r["failed_calls"] for r in runs):
+                warnings.append(f"failed evalsha calls: {[r['failed_calls'] for r in runs]}")
             out[name] = {
                 "what": what,
                 "script": lua or "(inline) return 1",
+                # the sites in the script, and in the part of _common.lua prepended to it
                 "static_redis_call": {
                     "script": static.get(lua, 0) if lua and lua != "_common.lua" else 0,
-                    # the sites in the part of _common.lua prepended to this script
                     "common": prelude_sites(lua) if lua else 0,
                 },
                 "usec_per_call": statistics.median(per),
                 "usec_per_call_reps": per,
-                # time Redis spent inside the commands the script issued (HMGET, HSET, ...);
-                # the rest of usec_per_call is Lua (argument checks, string work) and EVALSHA.
+                # time inside the commands the script issued; the rest is Lua and EVALSHA
                 "usec_in_commands_per_call": statistics.median(in_cmds),
-                "inner_calls_per_call": {
-                    cmd: c / total_calls
-                    for cmd, c in sorted(inner_tot.items(), key=lambda kv: -kv[1])
-                }
-                if total_calls
-                else {},
+                "inner_calls_per_call": {cmd: c / total_calls for cmd, c in sorted(
+                    inner_tot.items(), key=lambda kv: -kv[1])} if total_calls else {},
                 "warnings": warnings,
-            }
-        floor = out["return1"]["usec_per_call"]
+            }  # fmt: skip
+        floor = out["return1"]["usec_per_call"]  # every subset measures the floor
         for v in out.values():
             v["ratio_to_return1"] = v["usec_per_call"] / floor if floor else None
         return out
 
     # -- client throughput
 
-    def cl_bare_evalsha(self, n: int) -> Body:
-        r, sha = self.r, self.bare.sha
-
-        def body() -> None:
-            for _ in range(n):
-                r.evalsha(sha, 0)
-
-        return body
-
-    def cl_ledger_admit(self, n: int) -> Body:
+    def loop(self, name: str, n: int) -> Body:
+        r = self.r
+        if name == "bare_evalsha":
+            return self._each(range(n), lambda _: r.evalsha(self.bare.sha, 0))
+        if name == "raw_admit":
+            sha = self.admit_script.sha
+            return self._each(
+                self._admit_calls(n), lambda c: r.evalsha(sha, len(c[0]), *c[0], *c[1])
+            )
         s = self.session()
-
-        def body() -> None:
-            for k in range(n):
-                s.admit("retrieval", [Item(f"i{k}", 1)])
-
-        return body
-
-    def cl_raw_admit(self, n: int) -> Body:
-        calls, r, sha = self._admit_calls(n), self.r, self.admit_script.sha
-
-        def body() -> None:
-            for keys, args in calls:
-                r.evalsha(sha, len(keys), *keys, *args)
-
-        return body
+        return self._each(range(n), lambda k: s.admit("retrieval", [Item(f"i{k}", 1)]))
 
     def run_client_loop(self, name: str, n: int) -> dict[str, float]:
-        body = getattr(self, f"cl_{name}")(n)
+        body = self.loop(name, n)
         self.r.config_resetstat()
         w0, c0 = time.perf_counter(), time.process_time()
         body()
         w1, c1 = time.perf_counter(), time.process_time()
-        calls, usec, _, _ = self.server_stats()
+        st = self.server_stats()
         self.drop_sessions()
         return {
             "ops_per_s": n / (w1 - w0),
             "wall_us_per_op": (w1 - w0) / n * 1e6,
             "cpu_us_per_op": (c1 - c0) / n * 1e6,
-            "server_us_per_op": usec / calls if calls else 0.0,
+            "server_us_per_op": st["usec"] / st["calls"] if st["calls"] else 0.0,
         }
 
     def client(self) -> dict[str, Any]:
         names = list(CLIENT_LOOPS)
         for name in names:
             self.run_client_loop(name, min(self.n, 200))
-        raw: dict[str, list[dict[str, float]]] = {k: [] for k in names}
-        for rep in range(self.reps):
-            k = rep % len(names)
-            for name in names[k:] + names[:k]:
-                raw[name].append(self.run_client_loop(name, self.n))
-        out: dict[str, Any] = {}
-        for name, runs in raw.items():
-            out[name] = {
-                "what": CLIENT_LOOPS[name],
-                **{m: statistics.median(r[m] for r in runs) for m in runs[0]},
-                "reps": runs,
-            }
+        raw = interleaved(
+            self.reps, {k: lambda k=k: self.run_client_loop(k, self.n) for k in names}
+        )
+        out: dict[str, Any] = {
+            name: {"what": CLIENT_LOOPS[name], "reps": runs}
+            | {m: statistics.median(r[m] for r in runs) for m in runs[0]}
+            for name, runs in raw.items()
+        }
         b = out["bare_evalsha"]
         for v in out.values():
             v["slowdown_vs_bare"] = b["ops_per_s"] / v["ops_per_s"]
@@ -508,9 +312,7 @@ class Bench:
 
     def cpu_parts(self) -> dict[str, Any]:
         """Client CPU of the pieces of one ledger call, without any I/O."""
-        led = self.led
-        s = self.session()
-        n = self.n
+        led, s, n = self.led, self.session(), self.n
         call = s.admit_call("retrieval", [Item("probe", 1)])
         raw_reply = self.admit_script(keys=call.keys, args=call.args)
         self.drop_sessions()
@@ -529,43 +331,34 @@ class Bench:
             for _ in range(n):
                 call.parse(protocol.decode(raw_reply))
 
+        def cpu(fn: Body) -> float:
+            c0 = time.process_time()
+            fn()
+            return (time.process_time() - c0) / n * 1e6
+
         loops = {"tenacity": tenacity_loop, "build_call": build_loop, "parse_reply": parse_loop}
-        res: dict[str, list[float]] = {k: [] for k in loops}
-        for _ in range(self.reps):
-            for name, fn in loops.items():
-                c0 = time.process_time()
-                fn()
-                res[name].append((time.process_time() - c0) / n * 1e6)
+        res = interleaved(self.reps, {k: lambda fn=fn: cpu(fn) for k, fn in loops.items()})
         return {
-            name: {"what": CPU_PARTS[name], "cpu_us_per_op": statistics.median(v)}
-            for name, v in res.items()
+            k: {"what": CPU_PARTS[k], "cpu_us_per_op": statistics.median(v)} for k, v in res.items()
         }
 
     # -- memory
 
     def describe(self, key: str) -> dict[str, Any]:
         fields = self.r.hgetall(key)
-        classes = {"base": 0, "items": 0, "reservations": 0, "telemetry": 0}
-        sizes = dict.fromkeys(classes, 0)
+        names = {"i:": "items", "r:": "reservations", "x:": "telemetry"}
+        classes: dict[str, int] = {}
+        sizes: dict[str, int] = {}
         for f, v in fields.items():
-            name = f.decode() if isinstance(f, bytes) else str(f)
-            if name.startswith("i:"):
-                c = "items"
-            elif name.startswith("r:"):
-                c = "reservations"
-            elif name.startswith("x:"):
-                c = "telemetry"
-            else:
-                c = "base"
-            classes[c] += 1
-            sizes[c] += len(f) + len(v)
-        enc = self.r.object("encoding", key)
+            c = names.get(f[:2].decode(), "base")
+            classes[c] = classes.get(c, 0) + 1
+            sizes[c] = sizes.get(c, 0) + len(f) + len(v)
         return {
             "bytes": int(self.r.memory_usage(key, samples=0) or 0),
             "fields": len(fields),
-            "encoding": enc.decode() if isinstance(enc, bytes) else str(enc),
-            "fields_by_class": {k: v for k, v in classes.items() if v},
-            "payload_bytes_by_class": {k: v for k, v in sizes.items() if v},
+            "encoding": self.r.object("encoding", key).decode(),
+            "fields_by_class": classes,
+            "payload_bytes_by_class": sizes,
         }
 
     def memory(self) -> dict[str, Any]:
@@ -586,182 +379,100 @@ class Bench:
 # --- output --------------------------------------------------------------------------
 
 
-def _fmt_inner(d: dict[str, float]) -> str:
-    parts = []
-    for cmd, v in d.items():
-        parts.append(f"{cmd.upper()} {v:.3g}")
-    return ", ".join(parts) or "-"
+def server_table(title: str, res: dict[str, Any], key: str = "server") -> None:
+    rows = []
+    for name, v in res[key].items():
+        st, reps, us = v["static_redis_call"], v["usec_per_call_reps"], v["usec_per_call"]
+        inner = ", ".join(f"{c.upper()} {x:.3g}" for c, x in v["inner_calls_per_call"].items())
+        rows.append([
+            f"{name}\n[dim]{v['what']}[/dim]", v["script"],
+            f"{st['script']} + {st['common']}" if v["script"].endswith(".lua") else "0",
+            inner or "-", f"{us:.2f}", f"{min(reps):.2f}-{max(reps):.2f}",
+            f"{v['usec_in_commands_per_call']:.2f}", f"{us - v['usec_in_commands_per_call']:.2f}",
+            f"{v['ratio_to_return1']:.2f}", f"{1e6 / us:,.0f}" if us else "-",
+        ])  # fmt: skip
+        rows += [[f"[red]warning[/red] {w}"] for w in v["warnings"]]
+    table(title, ["phase", "script", "redis.call(\nsites: script\n+ common",
+                  "commands issued per call (dynamic)", "µs/call\nmedian", "min-max",
+                  "µs in those\ncommands", "µs in Lua\nitself", "x return 1",
+                  "calls/s/core\n(1e6/µs)"], rows, width=210,
+          left=("script", "commands issued per call (dynamic)"))  # fmt: skip
+
+
+def cpu_parts_table(title: str, res: dict[str, Any]) -> None:
+    """The CPU pieces, and their share of ledger_admit's CPU when the client loops ran."""
+    led = res.get("client", {}).get("ledger_admit", {}).get("cpu_us_per_op")
+    rows = [[n, v["what"], f"{v['cpu_us_per_op']:.1f}"] for n, v in res["client_cpu_parts"].items()]
+    for row, v in zip(rows, res["client_cpu_parts"].values(), strict=True):
+        row += [f"{v['cpu_us_per_op'] / led:.0%}"] if led else []
+    share = ["share of ledger-admit CPU"] if led else []
+    table(title, ["piece", "what", "CPU µs/op", *share], rows, left=("what",))
 
 
 def print_table(res: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=160)
     env, p = res["env"], res["params"]
-    console.print(
-        f"[bold]ledger core bench[/bold]  redis-server {env['redis_version']} "
-        f"({env['server']})  nproc={env['nproc']}  cpu={env['cpu_model']}\n"
-        f"python {env['python']}, redis-py {env['redis_py']} (hiredis {env['hiredis']}), "
-        f"tenacity {env['tenacity']}, "
-        f"{env['platform']}\n"
-        f"load avg before/after {env.get('loadavg_before')}/{env.get('loadavg_after')}, "
-        f"CPU steal during run {env.get('cpu_steal_pct_during_run', 'n/a')} %\n"
-        f"N={p['n']} calls per phase, median of {p['reps']} repetitions (phases interleaved), "
-        f"op retention {p['op_retention_s']} s, hash-max-listpack-entries/value "
-        f"{env['hash_max_listpack_entries']}/{env['hash_max_listpack_value']}, "
-        f"total {res['elapsed_s']:.1f} s"
+    print(
+        f"ledger core bench  {machine(env)}\nN={p['n']} calls per phase, median of {p['reps']} "
+        f"repetitions (phases interleaved), op retention {p['op_retention_s']} s, total "
+        f"{res['elapsed_s']:.1f} s"
     )
-
-    t = Table(title="1. Server time per call (INFO commandstats, cmdstat_evalsha usec/calls)")
-    t.add_column("phase", no_wrap=True)
-    t.add_column("script", no_wrap=True)
-    t.add_column("redis.call(\nsites: script\n+ common", justify="right")
-    t.add_column("commands issued per call (dynamic)")
-    t.add_column("µs/call\nmedian", justify="right", no_wrap=True)
-    t.add_column("min-max", justify="right", no_wrap=True)
-    t.add_column("µs in those\ncommands", justify="right", no_wrap=True)
-    t.add_column("x return 1", justify="right", no_wrap=True)
-    t.add_column("calls/s/core\n(1e6/µs)", justify="right", no_wrap=True)
-    for name, v in res["server"].items():
-        st = v["static_redis_call"]
-        reps = v["usec_per_call_reps"]
-        t.add_row(
-            f"{name}\n[dim]{v['what']}[/dim]",
-            v["script"],
-            f"{st['script']} + {st['common']}" if v["script"].endswith(".lua") else "0",
-            _fmt_inner(v["inner_calls_per_call"]),
-            f"{v['usec_per_call']:.2f}",
-            f"{min(reps):.2f}-{max(reps):.2f}",
-            f"{v['usec_in_commands_per_call']:.2f}",
-            f"{v['ratio_to_return1']:.2f}",
-            f"{1e6 / v['usec_per_call']:,.0f}" if v["usec_per_call"] else "-",
-        )
-    console.print(t)
-    for name, v in res["server"].items():
-        for w in v["warnings"]:
-            console.print(f"[red]warning[/red] {name}: {w}")
-
-    t = Table(
-        title="Static `redis.call(` occurrences per Lua file (a script's prelude is the "
-        "part of _common.lua it uses)"
+    server_table("1. Server time per call (INFO commandstats, cmdstat_evalsha usec/calls)", res)
+    st = res["static_redis_call"]
+    table(
+        "Static `redis.call(` occurrences per Lua file (a script's prelude is the part of "
+        "_common.lua it uses)",
+        ["", *st],
+        [["sites", *(str(c) for c in st.values())]],
     )
-    for f in res["static_redis_call"]:
-        t.add_column(f, justify="right")
-    t.add_row(*(str(c) for c in res["static_redis_call"].values()))
-    console.print(t)
-
-    t = Table(title="2. Client throughput, one connection, sequential loop (median)")
-    t.add_column("loop", no_wrap=True)
-    t.add_column("ops/s", justify="right", no_wrap=True)
-    t.add_column("ops/s\nmin-max", justify="right", no_wrap=True)
-    t.add_column("wall µs/op", justify="right")
-    t.add_column("client CPU µs/op", justify="right")
-    t.add_column("server µs/op", justify="right")
-    t.add_column("slowdown\nvs bare", justify="right")
-    t.add_column("CPU\nx bare", justify="right")
-    for name, v in res["client"].items():
-        t.add_row(
-            f"{name}\n[dim]{v['what']}[/dim]",
-            f"{v['ops_per_s']:,.0f}",
-            f"{min(r['ops_per_s'] for r in v['reps']):,.0f}-"
-            f"{max(r['ops_per_s'] for r in v['reps']):,.0f}",
-            f"{v['wall_us_per_op']:.1f}",
-            f"{v['cpu_us_per_op']:.1f}",
-            f"{v['server_us_per_op']:.2f}",
-            f"{v['slowdown_vs_bare']:.2f}",
-            f"{v['cpu_ratio_vs_bare']:.2f}",
-        )
-    console.print(t)
-
-    t = Table(title="Client CPU of the pieces of one ledger call (no I/O, median)")
-    t.add_column("piece")
-    t.add_column("what")
-    t.add_column("CPU µs/op", justify="right")
-    t.add_column("share of ledger-admit CPU", justify="right")
-    led_cpu = res["client"]["ledger_admit"]["cpu_us_per_op"]
-    for name, v in res["client_cpu_parts"].items():
-        t.add_row(
-            name, v["what"], f"{v['cpu_us_per_op']:.1f}", f"{v['cpu_us_per_op'] / led_cpu:.0%}"
-        )
-    console.print(t)
-
-    t = Table(title="3. Memory of one session hash (MEMORY USAGE key SAMPLES 0)")
-    t.add_column("state")
-    t.add_column("bytes", justify="right")
-    t.add_column("x fresh", justify="right")
-    t.add_column("fields", justify="right")
-    t.add_column("encoding")
-    t.add_column("fields by class")
-    t.add_column("payload bytes (field+value) by class")
+    table(
+        "2. Client throughput, one connection, sequential loop (median)",
+        ["loop", "ops/s", "ops/s\nmin-max", "wall µs/op", "client CPU µs/op", "server µs/op",
+         "slowdown\nvs bare", "CPU\nx bare"],
+        [[f"{name}\n[dim]{v['what']}[/dim]", f"{v['ops_per_s']:,.0f}",
+          f"{min(r['ops_per_s'] for r in v['reps']):,.0f}-"
+          f"{max(r['ops_per_s'] for r in v['reps']):,.0f}",
+          f"{v['wall_us_per_op']:.1f}", f"{v['cpu_us_per_op']:.1f}",
+          f"{v['server_us_per_op']:.2f}", f"{v['slowdown_vs_bare']:.2f}",
+          f"{v['cpu_ratio_vs_bare']:.2f}"] for name, v in res["client"].items()],
+    )  # fmt: skip
+    cpu_parts_table("Client CPU of the pieces of one ledger call (no I/O, median)", res)
     fresh = res["memory"]["fresh"]["bytes"]
-    for name, v in res["memory"].items():
-        t.add_row(
-            name,
-            f"{v['bytes']:,}",
-            f"{v['bytes'] / fresh:.2f}",
-            str(v["fields"]),
-            v["encoding"],
-            ", ".join(f"{k} {c}" for k, c in v["fields_by_class"].items()),
-            ", ".join(f"{k} {c:,}" for k, c in v["payload_bytes_by_class"].items()),
-        )
-    console.print(t)
-    console.print(
-        "[dim]usec_per_call is Redis's own timing of EVALSHA (script run incl. its commands), "
+    table(
+        "3. Memory of one session hash (MEMORY USAGE key SAMPLES 0)",
+        ["state", "bytes", "x fresh", "fields", "encoding", "fields by class",
+         "payload bytes (field+value) by class"],
+        [[name, f"{v['bytes']:,}", f"{v['bytes'] / fresh:.2f}", str(v["fields"]), v["encoding"],
+          ", ".join(f"{k} {c}" for k, c in v["fields_by_class"].items()),
+          ", ".join(f"{k} {c:,}" for k, c in v["payload_bytes_by_class"].items())]
+         for name, v in res["memory"].items()],
+        left=("encoding", "fields by class", "payload bytes (field+value) by class"),
+    )  # fmt: skip
+    print(
+        "usec_per_call is Redis's own timing of EVALSHA (script run incl. its commands), "
         "without network, parsing or reply writing. One turn = admit 3 items of 250 tokens, "
-        "release 1. Outcomes (o:*) stay for the op retention; a run shorter than it never "
-        "sweeps journal chunks.[/dim]"
+        "release 1. Outcomes stay for the op retention."
     )
 
 
 # --- main ----------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def target(url: str | None) -> Iterator[tuple[str, str]]:
-    if url:
-        yield url, redact(url)
-        return
-    from ledger.testing import standalone
-
-    with standalone() as server:
-        yield server.url, f"self-started on 127.0.0.1:{server.port}"
-
-
-def run(n: int, reps: int, url: str | None, op_retention: int | None) -> dict[str, Any]:
+def run(n: int, reps: int) -> dict[str, Any]:
     t0 = time.perf_counter()
-    load0, ticks0 = loadavg(), cpu_ticks()
-    with target(url) as (u, where):
-        overrides: dict[str, Any] = {"prefix": f"bench{uuid.uuid4().hex[:10]}"}
-        if op_retention is not None:
-            overrides["op_retention_seconds"] = op_retention
-        with Ledger.from_url(u, **overrides) as led:
-            b = Bench(led, n, reps)
-            try:
-                env = environment(b.r, where)
-                server = b.server()
-                client = b.client()
-                parts = b.cpu_parts()
-                memory = b.memory()
-            finally:
-                b.drop_sessions()
-                keys = list(b.r.scan_iter(match=f"{led.keyspace.prefix}:*", count=1000))
-                if keys:
-                    b.r.delete(*keys)
-            retention = led.settings.op_retention_seconds
-    ticks1 = cpu_ticks()
-    if ticks0 and ticks1 and ticks1[1] > ticks0[1]:
-        env["cpu_steal_pct_during_run"] = round(
-            100 * (ticks1[0] - ticks0[0]) / (ticks1[1] - ticks0[1]), 2
-        )
-    env["loadavg_before"], env["loadavg_after"] = load0, loadavg()
+    with (
+        standalone() as server,
+        Ledger.from_url(server.url, prefix=f"bench{uuid.uuid4().hex[:10]}") as led,
+    ):
+        b = Bench(led, n, reps)
+        env = environment(b.r)
+        with steal_during(env):
+            server_res, client, parts, memory = b.server(), b.client(), b.cpu_parts(), b.memory()
+        retention = led.settings.op_retention_seconds
     return {
         "env": env,
         "params": {"n": n, "reps": reps, "op_retention_s": retention},
         "static_redis_call": static_redis_calls(),
-        "server": server,
+        "server": server_res,
         "client": client,
         "client_cpu_parts": parts,
         "memory": memory,
@@ -776,24 +487,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=3000, help="calls per phase and repetition")
     ap.add_argument("--reps", type=int, default=5, help="repetitions (median reported)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead")
-    ap.add_argument(
-        "--url",
-        help="an existing Redis (CONFIG RESETSTAT is run on it!); default: start a redis-server",
-    )
-    ap.add_argument(
-        "--op-retention",
-        type=int,
-        default=None,
-        help="op_retention_seconds of the ledger (default: the ledger's own, 300)",
-    )
     a = ap.parse_args(argv)
     if a.n < 1 or a.reps < 1:
         ap.error("--n and --reps must be at least 1")
-    res = run(a.n, a.reps, a.url, a.op_retention)
-    if a.json:
-        print(json.dumps(res, indent=2))
-    else:
-        print_table(res)
+    emit(run(a.n, a.reps), a.json, print_table)
     return 0
 
 

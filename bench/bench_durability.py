@@ -14,13 +14,14 @@ replica is on the same machine, so the wait measured is the least a real network
 from __future__ import annotations
 
 import argparse
-import json
+import itertools
 import statistics
 import time
 import uuid
 
 import redis
 
+from bench.common import commandstats, emit, evalsha_usec, interleaved
 from ledger import Consumer, Item, Ledger, LedgerSettings, SessionBudget
 from ledger.testing import replicated
 
@@ -34,10 +35,8 @@ def phase(led: Ledger, r: redis.Redis, sid: str, calls: int) -> dict[str, float]
     for i in range(calls):
         s.admit(Consumer.RETRIEVAL, [Item(f"i{i}", 1)])
     wall = (time.perf_counter() - t0) / calls
-    stats = r.info("commandstats")
-    ev = stats["cmdstat_evalsha"]
-    waits = stats.get("cmdstat_wait", {}).get("calls", 0)
-    return {"wall_us": wall * 1e6, "server_us": ev["usec"] / ev["calls"], "waits": waits}
+    waits = commandstats(r).get("wait", (0, 0))[0]
+    return {"wall_us": wall * 1e6, "server_us": evalsha_usec(r), "waits": waits}
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
@@ -46,27 +45,20 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    runs: dict[int, list[dict[str, float]]] = {0: [], 1: []}
     with replicated() as (primary, _replica):
         r = redis.Redis(port=primary.port)
-        prefix = f"b{uuid.uuid4().hex[:8]}"
-        ledgers = {
-            acks: Ledger.from_settings(
-                LedgerSettings(redis_url=primary.url, prefix=prefix, replica_acks=acks)
-            )
-            for acks in runs
-        }
-        try:
-            for rnd in range(args.rounds):
-                for acks, led in ledgers.items():
-                    runs[acks].append(phase(led, r, f"s{acks}-{rnd}", args.calls))
-        finally:
-            for led in ledgers.values():
-                led.close()
-            r.close()
+        settings = LedgerSettings(redis_url=primary.url, prefix=f"b{uuid.uuid4().hex[:8]}")
+        ledgers = {a: Ledger.from_settings(settings.model_copy(update={"replica_acks": a}))
+                   for a in (0, 1)}  # fmt: skip
+        rnd = itertools.count()
+        runs = interleaved(args.rounds, {
+            acks: lambda acks=acks, led=led: phase(led, r, f"s{acks}-{next(rnd)}", args.calls)
+            for acks, led in ledgers.items()
+        })  # fmt: skip
+        for led in ledgers.values():
+            led.close()
     med = {
-        acks: {k: statistics.median(p[k] for p in phases) for k in phases[0]}
-        for acks, phases in runs.items()
+        acks: {k: statistics.median(p[k] for p in ph) for k in ph[0]} for acks, ph in runs.items()
     }
     report: dict[str, object] = {
         "calls": args.calls,
@@ -76,17 +68,14 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "wall_ratio": med[1]["wall_us"] / med[0]["wall_us"],
         "server_ratio": med[1]["server_us"] / med[0]["server_us"],
     }
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print(
-            f"admit, {args.calls} calls x {args.rounds} rounds (median): "
-            f"plain {med[0]['wall_us']:.0f} us/call, replica_acks=1 {med[1]['wall_us']:.0f} "
-            f"us/call: x{report['wall_ratio']:.2f} wall; server time per EVALSHA "
-            f"{med[0]['server_us']:.1f} vs {med[1]['server_us']:.1f} us "
-            f"(x{report['server_ratio']:.2f}); WAITs counted {med[0]['waits']:.0f} vs "
-            f"{med[1]['waits']:.0f}"
-        )
+    emit(report, args.json, lambda _: print(
+        f"admit, {args.calls} calls x {args.rounds} rounds (median): "
+        f"plain {med[0]['wall_us']:.0f} us/call, replica_acks=1 {med[1]['wall_us']:.0f} "
+        f"us/call: x{report['wall_ratio']:.2f} wall; server time per EVALSHA "
+        f"{med[0]['server_us']:.1f} vs {med[1]['server_us']:.1f} us "
+        f"(x{report['server_ratio']:.2f}); WAITs counted {med[0]['waits']:.0f} vs "
+        f"{med[1]['waits']:.0f}"
+    ))  # fmt: skip
     return report
 
 

@@ -1,36 +1,24 @@
 """Full benchmark of the ledger against the round-trip floor and two conventional implementations.
 
-    python -m bench.bench_full [--quick] [--json]
+    python -m bench.bench_full [--quick] [--json] [--duration S] [--procs 1,8,32]
 
-One run, on one redis-server it starts itself (ledger.testing.standalone, a free port;
-never the machine's shared Redis), measures:
+One run, on one redis-server it starts itself, measures:
 
-1. A matrix of rows: operation x client mode x worker processes x session layout.
-   Operations: the ledger's hot paths (admit one item, admit a batch of 16,
-   session.begin_turn, release one item, reserve then settle), the round-trip floor
-   (a bare EVALSHA of ``return 1`` through redis-py) and the same single-item
-   admission written with WATCH/MULTI/EXEC and with a redis-py Lock
-   (bench/alternatives.py). Client modes: sync (one blocking call at a time per
-   process), asyncio (AsyncLedger, K calls in flight per process via asyncio.gather)
-   and pipelined (Ledger.run_many of B admit calls built in the loop, one pipeline
-   each; admit_raw: a bare redis-py MULTI/EXEC pipeline of B EVALSHA, pre-built;
-   the alternatives cannot be pipelined, their WATCH needs a reply first). Worker
-   processes: 1, 8, 32 (multiprocessing spawn, started once and reused; each builds
-   its own client for each row); with several processes all work on one shared
-   session, or each on its own (spread).
-   Each row is time-boxed (--duration). Per row: ops/s, p50/p99 latency of one
-   operation (pipelined: of its batch), ops/s as a ratio to the floor and to each
-   alternative at the same mode, processes and layout, server time from INFO
-   commandstats (CONFIG RESETSTAT before the row), commands per operation, the
-   static number of redis.call( sites of the scripts, client CPU per operation
-   (time.process_time of all workers / ops), and a consistency check afterwards
-   (ledger: the audit script; alternatives: used == sum of items).
-2. Server time per call with one idle client, median of repetitions
-   (bench.bench_core's phases return1, admit_1, admit_16), for the server targets.
-3. Memory of one session (MEMORY USAGE, SAMPLES 0, of all its keys): freshly opened,
-   after 40 typical turns, and with op retention shortened to 1 s after 40 and 400
-   turns, each also after an idle pause longer than the retention, to show that the
-   journal of outcomes is bounded by time, not by the session's length.
+1. A matrix of rows: operation x client mode x worker processes x session layout, each
+   time-boxed. Operations (OPS): the ledger's hot paths, the round-trip floor (a bare
+   EVALSHA of ``return 1``) and the same single-item admission written with
+   WATCH/MULTI/EXEC and with a redis-py Lock (bench/alternatives.py). Modes: sync (one
+   blocking call at a time per process), asyncio (K calls in flight per process) and
+   pipelined (Ledger.run_many of B calls; admit_raw: a bare MULTI/EXEC of the same calls,
+   pre-built; the alternatives cannot be pipelined). Processes: 1, 8, 32 (spawned once);
+   with several, all on one shared session or each on its own (spread). Per row: ops/s,
+   p50/p99 of one operation (pipelined: of its batch), ratios to the floor and to each
+   alternative, server time from INFO commandstats, commands per operation, static
+   redis.call( sites, client CPU per operation, and a consistency check afterwards.
+2. Server time per call with one idle client: bench_core's phases, median of reps.
+3. Memory of one session (MEMORY USAGE of its keys): fresh, after 40 typical turns, and
+   with op retention shortened to 1 s after 40 and 400 turns, each also after an idle
+   pause longer than the retention: the outcomes are bounded by time, not length.
 4. The targets, as ratios, with PASS/MISS.
 
 --quick: tiny sizes for CI (200 operations per row, 1 and 2 processes).
@@ -43,13 +31,10 @@ import asyncio
 import contextlib
 import hashlib
 import itertools
-import json
 import math
 import multiprocessing as mp
-import os
 import queue
 import random
-import statistics
 import subprocess
 import sys
 import time
@@ -57,32 +42,39 @@ import traceback
 import uuid
 from array import array
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+import redis
 
-import redis  # noqa: E402
-
-from bench import alternatives as alt  # noqa: E402
-from bench.bench_core import (  # noqa: E402
+from bench import alternatives as alt
+from bench.bench_core import (
     BENCH_BUDGET,
     LEASE_MS,
     MEMORY_BUDGET,
-    SERVER_PHASES,
     Bench,
-    cpu_ticks,
-    environment,
-    loadavg,
+    cpu_parts_table,
     prelude_sites,
+    server_table,
     static_redis_calls,
 )
-from ledger import AsyncLedger, Item, Ledger, scripts  # noqa: E402
-from ledger.client import Session  # noqa: E402
-from ledger.core import SessionCore  # noqa: E402
-from ledger.protocol import Call  # noqa: E402
+from bench.common import (
+    CLK_TCK,
+    ROOT,
+    commandstats,
+    cpu_seconds,
+    cpu_ticks,
+    emit,
+    environment,
+    machine,
+    steal_during,
+)
+from bench.common import table as print_table
+from ledger import AsyncLedger, Item, Ledger, scripts
+from ledger.client import Session
+from ledger.core import SessionCore
+from ledger.protocol import Call
 
 # --- what is measured ------------------------------------------------------------------
 
@@ -122,6 +114,7 @@ UNCAPPED = 10**9
 DRAIN_S = 2.0  # asyncio: seconds after the time box before operations in flight are cancelled
 EXCLUDED_STATS = ("info", "config", "client", "hello", "ping", "script", "flushdb", "command")
 FLOOR_SCRIPT = "return 1"
+FLOOR_SHA = hashlib.sha1(FLOOR_SCRIPT.encode()).hexdigest()
 WORKING_SET = 6_000
 TURN_KEEP = 2  # a turn's chunks and tool result are released two turns later
 ALT_WINDOW = BENCH_BUDGET.window
@@ -141,7 +134,6 @@ class Plan:
     after_pause_turns: int
     retention_s: int
     modes: tuple[str, ...] = MODES
-    ops: tuple[str, ...] = tuple(OPS)
 
 
 def make_plan(a: argparse.Namespace) -> Plan:
@@ -149,20 +141,8 @@ def make_plan(a: argparse.Namespace) -> Plan:
         plan = Plan(True, (1, 2), 30.0, 200, 4, 8, 50, 1, (10, 40), 10, 1)
     else:
         plan = Plan(False, (1, 8, 32), 1.25, None, 8, 32, 500, 5, (40, 400), 20, 1)
-    over: dict[str, Any] = {}
-    if a.procs:
-        over["procs"] = tuple(int(x) for x in a.procs.split(","))
-    if a.duration:
-        over["duration"] = a.duration
-    if a.modes:
-        over["modes"] = tuple(m for m in a.modes.split(",") if m)
-    if a.ops:
-        over["ops"] = tuple(o for o in a.ops.split(",") if o)
-    plan = Plan(**{**asdict(plan), **over})
-    bad = [m for m in plan.modes if m not in MODES] + [o for o in plan.ops if o not in OPS]
-    if bad or any(p < 1 for p in plan.procs):
-        raise SystemExit(f"unknown modes/ops or bad --procs: {bad or plan.procs}")
-    return plan
+    over = {"procs": tuple(int(x) for x in a.procs.split(",")) if a.procs else plan.procs}
+    return Plan(**{**asdict(plan), **over, "duration": a.duration or plan.duration})
 
 
 @dataclass
@@ -201,13 +181,16 @@ def worker_cap(plan: Plan, op: str, mode: str, procs: int) -> int:
 
 # --- worker processes ------------------------------------------------------------------
 
-SyncOp = Callable[[int], int]  # k -> retries (raises on failure)
-AsyncOp = Callable[[int], Awaitable[int]]
+Step = Callable[[int], Any]  # k -> a reply, or (asyncio) an awaitable of one
 
 
-def _ok(status: str) -> None:
-    if status != "ok":
-        raise RuntimeError(f"alternative admission returned {status}")
+def _retries(res: Any) -> int:
+    """An alternative's retries (it must have admitted the item); 0 for the ledger."""
+    if not isinstance(res, alt.AltResult):
+        return 0
+    if res.status != "ok":
+        raise RuntimeError(f"alternative admission returned {res.status}")
+    return res.retries
 
 
 def prebuilt_admits(s: SessionCore, tag: str, ks: range) -> list[Call[Any]]:
@@ -215,208 +198,94 @@ def prebuilt_admits(s: SessionCore, tag: str, ks: range) -> list[Call[Any]]:
     return [s.admit_call("retrieval", [Item(f"{tag}.{k}", 1)]) for k in ks]
 
 
-def sync_setup(spec: RowSpec, w: int, stack: contextlib.ExitStack) -> tuple[SyncOp, int]:
-    """(op, operations per op call) for one worker of a sync or pipelined row."""
-    led = stack.enter_context(Ledger.from_url(spec.url, prefix=spec.prefix, **CLIENT_TIMEOUTS))
+def prepare(spec: RowSpec, w: int, led: Ledger) -> list[Call[Any]]:
+    """What a worker's row needs before it starts, written with a sync client in every
+    mode: its session (or the alternative's hash), the items a release row gives back,
+    the scripts loaded; returns the pre-built calls of an admit_raw row."""
     r: redis.Redis = led.client  # type: ignore[assignment]
     tag = f"w{w}"
-    op, unit = spec.op, 1
-    if op == "floor":
-        sha = r.script_load(FLOOR_SCRIPT)
-        if spec.mode == "pipelined":
-            n = spec.batch
-
-            def floor_batch(k: int) -> int:
-                with r.pipeline(transaction=False) as pipe:
-                    for _ in range(n):
-                        pipe.evalsha(sha, 0)
-                    pipe.execute()
-                return 0
-
-            return floor_batch, n
-
-        def floor(k: int) -> int:
-            r.evalsha(sha, 0)
-            return 0
-
-        return floor, unit
-    if op in ALTERNATIVES:
-        key = spec.alt_key(w)
-        alt.open_session(r, key, ALT_WINDOW)
-        impl = alt.WatchAdmit(r) if op == "watch" else alt.LockAdmit(r)
-
-        def alt_admit(k: int) -> int:
-            res = impl.admit(key, f"{tag}.{k}", 1)
-            _ok(res.status)
-            return res.retries
-
-        return alt_admit, unit
+    r.script_load(FLOOR_SCRIPT)
+    if spec.op in ALTERNATIVES:
+        alt.open_session(r, spec.alt_key(w), ALT_WINDOW)
+        return []
     # one owner for every process of a shared session: the bench measures the scripts, and
     # a begin_turn by the owner of the open turn ends it (docs/agent.md#turn-leases)
     s = led.open_session(spec.session_id(w), BENCH_BUDGET, owner="bench")
-    if spec.mode == "pipelined":
-        size = 16 if op == "admit_16" else 1
-        n = spec.batch
-        if op == "admit_raw":  # the same calls, pre-built, in a bare MULTI/EXEC as run_many
-            nbatch = math.ceil(min(spec.cap, UNCAPPED // 1000) / n)
-            calls = prebuilt_admits(s, tag, range(nbatch * n))
-            script_sha = led._scripts["admit"].sha
-            r.script_load(led._scripts["admit"].script)
-
-            def raw_batch(k: int) -> int:
-                with r.pipeline(transaction=True) as pipe:
-                    for c in calls[k * n : (k + 1) * n]:
-                        pipe.evalsha(script_sha, len(c.keys), *c.keys, *c.args)
-                    pipe.execute()
-                return 0
-
-            return raw_batch, n
-
-        def admit_batch(k: int) -> int:
-            led.run_many(
-                s.admit_call("retrieval", [Item(f"{tag}.{k}.{i}.{j}", 1) for j in range(size)])
-                for i in range(n)
-            )
-            return 0
-
-        return admit_batch, n
-    if op == "admit_1":
-
-        def admit_1(k: int) -> int:
-            s.admit("retrieval", [Item(f"{tag}.{k}", 1)])
-            return 0
-
-        return admit_1, unit
-    if op == "admit_raw":
-        off = spec.concurrency  # calls -concurrency..-1 warm up
-        raw_calls = prebuilt_admits(s, tag, range(-off, spec.cap))
-        raw_sha = led._scripts["admit"].sha
-        r.script_load(led._scripts["admit"].script)
-
-        def admit_raw(k: int) -> int:
-            c = raw_calls[k + off]
-            r.evalsha(raw_sha, len(c.keys), *c.keys, *c.args)
-            return 0
-
-        return admit_raw, unit
-    if op == "admit_16":
-
-        def admit_16(k: int) -> int:
-            s.admit("retrieval", [Item(f"{tag}.{k}.{j}", 1) for j in range(16)])
-            return 0
-
-        return admit_16, unit
-    if op == "begin_turn":
-
-        def begin_turn(k: int) -> int:
-            s.begin_turn(WORKING_SET)
-            return 0
-
-        return begin_turn, unit
-    if op == "release":
+    r.script_load(led._scripts["admit"].script)
+    if spec.op == "release":
         ids = [f"{tag}.{k}" for k in range(-spec.concurrency, spec.cap)]
         for lo in range(0, len(ids), 1000):
             s.admit("retrieval", [Item(i, 1) for i in ids[lo : lo + 1000]])
-
-        def release(k: int) -> int:
-            s.release("retrieval", [f"{tag}.{k}"])
-            return 0
-
-        return release, unit
-    if op == "reserve_settle":
-
-        def reserve_settle(k: int) -> int:
-            s.reserve("retrieval", f"{tag}.r{k}", 1, lease_ms=LEASE_MS)
-            s.settle(f"{tag}.r{k}", 1, f"{tag}.x{k}")
-            return 0
-
-        return reserve_settle, unit
-    raise ValueError(f"no sync {op}")
+    if spec.op != "admit_raw":
+        return []
+    if spec.mode == "pipelined":  # the same calls, pre-built, in a bare MULTI/EXEC
+        n = spec.batch
+        return prebuilt_admits(s, tag, range(math.ceil(min(spec.cap, UNCAPPED // 1000) / n) * n))
+    return prebuilt_admits(s, tag, range(-spec.concurrency, spec.cap))  # the first warm up
 
 
-async def async_setup(
-    spec: RowSpec, w: int, stack: contextlib.AsyncExitStack
-) -> tuple[AsyncOp, Callable[[], Awaitable[None]]]:
-    led = AsyncLedger.from_url(spec.url, prefix=spec.prefix, **CLIENT_TIMEOUTS)
-    stack.push_async_callback(led.aclose)
-    r: redis.asyncio.Redis = led.client  # type: ignore[assignment]
-    tag, op = f"w{w}", spec.op
+def _evalsha(r: Any, sha: str, c: Call[Any]) -> Any:
+    return r.evalsha(sha, len(c.keys), *c.keys, *c.args)
 
-    async def ping() -> None:
-        await r.ping()
 
-    if op == "floor":
-        sha = await r.script_load(FLOOR_SCRIPT)
-
-        async def floor(k: int) -> int:
-            await r.evalsha(sha, 0)
-            return 0
-
-        return floor, ping
+def steps(spec: RowSpec, w: int, s: Any, r: Any, raw: list[Call[Any]]) -> list[Step]:
+    """The calls of one operation k, on a sync or an asyncio session and client."""
+    tag, op, off = f"w{w}", spec.op, spec.concurrency
     if op in ALTERNATIVES:
-        key = spec.alt_key(w)
-        await alt.aopen_session(r, key, ALT_WINDOW)
-        impl = alt.AsyncWatchAdmit(r) if op == "watch" else alt.AsyncLockAdmit(r)
+        sync = spec.mode != "asyncio"
+        impl = (
+            (alt.WatchAdmit if sync else alt.AsyncWatchAdmit)(r)
+            if op == "watch"
+            else ((alt.LockAdmit if sync else alt.AsyncLockAdmit)(r))
+        )
+        return [lambda k: impl.admit(spec.alt_key(w), f"{tag}.{k}", 1)]
+    admit_sha = scripts.sha("admit")
+    table: dict[str, list[Step]] = {
+        "floor": [lambda k: r.evalsha(FLOOR_SHA, 0)],
+        "admit_1": [lambda k: s.admit("retrieval", [Item(f"{tag}.{k}", 1)])],
+        "admit_raw": [lambda k: _evalsha(r, admit_sha, raw[k + off])],
+        "admit_16": [
+            lambda k: s.admit("retrieval", [Item(f"{tag}.{k}.{j}", 1) for j in range(16)])
+        ],
+        "begin_turn": [lambda k: s.begin_turn(WORKING_SET)],
+        "release": [lambda k: s.release("retrieval", [f"{tag}.{k}"])],
+        "reserve_settle": [
+            lambda k: s.reserve("retrieval", f"{tag}.r{k}", 1, lease_ms=LEASE_MS),
+            lambda k: s.settle(f"{tag}.r{k}", 1, f"{tag}.x{k}"),
+        ],
+    }  # fmt: skip
+    return table[op]
 
-        async def alt_admit(k: int) -> int:
-            res = await impl.admit(key, f"{tag}.{k}", 1)
-            _ok(res.status)
-            return res.retries
 
-        return alt_admit, ping
-    s = await led.open_session(spec.session_id(w), BENCH_BUDGET, owner="bench")
-    if op == "admit_1":
+def _pipe(r: redis.Redis, sha: str, calls: Any, transaction: bool) -> int:
+    with r.pipeline(transaction=transaction) as pipe:
+        for keys, args in calls:
+            pipe.evalsha(sha, len(keys), *keys, *args)
+        pipe.execute()
+    return 0
 
-        async def admit_1(k: int) -> int:
-            await s.admit("retrieval", [Item(f"{tag}.{k}", 1)])
-            return 0
 
-        return admit_1, ping
-    if op == "admit_raw":
-        off = spec.concurrency  # calls -concurrency..-1 warm up
-        raw_calls = prebuilt_admits(s, tag, range(-off, spec.cap))
-        raw_sha = led._scripts["admit"].sha
-        await r.script_load(led._scripts["admit"].script)
+def pipelined(spec: RowSpec, w: int, led: Ledger, raw: list[Call[Any]]) -> Callable[[int], int]:
+    """Batch k of B calls in one pipeline: the floor's, run_many's, or admit_raw's (a bare
+    MULTI/EXEC of the same calls, pre-built, as run_many sends them)."""
+    r: redis.Redis = led.client  # type: ignore[assignment]
+    tag, n = f"w{w}", spec.batch
+    if spec.op == "floor":
+        return lambda k: _pipe(r, FLOOR_SHA, [((), ())] * n, False)
+    if spec.op == "admit_raw":
+        sha = scripts.sha("admit")
+        return lambda k: _pipe(r, sha, [(c.keys, c.args) for c in raw[k * n : (k + 1) * n]], True)
+    s = led.session(spec.session_id(w), owner="bench")
+    size = 16 if spec.op == "admit_16" else 1
 
-        async def admit_raw(k: int) -> int:
-            c = raw_calls[k + off]
-            await r.evalsha(raw_sha, len(c.keys), *c.keys, *c.args)
-            return 0
+    def admit_batch(k: int) -> int:
+        led.run_many(
+            s.admit_call("retrieval", [Item(f"{tag}.{k}.{i}.{j}", 1) for j in range(size)])
+            for i in range(n)
+        )
+        return 0
 
-        return admit_raw, ping
-    if op == "admit_16":
-
-        async def admit_16(k: int) -> int:
-            await s.admit("retrieval", [Item(f"{tag}.{k}.{j}", 1) for j in range(16)])
-            return 0
-
-        return admit_16, ping
-    if op == "begin_turn":
-
-        async def begin_turn(k: int) -> int:
-            await s.begin_turn(WORKING_SET)
-            return 0
-
-        return begin_turn, ping
-    if op == "release":
-        ids = [f"{tag}.{k}" for k in range(-spec.concurrency, spec.cap)]
-        for lo in range(0, len(ids), 1000):
-            await s.admit("retrieval", [Item(i, 1) for i in ids[lo : lo + 1000]])
-
-        async def release(k: int) -> int:
-            await s.release("retrieval", [f"{tag}.{k}"])
-            return 0
-
-        return release, ping
-    if op == "reserve_settle":
-
-        async def reserve_settle(k: int) -> int:
-            await s.reserve("retrieval", f"{tag}.r{k}", 1, lease_ms=LEASE_MS)
-            await s.settle(f"{tag}.r{k}", 1, f"{tag}.x{k}")
-            return 0
-
-        return reserve_settle, ping
-    raise ValueError(f"no asyncio {op}")
+    return admit_batch
 
 
 @dataclass
@@ -426,6 +295,7 @@ class Tally:
     errors: int = 0
     first_error: str | None = None
     lat: array = field(default_factory=lambda: array("d"))  # type: ignore[type-arg]
+    unfinished: int = 0
 
     def error(self, exc: BaseException) -> None:
         self.errors += 1
@@ -433,26 +303,25 @@ class Tally:
             self.first_error = f"{type(exc).__name__}: {exc}"[:300]
 
     def result(self, t0: float, t1: float, c0: float, c1: float, capped: bool) -> dict[str, Any]:
-        return {
-            "ops": self.ops,
-            "retries": self.retries,
-            "errors": self.errors,
-            "first_error": self.first_error,
-            "t_start": t0,
-            "t_end": t1,
-            "cpu_s": c1 - c0,
-            "capped": capped,
-            "lat": self.lat.tobytes(),
-            "unfinished": 0,
-        }
+        return asdict(self) | {"t_start": t0, "t_end": t1, "cpu_s": c1 - c0, "capped": capped,
+                               "lat": self.lat.tobytes()}  # fmt: skip
 
 
 def run_sync_row(spec: RowSpec, w: int, outbox: Any, barrier: Any) -> dict[str, Any]:
-    with contextlib.ExitStack() as stack:
-        op, unit = sync_setup(spec, w, stack)
-        if spec.mode != "pipelined" or spec.op == "floor":
+    with Ledger.from_url(spec.url, prefix=spec.prefix, **CLIENT_TIMEOUTS) as led:
+        raw, unit = prepare(spec, w, led), 1
+        if spec.mode == "pipelined":
+            op, unit = pipelined(spec, w, led, raw), spec.batch
+        else:
+            s = None if spec.op in ALTERNATIVES else led.session(spec.session_id(w), owner="bench")
+            fs = steps(spec, w, s, led.client, raw)
+
+            def op(k: int) -> int:
+                for f in fs:
+                    res = f(k)
+                return _retries(res)
+
             op(-1)  # connection, script cache: before the RESETSTAT that follows "ready"
-        # (pipelined admits: the connection is open already and the calls are pre-built)
         outbox.put(("ready", w, None))
         barrier.wait(timeout=600)
         tally = Tally()
@@ -482,10 +351,23 @@ def run_sync_row(spec: RowSpec, w: int, outbox: Any, barrier: Any) -> dict[str, 
 
 
 async def run_async_row(spec: RowSpec, w: int, outbox: Any, barrier: Any) -> dict[str, Any]:
+    with Ledger.from_url(spec.url, prefix=spec.prefix, **CLIENT_TIMEOUTS) as sync_led:
+        raw = prepare(spec, w, sync_led)
     async with contextlib.AsyncExitStack() as stack:
-        op, ping = await async_setup(spec, w, stack)
+        led = AsyncLedger.from_url(spec.url, prefix=spec.prefix, **CLIENT_TIMEOUTS)
+        stack.push_async_callback(led.aclose)
+        s = None
+        if spec.op not in ALTERNATIVES:
+            s = await led.session(spec.session_id(w), owner="bench")
+        fs = steps(spec, w, s, led.client, raw)
+
+        async def op(k: int) -> int:
+            for f in fs:
+                res = await f(k)
+            return _retries(res)
+
         await op(-1)  # script cache
-        await asyncio.gather(*(ping() for _ in range(spec.concurrency)))  # K connections
+        await asyncio.gather(*(led.client.ping() for _ in range(spec.concurrency)))  # K conns
         outbox.put(("ready", w, None))
         barrier.wait(timeout=600)  # blocks the loop: nothing else runs on it meanwhile
         tally = Tally()
@@ -528,17 +410,13 @@ async def run_async_row(spec: RowSpec, w: int, outbox: Any, barrier: Any) -> dic
                 t.cancel()
             _, pending = await asyncio.wait(pending, timeout=0.05)
         tally.lat.extend(unfinished)
-        res = tally.result(t0, t1, c0, c1, capped=tally.ops + tally.errors >= cap)
-        res["unfinished"] = len(unfinished)
-        res["cleanup_s"] = pc() - now
-        return res
+        tally.unfinished = len(unfinished)
+        return tally.result(t0, t1, c0, c1, capped=tally.ops + tally.errors >= cap)
 
 
 def worker_main(w: int, inbox: Any, outbox: Any, barriers: dict[int, Any]) -> None:
     """A worker process: runs its part of each row it is sent, until it gets None."""
-    # Imports done, Lua read (every worker reads the files now, at the start of the run):
-    # the parent starts no row before all are alive, and checks they run its scripts.
-    outbox.put(("alive", w, script_shas()))
+    outbox.put(("alive", w, None))  # imports done: the parent starts no row before
     while True:
         spec = inbox.get()
         if spec is None:
@@ -565,18 +443,12 @@ class Pool:
         self.inboxes = [ctx.Queue() for _ in range(self.size)]
         self.timing: dict[str, float] = {}
         self.cpu: dict[str, float] = {}
-        self.procs = [
-            ctx.Process(
-                target=worker_main,
-                args=(w, self.inboxes[w], self.outbox, self.barriers),
-                name=f"bench-worker-{w}",
-                daemon=True,
-            )
-            for w in range(self.size)
-        ]
+        self.procs = [ctx.Process(target=worker_main, name=f"bench-worker-{w}", daemon=True,
+                                  args=(w, self.inboxes[w], self.outbox, self.barriers))
+                      for w in range(self.size)]  # fmt: skip
         for p in self.procs:
             p.start()
-        self.worker_shas = self.collect(self.size, "alive", 600)
+        self.collect(self.size, "alive", 600)
 
     def collect(self, n: int, kind: str, timeout: float) -> dict[int, Any]:
         got: dict[int, Any] = {}
@@ -585,9 +457,7 @@ class Pool:
             try:
                 what, w, payload = self.outbox.get(timeout=max(0.1, end - time.monotonic()))
             except queue.Empty:
-                raise RuntimeError(
-                    f"workers did not report {kind} within {timeout:.0f} s"
-                ) from None
+                raise RuntimeError(f"workers did not report {kind} in {timeout:.0f} s") from None
             if what == "error":
                 raise RuntimeError(f"worker {w} failed:\n{payload}")
             if what != kind:
@@ -606,12 +476,12 @@ class Pool:
         try:
             self.collect(spec.procs, "ready", 300)
             r.config_resetstat()
-            t1, busy0, srv0 = time.perf_counter(), machine_busy_s(), process_cpu_s(server_pid)
+            t1, busy0, srv0 = time.perf_counter(), cpu_ticks()[1], cpu_seconds(server_pid)
             barrier.wait(timeout=120)
             results = self.collect(spec.procs, "done", spec.duration + 300)
-            t2, busy1, srv1 = time.perf_counter(), machine_busy_s(), process_cpu_s(server_pid)
+            t2, busy1, srv1 = time.perf_counter(), cpu_ticks()[1], cpu_seconds(server_pid)
             self.timing = {"setup_s": t1 - t0, "run_s": t2 - t1}
-            self.cpu = {"wall_s": t2 - t1, "machine_busy_s": busy1 - busy0,
+            self.cpu = {"wall_s": t2 - t1, "machine_busy_s": (busy1 - busy0) / CLK_TCK,
                         "redis_cpu_s": srv1 - srv0}  # fmt: skip
         except BaseException as exc:
             barrier.abort()
@@ -624,7 +494,7 @@ class Pool:
             if late:
                 raise RuntimeError("\n".join(late)) from exc
             raise
-        return results, r.info("commandstats")
+        return results, commandstats(r, EXCLUDED_STATS)
 
     def close(self) -> None:
         for q in self.inboxes:
@@ -639,25 +509,6 @@ class Pool:
 
 
 # --- one row: summarize ----------------------------------------------------------------
-
-
-CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def machine_busy_s() -> float:
-    """CPU seconds all cores spent busy (not idle, not iowait) since boot: /proc/stat."""
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        f = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-        return (sum(f[:8]) - f[3] - f[4]) / CLK_TCK
-    return 0.0
-
-
-def process_cpu_s(pid: int) -> float:
-    """utime + stime of one process, seconds (/proc/<pid>/stat)."""
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / CLK_TCK
-    return 0.0
 
 
 def cpu_shares(cpu: dict[str, float], workers_cpu_s: float) -> dict[str, float]:
@@ -679,53 +530,30 @@ def pct(sorted_xs: list[float], q: float) -> float:
     return sorted_xs[i]
 
 
-def nested_commands(op: str) -> tuple[str, ...] | None:
-    """Commands that run inside another one (None: every command but EVALSHA)."""
-    if op == "watch":
-        return alt.WATCH_NESTED
-    if op == "lock":
-        return alt.LOCK_NESTED
-    return None
+NESTED = {"watch": alt.WATCH_NESTED, "lock": alt.LOCK_NESTED}
 
 
-def server_figures(op: str, stats: dict[str, Any], ops: int) -> dict[str, Any]:
-    cmds: dict[str, tuple[int, int]] = {}
-    for name, v in stats.items():
-        cmd = name.removeprefix("cmdstat_")
-        if cmd.split("|")[0] in EXCLUDED_STATS:
-            continue
-        cmds[cmd] = (int(v["calls"]), int(v["usec"]))
-    nested = nested_commands(op)
-    if nested is None:
-        top = {c: cu for c, cu in cmds.items() if c == "evalsha"}
-    else:
-        top = {c: cu for c, cu in cmds.items() if c not in nested}
-    ev_calls, ev_usec = cmds.get("evalsha", (0, 0))
-    top_calls = sum(c for c, _ in top.values())
-    top_usec = sum(u for _, u in top.values())
-    failed = int(stats.get("cmdstat_evalsha", {}).get("failed_calls", 0))
-    per_call = (ev_usec / ev_calls if ev_calls else 0.0) if nested is None else top_usec / ops
-    return {
-        "usec_per_call": per_call if ops else 0.0,
-        "usec_per_op": top_usec / ops if ops else 0.0,
-        "evalsha_calls": ev_calls,
-        "evalsha_failed": failed,
-        "commands_per_op": top_calls / ops if ops else 0.0,
-        "top_level": {c: v[0] for c, v in top.items()},
-        "all_commands": {c: v[0] for c, v in cmds.items()},
-        "naive_usec_sum_per_op": sum(u for _, u in cmds.values()) / ops if ops else 0.0,
+def server_figures(op: str, cmds: dict[str, tuple[int, int]], ops: int) -> dict[str, Any]:
+    """Server time of a row from its commandstats. A ledger operation's is its EVALSHA's
+    (a script's usec includes the commands it calls); an alternative's, that of its
+    top-level commands (those in NESTED run inside EXEC or Lock's release script)."""
+    nested = NESTED.get(op)
+    top = {
+        c: cu for c, cu in cmds.items() if (c == "evalsha" if nested is None else c not in nested)
     }
-
-
-def script_shas(fresh: bool = False) -> dict[str, str]:
-    """SHA1 of every ledger script as this process sends it (fresh: read the files now)."""
-    if not fresh:
-        return {n: scripts.sha(n) for n in scripts.NAMES}
-    src = scripts.source.__wrapped__  # type: ignore[attr-defined]
-    return {n: hashlib.sha1(src(n).encode()).hexdigest() for n in scripts.NAMES}
-
-
-STATIC: dict[str, int] = {}  # static redis.call( counts, read once at the start of the run
+    ev_calls, ev_usec = cmds.get("evalsha", (0, 0))
+    top_calls, top_usec = sum(c for c, _ in top.values()), sum(u for _, u in top.values())
+    ops = ops or 1
+    return {
+        "usec_per_call": (ev_usec / ev_calls if ev_calls else 0.0)
+        if nested is None
+        else top_usec / ops,
+        "usec_per_op": top_usec / ops,
+        "evalsha_calls": ev_calls,
+        "commands_per_op": top_calls / ops,
+        "all_commands": {c: v[0] for c, v in cmds.items()},
+        "naive_usec_sum_per_op": sum(u for _, u in cmds.values()) / ops,
+    }
 
 
 def summarize(spec: RowSpec, results: dict[int, Any], stats: dict[str, Any]) -> dict[str, Any]:
@@ -739,7 +567,7 @@ def summarize(spec: RowSpec, results: dict[int, Any], stats: dict[str, Any]) -> 
         lat.extend(a)
     lat.sort()
     wall = max(t1 - t0, 1e-9)
-    static = STATIC or static_redis_calls()
+    static = static_redis_calls()
     scripts = OPS[spec.op][1]
     return {
         "mode": spec.mode,
@@ -760,7 +588,6 @@ def summarize(spec: RowSpec, results: dict[int, Any], stats: dict[str, Any]) -> 
         "first_error": next((r["first_error"] for r in results.values() if r["first_error"]), None),
         "capped_workers": sum(1 for r in results.values() if r["capped"]),
         "unfinished": sum(r["unfinished"] for r in results.values()),
-        "cancel_cleanup_s_max": max(r.get("cleanup_s", 0.0) for r in results.values()),
         "calls_per_op": CALLS_PER_OP.get(spec.op, 1) if spec.op not in ALTERNATIVES else None,
         "static_redis_call": {f"{s}.lua": static[f"{s}.lua"] for s in scripts}
         | (  # the sites in the part of _common.lua prepended to the row's scripts
@@ -795,7 +622,7 @@ def rows_plan(plan: Plan) -> list[tuple[str, str, int, str]]:
     for mode in plan.modes:
         for p in plan.procs:
             for op in MODE_OPS[mode]:
-                if op not in plan.ops or (op in ONLY_SINGLE_PROCESS and p != 1):
+                if op in ONLY_SINGLE_PROCESS and p != 1:
                     continue
                 layouts = ("shared",) if p == 1 or op == "floor" else ("shared", "spread")
                 out += [(mode, op, p, lay) for lay in layouts]
@@ -823,7 +650,7 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
 
 def run_matrix(
     plan: Plan, url: str, server_pid: int, led: Ledger, progress: Callable[[str], None]
-) -> tuple[list[Any], dict[int, dict[str, str]]]:
+) -> list[Any]:
     r: redis.Redis = led.client  # type: ignore[assignment]
     todo = rows_plan(plan)
     rows: list[dict[str, Any]] = []
@@ -857,7 +684,7 @@ def run_matrix(
         pool.close()
     add_ratios(rows)
     progress(f"matrix: {len(rows)} rows in {time.perf_counter() - t:.1f} s")
-    return rows, pool.worker_shas
+    return rows
 
 
 # --- server time with one idle client (bench_core's phases) ------------------------------
@@ -875,32 +702,10 @@ CALIBRATION = (
 
 
 def calibrate(led: Ledger, n: int, reps: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Server time per call with one idle client (bench_core's phases, interleaved, median
-    of reps) with the part spent inside the commands the script calls; and the client CPU
-    of the pieces of one ledger call without I/O (bench_core's cpu_parts)."""
+    """Server time per call with one idle client, and the client CPU of the pieces of one
+    ledger call without I/O: bench_core's phases and cpu_parts."""
     b = Bench(led, n, reps)
-    for name in CALIBRATION:  # warm-up
-        b.run_server_phase(name, min(n, 200))
-    raw: dict[str, list[tuple[float, float]]] = {p: [] for p in CALIBRATION}
-    for rep in range(reps):
-        k = rep % len(CALIBRATION)
-        for name in CALIBRATION[k:] + CALIBRATION[:k]:
-            res = b.run_server_phase(name, n)
-            calls = res["calls"] or 1
-            inner = sum(u for _, u in res["inner"].values())
-            raw[name].append((res["usec"] / calls, inner / calls))
-    b.drop_sessions()
-    phases = {
-        name: {
-            "what": SERVER_PHASES[name][0],
-            "usec_per_call": statistics.median(x for x, _ in v),
-            "usec_in_commands": statistics.median(y for _, y in v),
-            "reps": [x for x, _ in v],
-            "n": n,
-        }
-        for name, v in raw.items()
-    }
-    return phases, b.cpu_parts()
+    return b.server(CALIBRATION), b.cpu_parts()
 
 
 # --- memory ----------------------------------------------------------------------------
@@ -946,93 +751,79 @@ class TypicalSession:
 
 
 def session_memory(led: Ledger, s: Session) -> dict[str, Any]:
+    """MEMORY USAGE of a session's own keys (hash, outcomes, spills), and of the
+    partition keys it shares."""
     r: redis.Redis = led.client  # type: ignore[assignment]
+
+    def usage(*keys: str) -> int:
+        return sum(int(r.memory_usage(k, samples=0) or 0) for k in keys)
+
     d = Bench(led, 1, 1).describe(s.keys.session)
     spill = [k for k in (s.keys.spills, s.keys.spilled) if r.exists(k)]
-    spill_bytes = sum(int(r.memory_usage(k, samples=0) or 0) for k in spill)
-    part = [k for k in (s.keys.deadlines, s.keys.jobs) if r.exists(k)]
-    outcomes = (s.keys.outcomes, s.keys.outcomes_old)
     d["session_hash_bytes"] = d["bytes"]
-    d["outcome_bytes"] = sum(int(r.memory_usage(k, samples=0) or 0) for k in outcomes)
+    d["outcome_bytes"] = usage(s.keys.outcomes, s.keys.outcomes_old)
     d["spill_keys"] = len(spill)
-    d["bytes"] = d["session_hash_bytes"] + d["outcome_bytes"] + spill_bytes  # its own keys
-    d["partition_keys_bytes"] = sum(int(r.memory_usage(k, samples=0) or 0) for k in part)
+    d["bytes"] = d["session_hash_bytes"] + d["outcome_bytes"] + usage(*spill)
+    d["partition_keys_bytes"] = usage(s.keys.deadlines, s.keys.jobs)
     return d
 
 
 def what_if_small(r: redis.Redis, key: str) -> dict[str, Any]:
     """The fresh hash's fields whose names and values fit hash-max-listpack-value,
     copied to a scratch key: what the encoding alone costs."""
-    limit = int(r.config_get("hash-max-listpack-value").get("hash-max-listpack-value") or 64)
-    fields: dict[Any, Any] = {
-        f: v for f, v in r.hgetall(key).items() if len(f) <= limit and len(v) <= limit
-    }
+    limit = int(r.config_get("hash-max-listpack-value")["hash-max-listpack-value"])
+    everything = r.hgetall(key)
+    fields = {f: v for f, v in everything.items() if len(f) <= limit and len(v) <= limit}
     tmp = f"{key}:whatif"
-    r.hset(tmp, mapping=fields)
+    r.hset(tmp, mapping=fields)  # type: ignore[arg-type]
     try:
-        enc = r.object("encoding", tmp)
         return {
             "bytes": int(r.memory_usage(tmp, samples=0) or 0),
             "fields": len(fields),
-            "encoding": enc.decode() if isinstance(enc, bytes) else str(enc),
-            "dropped_fields": sorted(
-                (f.decode() if isinstance(f, bytes) else f) for f in r.hkeys(key) if f not in fields
-            ),
+            "encoding": r.object("encoding", tmp).decode(),
+            "dropped_fields": sorted(f.decode() for f in everything if f not in fields),
         }
     finally:
         r.delete(tmp)
 
 
 def memory(url: str, plan: Plan, progress: Callable[[str], None]) -> dict[str, Any]:
-    short, long_ = plan.turns
+    (short, long_), ret, k = plan.turns, plan.retention_s, plan.after_pause_turns
     base = f"bm{uuid.uuid4().hex[:8]}"
-    out: dict[str, Any] = {"turns": [short, long_], "retention_s": plan.retention_s}
-    rows: dict[str, dict[str, Any]] = {}
+    out: dict[str, Any] = {"turns": [short, long_], "retention_s": ret, "rows": {}}
 
-    def snap(name: str, led: Ledger, ts: TypicalSession | None, s: Session, ret: int) -> None:
-        d = session_memory(led, s)
-        d["turns"] = ts.turns if ts else 0
-        d["ledger_calls"] = ts.calls if ts else 1
-        d["elapsed_s"] = time.perf_counter() - ts.started if ts else 0.0
-        d["op_retention_s"] = ret
-        rows[name] = d
+    def snap(name: str, led: Ledger, ts: TypicalSession) -> None:
+        out["rows"][name] = session_memory(led, ts.s) | {
+            "turns": ts.turns, "ledger_calls": ts.calls, "op_retention_s":
+            led.settings.op_retention_seconds, "elapsed_s": time.perf_counter() - ts.started,
+        }  # fmt: skip
 
     with Ledger.from_url(url, prefix=f"{base}a", **CLIENT_TIMEOUTS) as led:
-        default_ret = led.settings.op_retention_seconds
-        fresh = led.open_session("fresh", MEMORY_BUDGET)
-        snap("fresh", led, None, fresh, default_ret)
-        out["what_if_fresh_small_fields"] = what_if_small(led.client, fresh.keys.session)  # type: ignore[arg-type]
+        fresh = TypicalSession(led.open_session("fresh", MEMORY_BUDGET), 0)
+        snap("fresh", led, fresh)
+        out["what_if_fresh_small_fields"] = what_if_small(led.client, fresh.s.keys.session)  # type: ignore[arg-type]
         typ = TypicalSession(led.open_session("typical", MEMORY_BUDGET), 1)
         typ.run(short)
-        snap(f"{short}_turns", led, typ, typ.s, default_ret)
+        snap(f"{short}_turns", led, typ)
         typ.run(long_ - short)
-        snap(f"{long_}_turns", led, typ, typ.s, default_ret)
-        progress(f"memory: default op retention ({default_ret} s) done")
-    ret = plan.retention_s
+        snap(f"{long_}_turns", led, typ)
+        progress(f"memory: default op retention ({led.settings.op_retention_seconds} s) done")
     with Ledger.from_url(
         url, prefix=f"{base}b", op_retention_seconds=ret, **CLIENT_TIMEOUTS
     ) as led:
         a = TypicalSession(led.open_session("short", MEMORY_BUDGET), 2)
         b = TypicalSession(led.open_session("long", MEMORY_BUDGET), 3)
         a.run(short)
-        snap(f"{short}_turns_retention_{ret}s", led, a, a.s, ret)
+        snap(f"{short}_turns_retention_{ret}s", led, a)
         b.run(long_)
-        snap(f"{long_}_turns_retention_{ret}s", led, b, b.s, ret)
-        pause = ret + 0.2
-        time.sleep(pause)
-        k = plan.after_pause_turns
+        snap(f"{long_}_turns_retention_{ret}s", led, b)
+        time.sleep(out.setdefault("pause_s", ret + 0.2))
         a.run(k)
         b.run(k)
-        snap(f"{short}_turns_pause_{k}_more_retention_{ret}s", led, a, a.s, ret)
-        snap(f"{long_}_turns_pause_{k}_more_retention_{ret}s", led, b, b.s, ret)
-        out["pause_s"] = pause
+        snap(f"{short}_turns_pause_{k}_more_retention_{ret}s", led, a)
+        snap(f"{long_}_turns_pause_{k}_more_retention_{ret}s", led, b)
         out["after_pause_turns"] = k
     progress(f"memory: op retention {ret} s done")
-    with Ledger.from_url(url, prefix=base) as led:
-        keys = list(led.client.scan_iter(match=f"{base}*", count=1000))
-        if keys:
-            led.client.delete(*keys)
-    out["rows"] = rows
     return out
 
 
@@ -1045,42 +836,30 @@ def targets(res: dict[str, Any], plan: Plan) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
 
     def add(name: str, measured: float | None, limit: float, kind: str, how: str) -> None:
-        if measured is None:
-            out.append({"target": name, "measured": None, "limit": limit, "kind": kind,
-                        "ratio": None, "verdict": "n/a", "how": how})  # fmt: skip
-            return
-        ratio = measured / limit
-        ok = ratio <= 1 if kind == "<=" else ratio >= 1
+        ratio = None if measured is None else measured / limit
+        ok = ratio is not None and (ratio <= 1 if kind == "<=" else ratio >= 1)
+        verdict = "n/a" if ratio is None else "PASS" if ok else "MISS"
         out.append({"target": name, "measured": measured, "limit": limit, "kind": kind,
-                    "ratio": ratio, "verdict": "PASS" if ok else "MISS", "how": how})  # fmt: skip
+                    "ratio": ratio, "verdict": verdict, "how": how})  # fmt: skip
 
     def row(mode: str, op: str, p: int, layout: str = "shared") -> dict[str, Any] | None:
-        for r in rows:
-            if (r["mode"], r["op"], r["procs"], r["layout"]) == (mode, op, p, layout):
-                found: dict[str, Any] = r
-                return found
-        return None
+        return next((r for r in rows if (r["mode"], r["op"], r["procs"], r["layout"])
+                     == (mode, op, p, layout)), None)  # fmt: skip
 
     a1, a16 = cal["admit_1"]["usec_per_call"], cal["admit_16"]["usec_per_call"]
     floor, cmds = cal["return1"]["usec_per_call"], cal["admit_commands"]["usec_per_call"]
-    add(
-        "single-item admit, server µs (median)",
-        a1,
-        10.0,
-        "<=",
+    add("single-item admit, server µs (median)", a1, 10.0, "<=",
         f"EVALSHA usec/calls, median of {plan.calib_reps} x {plan.calib_n} calls, one client; "
         f"on this machine `return 1` takes {floor:.1f} µs and admit's three commands alone "
         f"{cmds:.1f} µs (admit_commands), so admit's own Lua is {a1 - cmds:.1f} µs. Back to "
         f"back (warm): return 1 {cal['return1_warm']['usec_per_call']:.1f}, commands "
         f"{cal['admit_commands_warm']['usec_per_call']:.1f}, admit "
-        f"{cal['admit_1_warm']['usec_per_call']:.1f} µs",
-    )
+        f"{cal['admit_1_warm']['usec_per_call']:.1f} µs")  # fmt: skip
     add("batch of 16 vs single (server time)", a16 / a1 if a1 else None, 3.0, "<=",
         f"admit_16 {a16:.1f} µs / admit_1 {a1:.1f} µs")  # fmt: skip
     for mode in plan.modes:
-        refs = [("floor", "bare EVALSHA return 1")]
-        refs.append(("admit_raw", "bare EVALSHA of admit, same args"))
-        for ref_op, ref_name in refs:
+        for ref_op, ref_name in (("floor", "bare EVALSHA return 1"),
+                                 ("admit_raw", "bare EVALSHA of admit, same args")):  # fmt: skip
             led_row, ref = row(mode, "admit_1", 1), row(mode, ref_op, 1)
             m = led_row["cpu_us_per_op"] / ref["cpu_us_per_op"] if led_row and ref else None
             how = "rows not run"
@@ -1091,8 +870,6 @@ def targets(res: dict[str, Any], plan: Plan) -> list[dict[str, Any]]:
                        f"{wall[0]:.0f} / {wall[1]:.0f} µs")  # fmt: skip
             add(f"library client cost vs {ref_name} ({mode})", m, 1.25, "<=", how)
     for mode in ("sync", "asyncio"):
-        if mode not in plan.modes:
-            continue
         lr, wr = row(mode, "admit_1", pmax), row(mode, "watch", pmax)
         m = lr["ops_per_s"] / wr["ops_per_s"] if lr and wr else None
         how = (f"admit_1 {lr['ops_per_s']:,.0f} ops/s / WATCH {wr['ops_per_s']:,.0f} ops/s"
@@ -1112,14 +889,9 @@ def targets(res: dict[str, Any], plan: Plan) -> list[dict[str, Any]]:
         p99 = lr["p99_ms"] if lr else None
         add(f"{pmax} processes, one session, admit_1 p99 ms ({mode})", p99, 10.0, "<=", how)
     mrows = mem["rows"]
-    add(
-        "freshly opened session, bytes",
-        mrows["fresh"]["bytes"],
-        1024.0,
-        "<=",
+    add("freshly opened session, bytes", mrows["fresh"]["bytes"], 1024.0, "<=",
         f"MEMORY USAGE of its keys; {mrows['fresh']['fields']} fields, "
-        f"{mrows['fresh']['encoding']}",
-    )
+        f"{mrows['fresh']['encoding']}")  # fmt: skip
     short, long_ = mem["turns"]
     k, ret = mem["after_pause_turns"], mem["retention_s"]
     sa = mrows[f"{short}_turns_pause_{k}_more_retention_{ret}s"]
@@ -1153,223 +925,142 @@ def _f(x: float | None, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _notes(r: dict[str, Any], capped_matters: bool) -> str:
+    notes = [f"retries/op {r['retries_per_op']:.2f}"] if r["retries_per_op"] else []
+    if r["capped_workers"] and capped_matters:
+        notes.append(f"[yellow]pre-built state ran out: {r['capped_workers']}/{r['procs']} "
+                     "workers stopped early[/yellow]")  # fmt: skip
+    if r["unfinished"]:
+        notes.append(f"[yellow]{r['unfinished']} still running {DRAIN_S:g} s after the "
+                     "time box: cancelled, p99 is a lower bound[/yellow]")  # fmt: skip
+    if r["errors"]:
+        notes.append(f"[red]errors {r['errors']}[/red]")
+    if r["op"] != "floor":
+        notes.append(f"[red]check: {r['check'][0]}[/red]" if r["check"] else "check ok")
+    if r["op"] == "begin_turn":
+        notes.append(f"hash {r['session_fields_max']:,} fields at end")
+    if r["mode"] == "pipelined" and r["op"] != "floor":
+        notes.append("x WATCH/Lock vs sync")
+    return ", ".join(notes)
+
+
+MATRIX_COLUMNS = ["op", "P", "sess", "ops", "ops/s", "p50\nms", "p99\nms", "x floor", "x WATCH",
+                  "x Lock", "srv µs\n/call", "srv µs\n/op", "cmds\n/op", "redis.call(\nsites",
+                  "CPU µs\n/op", "redis\nCPU %", "other\nCPU %", "notes"]  # fmt: skip
+MODE_TITLES = {
+    "sync": "one blocking call at a time per process",
+    "asyncio": "AsyncLedger, asyncio.gather of K={concurrency} per process",
+    "pipelined": "Ledger.run_many of B={batch} calls, one MULTI/EXEC (admit_raw: the same of "
+    "pre-built EVALSHA); latency = batch",
+}
+LEGEND = (
+    "x floor / WATCH / Lock: ops/s over that row's at the same mode, processes and layout. "
+    "srv µs/call: EVALSHA usec/calls (a script's includes its commands); WATCH/Lock rows: "
+    "the usec of the top-level commands / ops (the naive sum is in the JSON). cmds/op: "
+    "top-level commands per operation. redis.call( sites: the script(s) + its prelude. CPU "
+    "µs/op: process_time of the workers / ops. redis / other CPU %: the server's, and the "
+    "machine's busy time outside the server and the workers (% of one core). The "
+    "alternatives only admit one item: their ratios mean something for admit_1. Redis's usec "
+    "is wall time (busy clients deschedule it): the one-idle-client table is the clean one."
+)
+
+
 def print_report(res: dict[str, Any]) -> None:
     from rich.console import Console
-    from rich.table import Table
 
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=210)
-    env, p = res["env"], res["params"]
-    console.print(
-        f"[bold]ledger full bench[/bold]  commit {res['git']}  total {res['elapsed_s']:.0f} s\n"
-        f"machine: nproc={env['nproc']}  cpu={env['cpu_model']}  redis-server "
-        f"{env['redis_version']} ({env['server']})  python {env['python']}, redis-py "
-        f"{env['redis_py']} (hiredis {env['hiredis']})  {env['platform']}\n"
-        f"load avg before/after {env.get('loadavg_before')}/{env.get('loadavg_after')}, "
-        f"CPU steal {env.get('cpu_steal_pct_during_run', 'n/a')} %; CPU used by other "
-        f"processes on the host during the rows: mean {res['other_cpu']['mean_pct']:.0f} %, "
-        f"max {res['other_cpu']['max_pct']:.0f} % of one core (of {env['nproc'] * 100} %)\n"
-        f"rows: {p['duration_s']} s time box each"
+    env, p, mem = res["env"], res["params"], res["memory"]
+    print(
+        f"ledger full bench  commit {res['git']}  total {res['elapsed_s']:.0f} s\n{machine(env)}"
+        f"; CPU used by other processes on the host during the rows: mean "
+        f"{res['other_cpu']['mean_pct']:.0f} %, max {res['other_cpu']['max_pct']:.0f} % of one "
+        f"core (of {env['nproc'] * 100} %)\nrows: {p['duration']} s time box each"
         + (f", {p['ops_per_row']} ops per row" if p["ops_per_row"] else "")
         + f"; processes {p['procs']} (spawn); asyncio K={p['concurrency']} calls in flight "
         f"per process; pipeline B={p['batch']} calls; sessions: shared = one for all "
         "processes, spread = one per process"
     )
-    sc = res["scripts"]
-    if sc["workers_differ"] or sc["changed_during_run"]:
-        console.print(
-            f"[bold red]warning: lua/ changed during the run: workers ran other versions of "
-            f"{sc['workers_differ']}, files changed since the start: "
-            f"{sc['changed_during_run']}; rows may mix script versions[/bold red]"
-        )
     for mode in p["modes"]:
-        t = Table(title=f"{mode}: " + {
-            "sync": "one blocking call at a time per process",
-            "asyncio": f"AsyncLedger, asyncio.gather of K={p['concurrency']} per process",
-            "pipelined": f"Ledger.run_many of B={p['batch']} calls, one MULTI/EXEC (admit_raw: "
-                         "the same of pre-built EVALSHA); latency = batch",
-        }[mode])  # fmt: skip
-        for name, just in (("op", "left"), ("P", "right"), ("sess", "right"), ("ops", "right"),
-                           ("ops/s", "right"), ("p50\nms", "right"), ("p99\nms", "right"),
-                           ("x floor", "right"), ("x WATCH", "right"), ("x Lock", "right"),
-                           ("srv µs\n/call", "right"), ("srv µs\n/op", "right"),
-                           ("cmds\n/op", "right"), ("redis.call(\nsites", "right"),
-                           ("CPU µs\n/op", "right"), ("redis\nCPU %", "right"),
-                           ("other\nCPU %", "right"), ("notes", "left")):  # fmt: skip
-            t.add_column(name, justify=just, no_wrap=name != "notes")  # type: ignore[arg-type]
+        rows = []
         for r in (r for r in res["rows"] if r["mode"] == mode):
-            st = r["static_redis_call"]
+            st, srv = r["static_redis_call"], r["server"]
             sites = "+".join(str(v) for k, v in st.items() if k != "_common.lua")
             sites = f"{sites} +{st['_common.lua']}" if st else "0" if r["op"] == "floor" else "-"
-            notes = []
-            if r["op"] in ALTERNATIVES and r["retries_per_op"]:
-                notes.append(f"retries/op {r['retries_per_op']:.2f}")
-            if r["capped_workers"] and not p["ops_per_row"]:
-                notes.append(f"[yellow]pre-built state ran out: {r['capped_workers']}/"
-                             f"{r['procs']} workers stopped early[/yellow]")  # fmt: skip
-            if r["unfinished"]:
-                notes.append(f"[yellow]{r['unfinished']} still running {DRAIN_S:g} s after the "
-                             "time box: cancelled, p99 is a lower bound[/yellow]")  # fmt: skip
-            if r["errors"]:
-                notes.append(f"[red]errors {r['errors']}[/red]")
-            if r["check"]:
-                notes.append(f"[red]check: {r['check'][0]}[/red]")
-            elif r["op"] != "floor":
-                notes.append("check ok")
-            if r["op"] == "begin_turn":
-                notes.append(f"hash {r['session_fields_max']:,} fields at end")
-            if r["mode"] == "pipelined" and r["op"] != "floor":
-                notes.append("x WATCH/Lock vs sync")
-            s = r["server"]
-            t.add_row(
+            rows.append([
                 r["op"], str(r["procs"]), str(r["sessions"]), f"{r['ops']:,}",
                 f"{r['ops_per_s']:,.0f}", f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}",
                 _f(r["vs_floor"]), _f(r["vs_watch"]), _f(r["vs_lock"]),
-                f"{s['usec_per_call']:.1f}", f"{s['usec_per_op']:.1f}",
-                f"{s['commands_per_op']:.2f}", sites, f"{r['cpu_us_per_op']:.0f}",
-                f"{r['redis_cpu_pct']:.0f}", f"{r['other_cpu_pct']:.0f}", ", ".join(notes),
-            )  # fmt: skip
-        console.print(t)
-    console.print(
-        "[dim]x floor / x WATCH / x Lock: this row's ops/s divided by that row's at the same "
-        "mode, processes and layout (> 1: faster). srv µs/call: EVALSHA usec/calls from INFO "
-        "commandstats (scripts include the commands they call); WATCH/Lock rows: the usec of "
-        "all top-level commands / ops (HINCRBY/HSET run inside EXEC and GET/DEL inside the "
-        "Lock's release script are already in EXEC's / EVALSHA's usec, so they are not added "
-        "again; the naive sum is in the JSON). srv µs/op: the same per operation. cmds/op: "
-        "top-level commands per operation. redis.call( sites: static count in the row's "
-        "script(s) + its prelude from _common.lua. CPU µs/op: process_time of all worker "
-        "processes / ops. "
-        "redis CPU %: the server process's CPU during the row (100 = one core busy); other "
-        "CPU %: busy time of the machine not used by the server or the workers (other "
-        "processes on the host), % of one core, approximate. "
-        "The alternatives implement single-item admission only: their ratios are meaningful "
-        "for admit_1. Redis's usec is wall time: with several busy client processes on the "
-        "same cores it includes time the server was descheduled; the one-idle-client table "
-        "below is the clean server time.[/dim]"
+                f"{srv['usec_per_call']:.1f}", f"{srv['usec_per_op']:.1f}",
+                f"{srv['commands_per_op']:.2f}", sites, f"{r['cpu_us_per_op']:.0f}",
+                f"{r['redis_cpu_pct']:.0f}", f"{r['other_cpu_pct']:.0f}",
+                _notes(r, not p["ops_per_row"]),
+            ])  # fmt: skip
+        title = f"{mode}: " + MODE_TITLES[mode].format(**p)
+        print_table(title, MATRIX_COLUMNS, rows, left=("notes",), width=210)
+    Console(width=210).print(f"[dim]{LEGEND}[/dim]")
+    server_table(
+        "Server time per call, one idle client (bench_core phases, median of "
+        f"{p['calib_reps']} x {p['calib_n']} calls)",
+        res,
+        "calibration",
     )
-
-    t = Table(title="Server time per call, one idle client (bench_core phases, median)")
-    for c in ("phase", "µs/call median", "min-max", "µs inside redis.call\ncommands",
-              "µs in Lua itself", "x return 1", "calls x reps"):  # fmt: skip
-        t.add_column(c, justify="left" if c == "phase" else "right")
-    cal = res["calibration"]
-    for name, v in cal.items():
-        t.add_row(f"{name}\n[dim]{v['what']}[/dim]", f"{v['usec_per_call']:.2f}",
-                  f"{min(v['reps']):.2f}-{max(v['reps']):.2f}", f"{v['usec_in_commands']:.2f}",
-                  f"{v['usec_per_call'] - v['usec_in_commands']:.2f}",
-                  f"{v['usec_per_call'] / cal['return1']['usec_per_call']:.1f}",
-                  f"{v['n']} x {len(v['reps'])}")  # fmt: skip
-    console.print(t)
-    t = Table(title="Client CPU of the pieces of one ledger call, no I/O (bench_core cpu_parts)")
-    for c in ("piece", "what", "CPU µs/op"):
-        t.add_column(c, justify="right" if c == "CPU µs/op" else "left")
-    for name, v in res["client_cpu_parts"].items():
-        t.add_row(name, v["what"], f"{v['cpu_us_per_op']:.1f}")
-    console.print(t)
-    console.print(
-        "[dim]tenacity is entered only after a failed first try (Ledger.run's fast path); "
-        "its cost is shown for reference, it is not in the rows above.[/dim]"
+    cpu_parts_table(
+        "Client CPU of the pieces of one ledger call, no I/O (bench_core cpu_parts); "
+        "tenacity is entered only after a failed first try: for reference",
+        res,
     )
-
-    mem = res["memory"]
-    t = Table(title="Memory of one session (MEMORY USAGE SAMPLES 0 of the session hash + its "
-                    "spill keys)")  # fmt: skip
-    for c in ("state", "op retention", "turns", "ledger calls", "run s", "bytes", "fields",
-              "encoding", "fields by class", "partition keys B"):  # fmt: skip
-        t.add_column(
-            c, justify="left" if c in ("state", "encoding", "fields by class") else "right"
-        )
-    for name, v in mem["rows"].items():
-        t.add_row(
-            name, f"{v['op_retention_s']} s", str(v["turns"]), f"{v['ledger_calls']:,}",
-            f"{v['elapsed_s']:.1f}", f"{v['bytes']:,}", str(v["fields"]), v["encoding"],
-            ", ".join(f"{k} {c}" for k, c in v["fields_by_class"].items()),
-            f"{v['partition_keys_bytes']:,}",
-        )  # fmt: skip
     w = mem["what_if_fresh_small_fields"]
-    t.add_row("what-if: fresh hash minus fields > 64 B (a copy)", "", "", "", "",
-              f"{w['bytes']:,}", str(w["fields"]), w["encoding"],
-              "dropped: " + ", ".join(w["dropped_fields"]), "")  # fmt: skip
-    console.print(t)
-    console.print(
+    print_table(
+        "Memory of one session (MEMORY USAGE SAMPLES 0 of the session hash + its spill keys)",
+        ["state", "op retention", "turns", "ledger calls", "run s", "bytes", "fields",
+         "encoding", "fields by class", "partition keys B"],
+        [[name, f"{v['op_retention_s']} s", str(v["turns"]), f"{v['ledger_calls']:,}",
+          f"{v['elapsed_s']:.1f}", f"{v['bytes']:,}", str(v["fields"]), v["encoding"],
+          ", ".join(f"{k} {c}" for k, c in v["fields_by_class"].items()),
+          f"{v['partition_keys_bytes']:,}"] for name, v in mem["rows"].items()]
+        + [["what-if: fresh hash minus fields > 64 B (a copy)", "", "", "", "",
+            f"{w['bytes']:,}", str(w["fields"]), w["encoding"],
+            "dropped: " + ", ".join(w["dropped_fields"]), ""]],
+        left=("encoding", "fields by class"),
+        width=210,
+    )  # fmt: skip
+    Console(width=210).print(
         f"[dim]A turn: begin_turn, 12-18 admits of one ~400-token chunk, admit_tool_result "
         f"(300-1200 tokens), record_span, end_turn, and release of the chunks and tool result "
         f"of the turn {TURN_KEEP} back. 'pause': idle {mem.get('pause_s', 0):.1f} s (> the op "
         f"retention), then {mem.get('after_pause_turns')} more turns (each call drops at most "
         "one expired journal chunk).[/dim]"
     )
-
-    t = Table(title="Targets")
-    for c in ("target", "measured", "target", "measured / target", "verdict", "how"):
-        t.add_column(c, justify="left" if c in ("target", "how") else "right")
-    for g in res["targets"]:
-        v = g["verdict"]
-        colour = {"PASS": "green", "MISS": "red"}.get(v, "yellow")
-        t.add_row(g["target"], _f(g["measured"], ",.2f"), f"{g['kind']} {g['limit']:g}",
-                  _f(g["ratio"]), f"[{colour}]{v}[/{colour}]", g["how"])  # fmt: skip
-    console.print(t)
-
-
-# --- main ------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def own_server() -> Iterator[tuple[str, str, int]]:
-    from ledger.testing import standalone
-
-    with standalone() as server:
-        assert server.proc is not None
-        yield server.url, f"self-started on 127.0.0.1:{server.port}", server.proc.pid
+    colour = {"PASS": "green", "MISS": "red"}
+    print_table(
+        "Targets",
+        ["target", "measured", "target", "measured / target", "verdict", "how"],
+        [[g["target"], _f(g["measured"], ",.2f"), f"{g['kind']} {g['limit']:g}", _f(g["ratio"]),
+          f"[{colour.get(g['verdict'], 'yellow')}]{g['verdict']}[/]", g["how"]]
+         for g in res["targets"]],
+        left=("how",),
+        width=210,
+    )  # fmt: skip
 
 
 def run(plan: Plan, progress: Callable[[str], None]) -> dict[str, Any]:
+    from ledger.testing import standalone
+
     t0 = time.perf_counter()
-    load0, ticks0 = loadavg(), cpu_ticks()
-    with (
-        own_server() as (url, where, server_pid),
-        Ledger.from_url(url, prefix=f"bf{uuid.uuid4().hex[:8]}", **CLIENT_TIMEOUTS) as led,
-    ):
-        r: redis.Redis = led.client  # type: ignore[assignment]
-        env = environment(r, where)
-        STATIC.clear()
-        STATIC.update(static_redis_calls())
-        shas = script_shas()
-        progress(f"redis-server {env['redis_version']} {where}; calibrating server time")
-        cal, cpu_parts = calibrate(led, plan.calib_n, plan.calib_reps)
-        rows, worker_shas = run_matrix(plan, url, server_pid, led, progress)
-        mem = memory(url, plan, progress)
-    # Someone editing lua/ during the run would make rows measure different scripts.
-    script_check = {
-        "workers_differ": sorted(
-            {n for ws in worker_shas.values() for n in ws if ws[n] != shas[n]}
-        ),
-        "changed_during_run": sorted(n for n, h in script_shas(fresh=True).items() if h != shas[n]),
-    }
-    ticks1 = cpu_ticks()
-    if ticks0 and ticks1 and ticks1[1] > ticks0[1]:
-        env["cpu_steal_pct_during_run"] = round(
-            100 * (ticks1[0] - ticks0[0]) / (ticks1[1] - ticks0[1]), 2
-        )
-    env["loadavg_before"], env["loadavg_after"] = load0, loadavg()
+    with standalone() as server:
+        assert server.proc is not None
+        led = Ledger.from_url(server.url, prefix=f"bf{uuid.uuid4().hex[:8]}", **CLIENT_TIMEOUTS)
+        env = environment(led.client)  # type: ignore[arg-type]
+        with led, steal_during(env):
+            progress(f"redis-server {env['redis_version']} on port {server.port}; calibrating")
+            cal, cpu_parts = calibrate(led, plan.calib_n, plan.calib_reps)
+            rows = run_matrix(plan, server.url, server.proc.pid, led, progress)
+            mem = memory(server.url, plan, progress)
     res: dict[str, Any] = {
         "git": git_commit(),
         "env": env,
-        "params": {
-            "quick": plan.quick,
-            "procs": list(plan.procs),
-            "modes": list(plan.modes),
-            "duration_s": plan.duration,
-            "ops_per_row": plan.ops_per_row,
-            "concurrency": plan.concurrency,
-            "batch": plan.batch,
-            "calibration": {"n": plan.calib_n, "reps": plan.calib_reps},
-            "lock_poll_s": alt.LOCK_SLEEP,
-            "watch_max_retries": alt.WATCH_MAX_RETRIES,
-        },
-        "static_redis_call": STATIC,
-        "scripts": script_check,
+        "params": asdict(plan)
+        | {"lock_poll_s": alt.LOCK_SLEEP, "watch_max_retries": alt.WATCH_MAX_RETRIES},
+        "static_redis_call": static_redis_calls(),
         "rows": rows,
         "calibration": cal,
         "client_cpu_parts": cpu_parts,
@@ -1393,19 +1084,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object instead")
     ap.add_argument("--duration", type=float, help="seconds per row (default 1.25)")
     ap.add_argument("--procs", help="worker processes per row, e.g. 1,8,32")
-    ap.add_argument("--modes", help="subset of sync,asyncio,pipelined")
-    ap.add_argument("--ops", help=f"subset of {','.join(OPS)}")
     a = ap.parse_args(argv)
-    plan = make_plan(a)
-
-    def progress(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
-
-    res = run(plan, progress)
-    if a.json:
-        print(json.dumps(res, indent=2))
-    else:
-        print_report(res)
+    res = run(make_plan(a), lambda msg: print(msg, file=sys.stderr, flush=True))
+    emit(res, a.json, print_report)
     return 0
 
 

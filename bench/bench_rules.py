@@ -10,11 +10,14 @@ EVALSHA usec per call (median of 3), beside a bare `return 1`.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 from collections.abc import Callable
+from typing import Any
 
 import redis
 
+from bench.common import phase_usec
 from ledger import Item, Ledger, LedgerSettings, SessionBudget
 from ledger.testing import standalone
 
@@ -34,63 +37,41 @@ def main() -> None:
     with standalone() as srv:
         r = redis.Redis.from_url(srv.url)
         led = Ledger.from_settings(LedgerSettings(redis_url=srv.url, prefix="bench-rules"))
-        count = 0
+        count = itertools.count()
 
-        def session() -> object:
-            nonlocal count
-            count += 1
-            s = led.open_session(f"s{count}", BUDGET)
+        def session(extra: int = 0, turn: bool = False) -> Any:
+            s = led.open_session(f"s{next(count)}", BUDGET)
             s.admit("working_memory", [Item(f"w{i}", 10) for i in range(20)])
+            if extra:
+                s.admit("working_memory", [Item(f"x{i}", 10) for i in range(extra)])
+            if turn:
+                s.begin_turn(0)
             return s
 
-        def phase(
-            name: str,
-            setup: Callable[[], object],
-            step: Callable[[object, int], object],
-            per_call: int = 1,
-        ) -> None:
-            res = []
-            for _ in range(3):
-                s = setup()
-                r.config_resetstat()
-                for i in range(n):
-                    step(s, i)
-                st = r.info("commandstats")["cmdstat_evalsha"]
-                res.append(st["usec"] / st["calls"] * per_call)
-            print(f"{name:34s} {statistics.median(res):8.1f} us/call")
+        def turn_pair(s: Any, i: int) -> None:
+            t = s.begin_turn(100)
+            s.end_turn(t.turn, 500)
 
         ret1 = r.register_script("return 1")
-        phase("return 1 (floor)", lambda: None, lambda s, i: ret1())
-        phase("begin_turn, ok regime", session, lambda s, i: s.begin_turn(100))  # type: ignore[attr-defined]
+        phases: list[tuple[str, Callable[[], Any], Callable[[Any, int], object]]] = [
+            ("return 1 (floor)", lambda: None, lambda s, i: ret1()),
+            ("begin_turn, ok regime", session, lambda s, i: s.begin_turn(100)),
+            ("begin_turn + end_turn (mean of both)", session, turn_pair),
+            ("record_span", lambda: session(turn=True),
+             lambda s, i: s.record_span(1, "recall", 10, 1)),
+            ("admit_tool_result (whole)", session,
+             lambda s, i: s.admit_tool_result(f"c{i}", 10, b"{}")),
+            ("compact (one item replaced)", lambda: session(extra=n),
+             lambda s, i: s.compact([f"x{i}"], Item(f"sum{i}", 5))),
+        ]  # fmt: skip
 
-        def turn_pair(s: object, i: int) -> None:
-            t = s.begin_turn(100)  # type: ignore[attr-defined]
-            s.end_turn(t.turn, 500)  # type: ignore[attr-defined]
+        def usec(setup: Callable[[], Any], step: Callable[[Any, int], object]) -> float:
+            s = setup()
+            return phase_usec(r, lambda: [step(s, i) for i in range(n)])
 
-        phase("begin_turn + end_turn (mean of both)", session, turn_pair)
-
-        def spans_setup() -> object:
-            s = session()
-            s.begin_turn(0)  # type: ignore[attr-defined]
-            return s
-
-        phase("record_span", spans_setup, lambda s, i: s.record_span(1, "recall", 10, 1))  # type: ignore[attr-defined]
-        phase(
-            "admit_tool_result (whole)",
-            session,
-            lambda s, i: s.admit_tool_result(f"c{i}", 10, b"{}"),
-        )  # type: ignore[attr-defined]
-
-        def compact_setup() -> object:
-            s = session()
-            s.admit("working_memory", [Item(f"x{i}", 10) for i in range(n)])  # type: ignore[attr-defined]
-            return s
-
-        phase(
-            "compact (one item replaced)",
-            compact_setup,
-            lambda s, i: s.compact([f"x{i}"], Item(f"sum{i}", 5)),
-        )  # type: ignore[attr-defined]
+        for name, setup, step in phases:
+            res = [usec(setup, step) for _ in range(3)]
+            print(f"{name:34s} {statistics.median(res):8.1f} us/call")
 
 
 if __name__ == "__main__":

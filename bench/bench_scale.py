@@ -7,11 +7,10 @@ Starts its own redis-server and reports, each as a ratio or bound measured in th
 one run:
 
 - admit: server time of a single-item admit beside ``bench/admit_plain.lua`` (HMGET,
-  two HINCRBY, XADD), phases interleaved, each on a session holding 1,000 items and
-  1,000 retained outcomes (EVALSHA usec per call from INFO commandstats, CONFIG
-  RESETSTAT before each phase; median over the rounds); beside it, in the same rounds,
-  ``bench/admit_commands.lua`` (admit's Redis commands, no logic) and
-  ``bench/admit_lean.lua`` (the least a checked, at-most-once admit does);
+  two HINCRBY, XADD), ``bench/admit_commands.lua`` (admit's Redis commands, no logic)
+  and ``bench/admit_lean.lua`` (the least a checked, at-most-once admit does), phases
+  interleaved, each on a session holding 1,000 items and 1,000 retained outcomes
+  (EVALSHA usec per call from INFO commandstats; median over the rounds);
 - a reclaiming begin_turn's server time on a session holding 5 scratchpad items and
   K retained outcomes, beside a fresh one (K = 0), median of the rounds;
 - Redis memory per retained outcome: MEMORY USAGE of the session's keys (session
@@ -24,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import itertools
 import statistics
 import time
 import uuid
@@ -31,8 +31,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import redis
-from redis.commands.core import Script
 
+from bench import bench_turn
+from bench.common import interleaved, phase_usec
 from ledger import Item, Ledger, LedgerSettings, SessionBudget, cli
 from ledger.client import Session
 from ledger.testing import standalone
@@ -43,11 +44,7 @@ RECLAIM = SessionBudget(window=10_000, system_prompt=100, working_memory_floor=0
 
 def server_us(r: redis.Redis, step: Callable[[int], object], n: int) -> float:
     """EVALSHA usec per call of n steps (the phase's calls only)."""
-    r.config_resetstat()
-    for i in range(n):
-        step(i)
-    st = r.info("commandstats")["cmdstat_evalsha"]
-    return float(st["usec"]) / float(st["calls"])
+    return phase_usec(r, lambda: [step(i) for i in range(n)])
 
 
 def usage(r: redis.Redis, s: Session) -> int:
@@ -56,60 +53,38 @@ def usage(r: redis.Redis, s: Session) -> int:
     return sum(r.memory_usage(k, samples=0) or 0 for k in keys)
 
 
-def fill(led: Ledger, s: Session, outcomes: int) -> None:
-    """`outcomes` retained outcomes: admit and release one item, in batches."""
-    for start in range(0, outcomes, 1000):
-        calls = []
-        for i in range(start, min(start + 1000, outcomes)):
-            if i % 2 == 0:
-                calls.append(s.admit_call("scratchpad", [Item("churn", 1)]))
-            else:
-                calls.append(s.release_call("scratchpad", ["churn"]))
-        led.run_many(calls)
-
-
 def admit_vs_plain(led: Ledger, r: redis.Redis, calls: int, rounds: int) -> dict[str, float]:
     """Server µs per single-item admit: the ledger's, the plain script's, and two
     references: admit's Redis commands alone and the lean checked, at-most-once admit."""
-    here = Path(__file__).parent
-    plain = r.register_script((here / "admit_plain.lua").read_text())
-    refs = {
-        n: r.register_script((here / f"admit_{n}.lua").read_text()) for n in ("commands", "lean")
-    }
-    sessions = {}
-    for name in ("ledger", "plain", *refs):
-        s = led.open_session(f"admit-{name}", BUDGET)
-        for b in range(10):
-            led.run_many(
-                [s.admit_call("retrieval", [Item(f"held{b}-{i}", 10)]) for i in range(100)]
-            )
-        sessions[name] = s
-    # a scratch stream in the session's hash slot (a key name no script uses)
+    script = {n: r.register_script(Path(__file__).with_name(f"admit_{n}.lua").read_text())
+              for n in ("plain", "commands", "lean")}  # fmt: skip
+    sessions = {name: led.open_session(f"admit-{name}", BUDGET) for name in ("ledger", *script)}
+    for s in sessions.values():
+        bench_turn.fill(led, s, 1000, 1000)
+    # the plain script's audit: a scratch stream in the session's hash slot
     p = sessions["plain"]
     audit_key = p.keys.spills + ":bench-audit-stream"
-    per: dict[str, list[float]] = {name: [] for name in sessions}
-    own = sessions["ledger"]
-    for rnd in range(rounds):
-        per["ledger"].append(
-            server_us(r, lambda i, rnd=rnd: own.admit("retrieval", [Item(f"n{rnd}-{i}", 1)]), calls)
-        )
-        per["plain"].append(
-            server_us(
-                r,
-                lambda i, rnd=rnd: plain(
-                    keys=[p.keys.session, audit_key], args=[f"q{rnd}-{i}", f"n{i}", 1]
-                ),
-                calls,
-            )
-        )
-        for name, script in refs.items():
-            ref = sessions[name]
 
-            def step(i: int, rnd: int = rnd, ref: Session = ref, script: Script = script) -> None:
-                c = ref.admit_call("retrieval", [Item(f"n{rnd}-{i}", 1)])
-                script(keys=list(c.keys), args=list(c.args))
+    def phase(name: str, rnd: int) -> Callable[[int], object]:
+        s = sessions[name]
+        if name == "ledger":
+            return lambda i: s.admit("retrieval", [Item(f"n{rnd}-{i}", 1)])
+        if name == "plain":
+            return lambda i: script["plain"](keys=[p.keys.session, audit_key],
+                                             args=[f"q{rnd}-{i}", f"n{i}", 1])  # fmt: skip
 
-            per[name].append(server_us(r, step, calls))
+        def step(i: int) -> None:
+            c = s.admit_call("retrieval", [Item(f"n{rnd}-{i}", 1)])
+            # the lean script reads the session and the outcome hashes of admit's KEYS
+            keys = [c.keys[0], *c.keys[3:5]] if name == "lean" else list(c.keys)
+            script[name](keys=keys, args=list(c.args))
+
+        return step
+
+    rnd = itertools.count()
+    per = interleaved(
+        rounds, {n: lambda n=n: server_us(r, phase(n, next(rnd)), calls) for n in sessions}
+    )
     med = {name: statistics.median(v) for name, v in per.items()}
     return {**{f"{n}_us": v for n, v in med.items()}, "ratio": med["ledger"] / med["plain"]}
 
@@ -122,7 +97,7 @@ def begin_turn_reclaim(
         s = led.open_session(f"reclaim-{k}", RECLAIM)
         s.admit("scratchpad", [Item(f"keep{i}", 100) for i in range(3)])
         before = usage(r, s)
-        fill(led, s, k)
+        bench_turn.fill(led, s, 0, k)
         after = usage(r, s)
         times = []
         for rnd in range(rounds):

@@ -35,6 +35,7 @@ from typing import Any
 import redis
 import redis.connection
 
+from bench.common import ratio_row as row
 from ledger import Agent, Item, Ledger, LedgerSettings, SessionBudget, TiktokenCounter
 from ledger.client import Session
 from ledger.testing import standalone
@@ -76,15 +77,6 @@ def server_usec(r: redis.Redis, out: list[float]) -> Iterator[None]:
     sent = NAMES - {"multi", "exec", "config resetstat", "info"}
     st = r.info("commandstats")
     out.append(sum(float(st[f"cmdstat_{n}"]["usec"]) for n in sent if f"cmdstat_{n}" in st))
-
-
-def row(name: str, num: list[float], den: list[float], what: str) -> str:
-    ratios = sorted(a / b for a, b in zip(num, den, strict=True))
-    n, d = statistics.median(num), statistics.median(den)
-    return (
-        f"{name:<44} {n:10.1f} {d:10.1f} {statistics.median(ratios):6.2f}x "
-        f"({ratios[0]:.2f}-{ratios[-1]:.2f})  {what}"
-    )
 
 
 def fill(led: Ledger, s: Session, items: int, outcomes: int) -> None:
@@ -132,7 +124,6 @@ def bench_admit(led: Ledger, r: redis.Redis, a: argparse.Namespace) -> list[str]
             with server_usec(r, t[name]):
                 phases[name]()
     per = {k: [u / a.calls for u in v] for k, v in t.items()}
-    retained = {s: s.snapshot().raw for s in (own, big)}  # noqa: F841 (kept for debugging)
     mem = [
         sum(r.memory_usage(k, samples=0) or 0 for k in (s.keys.outcomes, s.keys.outcomes_old))
         for s in (own, big)

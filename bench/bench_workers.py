@@ -2,117 +2,76 @@
 with --idle, what an idle worker costs and how fast it picks up a job.
 
     python -m bench.bench_workers [--jobs N] [--json] [--reps R] [--partitions P]
-                                  [--claim-idle-ms MS] [--poll-interval S]
     python -m bench.bench_workers --metrics SESSIONS [--rounds R] [--latency-jobs N]
     python -m bench.bench_workers --idle [--partitions P] [--idle-seconds S]
-                                  [--latency-jobs N] [--cluster] [--baseline DIR]
-                                  [--sweep-interval S]
+                                  [--latency-jobs N] [--cluster]
 
-It starts its own redis-server on a free port (ledger.testing.standalone) and stops it
-afterwards; the workers are real ``python -m ledger.cli worker`` processes configured
-through ``LEDGER_*`` / ``LEDGER_WORKER_*`` environment variables, each logging JSON to
-its own file.
+It starts its own redis-server (ledger.testing.standalone); the workers are real
+``python -m ledger.cli worker`` processes configured through ``LEDGER_*`` environment
+variables, each logging JSON to its own file; a fresh key prefix for every run.
 
-What it measures (a fresh key prefix for every run):
+1. Throughput, one worker process and two: N sessions opened, the workers started, then
+   N ``hard_reset`` jobs, one per session, appended to the partition streams in one
+   pipeline; the clock runs until every stream is empty and nothing is pending (polled
+   every 5 ms). Every session's epoch is checked to have moved exactly once.
+2. Takeover: two workers A and B; once A holds pending jobs it is killed with SIGKILL
+   (a kill that finds it holding nothing is not counted, and repeated); the time from
+   the kill until B has completed every job A held. A dead worker's jobs are claimable
+   ``claim_idle_ms`` after their delivery and B looks every claim_idle_ms / 4: expect at
+   most 1.25 claim_idle_ms plus the work. R repetitions, median and max.
+3. Idle (--idle, instead): one worker with its default settings and no session, left
+   alone 1 s; then over --idle-seconds the Redis commands it sends per second (INFO
+   commandstats over every node, INFO left out) and its CPU share of one core; then
+   pickup latency: one hard_reset job at a time after a random 20-120 ms pause, from the
+   XADD until the entry is gone (polled every 0.5 ms), median and p99. --cluster: on a
+   3-primary Redis Cluster.
+4. Metrics (--metrics SESSIONS, instead): pickup latency as in 3 with that many live
+   sessions, a worker with a metrics port and OBSERVE_INTERVAL=1 against one without,
+   in interleaved rounds; the median per round and the median ratio on / off (min-max).
 
-1. Throughput, one worker process and two: N sessions are opened and the workers
-   started (and seen to log "worker started"); then N ``hard_reset`` jobs, one per
-   session, are appended to the partition streams in one pipeline (the shape the Lua
-   scripts write), and the clock runs from the first XADD until every stream is empty
-   and nothing is pending (polled every 5 ms). jobs/s = N / that time. Every session's
-   epoch is checked to be 2 afterwards (each job applied once).
-2. Takeover: two workers A and B; min(N, 1000) jobs are enqueued; once A holds pending
-   jobs (delivered, not acknowledged) it is killed with SIGKILL (a kill that finds it
-   holding nothing after all is not counted, and repeated); the time from the kill
-   until every job A held has been completed by B (acknowledged and deleted: gone from
-   the stream) is the takeover time. A dead worker's jobs become claimable
-   ``claim_idle_ms`` after their delivery to it, and B looks for them every
-   claim_idle_ms / 4, so the expected time is at most 1.25 claim_idle_ms and the time
-   to do them. Repeated R times
-   (default 5), median and max reported.
-
-3. Idle (--idle, instead of 1 and 2): one worker process on a fresh prefix with no
-   session, seen to log "worker started" and left alone 1 s; then over --idle-seconds
-   the Redis commands it sends (the sum of ``calls`` in ``INFO commandstats``, over
-   every node of a cluster, the INFO calls themselves left out) per second, and its CPU
-   time (utime + stime of /proc/<pid>/stat) as a share of one core. Then pickup
-   latency: --latency-jobs sessions are opened, and one hard_reset job at a time is
-   appended (XADD, as a script would) after a random pause of 20-120 ms (the worker
-   idle meanwhile); the clock runs from the XADD until the entry is gone from the
-   stream (the worker deletes it once the job is done; polled every 0.5 ms); median
-   and p99. With --baseline DIR the same is measured first for the worker of another
-   source tree (e.g. ``git archive main | tar -x -C DIR``), imported from DIR through
-   PYTHONPATH, on the same server. --cluster: a 3-primary Redis Cluster
-   (ledger.testing.cluster) instead of one server. --sweep-interval S: the workers'
-   LEDGER_WORKER_SWEEP_INTERVAL (their default otherwise). The commands per second are
-   shown by name too.
-
-4. Metrics (--metrics SESSIONS, instead of 1 and 2): pickup latency as in 3 with that
-   many live sessions open, the worker started with a metrics port and
-   OBSERVE_INTERVAL=1 (a metrics pass over every session each second, in its own
-   thread) against one without, in interleaved rounds; the median per round and the
-   median ratio on / off with its min-max.
-
-The numbers depend on the machine and on whatever else runs on it: worker processes,
-redis-server and this script share the CPUs (``nproc`` is reported).
+Worker processes, redis-server and this script share the CPUs (``nproc`` is reported).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
-import os
-import platform
 import random
 import statistics
-import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+import redis
 
-import redis  # noqa: E402
-
-from ledger import Ledger, LedgerSettings, SessionBudget  # noqa: E402
-from ledger import testing as servers  # noqa: E402
-from ledger.testing import WorkerProc, spawn_worker  # noqa: E402
+from bench.common import ROOT, cpu_seconds, emit, environment
+from ledger import Ledger, LedgerSettings, SessionBudget
+from ledger import testing as servers
+from ledger.testing import WorkerProc, spawn_worker
 
 GROUP = "ledger-workers"
 BUDGET = SessionBudget(window=10_000, system_prompt=500, output_reserve=500)
-
-
-@dataclass
-class Params:
-    jobs: int
-    partitions: int
-    claim_idle_ms: int
-    poll_interval: float
-    reps: int
-    idle_seconds: float = 10.0
-    latency_jobs: int = 50
-    sweep_interval: float | None = None  # --idle: the worker's default unless given
+CLAIM_IDLE_MS, POLL_INTERVAL = 500, 0.02
 
 
 class Run:
     """One fresh prefix on the server: sessions, jobs and worker processes."""
 
-    def __init__(self, url: str, params: Params, logs: Path) -> None:
-        self.url, self.p, self.logs = url, params, logs
+    def __init__(self, url: str, partitions: int, logs: Path) -> None:
+        self.url, self.partitions, self.logs = url, partitions, logs
         self.prefix = f"bw{uuid.uuid4().hex[:10]}"
         self.led = Ledger.from_settings(
-            LedgerSettings(redis_url=url, prefix=self.prefix, partitions=params.partitions)
+            LedgerSettings(redis_url=url, prefix=self.prefix, partitions=partitions)
         )
         self.r: redis.Redis = self.led.client  # type: ignore[assignment]
         self.workers: list[WorkerProc] = []
         self.sids: list[str] = []
 
-    def close(self) -> None:
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
         for w in self.workers:
             w.kill()
         keys = list(self.r.scan_iter(match=f"{self.prefix}:*", count=1000))
@@ -120,24 +79,20 @@ class Run:
             self.r.delete(*keys[k : k + 500])
         self.led.close()
 
-    def spawn(
-        self, consumer: str, source: Path | None = None, extra: dict[str, str] | None = None
-    ) -> WorkerProc:
+    def spawn(self, consumer: str, defaults: bool = False, **extra: str) -> WorkerProc:
+        """A worker process; `defaults`: the worker's own settings (idle), from ROOT."""
         env = {
             "LEDGER_REDIS_URL": self.url,
             "LEDGER_PREFIX": self.prefix,
-            "LEDGER_PARTITIONS": str(self.p.partitions),
-            "LEDGER_WORKER_CLAIM_IDLE_MS": str(self.p.claim_idle_ms),
-            "LEDGER_WORKER_POLL_INTERVAL": str(self.p.poll_interval),
-            "LEDGER_WORKER_SWEEP_INTERVAL": "60",  # no lease sweeps in the measurement
+            "LEDGER_PARTITIONS": str(self.partitions),
         }
-        if source is not None:  # idle: the worker's own defaults, from that source tree
-            env = {k: v for k, v in env.items() if not k.startswith("LEDGER_WORKER_")}
-            env["PYTHONPATH"] = str(source)
-            if self.p.sweep_interval is not None:
-                env["LEDGER_WORKER_SWEEP_INTERVAL"] = str(self.p.sweep_interval)
-        env.update(extra or {})
-        w = spawn_worker(consumer, env, self.logs / f"{self.prefix}-{consumer}.log")
+        if defaults:
+            env["PYTHONPATH"] = str(ROOT)
+        else:
+            env["LEDGER_WORKER_CLAIM_IDLE_MS"] = str(CLAIM_IDLE_MS)
+            env["LEDGER_WORKER_POLL_INTERVAL"] = str(POLL_INTERVAL)
+            env["LEDGER_WORKER_SWEEP_INTERVAL"] = "60"  # no lease sweeps in the measurement
+        w = spawn_worker(consumer, env | extra, self.logs / f"{self.prefix}-{consumer}.log")
         self.workers.append(w)
         return w
 
@@ -146,34 +101,38 @@ class Run:
         self.epochs = [self.led.open_session(sid, BUDGET).epoch for sid in self.sids]
 
     def enqueue(self) -> None:
-        ks = self.led.keyspace
         pipe = self.r.pipeline(transaction=False)
         for sid, epoch in zip(self.sids, self.epochs, strict=True):
-            fields: dict[Any, Any] = {"kind": "hard_reset", "session": sid, "epoch": epoch}
-            fields.update(reason="bench", op="bench")
-            pipe.xadd(ks.jobs(ks.partition_of(sid)), fields)
+            pipe.xadd(self.stream(sid), {"kind": "hard_reset", "session": sid, "epoch": epoch,
+                                         "reason": "bench", "op": "bench"})  # fmt: skip
         pipe.execute()
+
+    def stream(self, sid: str) -> str:
+        return self.led.keyspace.jobs(self.led.keyspace.partition_of(sid))
+
+    @property
+    def streams(self) -> list[str]:
+        return [self.led.keyspace.jobs(p) for p in range(self.partitions)]
 
     def backlog(self) -> int:
         """Jobs not yet done: entries pending in the group, plus entries after its last
         delivered id. (Not XLEN: a worker killed between its XACK and its XDEL leaves an
         acknowledged entry in the stream for ever; see leftovers().)"""
-        streams = [self.led.keyspace.jobs(p) for p in range(self.p.partitions)]
         pipe = self.r.pipeline(transaction=False)
-        for stream in streams:
+        for stream in self.streams:
             pipe.xinfo_groups(stream)
-        groups = [_group(g) for g in pipe.execute()]
+        groups = [next(g for g in gs if g["name"] == GROUP.encode()) for gs in pipe.execute()]
         pending = sum(int(g["pending"]) for g in groups)
         if pending:
             return pending
         pipe = self.r.pipeline(transaction=False)
-        for stream, g in zip(streams, groups, strict=True):
-            pipe.xrange(stream, min=f"({_text(g['last-delivered-id'])}", max="+", count=1)
+        for stream, g in zip(self.streams, groups, strict=True):
+            pipe.xrange(stream, min=b"(" + g["last-delivered-id"], max="+", count=1)
         return sum(len(rows) for rows in pipe.execute())
 
     def leftovers(self) -> int:
         """Entries acknowledged but never deleted (their worker died between the two)."""
-        return sum(self.r.xlen(self.led.keyspace.jobs(p)) for p in range(self.p.partitions))
+        return sum(self.r.xlen(stream) for stream in self.streams)
 
     def wait_drained(self, timeout: float = 120.0, step: float = 0.005) -> None:
         deadline = time.monotonic() + timeout
@@ -195,45 +154,23 @@ class Run:
         if bad:
             raise RuntimeError(f"{len(bad)} sessions not reset exactly once, e.g. {bad[:5]}")
 
-    def held_by(self, consumer: str) -> list[tuple[str, str]]:
-        out = []
-        for p in range(self.p.partitions):
-            stream = self.led.keyspace.jobs(p)
-            for row in self.r.xpending_range(
-                stream, GROUP, min="-", max="+", count=100_000, consumername=consumer
-            ):
-                mid = row["message_id"]
-                out.append((stream, mid.decode() if isinstance(mid, bytes) else str(mid)))
-        return out
+    def held_by(self, consumer: str) -> list[tuple[str, bytes]]:
+        return [
+            (stream, row["message_id"])
+            for stream in self.streams
+            for row in self.r.xpending_range(stream, GROUP, "-", "+", 100_000, consumer)
+        ]
 
-    def still_there(self, entries: list[tuple[str, str]]) -> int:
+    def still_there(self, entries: list[tuple[str, bytes]]) -> int:
         pipe = self.r.pipeline(transaction=False)
         for stream, eid in entries:
             pipe.xrange(stream, eid, eid)
         return sum(1 for rows in pipe.execute() if rows)
 
 
-def _text(x: Any) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
-
-
-def _group(groups: list[dict[str, Any]]) -> dict[str, Any]:
-    [g] = [g for g in groups if _text(g["name"]) == GROUP]
-    return g
-
-
-@contextlib.contextmanager
-def run_on(url: str, params: Params, logs: Path) -> Iterator[Run]:
-    r = Run(url, params, logs)
-    try:
-        yield r
-    finally:
-        r.close()
-
-
-def throughput(url: str, params: Params, logs: Path, workers: int) -> dict[str, Any]:
-    with run_on(url, params, logs) as run:
-        run.open_sessions(params.jobs)
+def throughput(url: str, a: argparse.Namespace, logs: Path, workers: int) -> dict[str, Any]:
+    with Run(url, a.partitions, logs) as run:
+        run.open_sessions(a.jobs)
         procs = [run.spawn(f"tp{workers}-{k}") for k in range(workers)]
         for w in procs:
             w.wait_started()
@@ -247,45 +184,38 @@ def throughput(url: str, params: Params, logs: Path, workers: int) -> dict[str, 
         if run.leftovers():
             raise RuntimeError(f"{run.leftovers()} entries left in the streams")
         per_worker = {w.consumer: len(w.messages("job done")) for w in procs}
-        if sum(per_worker.values()) != params.jobs or any(codes):
+        if sum(per_worker.values()) != a.jobs or any(codes):
             raise RuntimeError(f"jobs done {per_worker}, exit codes {codes}")
-        return {
-            "workers": workers,
-            "jobs": params.jobs,
-            "seconds": round(elapsed, 4),
-            "enqueue_seconds": round(t_enq - t0, 4),
-            "jobs_per_s": round(params.jobs / elapsed, 1),
-            "per_worker": per_worker,
-        }
+        return {"workers": workers, "jobs": a.jobs, "seconds": round(elapsed, 4),
+                "enqueue_seconds": round(t_enq - t0, 4), "jobs_per_s": round(a.jobs / elapsed, 1),
+                "per_worker": per_worker}  # fmt: skip
 
 
-def takeover_once(
-    url: str, params: Params, logs: Path, rng: random.Random
-) -> dict[str, Any] | None:
+def takeover_once(url: str, a: argparse.Namespace, logs: Path) -> dict[str, Any] | None:
     """One kill; None when the victim held no job at the kill (it acknowledged its last
     ones just before, or the jobs were all done before it was seen holding one)."""
-    with run_on(url, params, logs) as run:
-        run.open_sessions(min(params.jobs, 1000))
-        a, b = run.spawn("victim"), run.spawn("taker")
-        a.wait_started()
-        b.wait_started()
+    with Run(url, a.partitions, logs) as run:
+        run.open_sessions(min(a.jobs, 1000))
+        victim, taker = run.spawn("victim"), run.spawn("taker")
+        victim.wait_started()
+        taker.wait_started()
         run.enqueue()
-        time.sleep(rng.uniform(0.02, 0.1))
+        time.sleep(random.uniform(0.02, 0.1))
         deadline = time.monotonic() + 30
-        while not run.held_by(a.consumer):  # kill it while it holds jobs
+        while not run.held_by(victim.consumer):  # kill it while it holds jobs
             if time.monotonic() > deadline:
                 raise RuntimeError("the victim never held a job")
             if not run.backlog():  # all done before the victim was seen holding one
-                a.kill()
-                b.stop()
+                victim.kill()
+                taker.stop()
                 return None
             time.sleep(0.001)
         t_kill = time.perf_counter()
-        a.proc.kill()
-        a.proc.wait(10)
-        held = run.held_by(a.consumer)
+        victim.proc.kill()
+        victim.proc.wait(10)
+        held = run.held_by(victim.consumer)
         if not held:
-            b.stop()
+            taker.stop()
             return None
         while run.still_there(held):
             if time.perf_counter() - t_kill > 60:
@@ -293,7 +223,7 @@ def takeover_once(
             time.sleep(0.002)
         took = time.perf_counter() - t_kill
         run.wait_drained()
-        code = b.stop()
+        code = taker.stop()
         run.check_each_applied_once()
         if code:
             raise RuntimeError(f"taker exited with {code}")
@@ -310,18 +240,13 @@ def commands(clients: list[redis.Redis]) -> dict[str, int]:
     return total
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def pickup(run: Run, w: WorkerProc, sids: list[str], epochs: list[int]) -> list[float]:
     """One hard_reset job at a time, each after a random pause of 20-120 ms: seconds from
     its XADD until it is gone from its stream (done), sorted."""
-    ks, lat = run.led.keyspace, []
+    lat = []
     for sid, epoch in zip(sids, epochs, strict=True):
         time.sleep(random.uniform(0.02, 0.12))
-        stream = ks.jobs(ks.partition_of(sid))
+        stream = run.stream(sid)
         fields = {"kind": "hard_reset", "session": sid, "epoch": epoch, "reason": "bench"}
         t = time.perf_counter()
         eid = run.r.xadd(stream, fields)  # type: ignore[arg-type]
@@ -333,20 +258,20 @@ def pickup(run: Run, w: WorkerProc, sids: list[str], epochs: list[int]) -> list[
     return sorted(lat)
 
 
-def with_metrics(params: Params, live: int, rounds: int) -> dict[str, Any]:
-    """Pickup latency with `live` sessions open, the worker's metrics on (a pass over
-    every session each second, OBSERVE_INTERVAL=1, in its own thread) against off,
-    in interleaved rounds (off, on, off, on, ...) of latency_jobs jobs each."""
+def with_metrics(a: argparse.Namespace) -> dict[str, Any]:
+    """Pickup latency with `a.metrics` sessions open, the worker's metrics on (a pass over
+    every session each second, OBSERVE_INTERVAL=1, in its own thread) against off, in
+    interleaved rounds (off, on, off, on, ...) of latency_jobs jobs each."""
     with (
         servers.standalone() as server,
         tempfile.TemporaryDirectory(prefix="bench-workers-") as d,
-        run_on(server.url, params, Path(d)) as run,
+        Run(server.url, a.partitions, Path(d)) as run,
     ):
-        ids = [f"live-{i}" for i in range(live)]
-        for k in range(0, live, 500):
+        ids = [f"live-{i}" for i in range(a.metrics)]
+        for k in range(0, a.metrics, 500):
             run.led.run_many([run.led.open_call(sid, BUDGET, None) for sid in ids[k : k + 500]])
         out: dict[str, list[float]] = {"off": [], "on": []}
-        for r in range(rounds):
+        for r in range(a.rounds):
             for mode in ("off", "on"):
                 extra = {}
                 if mode == "on":
@@ -354,46 +279,56 @@ def with_metrics(params: Params, live: int, rounds: int) -> dict[str, Any]:
                         "LEDGER_WORKER_METRICS_PORT": str(servers.free_port()),
                         "LEDGER_WORKER_OBSERVE_INTERVAL": "1",
                     }
-                w = run.spawn(f"{mode}-{r}", extra=extra)
+                w = run.spawn(f"{mode}-{r}", **extra)
                 w.wait_started()
                 time.sleep(1.5)  # the first metrics pass is under way
-                sids = [f"j-{mode}-{r}-{i}" for i in range(params.latency_jobs)]
+                sids = [f"j-{mode}-{r}-{i}" for i in range(a.latency_jobs)]
                 epochs = [run.led.open_session(sid, BUDGET).epoch for sid in sids]
                 out[mode].append(statistics.median(pickup(run, w, sids, epochs)))
                 w.stop()
-        env = environment(server.url)
+        env = environment(run.r)
     ratios = [on / off for on, off in zip(out["on"], out["off"], strict=True)]
+    return {"env": env, "live_sessions": a.metrics, "rounds": a.rounds,
+            "jobs_per_round": a.latency_jobs,
+            "pickup_ms_median": {m: [round(1000 * x, 2) for x in v] for m, v in out.items()},
+            "ratio_on_off": round(statistics.median(ratios), 3),
+            "ratio_min_max": [round(min(ratios), 3), round(max(ratios), 3)]}  # fmt: skip
+
+
+def idle(a: argparse.Namespace) -> dict[str, Any]:
+    """An idle worker (its default settings): commands/s, CPU, pickup."""
+    with (
+        servers.cluster(3) if a.cluster else servers.standalone() as server,
+        tempfile.TemporaryDirectory(prefix="bench-workers-") as d,
+    ):
+        procs = server if isinstance(server, list) else [server]
+        url = f"redis+cluster://127.0.0.1:{procs[0].port}" if a.cluster else procs[0].url
+        nodes = [redis.Redis(port=n.port) for n in procs]
+        env = environment(nodes[0])
+        with Run(url, a.partitions, Path(d)) as run:
+            w = run.spawn("idle", defaults=True)
+            w.wait_started()
+            time.sleep(1.0)
+            c0, cpu0, t0 = commands(nodes), cpu_seconds(w.proc.pid), time.perf_counter()
+            time.sleep(a.idle_seconds)
+            c1, cpu1, t1 = commands(nodes), cpu_seconds(w.proc.pid), time.perf_counter()
+            per_s = {k: (n - c0.get(k, 0)) / (t1 - t0) for k, n in c1.items()}
+            run.open_sessions(a.latency_jobs)
+            lat = pickup(run, w, run.sids, run.epochs)
+            code = w.stop()
+            run.check_each_applied_once()
+            if code:
+                raise RuntimeError(f"idle worker exited with {code}: {w.tail()}")
+        for n in nodes:
+            n.close()
     return {
         "env": env,
-        "live_sessions": live,
-        "rounds": rounds,
-        "jobs_per_round": params.latency_jobs,
-        "pickup_ms_median": {m: [round(1000 * x, 2) for x in v] for m, v in out.items()},
-        "ratio_on_off": round(statistics.median(ratios), 3),
-        "ratio_min_max": [round(min(ratios), 3), round(max(ratios), 3)],
-    }
-
-
-def idle(
-    url: str, nodes: list[redis.Redis], params: Params, logs: Path, source: Path
-) -> dict[str, Any]:
-    """An idle worker (its default settings) from `source`: commands/s, CPU, pickup."""
-    with run_on(url, params, logs) as run:
-        w = run.spawn(f"idle-{source.name}", source)
-        w.wait_started()
-        time.sleep(1.0)
-        c0, cpu0, t0 = commands(nodes), cpu_seconds(w.proc.pid), time.perf_counter()
-        time.sleep(params.idle_seconds)
-        c1, cpu1, t1 = commands(nodes), cpu_seconds(w.proc.pid), time.perf_counter()
-        per_s = {k: (n - c0.get(k, 0)) / (t1 - t0) for k, n in c1.items()}
-        run.open_sessions(params.latency_jobs)
-        lat = pickup(run, w, run.sids, run.epochs)
-        code = w.stop()
-        run.check_each_applied_once()
-        if code:
-            raise RuntimeError(f"idle worker exited with {code}: {w.tail()}")
-    return {
-        "source": str(source),
+        "params": {
+            "partitions": a.partitions,
+            "idle_seconds": a.idle_seconds,
+            "latency_jobs": a.latency_jobs,
+            "cluster": a.cluster,
+        },
         "commands_per_s": round(sum(per_s.values()), 1),
         "by_command": {k: round(v, 1) for k, v in sorted(per_s.items()) if v >= 0.05},
         "cpu_percent": round(100 * (cpu1 - cpu0) / (t1 - t0), 2),
@@ -402,130 +337,76 @@ def idle(
     }
 
 
-def run_idle(params: Params, sources: list[Path], on_cluster: bool) -> dict[str, Any]:
-    with (
-        servers.cluster(3) if on_cluster else servers.standalone() as server,
-        tempfile.TemporaryDirectory(prefix="bench-workers-") as d,
-    ):
-        procs = server if isinstance(server, list) else [server]
-        url = f"redis+cluster://127.0.0.1:{procs[0].port}" if on_cluster else procs[0].url
-        nodes = [redis.Redis(port=n.port) for n in procs]
-        try:
-            env = environment(f"redis://127.0.0.1:{procs[0].port}/0")
-            rows = [idle(url, nodes, params, Path(d), src) for src in sources]
-        finally:
-            for n in nodes:
-                n.close()
-    return {
-        "env": env,
-        "params": {
-            "partitions": params.partitions,
-            "idle_seconds": params.idle_seconds,
-            "latency_jobs": params.latency_jobs,
-            "cluster": on_cluster,
-            "sweep_interval_s": params.sweep_interval,
-        },
-        "idle": rows,
-    }
-
-
-def print_idle(res: dict[str, Any]) -> None:
-    p, env = res["params"], res["env"]
-    where = "a 3-primary cluster" if p["cluster"] else "one server"
+def print_idle(r: dict[str, Any]) -> None:
+    p, env = r["params"], r["env"]
     print(
-        f"idle ledger worker: redis {env['redis_version']} ({where}), {env['nproc']} CPUs, "
+        f"idle ledger worker: redis {env['redis_version']} "
+        f"({'a 3-primary cluster' if p['cluster'] else 'one server'}), {env['nproc']} CPUs, "
         f"python {env['python']}, {p['partitions']} partitions, no session, "
-        f"{p['idle_seconds']} s; pickup over {p['latency_jobs']} jobs"
+        f"{p['idle_seconds']} s; pickup over {p['latency_jobs']} jobs\n"
+        f"{'cmds/s':>9} {'cpu %':>7} {'pickup p50 ms':>14} {'p99 ms':>8}\n"
+        f"{r['commands_per_s']:>9.1f} {r['cpu_percent']:>7.2f} "
+        f"{r['pickup_ms_median']:>14.2f} {r['pickup_ms_p99']:>8.2f}\n{'':>9} per s: "
+        + ", ".join(f"{k} {v}" for k, v in r["by_command"].items())
     )
-    print(f"{'cmds/s':>9} {'cpu %':>7} {'pickup p50 ms':>14} {'p99 ms':>8}  source")
-    for r in res["idle"]:
-        print(
-            f"{r['commands_per_s']:>9.1f} {r['cpu_percent']:>7.2f} "
-            f"{r['pickup_ms_median']:>14.2f} {r['pickup_ms_p99']:>8.2f}  {r['source']}"
-        )
-        print(f"{'':>9} per s: " + ", ".join(f"{k} {v}" for k, v in r["by_command"].items()))
 
 
-def environment(url: str) -> dict[str, Any]:
-    r = redis.Redis.from_url(url)
-    try:
-        version = r.info("server").get("redis_version")
-    finally:
-        r.close()
-    return {
-        "redis_version": version,
-        "nproc": len(os.sched_getaffinity(0)),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "redis_py": redis.__version__,
-        "loadavg": [round(x, 2) for x in os.getloadavg()],
-    }
-
-
-def run(params: Params, seed: int | None = None) -> dict[str, Any]:
-    rng = random.Random(seed)
+def run(a: argparse.Namespace) -> dict[str, Any]:
     with (
         servers.standalone() as server,
         tempfile.TemporaryDirectory(prefix="bench-workers-") as d,
     ):
         logs = Path(d)
-        env = environment(server.url)
-        tp = {str(n): throughput(server.url, params, logs, n) for n in (1, 2)}
+        env = environment(redis.Redis.from_url(server.url))
+        tp = {str(n): throughput(server.url, a, logs, n) for n in (1, 2)}
         reps: list[dict[str, Any]] = []
-        for _ in range(params.reps * 5):
-            rep = takeover_once(server.url, params, logs, rng)
+        for _ in range(a.reps * 5):
+            rep = takeover_once(server.url, a, logs)
             if rep is not None:
                 reps.append(rep)
-            if len(reps) == params.reps:
+            if len(reps) == a.reps:
                 break
         else:
             raise RuntimeError("the victim held no job at the kill, too often")
     times = [r["seconds"] for r in reps]
     return {
         "env": env,
-        "params": {
-            "jobs": params.jobs,
-            "partitions": params.partitions,
-            "claim_idle_ms": params.claim_idle_ms,
-            "poll_interval_s": params.poll_interval,
-            "batch": 16,
-            "takeover_reps": params.reps,
-        },
+        "params": {"jobs": a.jobs, "partitions": a.partitions, "claim_idle_ms": CLAIM_IDLE_MS,
+                   "poll_interval_s": POLL_INTERVAL, "batch": 16, "takeover_reps": a.reps},
         "throughput": tp,
-        "takeover": {
-            "reps": reps,
-            "median_s": round(statistics.median(times), 4),
-            "max_s": round(max(times), 4),
-            "claim_idle_ms": params.claim_idle_ms,
-        },
-    }
+        "takeover": {"reps": reps, "median_s": round(statistics.median(times), 4),
+                     "max_s": round(max(times), 4), "claim_idle_ms": CLAIM_IDLE_MS},
+    }  # fmt: skip
 
 
 def print_table(res: dict[str, Any]) -> None:
-    p, env = res["params"], res["env"]
+    p, env, tk = res["params"], res["env"], res["takeover"]
     print(
         f"ledger worker benchmark: redis {env['redis_version']}, {env['nproc']} CPUs, "
-        f"python {env['python']}, load {env['loadavg']}"
+        f"python {env['python']}, load {env['loadavg']}\n{p['jobs']} hard_reset jobs over "
+        f"{p['jobs']} sessions, {p['partitions']} partitions, claim_idle_ms "
+        f"{p['claim_idle_ms']}, poll {p['poll_interval_s']} s\n\n"
+        f"{'workers':>8} {'jobs':>6} {'seconds':>9} {'jobs/s':>9}  per worker"
     )
-    print(
-        f"{p['jobs']} hard_reset jobs over {p['jobs']} sessions, {p['partitions']} partitions, "
-        f"claim_idle_ms {p['claim_idle_ms']}, poll {p['poll_interval_s']} s"
-    )
-    print()
-    print(f"{'workers':>8} {'jobs':>6} {'seconds':>9} {'jobs/s':>9}  per worker")
     for t in res["throughput"].values():
         per = ", ".join(f"{k}={v}" for k, v in t["per_worker"].items())
         print(
             f"{t['workers']:>8} {t['jobs']:>6} {t['seconds']:>9.3f} {t['jobs_per_s']:>9.1f}  {per}"
         )
-    print()
-    tk = res["takeover"]
-    print(f"takeover after kill -9 (claim_idle_ms {tk['claim_idle_ms']}):")
+    print(f"\ntakeover after kill -9 (claim_idle_ms {tk['claim_idle_ms']}):")
     print(f"{'rep':>8} {'held':>6} {'seconds':>9}  acked, not deleted")
     for i, r in enumerate(tk["reps"], 1):
         print(f"{i:>8} {r['held']:>6} {r['seconds']:>9.3f}  {r['acked_not_deleted']}")
-    print(f"{'median':>8} {'':>6} {tk['median_s']:>9.3f}")
-    print(f"{'max':>8} {'':>6} {tk['max_s']:>9.3f}")
+    print(f"{'median':>8} {'':>6} {tk['median_s']:>9.3f}\n{'max':>8} {'':>6} {tk['max_s']:>9.3f}")
+
+
+def print_metrics(res: dict[str, Any]) -> None:
+    med = res["pickup_ms_median"]
+    print(
+        f"pickup latency, {res['live_sessions']} live sessions, {res['rounds']} rounds "
+        f"of {res['jobs_per_round']} jobs: median per round off {med['off']} ms, on "
+        f"{med['on']} ms; on / off {res['ratio_on_off']} (min-max {res['ratio_min_max']})"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -538,60 +419,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object instead")
     ap.add_argument("--reps", type=int, default=5, help="takeover repetitions")
     ap.add_argument("--partitions", type=int, default=8)
-    ap.add_argument("--claim-idle-ms", type=int, default=500)
-    ap.add_argument("--poll-interval", type=float, default=0.02, help="seconds when idle")
-    ap.add_argument("--seed", type=int, default=None, help="for the kill delays")
     ap.add_argument("--idle", action="store_true", help="measure an idle worker instead")
     ap.add_argument("--idle-seconds", type=float, default=10.0)
     ap.add_argument("--latency-jobs", type=int, default=50)
     ap.add_argument("--cluster", action="store_true", help="--idle on a 3-primary cluster")
-    ap.add_argument("--baseline", type=Path, help="--idle: also the worker of this tree")
-    ap.add_argument("--sweep-interval", type=float, help="--idle: the workers' lease sweeps")
-    ap.add_argument(
-        "--metrics",
-        type=int,
-        metavar="SESSIONS",
-        help="instead: pickup latency with this many live sessions, metrics on vs off",
-    )
+    ap.add_argument("--metrics", type=int, metavar="SESSIONS", help="instead: pickup latency")
     ap.add_argument("--rounds", type=int, default=3, help="--metrics: interleaved rounds")
     a = ap.parse_args(argv)
     if a.jobs < 1 or a.reps < 1 or a.latency_jobs < 1:
         ap.error("--jobs, --reps and --latency-jobs must be at least 1")
-    params = Params(
-        a.jobs,
-        a.partitions,
-        a.claim_idle_ms,
-        a.poll_interval,
-        a.reps,
-        a.idle_seconds,
-        a.latency_jobs,
-        a.sweep_interval,
-    )
     if a.metrics:
-        res = with_metrics(params, a.metrics, a.rounds)
-        if a.json:
-            print(json.dumps(res, indent=2))
-        else:
-            med = res["pickup_ms_median"]
-            print(
-                f"pickup latency, {res['live_sessions']} live sessions, {res['rounds']} rounds "
-                f"of {res['jobs_per_round']} jobs: median per round off {med['off']} ms, on "
-                f"{med['on']} ms; on / off {res['ratio_on_off']} "
-                f"(min-max {res['ratio_min_max']})"
-            )
-        return 0
-    if a.idle:
-        sources = [p.resolve() for p in (a.baseline, ROOT) if p is not None]
-        res = run_idle(params, sources, a.cluster)
-        print(json.dumps(res, indent=2)) if a.json else print_idle(res)
-        return 0
-    res = run(params, a.seed)
-    if a.json:
-        print(json.dumps(res, indent=2))
+        emit(with_metrics(a), a.json, print_metrics)
+    elif a.idle:
+        emit(idle(a), a.json, print_idle)
     else:
-        print_table(res)
+        emit(run(a), a.json, print_table)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -3,18 +3,14 @@
     python -m bench.compaction_e2e [--turns 50] [--kills 2] [--json]
 
 One agent session (worker-owned, framing tolerance 0) whose turns are served
-alternately by two agent processes (the app's state, its prompt objects, travels with
-each turn); one background ``ledger worker`` process whose compactor is an LLM
-summarizer over a stub model answering after 0.5-2 s. The worker is killed with
-SIGKILL ``--kills`` times, each time while a summary is in flight, and a new one
-started (it takes the job over after ``claim_idle_ms``).
+alternately by two agent processes; one ``ledger worker`` process whose compactor is an
+LLM summarizer over a stub model answering after 0.5-2 s, killed with SIGKILL
+``--kills`` times while a summary is in flight, and a new one started.
 
-Checked after every turn: every summary committed since the agent's last turn is in
-this turn's prompt and what it replaced is not; the ledger's occupancy equals the real
-prompt (drift 0, end_turn judges it); the items the ledger holds are exactly the
-prompt's objects. At the end: each compaction applied once (the session's compaction
-count equals the summaries applied, no summary id twice), the audit clean. Starts its
-own redis-server (tests.servers) unless ``--url`` is given.
+Checked after every turn: every summary committed since the agent's last turn is in the
+prompt and what it replaced is not; occupancy equals the real prompt (drift 0); the
+items held are the prompt's objects. At the end: each compaction applied once, the
+audit clean. Starts its own redis-server.
 """
 
 from __future__ import annotations
@@ -25,8 +21,6 @@ import json
 import multiprocessing as mp
 import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,9 +29,10 @@ from typing import Any
 
 from langchain_core.messages import AIMessage
 
+from bench.common import ROOT
 from ledger.adapters.summarizer import LLMSummarizer
+from ledger.testing import WorkerProc, spawn_worker, standalone
 
-ROOT = Path(__file__).resolve().parent.parent
 SYSTEM = "You are a helpful assistant."
 SID = "e2e/agent"
 
@@ -87,40 +82,20 @@ def agent_process(url: str, prefix: str, inbox: Any, outbox: Any) -> None:
             turn.prompt([SYSTEM, *new_state])
         report = turn.report
         assert report is not None
-        held = sorted(i.id for i in led.items(SID))
-        outbox.put(
-            {
-                "pid": os.getpid(),
-                "state": new_state,
-                "dropped": sorted(gone),
-                "summaries": [o["id"] for o in turn.summaries],
-                "drift": report.drift,
-                "occupancy": report.occupancy,
-                "due": report.compaction_due,
-                "held": held,
-                "compactions": led.session(SID).snapshot().raw["kn"],
-            }
-        )
+        outbox.put({
+            "pid": os.getpid(), "state": new_state, "dropped": sorted(gone),
+            "summaries": [o["id"] for o in turn.summaries], "drift": report.drift,
+            "occupancy": report.occupancy, "due": report.compaction_due,
+            "held": sorted(i.id for i in led.items(SID)),
+            "compactions": led.session(SID).snapshot().raw["kn"],
+        })  # fmt: skip
 
 
-def spawn_worker(url: str, prefix: str, n: int, log_dir: Path) -> subprocess.Popen[bytes]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LEDGER_")}
-    env.update(
-        LEDGER_REDIS_URL=url,
-        LEDGER_PREFIX=prefix,
-        LEDGER_WORKER_COMPACTOR="bench.compaction_e2e:summarizer",
-        LEDGER_WORKER_CLAIM_IDLE_MS="500",
-        LEDGER_WORKER_CONSUMER=f"e2e-worker-{n}",
-        LEDGER_WORKER_POLL_INTERVAL="0.02",
-    )
-    with (log_dir / f"worker-{n}.log").open("wb") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "ledger.cli", "worker"],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+def start_worker(url: str, prefix: str, n: int, log_dir: Path) -> WorkerProc:
+    env = {"LEDGER_REDIS_URL": url, "LEDGER_PREFIX": prefix, "PYTHONPATH": str(ROOT),
+           "LEDGER_WORKER_COMPACTOR": "bench.compaction_e2e:summarizer",
+           "LEDGER_WORKER_CLAIM_IDLE_MS": "500", "LEDGER_WORKER_POLL_INTERVAL": "0.02"}  # fmt: skip
+    return spawn_worker(f"e2e-worker-{n}", env, log_dir / f"worker-{n}.log")
 
 
 def run(url: str, turns: int, kills: int) -> dict[str, Any]:
@@ -135,7 +110,7 @@ def run(url: str, turns: int, kills: int) -> dict[str, Any]:
     agents = [ctx.Process(target=agent_process, args=(url, prefix, i, o)) for i, o in pipes]
     for p in agents:
         p.start()
-    workers = [spawn_worker(url, prefix, 0, log_dir)]
+    workers = [start_worker(url, prefix, 0, log_dir)]
     kill_at = sorted(random.Random(7).sample(range(5, turns - 5), kills)) if kills else []
     killed, pending_kill = 0, False
     state: list[dict[str, str]] = []
@@ -167,10 +142,9 @@ def run(url: str, turns: int, kills: int) -> dict[str, Any]:
             pending_kill = not r["due"]  # kill while a summary is in flight
             if r["due"]:
                 time.sleep(0.3)
-                workers[-1].send_signal(signal.SIGKILL)
-                workers[-1].wait()
+                workers[-1].kill()
                 killed += 1
-                workers.append(spawn_worker(url, prefix, len(workers), log_dir))
+                workers.append(start_worker(url, prefix, len(workers), log_dir))
     wall = time.perf_counter() - t0
     for i, _ in pipes:
         i.put(None)
@@ -180,8 +154,7 @@ def run(url: str, turns: int, kills: int) -> dict[str, Any]:
         i.close()
         o.close()
     for w in workers:
-        w.send_signal(signal.SIGTERM)
-        w.wait(15)
+        w.stop()
     snap = led.session(SID).snapshot()
     compactions = snap.raw["kn"]
     if len(set(applied)) != len(applied):
@@ -192,36 +165,25 @@ def run(url: str, turns: int, kills: int) -> dict[str, Any]:
     if not audit.clean:
         failures.append(f"audit: {audit.problems}")
     result = {
-        "turns": turns,
-        "agent_processes": len({r["pid"] for r in rows}),
-        "worker_kills": killed,
-        "compactions": compactions,
-        "summaries_applied": len(applied),
+        "turns": turns, "agent_processes": len({r["pid"] for r in rows}), "worker_kills": killed,
+        "compactions": compactions, "summaries_applied": len(applied),
         "max_abs_drift": max(abs(r["drift"]) for r in rows),
         "failed_compactions": snap.raw.get("x:failed_compactions", 0),
-        "resets": snap.raw.get("x:resets", 0),
-        "wall_seconds": round(wall, 1),
-        "failures": failures,
-        "logs": str(log_dir),
-    }
+        "resets": snap.raw.get("x:resets", 0), "wall_seconds": round(wall, 1),
+        "failures": failures, "logs": str(log_dir),
+    }  # fmt: skip
     led.close()
     return result
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--url")
     ap.add_argument("--turns", type=int, default=50)
     ap.add_argument("--kills", type=int, default=2)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    if args.url:
-        res = run(args.url, args.turns, args.kills)
-    else:
-        from ledger.testing import standalone
-
-        with standalone() as server:
-            res = run(server.url, args.turns, args.kills)
+    with standalone() as server:
+        res = run(server.url, args.turns, args.kills)
     print(json.dumps(res, indent=2) if args.json else res)
     return 1 if res["failures"] else 0
 

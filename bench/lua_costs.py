@@ -3,21 +3,16 @@
     python -m bench.lua_costs [--n 20000]
     python -m bench.lua_costs --against <git revision> [--n 1000] [--reps 20]
 
-Starts its own redis-server and runs each piece of ``bench/lua_costs.lua`` N times
-inside one EVALSHA; the cost of a piece is (EVALSHA usec from INFO commandstats -
-the same for the empty piece) / N, best of 3. These are warm, in-loop costs: a fresh
-call pays them again with cold caches, several times over (see the README).
+Runs each piece of ``bench/lua_costs.lua`` N times inside one EVALSHA on its own
+redis-server: (EVALSHA usec - the same for the empty piece) / N, best of 3; warm,
+in-loop costs (a fresh call pays them again with cold caches).
 
-With ``--against REV`` it compares instead the server time of whole scripts (admit
-of one item, begin_turn, end_turn) as assembled at git revision REV (its ``lua/``
-and ``ledger/scripts.py``) and in the working tree, on the same server, in one
-process: each phase is N calls on a fresh session, CONFIG RESETSTAT before, EVALSHA
-usec / calls from INFO commandstats after; each repetition runs every script's two
-versions back to back (scripts in rotated order), a first round for warm-up dropped, the
-median over repetitions reported, and the median of the ratio working tree / REV within
-each pair of back-to-back phases (which runs first alternates). Each phase's calls
-are built beforehand and sent back to back in pipelines of 100; end_turn's phase opens
-each turn with an EVAL of begin_turn, which the evalsha line does not count.
+``--against REV``: the server time of whole scripts (admit of one item, begin_turn,
+end_turn) as assembled at git revision REV and in the working tree: N calls a phase on a
+fresh session, sent back to back in pipelines of 100; both versions back to back in each
+repetition (which runs first alternates), a warm-up round dropped; medians, and the
+median ratio working tree / REV within each pair (end_turn's phase opens each turn with
+an EVAL of begin_turn, which the evalsha line does not count).
 """
 
 from __future__ import annotations
@@ -36,13 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from rich.console import Console
-from rich.table import Table
 
+from bench.common import ROOT, phase_usec, table
 from ledger import Item, Ledger, SessionBudget, protocol, scripts
 from ledger.testing import standalone
-
-ROOT = Path(__file__).resolve().parents[1]
 
 PIECES = (
     "empty",
@@ -73,15 +65,12 @@ def measure(r: redis.Redis, n: int, reps: int = 3) -> dict[str, float]:
     r.hset("costs:ht", mapping={f"f{i}": "x" * 80 for i in range(300)})  # > 64 B: hashtable
     r.hset("costs:lp", mapping={f"f{i}": str(i) for i in range(300)})  # short: listpack
     args = ("3f9a0c1b2d4e5f6a7b8c1a", "1764481234")
-    raw: dict[str, float] = {}
-    for piece in PIECES:
-        best = float("inf")
-        for _ in range(reps):
-            r.config_resetstat()
-            r.evalsha(sha, 2, "costs:ht", "costs:lp", piece, n, *args)
-            usec = float(r.info("commandstats")["cmdstat_evalsha"]["usec"])
-            best = min(best, usec * 1000 / n)
-        raw[piece] = best
+    raw = {
+        piece: min(phase_usec(r, lambda piece=piece: r.evalsha(sha, 2, "costs:ht", "costs:lp",
+                                                               piece, n, *args)) * 1000 / n
+                   for _ in range(reps))
+        for piece in PIECES
+    }  # fmt: skip
     base = raw.pop("empty")
     return {piece: ns - base for piece, ns in raw.items()} | {"empty loop": base}
 
@@ -164,22 +153,15 @@ def compare(led: Ledger, rev: str, n: int, reps: int) -> dict[str, dict[str, flo
         k = rep % len(COMPARED)
         for name in COMPARED[k:] + COMPARED[:k]:
             pair = ("rev", "tree") if rep % 2 else ("tree", "rev")
-            got = {
-                v: _phase(led, name, sha[(name, v)], n if rep else min(n, 200), counter.__next__)
-                for v in pair
-            }
+            size = n if rep else min(n, 200)
+            got = {v: _phase(led, name, sha[(name, v)], size, counter.__next__) for v in pair}
             if rep:
                 for v, usec in got.items():
                     per[(name, v)].append(usec)
                 ratios[name].append(got["tree"] / got["rev"])
-    return {
-        m: {
-            "rev": statistics.median(per[(m, "rev")]),
-            "tree": statistics.median(per[(m, "tree")]),
-            "ratio": statistics.median(ratios[m]),
-        }
-        for m in COMPARED
-    }
+    med = statistics.median
+    return {m: {"rev": med(per[(m, "rev")]), "tree": med(per[(m, "tree")]), "ratio": med(ratios[m])}
+            for m in COMPARED}  # fmt: skip
 
 
 def main() -> None:
@@ -194,28 +176,27 @@ def main() -> None:
         n = a.n or 1_000
         with standalone() as srv, Ledger.from_url(srv.url) as led:
             res = compare(led, a.against, n, a.reps)
-        t = Table(
-            title=f"Server time per EVALSHA, {a.against} vs working tree ({n:,} calls per phase, "
-            f"median of {a.reps}, interleaved)"
+        table(
+            f"Server time per EVALSHA, {a.against} vs working tree ({n:,} calls per phase, "
+            f"median of {a.reps}, interleaved)",
+            ["script", f"{a.against} us", "working tree us", "ratio"],
+            [
+                [m, f"{v['rev']:.2f}", f"{v['tree']:.2f}", f"{v['ratio']:.3f}"]
+                for m, v in res.items()
+            ],
         )
-        for col in ("script", f"{a.against} us", "working tree us", "ratio"):
-            t.add_column(col, justify="left" if col == "script" else "right")
-        for m, v in res.items():
-            t.add_row(m, f"{v['rev']:.2f}", f"{v['tree']:.2f}", f"{v['ratio']:.3f}")
-        Console().print(t)
         return
     n = a.n or 20_000
     with standalone() as srv:
         r = redis.Redis.from_url(srv.url)
         costs = measure(r, n)
         encodings = {k: r.object("encoding", k) for k in ("costs:ht", "costs:lp")}
-    t = Table(title=f"Lua pieces, warm, in-loop ({n:,} iterations in one call, best of 3)")
-    t.add_column("piece")
-    t.add_column("ns per use", justify="right")
-    for piece, ns in costs.items():
-        t.add_row(piece, f"{ns:,.0f}")
-    Console().print(t)
-    Console().print(f"[dim]scratch hashes: {encodings}[/dim]")
+    table(
+        f"Lua pieces, warm, in-loop ({n:,} iterations in one call, best of 3)",
+        ["piece", "ns per use"],
+        [[piece, f"{ns:,.0f}"] for piece, ns in costs.items()],
+    )
+    print(f"scratch hashes: {encodings}")
 
 
 if __name__ == "__main__":

@@ -104,13 +104,33 @@ def test_lua_costs_measures_every_piece() -> None:
 
 @pytest.mark.slow
 @pytest.mark.redis
-def test_admit_steps_cuts_admit_at_every_step() -> None:
+def test_admit_steps_stops_admit_at_every_step() -> None:
+    """Each variant stops admit at its command (before or after the first call of it),
+    whatever the script's text; the measurement covers every variant."""
+    import redis
+
     from bench import admit_steps
+    from bench.bench_core import BENCH_BUDGET
+    from ledger import Item, Ledger, LedgerSettings
     from tests.servers import standalone
 
     v = admit_steps.variants()
-    assert len(v) == 2 + len(admit_steps.STEPS)  # every marker found in lua/admit.lua
+    assert len(v) == 4 + len(admit_steps.STEPS)
     with standalone() as srv:
+        r = redis.Redis.from_url(srv.url)
+        with Ledger.from_settings(LedgerSettings(redis_url=srv.url, prefix="steps")) as led:
+            s = led.open_session("s", BENCH_BUDGET)
+            for k, (name, when, cmd) in enumerate(admit_steps.STEPS):
+                c = s.admit_call("retrieval", [Item(f"i{k}", 1)])
+                r.config_resetstat()
+                assert r.eval(v[name], len(c.keys), *c.keys, *c.args) == 1, name
+                calls = {k[8:]: int(x["calls"]) for k, x in r.info("commandstats").items()}
+                assert calls.get(cmd.lower(), 0) == (0 if when == "before" else 1), (name, calls)
+                assert "hset" not in calls, (name, calls)  # stopped before any write
+            assert not [f for f in r.hkeys(s.keys.session) if f.startswith(b"i:")]  # none admitted
+            c = s.admit_call("retrieval", [Item("bad", 1)])
+            with pytest.raises(redis.ResponseError, match="never came"):
+                r.eval(admit_steps.stopped("before", "GEOADD"), len(c.keys), *c.keys, *c.args)
         per = admit_steps.measure(srv.url, calls=20, rounds=1)
     assert set(per) == set(v)
     assert all(len(x) == 1 and x[0] > 0 for x in per.values())
