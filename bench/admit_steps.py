@@ -3,7 +3,7 @@
     python -m bench.admit_steps [--calls 1000] [--rounds 7]
 
 Starts its own redis-server and runs, on sessions of 40 turns, the same admit calls
-against lua/admit.lua cut short after each step (`return 1` in place of the rest),
+against ledger/lua/admit.lua cut short after each step (`return 1` in place of the rest),
 against bench/admit_commands.lua, and against `return 1`. The calls go back to back
 in pipelines (warm: what a busy server sees), and each variant's EVALSHA usec per
 call is taken from INFO commandstats, best and median of the rounds. A step's cost
@@ -25,7 +25,7 @@ from ledger.testing import standalone
 
 from .bench_core import BENCH_BUDGET
 
-# Each step ends before the line that starts with this text (lua/admit.lua).
+# Each step ends before the line that starts with this text (ledger/lua/admit.lua).
 STEPS = (
     ("prelude (the _common.lua it uses)", "local op, fp, epoch, tok = op_args('admit', false)"),
     ("check the 9 arguments", "local key = KEYS[1]"),
@@ -52,7 +52,7 @@ def variants() -> dict[str, str]:
             continue
         cut = next((i for i, line in enumerate(lines) if line.startswith(marker)), None)
         if cut is None:
-            raise ValueError(f"lua/admit.lua has no line starting {marker!r}: update STEPS")
+            raise ValueError(f"ledger/lua/admit.lua has no line starting {marker!r}: update STEPS")
         out[name] = scripts.wrap("\n".join(lines[:cut]) + "\nreturn 1\n")
     return out
 

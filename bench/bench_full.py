@@ -1179,7 +1179,7 @@ def print_report(res: dict[str, Any]) -> None:
     sc = res["scripts"]
     if sc["workers_differ"] or sc["changed_during_run"]:
         console.print(
-            f"[bold red]warning: lua/ changed during the run: workers ran other versions of "
+            f"[bold red]warning: ledger/lua/ changed during the run: workers ran other versions of "
             f"{sc['workers_differ']}, files changed since the start: "
             f"{sc['changed_during_run']}; rows may mix script versions[/bold red]"
         )
@@ -1340,7 +1340,7 @@ def run(plan: Plan, progress: Callable[[str], None]) -> dict[str, Any]:
         cal, cpu_parts = calibrate(led, plan.calib_n, plan.calib_reps)
         rows, worker_shas = run_matrix(plan, url, server_pid, led, progress)
         mem = memory(url, plan, progress)
-    # Someone editing lua/ during the run would make rows measure different scripts.
+    # Someone editing ledger/lua/ during the run would make rows measure different scripts.
     script_check = {
         "workers_differ": sorted(
             {n for ws in worker_shas.values() for n in ws if ws[n] != shas[n]}

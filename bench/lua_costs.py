@@ -9,7 +9,7 @@ the same for the empty piece) / N, best of 3. These are warm, in-loop costs: a f
 call pays them again with cold caches, several times over (see the README).
 
 With ``--against REV`` it compares instead the server time of whole scripts (admit
-of one item, begin_turn, end_turn) as assembled at git revision REV (its ``lua/``
+of one item, begin_turn, end_turn) as assembled at git revision REV (its Lua folder
 and ``ledger/scripts.py``) and in the working tree, on the same server, in one
 process: each phase is N calls on a fresh session, CONFIG RESETSTAT before, EVALSHA
 usec / calls from INFO commandstats after; each repetition runs every script's two
@@ -94,11 +94,24 @@ BUDGET = SessionBudget(window=100_000_000, system_prompt=2_100, tool_framing=150
 FINAL_PROMPT = 2_250
 
 
+def lua_folder_at(rev: str) -> str:
+    """Where revision `rev` keeps its scripts: ``ledger/lua`` (a folder of the package),
+    or, in revisions before the scripts moved there, ``lua`` (``ledger/lua`` a link to it)."""
+    entry = subprocess.run(
+        ["git", "-C", str(ROOT), "ls-tree", rev, "ledger/lua"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return "ledger/lua" if entry.startswith("040000 ") else "lua"
+
+
 def sources_at(rev: str, names: tuple[str, ...] = COMPARED) -> dict[str, str]:
     """Each script's text as sent to Redis at git revision `rev`: that revision's
-    loader (ledger/scripts.py) run on that revision's lua/ folder."""
+    loader (ledger/scripts.py) run on that revision's Lua folder."""
+    folder = lua_folder_at(rev)
     tar = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", "--format=tar", rev, "lua", "ledger/scripts.py"],
+        ["git", "-C", str(ROOT), "archive", "--format=tar", rev, folder, "ledger/scripts.py"],
         check=True,
         capture_output=True,
     ).stdout
@@ -113,7 +126,7 @@ def sources_at(rev: str, names: tuple[str, ...] = COMPARED) -> dict[str, str]:
         sys.modules[spec.name] = mod  # dataclasses look their module up
         try:
             spec.loader.exec_module(mod)
-            mod.lua_dir = lambda: Path(tmp, "lua")  # type: ignore[attr-defined]
+            mod.lua_dir = lambda: Path(tmp, folder)  # type: ignore[attr-defined]
             return {name: str(mod.source(name)) for name in names}
         finally:
             del sys.modules[spec.name]

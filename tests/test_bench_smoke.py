@@ -109,7 +109,7 @@ def test_admit_steps_cuts_admit_at_every_step() -> None:
     from tests.servers import standalone
 
     v = admit_steps.variants()
-    assert len(v) == 2 + len(admit_steps.STEPS)  # every marker found in lua/admit.lua
+    assert len(v) == 2 + len(admit_steps.STEPS)  # every marker found in ledger/lua/admit.lua
     with standalone() as srv:
         per = admit_steps.measure(srv.url, calls=20, rounds=1)
     assert set(per) == set(v)
