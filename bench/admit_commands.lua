@@ -4,7 +4,7 @@
 --
 -- The same HMGET (12 fields), outcome reads (two HMGET of a bucket and the epoch base),
 -- TIME and HSETs (7 field/value pairs of the sizes admit writes, and one outcome
--- bucket) as lua/admit.lua for one new item, with constant values: no argument checks,
+-- bucket) as ledger/lua/admit.lua for one new item, with constant values: no argument checks,
 -- no arithmetic, no reply building. Its server time is what this data layout costs on
 -- the machine before any of the ledger's Lua logic.
 --

@@ -7,10 +7,10 @@
 -- before the first write, the call's fingerprint computed by the server, the outcome
 -- looked up (current generation) and stored under the op id, the epoch fenced, the
 -- window's free tokens kept exact. Its server time beside admit_plain.lua is the cost
--- of those promises with this data layout; lua/admit.lua adds the rest of the rules.
+-- of those promises with this data layout; ledger/lua/admit.lua adds the rest of the rules.
 --
 -- KEYS[1] session hash, KEYS[2] outcome hash (KEYS[3], the previous one, is not read)
--- ARGV    the ARGV of a real single-item admit call (lua/admit.lua)
+-- ARGV    the ARGV of a real single-item admit call (ledger/lua/admit.lua)
 -- Reply   admit's reply on success; 'refused' or 'replay' otherwise
 
 local A, key, out = ARGV, KEYS[1], KEYS[2]

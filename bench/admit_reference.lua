@@ -1,5 +1,5 @@
 -- admit_reference.lua: a careful single-item admit written by hand, the reference
--- bench_turn compares lua/admit.lua with. Not a ledger operation. It keeps the promises
+-- bench_turn compares ledger/lua/admit.lua with. Not a ledger operation. It keeps the promises
 -- every ledger call makes: every argument checked before the first write, at-most-once
 -- through an op key (SET PX holding the reply, so a retry gets the first reply back),
 -- the epoch fenced, a refusal when the item does not fit (nothing written). It has none

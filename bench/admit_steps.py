@@ -3,7 +3,7 @@
     python -m bench.admit_steps [--calls 1000] [--rounds 7]
 
 Starts its own redis-server and runs, on sessions of 40 turns, the same admit calls
-against lua/admit.lua stopped at each step, against bench/admit_commands.lua, and
+against ledger/lua/admit.lua stopped at each step, against bench/admit_commands.lua, and
 against `return 1`. A step ends at a Redis command admit sends (before or after the
 first call of it): the script runs under a `redis` of its own whose `call` throws once
 it gets there, and the variant returns 1. Nothing depends on the script's text. The

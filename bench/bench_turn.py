@@ -6,7 +6,7 @@ Starts its own redis-server. Phases are interleaved in every round (their order
 alternates); each row prints the median ratio over the rounds with its min-max. Server
 time is INFO commandstats usec (CONFIG RESETSTAT before each phase).
 
-1. admit: a single-item admit (`lua/admit.lua`) on a session holding 1,000 items and
+1. admit: a single-item admit (`ledger/lua/admit.lua`) on a session holding 1,000 items and
    1,000 outcomes, against `bench/admit_reference.lua` (a careful hand-written admit:
    every argument checked, at-most-once through an op key SET PX, epoch fence) on a
    session filled the same way; calls back to back in pipelines.

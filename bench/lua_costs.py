@@ -85,9 +85,13 @@ FINAL_PROMPT = 2_250
 
 def sources_at(rev: str, names: tuple[str, ...] = COMPARED) -> dict[str, str]:
     """Each script's text as sent to Redis at git revision `rev`: that revision's
-    loader (ledger/scripts.py) run on that revision's lua/ folder."""
+    loader (ledger/scripts.py) run on that revision's scripts (ledger/lua, or lua before
+    they moved into the package)."""
+    tree = ["git", "-C", str(ROOT), "ls-tree", rev, "ledger/lua"]
+    listed = subprocess.run(tree, capture_output=True, text=True).stdout
+    folder = "ledger/lua" if listed.startswith("040000") else "lua"
     tar = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", "--format=tar", rev, "lua", "ledger/scripts.py"],
+        ["git", "-C", str(ROOT), "archive", "--format=tar", rev, folder, "ledger/scripts.py"],
         check=True,
         capture_output=True,
     ).stdout
@@ -102,7 +106,7 @@ def sources_at(rev: str, names: tuple[str, ...] = COMPARED) -> dict[str, str]:
         sys.modules[spec.name] = mod  # dataclasses look their module up
         try:
             spec.loader.exec_module(mod)
-            mod.lua_dir = lambda: Path(tmp, "lua")  # type: ignore[attr-defined]
+            mod.lua_dir = lambda: Path(tmp, folder)  # type: ignore[attr-defined]
             return {name: str(mod.source(name)) for name in names}
         finally:
             del sys.modules[spec.name]

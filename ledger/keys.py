@@ -5,10 +5,10 @@ partition is the hash tag of the session's keys and of the partition-wide
 structures (the reservation deadline index), so one script can touch all of
 them on Redis Cluster::
 
-    <prefix>:{p<N>}:s:<session_id>     session hash (see lua/_common.lua)
+    <prefix>:{p<N>}:s:<session_id>     session hash (see ledger/lua/_common.lua)
     <prefix>:{p<N>}:out:<session_id>   outcome hash, buckets of stored replies by the
                                        SHA-1 of the op id: the current generation (see
-                                       lua/_common.lua)
+                                       ledger/lua/_common.lua)
     <prefix>:{p<N>}:old:<session_id>   outcome hash of the previous generation
     <prefix>:{p<N>}:deadlines          sorted set of reservation deadlines (ms),
                                        members '<session_id>|<reservation_id>', and
@@ -123,7 +123,8 @@ class KeySpace:
         return f"{self.tag(partition)}:jobs"
 
     def tally(self, partition: int) -> str:
-        """The partition's indicator counts (a hash the scripts keep, see lua/_common.lua)."""
+        """The partition's indicator counts (a hash the scripts keep, see
+        ledger/lua/_common.lua)."""
         return f"{self.tag(partition)}:tally"
 
     def dead_letters(self, partition: int) -> str:

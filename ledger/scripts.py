@@ -1,7 +1,8 @@
 """Loading the Lua scripts that ship in the wheel.
 
-Each operation is one file in the top-level ``lua/`` folder (``ledger/lua`` once
-installed). The definitions of ``_common.lua`` that a script uses (directly or
+Each operation is one file in the package's ``lua/`` folder (``ledger/lua/``, read
+with ``importlib.resources``: the same files in a checkout, an editable install and a
+wheel). The definitions of ``_common.lua`` that a script uses (directly or
 through another definition) are prepended to it, so every script is one chunk. The
 clients register each through redis-py's ``Script`` and send it with EVALSHA,
 loading it again on NOSCRIPT.
@@ -28,7 +29,7 @@ from pathlib import Path
 
 
 def lua_dir() -> Path:
-    """Where the .lua files are: ``ledger/lua`` (in the repository, a link to ``lua/``)."""
+    """Where the .lua files are: the package's ``ledger/lua/`` folder."""
     packaged = Path(str(resources.files("ledger"))) / "lua"
     if not (packaged / "_common.lua").is_file():
         raise FileNotFoundError(f"ledger Lua scripts not found in {packaged}")
@@ -188,7 +189,7 @@ def reply_codes() -> dict[str, str]:
 
 def outcome_key(op_id: str) -> tuple[str, str]:
     """Where an op id's outcome is stored: (bucket, key), the first two and the next
-    fourteen hex digits of the SHA-1 of its UTF-8 bytes (lua/_common.lua, ``recorded``).
+    fourteen hex digits of the SHA-1 of its UTF-8 bytes (ledger/lua/_common.lua, ``recorded``).
     A generation of many outcomes writes the later ones to buckets of the first three or
     four digits (:func:`outcome_buckets`); the key is the same in each."""
     h = hashlib.sha1(op_id.encode()).hexdigest()
@@ -210,7 +211,7 @@ def is_bucket(field: str) -> bool:
 
 def stored_outcomes(bucket: str, base: int = 0) -> list[tuple[str, str, str]]:
     """(key, fingerprint, reply) of each outcome in one bucket of an outcome hash
-    (records '\\x1e<key><fingerprint><coded reply>', see lua/_common.lua): the key is
+    (records '\\x1e<key><fingerprint><coded reply>', see ledger/lua/_common.lua): the key is
     :func:`outcome_key`'s second part for the op id that stored it. A stored epoch is
     relative to the generation's field ``e``, given as ``base``."""
     codes = reply_codes()

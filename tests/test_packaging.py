@@ -1,7 +1,7 @@
 """The wheel: built from the repo, installed into fresh venvs outside it, and used.
 
 The development venv has the package installed editable, where the scripts are
-found in the repo's lua/; only a real install proves the wheel ships them. Two venvs
+found in the repo's ledger/lua/; only a real install proves the wheel ships them. Two venvs
 in a temporary directory: ``core`` with the package alone (the client's dependencies
 only) and ``demo`` with the ``demo`` extra (embedded, cli, worker). Every command runs
 with its cwd in that directory, so nothing is imported from the repo. Dependencies come
@@ -131,9 +131,17 @@ def test_wheel_ships_the_scripts(wheel: Path) -> None:
         expected = {"ledger/lua/_common.lua", "ledger/py.typed"}
         expected |= {f"ledger/lua/{n}.lua" for n in scripts.NAMES}
         assert expected <= names, f"missing from the wheel: {sorted(expected - names)}"
-        for name in sorted(n for n in names if n.startswith("ledger/lua/")):
-            repo_file = ROOT / "lua" / name.removeprefix("ledger/lua/")
-            assert z.read(name) == repo_file.read_bytes(), f"{name} differs from the repo's"
+        # The wheel's files under ledger/lua/ and ledger/workers/ are the repo's, no more, no less.
+        for folder in ("ledger/lua", "ledger/workers"):
+            shipped = {n for n in names if n.startswith(folder + "/")}
+            in_repo = {
+                p.relative_to(ROOT).as_posix()
+                for p in (ROOT / folder).iterdir()
+                if p.is_file() and p.suffix in (".lua", ".py")
+            }
+            assert shipped == in_repo, (folder, shipped ^ in_repo)
+            for name in sorted(shipped):
+                assert z.read(name) == (ROOT / name).read_bytes(), f"{name} differs from the repo's"
         assert "ledger/workers/runner.py" in names
         (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
         assert "ledger = ledger.cli:main" in z.read(entry_points).decode()
@@ -326,7 +334,8 @@ def test_installed_wheel_works_outside_the_repo(demo: Venv) -> None:
     lua_dir = Path(out.split("LUA_DIR", 1)[1].strip())
     assert not lua_dir.is_relative_to(ROOT)
     for name in ("_common", *scripts.NAMES):
-        assert (lua_dir / f"{name}.lua").read_bytes() == (ROOT / "lua" / f"{name}.lua").read_bytes()
+        repo_file = ROOT / "ledger" / "lua" / f"{name}.lua"
+        assert (lua_dir / f"{name}.lua").read_bytes() == repo_file.read_bytes()
 
     # The console script the Dockerfile and docker-compose.yml run.
     assert "worker" in run([demo.ledger, "--help"], cwd=demo.cwd).stdout

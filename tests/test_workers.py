@@ -1,4 +1,4 @@
-"""The background worker (workers/runner.py) on a real Redis.
+"""The background worker (ledger/workers/runner.py) on a real Redis.
 
 Worker processes (``python -m ledger.cli worker``) share the partitions' job streams
 through one consumer group; they are killed with SIGKILL mid-work, stopped with

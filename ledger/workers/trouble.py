@@ -66,6 +66,10 @@ TRANSIENT = frozenset(
     }
 )
 
+# Conditions that concern every partition alike: they end a pass (and reach whoever
+# called poll_once or sweep directly); the loop counts them and backs off.
+WHOLE_PASS = frozenset({"unavailable", "noperm"})
+
 
 def _chain(exc: BaseException) -> Iterator[BaseException]:
     """The exception and the ones it was raised from, outermost first."""

@@ -1,0 +1,25 @@
+"""Background work for the ledger: ``ledger worker``, one ``Worker`` per process.
+
+The modules, each named for what it does:
+
+- ``runner.py``: the ``Worker`` and its loop (timers, backoff, health); every name the
+  rest of the package, the tests and the docs import from the worker is importable from
+  here (``Worker``, ``WorkerSettings``, ``Metrics``, ``JsonFormatter``, ``mask_url``, ...).
+- ``settings.py``: ``WorkerSettings``, the ``LEDGER_WORKER_*`` options.
+- ``streams.py``: the job streams and their consumer group, the reads of new jobs (a
+  reader thread per partition on a cluster).
+- ``takeover.py``: jobs idle too long elsewhere, claimed (XAUTOCLAIM).
+- ``delivery.py``: each job read run, acknowledged, left pending or dead-lettered.
+- ``jobs.py``: the job kinds, compaction and hard reset, and the compactor's call.
+- ``compactors.py``: the compactors a worker may load (``--compactor module:attr``).
+- ``leases.py``: the lease sweep and, on a cluster, the partition checks.
+- ``metrics.py``: the Prometheus metrics and the metrics pass (observer lease).
+- ``http.py``: ``/metrics``, ``/healthz`` and ``/readyz``.
+- ``logs.py``: the JSON log lines and the Redis trouble the worker survives, counted.
+- ``trouble.py``: what kind of Redis trouble an error is, and the backoff (no I/O).
+
+The ``Worker`` owns one object of each part (``worker.streams``, ``worker.takeover``,
+``worker.delivery``, ``worker.jobs``, ``worker.leases``, ``worker.observer``,
+``worker.troubles``); a part reaches the others, and the worker's public steps, through
+the worker.
+"""

@@ -1,0 +1,270 @@
+"""The job kinds: a compaction (the compactor's plan committed between turns, by
+``compact.lua``) and a hard reset (``reset.lua``), each fenced by the epoch it was
+enqueued at, so that a job delivered twice changes the state once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import threading
+import time
+from collections.abc import Awaitable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from ledger import protocol
+from ledger.core import new_op_id
+from ledger.errors import (
+    ConfigurationError,
+    LedgerError,
+    OperationIdReused,
+    StaleEpoch,
+    UnknownSession,
+    translated,
+)
+from ledger.models import Compaction
+from ledger.workers import compactors
+from ledger.workers.streams import decoded
+
+if TYPE_CHECKING:
+    from ledger.workers.runner import Worker
+
+T = TypeVar("T")
+
+
+@dataclass
+class JobOutcome:
+    kind: str
+    effect: str  # applied | already | skipped
+
+
+class CompactionDeferred(LedgerError):
+    """A compaction ready to commit found the session's turn still open after
+    ``turn_wait``: the job stays pending, its delivery uncounted, for a later claim."""
+
+
+class Jobs:
+    """A worker's job handlers, and the event loop its async compactors run on."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.w = worker
+        self._loop: asyncio.AbstractEventLoop | None = None  # for async compactors
+        self._loop_thread: threading.Thread | None = None
+        self._loop_lock = threading.Lock()
+
+    def close(self) -> None:
+        """Stop the async compactors' event loop."""
+        with self._loop_lock:
+            loop, thread, self._loop = self._loop, self._loop_thread, None
+        if loop is not None and thread is not None:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(10)
+            loop.close()
+
+    def _run_compactor(
+        self, compactor: compactors.AnyCompactor, request: compactors.CompactionRequest
+    ) -> compactors.CompactionPlan:
+        """A sync compactor in this job thread; an async one on the worker's event loop
+        (one loop, many summaries in flight), this thread waiting for its result."""
+        got = compactor(request)
+        if not inspect.isawaitable(got):
+            return got
+        with self._loop_lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                self._loop_thread = threading.Thread(
+                    target=loop.run_forever, name="ledger-compact", daemon=True
+                )
+                self._loop_thread.start()
+                self._loop = loop
+            loop = self._loop
+        return asyncio.run_coroutine_threadsafe(_awaited(got), loop).result()
+
+    def handle(self, job_id: str, fields: Mapping[str, str]) -> JobOutcome:
+        kind = fields.get("kind", "")
+        if kind == "hard_reset":
+            return self._hard_reset(job_id, fields)
+        if kind == "compact":
+            return self._compact(job_id, fields)
+        raise ValueError(f"unknown job kind {kind!r}")
+
+    def _same_incarnation(self, snap: Any, f: Mapping[str, str]) -> bool:
+        """A job belongs to the session it was enqueued for, not to a later one that was
+        opened under the same id after the first was closed or expired."""
+        inc = int(f.get("inc") or 0)
+        return inc == 0 or snap.raw.get("inc", 0) == inc
+
+    def _hard_reset(self, job_id: str, f: Mapping[str, str]) -> JobOutcome:
+        # Applied once however late it is delivered again, even after the op retention
+        # dropped its stored outcome: the reset moves the session from the job's epoch e
+        # to e + 1, and reset.lua refuses a call fenced at e as stale from then on.
+        keys = self.w.ledger.keyspace.session(f["session"])
+        try:
+            snap = self.w.ledger.run(protocol.snapshot(keys))
+        except UnknownSession:
+            return JobOutcome("hard_reset", "skipped")
+        if not self._same_incarnation(snap, f):
+            return JobOutcome("hard_reset", "skipped")
+        call = protocol.reset(keys, f"job-{job_id}", int(f["epoch"]), f.get("reason") or "job")
+        try:
+            self.w.ledger.run(call)
+        except (StaleEpoch, UnknownSession, OperationIdReused):
+            return JobOutcome("hard_reset", "already")
+        return JobOutcome("hard_reset", "applied")
+
+    def _compact(self, job_id: str, f: Mapping[str, str]) -> JobOutcome:
+        sid, epoch = f["session"], int(f["epoch"])
+        keys = self.w.ledger.keyspace.session(sid)
+        try:
+            snap = self.w.ledger.run(protocol.snapshot(keys))
+        except UnknownSession:
+            return JobOutcome("compact", "skipped")
+        if not self._same_incarnation(snap, f):
+            return JobOutcome("compact", "skipped")
+        if snap.epoch != epoch or not snap.compaction_pending:
+            return JobOutcome("compact", "already")
+        if snap.raw.get("ca"):
+            # The agent compacts this session inline (a job from before an ownership
+            # change, or written by hand): the worker keeps out.
+            return JobOutcome("compact", "skipped")
+        if self.w.compactor is None:
+            raise ConfigurationError(
+                f"worker-owned session {sid!r} has a compaction due and this worker runs no "
+                "compactor (--compactor none): run a worker with a compactor"
+            )
+        if snap.raw.get("rq"):
+            # Failed compactions escalated: a hard reset is coming, which drops what a
+            # compaction would replace. Running the compactor again would only count
+            # failures past the maximum.
+            return JobOutcome("compact", "skipped")
+        turn, items = self._history(keys.session)
+        contents = self._contents(keys.content, items)
+        compactor = self.w.compactor
+        self._mark_compacting(keys, int(snap.raw.get("ttl") or 86_400_000))
+        try:
+            return self._compact_with(
+                compactor, keys, job_id, sid, epoch, snap, turn, items, contents
+            )
+        finally:
+            # (if this fails, the mark says so until its time is up)
+            with contextlib.suppress(LedgerError), translated():
+                self.w.ledger.client.hdel(keys.compacted, "~")
+
+    def _mark_compacting(self, keys: Any, ttl_ms: int) -> None:
+        """Say (field '~' of the session's summaries hash) that this worker computes the
+        session's compaction, until when on Redis's clock: an agent beginning a turn waits
+        for a compaction a worker is on, not for one nobody picked up."""
+        client = self.w.ledger.client
+        with translated():
+            sec, usec = client.time()
+            until = sec * 1000 + usec // 1000 + int(1000 * (self.w.settings.turn_wait + 60))
+            pipe = client.pipeline(transaction=False)
+            pipe.hset(keys.compacted, "~", f"{self.w.settings.consumer}|{until}")
+            pipe.pexpire(keys.compacted, ttl_ms)
+            pipe.execute()
+
+    def _compact_with(
+        self,
+        compactor: compactors.AnyCompactor,
+        keys: Any,
+        job_id: str,
+        sid: str,
+        epoch: int,
+        snap: Any,
+        turn: int,
+        items: tuple[Any, ...],
+        contents: dict[str, str],
+    ) -> JobOutcome:
+        """Plan (the compactor) and commit, between turns. A commit that had to wait for a
+        turn is planned again on the history that turn left: judged on its own end state
+        (the post-condition), a plan made before a turn would count that turn's items as
+        its failure."""
+        for _attempt in range(4):
+            plan = self._run_compactor(
+                compactor,
+                compactors.CompactionRequest(
+                    sid, epoch, turn, items, snap.occupancy, snap.high_water_mark, snap.window,
+                    contents,
+                ),
+            )  # fmt: skip
+            # Each replaced item at the version the compactor read: one released and
+            # admitted again since (with other text) stays.
+            seqs = {(i.consumer, i.id): i.seq for i in items}
+            replaced = [
+                (c, i, seqs[(c, i)]) if (c, i) in seqs else (c, i) for c, i in plan.replaced
+            ]
+            # The job's entry id goes with the call: compact.lua deletes the entry with the
+            # effect, and answers 'already' when it is gone (committed before, by a worker
+            # that died before acknowledging it), whatever the op retention. The summary's
+            # text goes with it: stored with the effect, the replaced versions' texts
+            # removed with it (an item admitted again since keeps its new text).
+            text = plan.summary_text if plan.summary is not None else None
+            call = protocol.compact(
+                keys, f"job-{job_id}", epoch, replaced, plan.summary, job=job_id,
+                summary_text=text,
+            )  # fmt: skip
+            try:
+                done = self._commit_between_turns(keys, call)
+            except (StaleEpoch, UnknownSession, OperationIdReused):
+                return JobOutcome("compact", "already")
+            if done is not None:
+                return JobOutcome("compact", "already" if done.outcome == "already" else "applied")
+            # a turn ran meanwhile: plan again on what it left (if still due)
+            snap = self.w.ledger.run(protocol.snapshot(keys))
+            if snap.epoch != epoch or not snap.compaction_pending:
+                return JobOutcome("compact", "already")
+            turn, items = self._history(keys.session)
+            contents = self._contents(keys.content, items)
+        raise CompactionDeferred(
+            f"session {keys.session_id!r}: a turn began before each of 4 plans could commit"
+        )
+
+    def _history(self, session_key: str) -> tuple[int, tuple[Any, ...]]:
+        """The turn the compaction prepares (the open one, else the next) and the items of
+        the session's committed turns, from one HGETALL: an open turn's own items may yet
+        be rolled back, so no summary may hold them."""
+        with translated():
+            fields = self.w.ledger.client.hgetall(session_key)
+        text = {decoded(k): decoded(v) for k, v in fields.items() if decoded(k) in ("tn", "lo")}
+        tn = int(text.get("tn") or 0)
+        return (tn if "lo" in text else tn + 1), tuple(protocol.committed_items(fields))
+
+    def _commit_between_turns(self, keys: Any, call: Any) -> Compaction | None:
+        """Commit a compaction, unless the session's turn is open: compact.lua changes
+        nothing while a turn holds the lease (outcome turn_open). A live turn is waited
+        for, up to ``turn_wait`` seconds (then CompactionDeferred: the job stays pending),
+        then None: the plan is made again on what the turn left. A lapsed lease is rolled
+        back (expire.lua), and the commit tried again: the history is what it was."""
+        deadline = time.monotonic() + self.w.settings.turn_wait
+        done: Compaction = self.w.ledger.run(call)
+        while done.outcome == "turn_open":
+            self.w.metrics.waited_turns.inc()
+            while True:
+                snap = self.w.ledger.run(protocol.snapshot(keys))
+                if snap.turn_owner is None:
+                    return None  # the turn ended: what it committed changes the plan
+                left = snap.lease_left_ms or 0
+                if left < 0:  # its owner died: rolled back, the history is as planned
+                    self.w.ledger.run(protocol.expire(keys, new_op_id(), [protocol.LEASE_MEMBER]))
+                    done = self.w.ledger.run(call)
+                    break
+                if time.monotonic() >= deadline:
+                    raise CompactionDeferred(
+                        f"session {keys.session_id!r}: turn {snap.turn} of {snap.turn_owner} "
+                        f"still open after {self.w.settings.turn_wait:g} s"
+                    )
+                time.sleep(min(0.05, left / 1000, max(deadline - time.monotonic(), 0.001)))
+        return done
+
+    def _contents(self, key: str, items: tuple[Any, ...]) -> dict[str, str]:
+        """The stored texts of the held items ('<c>:<id>' -> text)."""
+        if not items:
+            return {}
+        fields = [f"{i.consumer.code}:{i.id}" for i in items]
+        values = self.w.ledger.client.hmget(key, fields)
+        return {f: decoded(v) for f, v in zip(fields, values, strict=True) if v is not None}
+
+
+async def _awaited(aw: Awaitable[T]) -> T:
+    return await aw

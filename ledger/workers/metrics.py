@@ -1,0 +1,225 @@
+"""The worker's Prometheus metrics (``Metrics``, in their own registry) and the metrics
+pass that refreshes the gauges read from Redis (``Observer``: lag, pending and dead
+letters per partition, and on the one worker holding the observer lease the fleet's
+indicators, ``FleetIndicators``)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import redis.exceptions as rex
+
+from ledger import __version__
+from ledger.extras import missing
+from ledger.workers.logs import describe
+from ledger.workers.trouble import kind_of
+
+try:
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+    from prometheus_client.core import CounterMetricFamily, Metric
+    from prometheus_client.registry import Collector
+except ImportError as exc:  # the worker's metrics: the `worker` extra
+    raise missing("prometheus-client", "worker", "the ledger worker") from exc
+
+if TYPE_CHECKING:
+    from ledger.workers.runner import Worker
+
+log = logging.getLogger("ledger.worker")
+
+
+class FleetIndicators(Collector):
+    """``ledger_indicator_total{name}``: the fleet's indicators as the partitions' tallies
+    hold them (docs/protocol.md#indicators-the-partition-tally), exported by the one
+    worker holding the observer lease (``values`` set by its metrics pass; None on every
+    other worker, which exports no sample). A counter's value is the tally itself, kept in
+    Redis: sessions that expire or are deleted keep what they counted, a new holder
+    exports the same totals, and ``sum(rate(...))`` over workers counts each change once."""
+
+    values: dict[str, int] | None = None
+
+    def describe(self) -> Iterator[Metric]:
+        yield self._family()
+
+    def collect(self) -> Iterator[Metric]:
+        family = self._family()
+        for name, value in sorted((self.values or {}).items()):
+            family.add_metric([name], value)
+        yield family
+
+    @staticmethod
+    def _family() -> CounterMetricFamily:
+        return CounterMetricFamily(
+            "ledger_indicator",
+            "Leading indicators of the rules (docs/rules.md), for the fleet: the partitions' "
+            "tallies, kept by the scripts as they count, exported by the observer lease's holder",
+            labels=["name"],
+        )
+
+
+class Metrics:
+    """The worker's Prometheus metrics, in their own registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.processed = Counter("ledger_jobs_processed", "Jobs done", ["kind"], registry=r)
+        self.failed = Counter(
+            "ledger_jobs_failed", "Job attempts that raised", ["kind"], registry=r
+        )
+        self.retried = Counter("ledger_jobs_retried", "Jobs delivered again", registry=r)
+        self.duration = Histogram(
+            "ledger_job_duration_seconds",
+            "Time a job took, from its delivery to its acknowledgement (jobs done)",
+            ["kind"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+            registry=r,
+        )
+        self.dead = Counter("ledger_jobs_dead_lettered", "Jobs moved to dead letter", registry=r)
+        self.takeovers = Counter(
+            "ledger_jobs_taken_over", "Jobs claimed from idle consumers", registry=r
+        )
+        self.expired = Counter("ledger_reservations_expired", "Leases released", registry=r)
+        self.lag = Gauge(
+            "ledger_partition_lag", "Entries not yet delivered", ["partition"], registry=r
+        )
+        self.pending = Gauge(
+            "ledger_partition_pending", "Entries delivered, not acked", ["partition"], registry=r
+        )
+        self.indicators = FleetIndicators()
+        r.register(self.indicators)
+        self.observer = Gauge(
+            "ledger_observer",
+            "1 while this worker holds the observer lease (it exports the fleet's indicators)",
+            registry=r,
+        )
+        self.skipped = Counter(
+            "ledger_jobs_skipped",
+            "Jobs acknowledged without running: session gone, or a hard reset requested",
+            ["kind"],
+            registry=r,
+        )
+        self.dead_depth = Gauge(
+            "ledger_dead_letters",
+            "Jobs in the partition's dead-letter stream (ledger dead list / replay / purge)",
+            ["partition"],
+            registry=r,
+        )
+        self.redis_up = Gauge(
+            "ledger_redis_up", "1 when Redis answered the job loop's last pass", registry=r
+        )
+        self.heartbeat = Gauge(
+            "ledger_worker_heartbeat_timestamp_seconds",
+            "Unix time the job loop last turned",
+            registry=r,
+        )
+        self.info = Info("ledger_build", "The ledger's version", registry=r)
+        self.info.info({"version": __version__})
+        self.errors = Counter(
+            "ledger_worker_errors",
+            "Errors the worker met and survived, by kind (oom, readonly, loading, busy, "
+            "unavailable, nogroup, noperm, internal, ...)",
+            ["kind"],
+            registry=r,
+        )
+        self.streams_lost = Counter(
+            "ledger_job_streams_lost",
+            "Job streams (or their consumer group) found missing: their jobs may be lost",
+            registry=r,
+        )
+        self.waited_turns = Counter(
+            "ledger_compactions_waited_for_turn",
+            "Compaction commits that found the session's turn open and waited for it to end",
+            registry=r,
+        )
+        self.deferred = Counter(
+            "ledger_jobs_deferred",
+            "Jobs left pending because the session's turn stayed open past turn_wait",
+            registry=r,
+        )
+        self.rolled_back = Counter(
+            "ledger_turns_rolled_back",
+            "Turns rolled back by the worker because their lease lapsed (a dead owner)",
+            registry=r,
+        )
+        self.config_ok = Gauge(
+            "ledger_redis_config_ok",
+            "1: the Redis settings the ledger needs are verified (noeviction, persistence, no "
+            "evicted keys); 0: a problem found; -1: could not be verified",
+            registry=r,
+        )
+
+
+class Observer:
+    """A worker's metrics passes, in a thread of their own (with ``metrics_port``)."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.w = worker
+
+    def lease(self) -> bool:
+        """Whether this worker keeps the fleet's indicators for the next pass: one worker
+        at a time does (SET NX PX, renewed by its holder), so a sum over workers counts
+        each change once. A dead holder's lease lapses after three passes."""
+        key, ms = self.w.ledger.keyspace.observer(), int(self.w.settings.observe_interval * 3000)
+        me = self.w.settings.consumer
+        holder = self.w.ledger.client.set(key, me, nx=True, px=ms, get=True)
+        if holder is None:
+            return True
+        if (holder.decode() if isinstance(holder, bytes) else holder) == me:
+            self.w.ledger.client.pexpire(key, ms)
+            return True
+        return False
+
+    def loop(self, stop: threading.Event) -> None:
+        """The metrics passes, every observe_interval, in their own thread: a slow Redis
+        never holds up a job, a lease or SIGTERM."""
+        while not stop.is_set():
+            try:
+                self.w.observe()
+            except Exception as exc:  # counted and logged; the job loop is not disturbed
+                kind = kind_of(exc) or "internal"
+                self.w.metrics.errors.labels(kind).inc()
+                log.warning(
+                    "metrics pass failed; the next one runs on schedule",
+                    extra={"where": "observe", "kind": kind, "error": describe(exc)},
+                )
+            stop.wait(self.w.settings.observe_interval)
+
+    def tallies(self) -> dict[str, int]:
+        """The fleet's indicators: every partition's tally (one small hash each, kept by
+        the scripts as they count), summed; one pipeline, whatever the sessions."""
+        client, ks = self.w.ledger.client, self.w.ledger.keyspace
+        pipe = client.pipeline(transaction=False)
+        for p in range(ks.partitions):
+            pipe.hgetall(ks.tally(p))
+        total: dict[str, int] = {}
+        for got in pipe.execute():
+            for k, v in got.items():
+                name = k.decode() if isinstance(k, bytes) else k
+                total[name] = total.get(name, 0) + int(v)
+        return total
+
+    def observe(self) -> None:
+        """Refresh the lag and dead-letter gauges; on the observer lease's holder, read
+        the fleet's indicators from the partitions' tallies (no session is read)."""
+        client, s = self.w.ledger.client, self.w.settings
+        for p in self.w.partitions:
+            try:
+                groups = client.xinfo_groups(self.w.streams.stream(p))
+            except rex.ResponseError as exc:
+                if "no such key" not in str(exc).lower():
+                    raise
+                groups = []  # the stream is gone: the next poll reports it and makes it again
+            lag = pending = 0
+            for g in groups:
+                name = g["name"].decode() if isinstance(g["name"], bytes) else g["name"]
+                if name == s.group:
+                    lag, pending = int(g.get("lag") or 0), int(g.get("pending") or 0)
+            self.w.metrics.lag.labels(str(p)).set(lag)
+            self.w.metrics.pending.labels(str(p)).set(pending)
+            self.w.metrics.dead_depth.labels(str(p)).set(client.xlen(self.w.streams.dead_letter(p)))
+        held = self.lease()
+        self.w.metrics.observer.set(1 if held else 0)
+        self.w.metrics.indicators.values = self.tallies() if held else None

@@ -1,0 +1,65 @@
+"""The repository's layout: no symlinks, one import name for the worker.
+
+The Lua scripts and the worker live inside the package (``ledger/lua/``,
+``ledger/workers/``); the top-level ``lua/`` and ``workers/`` hold a README that points
+there (docs/contributing.md, "Why lua/ and workers/ are pointers").
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SKIPPED = {".git", ".venv"}
+
+
+def test_the_repository_holds_no_symlink() -> None:
+    links = []
+    for top, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if d not in SKIPPED or Path(top) != ROOT]
+        links += [Path(top, n) for n in [*dirs, *files] if Path(top, n).is_symlink()]
+    assert not links, [str(p.relative_to(ROOT)) for p in links]
+    # What git tracks too (mode 120000), which a checkout without symlink support
+    # would turn into plain files.
+    staged = subprocess.run(
+        ["git", "-C", str(ROOT), "ls-files", "-s"], check=True, capture_output=True, text=True
+    ).stdout
+    tracked = [line.split("\t", 1)[1] for line in staged.splitlines() if line.startswith("120000")]
+    assert not tracked, tracked
+
+
+def test_the_top_level_folders_are_pointers() -> None:
+    for folder in ("lua", "workers"):
+        assert sorted(p.name for p in (ROOT / folder).iterdir()) == ["README.md"], folder
+        assert f"ledger/{folder}/" in (ROOT / folder / "README.md").read_text()
+    assert (ROOT / "ledger" / "lua" / "_common.lua").is_file()
+    assert (ROOT / "ledger" / "workers" / "runner.py").is_file()
+
+
+def test_the_worker_is_one_module_object() -> None:
+    """Run from the repository root (its folder first on sys.path): the worker is
+    ledger.workers, whoever imports it, and there is no `workers` code to import."""
+    code = (
+        "import sys\n"
+        "import ledger.cli, ledger.fleet.run, ledger.workers.runner as r\n"
+        "assert ledger.fleet.run.Worker is r.Worker\n"
+        "assert r.Worker.__module__.startswith('ledger.workers.'), r.Worker.__module__\n"
+        "assert not [m for m in sys.modules if m.split('.')[0] == 'workers'], sys.modules\n"
+        "try:\n"
+        "    import workers.runner\n"
+        "except ModuleNotFoundError as exc:\n"
+        "    assert exc.name == 'workers.runner', exc.name\n"
+        "else:\n"
+        "    raise AssertionError(f'imported {workers.runner.__file__}')\n"
+        "import workers\n"  # the README's folder: at most an empty namespace package
+        "assert getattr(workers, '__file__', None) is None, workers.__file__\n"
+        "print('ONE WORKER')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "ONE WORKER" in proc.stdout
