@@ -1,5 +1,7 @@
 """A distributed token-budget ledger for fleets of LLM agents, backed by Redis."""
 
+from typing import TYPE_CHECKING, Any
+
 from ledger import models
 from ledger.agent import Agent, AsyncAgent, EstimatingCounter, TiktokenCounter
 from ledger.aio import AsyncLedger, AsyncSession
@@ -37,6 +39,9 @@ from ledger.extras import MissingExtra
 from ledger.keys import KeySpace
 from ledger.models import *  # noqa: F403 (models.__all__)
 from ledger.settings import LedgerSettings
+
+if TYPE_CHECKING:
+    from ledger.workers.runner import Worker, WorkerSettings
 
 __all__ = [
     "Agent",
@@ -80,3 +85,14 @@ __all__ = [
 ]
 __all__ += models.__all__
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """``ledger.Worker`` and ``ledger.WorkerSettings``, the background worker, imported on
+    first use: ``import ledger`` stays the client alone (the worker's metrics need the
+    ``[worker]`` extra)."""
+    if name in ("Worker", "WorkerSettings"):
+        from ledger.workers import runner
+
+        return getattr(runner, name)
+    raise AttributeError(f"module 'ledger' has no attribute {name!r}")

@@ -43,8 +43,10 @@ def test_the_worker_is_one_module_object() -> None:
     """Run from the repository root (its folder first on sys.path): the worker is
     ledger.workers, whoever imports it, and there is no `workers` code to import."""
     code = (
-        "import sys\n"
+        "import sys, ledger\n"
+        "assert 'ledger.workers.runner' not in sys.modules  # import ledger: the client alone\n"
         "import ledger.cli, ledger.fleet.run, ledger.workers.runner as r\n"
+        "assert ledger.Worker is r.Worker and ledger.WorkerSettings is r.WorkerSettings\n"
         "assert ledger.fleet.run.Worker is r.Worker\n"
         "assert r.Worker.__module__.startswith('ledger.workers.'), r.Worker.__module__\n"
         "assert not [m for m in sys.modules if m.split('.')[0] == 'workers'], sys.modules\n"

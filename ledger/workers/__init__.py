@@ -1,4 +1,6 @@
-"""Background work for the ledger: ``ledger worker``, one ``Worker`` per process.
+"""Background work for the ledger: ``ledger worker``, one ``Worker`` per process
+(``from ledger import Worker, WorkerSettings``: imported on first use, so ``import
+ledger`` stays the client alone).
 
 The modules, each named for what it does:
 
