@@ -10,7 +10,7 @@ from typing import Any
 
 from redis.cluster import RedisCluster
 
-from ledger import protocol
+from ledger import protocol, schema
 from ledger.client import Ledger
 from ledger.core import collect
 from ledger.errors import InvalidArgument, LedgerError, UnknownSession, translated
@@ -82,7 +82,7 @@ def view(ledger: Ledger, session_id: str, journal: int = 10) -> SessionView:
     return SessionView(
         session_id,
         snap,
-        regime(snap, snap.raw.get("ws", 0)),
+        regime(snap, snap.raw.get(schema.WORKING_SET, 0)),
         protocol.held_items(raw),
         sorted(reservations),
         entries[:journal],
@@ -189,15 +189,25 @@ def audits(
 
 
 # The fields a row of `top` is ranked by: utilization = (S + T + a_w + a_m + a_s) / W.
-_RANK = ("W", "S", "T", "a_w", "a_m", "a_s", "fr", "dr", "tn")
+_RANK = (
+    schema.WINDOW,
+    schema.SYSTEM_PROMPT,
+    schema.TOOL_FRAMING,
+    schema.ACTIVE_WORKING,
+    schema.ACTIVE_MEMORY,
+    schema.ACTIVE_SCRATCHPAD,
+    schema.FREE,
+    schema.DRIFT,
+    schema.TURN,
+)
 
 # ledger top --sort: the rank of a session's row, from the fields of its snapshot reply
 SORTS: dict[str, Callable[[dict[str, int]], float]] = {
-    "util": lambda v: (v["S"] + v["T"] + v["a_w"] + v["a_m"] + v["a_s"]) / v["W"],
-    "free": lambda v: -v["fr"],  # the least free room first
-    "refused": lambda v: v.get("x:refused", 0),
-    "drift": lambda v: abs(v["dr"]),
-    "turn": lambda v: v["tn"],
+    "util": lambda v: sum(v[f] for f in _RANK[1:6]) / v[schema.WINDOW],
+    "free": lambda v: -v[schema.FREE],  # the least free room first
+    "refused": lambda v: v.get(schema.COUNTER.of("refused"), 0),
+    "drift": lambda v: abs(v[schema.DRIFT]),
+    "turn": lambda v: v[schema.TURN],
 }
 
 
@@ -299,7 +309,7 @@ def _busiest_by_name(
 
 # The fields of a job as the scripts write it (docs/protocol.md#the-job-stream): what a
 # replay writes back to the partition's job stream.
-JOB_FIELDS = ("kind", "session", "epoch", "reason", "op", "inc")
+JOB_FIELDS = schema.JOB_FIELDS
 
 
 @dataclass(frozen=True)

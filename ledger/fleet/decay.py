@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from statistics import NormalDist
 
+from ledger import schema
 from ledger.errors import StaleEpoch, WorkingMemoryStarvation
 from ledger.fleet.agent import Doc, SimAgent
 from ledger.models import Consumer, Item, SessionBudget, Snapshot
@@ -404,7 +405,7 @@ def _ledger_turn(
     if not agent.admit(WM, [Doc(f"{'' if ret.kept else 'long-'}g{p.turn}", gen)]).kept:
         run.count("generation_refused")  # the reserve covered it; counted if it ever does not
     snap = agent.snapshot()
-    kn = snap.raw.get("kn", 0)
+    kn = snap.raw.get(schema.COMPACTIONS_DONE, 0)
     if kn > last_kn:
         rec.compaction, rec.post_compaction = True, start
     prompt = max(1, snap.occupancy - gen)
