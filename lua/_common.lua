@@ -250,6 +250,18 @@ local function key_arg(i, ...)
   end
 end
 
+-- reset and void: ARGV[3] the session id (naming KEYS[1]) and ARGV[4] one identifier
+-- (`what` names it in a refusal), nothing more; KEYS[2] the partition deadline index,
+-- then the keys the suffixes given name (see `key_arg`). Returns the session id and the
+-- identifier, or fails with BADARG, in that order, before anything is read or written.
+local function sid_and_id(what, ...)
+  local sid = session_arg(ARGV[3])
+  local id = id_arg(ARGV[4], what)
+  if #ARGV ~= 4 then fail('BADARG', 'expected 4 arguments, got ' .. #ARGV) end
+  key_arg(2, 'deadlines', ...)
+  return sid, id
+end
+
 local function consumer_arg(v)
   if type(v) ~= 'string' or not GROUP[v] then
     fail('BADARG', 'consumer must be one of w (working_memory), r (retrieval), m (recall), ' ..
@@ -532,6 +544,13 @@ local function journal(ul, fields, values, fresh)
   return ul .. table.concat(parts)
 end
 
+-- The free room (field fr): the window less the system prompt, the tool framing, the
+-- output reserve `out` and each group's claim, the larger of its active tokens (a_w, a_m,
+-- a_s) and its floor (the scratchpad has none). B holds W, S, T, F_w and F_m as numbers.
+local function free_room(B, out, a_w, a_m, a_s)
+  return B.W - B.S - B.T - out - math.max(a_w, B.F_w) - math.max(a_m, B.F_m) - a_s
+end
+
 -- Roll the open turn back (docs/agent.md#a-dead-turn-is-undone): every item the turn
 -- added goes, every field its undo log names gets its value from before the turn back
 -- (items, reservations, the output reserve, a drift flag), the counters are computed
@@ -618,7 +637,8 @@ local function rollback(key, dl, sid, why)
   end
   local N = function(x) return tonumber(f[x]) or 0 end
   local a_w, a_m, a_s = u.w + v.w, u.r + v.r + u.m + v.m, u.s + v.s
-  local fr = N('W') - N('S') - N('T') - N('out') - math.max(a_w, N('F_w')) - math.max(a_m, N('F_m')) - a_s
+  local B = { W = N('W'), S = N('S'), T = N('T'), F_w = N('F_w'), F_m = N('F_m') }
+  local fr = free_room(B, N('out'), a_w, a_m, a_s)
   for _, kv in ipairs({ 'fr', fr, 'a_w', a_w, 'a_m', a_m, 'a_s', a_s, 'nv', nv, 'rb', tn .. ' ' .. why,
     'qs', cat(f.vs, f.qs), 'qd', cat(f.vd, f.qd) }) do
     set[#set + 1] = kv
@@ -760,4 +780,33 @@ end
 -- key=value pairs joined by '|': the one reply shape of every script.
 local function reply(kv)
   return table.concat(kv, '|')
+end
+
+-- reserve and settle: judge `grow` more tokens of group g, `d` more of its claim on the
+-- window (H: the caller's load, with fr, ep and tn; `requested`: what the reply names).
+-- While a compaction is pending (`pending`), memory is judged as admit.lua judges it (the
+-- compaction credit): refused while the last compaction failed, else while HW + pm + grow
+-- + the output reserve > W, a refusal counted as refused_pending with |bound=|baseline=.
+-- Else it is refused when d is more than the free room (the reason `refusal_reason`
+-- gives). A refusal is counted and committed as the call's outcome: returns that reply.
+-- Else returns nil and pm (the memory admitted since the compaction became pending, for
+-- the caller to grow; nil when none is pending).
+local function refuse_growth(key, g, pending, grow, d, H, requested, now, op, fp, J)
+  local reason, extra, pm
+  if g == 'm' and pending then
+    local x = load(key, { 'HW', 'out', 'W', 'kf', 'pm' }, 5)
+    pm = x.pm or 0
+    local bound = (x.kf or 0) > 0 and 'failed' or 'pending'
+    if bound == 'failed' or grow > x.W - x.out - x.HW - pm then
+      reason, extra = 'compaction_pending', { 'bound=' .. bound, 'baseline=' .. (x.HW + pm) }
+      indicate(key, 'refused_pending', 1)
+    end
+  end
+  if not reason and d > H.fr then reason = refusal_reason(key, grow) end
+  if not reason then return nil, pm end
+  indicate(key, 'refused', 1)
+  local out = { 'status=refused', 'reason=' .. reason, 'requested=' .. requested, 'free=' .. H.fr,
+    'epoch=' .. H.ep, 'turn=' .. H.tn }
+  for _, kv in ipairs(extra or {}) do out[#out + 1] = kv end
+  return commit(key, now, op, fp, reply(out), {}, J)
 end

@@ -222,7 +222,7 @@ if #dead > 0 then
   for i = 1, #dead, 1000 do redis.call('HDEL', key, unpack(dead, i, math.min(i + 999, #dead))) end
 end
 local turn = H.tn + 1
-local fr = H.W - H.S - H.T - out2 - math.max(A.w, H.F_w) - math.max(A.m, H.F_m) - A.s
+local fr = free_room(H, out2, A.w, A.m, A.s)
 local due = (occupancy() > H.HW or H.cd == 1) and 1 or 0
 local wm_budget = H.F_w > 0 and H.F_w or H.W
 local rollup = (turn - H.kt > H.rut or A.w * 1000 > H.rup * wm_budget) and 1 or 0

@@ -130,7 +130,7 @@ if job ~= '-' then
   if lo then
     return reply({ 'status=ok', 'outcome=turn_open', 'occupancy=' .. (H.S + H.T + H.a_w + H.a_m + H.a_s),
       'high_water=' .. H.HW, 'dropped=0', 'summary=0', 'missing=', 'failures=' .. H.kf, 'escalated=0',
-      'free=' .. (H.W - H.S - H.T - H.out - math.max(H.a_w, H.F_w) - math.max(H.a_m, H.F_m) - H.a_s),
+      'free=' .. free_room(H, H.out, H.a_w, H.a_m, H.a_s),
       'epoch=' .. H.ep, 'turn=' .. H.tn, 'owner=' .. lo, 'lease=' .. (le or 0) })
   end
 else
@@ -155,7 +155,7 @@ end
 if job ~= '-' and redis.call('XDEL', KEYS[2], job) == 0 then
   return reply({ 'status=ok', 'outcome=already', 'occupancy=' .. (H.S + H.T + H.a_w + H.a_m + H.a_s),
     'high_water=' .. H.HW, 'dropped=0', 'summary=0', 'missing=', 'failures=' .. H.kf, 'escalated=0',
-    'free=' .. (H.W - H.S - H.T - H.out - math.max(H.a_w, H.F_w) - math.max(H.a_m, H.F_m) - H.a_s),
+    'free=' .. free_room(H, H.out, H.a_w, H.a_m, H.a_s),
     'epoch=' .. H.ep, 'turn=' .. H.tn })
 end
 local now = now_ms()
@@ -177,7 +177,7 @@ for k = 1, n do
   end
 end
 A.w = A.w + sum_t
-local fr = H.W - H.S - H.T - H.out - math.max(A.w, H.F_w) - math.max(A.m, H.F_m) - A.s
+local fr = free_room(H, H.out, A.w, A.m, A.s)
 -- A summary that does not fit cannot be applied (that would over-allocate): it is a
 -- failed compaction with no effect, judged like one that misses the mark.
 local fits = fr >= 0
@@ -185,7 +185,7 @@ if not fits then
   A = { w = H.a_w, m = H.a_m, s = H.a_s }
   U = { w = H.u_w, r = H.u_r, m = H.u_m, s = H.u_s }
   N = { w = H.n_w, r = H.n_r, m = H.n_m, s = H.n_s }
-  fr = H.W - H.S - H.T - H.out - math.max(A.w, H.F_w) - math.max(A.m, H.F_m) - A.s
+  fr = free_room(H, H.out, A.w, A.m, A.s)
   dead, was, gone, dropped, sum_t = {}, {}, {}, 0, 0
 end
 local occ = H.S + H.T + A.w + A.m + A.s

@@ -54,24 +54,9 @@ local now = now_ms()
 local a = H['a_' .. g]
 local d = claim_delta(a, tokens, H['F_' .. g] or 0)
 local J = { gz = H.gz, xp = H.xp, uo = in_turn and (R[5] or '') or nil }
-local reason, extra, pm
-if g == 'm' and H.cd == 1 then  -- compaction credit: memory waits for the pending compaction
-  local x = load(key, { 'HW', 'out', 'W', 'kf', 'pm' }, 5)
-  pm = x.pm or 0
-  local bound = (x.kf or 0) > 0 and 'failed' or 'pending'
-  if bound == 'failed' or tokens > x.W - x.out - x.HW - pm then
-    reason, extra = 'compaction_pending', { 'bound=' .. bound, 'baseline=' .. (x.HW + pm) }
-    indicate(key, 'refused_pending', 1)
-  end
-end
-if not reason and d > H.fr then reason = refusal_reason(key, tokens) end
-if reason then
-  indicate(key, 'refused', 1)
-  local out = { 'status=refused', 'reason=' .. reason, 'requested=' .. tokens, 'free=' .. H.fr,
-    'epoch=' .. H.ep, 'turn=' .. H.tn }
-  for _, kv in ipairs(extra or {}) do out[#out + 1] = kv end
-  return commit(key, now, op, fp, reply(out), {}, J)
-end
+-- (compaction credit: memory waits for the pending compaction)
+local refused, pm = refuse_growth(key, g, H.cd == 1, tokens, d, H, tokens, now, op, fp, J)
+if refused then return refused end
 local deadline = now + lease
 redis.call('ZADD', KEYS[2], deadline, sid .. '|' .. rid)
 local args = { 'r:' .. rid, c .. '|' .. tokens .. '|' .. deadline, 'fr', H.fr - d, 'a_' .. g, a + tokens,

@@ -54,24 +54,10 @@ if R[1] then fail('CONFLICT', consumer_name(c) .. ' already holds item ' .. item
 local a = H['a_' .. g]
 local d = claim_delta(a, actual - est, H['F_' .. g] or 0)
 local J = { gz = H.gz, xp = H.xp, uo = res.uo }
-local reason, extra, pm
-if g == 'm' and H.cd == 1 and actual > est then  -- compaction credit, as admit.lua judges memory
-  local x = load(key, { 'HW', 'out', 'W', 'kf', 'pm' }, 5)
-  pm = x.pm or 0
-  local bound = (x.kf or 0) > 0 and 'failed' or 'pending'
-  if bound == 'failed' or actual - est > x.W - x.out - x.HW - pm then
-    reason, extra = 'compaction_pending', { 'bound=' .. bound, 'baseline=' .. (x.HW + pm) }
-    indicate(key, 'refused_pending', 1)
-  end
-end
-if not reason and d > H.fr then reason = refusal_reason(key, actual - est) end
-if reason then
-  indicate(key, 'refused', 1)
-  local out = { 'status=refused', 'reason=' .. reason, 'requested=' .. actual, 'free=' .. H.fr,
-    'epoch=' .. H.ep, 'turn=' .. H.tn }
-  for _, kv in ipairs(extra or {}) do out[#out + 1] = kv end
-  return commit(key, now, op, fp, reply(out), {}, J)
-end
+-- (compaction credit, as admit.lua judges memory, for memory growing past its reservation)
+local refused, pm = refuse_growth(key, g, H.cd == 1 and actual > est, actual - est, d, H, actual,
+  now, op, fp, J)
+if refused then return refused end
 redis.call('HDEL', key, 'r:' .. rid)
 redis.call('ZREM', KEYS[2], sid .. '|' .. rid)
 local fr = H.fr - d

@@ -17,12 +17,7 @@
 -- Calls: HMGET, TIME, HSET, HDEL, ZREM (HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due).
 
 local op, fp, epoch, tok = op_args('void', false)
-local sid, rid
-sid = session_arg(ARGV[3])
-rid = id_arg(ARGV[4], 'reservation id')
-if #ARGV ~= 4 then fail('BADARG', 'expected 4 arguments, got ' .. #ARGV) end
-
-key_arg(2, 'deadlines')
+local sid, rid = sid_and_id('reservation id')
 local key = KEYS[1]
 local res, again = open_reservation(key, op, fp, epoch, rid, tok)
 if again then return again end
