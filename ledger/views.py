@@ -64,14 +64,14 @@ def view(ledger: Ledger, session_id: str, journal: int = 10) -> SessionView:
     entries: list[JournalEntry] = []
     counters = {}
     for name, value in raw.items():
-        if name.startswith("r:"):
+        if name.startswith(schema.RESERVATION.prefix):
             code, tokens, deadline = value.split("|")
             reservations.append((name[2:], Consumer.from_code(code), int(tokens), int(deadline)))
-        elif name.startswith("x:") and value.lstrip("-").isdigit():
+        elif name.startswith(schema.COUNTER.prefix) and value.lstrip("-").isdigit():
             counters[name[2:]] = int(value)
     with translated():
         for k in (keys.outcomes, keys.outcomes_old):
-            base = int(ledger.client.hget(k, "e") or 0)  # the generation's epoch base
+            base = int(ledger.client.hget(k, schema.EPOCH_BASE) or 0)
             for field, bucket in ledger.client.hscan_iter(k):
                 if len(entries) >= journal:
                     break
@@ -243,7 +243,7 @@ def busiest(
                 where = {
                     p.partition("=")[0]: i
                     for i, p in enumerate(parts)
-                    if p.partition("=")[0] in _RANK or p.startswith("x:")
+                    if p.partition("=")[0] in _RANK or p.startswith(schema.COUNTER.prefix)
                 }
             v = {}
             for name, i in where.items():
@@ -252,7 +252,7 @@ def busiest(
                     return _busiest_by_name(ledger, limit, ids, rank)
                 v[name] = int(val)
             for name, n in v.items():
-                if name.startswith("x:"):
+                if name.startswith(schema.COUNTER.prefix):
                     totals[name[2:]] = totals.get(name[2:], 0) + n
             ranked.append((rank(v), sid, raw))
     top = heapq.nlargest(limit, ranked, key=lambda row: row[0])
@@ -299,7 +299,7 @@ def _busiest_by_name(
     totals: dict[str, int] = {}
     for _, snap in rows:
         for name, value in snap.raw.items():
-            if name.startswith("x:"):
+            if name.startswith(schema.COUNTER.prefix):
                 totals[name[2:]] = totals.get(name[2:], 0) + value
     rows.sort(key=lambda r: rank(r[1].raw), reverse=True)
     return rows[:limit], totals

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from ledger import schema
 from ledger.agent import Admission, Agent, ToolOutcome, Turn
 from ledger.agent.core import Op, drive_sync
 from ledger.client import Ledger, Session
@@ -25,6 +26,7 @@ from ledger.models import Consumer, SessionBudget, Snapshot, TurnReport, TurnSta
 from ledger.protocol import Call
 
 T = TypeVar("T")
+_FAILED = schema.COUNTER.of("failed_compactions")
 POLL_S = 0.02
 
 
@@ -165,8 +167,7 @@ class SimAgent:
             if (
                 not snap.compaction_pending
                 or snap.epoch != before.epoch
-                or snap.raw.get("x:failed_compactions", 0)
-                != before.raw.get("x:failed_compactions", 0)
+                or snap.raw.get(_FAILED, 0) != before.raw.get(_FAILED, 0)
             ):
                 return True
             time.sleep(POLL_S)
