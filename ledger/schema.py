@@ -182,6 +182,9 @@ WORKING_FLOOR = _s("F_w", "floor_working", "tokens", "the working-memory group's
 MEMORY_FLOOR = _s(
     "F_m", "floor_memory_group", "tokens", "the memory group's floor (retrieval + recall)"
 )
+SCRATCHPAD_FLOOR = _s(
+    "F_s", "floor_scratchpad", "tokens", "never written: the scratchpad has no floor (read as 0)"
+)
 HIGH_WATER = _s("HW", "high_water_mark", "tokens", "the high-water mark")
 EVICTION_THRESHOLD = _s("EV", "eviction_threshold", "tokens", "the eviction threshold")
 FREE = _s(
@@ -507,9 +510,10 @@ def legend() -> str:
     out = [BEGIN]
     consumers = ", ".join(f"{c} {n}" for c, n in CONSUMERS.items())
     out += [f"-- {line}" for line in _wrap(
-        f"Consumer letters <c> (only in per-consumer fields): {consumers}. Claim groups are "
-        "fields of their own: a_w/F_w working memory, a_m/F_m the memory group (retrieval + "
-        "recall), a_s scratchpad. Units: " + "; ".join(f"{k} = {v}" for k, v in UNITS.items())
+        f"Consumer letters <c> (a letter means a consumer only): {consumers}. The claim "
+        "groups have no letters, only fields: a_w/F_w working memory, a_m/F_m the memory "
+        "group (retrieval + recall: this m is not the consumer m), a_s scratchpad (no floor: "
+        "F_s is never written). Units: " + "; ".join(f"{k} = {v}" for k, v in UNITS.items())
         + ".", 86)]  # fmt: skip
     for owner, where in OWNERS.items():
         out.append("--")

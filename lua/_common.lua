@@ -6,12 +6,13 @@
 -- Nothing here builds a key name: keys arrive only through KEYS.
 --
 -- BEGIN SCHEMA LEGEND (generated from ledger/schema.py by `python -m ledger._legend`)
--- Consumer letters <c> (only in per-consumer fields): w working memory, r retrieval, m
--- recall, s scratchpad. Claim groups are fields of their own: a_w/F_w working memory,
--- a_m/F_m the memory group (retrieval + recall), a_s scratchpad. Units: tokens = tokens;
--- ms = a duration in ms; time = a time in ms on Redis's clock; count = a count;
--- per_mille = per mille; flag = 1 or 0; epoch = an epoch; turn = a turn number; id = an
--- identifier (text); text = text; binary = binary (control-character separated).
+-- Consumer letters <c> (a letter means a consumer only): w working memory, r retrieval,
+-- m recall, s scratchpad. The claim groups have no letters, only fields: a_w/F_w working
+-- memory, a_m/F_m the memory group (retrieval + recall: this m is not the consumer m),
+-- a_s scratchpad (no floor: F_s is never written). Units: tokens = tokens; ms = a
+-- duration in ms; time = a time in ms on Redis's clock; count = a count; per_mille = per
+-- mille; flag = 1 or 0; epoch = an epoch; turn = a turn number; id = an identifier
+-- (text); text = text; binary = binary (control-character separated).
 --
 -- session: the session hash '<tag>:s:<session>' (KEYS[1] of every session script)
 --   ep             epoch [epoch]: the fence every call's ARGV[2] is checked against: a
@@ -31,6 +32,8 @@
 --   F_w            floor_working [tokens]: the working-memory group's floor
 --   F_m            floor_memory_group [tokens]: the memory group's floor (retrieval +
 --                  recall)
+--   F_s            floor_scratchpad [tokens]: never written: the scratchpad has no floor
+--                  (read as 0)
 --   HW             high_water_mark [tokens]: the high-water mark
 --   EV             eviction_threshold [tokens]: the eviction threshold
 --   fr             free [tokens]: W minus every claim (S, T, out, and per group the
@@ -178,7 +181,12 @@
 -- retention as its TTL: an outcome lives at least the op retention, at most about
 -- twice that, with no timestamp or journal per outcome.
 
-local GROUP = { w = 'w', r = 'm', m = 'm', s = 's' }
+-- Each consumer's claim group, named by its fields and never by a letter: ACTIVE[c] holds
+-- the group's active tokens, FLOOR[c] its floor. The memory group (a_m, F_m) is retrieval
+-- and recall: the m of its fields is not the consumer m (recall). The scratchpad has no
+-- floor: F_s is never written, and read as 0.
+local ACTIVE = { w = 'a_w', r = 'a_m', m = 'a_m', s = 'a_s' }
+local FLOOR = { w = 'F_w', r = 'F_m', m = 'F_m', s = 'F_s' }
 local ID_MAX = 128
 local TOKENS_MAX = 100000000      -- 1e8 tokens: above any model's window
 local NEVER = 999999999999999
@@ -263,7 +271,7 @@ local function sid_and_id(what, ...)
 end
 
 local function consumer_arg(v)
-  if type(v) ~= 'string' or not GROUP[v] then
+  if type(v) ~= 'string' or not ACTIVE[v] then
     fail('BADARG', 'consumer must be one of w (working_memory), r (retrieval), m (recall), ' ..
       's (scratchpad), got ' .. show(v))
   end
@@ -782,18 +790,18 @@ local function reply(kv)
   return table.concat(kv, '|')
 end
 
--- reserve and settle: judge `grow` more tokens of group g, `d` more of its claim on the
+-- reserve and settle: judge `grow` more tokens, `d` more of their group's claim on the
 -- window (H: the caller's load, with fr, ep and tn; `requested`: what the reply names).
--- While a compaction is pending (`pending`), memory is judged as admit.lua judges it (the
+-- For memory while a compaction is pending (`pending`), it is judged as admit.lua judges it (the
 -- compaction credit): refused while the last compaction failed, else while HW + pm + grow
 -- + the output reserve > W, a refusal counted as refused_pending with |bound=|baseline=.
 -- Else it is refused when d is more than the free room (the reason `refusal_reason`
 -- gives). A refusal is counted and committed as the call's outcome: returns that reply.
 -- Else returns nil and pm (the memory admitted since the compaction became pending, for
 -- the caller to grow; nil when none is pending).
-local function refuse_growth(key, g, pending, grow, d, H, requested, now, op, fp, J)
+local function refuse_growth(key, pending, grow, d, H, requested, now, op, fp, J)
   local reason, extra, pm
-  if g == 'm' and pending then
+  if pending then
     local x = load(key, { 'HW', 'out', 'W', 'kf', 'pm' }, 5)
     pm = x.pm or 0
     local bound = (x.kf or 0) > 0 and 'failed' or 'pending'

@@ -35,11 +35,11 @@ rid = id_arg(ARGV[5], 'reservation id')
 tokens = int_arg(ARGV[6], 'tokens', 1, TOKENS_MAX)
 lease = int_arg(ARGV[7], 'lease ms', 1, 86400000)
 if #ARGV ~= 7 then fail('BADARG', 'expected 7 arguments, got ' .. #ARGV) end
-local g = GROUP[c]
+local A, F = ACTIVE[c], FLOOR[c]
 
 key_arg(2, 'deadlines')
 local key = KEYS[1]
-local H, R = load(key, { 'ep', 'tn', 'fr', 'a_' .. g, 'F_' .. g, 'v_' .. c, 'nv', 'gz', 'xp', 'cd',
+local H, R = load(key, { 'ep', 'tn', 'fr', A, F, 'v_' .. c, 'nv', 'gz', 'xp', 'cd',
   'r:' .. rid, 'i:' .. c .. ':' .. rid, 'lo', 'ul', 'uo' }, 10)
 local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
@@ -51,15 +51,15 @@ if R[2] then
 end
 local now = now_ms()
 
-local a = H['a_' .. g]
-local d = claim_delta(a, tokens, H['F_' .. g] or 0)
+local a = H[A]
+local d = claim_delta(a, tokens, H[F] or 0)
 local J = { gz = H.gz, xp = H.xp, uo = in_turn and (R[5] or '') or nil }
 -- (compaction credit: memory waits for the pending compaction)
-local refused, pm = refuse_growth(key, g, H.cd == 1, tokens, d, H, tokens, now, op, fp, J)
+local refused, pm = refuse_growth(key, A == 'a_m' and H.cd == 1, tokens, d, H, tokens, now, op, fp, J)
 if refused then return refused end
 local deadline = now + lease
 redis.call('ZADD', KEYS[2], deadline, sid .. '|' .. rid)
-local args = { 'r:' .. rid, c .. '|' .. tokens .. '|' .. deadline, 'fr', H.fr - d, 'a_' .. g, a + tokens,
+local args = { 'r:' .. rid, c .. '|' .. tokens .. '|' .. deadline, 'fr', H.fr - d, A, a + tokens,
   'v_' .. c, H['v_' .. c] + tokens, 'nv', H.nv + 1 }
 if pm then args[#args + 1], args[#args + 2] = 'pm', pm + tokens end
 if in_turn then args[#args + 1], args[#args + 2] = 'ul', journal(R[4], { 'r:' .. rid }, {}) end

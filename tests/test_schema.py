@@ -106,6 +106,9 @@ _HCALL = re.compile(r"redis\.call\(\s*'(H[A-Z]+)'\s*,")
 _LIT = re.compile(r"^'([^'\\]*)'$")
 _PREFIX = re.compile(r"^'([^'\\]*)'\s*\.\.")
 _UNPACK = re.compile(r"^unpack\((\w+)")
+_MAPPED = re.compile(r"^([A-Z]+)\[\w+\]$")
+# the maps of _common.lua a script may index (ACTIVE[c], FLOOR[c])
+_COMMON = scripts.strip_comments((scripts.lua_dir() / "_common.lua").read_text())
 # the hash each key expression names in the scripts
 _KEY_OWNER = {"OUT": "outcome", "OLD": "outcome", "TALLY": "tally", "key": "session"}
 _KEY_OWNER["KEYS[1]"] = "session"
@@ -165,12 +168,32 @@ def _table(src: str, name: str) -> list[str]:
 Use = tuple[str, str, str]  # (owner or '', a field or a prefix ending with '*', where)
 
 
-def _names(exprs: list[str], where: str, owner: str) -> Iterator[Use]:
+def _aliases(src: str) -> dict[str, str]:
+    """Locals bound to a literal or to ``MAP[c]`` (``local A, F = ACTIVE[c], FLOOR[c]``)."""
+    out = {}
+    for m in re.finditer(r"^\s*local\s+([\w\s,]+?)\s*=\s*([^\n]+)", src, re.M):
+        names, exprs = re.split(r"\s*,\s*", m.group(1)), _split(m.group(2))
+        for name, expr in zip(names, exprs, strict=False):
+            if _MAPPED.match(expr) or _LIT.match(expr):
+                out[name] = expr
+    return out
+
+
+def _names(exprs: list[str], where: str, owner: str, src: str = "") -> Iterator[Use]:
+    """The fields the expressions name: a literal, a literal prefix, or ``MAP[c]`` where
+    ``local MAP = { w = 'a_w', ... }`` (each of its values)."""
     for e in exprs:
         if m := _LIT.match(e):
             yield owner, m.group(1), where
         elif m := _PREFIX.match(e):
             yield owner, m.group(1) + "*", where
+        elif re.fullmatch(r"[A-Za-z_]\w*", e) and (alias := _aliases(src).get(e)):
+            yield from _names([alias], where, owner, src)
+        elif (m := _MAPPED.match(e)) and (
+            t := re.search(rf"\blocal\s+{m.group(1)}\s*=\s*\{{([^}}]*)\}}", _COMMON + src)
+        ):
+            for value in re.findall(r"\w+\s*=\s*'([^']*)'", t.group(1)):
+                yield owner, value, where
 
 
 def lua_uses(src: str, where: str) -> Iterator[Use]:
@@ -192,26 +215,26 @@ def lua_uses(src: str, where: str) -> Iterator[Use]:
         for e in named:
             if u := _UNPACK.match(e):
                 table = _table(src, u.group(1))
-                yield from _names(table[::2] if kv else table, where, owner)
-        yield from _names(named, where, owner)
+                yield from _names(table[::2] if kv else table, where, owner, src)
+        yield from _names(named, where, owner, src)
     for m in re.finditer(r"\bcommit\(", src):  # commit(key, now, op, fp, out, args, J)
         args = _split(_balanced(src, m.end()))
         if len(args) == 7 and args[5].startswith("{"):
-            yield from _names(_split(args[5][1:-1])[::2], where, "session")
+            yield from _names(_split(args[5][1:-1])[::2], where, "session", src)
         elif len(args) == 7:
-            yield from _names(_table(src, args[5])[::2], where, "session")
+            yield from _names(_table(src, args[5])[::2], where, "session", src)
     for m in re.finditer(r"redis\.call\(\s*'XADD'\s*,", src):  # XADD stream * k v ...
         args = _split(_balanced(src, src.index("(", m.start()) + 1))
-        yield from _names(args[3::2], where, "job")
+        yield from _names(args[3::2], where, "job", src)
     for lit in re.findall(r"'([^'\n]*)'", src):  # the keys of a JSON record built in a string
         for key in re.findall(r'"(\w+)":', lit):
             yield "summary", key, where
     for m in re.finditer(r"\bload\(\s*\w+\s*,\s*", src):
         after = src[m.end() :]
         if after.startswith("{"):
-            yield from _names(_split(_balanced(src, m.end() + 1, "{", "}")), where, "session")
+            yield from _names(_split(_balanced(src, m.end() + 1, "{", "}")), where, "session", src)
         elif t := re.match(r"\w+", after):
-            yield from _names(_table(src, t.group(0)), where, "session")
+            yield from _names(_table(src, t.group(0)), where, "session", src)
     for m in re.finditer(r"\bindicate\(\s*\w+\s*,\s*('[^']+'(?:\s*\.\.)?)", src):
         yield from _names([m.group(1)], where, "tally")
     decoded = set(re.findall(r"local\s+(\w+)(?:,\s*\w+)?\s*=\s*load\(", src))
@@ -324,6 +347,9 @@ redis.call('HINCRBY', key, 'zk', 1)
 redis.call('HGET', KEYS[1], 'zh')
 redis.call('HMGET', OUT, 'e', 'zo')
 redis.call('HSET', key, 'q_' .. c, 1)
+local ZMAP = { w = 'zm_w', r = 'a_m' }
+local Z, ok = ZMAP[c], 1
+redis.call('HMGET', key, 'ep', Z)
 indicate(key, 'no_such_indicator', 1)
 if H.zr then end
 redis.call('XADD', stream, '*', 'kind', kind, 'zj', 1)
@@ -339,6 +365,7 @@ return commit(key, now, op, fp, out, { 'zc', 1 }, J)
         ("session", "zh"),
         ("outcome", "zo"),
         ("session", "q_*"),
+        ("session", "zm_w"),
         ("tally", "no_such_indicator"),
         ("session", "zr"),
         ("job", "zj"),
