@@ -792,9 +792,10 @@ end
 
 -- reserve and settle: judge `grow` more tokens, `d` more of their group's claim on the
 -- window (H: the caller's load, with fr, ep and tn; `requested`: what the reply names).
--- For memory while a compaction is pending (`pending`), it is judged as admit.lua judges it (the
--- compaction credit): refused while the last compaction failed, else while HW + pm + grow
--- + the output reserve > W, a refusal counted as refused_pending with |bound=|baseline=.
+-- `pending`: the tokens are memory's and a compaction is pending; they are then judged
+-- as admit.lua judges memory (the compaction credit): refused while the last compaction
+-- failed, else while HW + pm + grow + the output reserve > W, a refusal counted as
+-- refused_pending with |bound=|baseline=.
 -- Else it is refused when d is more than the free room (the reason `refusal_reason`
 -- gives). A refusal is counted and committed as the call's outcome: returns that reply.
 -- Else returns nil and pm (the memory admitted since the compaction became pending, for
