@@ -41,7 +41,8 @@ from ledger.models import *  # noqa: F403 (models.__all__)
 from ledger.settings import LedgerSettings
 
 if TYPE_CHECKING:
-    from ledger.workers.runner import Worker, WorkerSettings
+    from ledger.workers.runner import Worker as Worker
+    from ledger.workers.runner import WorkerSettings as WorkerSettings
 
 __all__ = [
     "Agent",

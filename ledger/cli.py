@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from ledger import schema
 from ledger.errors import (
     BackendUnavailable,
     ConfigurationError,
@@ -418,7 +419,8 @@ class TopView:
                 ref_rate = f"{(snap.refusals - before[2]) / dt:.1f}"
             cells.append(
                 [
-                    regime(snap, snap.raw.get("ws", 0)) + ("*" if snap.compaction_pending else ""),
+                    regime(snap, snap.raw.get(schema.WORKING_SET, 0))
+                    + ("*" if snap.compaction_pending else ""),
                     f"{snap.utilization:.2f}",
                     str(snap.free),
                     str(snap.residual_working_memory),
@@ -427,7 +429,7 @@ class TopView:
                     str(snap.refusals),
                     ref_rate,
                     f"{snap.drift:+d}" + ("!" if snap.drift_flagged else ""),
-                    _age(snap.now_ms - snap.raw.get("inc", snap.now_ms)),
+                    _age(snap.now_ms - snap.raw.get(schema.INCARNATION, snap.now_ms)),
                 ]
             )
         self.prev = seen

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from ledger import schema
 from ledger.errors import (
     AdmissionRefused,
     ContextDrift,
@@ -710,7 +711,7 @@ def compact(
     refs = []
     for r in replaced:
         if isinstance(r, tuple) and len(r) in (2, 3):
-            ref = f"{Consumer.parse(r[0]).code}:{check_id(r[1], 'item id')}"
+            ref = schema.content_field(Consumer.parse(r[0]).code, check_id(r[1], "item id"))
             if len(r) == 3:
                 seq = r[2]
                 if type(seq) is not int or seq < 1:
@@ -820,7 +821,7 @@ def delete(keys: SessionKeys, op_id: str, epoch: Epoch) -> Call[Deleted]:
     )
 
 
-_PER = {"u": "used", "v": "reserved", "n": "items"}
+_PER = {schema.HELD: "used", schema.RESERVED: "reserved", schema.ITEM_COUNT: "items"}
 
 
 def _is_int(v: str) -> bool:
@@ -832,44 +833,44 @@ def _is_int(v: str) -> bool:
 
 
 def _snapshot(r: Reply) -> Snapshot:
-    owner = r.pop("lo", "") or None
-    mark = r.pop("cm", "") or None
+    owner = r.pop(schema.TURN_OWNER, "") or None
+    mark = r.pop(schema.COMMIT_MARK, "") or None
     try:
         n = {k: int(v) for k, v in r.items()}
     except ValueError:
         field, value = next((k, v) for k, v in r.items() if not _is_int(v))
         raise DamagedSession(field, value) from None
-    per = {name: {c: n[f"{p}_{c.code}"] for c in Consumer} for p, name in _PER.items()}
+    per = {name: {c: n[f.of(c.code)] for c in Consumer} for f, name in _PER.items()}
     return Snapshot(
-        now_ms=n["now"],
-        epoch=n["ep"],
-        turn=n["tn"],
-        window=n["W"],
-        system_prompt=n["S"],
-        tool_framing=n["T"],
-        output_reserve=n["out"],
-        working_memory_floor=n["F_w"],
-        min_memory=n["F_m"],
-        high_water_mark=n["HW"],
-        eviction_threshold=n["EV"],
-        free=n["fr"],
+        now_ms=n[schema.SNAPSHOT_NOW],
+        epoch=n[schema.EPOCH],
+        turn=n[schema.TURN],
+        window=n[schema.WINDOW],
+        system_prompt=n[schema.SYSTEM_PROMPT],
+        tool_framing=n[schema.TOOL_FRAMING],
+        output_reserve=n[schema.OUTPUT_RESERVE],
+        working_memory_floor=n[schema.WORKING_FLOOR],
+        min_memory=n[schema.MEMORY_FLOOR],
+        high_water_mark=n[schema.HIGH_WATER],
+        eviction_threshold=n[schema.EVICTION_THRESHOLD],
+        free=n[schema.FREE],
         used=per["used"],
         reserved=per["reserved"],
         items=per["items"],
-        open_reservations=n["nv"],
-        refusals=n["x:refused"],
-        expirations=n["x:expired"],
-        compaction_pending=n["cd"] == 1,
-        failed_compactions=n["kf"],
+        open_reservations=n[schema.OPEN_RESERVATIONS],
+        refusals=n[schema.COUNTER.of("refused")],
+        expirations=n[schema.COUNTER.of("expired")],
+        compaction_pending=n[schema.COMPACTION_PENDING] == 1,
+        failed_compactions=n[schema.FAILED_COMPACTIONS],
         raw=n,
-        last_prompt=n["dp"],
-        drift=n["dr"],
-        drift_flagged=n["df"] == 1,
-        framing_tolerance=None if n["dt"] < 0 else n["dt"],
+        last_prompt=n[schema.LAST_PROMPT],
+        drift=n[schema.DRIFT],
+        drift_flagged=n[schema.DRIFT_FLAGGED] == 1,
+        framing_tolerance=None if n[schema.FRAMING_TOLERANCE] < 0 else n[schema.FRAMING_TOLERANCE],
         turn_owner=owner,
-        lease_until_ms=n.get("le", 0),
-        last_ended_turn=n.get("te", 0),
-        compacting=n.get("kw", 0) == 1,
+        lease_until_ms=n.get(schema.LEASE_UNTIL, 0),
+        last_ended_turn=n.get(schema.LAST_ENDED_TURN, 0),
+        compacting=n.get(schema.SNAPSHOT_COMPACTING, 0) == 1,
         mark=mark,
     )
 
@@ -902,9 +903,9 @@ def committed_items(fields: Mapping[Any, Any]) -> list[HeldItem]:
 
     norm = {text(k): v for k, v in fields.items()}
     items = held_items(fields)
-    if "lo" not in norm:
+    if schema.TURN_OWNER not in norm:
         return items
-    open_turn = int(text(norm.get("tn", 0)))
+    open_turn = int(text(norm.get(schema.TURN, 0)))
     return [it for it in items if it.turn != open_turn]
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from redis.cluster import RedisCluster
 
-from ledger import protocol
+from ledger import protocol, schema
 from ledger.client import Ledger
 from ledger.core import collect
 from ledger.errors import InvalidArgument, LedgerError, UnknownSession, translated
@@ -64,14 +64,14 @@ def view(ledger: Ledger, session_id: str, journal: int = 10) -> SessionView:
     entries: list[JournalEntry] = []
     counters = {}
     for name, value in raw.items():
-        if name.startswith("r:"):
+        if name.startswith(schema.RESERVATION.prefix):
             code, tokens, deadline = value.split("|")
             reservations.append((name[2:], Consumer.from_code(code), int(tokens), int(deadline)))
-        elif name.startswith("x:") and value.lstrip("-").isdigit():
+        elif name.startswith(schema.COUNTER.prefix) and value.lstrip("-").isdigit():
             counters[name[2:]] = int(value)
     with translated():
         for k in (keys.outcomes, keys.outcomes_old):
-            base = int(ledger.client.hget(k, "e") or 0)  # the generation's epoch base
+            base = int(ledger.client.hget(k, schema.EPOCH_BASE) or 0)
             for field, bucket in ledger.client.hscan_iter(k):
                 if len(entries) >= journal:
                     break
@@ -82,7 +82,7 @@ def view(ledger: Ledger, session_id: str, journal: int = 10) -> SessionView:
     return SessionView(
         session_id=session_id,
         snapshot=snap,
-        regime=regime(snap, snap.raw.get("ws", 0)),
+        regime=regime(snap, snap.raw.get(schema.WORKING_SET, 0)),
         items=protocol.held_items(raw),
         reservations=sorted(reservations),
         journal=entries[:journal],
@@ -189,15 +189,25 @@ def audits(
 
 
 # The fields a row of `top` is ranked by: utilization = (S + T + a_w + a_m + a_s) / W.
-_RANK = ("W", "S", "T", "a_w", "a_m", "a_s", "fr", "dr", "tn")
+_RANK = (
+    schema.WINDOW,
+    schema.SYSTEM_PROMPT,
+    schema.TOOL_FRAMING,
+    schema.ACTIVE_WORKING,
+    schema.ACTIVE_MEMORY,
+    schema.ACTIVE_SCRATCHPAD,
+    schema.FREE,
+    schema.DRIFT,
+    schema.TURN,
+)
 
 # ledger top --sort: the rank of a session's row, from the fields of its snapshot reply
 SORTS: dict[str, Callable[[dict[str, int]], float]] = {
-    "util": lambda v: (v["S"] + v["T"] + v["a_w"] + v["a_m"] + v["a_s"]) / v["W"],
-    "free": lambda v: -v["fr"],  # the least free room first
-    "refused": lambda v: v.get("x:refused", 0),
-    "drift": lambda v: abs(v["dr"]),
-    "turn": lambda v: v["tn"],
+    "util": lambda v: sum(v[f] for f in _RANK[1:6]) / v[schema.WINDOW],
+    "free": lambda v: -v[schema.FREE],  # the least free room first
+    "refused": lambda v: v.get(schema.COUNTER.of("refused"), 0),
+    "drift": lambda v: abs(v[schema.DRIFT]),
+    "turn": lambda v: v[schema.TURN],
 }
 
 
@@ -233,7 +243,7 @@ def busiest(
                 where = {
                     p.partition("=")[0]: i
                     for i, p in enumerate(parts)
-                    if p.partition("=")[0] in _RANK or p.startswith("x:")
+                    if p.partition("=")[0] in _RANK or p.startswith(schema.COUNTER.prefix)
                 }
             v = {}
             for name, i in where.items():
@@ -242,7 +252,7 @@ def busiest(
                     return _busiest_by_name(ledger, limit, ids, rank)
                 v[name] = int(val)
             for name, n in v.items():
-                if name.startswith("x:"):
+                if name.startswith(schema.COUNTER.prefix):
                     totals[name[2:]] = totals.get(name[2:], 0) + n
             ranked.append((rank(v), sid, raw))
     top = heapq.nlargest(limit, ranked, key=lambda row: row[0])
@@ -289,7 +299,7 @@ def _busiest_by_name(
     totals: dict[str, int] = {}
     for _, snap in rows:
         for name, value in snap.raw.items():
-            if name.startswith("x:"):
+            if name.startswith(schema.COUNTER.prefix):
                 totals[name[2:]] = totals.get(name[2:], 0) + value
     rows.sort(key=lambda r: rank(r[1].raw), reverse=True)
     return rows[:limit], totals
@@ -299,7 +309,7 @@ def _busiest_by_name(
 
 # The fields of a job as the scripts write it (docs/protocol.md#the-job-stream): what a
 # replay writes back to the partition's job stream.
-JOB_FIELDS = ("kind", "session", "epoch", "reason", "op", "inc")
+JOB_FIELDS = schema.JOB_FIELDS
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,6 +15,7 @@ import redis
 
 from ledger import Item, Ledger, SessionBudget
 from ledger.models import Consumer
+from ledger.schema import JobEntry
 from ledger.scripts import outcome_key, stored_outcomes
 from ledger.workers.compactors import CompactionPlan, CompactionRequest
 from ledger.workers.runner import Metrics, Worker, WorkerSettings
@@ -250,6 +251,6 @@ def open_resets(led: Ledger, sids: list[str]) -> list[tuple[str, str]]:
     out = []
     for sid in sids:
         epoch = led.open_session(sid, BUDGET).epoch
-        fields = {"kind": "hard_reset", "session": sid, "epoch": epoch, "reason": "test", "op": "x"}
-        out.append((sid, text(led.client.xadd(jobs_of(led, sid), fields))))  # type: ignore[arg-type]
+        entry = JobEntry("hard_reset", sid, epoch, reason="test", op="x")
+        out.append((sid, text(led.client.xadd(jobs_of(led, sid), entry.to_fields()))))  # type: ignore[arg-type]
     return out

@@ -65,3 +65,16 @@ def test_the_worker_is_one_module_object() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "ONE WORKER" in proc.stdout
+
+
+def test_the_contributing_map_names_every_module_and_folder() -> None:
+    """docs/contributing.md's map stays true: every module at the top of the package and
+    every folder of it (and of the repository) has its row."""
+    text = (ROOT / "docs" / "contributing.md").read_text()
+    table = text[text.index("## The map") : text.index("**One operation, followed.**")]
+    package = ROOT / "ledger"
+    names = [f"ledger/{p.name}" for p in package.glob("*.py") if p.name != "__init__.py"]
+    names += [f"ledger/{p.name}/" for p in package.iterdir() if p.is_dir() and p.name[0] != "_"]
+    names += [f"{p.name}/" for p in ROOT.iterdir() if p.is_dir() and p.name[0] not in "._"]
+    missing = [n for n in names if f"`{n}" not in table and not n.endswith(".egg-info/")]
+    assert not missing, f"not in the map of docs/contributing.md: {missing}"

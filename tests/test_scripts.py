@@ -18,7 +18,9 @@ def test_common_is_cut_into_named_definitions() -> None:
     defs = scripts.definitions()
     names = [n for d in defs for n in d.names]
     assert len(names) == len(set(names))
-    assert {"fail", "int_arg", "op_args", "gate", "commit", "GROUP", "NOSESSION"} <= set(names)
+    assert {"fail", "int_arg", "op_args", "gate", "commit", "ACTIVE", "FLOOR", "NOSESSION"} <= set(
+        names
+    )
     common = (scripts.lua_dir() / "_common.lua").read_text()
     for d in defs:
         assert d.text in common

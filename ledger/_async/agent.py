@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
+from ledger import schema
 from ledger._async.client import AsyncSession
 from ledger.agent.core import (
     Admission,
@@ -110,7 +111,9 @@ class AsyncAgent:
         with translated():
             if isinstance(effect, Note):
                 if self._ttl_ms is None:
-                    self._ttl_ms = int(await client.hget(keys.session, "ttl") or 86_400_000)
+                    self._ttl_ms = int(
+                        await client.hget(keys.session, schema.IDLE_TTL) or 86_400_000
+                    )
                 pipe = client.pipeline(transaction=False)
                 pipe.hset(keys.compacted, mapping=dict(effect.fields))
                 pipe.pexpire(keys.compacted, self._ttl_ms)
@@ -121,7 +124,9 @@ class AsyncAgent:
                 return [v is not None for v in values]
             if isinstance(effect, Store):
                 if self._ttl_ms is None:
-                    self._ttl_ms = int(await client.hget(keys.session, "ttl") or 86_400_000)
+                    self._ttl_ms = int(
+                        await client.hget(keys.session, schema.IDLE_TTL) or 86_400_000
+                    )
                 if effect.texts:
                     pipe = client.pipeline(transaction=False)
                     pipe.hset(keys.content, mapping=dict(effect.texts))

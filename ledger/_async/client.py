@@ -17,7 +17,7 @@ from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.commands.core import AsyncScript
 from redis.exceptions import AskError, MovedError, NoScriptError
 
-from ledger import backends, protocol, scripts
+from ledger import backends, protocol, schema, scripts
 from ledger.backends import AsyncClient, async_client, async_primary
 from ledger.core import (
     LedgerCore,
@@ -236,7 +236,7 @@ class AsyncLedger(LedgerCore):
                     keys[name] = sid
             pipe = self.client.pipeline(transaction=False)
             for name in keys:
-                pipe.hexists(name, "ep")
+                pipe.hexists(name, schema.EPOCH)
             alive = await pipe.execute()
         return sorted(sid for sid, ok in zip(keys.values(), alive, strict=True) if ok)
 

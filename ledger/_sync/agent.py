@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
+from ledger import schema
 from ledger._sync.client import Session
 from ledger.agent.core import (
     Admission,
@@ -106,7 +107,9 @@ class Agent:
         with translated():
             if isinstance(effect, Note):
                 if self._ttl_ms is None:
-                    self._ttl_ms = int(client.hget(keys.session, "ttl") or 86_400_000)
+                    self._ttl_ms = int(
+                        client.hget(keys.session, schema.IDLE_TTL) or 86_400_000
+                    )
                 pipe = client.pipeline(transaction=False)
                 pipe.hset(keys.compacted, mapping=dict(effect.fields))
                 pipe.pexpire(keys.compacted, self._ttl_ms)
@@ -117,7 +120,9 @@ class Agent:
                 return [v is not None for v in values]
             if isinstance(effect, Store):
                 if self._ttl_ms is None:
-                    self._ttl_ms = int(client.hget(keys.session, "ttl") or 86_400_000)
+                    self._ttl_ms = int(
+                        client.hget(keys.session, schema.IDLE_TTL) or 86_400_000
+                    )
                 if effect.texts:
                     pipe = client.pipeline(transaction=False)
                     pipe.hset(keys.content, mapping=dict(effect.texts))

@@ -12,7 +12,7 @@ from redis.cluster import RedisCluster
 from redis.commands.core import Script
 from redis.exceptions import AskError, MovedError, NoScriptError
 
-from ledger import backends, protocol, scripts
+from ledger import backends, protocol, schema, scripts
 from ledger.backends import SyncClient, sync_client, sync_primary
 from ledger.core import (
     LedgerCore,
@@ -231,7 +231,7 @@ class Ledger(LedgerCore):
                     keys[name] = sid
             pipe = self.client.pipeline(transaction=False)
             for name in keys:
-                pipe.hexists(name, "ep")
+                pipe.hexists(name, schema.EPOCH)
             alive = pipe.execute()
         return sorted(sid for sid, ok in zip(keys.values(), alive, strict=True) if ok)
 

@@ -34,6 +34,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from ledger import schema
 from ledger.agent.aio import AsyncAgent, AsyncTurn
 from ledger.agent.core import Obj, default_summary, ledger_id
 from ledger.agent.counters import count
@@ -447,7 +448,7 @@ class LedgerSession:
                 k.decode() if isinstance(k, bytes) else str(k)
                 for k in await client.hkeys(s.keys.history)
             ]
-            ttl = int(await client.hget(s.keys.session, "ttl") or 86_400_000)
+            ttl = int(await client.hget(s.keys.session, schema.IDLE_TTL) or 86_400_000)
             pipe = client.pipeline(transaction=False)
             pipe.hset(s.keys.history, version, json.dumps(items))
             stale = [k for k in old if k not in (version, self._committed)]

@@ -25,6 +25,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from ledger import schema
 from ledger.errors import ConfigurationError
 from ledger.extras import need
 from ledger.models import Consumer, HeldItem, Item
@@ -99,7 +100,11 @@ class LLMSummarizer:
         tokens = int(self.counter(text)) + self.item_overhead
         digest = hashlib.blake2b(
             "|".join(
-                [request.session_id, str(request.turn), *(f"{i.consumer.code}:{i.id}" for i in old)]
+                [
+                    request.session_id,
+                    str(request.turn),
+                    *(schema.content_field(i.consumer.code, i.id) for i in old),
+                ]
             ).encode(),
             digest_size=6,
         ).hexdigest()

@@ -27,6 +27,7 @@ from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from ledger import schema
 from ledger.agent.counters import Calibrated, count, cut_to, is_estimate
 from ledger.core import SessionCore, new_op_id
 from ledger.errors import (
@@ -464,7 +465,7 @@ class AgentCore:
         """Whether the background worker compacts this session (asked of it once)."""
         if self._worker is None:
             snap: Snapshot = yield self.session.snapshot_call()
-            self._worker = not snap.raw.get("ca")
+            self._worker = not snap.raw.get(schema.AGENT_COMPACTS)
         return self._worker
 
     def _storing(self) -> Generator[Call[Any], Any, bool]:
@@ -596,13 +597,10 @@ class AgentCore:
             if raw is None:
                 continue  # a summary whose record expired or was never written: its drops stand
             try:
-                rec = json.loads(raw)
-                text = str(rec["text"])
-                replaced = [
-                    (Consumer.from_code(code), iid)
-                    for code, _, iid in (str(r).partition(":") for r in rec.get("replaced", ()))
-                ]
-            except (ValueError, KeyError, TypeError, AttributeError):
+                rec = schema.SummaryRecord.from_json(raw)
+                text = rec.text
+                replaced = [(Consumer.from_code(code), iid) for code, iid in rec.replaced_items()]
+            except (ValueError, KeyError):
                 continue  # not a record this version wrote
             summary = self.summary_of(sid, text)
             self.known[(Consumer.WORKING_MEMORY, sid)] = summary
@@ -749,7 +747,7 @@ class AgentCore:
         self, c: Consumer, planned: list[tuple[Item, Obj]], exc: AdmissionRefused
     ) -> Generator[Held, Any, Admission[Any]]:
         """A refused admission: no new item fitted. Those already held stay in the prompt."""
-        held: list[bool] = yield Held(tuple(f"i:{c.code}:{it.id}" for it, _ in planned))
+        held: list[bool] = yield Held(tuple(schema.item_field(c.code, it.id) for it, _ in planned))
         kept = tuple(o for (_, o), h in zip(planned, held, strict=True) if h)
         refused = tuple(o for (_, o), h in zip(planned, held, strict=True) if not h)
         return Admission(kept=kept, refused=refused, reason=exc.reason, charged=0, free=exc.free)
@@ -885,7 +883,7 @@ class AgentCore:
             # compaction after it reads them)
             yield Store(
                 tuple(
-                    (f"{c.code}:{it.id}", self.text_of(o))
+                    (schema.content_field(c.code, it.id), self.text_of(o))
                     for c, pairs in plan.items()
                     for it, o in pairs
                 )

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from ledger import schema
 from ledger._sync.agent import drive
 from ledger.agent import Admission, Agent, ToolOutcome, Turn
 from ledger.agent.core import Op
@@ -26,6 +27,7 @@ from ledger.models import Consumer, SessionBudget, Snapshot, TurnReport, TurnSta
 from ledger.protocol import Call
 
 T = TypeVar("T")
+_FAILED = schema.COUNTER.of("failed_compactions")
 POLL_S = 0.02
 
 
@@ -159,15 +161,18 @@ class SimAgent:
 
     def wait_attempt(self, before: Snapshot, timeout_s: float) -> bool:
         """Wait (bounded) for the worker's next verdict on the pending compaction: a
-        compaction, a failed one, or a hard reset. True if one arrived in time."""
+        compaction, a failed one, or a hard reset (once the failures escalated to one,
+        the reset itself). True if one arrived in time."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             snap = self.snapshot()
             if (
                 not snap.compaction_pending
                 or snap.epoch != before.epoch
-                or snap.raw.get("x:failed_compactions", 0)
-                != before.raw.get("x:failed_compactions", 0)
+                or (
+                    snap.raw.get(_FAILED, 0) != before.raw.get(_FAILED, 0)
+                    and not snap.raw.get(schema.RESET_REQUESTED, 0)
+                )
             ):
                 return True
             time.sleep(POLL_S)

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from ledger import schema
 from ledger.backends import parse_url
 from ledger.client import Ledger
 from ledger.fleet import decay, fanout, starvation, truncation, variants
@@ -307,7 +308,7 @@ def run(settings: LedgerSettings, config: FleetConfig, progress: Progress = None
             snap = led.session(sid).snapshot()
             over += snap.free < 0 or any("over-allocated" in p for p in report.problems)
             if sid.startswith("decay-") and sid.endswith(f"@{tag}"):
-                failed += snap.raw.get("x:failed_compactions", 0)
+                failed += snap.raw.get(schema.COUNTER.of("failed_compactions"), 0)
             led.session(sid).delete()
     if progress:
         progress("audits", 1)

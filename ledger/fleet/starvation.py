@@ -20,6 +20,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from ledger import schema
 from ledger.client import Ledger
 from ledger.errors import WorkingMemoryStarvation
 from ledger.fleet.agent import Doc, SimAgent
@@ -134,7 +135,7 @@ def run_ledger(agent: SimAgent, turns: tuple[TurnPlan, ...], rule: bool = True) 
         }  # what the ledger reclaimed leaves the prompt
         ret = [d for d in ret if d.id not in gone]
         scr = [d for d in scr if d.id not in gone]
-        reclaimed = tuple(f"{c.code}:{i}" for c, i in t.reclaimed)
+        reclaimed = tuple(schema.content_field(c.code, i) for c, i in t.reclaimed)
         rows.append(TurnRow(p.turn, p.working_set, t.residual, t.utilization, t.regime, reclaimed))
         chunks = [Doc(f"c{p.turn}-{k}", c) for k, c in enumerate(p.chunks)]
         kept = _keep_docs(ret + chunks, RETRIEVAL_KEEP)

@@ -5,78 +5,188 @@
 -- `local` definitions at top level: each is cut with the comment lines above it.
 -- Nothing here builds a key name: keys arrive only through KEYS.
 --
--- Session hash (KEYS[1] of every session script), one Redis hash:
---   ep tn sq inc        epoch, turn, item sequence, creation time (ms) of this incarnation
---   pe                  (tombstone of a closed session) its last epoch
---   W S T out           window, system prompt, tool framing, output reserve (tokens)
---   F_w F_m             working-memory floor, memory (retrieval + recall) floor
---   HW EV               high-water mark, eviction threshold (tokens)
---   fr                  free tokens: W minus every claim (kept exact by every script)
---   a_w a_m a_s         active tokens (items + reservations) per group: working
---                       memory, memory (retrieval + recall), scratchpad
---   u_<c> n_<c> v_<c>   tokens held by items, item count, tokens held by open
---                       reservations, per consumer c
---   nv                  open reservations
---   ttl ort xp          idle TTL (ms), op retention (ms), when the TTL is next refreshed
---   R0 rel pv sttl      default output reserve, consumers released each turn, spill
---                       preview (tokens), spill TTL (ms)
---   cx rut rup          failed compactions that escalate, roll-up turns, roll-up share (per mille)
---   ams amf amp         amplification thresholds (per mille): saturation, fragmentation,
---                       pathological
---   cd kf kn kt rq      compaction pending, consecutive failed compactions, compactions
---                       done, turn of the last one, hard reset requested
---   cq                  when the last compaction job was requested (ms, Redis's clock)
---   kg pm               a compaction's minimum gain (tokens); memory (retrieval + recall)
---                       tokens admitted since the pending compaction became pending
---   ws ai ao an pu      this turn's working set, span input and output tokens, span
---                       count; utilization (per mille) at the last end_turn
---   cfg                 the budget's fingerprint
---   ca                  1: the agent compacts (no compaction jobs), 0: the worker
---   dt dr dp df         framing tolerance (-1: drift not judged); the last end_turn's
---                       drift, prompt tokens, and 1 when its drift was flagged
---   i:<c>:<id>          one item: '<tokens>|<turn>|<priority>|<seq>'
---   r:<id>              one reservation: '<c>|<tokens>|<deadline_ms>'
---   gz                  when the current outcome generation is rotated (one op
---                       retention after it began)
---   x:<name>            telemetry counters
---   te                  the last turn ended by end_turn
---   lo le               the open turn's owner and its lease's end (ms, Redis's clock): a
---                       turn is open (turn tn) exactly while lo is set
---   lb                  the op id of the begin_turn that opened the open turn (calls sent
---                       with it, before its number is known, stamp '<epoch>@~<op id>')
---   uo                  the open turn's op keys (the outcomes a rollback removes)
---   ul                  the open turn's undo log: '\31<field>\30<value before the turn
---                       first changed it>' per item or reservation field it changed (''
---                       when the field was absent) and 'out' (see `journal`)
---   qs qd               deliveries queued for the next turn: summary ids ('<id>,...') and
---                       items to drop ('<c>:<id>,...') of compactions committed outside a
---                       turn (the worker's)
---   vs vd               the same, delivered to the open turn (queued again if it is rolled back)
---   cm                  the commit mark the last end_turn recorded (the app state's version)
---   rb                  the last rolled-back turn: '<turn> <why>'
--- Consumers c: w working memory, r retrieval, m recall, s scratchpad.
+-- BEGIN SCHEMA LEGEND (generated from ledger/schema.py by `python tools/legend.py`)
+-- Consumer letters <c> (a letter means a consumer only): w working memory, r retrieval,
+-- m recall, s scratchpad. The claim groups have no letters, only fields: a_w/F_w working
+-- memory, a_m/F_m the memory group (retrieval + recall: this m is not the consumer m),
+-- a_s scratchpad (no floor: F_s is never written). Units: tokens = tokens; ms = a
+-- duration in ms; time = a time in ms on Redis's clock; count = a count; per_mille = per
+-- mille; flag = 1 or 0; epoch = an epoch; turn = a turn number; id = an identifier
+-- (text); text = text; binary = binary (control-character separated).
+--
+-- session: the session hash '<tag>:s:<session>' (KEYS[1] of every session script)
+--   ep             epoch [epoch]: the fence every call's ARGV[2] is checked against: a
+--                  new incarnation starts at Redis's clock, each hard reset adds 1
+--   tn             turn [turn]: the last turn begun (the open one while lo is set)
+--   sq             sequence [count]: item sequence: each admitted item gets the next
+--                  number
+--   inc            incarnation [time]: when this incarnation was created (a job's inc)
+--   pe             past_epoch [epoch]: in a tombstone (a deleted session): its last epoch
+--   cfg            budget_fingerprint [text]: the budget's fingerprint (SHA-256)
+--   W              window [tokens]: the context window
+--   S              system_prompt [tokens]: the system prompt
+--   T              tool_framing [tokens]: the tool framing
+--   out            output_reserve [tokens]: the output reserve of the current turn
+--   R0             default_output_reserve [tokens]: the budget's output reserve (what
+--                  begin_turn with '-' takes)
+--   F_w            floor_working [tokens]: the working-memory group's floor
+--   F_m            floor_memory_group [tokens]: the memory group's floor (retrieval +
+--                  recall)
+--   F_s            floor_scratchpad [tokens]: never written: the scratchpad has no floor
+--                  (read as 0)
+--   HW             high_water_mark [tokens]: the high-water mark
+--   EV             eviction_threshold [tokens]: the eviction threshold
+--   fr             free [tokens]: W minus every claim (S, T, out, and per group the
+--                  larger of its active tokens and its floor): kept exact by every script
+--   a_w            active_working [tokens]: active tokens (items + open reservations) of
+--                  the working-memory group
+--   a_m            active_memory_group [tokens]: active tokens of the memory group
+--                  (retrieval + recall)
+--   a_s            active_scratchpad [tokens]: active tokens of the scratchpad
+--   u_<c>          held [tokens]: tokens held by consumer c's items
+--   n_<c>          item_count [count]: consumer c's item count
+--   v_<c>          reserved [tokens]: tokens held by consumer c's open reservations
+--   nv             open_reservations [count]: open reservations
+--   ttl            idle_ttl [ms]: the session's idle TTL
+--   ort            op_retention [ms]: how long an outcome is kept
+--   xp             ttl_refresh_at [time]: when the keys' TTLs are next refreshed
+--   rel            released_each_turn [text]: consumers released at each begin_turn
+--                  (letters, or '-')
+--   pv             spill_preview [tokens]: a spilled tool result's preview
+--   sttl           spill_ttl [ms]: how long a spilled result is kept
+--   cx             escalate_after [count]: failed compactions that escalate to a reset
+--   rut            rollup_turns [count]: roll-up turns
+--   rup            rollup_share [per_mille]: roll-up share
+--   ams            amplification_saturation [per_mille]: amplification threshold:
+--                  saturation
+--   amf            amplification_fragmentation [per_mille]: amplification threshold:
+--                  fragmentation
+--   amp            amplification_pathological [per_mille]: amplification threshold:
+--                  pathological
+--   ca             agent_compacts [flag]: 1: the agent compacts (no compaction jobs), 0:
+--                  the worker
+--   kg             min_gain [tokens]: a compaction's minimum gain
+--   cd             compaction_pending [flag]: 1 while a compaction is pending
+--   cq             compaction_requested_at [time]: when the last compaction job was
+--                  requested (its entry id)
+--   kf             failed_compactions [count]: consecutive failed compactions
+--   kn             compactions_done [count]: compactions done
+--   kt             last_compaction_turn [turn]: the turn of the last compaction
+--   rq             reset_requested [flag]: 1 once failed compactions escalated to a hard
+--                  reset, until it is done
+--   pm             memory_since_pending [tokens]: memory-group tokens admitted since the
+--                  pending compaction became pending
+--   ws             working_set [tokens]: this turn's working set
+--   ai             span_input [tokens]: this turn's memory-tool spans: input tokens
+--   ao             span_output [tokens]: this turn's memory-tool spans: output tokens
+--   an             span_count [count]: this turn's memory-tool spans: how many
+--   pu             last_utilization [per_mille]: utilization at the last end_turn
+--   te             last_ended_turn [turn]: the last turn end_turn committed
+--   dt             framing_tolerance [tokens]: the framing tolerance (-1: drift not
+--                  judged)
+--   dr             drift [tokens]: the last end_turn's drift (its prompt less the
+--                  occupancy)
+--   dp             last_prompt [tokens]: the last end_turn's prompt
+--   df             drift_flagged [flag]: 1 when the last end_turn's drift was flagged
+--   lo             turn_owner [id]: the open turn's owner: a turn is open exactly while
+--                  lo is set
+--   le             lease_until [time]: the end of the open turn's lease
+--   lb             begun_by [id]: the op id of the begin_turn that opened the open turn
+--                  (calls sent with it stamp '<epoch>@~<op id>')
+--   ul             undo_log [binary]: the open turn's undo log: '\31<field>\30<value
+--                  before>' per item or reservation field it changed, and 'out'
+--   uo             turn_ops [binary]: the open turn's op keys (the outcomes a rollback
+--                  removes)
+--   qs             queued_summaries [text]: summary ids ('<id>,...') queued for the next
+--                  turn
+--   qd             queued_drops [text]: items to drop ('<c>:<id>,...') queued for the
+--                  next turn
+--   vs             delivered_summaries [text]: qs handed to the open turn (queued again
+--                  on a rollback)
+--   vd             delivered_drops [text]: qd handed to the open turn (queued again on a
+--                  rollback)
+--   cm             commit_mark [id]: the commit mark the last end_turn recorded
+--   rb             rolled_back [text]: the last rolled-back turn: '<turn> <why>'
+--   gz             rotate_at [time]: when the current outcome generation is rotated
+--   i:<c>:<id>     item [text]: one item: '<tokens>|<turn>|<priority>|<seq>'
+--   r:<id>         reservation [text]: one open reservation: '<c>|<tokens>|<deadline ms>'
+--   x:last_reset   last_reset [text]: the last reset's reason
+--   x:<name>       counter [count]: a telemetry counter (only ever incremented)
+--
+-- outcome: the outcome hashes '<tag>:out:<session>' and '<tag>:old:<session>' (the
+-- current and previous generation; the last two KEYS of every mutating script)
+--   <bucket>       bucket [binary]: the outcomes of the op ids whose SHA-1 starts with
+--                  these 2 (3, 4) hex digits: '\30<key><fingerprint><coded reply>' each
+--   e              epoch_base [epoch]: the generation's epoch base: the epoch of its
+--                  first outcome
+--   k              outcomes [count]: the outcomes the generation holds
+--   g              had_previous [flag]: 0: the generation began when no previous one
+--                  existed
+--
+-- tally: the partition's tally '<tag>:tally': each indicator counted in a session's
+-- 'x:<name>' is counted here too, in the same step
+--   drift          tally_drift [count]: indicator drift (docs/operations.md)
+--   reconciled     tally_reconciled [count]: indicator reconciled (docs/operations.md)
+--   refused        tally_refused [count]: indicator refused (docs/operations.md)
+--   refused_pending tally_refused_pending [count]: indicator refused_pending
+--                  (docs/operations.md)
+--   expired        tally_expired [count]: indicator expired (docs/operations.md)
+--   spilled        tally_spilled [count]: indicator spilled (docs/operations.md)
+--   starvation     tally_starvation [count]: indicator starvation (docs/operations.md)
+--   loud           tally_loud [count]: indicator loud (docs/operations.md)
+--   failed_compactions tally_failed_compactions [count]: indicator failed_compactions
+--                  (docs/operations.md)
+--   escalations    tally_escalations [count]: indicator escalations (docs/operations.md)
+--   resets         tally_resets [count]: indicator resets (docs/operations.md)
+--   rolled_back    tally_rolled_back [count]: indicator rolled_back (docs/operations.md)
+--   evicted_memory tally_evicted_memory [count]: indicator evicted_memory
+--                  (docs/operations.md)
+--   fanout_refused tally_fanout_refused [count]: indicator fanout_refused
+--                  (docs/operations.md)
+--   class:<class>  tally_class [count]: ended turns of one amplification class
+--
+-- job: an entry of the partition's job stream '<tag>:jobs' (written in this order)
+--   kind           kind [text]: compact or hard_reset
+--   session        session [id]: the session id
+--   epoch          epoch [epoch]: the session's epoch when the job was written
+--   reason         reason [text]: why the job was written
+--   op             op [id]: the op id of the call that wrote the job
+--   inc            incarnation [time]: the session's inc, 0 if unknown
+--
+-- summary: the JSON record of one summary, in the summaries hash
+--   text           text [text]: the summary's text
+--   replaced       replaced [text]: the items it replaced: ['<c>:<id>', ...]
+--   at             at [time]: when the compact that stored it ran
+--
+-- compacted: the summaries hash '<tag>:compacted:<session>'
+--   <summary_id>   summary [text]: a SummaryRecord (JSON)
+--   ~              compacting [text]: '<worker>|<until ms>' while a worker computes the
+--                  session's compaction
+--
+-- content: the content store '<tag>:content:<session>'
+--   <c>:<id>       content [text]: an item's text (see content_field)
+--
+-- spill: the spill hash '<tag>:spill:<session>'
+--   <call_id>      spilled [text]: a spilled tool result's content
+--
+-- history: the history hash '<tag>:history:<session>'
+--   <version>      history [text]: a JSON list of the conversation's items
+-- END SCHEMA LEGEND
+--
 -- An item's turn is the turn that admitted it: while a turn is open, an item of that
 -- turn is one the turn added (calls of no turn are refused while a turn is open).
 --
--- Outcome hashes (the last two KEYS of every mutating script, '<tag>:out:<session>'
--- and '<tag>:old:<session>'): the current and the previous generation of outcomes,
--- kept out of the session hash so that a scan of the session never reads them.
---   <bucket>            the outcomes of the op ids whose SHA-1 starts with these two
---                       (three, four) hex digits, one after the other:
---                       '\30<key><fingerprint><reply>', key: hex digits 3-16 of the op
---                       id's SHA-1, the reply's keys coded and its epoch relative to e
---                       (see `pack`); a generation widens its buckets as it grows (see
---                       `bucket_width`), so that a call rewrites a bucket of about 32 outcomes
---                       at most, and a field costs little next to the outcomes it holds
---   e                   the generation's epoch base: the epoch of its first outcome
---   k                   the outcomes the generation holds (a rollback leaves it as it is)
---   g                   0: the generation began when no previous one existed
 -- The first commit after gz renames the current generation to the previous one (the
 -- one it replaces is at least one op retention old) and gives that one the op
 -- retention as its TTL: an outcome lives at least the op retention, at most about
 -- twice that, with no timestamp or journal per outcome.
 
-local GROUP = { w = 'w', r = 'm', m = 'm', s = 's' }
+-- Each consumer's claim group, named by its fields and never by a letter: ACTIVE[c] holds
+-- the group's active tokens, FLOOR[c] its floor. The memory group (a_m, F_m) is retrieval
+-- and recall: the m of its fields is not the consumer m (recall). The scratchpad has no
+-- floor: F_s is never written, and read as 0.
+local ACTIVE = { w = 'a_w', r = 'a_m', m = 'a_m', s = 'a_s' }
+local FLOOR = { w = 'F_w', r = 'F_m', m = 'F_m', s = 'F_s' }
 local ID_MAX = 128
 local TOKENS_MAX = 100000000      -- 1e8 tokens: above any model's window
 local NEVER = 999999999999999
@@ -148,8 +258,20 @@ local function key_arg(i, ...)
   end
 end
 
+-- reset and void: ARGV[3] the session id (naming KEYS[1]) and ARGV[4] one identifier
+-- (`what` names it in a refusal), nothing more; KEYS[2] the partition deadline index,
+-- then the keys the suffixes given name (see `key_arg`). Returns the session id and the
+-- identifier, or fails with BADARG, in that order, before anything is read or written.
+local function sid_and_id(what, ...)
+  local sid = session_arg(ARGV[3])
+  local id = id_arg(ARGV[4], what)
+  if #ARGV ~= 4 then fail('BADARG', 'expected 4 arguments, got ' .. #ARGV) end
+  key_arg(2, 'deadlines', ...)
+  return sid, id
+end
+
 local function consumer_arg(v)
-  if type(v) ~= 'string' or not GROUP[v] then
+  if type(v) ~= 'string' or not ACTIVE[v] then
     fail('BADARG', 'consumer must be one of w (working_memory), r (retrieval), m (recall), ' ..
       's (scratchpad), got ' .. show(v))
   end
@@ -430,6 +552,13 @@ local function journal(ul, fields, values, fresh)
   return ul .. table.concat(parts)
 end
 
+-- The free room (field fr): the window less the system prompt, the tool framing, the
+-- output reserve `out` and each group's claim, the larger of its active tokens (a_w, a_m,
+-- a_s) and its floor (the scratchpad has none). B holds W, S, T, F_w and F_m as numbers.
+local function free_room(B, out, a_w, a_m, a_s)
+  return B.W - B.S - B.T - out - math.max(a_w, B.F_w) - math.max(a_m, B.F_m) - a_s
+end
+
 -- Roll the open turn back (docs/agent.md#a-dead-turn-is-undone): every item the turn
 -- added goes, every field its undo log names gets its value from before the turn back
 -- (items, reservations, the output reserve, a drift flag), the counters are computed
@@ -516,7 +645,8 @@ local function rollback(key, dl, sid, why)
   end
   local N = function(x) return tonumber(f[x]) or 0 end
   local a_w, a_m, a_s = u.w + v.w, u.r + v.r + u.m + v.m, u.s + v.s
-  local fr = N('W') - N('S') - N('T') - N('out') - math.max(a_w, N('F_w')) - math.max(a_m, N('F_m')) - a_s
+  local B = { W = N('W'), S = N('S'), T = N('T'), F_w = N('F_w'), F_m = N('F_m') }
+  local fr = free_room(B, N('out'), a_w, a_m, a_s)
   for _, kv in ipairs({ 'fr', fr, 'a_w', a_w, 'a_m', a_m, 'a_s', a_s, 'nv', nv, 'rb', tn .. ' ' .. why,
     'qs', cat(f.vs, f.qs), 'qd', cat(f.vd, f.qd) }) do
     set[#set + 1] = kv
@@ -658,4 +788,34 @@ end
 -- key=value pairs joined by '|': the one reply shape of every script.
 local function reply(kv)
   return table.concat(kv, '|')
+end
+
+-- reserve and settle: judge `grow` more tokens, `d` more of their group's claim on the
+-- window (H: the caller's load, with fr, ep and tn; `requested`: what the reply names).
+-- `pending`: the tokens are memory's and a compaction is pending; they are then judged
+-- as admit.lua judges memory (the compaction credit): refused while the last compaction
+-- failed, else while HW + pm + grow + the output reserve > W, a refusal counted as
+-- refused_pending with |bound=|baseline=.
+-- Else it is refused when d is more than the free room (the reason `refusal_reason`
+-- gives). A refusal is counted and committed as the call's outcome: returns that reply.
+-- Else returns nil and pm (the memory admitted since the compaction became pending, for
+-- the caller to grow; nil when none is pending).
+local function refuse_growth(key, pending, grow, d, H, requested, now, op, fp, J)
+  local reason, extra, pm
+  if pending then
+    local x = load(key, { 'HW', 'out', 'W', 'kf', 'pm' }, 5)
+    pm = x.pm or 0
+    local bound = (x.kf or 0) > 0 and 'failed' or 'pending'
+    if bound == 'failed' or grow > x.W - x.out - x.HW - pm then
+      reason, extra = 'compaction_pending', { 'bound=' .. bound, 'baseline=' .. (x.HW + pm) }
+      indicate(key, 'refused_pending', 1)
+    end
+  end
+  if not reason and d > H.fr then reason = refusal_reason(key, grow) end
+  if not reason then return nil, pm end
+  indicate(key, 'refused', 1)
+  local out = { 'status=refused', 'reason=' .. reason, 'requested=' .. requested, 'free=' .. H.fr,
+    'epoch=' .. H.ep, 'turn=' .. H.tn }
+  for _, kv in ipairs(extra or {}) do out[#out + 1] = kv end
+  return commit(key, now, op, fp, reply(out), {}, J)
 end

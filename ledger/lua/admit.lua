@@ -57,8 +57,7 @@ if #ARGV ~= want then
 end
 key_arg(2, 'content:%s')
 -- This is the hot path: fields are read by position, not through load()'s tables.
-local g = GROUP[c]
-local A, F, U, N = 'a_' .. g, 'F_' .. g, 'u_' .. c, 'n_' .. c
+local A, F, U, N = ACTIVE[c], FLOOR[c], 'u_' .. c, 'n_' .. c
 local fields = { 'ep', 'tn', 'sq', 'fr', A, F, U, N, 'gz', 'xp', 'cd', 'lo', 'uo' }
 local toks, prios, seen = {}, {}, n > 1 and {} or nil
 for k = 1, n do
@@ -91,7 +90,7 @@ local charged, admitted, dups, skipped, args, stored = 0, 0, 0, {}, {}, {}
 -- memory is judged on the post-compaction baseline: the high-water mark plus the
 -- memory admitted since the compaction became pending (pm); at most W - out - HW - pm
 -- more tokens. None while the last one failed.
-local cap, pending, bound, pm, base = nil, g == 'm' and v[11] == '1', nil, 0, 0
+local cap, pending, bound, pm, base = nil, A == 'a_m' and v[11] == '1', nil, 0, 0
 if pending then
   local x = redis.call('HMGET', key, 'HW', 'out', 'W', 'kf', 'pm')
   pm = tonumber(x[5]) or 0

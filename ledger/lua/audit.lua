@@ -55,8 +55,8 @@ check('working_memory active', f.a_w, u.w + v.w, 'items and reservations')
 check('memory (retrieval + recall) active', f.a_m, u.r + v.r + u.m + v.m, 'items and reservations')
 check('scratchpad active', f.a_s, u.s + v.s, 'items and reservations')
 local N = function(x) return tonumber(f[x]) end
-local free = N('W') - N('S') - N('T') - N('out') - math.max(u.w + v.w, N('F_w'))
-  - math.max(u.r + v.r + u.m + v.m, N('F_m')) - u.s - v.s
+local B = { W = N('W'), S = N('S'), T = N('T'), F_w = N('F_w'), F_m = N('F_m') }
+local free = free_room(B, N('out'), u.w + v.w, u.r + v.r + u.m + v.m, u.s + v.s)
 check('free', f.fr, free, 'items and reservations')
 if free < 0 then problems[#problems + 1] = 'over-allocated by ' .. (-free) .. ' tokens' end
 if f.df == '1' then

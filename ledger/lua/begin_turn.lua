@@ -127,12 +127,12 @@ if R[2] and not implicit then
 end
 local queued_s, queued_d = R[3] or '', R[4] or ''
 
-local A = { w = H.a_w, m = H.a_m, s = H.a_s }
+local A = { a_w = H.a_w, a_m = H.a_m, a_s = H.a_s }
 local U = { w = H.u_w, r = H.u_r, m = H.u_m, s = H.u_s }
 local N = { w = H.n_w, r = H.n_r, m = H.n_m, s = H.n_s }
 local dead, dead_rec, released, rotated, reclaimed = {}, {}, 0, 0, {}
 local function drop(c, it)
-  local g = GROUP[c]
+  local g = ACTIVE[c]  -- (its group's field)
   A[g], U[c], N[c] = A[g] - it.t, U[c] - it.t, N[c] - 1
   dead[#dead + 1] = it.f
   dead_rec[#dead] = it.v
@@ -140,10 +140,10 @@ local function drop(c, it)
   return it.t
 end
 local function residual()
-  return H.W - H.S - H.T - out2 - math.max(A.m, H.F_m) - A.s
+  return H.W - H.S - H.T - out2 - math.max(A.a_m, H.F_m) - A.a_s
 end
-local function need() return math.max(ws, A.w, H.F_w) end
-local function occupancy() return H.S + H.T + A.w + A.m + A.s end
+local function need() return math.max(ws, A.a_w, H.F_w) end
+local function occupancy() return H.S + H.T + A.a_w + A.a_m + A.a_s end
 
 -- The items, read (one HGETALL) only when a turn must rotate or reclaim: a turn that
 -- is already ok costs no scan of the session.
@@ -198,7 +198,7 @@ if start_residual < need() then
       if x.p ~= y.p then return x.p < y.p end
       return x.sq < y.sq
     end)
-    local compact, held = {}, A.w
+    local compact, held = {}, A.a_w
     if residual() >= target then
       for _, it in ipairs(items.w) do
         if math.max(held, target) <= residual() then break end
@@ -222,10 +222,10 @@ if #dead > 0 then
   for i = 1, #dead, 1000 do redis.call('HDEL', key, unpack(dead, i, math.min(i + 999, #dead))) end
 end
 local turn = H.tn + 1
-local fr = H.W - H.S - H.T - out2 - math.max(A.w, H.F_w) - math.max(A.m, H.F_m) - A.s
+local fr = free_room(H, out2, A.a_w, A.a_m, A.a_s)
 local due = (occupancy() > H.HW or H.cd == 1) and 1 or 0
 local wm_budget = H.F_w > 0 and H.F_w or H.W
-local rollup = (turn - H.kt > H.rut or A.w * 1000 > H.rup * wm_budget) and 1 or 0
+local rollup = (turn - H.kt > H.rut or A.a_w * 1000 > H.rup * wm_budget) and 1 or 0
 -- The lease, the undo log (the output reserve and what this call reclaimed) and the
 -- deliveries, now this turn's.
 local le = now + lease
@@ -236,7 +236,7 @@ if implicit or queued_s ~= '' or queued_d ~= '' then redis.call('HDEL', key, 'qs
 local logged, was = { 'out', 'pm' }, { H.out, H.cd == 1 and (H.pm or 0) or 0 }
 for i = 1, #dead do logged[i + 2], was[i + 2] = dead[i], dead_rec[i] end
 local args = { 'tn', turn, 'out', out2, 'ws', ws, 'fr', fr, 'ai', 0, 'ao', 0, 'an', 0,
-  'a_w', A.w, 'a_m', A.m, 'a_s', A.s, 'lo', owner, 'le', le, 'lb', op,
+  'a_w', A.a_w, 'a_m', A.a_m, 'a_s', A.a_s, 'lo', owner, 'le', le, 'lb', op,
   'ul', journal(nil, logged, was, true) }
 if queued_s ~= '' then args[#args + 1], args[#args + 2] = 'vs', queued_s end
 if queued_d ~= '' then args[#args + 1], args[#args + 2] = 'vd', queued_d end

@@ -130,7 +130,7 @@ if job ~= '-' then
   if lo then
     return reply({ 'status=ok', 'outcome=turn_open', 'occupancy=' .. (H.S + H.T + H.a_w + H.a_m + H.a_s),
       'high_water=' .. H.HW, 'dropped=0', 'summary=0', 'missing=', 'failures=' .. H.kf, 'escalated=0',
-      'free=' .. (H.W - H.S - H.T - H.out - math.max(H.a_w, H.F_w) - math.max(H.a_m, H.F_m) - H.a_s),
+      'free=' .. free_room(H, H.out, H.a_w, H.a_m, H.a_s),
       'epoch=' .. H.ep, 'turn=' .. H.tn, 'owner=' .. lo, 'lease=' .. (le or 0) })
   end
 else
@@ -155,12 +155,12 @@ end
 if job ~= '-' and redis.call('XDEL', KEYS[2], job) == 0 then
   return reply({ 'status=ok', 'outcome=already', 'occupancy=' .. (H.S + H.T + H.a_w + H.a_m + H.a_s),
     'high_water=' .. H.HW, 'dropped=0', 'summary=0', 'missing=', 'failures=' .. H.kf, 'escalated=0',
-    'free=' .. (H.W - H.S - H.T - H.out - math.max(H.a_w, H.F_w) - math.max(H.a_m, H.F_m) - H.a_s),
+    'free=' .. free_room(H, H.out, H.a_w, H.a_m, H.a_s),
     'epoch=' .. H.ep, 'turn=' .. H.tn })
 end
 local now = now_ms()
 local J = { gz = H.gz, xp = H.xp, uo = in_turn and (uo or '') or nil }
-local A = { w = H.a_w, m = H.a_m, s = H.a_s }
+local A = { a_w = H.a_w, a_m = H.a_m, a_s = H.a_s }
 local U = { w = H.u_w, r = H.u_r, m = H.u_m, s = H.u_s }
 local N = { w = H.n_w, r = H.n_r, m = H.n_m, s = H.n_s }
 local dropped, dead, was, gone, missing = 0, {}, {}, {}, {}
@@ -169,26 +169,26 @@ for k = 1, n do
   if matched[k] then
     local t = tonumber(string.match(rec, '^(%d+)|'))
     dropped = dropped + t
-    A[GROUP[c]], U[c], N[c] = A[GROUP[c]] - t, U[c] - t, N[c] - 1
+    A[ACTIVE[c]], U[c], N[c] = A[ACTIVE[c]] - t, U[c] - t, N[c] - 1
     dead[#dead + 1] = fields[#NUM + 1 + k]
     was[#dead], gone[#dead] = rec, refs[k].ref
   else
     missing[#missing + 1] = refs[k].ref
   end
 end
-A.w = A.w + sum_t
-local fr = H.W - H.S - H.T - H.out - math.max(A.w, H.F_w) - math.max(A.m, H.F_m) - A.s
+A.a_w = A.a_w + sum_t
+local fr = free_room(H, H.out, A.a_w, A.a_m, A.a_s)
 -- A summary that does not fit cannot be applied (that would over-allocate): it is a
 -- failed compaction with no effect, judged like one that misses the mark.
 local fits = fr >= 0
 if not fits then
-  A = { w = H.a_w, m = H.a_m, s = H.a_s }
+  A = { a_w = H.a_w, a_m = H.a_m, a_s = H.a_s }
   U = { w = H.u_w, r = H.u_r, m = H.u_m, s = H.u_s }
   N = { w = H.n_w, r = H.n_r, m = H.n_m, s = H.n_s }
-  fr = H.W - H.S - H.T - H.out - math.max(A.w, H.F_w) - math.max(A.m, H.F_m) - A.s
+  fr = free_room(H, H.out, A.a_w, A.a_m, A.a_s)
   dead, was, gone, dropped, sum_t = {}, {}, {}, 0, 0
 end
-local occ = H.S + H.T + A.w + A.m + A.s
+local occ = H.S + H.T + A.a_w + A.a_m + A.a_s
 local gain = H.S + H.T + H.a_w + H.a_m + H.a_s - occ
 local deferred = fits and occ <= H.HW and gain < (H.kg or 0)  -- bought too little: a deferral
 local ok = fits and occ <= H.HW and not deferred
@@ -202,7 +202,7 @@ if sum_t > 0 then
   args = { 'i:w:' .. sum_id, table.concat({ sum_t, H.tn, 1000, sq }, '|') }
   U.w, N.w = U.w + sum_t, N.w + 1
 end
-local upd = { 'sq', sq, 'a_w', A.w, 'a_m', A.m, 'a_s', A.s, 'fr', fr, 'kf', kf, 'cd', ok and 0 or 1 }
+local upd = { 'sq', sq, 'a_w', A.a_w, 'a_m', A.a_m, 'a_s', A.a_s, 'fr', fr, 'kf', kf, 'cd', ok and 0 or 1 }
 for _, c in ipairs({ 'w', 'r', 'm', 's' }) do
   upd[#upd + 1], upd[#upd + 2], upd[#upd + 3], upd[#upd + 4] = 'u_' .. c, U[c], 'n_' .. c, N[c]
 end

@@ -75,9 +75,9 @@ for k = 1, n do
     local c, est, deadline = string.match(rec, '^(%a)|(%d+)|(%d+)$')
     if tonumber(deadline) < now then
       est = tonumber(est)
-      local g = GROUP[c]
-      H.fr = H.fr - claim_delta(H['a_' .. g], -est, H['F_' .. g] or 0)
-      H['a_' .. g] = H['a_' .. g] - est
+      local A = ACTIVE[c]
+      H.fr = H.fr - claim_delta(H[A], -est, H[FLOOR[c]] or 0)
+      H[A] = H[A] - est
       H['v_' .. c] = H['v_' .. c] - est
       H.nv = H.nv - 1
       released, expired = released + est, expired + 1

@@ -115,7 +115,7 @@ table.sort(removed)
 local a_w = U.w + H.v_w
 local a_m = U.r + H.v_r + U.m + H.v_m
 local a_s = U.s + H.v_s
-local fr = H.W - H.S - H.T - H.out - math.max(a_w, H.F_w) - math.max(a_m, H.F_m) - a_s
+local fr = free_room(H, H.out, a_w, a_m, a_s)
 if fr < 0 then
   indicate(key, 'refused', 1)
   return commit(key, now, op, fp, table.concat({ 'status=refused|reason=token_budget_exhausted',

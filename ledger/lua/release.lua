@@ -25,8 +25,8 @@ n = int_arg(ARGV[4], 'item count', 1, 1000)
 if #ARGV ~= 4 + n then
   fail('BADARG', 'expected ' .. (4 + n) .. ' arguments for ' .. n .. ' item ids, got ' .. #ARGV)
 end
-local g = GROUP[c]
-local raws, seen = { 'ep', 'tn', 'fr', 'a_' .. g, 'F_' .. g, 'u_' .. c, 'n_' .. c, 'gz', 'xp', 'lo', 'ul', 'uo' }, {}
+local A, F = ACTIVE[c], FLOOR[c]
+local raws, seen = { 'ep', 'tn', 'fr', A, F, 'u_' .. c, 'n_' .. c, 'gz', 'xp', 'lo', 'ul', 'uo' }, {}
 for k = 1, n do
   local id
   id = id_arg(ARGV[4 + k], 'item id')
@@ -54,12 +54,12 @@ for k = 1, n do
     missing[#missing + 1] = ARGV[4 + k]
   end
 end
-local a = H['a_' .. g]
-local fr = H.fr - claim_delta(a, -tokens, H['F_' .. g] or 0)
+local a = H[A]
+local fr = H.fr - claim_delta(a, -tokens, H[F] or 0)
 local args = {}
 if count > 0 then
   redis.call('HDEL', key, unpack(dead))
-  args = { 'fr', fr, 'a_' .. g, a - tokens, 'u_' .. c, H['u_' .. c] - tokens, 'n_' .. c, H['n_' .. c] - count }
+  args = { 'fr', fr, A, a - tokens, 'u_' .. c, H['u_' .. c] - tokens, 'n_' .. c, H['n_' .. c] - count }
   if in_turn then args[#args + 1], args[#args + 2] = 'ul', journal(R[2], dead, was) end
 end
 return commit(key, now, op, fp, reply({ 'status=ok', 'released=' .. tokens, 'count=' .. count,

@@ -35,11 +35,11 @@ rid = id_arg(ARGV[5], 'reservation id')
 tokens = int_arg(ARGV[6], 'tokens', 1, TOKENS_MAX)
 lease = int_arg(ARGV[7], 'lease ms', 1, 86400000)
 if #ARGV ~= 7 then fail('BADARG', 'expected 7 arguments, got ' .. #ARGV) end
-local g = GROUP[c]
+local A, F = ACTIVE[c], FLOOR[c]
 
 key_arg(2, 'deadlines')
 local key = KEYS[1]
-local H, R = load(key, { 'ep', 'tn', 'fr', 'a_' .. g, 'F_' .. g, 'v_' .. c, 'nv', 'gz', 'xp', 'cd',
+local H, R = load(key, { 'ep', 'tn', 'fr', A, F, 'v_' .. c, 'nv', 'gz', 'xp', 'cd',
   'r:' .. rid, 'i:' .. c .. ':' .. rid, 'lo', 'ul', 'uo' }, 10)
 local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
@@ -51,30 +51,15 @@ if R[2] then
 end
 local now = now_ms()
 
-local a = H['a_' .. g]
-local d = claim_delta(a, tokens, H['F_' .. g] or 0)
+local a = H[A]
+local d = claim_delta(a, tokens, H[F] or 0)
 local J = { gz = H.gz, xp = H.xp, uo = in_turn and (R[5] or '') or nil }
-local reason, extra, pm
-if g == 'm' and H.cd == 1 then  -- compaction credit: memory waits for the pending compaction
-  local x = load(key, { 'HW', 'out', 'W', 'kf', 'pm' }, 5)
-  pm = x.pm or 0
-  local bound = (x.kf or 0) > 0 and 'failed' or 'pending'
-  if bound == 'failed' or tokens > x.W - x.out - x.HW - pm then
-    reason, extra = 'compaction_pending', { 'bound=' .. bound, 'baseline=' .. (x.HW + pm) }
-    indicate(key, 'refused_pending', 1)
-  end
-end
-if not reason and d > H.fr then reason = refusal_reason(key, tokens) end
-if reason then
-  indicate(key, 'refused', 1)
-  local out = { 'status=refused', 'reason=' .. reason, 'requested=' .. tokens, 'free=' .. H.fr,
-    'epoch=' .. H.ep, 'turn=' .. H.tn }
-  for _, kv in ipairs(extra or {}) do out[#out + 1] = kv end
-  return commit(key, now, op, fp, reply(out), {}, J)
-end
+-- (compaction credit: memory waits for the pending compaction)
+local refused, pm = refuse_growth(key, A == 'a_m' and H.cd == 1, tokens, d, H, tokens, now, op, fp, J)
+if refused then return refused end
 local deadline = now + lease
 redis.call('ZADD', KEYS[2], deadline, sid .. '|' .. rid)
-local args = { 'r:' .. rid, c .. '|' .. tokens .. '|' .. deadline, 'fr', H.fr - d, 'a_' .. g, a + tokens,
+local args = { 'r:' .. rid, c .. '|' .. tokens .. '|' .. deadline, 'fr', H.fr - d, A, a + tokens,
   'v_' .. c, H['v_' .. c] + tokens, 'nv', H.nv + 1 }
 if pm then args[#args + 1], args[#args + 2] = 'pm', pm + tokens end
 if in_turn then args[#args + 1], args[#args + 2] = 'ul', journal(R[4], { 'r:' .. rid }, {}) end

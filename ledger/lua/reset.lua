@@ -22,12 +22,7 @@
 -- Calls: HMGET, HGETALL, TIME, HDEL, ZREM, HSET, HINCRBY, DEL.
 
 local op, fp, epoch = op_args('reset', false)
-local sid, reason
-sid = session_arg(ARGV[3])
-reason = id_arg(ARGV[4], 'reason')
-if #ARGV ~= 4 then fail('BADARG', 'expected 4 arguments, got ' .. #ARGV) end
-
-key_arg(2, 'deadlines', 'content:%s', 'compacted:%s')
+local sid, reason = sid_and_id('reason', 'content:%s', 'compacted:%s')
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'W', 'S', 'T', 'out', 'F_w', 'F_m', 'gz', 'xp', 'lo', 'qs', 'qd' }, 10)
 local again = gate(recorded(op), H.ep, op, fp, epoch)

@@ -42,8 +42,8 @@ local key = KEYS[1]
 local res, again = open_reservation(key, op, fp, epoch, rid, tok)
 if again then return again end
 local c, est, deadline = res.c, res.est, res.deadline
-local g = GROUP[c]
-local H, R = load(key, { 'ep', 'tn', 'sq', 'fr', 'a_' .. g, 'F_' .. g, 'u_' .. c, 'n_' .. c, 'v_' .. c,
+local A, F = ACTIVE[c], FLOOR[c]
+local H, R = load(key, { 'ep', 'tn', 'sq', 'fr', A, F, 'u_' .. c, 'n_' .. c, 'v_' .. c,
   'nv', 'gz', 'xp', 'cd', 'i:' .. c .. ':' .. item }, 13)
 local now = now_ms()
 if now > deadline then
@@ -51,32 +51,18 @@ if now > deadline then
 end
 if R[1] then fail('CONFLICT', consumer_name(c) .. ' already holds item ' .. item) end
 
-local a = H['a_' .. g]
-local d = claim_delta(a, actual - est, H['F_' .. g] or 0)
+local a = H[A]
+local d = claim_delta(a, actual - est, H[F] or 0)
 local J = { gz = H.gz, xp = H.xp, uo = res.uo }
-local reason, extra, pm
-if g == 'm' and H.cd == 1 and actual > est then  -- compaction credit, as admit.lua judges memory
-  local x = load(key, { 'HW', 'out', 'W', 'kf', 'pm' }, 5)
-  pm = x.pm or 0
-  local bound = (x.kf or 0) > 0 and 'failed' or 'pending'
-  if bound == 'failed' or actual - est > x.W - x.out - x.HW - pm then
-    reason, extra = 'compaction_pending', { 'bound=' .. bound, 'baseline=' .. (x.HW + pm) }
-    indicate(key, 'refused_pending', 1)
-  end
-end
-if not reason and d > H.fr then reason = refusal_reason(key, actual - est) end
-if reason then
-  indicate(key, 'refused', 1)
-  local out = { 'status=refused', 'reason=' .. reason, 'requested=' .. actual, 'free=' .. H.fr,
-    'epoch=' .. H.ep, 'turn=' .. H.tn }
-  for _, kv in ipairs(extra or {}) do out[#out + 1] = kv end
-  return commit(key, now, op, fp, reply(out), {}, J)
-end
+-- (compaction credit, as admit.lua judges memory, for memory growing past its reservation)
+local refused, pm = refuse_growth(key, A == 'a_m' and H.cd == 1 and actual > est, actual - est, d, H, actual,
+  now, op, fp, J)
+if refused then return refused end
 redis.call('HDEL', key, 'r:' .. rid)
 redis.call('ZREM', KEYS[2], sid .. '|' .. rid)
 local fr = H.fr - d
 local args = { 'i:' .. c .. ':' .. item, actual .. '|' .. H.tn .. '|' .. prio .. '|' .. (H.sq + 1),
-  'sq', H.sq + 1, 'fr', fr, 'a_' .. g, a - est + actual, 'u_' .. c, H['u_' .. c] + actual,
+  'sq', H.sq + 1, 'fr', fr, A, a - est + actual, 'u_' .. c, H['u_' .. c] + actual,
   'n_' .. c, H['n_' .. c] + 1, 'v_' .. c, H['v_' .. c] - est, 'nv', H.nv - 1 }
 if pm then args[#args + 1], args[#args + 2] = 'pm', pm + actual - est end
 if res.in_turn then args[#args + 1], args[#args + 2] = 'ul', journal(res.ul, { 'r:' .. rid }, { res.rec }) end

@@ -17,24 +17,19 @@
 -- Calls: HMGET, TIME, HSET, HDEL, ZREM (HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due).
 
 local op, fp, epoch, tok = op_args('void', false)
-local sid, rid
-sid = session_arg(ARGV[3])
-rid = id_arg(ARGV[4], 'reservation id')
-if #ARGV ~= 4 then fail('BADARG', 'expected 4 arguments, got ' .. #ARGV) end
-
-key_arg(2, 'deadlines')
+local sid, rid = sid_and_id('reservation id')
 local key = KEYS[1]
 local res, again = open_reservation(key, op, fp, epoch, rid, tok)
 if again then return again end
 local c, est = res.c, res.est
-local g = GROUP[c]
-local H, R = load(key, { 'ep', 'tn', 'fr', 'a_' .. g, 'F_' .. g, 'v_' .. c, 'nv', 'gz', 'xp' }, 9)
+local A, F = ACTIVE[c], FLOOR[c]
+local H, R = load(key, { 'ep', 'tn', 'fr', A, F, 'v_' .. c, 'nv', 'gz', 'xp' }, 9)
 local now = now_ms()
-local a = H['a_' .. g]
-local fr = H.fr - claim_delta(a, -est, H['F_' .. g] or 0)
+local a = H[A]
+local fr = H.fr - claim_delta(a, -est, H[F] or 0)
 redis.call('HDEL', key, 'r:' .. rid)
 redis.call('ZREM', KEYS[2], sid .. '|' .. rid)
-local args = { 'fr', fr, 'a_' .. g, a - est, 'v_' .. c, H['v_' .. c] - est, 'nv', H.nv - 1 }
+local args = { 'fr', fr, A, a - est, 'v_' .. c, H['v_' .. c] - est, 'nv', H.nv - 1 }
 if res.in_turn then args[#args + 1], args[#args + 2] = 'ul', journal(res.ul, { 'r:' .. rid }, { res.rec }) end
 return commit(key, now, op, fp, reply({ 'status=ok', 'reservation=' .. rid, 'released=' .. est,
   'free=' .. fr, 'epoch=' .. H.ep, 'turn=' .. H.tn }), args, { gz = H.gz, xp = H.xp, uo = res.uo })

@@ -17,6 +17,7 @@ import importlib
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
+from ledger import schema
 from ledger.errors import ConfigurationError
 from ledger.models import Consumer, HeldItem, Item
 
@@ -39,7 +40,7 @@ class CompactionRequest:
     contents: Mapping[str, str] = field(default_factory=dict)
 
     def text_of(self, item: HeldItem) -> str | None:
-        return self.contents.get(f"{item.consumer.code}:{item.id}")
+        return self.contents.get(schema.content_field(item.consumer.code, item.id))
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +84,8 @@ def simulated(request: CompactionRequest) -> CompactionPlan:
     # history must compact alike in every run.
     digest = hashlib.blake2b(
         "|".join(
-            [request.session_id, str(request.turn)] + [f"{i.consumer.code}:{i.id}" for i in old]
+            [request.session_id, str(request.turn)]
+            + [schema.content_field(i.consumer.code, i.id) for i in old]
         ).encode(),
         digest_size=4,
     ).digest()

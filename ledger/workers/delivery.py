@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis.exceptions as rex
 
+from ledger import schema
 from ledger.workers.jobs import CompactionDeferred
 from ledger.workers.logs import describe
 from ledger.workers.streams import Groups, decoded
@@ -100,7 +101,7 @@ class Delivery:
             (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
             for k, v in raw.items()
         }
-        kind = fields.get("kind", "?")
+        kind = fields.get(schema.JOB_KIND, "?")
         deliveries = 1
         if claimed:
             info = client.xpending_range(stream, s.group, min=eid, max=eid, count=1)
@@ -162,7 +163,7 @@ class Delivery:
             extra={
                 "job": eid,
                 "kind": kind,
-                "session": fields.get("session"),
+                "session": fields.get(schema.JOB_SESSION),
                 "effect": outcome.effect,
                 "duration_ms": round(took * 1000, 1),
             },

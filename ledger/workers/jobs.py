@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ledger import protocol
+from ledger import protocol, schema
 from ledger.core import new_op_id
 from ledger.errors import (
     ConfigurationError,
@@ -82,39 +82,37 @@ class Jobs:
         return asyncio.run_coroutine_threadsafe(_awaited(got), loop).result()
 
     def handle(self, job_id: str, fields: Mapping[str, str]) -> JobOutcome:
-        kind = fields.get("kind", "")
-        if kind == "hard_reset":
-            return self._hard_reset(job_id, fields)
-        if kind == "compact":
-            return self._compact(job_id, fields)
-        raise ValueError(f"unknown job kind {kind!r}")
+        kind = fields.get(schema.JOB_KIND, "")
+        if kind not in ("hard_reset", "compact"):
+            raise ValueError(f"unknown job kind {kind!r}")
+        job = schema.JobEntry.from_fields(fields)  # KeyError, ValueError: a malformed entry
+        return self._hard_reset(job_id, job) if kind == "hard_reset" else self._compact(job_id, job)
 
-    def _same_incarnation(self, snap: Any, f: Mapping[str, str]) -> bool:
+    def _same_incarnation(self, snap: Any, job: schema.JobEntry) -> bool:
         """A job belongs to the session it was enqueued for, not to a later one that was
         opened under the same id after the first was closed or expired."""
-        inc = int(f.get("inc") or 0)
-        return inc == 0 or snap.raw.get("inc", 0) == inc
+        return job.inc == 0 or snap.raw.get(schema.INCARNATION, 0) == job.inc
 
-    def _hard_reset(self, job_id: str, f: Mapping[str, str]) -> JobOutcome:
+    def _hard_reset(self, job_id: str, f: schema.JobEntry) -> JobOutcome:
         # Applied once however late it is delivered again, even after the op retention
         # dropped its stored outcome: the reset moves the session from the job's epoch e
         # to e + 1, and reset.lua refuses a call fenced at e as stale from then on.
-        keys = self.w.ledger.keyspace.session(f["session"])
+        keys = self.w.ledger.keyspace.session(f.session)
         try:
             snap = self.w.ledger.run(protocol.snapshot(keys))
         except UnknownSession:
             return JobOutcome("hard_reset", "skipped")
         if not self._same_incarnation(snap, f):
             return JobOutcome("hard_reset", "skipped")
-        call = protocol.reset(keys, f"job-{job_id}", int(f["epoch"]), f.get("reason") or "job")
+        call = protocol.reset(keys, f"job-{job_id}", f.epoch, f.reason or "job")
         try:
             self.w.ledger.run(call)
         except (StaleEpoch, UnknownSession, OperationIdReused):
             return JobOutcome("hard_reset", "already")
         return JobOutcome("hard_reset", "applied")
 
-    def _compact(self, job_id: str, f: Mapping[str, str]) -> JobOutcome:
-        sid, epoch = f["session"], int(f["epoch"])
+    def _compact(self, job_id: str, f: schema.JobEntry) -> JobOutcome:
+        sid, epoch = f.session, f.epoch
         keys = self.w.ledger.keyspace.session(sid)
         try:
             snap = self.w.ledger.run(protocol.snapshot(keys))
@@ -124,7 +122,7 @@ class Jobs:
             return JobOutcome("compact", "skipped")
         if snap.epoch != epoch or not snap.compaction_pending:
             return JobOutcome("compact", "already")
-        if snap.raw.get("ca"):
+        if snap.raw.get(schema.AGENT_COMPACTS):
             # The agent compacts this session inline (a job from before an ownership
             # change, or written by hand): the worker keeps out.
             return JobOutcome("compact", "skipped")
@@ -133,7 +131,7 @@ class Jobs:
                 f"worker-owned session {sid!r} has a compaction due and this worker runs no "
                 "compactor (--compactor none): run a worker with a compactor"
             )
-        if snap.raw.get("rq"):
+        if snap.raw.get(schema.RESET_REQUESTED):
             # Failed compactions escalated: a hard reset is coming, which drops what a
             # compaction would replace. Running the compactor again would only count
             # failures past the maximum.
@@ -141,7 +139,7 @@ class Jobs:
         turn, items = self._history(keys.session)
         contents = self._contents(keys.content, items)
         compactor = self.w.compactor
-        self._mark_compacting(keys, int(snap.raw.get("ttl") or 86_400_000))
+        self._mark_compacting(keys, int(snap.raw.get(schema.IDLE_TTL) or 86_400_000))
         try:
             return self._compact_with(
                 compactor, keys, job_id, sid, epoch, snap, turn, items, contents
@@ -226,9 +224,11 @@ class Jobs:
         be rolled back, so no summary may hold them."""
         with translated():
             fields = self.w.ledger.client.hgetall(session_key)
-        text = {decoded(k): decoded(v) for k, v in fields.items() if decoded(k) in ("tn", "lo")}
-        tn = int(text.get("tn") or 0)
-        return (tn if "lo" in text else tn + 1), tuple(protocol.committed_items(fields))
+        wanted = (schema.TURN, schema.TURN_OWNER)
+        text = {decoded(k): decoded(v) for k, v in fields.items() if decoded(k) in wanted}
+        tn = int(text.get(schema.TURN) or 0)
+        turn = tn if schema.TURN_OWNER in text else tn + 1
+        return turn, tuple(protocol.committed_items(fields))
 
     def _commit_between_turns(self, keys: Any, call: Any) -> Compaction | None:
         """Commit a compaction, unless the session's turn is open: compact.lua changes

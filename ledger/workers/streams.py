@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis.exceptions as rex
 
-from ledger import backends
+from ledger import backends, schema
 from ledger.errors import translated
 from ledger.workers.logs import describe
 from ledger.workers.trouble import WHOLE_PASS, kind_of
@@ -253,7 +253,7 @@ def collect(groups: Groups, p: int, entries: list[tuple[Any, Any]], claimed: boo
     entry already there (read by this pass, then claimed by it as idle: reading the other
     partitions took longer than claim_idle_ms) is done once."""
     for entry_id, fields in entries:
-        jobs = groups.setdefault((p, field_of(fields, "session")), [])
+        jobs = groups.setdefault((p, field_of(fields, schema.JOB_SESSION)), [])
         if all(decoded(e) != decoded(entry_id) for e, _, _ in jobs):
             jobs.append((entry_id, fields, claimed))
 

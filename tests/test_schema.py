@@ -1,0 +1,392 @@
+"""The schema (ledger/schema.py) defines every stored field: the Lua legend is generated
+from it, and no script or Python module uses a field it does not define."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from ledger import Item, Ledger, schema, scripts
+from tests import jobs
+
+# --- the legend -----------------------------------------------------------------------
+
+
+def _load_legend() -> ModuleType:
+    """tools/legend.py, a script of the repository (not a module of the package)."""
+    path = Path(__file__).resolve().parent.parent / "tools" / "legend.py"
+    spec = importlib.util.spec_from_file_location("legend", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_legend = _load_legend()
+
+
+def test_the_legend_of_common_lua_is_generated_from_the_schema() -> None:
+    assert _legend.main(["--check"]) == 0
+
+
+def test_a_stale_legend_is_found() -> None:
+    source = _legend.common_lua().read_text()
+    stale = source.replace("--   ca ", "--   ca_gone ", 1)
+    assert stale != source and schema.with_legend(stale) == source
+    with pytest.raises(ValueError, match="markers"):
+        schema.with_legend(source.replace(schema.BEGIN, "-- no marker"))
+
+
+def test_the_legend_lists_every_field() -> None:
+    legend = schema.legend()
+    listed = set(re.findall(r"^--   (\S+)", legend, re.M))
+    assert {f.wire for f in schema.FIELDS} == listed
+    # the fields a hand-written legend once left out
+    assert {"ca", "te", "dt", "dr", "dp", "df"} <= listed
+
+
+def test_wire_names_are_unique_per_owner_and_long_names_too() -> None:
+    seen: set[tuple[str, str]] = set()
+    names: set[tuple[str, str]] = set()
+    for f in schema.FIELDS:
+        assert (f.owner, f.wire) not in seen, f
+        assert (f.owner, f.name) not in names, f
+        seen.add((f.owner, f.wire))
+        names.add((f.owner, f.name))
+        assert f.unit in schema.UNITS and f.owner in schema.OWNERS and f.meaning
+
+
+def test_a_letter_has_one_meaning() -> None:
+    """A consumer letter appears only in per-consumer fields; the memory group's ``m`` is
+    only that of a_m and F_m, whose long names say so."""
+    assert schema.lookup("u_m") is schema.HELD and schema.HELD.of("m") == "u_m"
+    assert schema.ACTIVE_MEMORY.name.endswith("memory_group")
+    assert schema.MEMORY_FLOOR.name.endswith("memory_group")
+    for f in schema.fields("session"):
+        if "<c>" in f.wire:
+            assert "group" not in f.meaning, f
+
+
+def test_patterns() -> None:
+    assert schema.lookup("u_w") is schema.HELD and schema.lookup("u_x") is None
+    assert schema.lookup("i:m:doc-1") is schema.ITEM and schema.item_field("m", "d") == "i:m:d"
+    assert schema.lookup("x:last_reset") is schema.LAST_RESET
+    assert schema.lookup("x:refused") is schema.COUNTER
+    assert schema.lookup("refused", "tally") is not None
+    assert schema.content_field("w", "m0") == "w:m0"
+    with pytest.raises(ValueError):
+        schema.HELD.of("w", "extra")
+
+
+# --- the records ----------------------------------------------------------------------
+
+
+def test_job_entry_reads_what_the_scripts_write(ledger: Ledger) -> None:
+    sid = "schema-job"
+    jobs.open_compaction(ledger, sid)
+    [(_, fields)] = jobs.entries_for(ledger, sid)
+    assert tuple(fields) == schema.JOB_FIELDS  # the fields, in the order written
+    entry = schema.JobEntry.from_fields(fields)
+    assert entry.kind == "compact" and entry.session == sid and entry.inc > 0
+    assert entry.to_fields() == fields
+    with pytest.raises(KeyError):
+        schema.JobEntry.from_fields({"kind": "compact"})
+
+
+def test_summary_record_reads_what_compact_writes(ledger: Ledger) -> None:
+    s = ledger.open_session("schema-summary", jobs.BUDGET)
+    s.admit("working_memory", [Item("m0", 100)], texts=["old"])
+    s.compact(["m0"], Item("w1", 10), summary_text='a "quoted" summary')
+    raw = ledger.client.hget(s.keys.compacted, "w1")
+    assert raw is not None
+    rec = schema.SummaryRecord.from_json(raw)
+    assert rec.text == 'a "quoted" summary' and rec.replaced == ("w:m0",) and rec.at > 0
+    assert rec.replaced_items() == [("w", "m0")]
+    assert schema.SummaryRecord.from_json(rec.to_json()) == rec
+    assert ledger.client.hget(s.keys.content, schema.content_field("w", "w1")) is not None
+    with pytest.raises(ValueError):
+        schema.SummaryRecord.from_json("[1, 2]")
+
+
+# --- every field used is defined ------------------------------------------------------
+
+_HCALL = re.compile(r"redis\.call\(\s*'(H[A-Z]+)'\s*,")
+_LIT = re.compile(r"^'([^'\\]*)'$")
+_PREFIX = re.compile(r"^'([^'\\]*)'\s*\.\.")
+_UNPACK = re.compile(r"^unpack\((\w+)")
+_MAPPED = re.compile(r"^([A-Z]+)\[\w+\]$")
+# the maps of _common.lua a script may index (ACTIVE[c], FLOOR[c])
+_COMMON = scripts.strip_comments((scripts.lua_dir() / "_common.lua").read_text())
+# the hash each key expression names in the scripts
+_KEY_OWNER = {"OUT": "outcome", "OLD": "outcome", "TALLY": "tally", "key": "session"}
+_KEY_OWNER["KEYS[1]"] = "session"
+
+
+def _balanced(src: str, start: int, open_: str = "(", close: str = ")") -> str:
+    """The text between the bracket before ``start`` and its match."""
+    depth, i = 1, start
+    while depth:
+        c = src[i]
+        if c in "'\"":
+            i = src.index(c, i + 1)
+        elif c == open_:
+            depth += 1
+        elif c == close:
+            depth -= 1
+        i += 1
+    return src[start : i - 1]
+
+
+def _split(args: str) -> list[str]:
+    """Top-level comma-separated expressions."""
+    out, depth, cur, i = [], 0, "", 0
+    while i < len(args):
+        c = args[i]
+        if c in "'\"":
+            j = args.index(c, i + 1)
+            cur += args[i : j + 1]
+            i = j + 1
+            continue
+        if c in "({[":
+            depth += 1
+        elif c in ")}]":
+            depth -= 1
+        if c == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += c
+        i += 1
+    return [*out, cur.strip()] if cur.strip() else out
+
+
+def _table(src: str, name: str) -> list[str]:
+    """The elements of the table constructors assigned to local ``name`` in ``src``,
+    and of the literals appended to it (``name[#name + 1] = ...``, ``name[k + 12] = ...``)."""
+    out: list[str] = []
+    for m in re.finditer(rf"\blocal\s+{name}\b[^=\n]*=\s*\{{", src):
+        out += _split(_balanced(src, m.end(), "{", "}"))
+    for m in re.finditer(rf"\b{name}\[[^\]]*\](?:,\s*{name}\[[^\]]*\])?\s*=\s*([^\n]+)", src):
+        out += _split(m.group(1))
+    for m in re.finditer(rf"ipairs\(\{{([^}}]*)\}}\)\s*do\s+{name}\[#{name} \+ 1\] = kv", src):
+        out += _split(m.group(1))
+    return out
+
+
+Use = tuple[str, str, str]  # (owner or '', a field or a prefix ending with '*', where)
+
+
+def _aliases(src: str) -> dict[str, str]:
+    """Locals bound to a literal or to ``MAP[c]`` (``local A, F = ACTIVE[c], FLOOR[c]``)."""
+    out = {}
+    for m in re.finditer(r"^\s*local\s+([\w\s,]+?)\s*=\s*([^\n]+)", src, re.M):
+        names, exprs = re.split(r"\s*,\s*", m.group(1)), _split(m.group(2))
+        for name, expr in zip(names, exprs, strict=False):
+            if _MAPPED.match(expr) or _LIT.match(expr):
+                out[name] = expr
+    return out
+
+
+def _names(exprs: list[str], where: str, owner: str, src: str = "") -> Iterator[Use]:
+    """The fields the expressions name: a literal, a literal prefix, or ``MAP[c]`` where
+    ``local MAP = { w = 'a_w', ... }`` (each of its values)."""
+    for e in exprs:
+        if m := _LIT.match(e):
+            yield owner, m.group(1), where
+        elif m := _PREFIX.match(e):
+            yield owner, m.group(1) + "*", where
+        elif re.fullmatch(r"[A-Za-z_]\w*", e) and (alias := _aliases(src).get(e)):
+            yield from _names([alias], where, owner, src)
+        elif (m := _MAPPED.match(e)) and (
+            t := re.search(rf"\blocal\s+{m.group(1)}\s*=\s*\{{([^}}]*)\}}", _COMMON + src)
+        ):
+            for value in re.findall(r"\w+\s*=\s*'([^']*)'", t.group(1)):
+                yield owner, value, where
+
+
+def lua_uses(src: str, where: str) -> Iterator[Use]:
+    """The hash fields a script's source names: the literal fields of HGET, HMGET, HDEL,
+    HEXISTS, HSET, HINCRBY (and of the tables they unpack), the field lists given to
+    `load`, the indicators counted with `indicate`, and the table-key reads of what `load`
+    returned or an HGETALL was decoded into. A literal prefix (``'u_' .. c``) is a use
+    of a field starting with it."""
+    src = scripts.strip_comments(src)
+    for m in _HCALL.finditer(src):
+        cmd = m.group(1)
+        if cmd in ("HGETALL", "HLEN"):
+            continue
+        args = _split(_balanced(src, src.index("(", m.start()) + 1))[1:]
+        owner = _KEY_OWNER.get(args[0], "")
+        rest = args[1:]
+        kv = cmd in ("HSET", "HSETNX", "HINCRBY", "HINCRBYFLOAT")
+        named = rest[::2] if kv else rest
+        for e in named:
+            if u := _UNPACK.match(e):
+                table = _table(src, u.group(1))
+                yield from _names(table[::2] if kv else table, where, owner, src)
+        yield from _names(named, where, owner, src)
+    for m in re.finditer(r"\bcommit\(", src):  # commit(key, now, op, fp, out, args, J)
+        args = _split(_balanced(src, m.end()))
+        if len(args) == 7 and args[5].startswith("{"):
+            yield from _names(_split(args[5][1:-1])[::2], where, "session", src)
+        elif len(args) == 7:
+            yield from _names(_table(src, args[5])[::2], where, "session", src)
+    for m in re.finditer(r"redis\.call\(\s*'XADD'\s*,", src):  # XADD stream * k v ...
+        args = _split(_balanced(src, src.index("(", m.start()) + 1))
+        yield from _names(args[3::2], where, "job", src)
+    for lit in re.findall(r"'([^'\n]*)'", src):  # the keys of a JSON record built in a string
+        for key in re.findall(r'"(\w+)":', lit):
+            yield "summary", key, where
+    for m in re.finditer(r"\bload\(\s*\w+\s*,\s*", src):
+        after = src[m.end() :]
+        if after.startswith("{"):
+            yield from _names(_split(_balanced(src, m.end() + 1, "{", "}")), where, "session", src)
+        elif t := re.match(r"\w+", after):
+            yield from _names(_table(src, t.group(0)), where, "session", src)
+    for m in re.finditer(r"\bindicate\(\s*\w+\s*,\s*('[^']+'(?:\s*\.\.)?)", src):
+        yield from _names([m.group(1)], where, "tally")
+    decoded = set(re.findall(r"local\s+(\w+)(?:,\s*\w+)?\s*=\s*load\(", src))
+    decoded |= set(re.findall(r"^\s*(\w+),\s*\w+\s*=\s*load\(", src, re.M))
+    decoded |= set(re.findall(r"(\w+)\[all\[i\]\]\s*=\s*all\[i \+ 1\]", src))
+    for var in decoded:
+        for m in re.finditer(rf"(?<![\w.]){var}\.([A-Za-z_]\w*)", src):
+            yield "session", m.group(1), where
+        for m in re.finditer(rf"(?<![\w.]){var}\['([^']+)'\]", src):
+            yield "session", m.group(1), where
+
+
+_PY_HASH = {"hget", "hexists", "hincrby", "hdel", "hmget", "hsetnx"}
+
+
+def python_uses(src: str, where: str) -> Iterator[Use]:
+    """The hash fields Python code names as literals: the fields of hget, hexists,
+    hincrby, hdel, hmget, hsetnx, and the keys read of a snapshot's raw fields
+    (``snap.raw.get("ws")``, ``snap.raw["ws"]``)."""
+    for node in ast.walk(ast.parse(src)):
+        lits: list[ast.expr] = []
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            f = node.func
+            if f.attr in _PY_HASH:
+                lits = node.args[1:]
+            elif f.attr == "get" and isinstance(f.value, ast.Attribute) and f.value.attr == "raw":
+                lits = node.args[:1]
+        elif (
+            isinstance(node, ast.Subscript)
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "raw"
+        ):
+            lits = [node.slice]
+        for lit in lits:
+            if isinstance(lit, ast.Constant) and isinstance(lit.value, str | bytes):
+                v = lit.value.decode() if isinstance(lit.value, bytes) else lit.value
+                yield "", v, f"{where}:{lit.lineno}"
+
+
+def undefined(uses: Iterator[Use]) -> list[Use]:
+    """The uses the schema does not define (a prefix: no field of the owner starts with
+    it, nor is a pattern it fills)."""
+    bad = []
+    for owner, name, where in uses:
+        of = owner or None
+        if name.endswith("*"):
+            p = name[:-1]
+            ok = any(f.wire.startswith(p) for f in schema.fields(of)) or bool(
+                schema.lookup(p + "x", of)
+            )
+        else:
+            ok = schema.lookup(name, of) is not None or (not owner and name in schema.REPLY_ONLY)
+        if not ok:
+            bad.append((owner, name, where))
+    return bad
+
+
+def lua_files() -> list[Path]:
+    return sorted(scripts.lua_dir().glob("*.lua"))
+
+
+def python_files() -> list[Path]:
+    """Every module of the ledger package (its workers included, wherever they live)."""
+    roots: set[Path] = set()
+    for pkg in ("ledger", "ledger.workers", "workers"):
+        spec = importlib.util.find_spec(pkg)
+        if spec and spec.submodule_search_locations:
+            roots.update(Path(p).resolve() for p in spec.submodule_search_locations)
+    files = {p.resolve() for root in roots for p in root.rglob("*.py")}
+    return sorted(p for p in files if p.name != "schema.py")
+
+
+def test_every_field_a_script_uses_is_defined() -> None:
+    uses = [u for p in lua_files() for u in lua_uses(p.read_text(), p.name)]
+    found = {name for _, name, _ in uses}
+    # the scan sees the fields the scripts use: the session's, the outcome hashes', the tally's
+    assert {"ep", "kf", "cd", "ca", "rq", "te", "dt", "dr", "dp", "df", "e", "k", "g"} <= found
+    assert {"u_*", "i:*", "x:*", "refused", "rolled_back"} <= found
+    assert len(found) > 80
+    assert undefined(iter(uses)) == []
+    # and every field defined is one a script uses (but the opaque ones, whose names are
+    # data, and the indicator loud, counted under a name the script computes)
+    unused = [
+        f.wire
+        for f in schema.FIELDS
+        if not f.opaque
+        and not any(
+            (o == f.owner or not o)
+            and (f.matches(n) if not n.endswith("*") else f.wire.startswith(n[:-1]))
+            for o, n, _ in uses
+        )
+    ]
+    assert unused == ["loud"]
+
+
+def test_every_field_python_reads_is_defined() -> None:
+    files = python_files()
+    assert any(p.name == "runner.py" for p in files) and any(p.name == "views.py" for p in files)
+    uses = [u for p in files for u in python_uses(p.read_text(), p.name)]
+    assert undefined(iter(uses)) == []
+
+
+def test_the_scans_find_an_undefined_field() -> None:
+    """A synthetic script and module that use fields the schema does not define."""
+    lua = """
+local H, R = load(key, { 'ep', 'zq' }, 2)
+local args = { 'fr', 1, 'zz', 2 }
+redis.call('HSET', key, unpack(args))
+redis.call('HINCRBY', key, 'zk', 1)
+redis.call('HGET', KEYS[1], 'zh')
+redis.call('HMGET', OUT, 'e', 'zo')
+redis.call('HSET', key, 'q_' .. c, 1)
+local ZMAP = { w = 'zm_w', r = 'a_m' }
+local Z, ok = ZMAP[c], 1
+redis.call('HMGET', key, 'ep', Z)
+indicate(key, 'no_such_indicator', 1)
+if H.zr then end
+redis.call('XADD', stream, '*', 'kind', kind, 'zj', 1)
+local json = '{"text":' .. t .. ',"zs":1}'
+return commit(key, now, op, fp, out, { 'zc', 1 }, J)
+-- redis.call('HGET', key, 'in_a_comment')
+"""
+    bad = {(o, n) for o, n, _ in undefined(lua_uses(lua, "synthetic.lua"))}
+    assert bad == {
+        ("session", "zq"),
+        ("session", "zz"),
+        ("session", "zk"),
+        ("session", "zh"),
+        ("outcome", "zo"),
+        ("session", "q_*"),
+        ("session", "zm_w"),
+        ("tally", "no_such_indicator"),
+        ("session", "zr"),
+        ("job", "zj"),
+        ("summary", "zs"),
+        ("session", "zc"),
+    }
+    # a field of another hash is not one of the session's
+    assert undefined(iter([("session", "e", "x")])) == [("session", "e", "x")]
+    py = 'snap.raw.get("zw")\nclient.hget(k, "zt")\nclient.hget(k, schema.EPOCH)\nsnap.raw["ws"]\n'
+    assert [n for _, n, _ in undefined(python_uses(py, "synthetic.py"))] == ["zw", "zt"]
