@@ -244,7 +244,11 @@ def test_dockerfile_base_image_and_command(services: dict[str, dict[str, Any]]) 
         for run in instructions("RUN")
     )
     env = " ".join(instructions("ENV"))
-    assert f"LEDGER_REDIS_URL={services['worker']['environment']['LEDGER_REDIS_URL']}" in env
+    assert "LEDGER_REDIS_URL" not in env  # no Redis baked in: the deployment names it
+    assert "LEDGER_WORKER_METRICS_PORT=9464" in env and instructions("EXPOSE") == ["9464"]
+    (check,) = instructions("HEALTHCHECK")  # the job loop's heartbeat, as compose probes it
+    probe = services["worker"]["healthcheck"]["test"]
+    assert ["CMD", *json.loads(check.partition("CMD")[2])] == probe
 
 
 def installed_extras() -> set[str]:

@@ -81,7 +81,7 @@ SUMMARIZE_S, SUMMARIZE_S_PER_K = 0.02, 0.0001
 AMORTIZE_TURNS = 9  # the naive arbiter's estimate of the turns a compaction lasts
 QUICK = 0.1  # share of turns the user answers at once (no think time)
 COMPACTION_WAIT_S = 0.15  # the agent's bound on waiting for a pending compaction
-FAILING_SUMMARIZE_S = 2 * COMPACTION_WAIT_S  # a summarizer call whose summary misses H
+FAILING_SUMMARIZE_S = COMPACTION_WAIT_S + 0.05  # a summarizer call whose summary misses H
 
 
 @dataclass(frozen=True, slots=True)

@@ -157,7 +157,7 @@ def _longest_short_run(rows: Sequence[starvation.TurnRow]) -> int:
 
 def _starvation(rows: Sequence[starvation.TurnRow], ledger: bool) -> dict[str, Any]:
     after = [r for r in rows if r.turn > 5]
-    regimes = Counter(r.regime for r in after)
+    regimes = Counter(str(r.regime) for r in after)
     short = [r for r in after if r.residual < r.working_set]
     out: dict[str, Any] = {
         "turns_after_5": len(after),
@@ -205,7 +205,7 @@ def _fanout(rows: Sequence[fanout.TurnRow], ledger: bool) -> dict[str, Any]:
         "alerts": sum(r.alert for r in rows),
     }
     if ledger:
-        classes = Counter(r.classification for r in rows)
+        classes = Counter(str(r.classification) for r in rows)
         out |= {
             "classes": dict(classes),
             "first_ratio_over_3": first(lambda r: r.ratio > 3.0),
@@ -246,7 +246,9 @@ def summarize(r: DemoReport) -> dict[str, Any]:
     if r.fanout is not None:
         naive["fanout"] = _fanout(r.fanout.naive, ledger=False)
         led["fanout"] = _fanout(r.fanout.ledger, ledger=True)
-        led["fanout"]["control_classes"] = dict(Counter(x.classification for x in r.fanout.control))
+        led["fanout"]["control_classes"] = dict(
+            Counter(str(x.classification) for x in r.fanout.control)
+        )
         if off is not None and r.fanout.off is not None:
             off["fanout"] = _fanout(r.fanout.off, ledger=True)
     config = dict(r.config.__dict__)
