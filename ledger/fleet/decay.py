@@ -81,7 +81,6 @@ SUMMARIZE_S, SUMMARIZE_S_PER_K = 0.02, 0.0001
 AMORTIZE_TURNS = 9  # the naive arbiter's estimate of the turns a compaction lasts
 QUICK = 0.1  # share of turns the user answers at once (no think time)
 COMPACTION_WAIT_S = 0.15  # the agent's bound on waiting for a pending compaction
-FAILING_SUMMARIZE_S = COMPACTION_WAIT_S + 0.05  # a summarizer call whose summary misses H
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,12 +198,8 @@ def compactor(request: CompactionRequest) -> CompactionPlan:
     if not old:
         return CompactionPlan((), None)
     held = sum(i.tokens for i in old)
+    time.sleep(SUMMARIZE_S + SUMMARIZE_S_PER_K * held / 1000)
     tokens = summary_tokens(request.session_id, request.turn, [(i.id, i.tokens) for i in old])
-    # A summary that misses the mark (occupancy still over H) was a long generation: it
-    # outlasts the agent's bound on waiting, whatever the machine's speed, so a turn that
-    # begins during a streak of failed compactions is judged against it.
-    misses = request.occupancy - held + tokens > request.high_water_mark
-    time.sleep(FAILING_SUMMARIZE_S if misses else SUMMARIZE_S + SUMMARIZE_S_PER_K * held / 1000)
     return CompactionPlan(
         tuple((i.consumer, i.id) for i in old),
         Item(f"sum-{request.turn}-{len(old)}", max(1, tokens), 1000),
