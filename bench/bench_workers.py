@@ -360,7 +360,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         env = environment(redis.Redis.from_url(server.url))
         tp = {str(n): throughput(server.url, a, logs, n) for n in (1, 2)}
         reps: list[dict[str, Any]] = []
-        for _ in range(a.reps * 5):
+        for _ in range(a.reps * 10):
             rep = takeover_once(server.url, a, logs)
             if rep is not None:
                 reps.append(rep)

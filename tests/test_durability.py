@@ -82,7 +82,7 @@ def test_a_write_the_replica_did_not_get_is_not_acknowledged_and_a_retry_waits_a
     pair: tuple[servers.RedisProcess, servers.RedisProcess],
 ) -> None:
     primary, replica = pair
-    durable = settings(primary.url, replica_acks=1, replica_ack_timeout_ms=200)
+    durable = settings(primary.url, replica_acks=1, replica_ack_timeout_ms=1_000)
     with Ledger.from_settings(durable) as led:
         s = led.open_session("s-2", BUDGET)
         call = s.admit_call(WM, [Item("durable", 10)])
@@ -105,7 +105,7 @@ def test_a_failover_loses_what_only_the_primary_held() -> None:
     replication window); with it, the write that did not reach the replica was never
     acknowledged."""
     with servers.replicated() as (primary, replica):
-        durable = settings(primary.url, replica_acks=1, replica_ack_timeout_ms=200)
+        durable = settings(primary.url, replica_acks=1, replica_ack_timeout_ms=1_000)
         plain = durable.model_copy(update={"replica_acks": 0})
         with Ledger.from_settings(durable) as led, Ledger.from_settings(plain) as fast:
             s = led.open_session("s-f", BUDGET)
@@ -134,7 +134,7 @@ async def test_the_async_face_waits_too(
 ) -> None:
     primary, replica = pair
     async with AsyncLedger.from_settings(
-        settings(primary.url, replica_acks=1, replica_ack_timeout_ms=200)
+        settings(primary.url, replica_acks=1, replica_ack_timeout_ms=1_000)
     ) as led:
         s = await led.open_session("s-3", BUDGET)
         await s.admit(WM, [Item("m0", 10)])

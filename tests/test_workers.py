@@ -611,7 +611,7 @@ def test_poison_job_is_dead_lettered(led: Ledger, fleets: Callable[..., Fleet]) 
 def test_bench_workers_json() -> None:
     """bench/bench_workers.py runs end to end (its own redis-server); no speed asserted."""
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.bench_workers", "--jobs", "100", "--reps", "1", "--json"],
+        [sys.executable, "-m", "bench.bench_workers", "--jobs", "300", "--reps", "1", "--json"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -619,10 +619,10 @@ def test_bench_workers_json() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout)
-    assert res["params"]["jobs"] == 100 and res["params"]["claim_idle_ms"] > 0
+    assert res["params"]["jobs"] == 300 and res["params"]["claim_idle_ms"] > 0
     assert set(res["throughput"]) == {"1", "2"}
     for n, t in res["throughput"].items():
-        assert t["jobs_per_s"] > 0 and sum(t["per_worker"].values()) == 100
+        assert t["jobs_per_s"] > 0 and sum(t["per_worker"].values()) == 300
         assert len(t["per_worker"]) == int(n)
     [rep] = res["takeover"]["reps"]
     assert rep["held"] > 0 and rep["seconds"] > 0
