@@ -26,6 +26,7 @@ import redis
 import redis.exceptions as rex
 from redis.cluster import RedisCluster
 
+from ledger import schema
 from ledger.backends import SyncClient, parse_url
 
 
@@ -162,7 +163,7 @@ def check_server(name: str, r: redis.Redis) -> ServerCheck:
         got = _read(lambda: r.config_get("save"), why, "save")
         if isinstance(got, Mapping) and "save" in got:
             v = got["save"]
-            save = v.decode() if isinstance(v, bytes) else str(v)
+            save = schema.text(v)
         elif "save" not in why:
             why["save"] = "no 'save' in the reply"
     return assess(name, memory, persistence, stats, save, why)

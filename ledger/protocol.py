@@ -898,14 +898,11 @@ def committed_items(fields: Mapping[Any, Any]) -> list[HeldItem]:
     first: while a turn is open (field lo), the items that turn added (its number) are
     left out, as a rollback would remove them."""
 
-    def text(v: Any) -> str:
-        return v.decode() if isinstance(v, bytes) else str(v)
-
-    norm = {text(k): v for k, v in fields.items()}
+    norm = {schema.text(k): v for k, v in fields.items()}
     items = held_items(fields)
     if schema.TURN_OWNER not in norm:
         return items
-    open_turn = int(text(norm.get(schema.TURN, 0)))
+    open_turn = int(schema.text(norm.get(schema.TURN, 0)))
     return [it for it in items if it.turn != open_turn]
 
 
@@ -917,7 +914,7 @@ def held_items(fields: Mapping[Any, Any]) -> list[HeldItem]:
         if not name.startswith("i:"):
             continue
         _, code, item = name.split(":", 2)
-        text = v.decode() if isinstance(v, bytes) else v
+        text = schema.text(v)
         tokens, turn, prio, seq = (int(x) for x in text.split("|"))
         out.append(
             HeldItem(

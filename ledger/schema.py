@@ -405,7 +405,8 @@ def item_field(code: str, item_id: str) -> str:
     return ITEM.of(code, item_id)
 
 
-def _text(v: Any) -> str:
+def text(v: object) -> str:
+    """A value read from Redis (bytes or str, by the client's decode_responses) as str."""
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
@@ -436,7 +437,7 @@ class JobEntry:
     def from_fields(cls, fields: Mapping[Any, Any]) -> JobEntry:
         """An entry from its fields (bytes or str); a missing reason, op or inc is empty
         (0); a missing kind, session or epoch raises KeyError, a bad number ValueError."""
-        f = {_text(k): _text(v) for k, v in fields.items()}
+        f = {text(k): text(v) for k, v in fields.items()}
         return cls(
             kind=f[JOB_KIND],
             session=f[JOB_SESSION],

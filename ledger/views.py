@@ -40,10 +40,6 @@ class SessionView:
     counters: dict[str, int]
 
 
-def _text(v: object) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
 def regime(snap: Snapshot, working_set: int) -> Regime:
     """The starvation gate's regime for a declared working set (the last begin_turn's):
     docs/rules.md#working-memory-starvation."""
@@ -59,7 +55,7 @@ def view(ledger: Ledger, session_id: str, journal: int = 10) -> SessionView:
     snap = ledger.run(protocol.snapshot(keys))
     with translated():
         fields = ledger.client.hgetall(keys.session)
-    raw = {_text(k): _text(v) for k, v in fields.items()}
+    raw = {schema.text(k): schema.text(v) for k, v in fields.items()}
     reservations = []
     entries: list[JournalEntry] = []
     counters = {}
@@ -75,10 +71,12 @@ def view(ledger: Ledger, session_id: str, journal: int = 10) -> SessionView:
             for field, bucket in ledger.client.hscan_iter(k):
                 if len(entries) >= journal:
                     break
-                if not is_bucket(_text(field)):
+                if not is_bucket(schema.text(field)):
                     continue
-                for key, _, reply in stored_outcomes(_text(bucket), base)[: journal - len(entries)]:
-                    entries.append(JournalEntry(_text(field)[:2] + key, reply))
+                for key, _, reply in stored_outcomes(schema.text(bucket), base)[
+                    : journal - len(entries)
+                ]:
+                    entries.append(JournalEntry(schema.text(field)[:2] + key, reply))
     return SessionView(
         session_id=session_id,
         snapshot=snap,
@@ -104,7 +102,7 @@ def stored_outcome(ledger: Ledger, session_id: str, op_id: str) -> tuple[str, st
             for raw in raws:
                 if raw is None:
                     continue
-                for got, _, reply in stored_outcomes(_text(raw), int(base or 0)):
+                for got, _, reply in stored_outcomes(schema.text(raw), int(base or 0)):
                     if got == key:
                         return name, reply
     return None
@@ -341,13 +339,15 @@ def dead_letters(ledger: Ledger, limit: int = 100) -> tuple[dict[int, int], list
             depths[p] = n
             if len(letters) < limit:
                 for eid, fields in ledger.client.xrange(name, count=limit - len(letters)) or []:
-                    e = _text(eid)
+                    e = schema.text(eid)
                     letters.append(
                         DeadLetter(
                             ref=f"p{p}:{e}",
                             partition=p,
                             entry=e,
-                            fields={_text(k): _text(v) for k, v in (fields or {}).items()},
+                            fields={
+                                schema.text(k): schema.text(v) for k, v in (fields or {}).items()
+                            },
                         )
                     )
     return depths, letters
@@ -374,7 +374,7 @@ def _take(ledger: Ledger, refs: Sequence[str] | None) -> list[DeadLetter]:
             got = ledger.client.xrange(ledger.keyspace.dead_letters(p), entry, entry)
             if not got:
                 raise LedgerError(f"no dead letter {ref!r} (listed, replayed or purged?)")
-            fields = {_text(k): _text(v) for k, v in (got[0][1] or {}).items()}
+            fields = {schema.text(k): schema.text(v) for k, v in (got[0][1] or {}).items()}
             found.append(DeadLetter(ref=ref, partition=p, entry=entry, fields=fields))
     return found
 
@@ -389,7 +389,7 @@ def replay_dead(ledger: Ledger, refs: Sequence[str] | None) -> list[str]:
         with translated():
             new = ledger.client.xadd(ks.jobs(p), dict(letter.job))  # type: ignore[arg-type]
             ledger.client.xdel(ks.dead_letters(p), letter.entry)
-        out.append(_text(new))
+        out.append(schema.text(new))
     return out
 
 

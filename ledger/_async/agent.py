@@ -73,10 +73,6 @@ async def drive(
         return stop.value  # type: ignore[no-any-return]
 
 
-def _text(x: object) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
-
-
 class AsyncAgent:
     """Governs one agent session's context with the ledger (asyncio).
 
@@ -136,7 +132,7 @@ class AsyncAgent:
             if not effect.ids:
                 return []
             raw = await client.hmget(keys.compacted, effect.ids)
-            return [None if v is None else _text(v) for v in raw]
+            return [None if v is None else schema.text(v) for v in raw]
 
     def turn(
         self,

@@ -69,10 +69,6 @@ def drive(
         return stop.value  # type: ignore[no-any-return]
 
 
-def _text(x: object) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
-
-
 class Agent:
     """Governs one agent session's context with the ledger (sync).
 
@@ -132,7 +128,7 @@ class Agent:
             if not effect.ids:
                 return []
             raw = client.hmget(keys.compacted, effect.ids)
-            return [None if v is None else _text(v) for v in raw]
+            return [None if v is None else schema.text(v) for v in raw]
 
     def turn(
         self,

@@ -17,7 +17,7 @@ import redis.exceptions as rex
 from ledger import schema
 from ledger.workers.jobs import CompactionDeferred
 from ledger.workers.logs import describe
-from ledger.workers.streams import Groups, decoded
+from ledger.workers.streams import Groups
 from ledger.workers.trouble import TRANSIENT, kind_of
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ class Delivery:
                 done += self.deliver(p, eid, fields, claimed=claimed)
             except Exception:
                 for rest, _, was_claimed in jobs[i + 1 :]:
-                    self.uncount_untried(p, decoded(rest), was_claimed)
+                    self.uncount_untried(p, schema.text(rest), was_claimed)
                 raise
         return done
 
@@ -96,11 +96,8 @@ class Delivery:
         claimed: bool,
     ) -> int:
         s, client, stream = self.w.settings, self.w.ledger.client, self.w.streams.stream(partition)
-        eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-        fields = {
-            (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-            for k, v in raw.items()
-        }
+        eid = schema.text(entry_id)
+        fields = {schema.text(k): schema.text(v) for k, v in raw.items()}
         kind = fields.get(schema.JOB_KIND, "?")
         deliveries = 1
         if claimed:

@@ -25,7 +25,6 @@ from ledger.errors import (
 )
 from ledger.models import Compaction
 from ledger.workers import compactors
-from ledger.workers.streams import decoded
 
 if TYPE_CHECKING:
     from ledger.workers.runner import Worker
@@ -225,7 +224,9 @@ class Jobs:
         with translated():
             fields = self.w.ledger.client.hgetall(session_key)
         wanted = (schema.TURN, schema.TURN_OWNER)
-        text = {decoded(k): decoded(v) for k, v in fields.items() if decoded(k) in wanted}
+        text = {
+            schema.text(k): schema.text(v) for k, v in fields.items() if schema.text(k) in wanted
+        }
         tn = int(text.get(schema.TURN) or 0)
         turn = tn if schema.TURN_OWNER in text else tn + 1
         return turn, tuple(protocol.committed_items(fields))
@@ -263,7 +264,7 @@ class Jobs:
             return {}
         fields = [f"{i.consumer.code}:{i.id}" for i in items]
         values = self.w.ledger.client.hmget(key, fields)
-        return {f: decoded(v) for f, v in zip(fields, values, strict=True) if v is not None}
+        return {f: schema.text(v) for f, v in zip(fields, values, strict=True) if v is not None}
 
 
 async def _awaited(aw: Awaitable[T]) -> T:

@@ -153,7 +153,7 @@ class JobStreams:
             return self.w.poll_once()
         groups: Groups = {}
         for stream, entries in got or []:
-            collect(groups, self.partition_of[decoded(stream)], entries, claimed=False)
+            collect(groups, self.partition_of[schema.text(stream)], entries, claimed=False)
         return self.w.delivery.run_groups(groups)
 
     def read_results(self, got: list[tuple[int, Any]]) -> int:
@@ -254,16 +254,12 @@ def collect(groups: Groups, p: int, entries: list[tuple[Any, Any]], claimed: boo
     partitions took longer than claim_idle_ms) is done once."""
     for entry_id, fields in entries:
         jobs = groups.setdefault((p, field_of(fields, schema.JOB_SESSION)), [])
-        if all(decoded(e) != decoded(entry_id) for e, _, _ in jobs):
+        if all(schema.text(e) != schema.text(entry_id) for e, _, _ in jobs):
             jobs.append((entry_id, fields, claimed))
-
-
-def decoded(x: object) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
 
 
 def field_of(fields: Any, name: str) -> str:
     for k, v in (fields or {}).items():
-        if decoded(k) == name:
-            return decoded(v)
+        if schema.text(k) == name:
+            return schema.text(v)
     return ""

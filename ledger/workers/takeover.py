@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ledger.workers.streams import Groups, collect, decoded
+from ledger import schema
+from ledger.workers.streams import Groups, collect
 from ledger.workers.trouble import WHOLE_PASS, kind_of
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ class Takeover:
             return list(self.w.partitions)
         streams: dict[Any, Any] = {self.w.streams.stream(p): "0-0" for p in self.w.partitions}
         got: Any = self.w.ledger.client.xread(streams, count=1)
-        return sorted(self.w.streams.partition_of[decoded(stream)] for stream, _ in got or [])
+        return sorted(self.w.streams.partition_of[schema.text(stream)] for stream, _ in got or [])
 
     def claim_partition(self, p: int) -> list[tuple[Any, Any]]:
         """A partition's jobs idle too long elsewhere (taken over)."""
