@@ -8,27 +8,16 @@ import importlib.util
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 from ledger import Item, Ledger, schema, scripts
-from tests import jobs
+from tests import jobs, tools
 
 # --- the legend -----------------------------------------------------------------------
 
 
-def _load_legend() -> ModuleType:
-    """tools/legend.py, a script of the repository (not a module of the package)."""
-    path = Path(__file__).resolve().parent.parent / "tools" / "legend.py"
-    spec = importlib.util.spec_from_file_location("legend", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_legend = _load_legend()
+_legend = tools.load("legend")
 
 
 def test_the_legend_of_common_lua_is_generated_from_the_schema() -> None:

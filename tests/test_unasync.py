@@ -9,7 +9,6 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
@@ -24,22 +23,13 @@ from ledger import (
     protocol,
 )
 from ledger.core import collect
+from tests import tools
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOL = ROOT / "tools" / "unasync.py"
 
 
-def load_tool() -> ModuleType:
-    """tools/unasync.py, a script of the repository (not a module of the package)."""
-    spec = importlib.util.spec_from_file_location("unasync", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["unasync"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-unasync = load_tool()
+unasync = tools.load("unasync")
 
 
 def test_sync_faces_are_generated_from_the_async_ones() -> None:
