@@ -67,7 +67,7 @@ _SESSION_RE = re.compile(r"[A-Za-z0-9._:/@+=#-]{1,128}")
 _PREFIX_RE = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SessionKeys:
     session_id: str
     partition: int
@@ -143,20 +143,21 @@ class KeySpace:
                 f"(no braces, which would break hash-tag routing), got {session_id!r}"
             )
         p = self.partition_of(session_id)
+        tag = self.tag(p)
         return SessionKeys(
-            session_id,
-            p,
-            f"{self.tag(p)}:s:{session_id}",
-            self.deadlines(p),
-            self.jobs(p),
-            self.tally(p),
-            f"{self.tag(p)}:spill:{session_id}",
-            f"{self.tag(p)}:spilled:{session_id}",
-            f"{self.tag(p)}:content:{session_id}",
-            f"{self.tag(p)}:compacted:{session_id}",
-            f"{self.tag(p)}:history:{session_id}",
-            f"{self.tag(p)}:out:{session_id}",
-            f"{self.tag(p)}:old:{session_id}",
+            session_id=session_id,
+            partition=p,
+            session=f"{tag}:s:{session_id}",
+            deadlines=self.deadlines(p),
+            jobs=self.jobs(p),
+            tally=self.tally(p),
+            spills=f"{tag}:spill:{session_id}",
+            spilled=f"{tag}:spilled:{session_id}",
+            content=f"{tag}:content:{session_id}",
+            compacted=f"{tag}:compacted:{session_id}",
+            history=f"{tag}:history:{session_id}",
+            outcomes=f"{tag}:out:{session_id}",
+            outcomes_old=f"{tag}:old:{session_id}",
         )
 
     def session_key_parts(self, key: str) -> tuple[int, str] | None:

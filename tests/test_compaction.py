@@ -80,14 +80,30 @@ def test_summarizer_over_a_langchain_chat_model() -> None:
         for k in range(3)
     )
     req = CompactionRequest(
-        "s", 1, 3, items, 300, 200, 1000, {"w:m0": "zero", "w:m1": "one", "w:m2": "two"}
+        session_id="s",
+        epoch=1,
+        turn=3,
+        items=items,
+        occupancy=300,
+        high_water_mark=200,
+        window=1000,
+        contents={"w:m0": "zero", "w:m1": "one", "w:m2": "two"},
     )
     plan = asyncio.run(s(req))
     assert plan.replaced == ((Consumer.WORKING_MEMORY, "m0"), (Consumer.WORKING_MEMORY, "m1"))
     assert plan.summary_text == "the gist: 42" and plan.summary is not None
     assert plan.summary.tokens == words("the gist: 42") and plan.summary.priority == 1000
     # items whose text was never stored are not replaced: nothing to summarize
-    bare = CompactionRequest("s", 1, 3, items, 300, 200, 1000, {})
+    bare = CompactionRequest(
+        session_id="s",
+        epoch=1,
+        turn=3,
+        items=items,
+        occupancy=300,
+        high_water_mark=200,
+        window=1000,
+        contents={},
+    )
     assert asyncio.run(s(bare)).replaced == ()
 
 
@@ -210,7 +226,20 @@ def test_openai_compatible_chat_and_from_env(monkeypatch: pytest.MonkeyPatch) ->
     items = (
         HeldItem(consumer=Consumer.WORKING_MEMORY, id="m0", tokens=100, turn=1, priority=0, seq=1),
     )
-    plan = asyncio.run(s(CompactionRequest("s", 1, 2, items, 100, 50, 1000, {"w:m0": "x"})))
+    plan = asyncio.run(
+        s(
+            CompactionRequest(
+                session_id="s",
+                epoch=1,
+                turn=2,
+                items=items,
+                occupancy=100,
+                high_water_mark=50,
+                window=1000,
+                contents={"w:m0": "x"},
+            )
+        )
+    )
     assert plan.summary_text == "short gist" and plan.summary is not None
     assert seen[0]["url"] == "http://llm.local/v1/chat/completions" and seen[0]["model"] == "m1"
 

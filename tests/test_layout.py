@@ -10,7 +10,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
+from types import FrameType
+
+import pytest
+
+from ledger import AdmissionRefused, Consumer, Item, Ledger, LedgerSettings, SessionBudget
+from tests import servers
 
 ROOT = Path(__file__).resolve().parent.parent
 SKIPPED = {".git", ".venv"}
@@ -78,3 +85,37 @@ def test_the_contributing_map_names_every_module_and_folder() -> None:
     names += [f"{p.name}/" for p in ROOT.iterdir() if p.is_dir() and p.name[0] not in "._"]
     missing = [n for n in names if f"`{n}" not in table and not n.endswith(".egg-info/")]
     assert not missing, f"not in the map of docs/contributing.md: {missing}"
+
+
+@pytest.mark.redis
+def test_one_operation_runs_through_the_files_the_map_names(
+    redis_server: servers.RedisProcess,
+) -> None:
+    """docs/contributing.md's "One operation, followed" stays true: every module of the
+    package whose code runs for ``session.admit`` on a real Redis, admitted and refused,
+    is one the paragraph names (a new hop on the path fails here until the map says so)."""
+    text = (ROOT / "docs" / "contributing.md").read_text()
+    paragraph = text[text.index("**One operation, followed.**") : text.index("**A compaction")]
+    entered: dict[str, int] = {}
+    package = str(ROOT / "ledger") + os.sep
+
+    def trace(frame: FrameType, event: str, arg: object) -> None:
+        name = frame.f_code.co_filename
+        if event == "call" and name.startswith(package):
+            rel = Path(name).relative_to(ROOT).as_posix()
+            entered[rel] = entered.get(rel, 0) + 1
+
+    settings = LedgerSettings(redis_url=redis_server.url, prefix=f"t{uuid.uuid4().hex[:12]}")
+    with Ledger.from_settings(settings) as led:
+        s = led.open_session("followed", SessionBudget(window=4_000, system_prompt=100))
+        s.admit(Consumer.RETRIEVAL, [Item("warm", 10)])  # scripts loaded, nothing lazy left
+        sys.settrace(trace)
+        try:
+            s.admit(Consumer.RETRIEVAL, [Item("c1", 100)])
+            with pytest.raises(AdmissionRefused):
+                s.admit(Consumer.RETRIEVAL, [Item("big", 5_000)])
+        finally:
+            sys.settrace(None)
+    assert {"ledger/core.py", "ledger/protocol.py", "ledger/_sync/client.py"} <= set(entered)
+    unnamed = sorted(f for f in entered if f"`{f}`" not in paragraph)
+    assert not unnamed, f"admit runs code of {unnamed}, which the map's walk does not name"

@@ -22,7 +22,7 @@ from ledger.errors import ConfigurationError
 from ledger.models import Consumer, HeldItem, Item
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CompactionRequest:
     session_id: str
     epoch: int

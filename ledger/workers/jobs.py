@@ -181,10 +181,16 @@ class Jobs:
             plan = self._run_compactor(
                 compactor,
                 compactors.CompactionRequest(
-                    sid, epoch, turn, items, snap.occupancy, snap.high_water_mark, snap.window,
-                    contents,
+                    session_id=sid,
+                    epoch=epoch,
+                    turn=turn,
+                    items=items,
+                    occupancy=snap.occupancy,
+                    high_water_mark=snap.high_water_mark,
+                    window=snap.window,
+                    contents=contents,
                 ),
-            )  # fmt: skip
+            )
             # Each replaced item at the version the compactor read: one released and
             # admitted again since (with other text) stays.
             seqs = {(i.consumer, i.id): i.seq for i in items}
