@@ -63,7 +63,7 @@
 --         LEDGER_COMPACTING (with ARGV[9] 1, a compaction is pending: 'compaction pending,
 --         computed by <worker> until <ms>' or 'compaction pending, not picked up'; checked
 --         after the replay, the epoch and the budget, before the turn lease).
--- Calls: HMGET, TIME, HSET, ZADD, HDEL (HGETALL and the rollback's writes to roll a turn back; HGET when a compaction becomes pending; HGETALL and HDEL only to rotate or reclaim; HINCRBY; XADD when a
+-- Calls: HMGET, TIME, HSET, ZADD, HDEL (HGETALL and the rollback's writes to roll a turn back; HGET when a compaction becomes pending; HSCAN and HDEL only to rotate or reclaim; HINCRBY; XADD when a
 --        compaction becomes pending)
 --        and HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due.
 
@@ -145,62 +145,85 @@ end
 local function need() return math.max(ws, A.a_w, H.F_w) end
 local function occupancy() return H.S + H.T + A.a_w + A.a_m + A.a_s end
 
--- The items, read (one HGETALL) only when a turn must rotate or reclaim: a turn that
--- is already ok costs no scan of the session.
+-- The items, read only when a turn must rotate or reclaim (a turn that is already ok
+-- costs no scan of the session), one consumer at a time as the turn reaches it: HSCAN
+-- with MATCH 'i:<code>:*' picks a consumer's fields out in C, so reclaiming scratchpad
+-- on a session of many retrieval chunks reads none of the chunks.
 local rotating = R[1] and R[1] ~= '-'
-local items = { w = {}, r = {}, m = {}, s = {} }
-if rotating or residual() < need() then
-  local all = redis.call('HGETALL', key)
-  for i = 1, #all, 2 do
-    local c, id = string.match(all[i], '^i:(%a):(.+)$')
-    if c then
-      local t, tn, p, sq = string.match(all[i + 1], '^(%d+)|(%d+)|(%d+)|(%d+)$')
-      local list = items[c]
-      list[#list + 1] = { id = id, f = all[i], v = all[i + 1], t = tonumber(t), tn = tonumber(tn),
-        p = tonumber(p), sq = tonumber(sq) }
+local parsed = {}
+local function items(c)
+  local list = parsed[c]
+  if list then return list end
+  list = {}
+  local seen, cursor = {}, '0'
+  repeat
+    local page = redis.call('HSCAN', key, cursor, 'MATCH', 'i:' .. c .. ':*', 'COUNT', 4096)
+    cursor = page[1]
+    local fs = page[2]
+    for i = 1, #fs, 2 do
+      local f = fs[i]
+      if not seen[f] then  -- (a scan may return a field twice)
+        seen[f] = true
+        local t, tn, p, sq = string.match(fs[i + 1], '^(%d+)|(%d+)|(%d+)|(%d+)$')
+        list[#list + 1] = { id = string.sub(f, 5), f = f, v = fs[i + 1], t = tonumber(t),
+          tn = tonumber(tn), p = tonumber(p), sq = tonumber(sq) }
+      end
     end
-  end
+  until cursor == '0'
+  parsed[c] = list
+  return list
 end
 
 if rotating then
   for c in string.gmatch(R[1], '%a') do
-    for _, it in ipairs(items[c]) do rotated = rotated + drop(c, it) end
+    for _, it in ipairs(items(c)) do rotated = rotated + drop(c, it) end
   end
 end
 local regime, start_residual = 'ok', residual()
 local util = math.floor(occupancy() * 1000 / H.W)
 if start_residual < need() then
   regime = occupancy() >= H.EV and 'loud' or 'starvation'
-  local order = {}
-  table.sort(items.s, function(x, y) return x.sq < y.sq end)
-  for _, it in ipairs(items.s) do if not it.gone then order[#order + 1] = { 's', it } end end
-  local recall = {}
-  for _, it in ipairs(items.m) do if not it.gone then recall[it.id] = true end end
-  table.sort(items.r, function(x, y)
-    local dx, dy = recall[x.id] and 0 or 1, recall[y.id] and 0 or 1
-    if dx ~= dy then return dx < dy end
-    return x.sq < y.sq
-  end)
-  for _, it in ipairs(items.r) do if not it.gone then order[#order + 1] = { 'r', it } end end
-  table.sort(items.m, function(x, y) return x.sq < y.sq end)
-  for _, it in ipairs(items.m) do if not it.gone then order[#order + 1] = { 'm', it } end end
-  for _, step in ipairs(order) do
-    if residual() >= need() then break end
-    released = released + drop(step[1], step[2])
-    reclaimed[#reclaimed + 1] = step[1] .. ':' .. step[2].id
+  -- The reclaim order, one consumer at a time, stopping as soon as the gap is closed.
+  local function take(c, list)
+    for _, it in ipairs(list) do
+      if residual() >= need() then return end
+      if not it.gone then
+        released = released + drop(c, it)
+        reclaimed[#reclaimed + 1] = c .. ':' .. it.id
+      end
+    end
   end
+  local function oldest(c)
+    local list = items(c)
+    table.sort(list, function(x, y) return x.sq < y.sq end)
+    return list
+  end
+  take('s', oldest('s'))
+  if residual() < need() then
+    local recall = {}
+    for _, it in ipairs(items('m')) do if not it.gone then recall[it.id] = true end end
+    local list = items('r')
+    table.sort(list, function(x, y)
+      local dx, dy = recall[x.id] and 0 or 1, recall[y.id] and 0 or 1
+      if dx ~= dy then return dx < dy end
+      return x.sq < y.sq
+    end)
+    take('r', list)
+  end
+  if residual() < need() then take('m', oldest('m')) end
   if residual() < need() then
     local short = need() - start_residual
     -- Compacting working memory helps only as far as working memory itself is the
     -- requirement (its claim above the declared working set and what fits).
     local target = math.max(ws, H.F_w)
-    table.sort(items.w, function(x, y)
+    local wm = items('w')
+    table.sort(wm, function(x, y)
       if x.p ~= y.p then return x.p < y.p end
       return x.sq < y.sq
     end)
     local compact, held = {}, A.a_w
     if residual() >= target then
-      for _, it in ipairs(items.w) do
+      for _, it in ipairs(wm) do
         if math.max(held, target) <= residual() then break end
         compact[#compact + 1] = 'w:' .. it.id
         held = held - it.t
