@@ -245,14 +245,18 @@ end
 -- KEYS as given.
 local function key_arg(i, ...)
   local tag, sid = string.match(KEYS[1] or '', '^([^{]*{p%d+}):s:(.+)$')
-  local want, ok = {}, tag ~= nil
-  for k, suffix in ipairs({ ... }) do
-    want[k] = tag and (tag .. ':' .. string.format(suffix, sid)) or suffix
-    ok = ok and KEYS[i + k - 1] == want[k]
+  local n = select('#', ...)
+  local ok = tag ~= nil and #KEYS == i + n + 2
+  for k = 1, n do
+    if not ok then break end
+    ok = KEYS[i + k - 1] == tag .. ':' .. string.format((select(k, ...)), sid)
   end
-  if not ok or #KEYS ~= i + #want + 2 then
+  if not ok then  -- (the names wanted are built only for the message)
     local shown = {}
-    for k = 1, #want do shown[k] = show(want[k]) end
+    for k = 1, n do
+      local suffix = select(k, ...)
+      shown[k] = show(tag and (tag .. ':' .. string.format(suffix, sid)) or suffix)
+    end
     fail('BADARG', 'KEYS must be the session key, ' .. table.concat(shown, ', ') ..
       ', the tally and the outcome keys, got ' .. #KEYS .. ' keys: ' .. show(KEYS[i]))
   end
@@ -319,16 +323,17 @@ local function op_args(name, unfenced_ok)
     return op, string.sub(redis.sha1hex(name .. '\31' .. table.concat(ARGV, '\31', 2)), 1, 12), nil
   end
   local e, t = ARGV[2], nil
-  local a, b = string.match(type(e) == 'string' and e or '', '^([^@]*)@(.*)$')
-  if a and string.sub(b, 1, 1) == '~' then
-    e, t = a, '~' .. id_arg(string.sub(b, 2), 'op id of the turn of the call')
-  elseif a then
-    e, t = a, int_arg(b, 'turn of the call', 1, 1e15)
+  local at = type(e) == 'string' and string.find(e, '@', 1, true)  -- (the first '@')
+  if at and string.sub(e, at + 1, at + 1) == '~' then
+    e, t = string.sub(e, 1, at - 1), '~' .. id_arg(string.sub(e, at + 2), 'op id of the turn of the call')
+  elseif at then
+    e, t = string.sub(e, 1, at - 1), int_arg(string.sub(e, at + 1), 'turn of the call', 1, 1e15)
   end
   -- The turn a call is stamped with is a fence, not an argument: the same call sent
   -- again from another turn has the same fingerprint (and gets its first outcome back).
-  local rest = #ARGV > 2 and ('\31' .. table.concat(ARGV, '\31', 3)) or ''
-  local fp = string.sub(redis.sha1hex(name .. '\31' .. tostring(e) .. rest), 1, 12)
+  local signed = #ARGV > 2 and (name .. '\31' .. e .. '\31' .. table.concat(ARGV, '\31', 3)) or
+    (name .. '\31' .. tostring(e))
+  local fp = string.sub(redis.sha1hex(signed), 1, 12)
   return op, fp, int_arg(e, 'epoch', 0, 1e15), t
 end
 
@@ -367,7 +372,9 @@ end
 -- `store` to append to: the op's SHA-1 (h), its record key (at), the bucket field it is
 -- written to (b) and that bucket's text (cur), the generation's outcome count (k) and
 -- epoch base (e); and the base of the generation a stored outcome was found in (found).
-local BUCKET = {}
+-- Its fields are given at creation (false: none yet), so that `recorded` fills a table
+-- of the right size rather than growing one field by field.
+local BUCKET = { h = false, at = false, b = false, cur = false, k = false, e = false, found = false }
 
 -- A generation's outcomes go to buckets named by the first 2 hex digits of the op id's
 -- SHA-1 until it holds WIDEN[1] outcomes, then by the first 3 (4,096 buckets) until
