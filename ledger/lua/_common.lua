@@ -357,12 +357,14 @@ local PACK = {
 
 -- The stored form of an outcome: the fingerprint (12 characters), then '|' .. reply
 -- with its keys coded and its epoch, if it has one, written as its difference to
--- `base` (the generation's field 'e'): '0' for a call at that epoch, not 13 digits.
+-- `base` (the generation's field 'e', as stored): '0' for a call at that epoch, not 13
+-- digits. (Both are written canonically: the same text is the same number.)
 local function pack(fp, out, base)
   local _, j = string.find(out, '|epoch=', 1, true)
   if j then
     local k = string.find(out, '|', j + 1, true) or #out + 1
-    out = string.sub(out, 1, j) .. string.format('%d', string.sub(out, j + 1, k - 1) - base) ..
+    local e = string.sub(out, j + 1, k - 1)
+    out = string.sub(out, 1, j) .. (e == base and '0' or string.format('%d', e - base)) ..
       string.sub(out, k)
   end
   return fp .. string.gsub('|' .. out, '|[%w_]+=', PACK)
@@ -377,14 +379,14 @@ end
 local BUCKET = { h = false, at = false, b = false, cur = false, k = false, e = false, found = false }
 
 -- A generation's outcomes go to buckets named by the first 2 hex digits of the op id's
--- SHA-1 until it holds WIDEN[1] outcomes, then by the first 3 (4,096 buckets) until
--- WIDEN[2], then by 4: a bucket a call rewrites keeps about 32 outcomes however many the
--- generation holds, and a field costs little next to the outcomes in it. Records already
--- written stay where they are; a lookup reads the op's bucket of each width.
-local WIDEN = { 8192, 8192 + 131072 }
+-- SHA-1 until it holds 8,192 outcomes, then by the first 3 (4,096 buckets) until
+-- 8,192 + 131,072, then by 4: a bucket a call rewrites keeps about 32 outcomes however
+-- many the generation holds, and a field costs little next to the outcomes in it. Records
+-- already written stay where they are; a lookup reads the op's bucket of each width.
+-- (Numbers, not a table of them: a table would be built again on every call.)
 local function bucket_width(k)
-  if k < WIDEN[1] then return 2 end
-  return k < WIDEN[2] and 3 or 4
+  if k < 8192 then return 2 end
+  return k < 8192 + 131072 and 3 or 4
 end
 
 -- The record of this op in one generation's buckets (got: the HMGET of its 2-, 3- and
@@ -434,7 +436,7 @@ local function store(fp, out, fresh)
   if b ~= BUCKET.b then cur = '' end  -- (the generation just widened, or was rotated)
   BUCKET.b = b
   if base then
-    redis.call('HSET', OUT, b, cur .. BUCKET.at .. pack(fp, out, tonumber(base)),
+    redis.call('HSET', OUT, b, cur .. BUCKET.at .. pack(fp, out, base),
       'k', string.format('%d', k + 1))
     return
   end
@@ -443,7 +445,7 @@ local function store(fp, out, fresh)
     local h = redis.call('HMGET', KEYS[1], 'ep', 'pe')
     base = h[1] or h[2] or '0'
   end
-  redis.call('HSET', OUT, b, cur .. BUCKET.at .. pack(fp, out, tonumber(base)), 'e', base,
+  redis.call('HSET', OUT, b, cur .. BUCKET.at .. pack(fp, out, base), 'e', base,
     'k', string.format('%d', k + 1), 'g', fresh and '1' or redis.call('EXISTS', OLD))
 end
 
@@ -503,9 +505,10 @@ local function turn_held(key, lo, tn)
 end
 
 -- Whether a call belongs to the open turn, given the session's lease owner (lo, nil
--- when no turn is open), its turn (tn) and the turn the call is stamped with (tok, nil
--- for a call of no turn, '~<op id>' for the turn that begin_turn opened; see `op_args`):
--- true for a call of the open turn, false for a call of no turn while none is open. A call of no turn while a turn is open fails with
+-- when no turn is open), its turn (tn: a number, or field tn as read) and the turn the
+-- call is stamped with (tok, nil for a call of no turn, '~<op id>' for the turn that
+-- begin_turn opened; see `op_args`): true for a call of the open turn, false for a call
+-- of no turn while none is open. A call of no turn while a turn is open fails with
 -- TURNHELD; a call of a turn that is not open (ended, rolled back, or followed by
 -- another) fails with TURNLOST. Either way nothing has changed. `unleased`: end_turn and
 -- record_span also account the current turn when it never held a lease (turn 0, before
@@ -515,6 +518,7 @@ local function fence(key, lo, tn, tok, unleased)
     if lo then turn_held(key, lo, tn) end
     return false
   end
+  tn = tonumber(tn)  -- (the caller may pass the field as read: a call of no turn needs no number)
   if lo and tok == tn then return true end
   if type(tok) == 'string' then
     local by = string.sub(tok, 2)

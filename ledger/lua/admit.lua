@@ -79,7 +79,7 @@ local v = redis.call('HMGET', key, unpack(fields))
 -- 13 + k: item k when already held.
 local again = gate(recorded(op), tonumber(v[1]), op, fp, epoch)
 if again then return again end
-local in_turn = fence(key, v[12], tonumber(v[2]), tok)
+local in_turn = fence(key, v[12], v[2], tok)
 local ep, tn = v[1], v[2]  -- kept as text: the reply and the items repeat them
 local now = now_ms()
 
