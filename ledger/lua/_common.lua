@@ -245,14 +245,18 @@ end
 -- KEYS as given.
 local function key_arg(i, ...)
   local tag, sid = string.match(KEYS[1] or '', '^([^{]*{p%d+}):s:(.+)$')
-  local want, ok = {}, tag ~= nil
-  for k, suffix in ipairs({ ... }) do
-    want[k] = tag and (tag .. ':' .. string.format(suffix, sid)) or suffix
-    ok = ok and KEYS[i + k - 1] == want[k]
+  local n = select('#', ...)
+  local ok = tag ~= nil and #KEYS == i + n + 2
+  for k = 1, n do
+    if not ok then break end
+    ok = KEYS[i + k - 1] == tag .. ':' .. string.format((select(k, ...)), sid)
   end
-  if not ok or #KEYS ~= i + #want + 2 then
+  if not ok then  -- (the names wanted are built only for the message)
     local shown = {}
-    for k = 1, #want do shown[k] = show(want[k]) end
+    for k = 1, n do
+      local suffix = select(k, ...)
+      shown[k] = show(tag and (tag .. ':' .. string.format(suffix, sid)) or suffix)
+    end
     fail('BADARG', 'KEYS must be the session key, ' .. table.concat(shown, ', ') ..
       ', the tally and the outcome keys, got ' .. #KEYS .. ' keys: ' .. show(KEYS[i]))
   end
@@ -319,16 +323,17 @@ local function op_args(name, unfenced_ok)
     return op, string.sub(redis.sha1hex(name .. '\31' .. table.concat(ARGV, '\31', 2)), 1, 12), nil
   end
   local e, t = ARGV[2], nil
-  local a, b = string.match(type(e) == 'string' and e or '', '^([^@]*)@(.*)$')
-  if a and string.sub(b, 1, 1) == '~' then
-    e, t = a, '~' .. id_arg(string.sub(b, 2), 'op id of the turn of the call')
-  elseif a then
-    e, t = a, int_arg(b, 'turn of the call', 1, 1e15)
+  local at = type(e) == 'string' and string.find(e, '@', 1, true)  -- (the first '@')
+  if at and string.sub(e, at + 1, at + 1) == '~' then
+    e, t = string.sub(e, 1, at - 1), '~' .. id_arg(string.sub(e, at + 2), 'op id of the turn of the call')
+  elseif at then
+    e, t = string.sub(e, 1, at - 1), int_arg(string.sub(e, at + 1), 'turn of the call', 1, 1e15)
   end
   -- The turn a call is stamped with is a fence, not an argument: the same call sent
   -- again from another turn has the same fingerprint (and gets its first outcome back).
-  local rest = #ARGV > 2 and ('\31' .. table.concat(ARGV, '\31', 3)) or ''
-  local fp = string.sub(redis.sha1hex(name .. '\31' .. tostring(e) .. rest), 1, 12)
+  local signed = #ARGV > 2 and (name .. '\31' .. e .. '\31' .. table.concat(ARGV, '\31', 3)) or
+    (name .. '\31' .. tostring(e))
+  local fp = string.sub(redis.sha1hex(signed), 1, 12)
   return op, fp, int_arg(e, 'epoch', 0, 1e15), t
 end
 
@@ -352,12 +357,14 @@ local PACK = {
 
 -- The stored form of an outcome: the fingerprint (12 characters), then '|' .. reply
 -- with its keys coded and its epoch, if it has one, written as its difference to
--- `base` (the generation's field 'e'): '0' for a call at that epoch, not 13 digits.
+-- `base` (the generation's field 'e', as stored): '0' for a call at that epoch, not 13
+-- digits. (Both are written canonically: the same text is the same number.)
 local function pack(fp, out, base)
   local _, j = string.find(out, '|epoch=', 1, true)
   if j then
     local k = string.find(out, '|', j + 1, true) or #out + 1
-    out = string.sub(out, 1, j) .. string.format('%d', string.sub(out, j + 1, k - 1) - base) ..
+    local e = string.sub(out, j + 1, k - 1)
+    out = string.sub(out, 1, j) .. (e == base and '0' or string.format('%d', e - base)) ..
       string.sub(out, k)
   end
   return fp .. string.gsub('|' .. out, '|[%w_]+=', PACK)
@@ -367,17 +374,19 @@ end
 -- `store` to append to: the op's SHA-1 (h), its record key (at), the bucket field it is
 -- written to (b) and that bucket's text (cur), the generation's outcome count (k) and
 -- epoch base (e); and the base of the generation a stored outcome was found in (found).
-local BUCKET = {}
+-- Its fields are given at creation (false: none yet), so that `recorded` fills a table
+-- of the right size rather than growing one field by field.
+local BUCKET = { h = false, at = false, b = false, cur = false, k = false, e = false, found = false }
 
 -- A generation's outcomes go to buckets named by the first 2 hex digits of the op id's
--- SHA-1 until it holds WIDEN[1] outcomes, then by the first 3 (4,096 buckets) until
--- WIDEN[2], then by 4: a bucket a call rewrites keeps about 32 outcomes however many the
--- generation holds, and a field costs little next to the outcomes in it. Records already
--- written stay where they are; a lookup reads the op's bucket of each width.
-local WIDEN = { 8192, 8192 + 131072 }
+-- SHA-1 until it holds 8,192 outcomes, then by the first 3 (4,096 buckets) until
+-- 8,192 + 131,072, then by 4: a bucket a call rewrites keeps about 32 outcomes however
+-- many the generation holds, and a field costs little next to the outcomes in it. Records
+-- already written stay where they are; a lookup reads the op's bucket of each width.
+-- (Numbers, not a table of them: a table would be built again on every call.)
 local function bucket_width(k)
-  if k < WIDEN[1] then return 2 end
-  return k < WIDEN[2] and 3 or 4
+  if k < 8192 then return 2 end
+  return k < 8192 + 131072 and 3 or 4
 end
 
 -- The record of this op in one generation's buckets (got: the HMGET of its 2-, 3- and
@@ -427,7 +436,7 @@ local function store(fp, out, fresh)
   if b ~= BUCKET.b then cur = '' end  -- (the generation just widened, or was rotated)
   BUCKET.b = b
   if base then
-    redis.call('HSET', OUT, b, cur .. BUCKET.at .. pack(fp, out, tonumber(base)),
+    redis.call('HSET', OUT, b, cur .. BUCKET.at .. pack(fp, out, base),
       'k', string.format('%d', k + 1))
     return
   end
@@ -436,7 +445,7 @@ local function store(fp, out, fresh)
     local h = redis.call('HMGET', KEYS[1], 'ep', 'pe')
     base = h[1] or h[2] or '0'
   end
-  redis.call('HSET', OUT, b, cur .. BUCKET.at .. pack(fp, out, tonumber(base)), 'e', base,
+  redis.call('HSET', OUT, b, cur .. BUCKET.at .. pack(fp, out, base), 'e', base,
     'k', string.format('%d', k + 1), 'g', fresh and '1' or redis.call('EXISTS', OLD))
 end
 
@@ -496,9 +505,10 @@ local function turn_held(key, lo, tn)
 end
 
 -- Whether a call belongs to the open turn, given the session's lease owner (lo, nil
--- when no turn is open), its turn (tn) and the turn the call is stamped with (tok, nil
--- for a call of no turn, '~<op id>' for the turn that begin_turn opened; see `op_args`):
--- true for a call of the open turn, false for a call of no turn while none is open. A call of no turn while a turn is open fails with
+-- when no turn is open), its turn (tn: a number, or field tn as read) and the turn the
+-- call is stamped with (tok, nil for a call of no turn, '~<op id>' for the turn that
+-- begin_turn opened; see `op_args`): true for a call of the open turn, false for a call
+-- of no turn while none is open. A call of no turn while a turn is open fails with
 -- TURNHELD; a call of a turn that is not open (ended, rolled back, or followed by
 -- another) fails with TURNLOST. Either way nothing has changed. `unleased`: end_turn and
 -- record_span also account the current turn when it never held a lease (turn 0, before
@@ -508,6 +518,7 @@ local function fence(key, lo, tn, tok, unleased)
     if lo then turn_held(key, lo, tn) end
     return false
   end
+  tn = tonumber(tn)  -- (the caller may pass the field as read: a call of no turn needs no number)
   if lo and tok == tn then return true end
   if type(tok) == 'string' then
     local by = string.sub(tok, 2)

@@ -59,7 +59,7 @@ key_arg(2, 'content:%s')
 -- This is the hot path: fields are read by position, not through load()'s tables.
 local A, F, U, N = ACTIVE[c], FLOOR[c], 'u_' .. c, 'n_' .. c
 local fields = { 'ep', 'tn', 'sq', 'fr', A, F, U, N, 'gz', 'xp', 'cd', 'lo', 'uo' }
-local toks, prios, seen = {}, {}, n > 1 and {} or nil
+local toks, seen = {}, n > 1 and {} or nil
 for k = 1, n do
   local b = 3 + 3 * k
   local id
@@ -69,7 +69,7 @@ for k = 1, n do
     seen[id] = true
   end
   toks[k] = int_arg(ARGV[b + 1], 'tokens', 1, TOKENS_MAX, id)
-  prios[k] = int_arg(ARGV[b + 2], 'priority', 0, 1000, id)
+  int_arg(ARGV[b + 2], 'priority', 0, 1000, id)
   fields[k + 13] = 'i:' .. c .. ':' .. id
 end
 
@@ -79,13 +79,13 @@ local v = redis.call('HMGET', key, unpack(fields))
 -- 13 + k: item k when already held.
 local again = gate(recorded(op), tonumber(v[1]), op, fp, epoch)
 if again then return again end
-local in_turn = fence(key, v[12], tonumber(v[2]), tok)
+local in_turn = fence(key, v[12], v[2], tok)
 local ep, tn = v[1], v[2]  -- kept as text: the reply and the items repeat them
 local now = now_ms()
 
 local a, floor, sq, fr = tonumber(v[5]), tonumber(v[6]) or 0, tonumber(v[3]), tonumber(v[4])
 local fr0 = fr
-local charged, admitted, dups, skipped, args, stored = 0, 0, 0, {}, {}, {}
+local charged, admitted, dups, skipped, items, stored = 0, 0, 0, {}, {}, {}
 -- Compaction credit (docs/rules.md#compaction-credit): while a compaction is pending,
 -- memory is judged on the post-compaction baseline: the high-water mark plus the
 -- memory admitted since the compaction became pending (pm); at most W - out - HW - pm
@@ -115,8 +115,11 @@ for k = 1, n do
       charged = charged + t
       admitted = admitted + 1
       sq = sq + 1
-      args[#args + 1] = fields[k + 13]
-      args[#args + 1] = string.format('%d|%s|%d|%d', t, tn, prios[k], sq)
+      -- tokens and priority as sent: int_arg took them only written canonically, as %d
+      -- would write them
+      local b = 3 + 3 * k
+      items[#items + 1] = fields[k + 13]
+      items[#items + 1] = string.format('%s|%s|%s|%d', ARGV[b + 1], tn, ARGV[b + 2], sq)
       if texts then
         stored[#stored + 1] = string.sub(fields[k + 13], 3)  -- '<c>:<id>'
         stored[#stored + 1] = ARGV[5 + 3 * n + k]
@@ -144,17 +147,16 @@ if refused then
   return commit(key, now, op, fp, table.concat({ 'status=refused|reason=', reason, '|requested=', asked,
     '|free=', fr0, '|epoch=', ep, '|turn=', tn, extra }), {}, J)
 end
+-- string.format: one C call, and %d formats a number faster than a concatenation or
+-- redis.call does; each number is formatted once (free: the field and the reply).
+local f, args = string.format, {}
+local free = f('%d', fr)
 if admitted > 0 then
-  local m = #args
-  local f = string.format  -- redis.call converts a number more slowly than %d does
-  args[m + 1], args[m + 2], args[m + 3], args[m + 4] = 'sq', f('%d', sq), 'fr', f('%d', fr)
-  args[m + 5], args[m + 6] = A, f('%d', a + charged)
-  args[m + 7], args[m + 8] = U, f('%d', tonumber(v[7]) + charged)
-  args[m + 9], args[m + 10] = N, f('%d', tonumber(v[8]) + admitted)
-  if pending then args[m + 11], args[m + 12] = 'pm', f('%d', pm + charged) end
+  args = { 'sq', f('%d', sq), 'fr', free, A, f('%d', a + charged), U, f('%d', tonumber(v[7]) + charged),
+    N, f('%d', tonumber(v[8]) + admitted), unpack(items) }
+  if pending then args[#args + 1], args[#args + 2] = 'pm', f('%d', pm + charged) end
 end
 put(KEYS[2], stored, J, key)
--- string.format: one C call, and %d formats a number faster than a concatenation.
-return commit(key, now, op, fp, string.format(
-  'status=ok|charged=%d|admitted=%d|duplicates=%d|skipped=%s|free=%d|epoch=%s|turn=%s',
-  charged, admitted, dups, table.concat(skipped, ','), fr, ep, tn), args, J)
+return commit(key, now, op, fp, f(
+  'status=ok|charged=%d|admitted=%d|duplicates=%d|skipped=%s|free=%s|epoch=%s|turn=%s',
+  charged, admitted, dups, table.concat(skipped, ','), free, ep, tn), args, J)
