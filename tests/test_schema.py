@@ -208,8 +208,8 @@ def lua_uses(src: str, where: str) -> Iterator[Use]:
     src = scripts.strip_comments(src)
     for m in _HCALL.finditer(src):
         cmd = m.group(1)
-        if cmd in ("HGETALL", "HLEN"):
-            continue
+        if cmd in ("HGETALL", "HLEN", "HSCAN"):
+            continue  # (no field named: HSCAN's are a cursor, MATCH and COUNT)
         args = _split(_balanced(src, src.index("(", m.start()) + 1))[1:]
         owner = _KEY_OWNER.get(args[0], "")
         rest = args[1:]
