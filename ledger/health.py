@@ -30,7 +30,7 @@ from ledger import schema
 from ledger.backends import SyncClient, parse_url
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ServerCheck:
     """What one server reported, and what is wrong or unknown about it."""
 
@@ -138,7 +138,15 @@ def assess(
             f"{evicted} keys evicted since the server started (evicted_keys): sessions or job "
             "streams may have been lost"
         )
-    return ServerCheck(server, policy, aof, save, evicted, tuple(problems), tuple(unknown))
+    return ServerCheck(
+        server=server,
+        policy=policy,
+        aof=aof,
+        save=save,
+        evicted_keys=evicted,
+        problems=tuple(problems),
+        unknown=tuple(unknown),
+    )
 
 
 def _read(fn: Callable[[], Any], why: dict[str, str], name: str) -> Any:

@@ -150,7 +150,7 @@ def _metric_totals(worker: Worker) -> dict[str, float]:
 # --- scenario 001 on the ledger -----------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DecayJob:
     settings: LedgerSettings
     session_id: str
@@ -221,14 +221,14 @@ def _decay_fleet(
     jobs = sorted(
         (
             DecayJob(
-                settings,
-                f"{sid}@{tag}",
-                i,
-                config.seed,
-                n,
-                credit,
-                tail,
-                STAGGER_S * decay.unit("start", config.seed, i),
+                settings=settings,
+                session_id=f"{sid}@{tag}",
+                index=i,
+                seed=config.seed,
+                turns=n,
+                credit=credit,
+                tail=tail,
+                start_s=STAGGER_S * decay.unit("start", config.seed, i),
             )
             for sid, i, n, tail in decay_fleet_plan(config)
         ),
