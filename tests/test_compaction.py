@@ -4,6 +4,7 @@ reads it, the summary reaches the agent's next turn, and summaries run concurren
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from typing import Annotated, Any, TypedDict
@@ -94,16 +95,7 @@ def test_summarizer_over_a_langchain_chat_model() -> None:
     assert plan.summary_text == "the gist: 42" and plan.summary is not None
     assert plan.summary.tokens == words("the gist: 42") and plan.summary.priority == 1000
     # items whose text was never stored are not replaced: nothing to summarize
-    bare = CompactionRequest(
-        session_id="s",
-        epoch=1,
-        turn=3,
-        items=items,
-        occupancy=300,
-        high_water_mark=200,
-        window=1000,
-        contents={},
-    )
+    bare = dataclasses.replace(req, contents={})
     assert asyncio.run(s(bare)).replaced == ()
 
 
