@@ -109,13 +109,14 @@ def test_one_operation_runs_through_the_files_the_map_names(
     with Ledger.from_settings(settings) as led:
         s = led.open_session("followed", SessionBudget(window=4_000, system_prompt=100))
         s.admit(Consumer.RETRIEVAL, [Item("warm", 10)])  # scripts loaded, nothing lazy left
+        before = sys.gettrace()  # (a coverage tool's or a debugger's, put back after)
         sys.settrace(trace)
         try:
             s.admit(Consumer.RETRIEVAL, [Item("c1", 100)])
             with pytest.raises(AdmissionRefused):
                 s.admit(Consumer.RETRIEVAL, [Item("big", 5_000)])
         finally:
-            sys.settrace(None)
+            sys.settrace(before)
     assert {"ledger/core.py", "ledger/protocol.py", "ledger/_sync/client.py"} <= set(entered)
     unnamed = sorted(f for f in entered if f"`{f}`" not in paragraph)
     assert not unnamed, f"admit runs code of {unnamed}, which the map's walk does not name"

@@ -63,7 +63,7 @@
 --         LEDGER_COMPACTING (with ARGV[9] 1, a compaction is pending: 'compaction pending,
 --         computed by <worker> until <ms>' or 'compaction pending, not picked up'; checked
 --         after the replay, the epoch and the budget, before the turn lease).
--- Calls: HMGET, TIME, HSET, ZADD, HDEL (HGETALL and the rollback's writes to roll a turn back; HGET when a compaction becomes pending; HSCAN and HDEL only to rotate or reclaim; HINCRBY; XADD when a
+-- Calls: HMGET, TIME, HSET, ZADD, HDEL (HGETALL and the rollback's writes to roll a turn back; HGET when a compaction becomes pending; HSCAN and HDEL only to rotate or reclaim (HSCAN of working memory too on a refusal); HINCRBY; XADD when a
 --        compaction becomes pending)
 --        and HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due.
 
@@ -148,7 +148,8 @@ local function occupancy() return H.S + H.T + A.a_w + A.a_m + A.a_s end
 -- The items, read only when a turn must rotate or reclaim (a turn that is already ok
 -- costs no scan of the session), one consumer at a time as the turn reaches it: HSCAN
 -- with MATCH 'i:<code>:*' picks a consumer's fields out in C, so reclaiming scratchpad
--- on a session of many retrieval chunks reads none of the chunks.
+-- on a session of many retrieval chunks parses none of the chunks (Redis still walks
+-- every field of the hash, once per consumer read).
 local rotating = R[1] and R[1] ~= '-'
 local parsed = {}
 local function items(c)
