@@ -46,9 +46,18 @@ them on Redis Cluster::
                                        they are delivered to; field '~':
                                        '<worker>|<until ms>' while a worker computes the
                                        session's compaction; the session's TTL
+    <prefix>:{p<N>}:order:<session_id>
+                                       sorted set, the reclaim-order index: member
+                                       'i:<c>:<id>' per scratchpad, retrieval and recall
+                                       item, scored by consumer then sequence, and '~'
+                                       once built (see ORDER in ledger/lua/_common.lua);
+                                       the session's idle TTL. Kept by the calls that
+                                       send it; a turn builds it again when it is not
+                                       complete, so it is never the truth, only an order
 
 Deleting a session deletes its content, spill, compacted and history keys with it; a
-new incarnation of an id starts with none.
+new incarnation of an id starts with none. The reclaim-order index is left to its TTL:
+a new incarnation's first reclaiming turn builds it again if it is not complete.
 
 No two (prefix, session, id) triples name the same key. Ids never contain '|' or
 braces, so '|' ends a session id wherever another id follows it; a prefix never
@@ -80,6 +89,7 @@ class SessionKeys:
     content: str
     compacted: str
     history: str
+    order: str
     outcomes: str
     outcomes_old: str
 
@@ -156,6 +166,7 @@ class KeySpace:
             content=f"{tag}:content:{session_id}",
             compacted=f"{tag}:compacted:{session_id}",
             history=f"{tag}:history:{session_id}",
+            order=f"{tag}:order:{session_id}",
             outcomes=f"{tag}:out:{session_id}",
             outcomes_old=f"{tag}:old:{session_id}",
         )

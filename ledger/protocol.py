@@ -267,7 +267,9 @@ def admit(
         if len(texts) != len(items):
             raise InvalidArgument(f"{len(texts)} texts for {len(items)} items")
         body += [utf8(t, f"the text of item {it.id}") for t, it in zip(texts, items, strict=True)]
-    return _mutating("admit", keys.for_script(keys.content), op_id, epoch, body, _admitted)
+    return _mutating(
+        "admit", keys.for_script(keys.content, keys.order), op_id, epoch, body, _admitted
+    )
 
 
 def _released(r: Reply) -> Released:
@@ -288,7 +290,7 @@ def release(
         raise InvalidArgument("release needs a non-empty list or tuple of item ids")
     ids = [check_id(i, "item id") for i in item_ids]
     body = [Consumer.parse(consumer).code, str(len(ids)), *ids]
-    return _mutating("release", keys.for_script(), op_id, epoch, body, _released)
+    return _mutating("release", keys.for_script(keys.order), op_id, epoch, body, _released)
 
 
 # --- two-phase reservations ---------------------------------------------------------
@@ -348,7 +350,9 @@ def settle(
     rid = check_id(reservation_id, "reservation id")
     item = rid if item_id is None else check_id(item_id, "item id")
     body = [keys.session_id, rid, _num(actual), item, _num(priority)]
-    return _mutating("settle", keys.for_script(keys.deadlines), op_id, epoch, body, _settled)
+    return _mutating(
+        "settle", keys.for_script(keys.deadlines, keys.order), op_id, epoch, body, _settled
+    )
 
 
 def _voided(r: Reply) -> Voided:
@@ -479,6 +483,7 @@ def begin_turn(
     if await_compaction:
         body.append("1")
         extra = (*extra, keys.compacted)
+    extra = (*extra, keys.order)
     return _mutating("begin_turn", keys.for_script(*extra), op_id, epoch, body, _turn_started)
 
 
@@ -782,7 +787,7 @@ def admit_tool(
     body.append("1" if keep_text else "0")
     return _mutating(
         "admit_tool",
-        keys.for_script(keys.content, keys.spills, keys.spilled),
+        keys.for_script(keys.content, keys.spills, keys.spilled, keys.order),
         op_id,
         epoch,
         body,

@@ -165,6 +165,20 @@ EPOCH = _s(
 )
 TURN = _s("tn", "turn", "turn", "the last turn begun (the open one while lo is set)")
 SEQUENCE = _s("sq", "sequence", "count", "item sequence: each admitted item gets the next number")
+ORDER_THROUGH = _s(
+    "oq",
+    "order_through",
+    "count",
+    "the reclaim-order index '<tag>:order:<session>' holds every scratchpad, retrieval "
+    "and recall item while this equals sq (absent or other: rebuilt when next needed)",
+)
+ORDER_TTL_AT = _s(
+    "ox",
+    "order_ttl_at",
+    "time",
+    "when the reclaim-order index's TTL is next set: the first call adding to it after this "
+    "sets it again (absent: now)",
+)
 INCARNATION = _s("inc", "incarnation", "time", "when this incarnation was created (a job's inc)")
 PAST_EPOCH = _s("pe", "past_epoch", "epoch", "in a tombstone (a deleted session): its last epoch")
 BUDGET_FINGERPRINT = _s("cfg", "budget_fingerprint", "text", "the budget's fingerprint (SHA-256)")

@@ -183,7 +183,7 @@ def test_bench_turn_prints_every_figure_beside_its_reference() -> None:
             "-m",
             "bench.bench_turn",
             *["--rounds", "2", "--calls", "20"],
-            *["--outcomes", "3000", "--items", "300"],
+            *["--outcomes", "3000", "--items", "300", "--held", "retrieval"],
         ],
         cwd=ROOT,
         capture_output=True,
@@ -192,11 +192,12 @@ def test_bench_turn_prints_every_figure_beside_its_reference() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = proc.stdout.splitlines()[1:]
-    assert len(rows) == 9, proc.stdout
+    assert len(rows) == 10, proc.stdout
     for line in rows:
         numbers = [float(x) for x in line[44:].split()[:2]]
         assert all(n > 0 for n in numbers), line
     assert "admit at 3,000 outcomes vs 1,000" in proc.stdout
+    assert "retrieval held" in proc.stdout and "without the reclaim-order index" in proc.stdout
 
 
 @pytest.mark.redis

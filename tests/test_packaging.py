@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DIST = "redis-token-ledger"
 CORE = {"redis", "pydantic", "pydantic-settings", "tenacity"}
 # Distributions (and their import names) that only extras may bring in.
-EXTRA_ONLY = {"fakeredis", "lupa", "rich", "prometheus-client", "pygments"}
-EXTRA_MODULES = ("fakeredis", "lupa", "rich", "prometheus_client", "pygments")
+EXTRA_ONLY = {"fakeredis", "lupa", "rich", "prometheus-client", "pygments", "hiredis"}
+EXTRA_MODULES = ("fakeredis", "lupa", "rich", "prometheus_client", "pygments", "hiredis")
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -66,7 +66,9 @@ def test_key_vectors() -> None:
     assert k.for_script(k.jobs) == (
         v["session"], v["jobs"], v["tally"], v["outcomes"], v["outcomes_old"]
     )  # fmt: skip
-    assert (k.spills, k.spilled, k.history) == (v["spills"], v["spilled"], v["history"])
+    assert (k.spills, k.spilled, k.history, k.order) == (
+        v["spills"], v["spilled"], v["history"], v["order"]
+    )  # fmt: skip
     assert ks.session_key_parts(v["session"]) == (v["partition"], v["session_id"])
     # The worker's own keys in the partition (dead letters, job errors).
     assert f"{ks.tag(k.partition)}:dead" == v["dead_letter"]
@@ -189,11 +191,12 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
     opened, other, admit = VECTORS["calls"]
     okeys = opened["keys"]  # the session, its five data keys, the tally, the outcome hashes
     key, content, tally, out, old = okeys[0], okeys[1], okeys[-3], okeys[-2], okeys[-1]
-    adk = [key, content, tally, out, old]  # admit's KEYS
+    order = VECTORS["keys"]["order"]
+    adk = [key, content, order, tally, out, old]  # admit's KEYS (the order key optional)
     assert content == VECTORS["keys"]["content"] and admit["keys"] == adk
     assert (out, old) == (VECTORS["keys"]["outcomes"], VECTORS["keys"]["outcomes_old"])
     assert tally == VECTORS["keys"]["tally"]
-    everything = (*okeys, VECTORS["keys"]["jobs"], VECTORS["keys"]["deadlines"])
+    everything = (*okeys, order, VECTORS["keys"]["jobs"], VECTORS["keys"]["deadlines"])
     r.delete(*everything)
 
     def bucket(name: str, op_id: str) -> str:
@@ -237,13 +240,17 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
             r.eval(text["open"], 9, *okeys, opened["argv"][0], *other["argv"][1:])
         # admit, fenced by the epoch open answered.
         argv = [admit["argv"][0], epoch, *admit["argv"][2:]]
-        got = _reply(r.evalsha(printed[str(tmp_path / "admit.lua")], 5, *adk, *argv))
+        got = _reply(r.evalsha(printed[str(tmp_path / "admit.lua")], 6, *adk, *argv))
+        # kept the reclaim-order index: the two chunks, scored 2^50 (retrieval) + sequence
+        assert r.zrange(order, 0, -1, withscores=True)[1:] == [
+            (b"i:r:doc-1", 2.0**50 + 1), (b"i:r:doc-2", 2.0**50 + 2)
+        ]  # fmt: skip
         assert (got["status"], got["charged"], got["admitted"]) == ("ok", "200", "2")
         reply = "|".join(f"{k}={v}" for k, v in got.items())
         fp = op_fingerprint("admit", argv)
         assert encode_outcome(argv[0], fp, reply, int(epoch)) in bucket(out, argv[0])
         with pytest.raises(redis.ResponseError, match=r"^LEDGER_STALE "):
-            r.eval(
+            r.eval(  # (without the order key, as protocol 1 clients before it send)
                 text["admit"],
                 5,
                 key,
@@ -269,11 +276,11 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
         assert r.hmget(out, "k", "g") == [b"1", b"1"] and r.hlen(out) == 4
         assert "\x1e" + key_of in bucket(old, argv[0])
         assert int(r.hget(key, "gz") or 0) > int(epoch)
-        again = r.eval(text["admit"], 5, *adk, *argv)
-        assert _reply(again) == _reply(r.eval(text["admit"], 5, *adk, *argv))
+        again = r.eval(text["admit"], 6, *adk, *argv)
+        assert _reply(again) == _reply(r.eval(text["admit"], 6, *adk, *argv))
         assert _reply(again)["charged"] == "200" and r.hlen(out) == 4
         with pytest.raises(redis.ResponseError, match=r"^LEDGER_OPREUSED "):
-            r.eval(text["admit"], 5, *adk, *argv[:-1], "1")
+            r.eval(text["admit"], 6, *adk, *argv[:-1], "1")
         # A turn that ends above the high-water mark (5760 of 8000) writes a compaction
         # job to the partition's stream, with the fields of docs/protocol.md, in order.
         sid, jobs = opened["session_id"], VECTORS["keys"]["jobs"]
@@ -321,7 +328,7 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
             )
         # The turn's calls carry '<epoch>@<turn>'.
         w1 = ["op-w1", f"{epoch}@1", "w", "all", "1", "turn-1", "6000", "0"]
-        r.eval(text["admit"], 5, *adk, *w1)
+        r.eval(text["admit"], 6, *adk, *w1)
         end = [key, jobs, dl, tally, out, old, "op-e1", epoch, "1", "6700", "0", sid, "ck-1"]
         ended = _reply(r.eval(text["end_turn"], 6, *end))
         assert ended["compaction_due"] == "1"

@@ -200,6 +200,17 @@ def exercise_everything(
     assert "tenant/a" in ledger.session_ids()
     done += ["snapshot", "audit", "items", "session_ids"]
 
+    # turns short of room by 100 tokens: each reclaims scratchpad, the first building the
+    # reclaim-order index, the second reading it as the calls kept it
+    for k in range(2):
+        s.admit_tool_result(f"call-r{k}", 100, b"{}")
+        v = s.snapshot().raw
+        room = v["W"] - v["S"] - v["T"] - v["out"] - max(v["a_m"], v["F_m"]) - v["a_s"]
+        t = s.begin_turn(room + 100, output_reserve=v["out"])
+        assert t.reclaimed and t.reclaimed[0][0] == SCR, t
+        s.end_turn(t.turn, 1_500)
+    done += ["reclaim"]
+
     # jobs: a compaction that a failing compactor leaves to the dead-letter stream,
     # one that the simulated compactor performs, and a hard reset after repeated
     # failed compactions.

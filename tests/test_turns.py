@@ -63,7 +63,7 @@ BOOKKEEPING = {
     "xp",
     "gz",
 }
-BOOKKEEPING |= {"sq"}  # item sequence numbers are never reused
+BOOKKEEPING |= {"sq", "oq", "ox"}  # item sequences are never reused (the order index follows)
 # What a compaction attempt counted stays (the jobs it enqueued cannot be taken back), and
 # a compaction made due by the turn stays due.
 BOOKKEEPING |= {"cd", "cq", "pm", "kf", "kn", "kt", "rq"}

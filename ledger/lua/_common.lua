@@ -20,6 +20,11 @@
 --   tn             turn [turn]: the last turn begun (the open one while lo is set)
 --   sq             sequence [count]: item sequence: each admitted item gets the next
 --                  number
+--   oq             order_through [count]: the reclaim-order index '<tag>:order:<session>'
+--                  holds every scratchpad, retrieval and recall item while this equals sq
+--                  (absent or other: rebuilt when next needed)
+--   ox             order_ttl_at [time]: when the reclaim-order index's TTL is next set:
+--                  the first call adding to it after this sets it again (absent: now)
 --   inc            incarnation [time]: when this incarnation was created (a job's inc)
 --   pe             past_epoch [epoch]: in a tombstone (a deleted session): its last epoch
 --   cfg            budget_fingerprint [text]: the budget's fingerprint (SHA-256)
@@ -186,6 +191,43 @@
 -- and recall: the m of its fields is not the consumer m (recall). The scratchpad has no
 -- floor: F_s is never written, and read as 0.
 local ACTIVE = { w = 'a_w', r = 'a_m', m = 'a_m', s = 'a_s' }
+-- The reclaim-order index '<tag>:order:<session>' (docs/protocol.md#the-reclaim-order-index):
+-- a sorted set of the items of the consumers a turn reclaims, member the item's field
+-- 'i:<c>:<id>', score ORDER[c] * ORDER_SPAN + the item's sequence number, so that each
+-- consumer's items lie in one range of scores, oldest first; and the member '~' (score
+-- -1) once it was built from the session's items. It may hold members of items gone
+-- (they are skipped and removed when read). It holds every live item while it holds '~'
+-- and the session's 'oq' equals its 'sq': each script that adds such an item either
+-- adds its member and moves 'oq' along with 'sq', or leaves 'oq' behind. A caller that
+-- does not send the index (an older client) so leaves it incomplete, and the next turn
+-- that needs it builds it again (begin_turn.lua).
+local ORDER = { s = 0, r = 1, m = 2 }
+local ORDER_SPAN = 1125899906842624  -- 2^50: above any sequence number
+
+-- An item's score in the reclaim-order index: its consumer's range, then its sequence.
+local function order_score(c, sq)
+  return string.format('%d', ORDER[c] * ORDER_SPAN + sq)
+end
+
+-- Give the reclaim-order index `ord` the session's idle TTL, and add to args the
+-- session's 'ox': when it is next due (in a tenth of the TTL, as the session's own).
+local function order_ttl(ord, key, now, args)
+  local ttl = tonumber(redis.call('HGET', key, 'ttl'))
+  redis.call('PEXPIRE', ord, ttl)
+  args[#args + 1], args[#args + 2] = 'ox', string.format('%d', now + math.floor(ttl / 10))
+end
+
+-- Add members to the reclaim-order index `ord` (z: score, member, ...). Items added while
+-- the session never held one before (sq0, its sequence before them, is 0) leave it built
+-- ('~'): it holds them all. Its TTL is set again once the session's 'ox' (`ox`, nil if
+-- absent) has passed; an index that expired has always passed it (it expires a whole
+-- TTL after it was set, ox a tenth of one), so no call leaves an index without a TTL.
+local function order_add(ord, z, sq0, ox, now, key, args)
+  if tonumber(sq0) == 0 then z[#z + 1], z[#z + 2] = -1, '~' end
+  redis.call('ZADD', ord, unpack(z))
+  if not ox or now >= tonumber(ox) then order_ttl(ord, key, now, args) end
+end
+
 local FLOOR = { w = 'F_w', r = 'F_m', m = 'F_m', s = 'F_s' }
 local ID_MAX = 128
 local TOKENS_MAX = 100000000      -- 1e8 tokens: above any model's window
@@ -260,6 +302,13 @@ local function key_arg(i, ...)
     fail('BADARG', 'KEYS must be the session key, ' .. table.concat(shown, ', ') ..
       ', the tally and the outcome keys, got ' .. #KEYS .. ' keys: ' .. show(KEYS[i]))
   end
+end
+
+-- Whether KEYS[i] is the session's key with this suffix (an optional key told apart
+-- from another by its name; key_arg then checks them all).
+local function is_key(i, suffix)
+  local tag, sid = string.match(KEYS[1] or '', '^([^{]*{p%d+}):s:(.+)$')
+  return tag ~= nil and KEYS[i] == tag .. ':' .. string.format(suffix, sid)
 end
 
 -- reset and void: ARGV[3] the session id (naming KEYS[1]) and ARGV[4] one identifier
@@ -625,6 +674,7 @@ local function rollback(key, dl, sid, why)
       f[name] = nil
     end
   end
+  local unordered = false
   for name, was in pairs(prior) do
     local rid = string.match(name, '^r:(.+)$')
     -- an item the turn admitted and then changed was absent before the turn
@@ -638,11 +688,15 @@ local function rollback(key, dl, sid, why)
     else
       set[#set + 1], set[#set + 2] = name, was
       f[name] = was
+      -- (an item of scratchpad, retrieval or recall put back has left the reclaim-order
+      -- index: the index is no longer complete, and is built again when next needed)
+      if string.match(name, '^i:[srm]:') then unordered = true end
       if rid then
         zadd[#zadd + 1], zadd[#zadd + 2] = string.match(was, '|(%d+)$'), sid .. '|' .. rid
       end
     end
   end
+  if unordered then dead[#dead + 1] = 'oq' end
   local u, n, v = { w = 0, r = 0, m = 0, s = 0 }, { w = 0, r = 0, m = 0, s = 0 }, { w = 0, r = 0, m = 0, s = 0 }
   local nv = 0
   for name, val in pairs(f) do

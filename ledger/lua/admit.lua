@@ -2,9 +2,11 @@
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  content store           '<tag>:content:<session>'
--- KEYS[3]  partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
--- KEYS[4]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
--- KEYS[5]  previous outcome hash   previous generation ('<tag>:old:<session>')
+-- KEYS[3]  (optional) reclaim-order index '<tag>:order:<session>': kept when sent (see
+--          ORDER in _common.lua); without it the next reclaiming turn rebuilds it
+-- then     partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
+--          outcome hash            current generation of outcomes ('<tag>:out:<session>')
+--          previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch[@turn]             integer; older than the session's -> LEDGER_STALE; @turn:
 --                                  a call of that turn (see `fence`)
@@ -37,7 +39,7 @@
 -- the first new item fits (requested is then that item's tokens).
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED, LEDGER_TURNHELD,
 --         LEDGER_TURNLOST (see `fence` in _common.lua).
--- Calls: HMGET, TIME, HSET (HSET and PEXPIRE of the content store when texts are sent; HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due; HINCRBY on refusal;
+-- Calls: HMGET, TIME, HSET (ZADD and PEXPIRE of the reclaim-order index when sent; HSET and PEXPIRE of the content store when texts are sent; HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due; HINCRBY on refusal;
 --        HMGET of HW, out, W, kf, pm for retrieval and recall while a compaction is pending).
 
 local op, fp, epoch, tok = op_args('admit', false)
@@ -55,10 +57,11 @@ if #ARGV ~= want then
   fail('BADARG', 'expected ' .. want .. ' arguments for ' .. n .. ' items' ..
     (texts and ' and their texts' or '') .. ', got ' .. #ARGV)
 end
-key_arg(2, 'content:%s')
+local ORD = #KEYS == 6 and KEYS[3] or nil
+if ORD then key_arg(2, 'content:%s', 'order:%s') else key_arg(2, 'content:%s') end
 -- This is the hot path: fields are read by position, not through load()'s tables.
 local A, F, U, N = ACTIVE[c], FLOOR[c], 'u_' .. c, 'n_' .. c
-local fields = { 'ep', 'tn', 'sq', 'fr', A, F, U, N, 'gz', 'xp', 'cd', 'lo', 'uo' }
+local fields = { 'ep', 'tn', 'sq', 'fr', A, F, U, N, 'gz', 'xp', 'cd', 'lo', 'uo', 'oq', 'ox' }
 local toks, seen = {}, n > 1 and {} or nil
 for k = 1, n do
   local b = 3 + 3 * k
@@ -70,13 +73,13 @@ for k = 1, n do
   end
   toks[k] = int_arg(ARGV[b + 1], 'tokens', 1, TOKENS_MAX, id)
   int_arg(ARGV[b + 2], 'priority', 0, 1000, id)
-  fields[k + 13] = 'i:' .. c .. ':' .. id
+  fields[k + 15] = 'i:' .. c .. ':' .. id
 end
 
 local key = KEYS[1]
 local v = redis.call('HMGET', key, unpack(fields))
 -- v: 1 ep, 2 tn, 3 sq, 4 fr, 5 a, 6 floor, 7 u, 8 n, 9 gz, 10 xp, 11 cd, 12 lo, 13 uo,
--- 13 + k: item k when already held.
+-- 14 oq, 15 ox, 15 + k: item k when already held.
 local again = gate(recorded(op), tonumber(v[1]), op, fp, epoch)
 if again then return again end
 local in_turn = fence(key, v[12], v[2], tok)
@@ -100,9 +103,14 @@ if pending then
   if (tonumber(x[4]) or 0) > 0 then cap, bound = 0, 'failed' end
 end
 local first_skip, by_bound = nil, false
+-- The reclaim-order index stays complete (oq follows sq) when it was and either the
+-- items need no member (working memory) or their members are added here (z: scores and
+-- members, the score's consumer part zb).
+local keep_order = v[14] == v[3] and (not ORDER[c] or ORD)
+local z, zb = keep_order and ORD and ORDER[c] and {} or nil, ORDER_SPAN * (ORDER[c] or 0)
 for k = 1, n do
   local t = toks[k]
-  if v[k + 13] then
+  if v[k + 15] then
     dups = dups + 1
   else
     local d = claim_delta(a + charged, t, floor)
@@ -118,10 +126,11 @@ for k = 1, n do
       -- tokens and priority as sent: int_arg took them only written canonically, as %d
       -- would write them
       local b = 3 + 3 * k
-      items[#items + 1] = fields[k + 13]
+      items[#items + 1] = fields[k + 15]
       items[#items + 1] = string.format('%s|%s|%s|%d', ARGV[b + 1], tn, ARGV[b + 2], sq)
+      if z then z[#z + 1], z[#z + 2] = string.format('%d', zb + sq), fields[k + 15] end
       if texts then
-        stored[#stored + 1] = string.sub(fields[k + 13], 3)  -- '<c>:<id>'
+        stored[#stored + 1] = string.sub(fields[k + 15], 3)  -- '<c>:<id>'
         stored[#stored + 1] = ARGV[5 + 3 * n + k]
       end
     end
@@ -155,6 +164,8 @@ if admitted > 0 then
   args = { 'sq', f('%d', sq), 'fr', free, A, f('%d', a + charged), U, f('%d', tonumber(v[7]) + charged),
     N, f('%d', tonumber(v[8]) + admitted), unpack(items) }
   if pending then args[#args + 1], args[#args + 2] = 'pm', f('%d', pm + charged) end
+  if keep_order then args[#args + 1], args[#args + 2] = 'oq', args[2] end
+  if z then order_add(ORD, z, v[3], v[15], now, key, args) end
 end
 put(KEYS[2], stored, J, key)
 return commit(key, now, op, fp, f(

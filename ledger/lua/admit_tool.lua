@@ -19,9 +19,11 @@
 -- KEYS[3]  spill hash              '<tag>:spill:<session>': call id -> spilled content
 -- KEYS[4]  spill index             '<tag>:spilled:<session>': sorted set of call ids, scored
 --                                  by the end of their spill TTL (ms, Redis's clock)
--- KEYS[5]  partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
--- KEYS[6]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
--- KEYS[7]  previous outcome hash   previous generation ('<tag>:old:<session>')
+-- KEYS[5]  (optional) reclaim-order index '<tag>:order:<session>': kept when sent (see
+--          ORDER in _common.lua)
+-- then     partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
+--          outcome hash            current generation of outcomes ('<tag>:out:<session>')
+--          previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch[@turn]             integer; older than the session's -> LEDGER_STALE; @turn:
 --                                  a call of that turn (see `fence`)
@@ -42,7 +44,8 @@
 --          |free=<tokens>|epoch=<n>|turn=<n>
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED, LEDGER_TURNHELD,
 --         LEDGER_TURNLOST (see `fence` in _common.lua).
--- Calls: HMGET, TIME, HSET (HGETALL and HDEL when memory gives way; ZRANGEBYSCORE, HDEL,
+-- Calls: HMGET, TIME, HSET (ZADD and PEXPIRE of the reclaim-order index when sent, and
+--        its ZREM when memory gives way; HGETALL and HDEL when memory gives way; ZRANGEBYSCORE, HDEL,
 --        ZREM, HSET, ZADD and PEXPIRE when spilled; HSET and PEXPIRE with keep text).
 
 local op, fp, epoch, tok = op_args('admit_tool', false)
@@ -57,10 +60,15 @@ if ARGV[6] ~= '0' and ARGV[6] ~= '1' then
 end
 if #ARGV ~= 6 then fail('BADARG', 'expected 6 arguments, got ' .. #ARGV) end
 
-key_arg(2, 'content:%s', 'spill:%s', 'spilled:%s')
+local ORD = #KEYS == 8 and KEYS[5] or nil
+if ORD then
+  key_arg(2, 'content:%s', 'spill:%s', 'spilled:%s', 'order:%s')
+else
+  key_arg(2, 'content:%s', 'spill:%s', 'spilled:%s')
+end
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'sq', 'fr', 'F_m', 'a_m', 'a_s', 'u_r', 'u_m', 'u_s', 'n_r', 'n_m', 'n_s',
-  'pv', 'sttl', 'gz', 'xp', 'i:s:' .. call, 'lo', 'ul', 'uo' }, 17)
+  'pv', 'sttl', 'gz', 'xp', 'oq', 'ox', 'i:s:' .. call, 'lo', 'ul', 'uo' }, 19)
 local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
 local in_turn = fence(key, R[2], H.tn, tok)
@@ -118,6 +126,7 @@ if size > fr then
     evicted[#evicted + 1] = it.c .. ':' .. it.id
   end
   redis.call('HDEL', key, unpack(dead))
+  if ORD then redis.call('ZREM', ORD, unpack(dead)) end
   indicate(key, 'evicted_memory', #dead)
   if in_turn then ul = journal(R[3], dead, was) end
 end
@@ -142,4 +151,9 @@ local args = { 'i:s:' .. call, table.concat({ size, H.tn, 0, sq }, '|'), 'sq', s
   'a_s', H.a_s + size, 'u_s', H.u_s + size, 'n_s', H.n_s + 1, 'u_r', U.r, 'u_m', U.m,
   'n_r', N.r, 'n_m', N.m }
 if ul then args[#args + 1], args[#args + 2] = 'ul', ul end
+-- (the reclaim-order index stays complete when it was, as in admit.lua)
+if H.oq == H.sq and ORD then
+  args[#args + 1], args[#args + 2] = 'oq', sq
+  order_add(ORD, { order_score('s', sq), args[1] }, H.sq, H.ox, now, key, args)
+end
 return done(outcome, size, outcome == 'spilled' and size or 0, table.concat(evicted, ','), fr, args)

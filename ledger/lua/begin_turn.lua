@@ -9,9 +9,11 @@
 -- KEYS[4]  partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
 -- KEYS[5]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
 -- KEYS[6]  previous outcome hash   previous generation ('<tag>:old:<session>')
---          With ARGV[9], 7 KEYS: KEYS[4] the session's summaries hash
+--          With ARGV[9], one key more: KEYS[4] the session's summaries hash
 --          '<tag>:compacted:<session>' (its field '~' is '<worker>|<until ms>' while a
 --          worker computes the compaction), then the tally and the two outcome hashes.
+--          Optionally the reclaim-order index '<tag>:order:<session>' (see ORDER in
+--          _common.lua) right before the tally: 7 KEYS, or 8 with the summaries hash.
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
 -- ARGV[3]  working set             tokens the turn must hold in working memory, 0..1e8
@@ -63,7 +65,9 @@
 --         LEDGER_COMPACTING (with ARGV[9] 1, a compaction is pending: 'compaction pending,
 --         computed by <worker> until <ms>' or 'compaction pending, not picked up'; checked
 --         after the replay, the epoch and the budget, before the turn lease).
--- Calls: HMGET, TIME, HSET, ZADD, HDEL (HGETALL and the rollback's writes to roll a turn back; HGET when a compaction becomes pending; HSCAN and HDEL only to rotate or reclaim (HSCAN of working memory too on a refusal); HINCRBY; XADD when a
+-- Calls: HMGET, TIME, HSET, ZADD, HDEL (HGETALL and the rollback's writes to roll a turn back; HGET when a compaction becomes pending; HSCAN and HDEL only to rotate or reclaim (HSCAN of working memory too on a refusal); with the
+--        reclaim-order index, ZSCORE, ZCARD, ZRANGEBYSCORE, HMGET and ZREM instead of HSCAN for
+--        scratchpad, retrieval and recall, and DEL, HSCAN, ZADD and PEXPIRE to build it again; HINCRBY; XADD when a
 --        compaction becomes pending)
 --        and HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due.
 
@@ -81,9 +85,17 @@ takeover = int_arg(ARGV[8], 'takeover', 0, 1)
 local await = #ARGV == 9 and int_arg(ARGV[9], 'await', 0, 1) or 0
 if #ARGV ~= 8 and #ARGV ~= 9 then fail('BADARG', 'expected 8 or 9 arguments, got ' .. #ARGV) end
 
-if #KEYS == 7 then key_arg(2, 'jobs', 'deadlines', 'compacted:%s') else key_arg(2, 'jobs', 'deadlines') end
-if await == 1 and #KEYS ~= 7 then
-  fail('BADARG', 'await 1 needs the summaries hash as KEYS[4] (7 keys), got ' .. #KEYS .. ' keys')
+-- 6 keys; 7 with the summaries hash or the reclaim-order index (told apart by name); 8
+-- with both.
+local ORD
+if #KEYS == 8 or (#KEYS == 7 and is_key(4, 'order:%s')) then
+  ORD = KEYS[#KEYS - 3]
+  if #KEYS == 8 then key_arg(2, 'jobs', 'deadlines', 'compacted:%s', 'order:%s')
+  else key_arg(2, 'jobs', 'deadlines', 'order:%s') end
+elseif #KEYS == 7 then key_arg(2, 'jobs', 'deadlines', 'compacted:%s')
+else key_arg(2, 'jobs', 'deadlines') end
+if await == 1 and not (#KEYS == 8 or (#KEYS == 7 and not ORD)) then
+  fail('BADARG', 'await 1 needs the summaries hash as KEYS[4], got ' .. #KEYS .. ' keys')
 end
 local key = KEYS[1]
 local FIELDS = { 'ep', 'tn', 'W', 'S', 'T', 'R0', 'F_w', 'F_m', 'a_w', 'a_m', 'a_s', 'u_w', 'u_r',
@@ -130,13 +142,13 @@ local queued_s, queued_d = R[3] or '', R[4] or ''
 local A = { a_w = H.a_w, a_m = H.a_m, a_s = H.a_s }
 local U = { w = H.u_w, r = H.u_r, m = H.u_m, s = H.u_s }
 local N = { w = H.n_w, r = H.n_r, m = H.n_m, s = H.n_s }
-local dead, dead_rec, released, rotated, reclaimed = {}, {}, 0, 0, {}
+local dead, dead_rec, released, rotated, reclaimed, gone = {}, {}, 0, 0, {}, {}
 local function drop(c, it)
   local g = ACTIVE[c]  -- (its group's field)
   A[g], U[c], N[c] = A[g] - it.t, U[c] - it.t, N[c] - 1
   dead[#dead + 1] = it.f
   dead_rec[#dead] = it.v
-  it.gone = true
+  gone[it.f] = true
   return it.t
 end
 local function residual()
@@ -146,72 +158,154 @@ local function need() return math.max(ws, A.a_w, H.F_w) end
 local function occupancy() return H.S + H.T + A.a_w + A.a_m + A.a_s end
 
 -- The items, read only when a turn must rotate or reclaim (a turn that is already ok
--- costs no scan of the session), one consumer at a time as the turn reaches it: HSCAN
--- with MATCH 'i:<code>:*' picks a consumer's fields out in C, so reclaiming scratchpad
--- on a session of many retrieval chunks parses none of the chunks (Redis still walks
--- every field of the hash, once per consumer read).
+-- costs no read of them), one consumer at a time as the turn reaches it, oldest first.
+-- Scratchpad, retrieval and recall come from the reclaim-order index when it is sent
+-- (ORDER in _common.lua): a page of members at a time, each looked up in the session
+-- (a member whose item is gone is skipped, and removed), so that the turn reads about
+-- the items it reclaims, whatever else the session holds. Working memory (read only to
+-- rotate it or to name what to compact on a refusal), and every consumer when the index
+-- is not sent, come from HSCAN with MATCH 'i:<code>:*', which picks a consumer's fields
+-- out in C but walks every field of the hash.
 local rotating = R[1] and R[1] ~= '-'
-local parsed = {}
-local function items(c)
-  local list = parsed[c]
-  if list then return list end
-  list = {}
-  local seen, cursor = {}, '0'
-  repeat
-    local page = redis.call('HSCAN', key, cursor, 'MATCH', 'i:' .. c .. ':*', 'COUNT', 4096)
-    cursor = page[1]
-    local fs = page[2]
-    for i = 1, #fs, 2 do
-      local f = fs[i]
-      if not seen[f] then  -- (a scan may return a field twice)
-        seen[f] = true
-        local t, tn, p, sq = string.match(fs[i + 1], '^(%d+)|(%d+)|(%d+)|(%d+)$')
-        list[#list + 1] = { id = string.sub(f, 5), f = f, v = fs[i + 1], t = tonumber(t),
-          tn = tonumber(tn), p = tonumber(p), sq = tonumber(sq) }
+local oq, stale = nil, {}  -- (the index's writes: its 'oq' once built, members found stale)
+local items, each_item  -- (made only for a turn that must rotate or reclaim)
+if rotating or residual() < need() then
+  local function parse(f, rec)
+    local t, tn, p, sq = string.match(rec, '^(%d+)|(%d+)|(%d+)|(%d+)$')
+    return { id = string.sub(f, 5), f = f, v = rec, t = tonumber(t), tn = tonumber(tn),
+      p = tonumber(p), sq = tonumber(sq) }
+  end
+  local function scan(pattern, each)
+    local seen, cursor = {}, '0'
+    repeat
+      local page = redis.call('HSCAN', key, cursor, 'MATCH', pattern, 'COUNT', 4096)
+      cursor = page[1]
+      local fs = page[2]
+      for i = 1, #fs, 2 do
+        if not seen[fs[i]] then  -- (a scan may return a field twice)
+          seen[fs[i]] = true
+          each(fs[i], fs[i + 1])
+        end
+      end
+    until cursor == '0'
+  end
+  -- The index, checked (and built again if it is not complete, or holds more than twice
+  -- the members it needs) the first time the turn needs it; oq: the 'oq' to write then.
+  local indexed = nil
+  local function index()
+    if indexed == nil then
+      indexed = ORD ~= nil
+      local m = indexed and redis.call('HMGET', key, 'sq', 'oq')
+      if indexed and (m[1] ~= m[2] or not redis.call('ZSCORE', ORD, '~') or
+          redis.call('ZCARD', ORD) > 2 * (H.n_s + H.n_r + H.n_m) + 64) then
+        redis.call('DEL', ORD)
+        local z = { -1, '~' }
+        scan('i:[srm]:*', function(f, rec)
+          z[#z + 1] = order_score(string.sub(f, 3, 3), tonumber(string.match(rec, '(%d+)$')))
+          z[#z + 1] = f
+          if #z >= 1000 then redis.call('ZADD', ORD, unpack(z)) z = {} end
+        end)
+        if #z > 0 then redis.call('ZADD', ORD, unpack(z)) end
+        oq = m[1]
       end
     end
-  until cursor == '0'
-  parsed[c] = list
-  return list
+    return indexed
+  end
+  -- A consumer's items in sequence order, read as far as the turn goes: { list, done, ... }.
+  local streams = {}
+  local function fetch(st)
+    local page = redis.call('ZRANGEBYSCORE', ORD, st.from, st.to, 'WITHSCORES', 'LIMIT', 0, st.size)
+    local fs = {}
+    for i = 1, #page, 2 do fs[#fs + 1] = page[i] end
+    st.done = #fs < st.size
+    if #fs == 0 then return end
+    st.from, st.size = '(' .. page[#page], math.min(st.size * 4, 1024)
+    local recs = redis.call('HMGET', key, unpack(fs))
+    for i, f in ipairs(fs) do
+      if recs[i] then st.list[#st.list + 1] = parse(f, recs[i]) else stale[#stale + 1] = f end
+    end
+  end
+  local function stream(c)
+    local st = streams[c]
+    if st then return st end
+    st = { list = {}, done = false }
+    streams[c] = st
+    if ORDER[c] and index() then
+      st.from, st.to, st.size = order_score(c, 0), '(' .. order_score(c, ORDER_SPAN), 16
+    else
+      scan('i:' .. c .. ':*', function(f, rec) st.list[#st.list + 1] = parse(f, rec) end)
+      table.sort(st.list, function(x, y) return x.sq < y.sq end)
+      st.done = true
+    end
+    return st
+  end
+  -- Every item of c, oldest first.
+  items = function(c)
+    local st = stream(c)
+    while not st.done do fetch(st) end
+    return st.list
+  end
+  -- Calls each(item) for c's items oldest first, the items read as it goes, until each
+  -- returns true.
+  each_item = function(c, each)
+    local st, i = stream(c), 1
+    while true do
+      if i > #st.list then
+        if st.done then return end
+        fetch(st)
+      else
+        if each(st.list[i]) then return end
+        i = i + 1
+      end
+    end
+  end
 end
-
 if rotating then
   for c in string.gmatch(R[1], '%a') do
     for _, it in ipairs(items(c)) do rotated = rotated + drop(c, it) end
   end
+end
+-- The index's writes at the end of the turn: the members found without their items
+-- leave it, and 'oq' is written when it was built.
+local function order_done(args)
+  for i = 1, #stale, 1000 do redis.call('ZREM', ORD, unpack(stale, i, math.min(i + 999, #stale))) end
+  if oq then
+    args[#args + 1], args[#args + 2] = 'oq', oq
+    order_ttl(ORD, key, now, args)
+  end
+  return args
 end
 local regime, start_residual = 'ok', residual()
 local util = math.floor(occupancy() * 1000 / H.W)
 if start_residual < need() then
   regime = occupancy() >= H.EV and 'loud' or 'starvation'
   -- The reclaim order, one consumer at a time, stopping as soon as the gap is closed.
-  local function take(c, list)
-    for _, it in ipairs(list) do
-      if residual() >= need() then return end
-      if not it.gone then
-        released = released + drop(c, it)
-        reclaimed[#reclaimed + 1] = c .. ':' .. it.id
-      end
+  local function take(c, it)
+    if residual() >= need() then return true end
+    if not gone[it.f] then
+      released = released + drop(c, it)
+      reclaimed[#reclaimed + 1] = c .. ':' .. it.id
     end
   end
-  local function oldest(c)
-    local list = items(c)
-    table.sort(list, function(x, y) return x.sq < y.sq end)
-    return list
-  end
-  take('s', oldest('s'))
+  each_item('s', function(it) return take('s', it) end)
   if residual() < need() then
-    local recall = {}
-    for _, it in ipairs(items('m')) do if not it.gone then recall[it.id] = true end end
-    local list = items('r')
-    table.sort(list, function(x, y)
-      local dx, dy = recall[x.id] and 0 or 1, recall[y.id] and 0 or 1
-      if dx ~= dy then return dx < dy end
-      return x.sq < y.sq
+    -- retrieval chunks recall also holds first (oldest first), then the others
+    local recall, both = {}, {}
+    for _, it in ipairs(items('m')) do if not gone[it.f] then recall[it.id] = true end end
+    local ids = {}
+    for id in pairs(recall) do ids[#ids + 1] = 'i:r:' .. id end
+    for i = 1, #ids, 1000 do
+      local part = { unpack(ids, i, math.min(i + 999, #ids)) }
+      local recs = redis.call('HMGET', key, unpack(part))
+      for k, f in ipairs(part) do if recs[k] then both[#both + 1] = parse(f, recs[k]) end end
+    end
+    table.sort(both, function(x, y) return x.sq < y.sq end)
+    for _, it in ipairs(both) do if take('r', it) then break end end
+    each_item('r', function(it)
+      if not recall[it.id] then return take('r', it) end
     end)
-    take('r', list)
   end
-  if residual() < need() then take('m', oldest('m')) end
+  if residual() < need() then each_item('m', function(it) return take('m', it) end) end
   if residual() < need() then
     local short = need() - start_residual
     -- Compacting working memory helps only as far as working memory itself is the
@@ -237,13 +331,16 @@ if start_residual < need() then
       '|residual=', start_residual, '|need=', need(), '|utilization=', util, '|shortfall=', short,
       '|compact=', table.concat(compact, ','), '|free=', H.fr, '|epoch=', H.ep, '|turn=', H.tn,
       '|rolled_back=', rolled }),
-      H.cd == 1 and { 'cd', 1 } or { 'cd', 1, 'pm', 0 }, { gz = H.gz, xp = H.xp })
+      order_done(H.cd == 1 and { 'cd', 1 } or { 'cd', 1, 'pm', 0 }), { gz = H.gz, xp = H.xp })
   end
   indicate(key, regime, 1)
 end
 
 if #dead > 0 then
   for i = 1, #dead, 1000 do redis.call('HDEL', key, unpack(dead, i, math.min(i + 999, #dead))) end
+  if ORD then  -- (a rollback of the turn, putting them back, makes the index incomplete)
+    for _, f in ipairs(dead) do if ORDER[string.sub(f, 3, 3)] then stale[#stale + 1] = f end end
+  end
 end
 local turn = H.tn + 1
 local fr = free_room(H, out2, A.a_w, A.a_m, A.a_s)
@@ -270,6 +367,7 @@ for _, c in ipairs({ 'w', 'r', 'm', 's' }) do
   args[#args + 1] = 'n_' .. c
   args[#args + 1] = N[c]
 end
+order_done(args)
 if due == 1 and H.cd ~= 1 then
   args[#args + 1] = 'cd'
   args[#args + 1] = 1

@@ -98,7 +98,7 @@ if job ~= '-' then
   end
 end
 local NUM = { 'ep', 'tn', 'sq', 'W', 'S', 'T', 'out', 'F_w', 'F_m', 'a_w', 'a_m', 'a_s', 'u_w', 'u_r', 'u_m',
-  'u_s', 'n_w', 'n_r', 'n_m', 'n_s', 'HW', 'kf', 'kn', 'cx', 'rq', 'gz', 'xp', 'kg', 'cd' }
+  'u_s', 'n_w', 'n_r', 'n_m', 'n_s', 'HW', 'kf', 'kn', 'cx', 'rq', 'gz', 'xp', 'kg', 'cd', 'oq' }
 local fields = { 'i:w:' .. sum_id }
 for i = #NUM, 1, -1 do table.insert(fields, 1, NUM[i]) end
 local seen, refs = {}, {}
@@ -201,6 +201,8 @@ if sum_t > 0 then
   sq = sq + 1
   args = { 'i:w:' .. sum_id, table.concat({ sum_t, H.tn, 1000, sq }, '|') }
   U.w, N.w = U.w + sum_t, N.w + 1
+  -- (a working-memory item has no entry in the reclaim-order index: it stays complete)
+  if H.oq == H.sq then args[#args + 1], args[#args + 2] = 'oq', sq end
 end
 local upd = { 'sq', sq, 'a_w', A.a_w, 'a_m', A.a_m, 'a_s', A.a_s, 'fr', fr, 'kf', kf, 'cd', ok and 0 or 1 }
 for _, c in ipairs({ 'w', 'r', 'm', 's' }) do

@@ -1,9 +1,11 @@
 -- release.lua: give back items a consumer holds.
 --
 -- KEYS[1]  session hash
--- KEYS[2]  partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
--- KEYS[3]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
--- KEYS[4]  previous outcome hash   previous generation ('<tag>:old:<session>')
+-- KEYS[2]  (optional) reclaim-order index '<tag>:order:<session>': the items released
+--          leave it when sent (see ORDER in _common.lua)
+-- then     partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
+--          outcome hash            current generation of outcomes ('<tag>:out:<session>')
+--          previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch[@turn]             integer; older than the session's -> LEDGER_STALE; @turn:
 --                                  a call of that turn (see `fence`)
@@ -15,7 +17,7 @@
 -- Ids the consumer does not hold are listed as missing; they are not an error.
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED, LEDGER_TURNHELD,
 --         LEDGER_TURNLOST (see `fence` in _common.lua).
--- Calls: HMGET, TIME, HSET, HDEL (HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due).
+-- Calls: HMGET, TIME, HSET, HDEL (ZREM of the reclaim-order index when sent; HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due).
 
 local op, fp, epoch, tok = op_args('release', false)
 local c
@@ -25,6 +27,8 @@ n = int_arg(ARGV[4], 'item count', 1, 1000)
 if #ARGV ~= 4 + n then
   fail('BADARG', 'expected ' .. (4 + n) .. ' arguments for ' .. n .. ' item ids, got ' .. #ARGV)
 end
+local ORD = #KEYS == 5 and KEYS[2] or nil
+if ORD then key_arg(2, 'order:%s') end
 local A, F = ACTIVE[c], FLOOR[c]
 local raws, seen = { 'ep', 'tn', 'fr', A, F, 'u_' .. c, 'n_' .. c, 'gz', 'xp', 'lo', 'ul', 'uo' }, {}
 for k = 1, n do
@@ -59,6 +63,7 @@ local fr = H.fr - claim_delta(a, -tokens, H[F] or 0)
 local args = {}
 if count > 0 then
   redis.call('HDEL', key, unpack(dead))
+  if ORD and ORDER[c] then redis.call('ZREM', ORD, unpack(dead)) end
   args = { 'fr', fr, A, a - tokens, 'u_' .. c, H['u_' .. c] - tokens, 'n_' .. c, H['n_' .. c] - count }
   if in_turn then args[#args + 1], args[#args + 2] = 'ul', journal(R[2], dead, was) end
 end

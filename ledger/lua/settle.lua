@@ -2,9 +2,11 @@
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  partition deadline index
--- KEYS[3]  partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
--- KEYS[4]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
--- KEYS[5]  previous outcome hash   previous generation ('<tag>:old:<session>')
+-- KEYS[3]  (optional) reclaim-order index '<tag>:order:<session>': kept when sent (see
+--          ORDER in _common.lua)
+-- then     partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
+--          outcome hash            current generation of outcomes ('<tag>:out:<session>')
+--          previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch[@turn]             integer; older than the session's -> LEDGER_STALE; @turn:
 --                                  a call of that turn (see `fence`)
@@ -25,7 +27,7 @@
 --         LEDGER_EXPIRED (its deadline has passed on Redis's clock),
 --         LEDGER_CONFLICT (the consumer already holds the item id), LEDGER_TURNHELD,
 --         LEDGER_TURNLOST (see `fence` in _common.lua).
--- Calls: HMGET, TIME, HSET, HDEL, ZREM (HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due; HINCRBY and
+-- Calls: HMGET, TIME, HSET, HDEL, ZREM (ZADD and PEXPIRE of the reclaim-order index when sent; HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due; HINCRBY and
 --        HMGET of HW, out, W, kf, pm on refusal or while a compaction is pending).
 
 local op, fp, epoch, tok = op_args('settle', false)
@@ -37,14 +39,15 @@ item = id_arg(ARGV[6], 'item id')
 prio = int_arg(ARGV[7], 'priority', 0, 1000)
 if #ARGV ~= 7 then fail('BADARG', 'expected 7 arguments, got ' .. #ARGV) end
 
-key_arg(2, 'deadlines')
+local ORD = #KEYS == 6 and KEYS[3] or nil
+if ORD then key_arg(2, 'deadlines', 'order:%s') else key_arg(2, 'deadlines') end
 local key = KEYS[1]
 local res, again = open_reservation(key, op, fp, epoch, rid, tok)
 if again then return again end
 local c, est, deadline = res.c, res.est, res.deadline
 local A, F = ACTIVE[c], FLOOR[c]
 local H, R = load(key, { 'ep', 'tn', 'sq', 'fr', A, F, 'u_' .. c, 'n_' .. c, 'v_' .. c,
-  'nv', 'gz', 'xp', 'cd', 'i:' .. c .. ':' .. item }, 13)
+  'nv', 'gz', 'xp', 'cd', 'oq', 'ox', 'i:' .. c .. ':' .. item }, 15)
 local now = now_ms()
 if now > deadline then
   fail('EXPIRED', 'reservation ' .. rid .. ' expired at ' .. deadline .. ' ms, ' .. (now - deadline) .. ' ms ago')
@@ -66,5 +69,12 @@ local args = { 'i:' .. c .. ':' .. item, actual .. '|' .. H.tn .. '|' .. prio ..
   'n_' .. c, H['n_' .. c] + 1, 'v_' .. c, H['v_' .. c] - est, 'nv', H.nv - 1 }
 if pm then args[#args + 1], args[#args + 2] = 'pm', pm + actual - est end
 if res.in_turn then args[#args + 1], args[#args + 2] = 'ul', journal(res.ul, { 'r:' .. rid }, { res.rec }) end
+-- (the reclaim-order index stays complete when it was, as in admit.lua)
+if H.oq == H.sq and (not ORDER[c] or ORD) then
+  args[#args + 1], args[#args + 2] = 'oq', H.sq + 1
+  if ORD and ORDER[c] then
+    order_add(ORD, { order_score(c, H.sq + 1), args[1] }, H.sq, H.ox, now, key, args)
+  end
+end
 return commit(key, now, op, fp, reply({ 'status=ok', 'reservation=' .. rid, 'item=' .. item,
   'charged=' .. actual, 'free=' .. fr, 'epoch=' .. H.ep, 'turn=' .. H.tn }), args, J)
