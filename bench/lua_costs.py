@@ -112,9 +112,12 @@ def sources_at(rev: str, names: tuple[str, ...] = COMPARED) -> dict[str, str]:
             del sys.modules[spec.name]
 
 
-def _phase(led: Ledger, name: str, sha: str, n: int, seq: Callable[[], int]) -> float:
+def _phase(
+    led: Ledger, name: str, sha: str, n: int, seq: Callable[[], int], older: bool = False
+) -> float:
     """Server usec per EVALSHA of `sha` (one version of script `name`) over n calls,
-    built beforehand and sent back to back in pipelines of 100."""
+    built beforehand and sent back to back in pipelines of 100; `older`: a version from
+    before the reclaim-order index, sent without its key."""
     r: redis.Redis = led.client  # type: ignore[assignment]
     s = led.open_session(f"cmp{seq()}", BUDGET)
     sends: list[tuple[str, protocol.Call[Any]]] = []  # (sha, or '' for EVAL of begin_turn)
@@ -132,7 +135,8 @@ def _phase(led: Ledger, name: str, sha: str, n: int, seq: Callable[[], int]) -> 
             with r.pipeline(transaction=False) as pipe:
                 for h, c in sends[lo : lo + 100]:
                     if h:
-                        pipe.evalsha(h, len(c.keys), *c.keys, *c.args)
+                        ks = [k for k in c.keys if not (older and ":order:" in k)]
+                        pipe.evalsha(h, len(ks), *ks, *c.args)
                     else:
                         pipe.eval(begin, len(c.keys), *c.keys, *c.args)
                 pipe.execute()
@@ -150,6 +154,7 @@ def compare(led: Ledger, rev: str, n: int, reps: int) -> dict[str, dict[str, flo
     r: redis.Redis = led.client  # type: ignore[assignment]
     versions = {"rev": sources_at(rev), "tree": {m: scripts.source(m) for m in COMPARED}}
     sha = {(m, v): r.script_load(src[m]) for v, src in versions.items() for m in COMPARED}
+    older = {v: "order:%s" not in src["admit"] for v, src in versions.items()}
     per: dict[tuple[str, str], list[float]] = {u: [] for u in sha}
     ratios: dict[str, list[float]] = {m: [] for m in COMPARED}
     counter = itertools.count()
@@ -158,7 +163,9 @@ def compare(led: Ledger, rev: str, n: int, reps: int) -> dict[str, dict[str, flo
         for name in COMPARED[k:] + COMPARED[:k]:
             pair = ("rev", "tree") if rep % 2 else ("tree", "rev")
             size = n if rep else min(n, 200)
-            got = {v: _phase(led, name, sha[(name, v)], size, counter.__next__) for v in pair}
+            got = {
+                v: _phase(led, name, sha[(name, v)], size, counter.__next__, older[v]) for v in pair
+            }
             if rep:
                 for v, usec in got.items():
                     per[(name, v)].append(usec)
