@@ -53,11 +53,11 @@ them on Redis Cluster::
                                        once built (see ORDER in ledger/lua/_common.lua);
                                        the session's idle TTL. Kept by the calls that
                                        send it; a turn builds it again when it is not
-                                       complete, so it is never the truth, only an order
+                                       complete: it is never the truth, only an order
 
-Deleting a session deletes its content, spill, compacted and history keys with it; a
-new incarnation of an id starts with none. The reclaim-order index is left to its TTL:
-a new incarnation's first reclaiming turn builds it again if it is not complete.
+Deleting a session deletes its content, spill, compacted and history keys with it, and its
+reclaim-order index; a new incarnation of an id starts with none (a new session builds its
+index at its first turn that needs it, whatever an earlier one left).
 
 No two (prefix, session, id) triples name the same key. Ids never contain '|' or
 braces, so '|' ends a session id wherever another id follows it; a prefix never

@@ -818,7 +818,7 @@ def _not_pairs(r: Reply) -> bytes | None:
 def delete(keys: SessionKeys, op_id: str, epoch: Epoch) -> Call[Deleted]:
     return _mutating(
         "delete",
-        keys.for_script(keys.deadlines, *keys.data),
+        keys.for_script(keys.deadlines, *keys.data, keys.order),
         op_id,
         epoch,
         [keys.session_id],

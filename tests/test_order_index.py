@@ -25,7 +25,7 @@ BUDGET = dict(window=3_000, system_prompt=100, output_reserve=200, compaction="a
 CODES = {"scratchpad": "s", "retrieval": "r", "recall": "m"}
 KINDS = {  # how often each call comes (rollbacks and reconciles leave the index to rebuild)
     "admit": 12, "release": 4, "tool": 2, "begin": 4, "end": 4, "reserve": 1, "abort": 0.5,
-    "reconcile": 0.25,
+    "reconcile": 0.25, "reopen": 0.2,
 }  # fmt: skip
 POOL = {
     "working_memory": [f"w{i}" for i in range(8)],
@@ -111,6 +111,13 @@ def test_the_index_changes_no_decision(
 
         if kind in ("end", "abort") and turn is None:
             continue
+        if kind == "reopen":  # the id deleted and opened again: a new incarnation
+            assert outcome(ledger.run, a.delete_call(), a.epoch)[0] == "Deleted"
+            assert outcome(old.run, b.delete_call(), b.epoch)[0] == "Deleted"
+            a = ledger.open_session(a.id, budget, owner="A")
+            b = old.open_session(b.id, budget, owner="A")
+            turn = None
+            continue
         what = (kind, consumer, ids, turn, f"q{step}", rng.random())
         was_complete = index_is_true(ledger, a)
         got_a = outcome(old.run if rng.random() < older else ledger.run, call(a, *what), a.epoch)
@@ -138,7 +145,12 @@ def test_an_expired_index_comes_back_with_a_ttl_and_is_built_again(ledger: Ledge
     index, the session outlives it; the next admit creates it again with a TTL, and the next
     reclaiming turn, finding it incomplete, builds it again from the session's items."""
     s = ledger.open_session("order/ttl", SessionBudget(**BUDGET, idle_ttl_seconds=1))
-    s.admit("scratchpad", [Item("s0", 900)])
+    s.admit("scratchpad", [Item("s0", 900), Item("sx", 100)])
+    assert not ledger.client.exists(s.keys.order)  # a new session's: built when first needed
+    t = s.begin_turn(3_000 - 100 - 200 - 950)  # short by 50: reclaims s0, the oldest
+    assert [i for _, i in t.reclaimed] == ["s0"]
+    s.end_turn(t.turn, 1_000)
+    s.admit("scratchpad", [Item("s0", 900)])  # kept in it as it was built
     assert 0 < ledger.client.pttl(s.keys.order) <= 1_000
     assert ledger.client.zscore(s.keys.order, "~") == -1  # built: it holds every item
     while ledger.client.exists(s.keys.order):  # the session is refreshed, the index is not
@@ -146,8 +158,8 @@ def test_an_expired_index_comes_back_with_a_ttl_and_is_built_again(ledger: Ledge
     s.admit("scratchpad", [Item("s1", 900)])
     assert 0 < ledger.client.pttl(s.keys.order) <= 1_000
     assert ledger.client.zscore(s.keys.order, "~") is None  # s0 is missing: not complete
-    t = s.begin_turn(3_000 - 100 - 200 - 1_000)  # short by 800: reclaims s0, the oldest
-    assert [i for _, i in t.reclaimed] == ["s0"]
+    t = s.begin_turn(3_000 - 100 - 200 - 1_050)  # short by 850: reclaims sx, then s0
+    assert [i for _, i in t.reclaimed] == ["sx", "s0"]
     assert [m for m, _ in ledger.client.zrange(s.keys.order, 0, -1, withscores=True)] == [
         b"~", b"i:s:s1"
     ]  # fmt: skip

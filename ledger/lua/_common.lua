@@ -199,8 +199,9 @@ local ACTIVE = { w = 'a_w', r = 'a_m', m = 'a_m', s = 'a_s' }
 -- (they are skipped and removed when read). It holds every live item while it holds '~'
 -- and the session's 'oq' equals its 'sq': each script that adds such an item either
 -- adds its member and moves 'oq' along with 'sq', or leaves 'oq' behind. A caller that
--- does not send the index (an older client) so leaves it incomplete, and the next turn
--- that needs it builds it again (begin_turn.lua).
+-- does not send the index (an older client) so leaves it incomplete, as a new session
+-- (no 'oq') is, and a rollback that puts an item back; the next turn that needs it
+-- builds it again (begin_turn.lua).
 local ORDER = { s = 0, r = 1, m = 2 }
 local ORDER_SPAN = 1125899906842624  -- 2^50: above any sequence number
 
@@ -217,13 +218,11 @@ local function order_ttl(ord, key, now, args)
   args[#args + 1], args[#args + 2] = 'ox', string.format('%d', now + math.floor(ttl / 10))
 end
 
--- Add members to the reclaim-order index `ord` (z: score, member, ...). Items added while
--- the session never held one before (sq0, its sequence before them, is 0) leave it built
--- ('~'): it holds them all. Its TTL is set again once the session's 'ox' (`ox`, nil if
--- absent) has passed; an index that expired has always passed it (it expires a whole
--- TTL after it was set, ox a tenth of one), so no call leaves an index without a TTL.
-local function order_add(ord, z, sq0, ox, now, key, args)
-  if tonumber(sq0) == 0 then z[#z + 1], z[#z + 2] = -1, '~' end
+-- Add members to the reclaim-order index `ord` (z: score, member, ...). Its TTL is set
+-- again once the session's 'ox' (`ox`, nil if absent) has passed; an index that expired
+-- has always passed it (it expires a whole TTL after it was set, ox a tenth of one), so
+-- no call leaves an index without a TTL.
+local function order_add(ord, z, ox, now, key, args)
   redis.call('ZADD', ord, unpack(z))
   if not ox or now >= tonumber(ox) then order_ttl(ord, key, now, args) end
 end

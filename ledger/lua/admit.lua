@@ -165,7 +165,7 @@ if admitted > 0 then
     N, f('%d', tonumber(v[8]) + admitted), unpack(items) }
   if pending then args[#args + 1], args[#args + 2] = 'pm', f('%d', pm + charged) end
   if keep_order then args[#args + 1], args[#args + 2] = 'oq', args[2] end
-  if z then order_add(ORD, z, v[3], v[15], now, key, args) end
+  if z then order_add(ORD, z, v[15], now, key, args) end
 end
 put(KEYS[2], stored, J, key)
 return commit(key, now, op, fp, f(

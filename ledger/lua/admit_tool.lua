@@ -154,6 +154,6 @@ if ul then args[#args + 1], args[#args + 2] = 'ul', ul end
 -- (the reclaim-order index stays complete when it was, as in admit.lua)
 if H.oq == H.sq and ORD then
   args[#args + 1], args[#args + 2] = 'oq', sq
-  order_add(ORD, { order_score('s', sq), args[1] }, H.sq, H.ox, now, key, args)
+  order_add(ORD, { order_score('s', sq), args[1] }, H.ox, now, key, args)
 end
 return done(outcome, size, outcome == 'spilled' and size or 0, table.concat(evicted, ','), fr, args)

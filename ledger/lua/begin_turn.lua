@@ -67,7 +67,7 @@
 --         after the replay, the epoch and the budget, before the turn lease).
 -- Calls: HMGET, TIME, HSET, ZADD, HDEL (HGETALL and the rollback's writes to roll a turn back; HGET when a compaction becomes pending; HSCAN and HDEL only to rotate or reclaim (HSCAN of working memory too on a refusal); with the
 --        reclaim-order index, ZSCORE, ZCARD, ZRANGEBYSCORE, HMGET and ZREM instead of HSCAN for
---        scratchpad, retrieval and recall, and DEL, HSCAN, ZADD and PEXPIRE to build it again; HINCRBY; XADD when a
+--        scratchpad, retrieval and recall, and ZADD, ZREMRANGEBYSCORE, HSCAN, HGET and PEXPIRE to build it again; HINCRBY; XADD when a
 --        compaction becomes pending)
 --        and HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due.
 
@@ -198,8 +198,11 @@ if rotating or residual() < need() then
       local m = indexed and redis.call('HMGET', key, 'sq', 'oq')
       if indexed and (m[1] ~= m[2] or not redis.call('ZSCORE', ORD, '~') or
           redis.call('ZCARD', ORD) > 2 * (H.n_s + H.n_r + H.n_m) + 64) then
-        redis.call('DEL', ORD)
-        local z = { -1, '~' }
+        -- ('~' first: this call's first write, where a server out of memory refuses it,
+        -- is one that adds; then every other member goes, an earlier incarnation's too)
+        redis.call('ZADD', ORD, -1, '~')
+        redis.call('ZREMRANGEBYSCORE', ORD, 0, '+inf')
+        local z = {}
         scan('i:[srm]:*', function(f, rec)
           z[#z + 1] = order_score(string.sub(f, 3, 3), tonumber(string.match(rec, '(%d+)$')))
           z[#z + 1] = f
@@ -212,14 +215,14 @@ if rotating or residual() < need() then
     return indexed
   end
   -- A consumer's items in sequence order, read as far as the turn goes: { list, done, ... }.
+  -- (Pages by offset: nothing leaves the index before the turn's end, and members that
+  -- share a score, an item's and a gone one's, are each read once.)
   local streams = {}
   local function fetch(st)
-    local page = redis.call('ZRANGEBYSCORE', ORD, st.from, st.to, 'WITHSCORES', 'LIMIT', 0, st.size)
-    local fs = {}
-    for i = 1, #page, 2 do fs[#fs + 1] = page[i] end
+    local fs = redis.call('ZRANGEBYSCORE', ORD, st.from, st.to, 'LIMIT', st.at, st.size)
     st.done = #fs < st.size
     if #fs == 0 then return end
-    st.from, st.size = '(' .. page[#page], math.min(st.size * 4, 1024)
+    st.at, st.size = st.at + #fs, math.min(st.size * 4, 1024)
     local recs = redis.call('HMGET', key, unpack(fs))
     for i, f in ipairs(fs) do
       if recs[i] then st.list[#st.list + 1] = parse(f, recs[i]) else stale[#stale + 1] = f end
@@ -231,7 +234,7 @@ if rotating or residual() < need() then
     st = { list = {}, done = false }
     streams[c] = st
     if ORDER[c] and index() then
-      st.from, st.to, st.size = order_score(c, 0), '(' .. order_score(c, ORDER_SPAN), 16
+      st.from, st.to, st.at, st.size = order_score(c, 0), '(' .. order_score(c, ORDER_SPAN), 0, 16
     else
       scan('i:' .. c .. ':*', function(f, rec) st.list[#st.list + 1] = parse(f, rec) end)
       table.sort(st.list, function(x, y) return x.sq < y.sq end)

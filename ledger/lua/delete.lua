@@ -6,9 +6,10 @@
 -- KEYS[3..7]  the session's data   '<tag>:content:<session>', '<tag>:compacted:<session>',
 --                                  '<tag>:history:<session>', '<tag>:spill:<session>',
 --                                  '<tag>:spilled:<session>' (deleted)
--- KEYS[8]  partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
--- KEYS[9]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
--- KEYS[10]  previous outcome hash   previous generation ('<tag>:old:<session>')
+-- KEYS[8]  (optional) the reclaim-order index '<tag>:order:<session>' (deleted)
+-- then     partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
+--          outcome hash            current generation of outcomes ('<tag>:out:<session>')
+--          previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch or '*'            '*' deletes whatever the epoch (operators)
 -- ARGV[3]  session id
@@ -28,13 +29,16 @@ local op, fp, epoch = op_args('delete', true)
 local sid
 sid = session_arg(ARGV[3])
 if #ARGV ~= 3 then fail('BADARG', 'expected 3 arguments, got ' .. #ARGV) end
-key_arg(2, 'deadlines', 'content:%s', 'compacted:%s', 'history:%s', 'spill:%s', 'spilled:%s')
+local data = { 'deadlines', 'content:%s', 'compacted:%s', 'history:%s', 'spill:%s', 'spilled:%s' }
+if #KEYS == 11 then data[#data + 1] = 'order:%s' end
+key_arg(2, unpack(data))
+local dead = { KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], #KEYS == 11 and KEYS[8] or nil }
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'nv', 'ort', 'lo' }, 3)
 local again = replay(recorded(op), op, fp)
 if again then return again end
 if not H.ep then  -- (what an expired session left is deleted all the same)
-  redis.call('DEL', KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7])
+  redis.call('DEL', unpack(dead))
   return reply({ 'status=ok', 'deleted=0' })
 end
 stale(H.ep, epoch)
@@ -48,7 +52,7 @@ if H.nv > 0 then
   end
 end
 if #members > 0 then redis.call('ZREM', KEYS[2], unpack(members)) end
-redis.call('DEL', key, KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7])
+redis.call('DEL', key, unpack(dead))
 local out = reply({ 'status=ok', 'deleted=1' })
 local keep = math.max(H.ort, H.ep - now_ms() + H.ort)
 redis.call('HSET', key, 'pe', H.ep)

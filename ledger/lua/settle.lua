@@ -73,7 +73,7 @@ if res.in_turn then args[#args + 1], args[#args + 2] = 'ul', journal(res.ul, { '
 if H.oq == H.sq and (not ORDER[c] or ORD) then
   args[#args + 1], args[#args + 2] = 'oq', H.sq + 1
   if ORD and ORDER[c] then
-    order_add(ORD, { order_score(c, H.sq + 1), args[1] }, H.sq, H.ox, now, key, args)
+    order_add(ORD, { order_score(c, H.sq + 1), args[1] }, H.ox, now, key, args)
   end
 end
 return commit(key, now, op, fp, reply({ 'status=ok', 'reservation=' .. rid, 'item=' .. item,
