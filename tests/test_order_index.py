@@ -30,7 +30,7 @@ KINDS = {  # how often each call comes (rollbacks and reconciles leave the index
 POOL = {
     "working_memory": [f"w{i}" for i in range(8)],
     "retrieval": [f"d{i}" for i in range(16)],
-    "recall": [f"d{i}" for i in range(6)] + [f"m{i}" for i in range(6)],
+    "recall": [f"d{i}" for i in range(8)] + [f"m{i}" for i in range(4)],
     "scratchpad": [f"s{i}" for i in range(10)],
 }
 
@@ -48,7 +48,7 @@ def call(
     if kind == "tool":
         return s.admit_tool_result_call(ids[0] + "t", rng.randint(10, 400), "{}", turn=turn)
     if kind == "begin":
-        return s.begin_turn_call(rng.randint(0, 2_600))
+        return s.begin_turn_call(rng.randint(0, 2_800))
     if kind == "end":
         return s.end_turn_call(turn or 0, rng.randint(100, 3_000))
     if kind == "abort":
@@ -163,3 +163,38 @@ def test_an_expired_index_comes_back_with_a_ttl_and_is_built_again(ledger: Ledge
     assert [m for m, _ in ledger.client.zrange(s.keys.order, 0, -1, withscores=True)] == [
         b"~", b"i:s:s1"
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("rotate", [False, True], ids=["kept", "retrieval-rotated"])
+def test_chunks_recall_holds_go_first_on_both_paths(ledger: Ledger, rotate: bool) -> None:
+    """Past the scratchpad, a turn reclaims the retrieval chunks recall also holds first
+    (oldest first), then the others, then recall: read from the index (a page at a time,
+    past more than one page) as from the scan."""
+    old = OldClient(ledger.client, ledger.settings)
+    budget = SessionBudget(
+        window=100_000, system_prompt=100, compaction="agent",
+        release_each_turn={"retrieval"} if rotate else set(),
+    )  # fmt: skip
+    got = []
+    for led, name in ((ledger, "with"), (old, "without")):
+        s = led.open_session(f"order/deep-{name}-{rotate}", budget)
+        s.end_turn(s.begin_turn(0).turn, 1_000)  # (with the index: builds it, empty)
+        s.admit("scratchpad", [Item(f"s{i}", 100) for i in range(20)])
+        s.admit("retrieval", [Item(f"d{i}", 100) for i in range(40)])
+        s.admit("recall", [Item(f"d{i}", 100) for i in range(30, 2, -3)])  # d30, d27 ... d3
+        s.admit("recall", [Item(f"m{i}", 100) for i in range(5)])
+        # 7,500 held: short by 3,500 (2,000 of scratchpad, then 1,500 of retrieval), or,
+        # retrieval rotated out (4,000), by 2,500 (2,000 of scratchpad, then 500 of recall)
+        t = s.begin_turn(100_000 - 100 - 7_500 + (6_500 if rotate else 3_500))
+        got.append((t.reclaimed, t.rotated, t.released, held(led, s)))
+    assert got[0] == got[1]
+    # 20 scratchpad items (two pages and more of the index), then the retrieval chunks
+    # recall holds, oldest first (d3, d6 ... d30), then the others; or, retrieval rotated,
+    # the oldest recall items (d30, d27 ... as recall admitted them)
+    then = [("recall", f"d{i}") for i in (30, 27, 24, 21, 18)] if rotate else [
+        ("retrieval", f"d{i}") for i in [*range(3, 31, 3), 0, 1, 2, 4, 5]
+    ]  # fmt: skip
+    assert [(c.value, i) for c, i in got[0][0]] == [
+        ("scratchpad", f"s{i}") for i in range(20)
+    ] + then
+    assert got[0][1] == (4_000 if rotate else 0)

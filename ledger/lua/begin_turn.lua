@@ -168,13 +168,13 @@ local function occupancy() return H.S + H.T + A.a_w + A.a_m + A.a_s end
 -- out in C but walks every field of the hash.
 local rotating = R[1] and R[1] ~= '-'
 local oq, stale = nil, {}  -- (the index's writes: its 'oq' once built, members found stale)
+local function parse(f, rec)
+  local t, tn, p, sq = string.match(rec, '^(%d+)|(%d+)|(%d+)|(%d+)$')
+  return { id = string.sub(f, 5), f = f, v = rec, t = tonumber(t), tn = tonumber(tn),
+    p = tonumber(p), sq = tonumber(sq) }
+end
 local items, each_item  -- (made only for a turn that must rotate or reclaim)
 if rotating or residual() < need() then
-  local function parse(f, rec)
-    local t, tn, p, sq = string.match(rec, '^(%d+)|(%d+)|(%d+)|(%d+)$')
-    return { id = string.sub(f, 5), f = f, v = rec, t = tonumber(t), tn = tonumber(tn),
-      p = tonumber(p), sq = tonumber(sq) }
-  end
   local function scan(pattern, each)
     local seen, cursor = {}, '0'
     repeat
