@@ -158,6 +158,10 @@ def test_an_expired_index_comes_back_with_a_ttl_and_is_built_again(ledger: Ledge
     s.admit("scratchpad", [Item("s1", 900)])
     assert 0 < ledger.client.pttl(s.keys.order) <= 1_000
     assert ledger.client.zscore(s.keys.order, "~") is None  # s0 is missing: not complete
+    s.release("scratchpad", ["s1"])  # its one member: the key goes, its TTL with it
+    assert not ledger.client.exists(s.keys.order)
+    s.admit("scratchpad", [Item("s1", 900)])  # so the next add sets the TTL again
+    assert 0 < ledger.client.pttl(s.keys.order) <= 1_000
     t = s.begin_turn(3_000 - 100 - 200 - 1_050)  # short by 850: reclaims sx, then s0
     assert [i for _, i in t.reclaimed] == ["sx", "s0"]
     assert [m for m, _ in ledger.client.zrange(s.keys.order, 0, -1, withscores=True)] == [

@@ -205,6 +205,14 @@ local ACTIVE = { w = 'a_w', r = 'a_m', m = 'a_m', s = 'a_s' }
 local ORDER = { s = 0, r = 1, m = 2 }
 local ORDER_SPAN = 1125899906842624  -- 2^50: above any sequence number
 
+-- Remove the members `fields` from the reclaim-order index `ord`. True when that emptied it
+-- (Redis then deletes the key, and its TTL with it): the caller writes 'ox' 0, so that
+-- the next call that adds to it sets its TTL again.
+local function order_remove(ord, fields)
+  redis.call('ZREM', ord, unpack(fields))
+  return redis.call('EXISTS', ord) == 0
+end
+
 -- An item's score in the reclaim-order index: its consumer's range, then its sequence.
 local function order_score(c, sq)
   return string.format('%d', ORDER[c] * ORDER_SPAN + sq)
@@ -220,8 +228,9 @@ end
 
 -- Add members to the reclaim-order index `ord` (z: score, member, ...). Its TTL is set
 -- again once the session's 'ox' (`ox`, nil if absent) has passed; an index that expired
--- has always passed it (it expires a whole TTL after it was set, ox a tenth of one), so
--- no call leaves an index without a TTL.
+-- has always passed it (it expires a whole TTL after it was set, ox a tenth of one), and
+-- one that a removal emptied set 'ox' to 0 (order_remove), so no call leaves an index
+-- without a TTL.
 local function order_add(ord, z, ox, now, key, args)
   redis.call('ZADD', ord, unpack(z))
   if not ox or now >= tonumber(ox) then order_ttl(ord, key, now, args) end

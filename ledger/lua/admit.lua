@@ -39,7 +39,7 @@
 -- the first new item fits (requested is then that item's tokens).
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED, LEDGER_TURNHELD,
 --         LEDGER_TURNLOST (see `fence` in _common.lua).
--- Calls: HMGET, TIME, HSET (ZADD and PEXPIRE of the reclaim-order index when sent; HSET and PEXPIRE of the content store when texts are sent; HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due; HINCRBY on refusal;
+-- Calls: HMGET, TIME, HSET (ZADD of the reclaim-order index when sent, HGET of ttl and its PEXPIRE when due; HSET and PEXPIRE of the content store when texts are sent; HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due; HINCRBY on refusal;
 --        HMGET of HW, out, W, kf, pm for retrieval and recall while a compaction is pending).
 
 local op, fp, epoch, tok = op_args('admit', false)

@@ -44,8 +44,8 @@
 --          |free=<tokens>|epoch=<n>|turn=<n>
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED, LEDGER_TURNHELD,
 --         LEDGER_TURNLOST (see `fence` in _common.lua).
--- Calls: HMGET, TIME, HSET (ZADD and PEXPIRE of the reclaim-order index when sent, and
---        its ZREM when memory gives way; HGETALL and HDEL when memory gives way; ZRANGEBYSCORE, HDEL,
+-- Calls: HMGET, TIME, HSET (ZADD of the reclaim-order index when sent, HGET of ttl and its
+--        PEXPIRE when due, and its ZREM and EXISTS when memory gives way; HGETALL and HDEL when memory gives way; ZRANGEBYSCORE, HDEL,
 --        ZREM, HSET, ZADD and PEXPIRE when spilled; HSET and PEXPIRE with keep text).
 
 local op, fp, epoch, tok = op_args('admit_tool', false)
@@ -97,7 +97,7 @@ if size > H.fr + gain then
     '|requested=', tokens, '|free=', H.fr, '|epoch=', H.ep, '|turn=', H.tn }), {}, J)
 end
 
-local fr, a_m, evicted, ul = H.fr, H.a_m, {}, nil
+local fr, a_m, evicted, ul, emptied = H.fr, H.a_m, {}, nil, false
 local U, N = { r = H.u_r, m = H.u_m }, { r = H.n_r, m = H.n_m }
 if size > fr then
   local mem = {}
@@ -126,7 +126,7 @@ if size > fr then
     evicted[#evicted + 1] = it.c .. ':' .. it.id
   end
   redis.call('HDEL', key, unpack(dead))
-  if ORD then redis.call('ZREM', ORD, unpack(dead)) end
+  emptied = ORD ~= nil and order_remove(ORD, dead)
   indicate(key, 'evicted_memory', #dead)
   if in_turn then ul = journal(R[3], dead, was) end
 end
@@ -154,6 +154,8 @@ if ul then args[#args + 1], args[#args + 2] = 'ul', ul end
 -- (the reclaim-order index stays complete when it was, as in admit.lua)
 if H.oq == H.sq and ORD then
   args[#args + 1], args[#args + 2] = 'oq', sq
-  order_add(ORD, { order_score('s', sq), args[1] }, H.ox, now, key, args)
+  order_add(ORD, { order_score('s', sq), args[1] }, not emptied and H.ox or nil, now, key, args)
+elseif emptied then
+  args[#args + 1], args[#args + 2] = 'ox', 0
 end
 return done(outcome, size, outcome == 'spilled' and size or 0, table.concat(evicted, ','), fr, args)

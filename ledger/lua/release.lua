@@ -17,7 +17,7 @@
 -- Ids the consumer does not hold are listed as missing; they are not an error.
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED, LEDGER_TURNHELD,
 --         LEDGER_TURNLOST (see `fence` in _common.lua).
--- Calls: HMGET, TIME, HSET, HDEL (ZREM of the reclaim-order index when sent; HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due).
+-- Calls: HMGET, TIME, HSET, HDEL (ZREM and EXISTS of the reclaim-order index when sent; HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due).
 
 local op, fp, epoch, tok = op_args('release', false)
 local c
@@ -63,8 +63,8 @@ local fr = H.fr - claim_delta(a, -tokens, H[F] or 0)
 local args = {}
 if count > 0 then
   redis.call('HDEL', key, unpack(dead))
-  if ORD and ORDER[c] then redis.call('ZREM', ORD, unpack(dead)) end
   args = { 'fr', fr, A, a - tokens, 'u_' .. c, H['u_' .. c] - tokens, 'n_' .. c, H['n_' .. c] - count }
+  if ORD and ORDER[c] and order_remove(ORD, dead) then args[#args + 1], args[#args + 2] = 'ox', 0 end
   if in_turn then args[#args + 1], args[#args + 2] = 'ul', journal(R[2], dead, was) end
 end
 return commit(key, now, op, fp, reply({ 'status=ok', 'released=' .. tokens, 'count=' .. count,

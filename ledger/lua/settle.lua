@@ -27,7 +27,7 @@
 --         LEDGER_EXPIRED (its deadline has passed on Redis's clock),
 --         LEDGER_CONFLICT (the consumer already holds the item id), LEDGER_TURNHELD,
 --         LEDGER_TURNLOST (see `fence` in _common.lua).
--- Calls: HMGET, TIME, HSET, HDEL, ZREM (ZADD and PEXPIRE of the reclaim-order index when sent; HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due; HINCRBY and
+-- Calls: HMGET, TIME, HSET, HDEL, ZREM (ZADD of the reclaim-order index when sent, HGET of ttl and its PEXPIRE when due; HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due; HINCRBY and
 --        HMGET of HW, out, W, kf, pm on refusal or while a compaction is pending).
 
 local op, fp, epoch, tok = op_args('settle', false)
