@@ -201,6 +201,7 @@ def _same_kind(keys: Any, other: str) -> str:
     kinds.update({":out:": keys.outcomes, ":old:": keys.outcomes_old})
     kinds.update({":content:": keys.content, ":compacted:": keys.compacted})
     kinds.update({":history:": keys.history, ":spilled:": keys.spilled, ":spill:": keys.spills})
+    kinds.update({":order:": keys.order})
     return str(next(k for kind, k in kinds.items() if kind in other))
 
 
