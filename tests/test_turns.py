@@ -697,3 +697,21 @@ def test_a_turn_with_no_compaction_pending_is_one_call_to_begin(ledger: Ledger) 
             t.prompt(100)
     ledger.run = run  # type: ignore[method-assign]
     assert ran == ["snapshot", *["begin_turn", "admit", "end_turn"] * 3], ran
+
+
+def test_a_turn_of_thousands_of_items_is_rolled_back_and_reconciled_whole(ledger: Ledger) -> None:
+    """A turn that rotated out 6,000 chunks is rolled back whole (its undo runs to 12,000
+    values, past what Lua unpacks at once), and a reconcile drops 6,000 items in one step."""
+    budget = SessionBudget(
+        window=1_000_000, system_prompt=100, compaction="agent", release_each_turn={R}
+    )
+    s = ledger.open_session(sid(), budget)
+    for k in range(6):
+        s.admit(R, [Item(f"d{k}-{i}", 5) for i in range(1_000)])
+    t = s.begin_turn(0)
+    assert t.rotated == 30_000 and not ledger.items(s.id)
+    assert s.abort_turn().rolled_back == t.turn
+    assert len(ledger.items(s.id)) == 6_000 and ledger.audit(s.id).clean
+    done = s.reconcile({R: [Item("d0-0", 5)]})
+    assert len(done.removed) == 5_999 and [i.id for i in ledger.items(s.id)] == ["d0-0"]
+    assert ledger.audit(s.id).clean

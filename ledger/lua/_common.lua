@@ -205,11 +205,18 @@ local ACTIVE = { w = 'a_w', r = 'a_m', m = 'a_m', s = 'a_s' }
 local ORDER = { s = 0, r = 1, m = 2 }
 local ORDER_SPAN = 1125899906842624  -- 2^50: above any sequence number
 
+-- redis.call(cmd, key, ...list) in calls of at most 1000 of the list's values: Lua unpacks
+-- at most about 8,000 values at once, and a turn may rotate, reclaim or reconcile more
+-- items than that. (A list of pairs stays whole pairs: 1000 is even.)
+local function call_each(cmd, key, list)
+  for i = 1, #list, 1000 do redis.call(cmd, key, unpack(list, i, math.min(i + 999, #list))) end
+end
+
 -- Remove the members `fields` from the reclaim-order index `ord`. True when that emptied it
 -- (Redis then deletes the key, and its TTL with it): the caller writes 'ox' 0, so that
 -- the next call that adds to it sets its TTL again.
 local function order_remove(ord, fields)
-  redis.call('ZREM', ord, unpack(fields))
+  call_each('ZREM', ord, fields)
   return redis.call('EXISTS', ord) == 0
 end
 
@@ -727,10 +734,10 @@ local function rollback(key, dl, sid, why)
   for _, c in ipairs({ 'w', 'r', 'm', 's' }) do
     for _, kv in ipairs({ 'u_' .. c, u[c], 'n_' .. c, n[c], 'v_' .. c, v[c] }) do set[#set + 1] = kv end
   end
-  for i = 1, #dead, 1000 do redis.call('HDEL', key, unpack(dead, i, math.min(i + 999, #dead))) end
-  redis.call('HSET', key, unpack(set))
-  redis.call('ZREM', dl, unpack(zrem))
-  if #zadd > 0 then redis.call('ZADD', dl, unpack(zadd)) end
+  call_each('HDEL', key, dead)
+  call_each('HSET', key, set)
+  call_each('ZREM', dl, zrem)
+  call_each('ZADD', dl, zadd)
   indicate(key, 'rolled_back', 1)
   return tn
 end

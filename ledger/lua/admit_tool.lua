@@ -125,7 +125,7 @@ if size > fr then
     dead[#dead + 1] = it.f
     evicted[#evicted + 1] = it.c .. ':' .. it.id
   end
-  redis.call('HDEL', key, unpack(dead))
+  call_each('HDEL', key, dead)
   emptied = ORD ~= nil and order_remove(ORD, dead)
   indicate(key, 'evicted_memory', #dead)
   if in_turn then ul = journal(R[3], dead, was) end

@@ -206,9 +206,8 @@ if rotating or residual() < need() then
         scan('i:[srm]:*', function(f, rec)
           z[#z + 1] = order_score(string.sub(f, 3, 3), tonumber(string.match(rec, '(%d+)$')))
           z[#z + 1] = f
-          if #z >= 1000 then redis.call('ZADD', ORD, unpack(z)) z = {} end
         end)
-        if #z > 0 then redis.call('ZADD', ORD, unpack(z)) end
+        call_each('ZADD', ORD, z)
         oq = m[1]
       end
     end
@@ -271,7 +270,7 @@ end
 -- The index's writes at the end of the turn: the members found without their items
 -- leave it, and 'oq' is written when it was built.
 local function order_done(args)
-  for i = 1, #stale, 1000 do redis.call('ZREM', ORD, unpack(stale, i, math.min(i + 999, #stale))) end
+  call_each('ZREM', ORD, stale)
   if oq then
     args[#args + 1], args[#args + 2] = 'oq', oq
     order_ttl(ORD, key, now, args)
@@ -340,7 +339,7 @@ if start_residual < need() then
 end
 
 if #dead > 0 then
-  for i = 1, #dead, 1000 do redis.call('HDEL', key, unpack(dead, i, math.min(i + 999, #dead))) end
+  call_each('HDEL', key, dead)
   if ORD then  -- (a rollback of the turn, putting them back, makes the index incomplete)
     for _, f in ipairs(dead) do if ORDER[string.sub(f, 3, 3)] then stale[#stale + 1] = f end end
   end

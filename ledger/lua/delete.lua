@@ -51,7 +51,7 @@ if H.nv > 0 then
     if rid then members[#members + 1] = sid .. '|' .. rid end
   end
 end
-if #members > 0 then redis.call('ZREM', KEYS[2], unpack(members)) end
+call_each('ZREM', KEYS[2], members)
 redis.call('DEL', key, unpack(dead))
 local out = reply({ 'status=ok', 'deleted=1' })
 local keep = math.max(H.ort, H.ep - now_ms() + H.ort)

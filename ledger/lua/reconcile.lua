@@ -137,7 +137,7 @@ for ref in string.gmatch(R[6] or '', '[^,]+') do
 end
 if R[5] then args[#args + 1], args[#args + 2] = 'qs', table.concat(qs, ',') end
 if R[6] then args[#args + 1], args[#args + 2] = 'qd', table.concat(qd, ',') end
-if #dead > 0 then redis.call('HDEL', key, unpack(dead)) end
+call_each('HDEL', key, dead)
 indicate(key, 'reconciled', 1)
 local upd = { 'sq', sq, 'fr', fr, 'a_w', a_w, 'a_m', a_m, 'a_s', a_s, 'df', 0 }
 for _, c in ipairs({ 'w', 'r', 'm', 's' }) do

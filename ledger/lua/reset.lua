@@ -50,7 +50,7 @@ if R[2] then dead[#dead + 1] = 'qs' end
 if R[3] then dead[#dead + 1] = 'qd' end
 for i = 1, #dead, 1000 do redis.call('HDEL', key, unpack(dead, i, math.min(i + 999, #dead))) end
 if R[1] then members[#members + 1] = sid .. '|' .. LEASE end
-if #members > 0 then redis.call('ZREM', KEYS[2], unpack(members)) end
+call_each('ZREM', KEYS[2], members)
 indicate(key, 'resets', 1)
 redis.call('DEL', KEYS[3], KEYS[4])  -- (after a write that may be refused on a full server)
 local args = { 'ep', H.ep + 1, 'fr', H.W - H.S - H.T - H.out - H.F_w - H.F_m, 'nv', 0,
