@@ -243,6 +243,18 @@ local function order_add(ord, z, ox, now, key, args)
   if not ox or now >= tonumber(ox) then order_ttl(ord, key, now, args) end
 end
 
+-- After a call added items of consumer c, the session's sequence moving from sq0 to sq1:
+-- the reclaim-order index stays complete (its 'oq' follows to sq1) when it was (oq equals
+-- sq0; both strings or both numbers, as the caller read them) and either the items need
+-- no member (working memory) or the index `ord` was sent, their members z (score, member,
+-- ...) then added (see order_add). Returns whether it stayed complete.
+local function order_keep(ord, c, oq, sq0, sq1, z, ox, now, key, args)
+  if oq ~= sq0 or (ORDER[c] and not ord) then return false end
+  args[#args + 1], args[#args + 2] = 'oq', sq1
+  if ORDER[c] then order_add(ord, z, ox, now, key, args) end
+  return true
+end
+
 local FLOOR = { w = 'F_w', r = 'F_m', m = 'F_m', s = 'F_s' }
 local ID_MAX = 128
 local TOKENS_MAX = 100000000      -- 1e8 tokens: above any model's window

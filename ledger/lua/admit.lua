@@ -103,11 +103,9 @@ if pending then
   if (tonumber(x[4]) or 0) > 0 then cap, bound = 0, 'failed' end
 end
 local first_skip, by_bound = nil, false
--- The reclaim-order index stays complete (oq follows sq) when it was and either the
--- items need no member (working memory) or their members are added here (z: scores and
--- members, the score's consumer part zb).
-local keep_order = v[14] == v[3] and (not ORDER[c] or ORD)
-local z, zb = keep_order and ORD and ORDER[c] and {} or nil, ORDER_SPAN * (ORDER[c] or 0)
+-- z: the members of the items admitted, when the reclaim-order index is kept here (see
+-- order_keep; zb: the score's consumer part)
+local z, zb = v[14] == v[3] and ORD and ORDER[c] and {} or nil, ORDER_SPAN * (ORDER[c] or 0)
 for k = 1, n do
   local t = toks[k]
   if v[k + 15] then
@@ -164,8 +162,7 @@ if admitted > 0 then
   args = { 'sq', f('%d', sq), 'fr', free, A, f('%d', a + charged), U, f('%d', tonumber(v[7]) + charged),
     N, f('%d', tonumber(v[8]) + admitted), unpack(items) }
   if pending then args[#args + 1], args[#args + 2] = 'pm', f('%d', pm + charged) end
-  if keep_order then args[#args + 1], args[#args + 2] = 'oq', args[2] end
-  if z then order_add(ORD, z, v[15], now, key, args) end
+  order_keep(ORD, c, v[14], v[3], args[2], z, v[15], now, key, args)
 end
 put(KEYS[2], stored, J, key)
 return commit(key, now, op, fp, f(

@@ -151,11 +151,9 @@ local args = { 'i:s:' .. call, table.concat({ size, H.tn, 0, sq }, '|'), 'sq', s
   'a_s', H.a_s + size, 'u_s', H.u_s + size, 'n_s', H.n_s + 1, 'u_r', U.r, 'u_m', U.m,
   'n_r', N.r, 'n_m', N.m }
 if ul then args[#args + 1], args[#args + 2] = 'ul', ul end
--- (the reclaim-order index stays complete when it was, as in admit.lua)
-if H.oq == H.sq and ORD then
-  args[#args + 1], args[#args + 2] = 'oq', sq
-  order_add(ORD, { order_score('s', sq), args[1] }, not emptied and H.ox or nil, now, key, args)
-elseif emptied then
+-- (an index the eviction emptied gets its TTL again from the add, or from the next one)
+if not order_keep(ORD, 's', H.oq, H.sq, sq, { order_score('s', sq), args[1] },
+    not emptied and H.ox or nil, now, key, args) and emptied then
   args[#args + 1], args[#args + 2] = 'ox', 0
 end
 return done(outcome, size, outcome == 'spilled' and size or 0, table.concat(evicted, ','), fr, args)

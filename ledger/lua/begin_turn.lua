@@ -87,14 +87,13 @@ if #ARGV ~= 8 and #ARGV ~= 9 then fail('BADARG', 'expected 8 or 9 arguments, got
 
 -- 6 keys; 7 with the summaries hash or the reclaim-order index (told apart by name); 8
 -- with both.
-local ORD
-if #KEYS == 8 or (#KEYS == 7 and is_key(4, 'order:%s')) then
-  ORD = KEYS[#KEYS - 3]
-  if #KEYS == 8 then key_arg(2, 'jobs', 'deadlines', 'compacted:%s', 'order:%s')
-  else key_arg(2, 'jobs', 'deadlines', 'order:%s') end
-elseif #KEYS == 7 then key_arg(2, 'jobs', 'deadlines', 'compacted:%s')
-else key_arg(2, 'jobs', 'deadlines') end
-if await == 1 and not (#KEYS == 8 or (#KEYS == 7 and not ORD)) then
+local ORD = (#KEYS == 8 or (#KEYS == 7 and is_key(4, 'order:%s'))) and KEYS[#KEYS - 3] or nil
+local sums = #KEYS == 8 or (#KEYS == 7 and not ORD)  -- (the summaries hash is KEYS[4])
+local named = { 'jobs', 'deadlines' }
+if sums then named[#named + 1] = 'compacted:%s' end
+if ORD then named[#named + 1] = 'order:%s' end
+key_arg(2, unpack(named))
+if await == 1 and not sums then
   fail('BADARG', 'await 1 needs the summaries hash as KEYS[4], got ' .. #KEYS .. ' keys')
 end
 local key = KEYS[1]

@@ -69,12 +69,7 @@ local args = { 'i:' .. c .. ':' .. item, actual .. '|' .. H.tn .. '|' .. prio ..
   'n_' .. c, H['n_' .. c] + 1, 'v_' .. c, H['v_' .. c] - est, 'nv', H.nv - 1 }
 if pm then args[#args + 1], args[#args + 2] = 'pm', pm + actual - est end
 if res.in_turn then args[#args + 1], args[#args + 2] = 'ul', journal(res.ul, { 'r:' .. rid }, { res.rec }) end
--- (the reclaim-order index stays complete when it was, as in admit.lua)
-if H.oq == H.sq and (not ORDER[c] or ORD) then
-  args[#args + 1], args[#args + 2] = 'oq', H.sq + 1
-  if ORD and ORDER[c] then
-    order_add(ORD, { order_score(c, H.sq + 1), args[1] }, H.ox, now, key, args)
-  end
-end
+order_keep(ORD, c, H.oq, H.sq, H.sq + 1, ORDER[c] and { order_score(c, H.sq + 1), args[1] },
+  H.ox, now, key, args)
 return commit(key, now, op, fp, reply({ 'status=ok', 'reservation=' .. rid, 'item=' .. item,
   'charged=' .. actual, 'free=' .. fr, 'epoch=' .. H.ep, 'turn=' .. H.tn }), args, J)
