@@ -99,11 +99,6 @@ class SessionKeys:
         history, spills and their index (what delete and a new incarnation clear)."""
         return (self.content, self.compacted, self.history, self.spills, self.spilled)
 
-    def for_script(self, *extra: str) -> tuple[str, ...]:
-        """The KEYS of a mutating script: the session hash, the script's own keys, then
-        the partition's tally and the two outcome hashes (always last)."""
-        return (self.session, *extra, self.tally, self.outcomes, self.outcomes_old)
-
 
 @dataclass(frozen=True, slots=True)
 class KeySpace:

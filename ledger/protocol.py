@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -165,15 +165,32 @@ def stamp(epoch: int, turn: int | BegunBy | None) -> Epoch:
 
 def _mutating(
     script: str,
-    keys: Iterable[str],
+    keys: SessionKeys,
+    own: Sequence[str],
     op_id: str,
     epoch: Epoch,
     body: Sequence[str | bytes],
     parse: Callable[[Reply], T],
 ) -> Call[T]:
+    """A mutating script's call. Its KEYS: the session hash, the script's ``own`` keys,
+    then the partition's tally and the two outcome hashes, always last. Its ARGV: the op
+    id, the epoch (or turn stamp), then ``body``."""
     check_id(op_id, "operation id")
     head = epoch if isinstance(epoch, Stamp) or epoch == "*" else _num(epoch)
-    return Call(script=script, keys=tuple(keys), args=(op_id, head, *body), parse=parse)
+    layout = (keys.session, *own, keys.tally, keys.outcomes, keys.outcomes_old)
+    return Call(script=script, keys=layout, args=(op_id, head, *body), parse=parse)
+
+
+# A consumer's one-letter code in the scripts, by the Consumer or its name.
+_CODE: dict[object, str] = {c: c.code for c in Consumer}
+
+
+def _code(consumer: Consumer | str) -> str:
+    """The consumer's code for a call; an unknown consumer is an InvalidArgument."""
+    try:
+        return _CODE[consumer]
+    except (KeyError, TypeError):
+        return _code(consumer)
 
 
 # --- open ---------------------------------------------------------------------------
@@ -223,7 +240,7 @@ def open_session(
         ]
         + [str(b.compaction), str(b.compaction_min_gain_tokens)]
     )
-    return _mutating("open", keys.for_script(*keys.data), op_id, 0, body, _opened)
+    return _mutating("open", keys, keys.data, op_id, 0, body, _opened)
 
 
 # --- admit / release ----------------------------------------------------------------
@@ -258,7 +275,7 @@ def admit(
     if not isinstance(items, (list, tuple)):
         raise InvalidArgument("items must be a list or tuple of Item")
     mode = ("prefix" if partial else "all") + ("+text" if texts is not None else "")
-    body: list[str | bytes] = [Consumer.parse(consumer).code, mode, str(len(items))]
+    body: list[str | bytes] = [_code(consumer), mode, str(len(items))]
     for it in items:
         if not isinstance(it, Item):
             raise InvalidArgument("items must be a list or tuple of Item")
@@ -267,9 +284,7 @@ def admit(
         if len(texts) != len(items):
             raise InvalidArgument(f"{len(texts)} texts for {len(items)} items")
         body += [utf8(t, f"the text of item {it.id}") for t, it in zip(texts, items, strict=True)]
-    return _mutating(
-        "admit", keys.for_script(keys.content, keys.order), op_id, epoch, body, _admitted
-    )
+    return _mutating("admit", keys, (keys.content, keys.order), op_id, epoch, body, _admitted)
 
 
 def _released(r: Reply) -> Released:
@@ -289,8 +304,8 @@ def release(
     if not isinstance(item_ids, (list, tuple)) or not item_ids:
         raise InvalidArgument("release needs a non-empty list or tuple of item ids")
     ids = [check_id(i, "item id") for i in item_ids]
-    body = [Consumer.parse(consumer).code, str(len(ids)), *ids]
-    return _mutating("release", keys.for_script(keys.order), op_id, epoch, body, _released)
+    body = [_code(consumer), str(len(ids)), *ids]
+    return _mutating("release", keys, (keys.order,), op_id, epoch, body, _released)
 
 
 # --- two-phase reservations ---------------------------------------------------------
@@ -318,12 +333,12 @@ def reserve(
 ) -> Call[Reservation]:
     body = [
         keys.session_id,
-        Consumer.parse(consumer).code,
+        _code(consumer),
         check_id(reservation_id, "reservation id"),
         _num(tokens),
         _num(lease_ms),
     ]
-    return _mutating("reserve", keys.for_script(keys.deadlines), op_id, epoch, body, _reserved)
+    return _mutating("reserve", keys, (keys.deadlines,), op_id, epoch, body, _reserved)
 
 
 def _settled(r: Reply) -> Settled:
@@ -350,9 +365,7 @@ def settle(
     rid = check_id(reservation_id, "reservation id")
     item = rid if item_id is None else check_id(item_id, "item id")
     body = [keys.session_id, rid, _num(actual), item, _num(priority)]
-    return _mutating(
-        "settle", keys.for_script(keys.deadlines, keys.order), op_id, epoch, body, _settled
-    )
+    return _mutating("settle", keys, (keys.deadlines, keys.order), op_id, epoch, body, _settled)
 
 
 def _voided(r: Reply) -> Voided:
@@ -367,7 +380,7 @@ def _voided(r: Reply) -> Voided:
 
 def void(keys: SessionKeys, op_id: str, epoch: Epoch, reservation_id: str) -> Call[Voided]:
     body = [keys.session_id, check_id(reservation_id, "reservation id")]
-    return _mutating("void", keys.for_script(keys.deadlines), op_id, epoch, body, _voided)
+    return _mutating("void", keys, (keys.deadlines,), op_id, epoch, body, _voided)
 
 
 def _expired(r: Reply) -> Expired:
@@ -390,7 +403,7 @@ def expire(keys: SessionKeys, op_id: str, reservation_ids: Sequence[str]) -> Cal
     the session's turn lease (the turn is rolled back once the lease has lapsed)."""
     rids = [r if r == LEASE_MEMBER else check_id(r, "reservation id") for r in reservation_ids]
     body = [keys.session_id, str(len(rids)), *rids]
-    return _mutating("expire", keys.for_script(keys.deadlines), op_id, "*", body, _expired)
+    return _mutating("expire", keys, (keys.deadlines,), op_id, "*", body, _expired)
 
 
 def worker_check(deadlines: str, jobs: str, group: str, idle_ms: int) -> Call[PartitionCheck]:
@@ -417,7 +430,7 @@ def reset(keys: SessionKeys, op_id: str, epoch: Epoch, reason: str) -> Call[Rese
 
     body = [keys.session_id, check_id(reason, "reason")]
     return _mutating(
-        "reset", keys.for_script(keys.deadlines, keys.content, keys.compacted), op_id, epoch,
+        "reset", keys, (keys.deadlines, keys.content, keys.compacted), op_id, epoch,
         body, parse,
     )  # fmt: skip
 
@@ -484,7 +497,7 @@ def begin_turn(
         body.append("1")
         extra = (*extra, keys.compacted)
     extra = (*extra, keys.order)
-    return _mutating("begin_turn", keys.for_script(*extra), op_id, epoch, body, _turn_started)
+    return _mutating("begin_turn", keys, extra, op_id, epoch, body, _turn_started)
 
 
 def abort_turn(keys: SessionKeys, op_id: str, epoch: int, turn: int) -> Call[TurnAborted]:
@@ -499,7 +512,8 @@ def abort_turn(keys: SessionKeys, op_id: str, epoch: int, turn: int) -> Call[Tur
 
     return _mutating(
         "abort_turn",
-        keys.for_script(keys.deadlines),
+        keys,
+        (keys.deadlines,),
         op_id,
         stamp(epoch, turn),
         [keys.session_id],
@@ -517,7 +531,8 @@ def renew_turn(
 
     return _mutating(
         "renew_turn",
-        keys.for_script(keys.deadlines),
+        keys,
+        (keys.deadlines,),
         op_id,
         stamp(epoch, turn),
         [keys.session_id, _lease(lease_ms)],
@@ -545,7 +560,7 @@ def record_span(
     output_tokens: int,
 ) -> Call[SpanRecorded]:
     body = [_num(turn), check_id(kind, "span kind"), _num(input_tokens), _num(output_tokens)]
-    return _mutating("record_span", keys.for_script(), op_id, _turn_stamp(epoch, turn), body, _span)
+    return _mutating("record_span", keys, (), op_id, _turn_stamp(epoch, turn), body, _span)
 
 
 def _turn_stamp(epoch: Epoch, turn: object) -> Epoch:
@@ -618,7 +633,8 @@ def end_turn(
 
     return _mutating(
         "end_turn",
-        keys.for_script(keys.jobs, keys.deadlines),
+        keys,
+        (keys.jobs, keys.deadlines),
         op_id,
         _turn_stamp(epoch, turn),
         body,
@@ -667,7 +683,7 @@ def reconcile(
     if total > 1000:
         raise InvalidArgument(f"reconcile takes at most 1000 items, got {total}")
     args = ["".join(codes), str(total), *body]
-    return _mutating("reconcile", keys.for_script(), op_id, epoch, args, _reconciled)
+    return _mutating("reconcile", keys, (), op_id, epoch, args, _reconciled)
 
 
 def _compaction(r: Reply) -> Compaction:
@@ -738,7 +754,7 @@ def compact(
         raise InvalidArgument("a summary text needs a summary item")
     body.append(b"" if summary_text is None else utf8(summary_text, "the summary text"))
     return _mutating(
-        "compact", keys.for_script(keys.jobs, keys.content, keys.compacted), op_id, epoch,
+        "compact", keys, (keys.jobs, keys.content, keys.compacted), op_id, epoch,
         body, _compaction,
     )  # fmt: skip
 
@@ -787,7 +803,8 @@ def admit_tool(
     body.append("1" if keep_text else "0")
     return _mutating(
         "admit_tool",
-        keys.for_script(keys.content, keys.spills, keys.spilled, keys.order),
+        keys,
+        (keys.content, keys.spills, keys.spilled, keys.order),
         op_id,
         epoch,
         body,
@@ -818,7 +835,8 @@ def _not_pairs(r: Reply) -> bytes | None:
 def delete(keys: SessionKeys, op_id: str, epoch: Epoch) -> Call[Deleted]:
     return _mutating(
         "delete",
-        keys.for_script(keys.deadlines, *keys.data, keys.order),
+        keys,
+        (keys.deadlines, *keys.data, keys.order),
         op_id,
         epoch,
         [keys.session_id],

@@ -263,11 +263,11 @@ def test_raw_eval_open_verifies_the_budget(
 ) -> None:
     r = redis.Redis.from_url(redis_server.url)
     keys = _KS.session(f"raw-{uuid.uuid4().hex[:8]}")
-    names = list(keys.for_script(*keys.data))
     eight, nine = (
         SessionBudget(window=8_000, system_prompt=500),
         SessionBudget(window=9_000, system_prompt=500),
     )
+    names = list(protocol.open_session(keys, "op-0", eight, 120_000).keys)
     good = list(protocol.open_session(keys, "op-1", eight, 120_000).args)
     spoiled = {
         # 6: the fingerprint of another text, and the ARGV window beside another JSON

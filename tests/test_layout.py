@@ -11,12 +11,21 @@ import os
 import subprocess
 import sys
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
 import pytest
 
-from ledger import AdmissionRefused, Consumer, Item, Ledger, LedgerSettings, SessionBudget
+from ledger import (
+    AdmissionRefused,
+    Consumer,
+    Item,
+    Ledger,
+    LedgerSettings,
+    Session,
+    SessionBudget,
+)
 from tests import servers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,32 +100,46 @@ def test_the_contributing_map_names_every_module_and_folder() -> None:
 def test_one_operation_runs_through_the_files_the_map_names(
     redis_server: servers.RedisProcess,
 ) -> None:
-    """docs/contributing.md's "One operation, followed" stays true: every module of the
-    package whose code runs for ``session.admit`` on a real Redis, admitted and refused,
-    is one the paragraph names (a new hop on the path fails here until the map says so)."""
+    """docs/contributing.md's "One operation, followed" stays true: the modules of the
+    package whose code runs for ``session.admit`` on a real Redis are the three the
+    paragraph walks through (with the script, five files), and a refusal adds only
+    ``errors.py``. A new hop on the path fails here until the map says so."""
     text = (ROOT / "docs" / "contributing.md").read_text()
     paragraph = text[text.index("**One operation, followed.**") : text.index("**A compaction")]
-    entered: dict[str, int] = {}
     package = str(ROOT / "ledger") + os.sep
+    entered: list[str] = []
 
     def trace(frame: FrameType, event: str, arg: object) -> None:
         name = frame.f_code.co_filename
         if event == "call" and name.startswith(package):
             rel = Path(name).relative_to(ROOT).as_posix()
-            entered[rel] = entered.get(rel, 0) + 1
+            if not entered or entered[-1] != rel:
+                entered.append(rel)
+
+    def traced(admit: Callable[[], object]) -> list[str]:
+        entered.clear()
+        before = sys.gettrace()  # (a coverage tool's or a debugger's, put back after)
+        sys.settrace(trace)
+        try:
+            admit()
+        finally:
+            sys.settrace(before)
+        return list(entered)
+
+    def refused(s: Session) -> None:
+        with pytest.raises(AdmissionRefused):
+            s.admit(Consumer.RETRIEVAL, [Item("big", 5_000)])
 
     settings = LedgerSettings(redis_url=redis_server.url, prefix=f"t{uuid.uuid4().hex[:12]}")
     with Ledger.from_settings(settings) as led:
         s = led.open_session("followed", SessionBudget(window=4_000, system_prompt=100))
         s.admit(Consumer.RETRIEVAL, [Item("warm", 10)])  # scripts loaded, nothing lazy left
-        before = sys.gettrace()  # (a coverage tool's or a debugger's, put back after)
-        sys.settrace(trace)
-        try:
-            s.admit(Consumer.RETRIEVAL, [Item("c1", 100)])
-            with pytest.raises(AdmissionRefused):
-                s.admit(Consumer.RETRIEVAL, [Item("big", 5_000)])
-        finally:
-            sys.settrace(before)
-    assert {"ledger/core.py", "ledger/protocol.py", "ledger/_sync/client.py"} <= set(entered)
-    unnamed = sorted(f for f in entered if f"`{f}`" not in paragraph)
+        taken = traced(lambda: s.admit(Consumer.RETRIEVAL, [Item("c1", 100)]))
+        by_name = traced(lambda: s.admit("retrieval", [Item("c2", 100)]))
+        refusal = traced(lambda: refused(s))
+    face = ["ledger/core.py", "ledger/protocol.py", "ledger/_sync/client.py"]
+    assert sorted(set(taken)) == sorted(set(by_name)) == sorted(face), (taken, by_name)
+    assert len(taken) == 6, taken  # the paragraph's six steps between files
+    assert sorted(set(refusal)) == sorted([*face, "ledger/errors.py"]), refusal
+    unnamed = sorted(f for f in {*refusal, "ledger/lua/admit.lua"} if f"`{f}`" not in paragraph)
     assert not unnamed, f"admit runs code of {unnamed}, which the map's walk does not name"

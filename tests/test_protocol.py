@@ -63,8 +63,9 @@ def test_key_vectors() -> None:
     assert (k.outcomes, k.outcomes_old, k.tally) == (v["outcomes"], v["outcomes_old"], v["tally"])
     # A mutating script's KEYS: the session, its own keys, the partition's tally and the
     # two outcome hashes last.
-    assert k.for_script(k.jobs) == (
-        v["session"], v["jobs"], v["tally"], v["outcomes"], v["outcomes_old"]
+    assert protocol.reset(k, "op", 1, "why").keys == (
+        v["session"], v["deadlines"], v["content"], v["compacted"], v["tally"], v["outcomes"],
+        v["outcomes_old"],
     )  # fmt: skip
     assert (k.spills, k.spilled, k.history, k.order) == (
         v["spills"], v["spilled"], v["history"], v["order"]
