@@ -190,7 +190,7 @@ def _code(consumer: Consumer | str) -> str:
     try:
         return _CODE[consumer]
     except (KeyError, TypeError):
-        return _code(consumer)
+        return Consumer.parse(consumer).code  # (raises InvalidArgument)
 
 
 # --- open ---------------------------------------------------------------------------
