@@ -7,6 +7,7 @@ there (docs/contributing.md, "Why lua/ and workers/ are pointers").
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import pytest
 
 from ledger import (
     AdmissionRefused,
+    AsyncLedger,
     Consumer,
     Item,
     Ledger,
@@ -94,6 +96,16 @@ def test_the_contributing_map_names_every_module_and_folder() -> None:
     names += [f"{p.name}/" for p in ROOT.iterdir() if p.is_dir() and p.name[0] not in "._"]
     missing = [n for n in names if f"`{n}" not in table and not n.endswith(".egg-info/")]
     assert not missing, f"not in the map of docs/contributing.md: {missing}"
+    # The subpackages' modules, each named in its folder's row (the worker's in its
+    # __init__.py, which the row points to).
+    rows = {line.split("`")[1]: line for line in table.splitlines() if line.startswith("| `")}
+    for folder in ("agent", "adapters", "fleet", "workers"):
+        row = rows[f"ledger/{folder}/"]
+        if folder == "workers":
+            row = (package / folder / "__init__.py").read_text()
+        modules = sorted(p.name for p in (package / folder).glob("*.py") if p.stem != "__init__")
+        unnamed = [m for m in modules if f"`{m}`" not in row]
+        assert not unnamed, f"ledger/{folder}/ modules the map does not name: {unnamed}"
 
 
 @pytest.mark.redis
@@ -137,9 +149,28 @@ def test_one_operation_runs_through_the_files_the_map_names(
         taken = traced(lambda: s.admit(Consumer.RETRIEVAL, [Item("c1", 100)]))
         by_name = traced(lambda: s.admit("retrieval", [Item("c2", 100)]))
         refusal = traced(lambda: refused(s))
+
+    async def asyncio_face() -> list[str]:
+        async with AsyncLedger.from_settings(settings) as led:
+            s = await led.open_session("followed", SessionBudget(window=4_000, system_prompt=100))
+            await s.admit(Consumer.RETRIEVAL, [Item("warm", 10)])
+            entered.clear()
+            before = sys.gettrace()
+            sys.settrace(trace)
+            try:
+                await s.admit(Consumer.RETRIEVAL, [Item("c3", 100)])
+            finally:
+                sys.settrace(before)
+            return list(entered)
+
+    on_asyncio = asyncio.run(asyncio_face())
+    assert sorted(set(on_asyncio)) == ["ledger/_async/client.py", "ledger/core.py",
+                                       "ledger/protocol.py"], on_asyncio  # fmt: skip
     face = ["ledger/core.py", "ledger/protocol.py", "ledger/_sync/client.py"]
     assert sorted(set(taken)) == sorted(set(by_name)) == sorted(face), (taken, by_name)
     assert len(taken) == 6, taken  # the paragraph's six steps between files
     assert sorted(set(refusal)) == sorted([*face, "ledger/errors.py"]), refusal
-    unnamed = sorted(f for f in {*refusal, "ledger/lua/admit.lua"} if f"`{f}`" not in paragraph)
+    unnamed = sorted(
+        f for f in {*refusal, *on_asyncio, "ledger/lua/admit.lua"} if f"`{f}`" not in paragraph
+    )
     assert not unnamed, f"admit runs code of {unnamed}, which the map's walk does not name"
