@@ -3,6 +3,7 @@ bad input, on both faces and on embedded, a real Redis and a cluster."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import threading
@@ -25,6 +26,7 @@ from ledger import (
     TurnInProgress,
 )
 from ledger.agent import Agent, AsyncAgent, EstimatingCounter, TiktokenCounter, ledger_id
+from ledger.agent.counters import Calibrated
 from tests.conftest import make_settings
 
 TOK = TiktokenCounter()
@@ -171,6 +173,21 @@ def test_each_objects_text_is_counted_once_per_process(ledger: Ledger) -> None:
     assert counter.calls == len(docs) + 1  # counting again for the check: from the cache
 
 
+def test_a_prompt_of_parts_counted_before_is_the_sum_of_their_counts(ledger: Ledger) -> None:
+    """A prompt's parts read from the count cache count what the counter would (scaled by
+    the calibration factor, each rounded up); a part whose text is not a str is refused."""
+    agent = Agent(ledger.open_session(f"s-{uuid.uuid4().hex[:8]}", budget()), TOK)
+    core = agent.core
+    parts: list[Any] = [SYSTEM, *({"id": f"p{i}", "content": f"part {i} " * i} for i in range(9))]
+    for factor in (1.0, 1.37):
+        core.counter.factor = factor
+        fresh = sum(math.ceil(TOK(core.text_of(p)) * factor) + core.item_overhead for p in parts)
+        assert core.prompt_tokens(parts) == fresh  # counted
+        assert core.prompt_tokens(parts) == fresh  # from the cache
+    with pytest.raises(InvalidArgument, match="a prompt part is not valid Unicode"):
+        core.prompt_tokens([SYSTEM, {"id": "x", "content": "half of a pair: \ud800"}])
+
+
 def test_spill_preview_is_cut_to_the_budget_and_read_back_by_another_worker(
     ledger: Ledger, settings: LedgerSettings
 ) -> None:
@@ -207,7 +224,7 @@ def test_bad_input_is_typed_and_changes_nothing(ledger: Ledger) -> None:
 
     def with_counter(counter: Any, call: Any) -> object:
         saved = agent.core.counter
-        agent.core.counter = counter
+        agent.core.counter = Calibrated(counter)  # (as the agent wraps every counter)
         try:
             return call()
         finally:
