@@ -642,8 +642,24 @@ end
 -- The free room (field fr): the window less the system prompt, the tool framing, the
 -- output reserve `out` and each group's claim, the larger of its active tokens (a_w, a_m,
 -- a_s) and its floor (the scratchpad has none). B holds W, S, T, F_w and F_m as numbers.
+-- With nothing active (0, 0, 0: open, reset) it is the window less the reserved floor.
 local function free_room(B, out, a_w, a_m, a_s)
   return B.W - B.S - B.T - out - math.max(a_w, B.F_w) - math.max(a_m, B.F_m) - a_s
+end
+
+-- The reserved floor (docs/rules.md#budget-and-claims): the system prompt, the tool
+-- framing, both floors and the output reserve `out`, which must not exceed the window
+-- (open, and begin_turn for its own output reserve). B as for `free_room`.
+local function reserved_floor(B, out)
+  return B.S + B.T + B.F_w + B.F_m + out
+end
+
+-- Working memory's residual (begin_turn's gate, docs/rules.md#working-memory-starvation):
+-- the room working memory has, the window less the system prompt, the tool framing, the
+-- output reserve `out`, memory's claim (the larger of its active tokens a_m and its floor)
+-- and the scratchpad's active tokens a_s. B as for `free_room`.
+local function wm_residual(B, out, a_m, a_s)
+  return B.W - B.S - B.T - out - math.max(a_m, B.F_m) - a_s
 end
 
 -- Roll the open turn back (docs/agent.md#a-dead-turn-is-undone): every item the turn

@@ -104,9 +104,10 @@ local H, R = load(key, FIELDS, 31)
 local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
 out2 = out2 or H.R0
-if H.S + H.T + H.F_w + H.F_m + out2 > H.W then
-  fail('CONFIG', 'output reserve ' .. out2 .. ' makes the reserved floor ' ..
-    (H.S + H.T + H.F_w + H.F_m + out2) .. ' exceed the window ' .. H.W)
+local floor = reserved_floor(H, out2)
+if floor > H.W then
+  fail('CONFIG', 'output reserve ' .. out2 .. ' makes the reserved floor ' .. floor ..
+    ' exceed the window ' .. H.W)
 end
 local now = now_ms()
 -- A pending compaction lands only between turns: a caller that waits for it is told so
@@ -150,9 +151,7 @@ local function drop(c, it)
   gone[it.f] = true
   return it.t
 end
-local function residual()
-  return H.W - H.S - H.T - out2 - math.max(A.a_m, H.F_m) - A.a_s
-end
+local function residual() return wm_residual(H, out2, A.a_m, A.a_s) end
 local function need() return math.max(ws, A.a_w, H.F_w) end
 local function occupancy() return H.S + H.T + A.a_w + A.a_m + A.a_s end
 

@@ -44,20 +44,23 @@
 -- is delivered to reads), and the content store 'w:<summary id>' its text (what the next
 -- compaction reads). An item held in another version keeps its text.
 --
--- Reply: status=ok|outcome=<compacted|failed|deferred|did_not_fit|already>|occupancy=<tokens>
---          |high_water=<tokens>|dropped=<tokens>|summary=<tokens>|missing=<id,...>|failures=<n>
---          |escalated=<0|1>|free=<tokens>|epoch=<n>|turn=<n>|gain=<tokens>
+-- Reply: status=ok|outcome=<compacted|failed|deferred|did_not_fit|already|turn_open>
+--          |occupancy=<tokens>|high_water=<tokens>|dropped=<tokens>|summary=<tokens>
+--          |missing=<id,...>|failures=<n>|escalated=<0|1>|free=<tokens>|epoch=<n>|turn=<n>
+--          |gain=<tokens>
 --   outcome did_not_fit: the summary does not fit once the items are gone; nothing is
 --   replaced, and it counts as a failed compaction. deferred: occupancy is at or under
 --   the mark but the compaction freed (gain: occupancy before minus after) less than the
 --   session's compaction min gain (kg); applied, and counted as a failed compaction.
 --   outcome already: the job entry named by ARGV[7+n] is no longer in the stream (its
 --   compaction was committed before, or the entry was lost with its stream): nothing is
---   changed or stored; dropped=0, summary=0, escalated=0, the other fields as they are.
+--   changed or stored; dropped=0, summary=0, missing empty, escalated=0, the other fields
+--   as they are, and no gain.
 --   outcome turn_open: a job's compaction while a turn is open (its lease held, or lapsed
 --   and not yet rolled back): nothing is changed or stored, the job's entry stays; the
 --   worker commits once the turn has ended (a compaction never changes the prompt under
---   a running turn). The reply then also has |owner=<the turn's owner>|lease=<its end, ms>.
+--   a running turn). The fields are those of already, then |owner=<the turn's owner>
+--   |lease=<its end, ms> (no gain).
 --   A compaction that is not part of the open turn (a worker's job, or one made with no turn
 --   while none is open) queues its deliveries for the next turn (fields qs, qd): the
 --   summary, and the items it replaced (an undelivered summary it replaces leaves the
@@ -65,9 +68,12 @@
 --   Once a hard reset is requested (escalated before, not yet reset), a failed
 --   compaction is not counted again: failures and x:failed_compactions stay at the
 --   escalation's count until the reset.
--- Stream entries: on escalation kind=hard_reset session=<id> epoch=<n> reason=failed_compactions
---   op=<op id>; on a failure that does not escalate, kind=compact (the compaction is retried:
---   a new compaction request, a new attempt), for worker-owned sessions only.
+-- Stream entries (see `enqueue`): on escalation kind=hard_reset session=<id> epoch=<n>
+--   reason=failed_compactions op=<op id> inc=<the session's inc>; on a failure that does
+--   not escalate, kind=compact (the compaction is retried: a new compaction request, a new
+--   attempt) with reason=failed_compaction and the same other fields (the session's cq is
+--   stamped), for worker-owned sessions only, none once a hard reset is requested, and none
+--   for an agent's own compaction while one is pending already (cd = 1).
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED,
 --         LEDGER_CONFLICT (the summary id is held and not among the replaced items, or
 --         only in another version than the one given),

@@ -185,7 +185,8 @@ for k = 1, #names2 do
   v[10 + k] = int_arg(ARGV[15 + k], names2[k], lo2[k], hi2[k])
 end
 local W, S, T, Fw, Fm, out = v[1], v[2], v[3], v[4], v[5], v[6]
-local floor = S + T + Fw + Fm + out
+local B = { W = W, S = S, T = T, F_w = Fw, F_m = Fm }
+local floor = reserved_floor(B, out)
 if floor > W then
   fail('CONFIG', 'reserved floor ' .. floor .. ' (system_prompt ' .. S .. ' + tool_framing ' .. T ..
     ' + working_memory_floor ' .. Fw .. ' + min_memory ' .. Fm .. ' + output_reserve ' .. out ..
@@ -241,7 +242,7 @@ if H.ep then
 end
 
 local now = now_ms()
-local fr = W - floor
+local fr = free_room(B, out, 0, 0, 0)  -- (nothing is active yet)
 -- A new incarnation's epoch is Redis's clock in ms (above a closed session's last
 -- epoch): every epoch of an earlier incarnation of this id, even one whose keys were
 -- lost (a restart without persistence, an eviction, an expiry), is older, so a handle
