@@ -35,9 +35,14 @@ def test_a_stale_legend_is_found() -> None:
 def test_the_legend_lists_every_field() -> None:
     legend = schema.legend()
     listed = set(re.findall(r"^--   (\S+)", legend, re.M))
-    assert {f.wire for f in schema.FIELDS} == listed
+    scripts_fields = {f.wire for f in schema.FIELDS if f.owner not in schema.WORKER_OWNERS}
+    assert scripts_fields == listed
     # the fields a hand-written legend once left out
     assert {"ca", "te", "dt", "dr", "dp", "df"} <= listed
+    # the worker's own records are defined, but no script's business: not in the legend
+    worker = [f for f in schema.FIELDS if f.owner in schema.WORKER_OWNERS]
+    assert {f.wire for f in worker} == {"job", "why", "error", "<entry_id>"}
+    assert not any(f"\n-- {owner}: " in legend for owner in schema.WORKER_OWNERS)
 
 
 def test_wire_names_are_unique_per_owner_and_long_names_too() -> None:
@@ -320,10 +325,16 @@ def test_every_field_a_script_uses_is_defined() -> None:
     assert undefined(iter(uses)) == []
     # and every field defined is one a script uses (but the opaque ones, whose names are
     # data, and the indicator loud, counted under a name the script computes)
+    # no script names a field only the worker stores (its dead letters, its errors hash)
+    worker_only = [
+        u for u in uses if (f := schema.lookup(u[1])) and f.owner in schema.WORKER_OWNERS
+    ]
+    assert worker_only == []
     unused = [
         f.wire
         for f in schema.FIELDS
         if not f.opaque
+        and f.owner not in schema.WORKER_OWNERS
         and not any(
             (o == f.owner or not o)
             and (f.matches(n) if not n.endswith("*") else f.wire.startswith(n[:-1]))
