@@ -249,11 +249,10 @@ def cmd_dead(args: argparse.Namespace, out: Console) -> int:
                 print(json.dumps({"depths": depths, "letters": rows}, indent=2))
                 return EXIT_OK
             for d in letters:
-                f = d.fields
+                e = schema.DeadLetterEntry.from_fields(d.fields)
                 out.print(
-                    f"{escape(d.ref)} {escape(f.get('kind', '?'))} session "
-                    f"{escape(f.get('session', '?'))}: {escape(f.get('why', ''))}; "
-                    f"{escape(f.get('error', '')[:200])}",
+                    f"{escape(d.ref)} {escape(e.kind)} session "
+                    f"{escape(e.session)}: {escape(e.why)}; {escape(e.error[:200])}",
                     soft_wrap=True,
                     highlight=False,
                 )

@@ -19,6 +19,11 @@ them on Redis Cluster::
                                        the step that counts (the session's 'x:<name>'
                                        grows with it), read by the worker that exports
                                        the fleet's indicators; no TTL
+    <prefix>:{p<N>}:dead               stream of the jobs the workers gave up on: each the
+                                       job's fields, then 'job', 'why', 'error' (see
+                                       ledger.schema.DeadLetterEntry)
+    <prefix>:{p<N>}:errors             hash job entry id -> the last error of a job that
+                                       failed and will be retried (the workers')
     <prefix>:{p0}:observer             the lease of the worker that keeps the fleet's
                                        indicators (its consumer name, with a TTL)
     <prefix>:{p<N>}:spill:<session_id>
@@ -135,6 +140,11 @@ class KeySpace:
     def dead_letters(self, partition: int) -> str:
         """The stream of the partition's jobs the workers gave up on."""
         return f"{self.tag(partition)}:dead"
+
+    def job_errors(self, partition: int) -> str:
+        """The hash job entry id -> the last error of a job of the partition that failed
+        and will be retried (ledger.schema.JOB_ERROR), kept by the workers."""
+        return f"{self.tag(partition)}:errors"
 
     def observer(self) -> str:
         """The lease of the one worker that keeps the fleet's indicators (a string: the

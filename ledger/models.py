@@ -37,6 +37,7 @@ __all__ = [
     "DriftFlag",
     "CompactionOutcome",
     "ToolResultOutcome",
+    "JobKind",
     "SessionBudget",
     "Item",
     "BegunBy",
@@ -148,6 +149,13 @@ class CompactionOutcome(enum.StrEnum):
     DID_NOT_FIT = "did_not_fit"  # the summary does not fit: nothing replaced
     ALREADY = "already"  # the job was committed before: nothing changed
     TURN_OPEN = "turn_open"  # a job's compaction while a turn is open: nothing changed
+
+
+class JobKind(enum.StrEnum):
+    """A job stream entry's kind (docs/protocol.md#the-job-stream)."""
+
+    COMPACT = "compact"  # a due compaction: the worker's compactor, committed by compact.lua
+    HARD_RESET = "hard_reset"  # failed compactions escalated: reset.lua
 
 
 class ToolResultOutcome(enum.StrEnum):

@@ -19,9 +19,13 @@ this module: ``python tools/legend.py`` writes it, ``--check`` exits 1 when it i
 stale (run by ``.ci/run`` and tests/test_schema.py, which also fails on a field a script
 or a Python module uses that is not defined here).
 
-Three records have a type of their own here: :class:`JobEntry` (an entry of a
-partition's job stream), :class:`SummaryRecord` (the JSON the ``compact`` script stores
-per summary) and the content store's field name (:func:`content_field`).
+Four records have a type of their own here: :class:`JobEntry` (an entry of a
+partition's job stream), :class:`DeadLetterEntry` (an entry of its dead-letter stream),
+:class:`SummaryRecord` (the JSON the ``compact`` script stores per summary) and the
+content store's field name (:func:`content_field`).
+
+The worker's own records (the dead letters and the errors hash: :data:`WORKER_OWNERS`) are
+defined here too, but no script reads or writes them, so the Lua legend leaves them out.
 """
 
 from __future__ import annotations
@@ -32,11 +36,23 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ledger.models import JobKind
+
 Unit = Literal[
     "tokens", "ms", "time", "count", "per_mille", "flag", "epoch", "turn", "id", "text", "binary"
 ]
 Owner = Literal[
-    "session", "outcome", "tally", "job", "summary", "compacted", "content", "spill", "history"
+    "session",
+    "outcome",
+    "tally",
+    "job",
+    "summary",
+    "compacted",
+    "content",
+    "spill",
+    "history",
+    "dead_letter",
+    "errors",
 ]
 
 # What each unit means, for the legend.
@@ -67,7 +83,12 @@ OWNERS: dict[str, str] = {
     "content": "the content store '<tag>:content:<session>'",
     "spill": "the spill hash '<tag>:spill:<session>'",
     "history": "the history hash '<tag>:history:<session>'",
+    "dead_letter": "an entry of the partition's dead-letter stream '<tag>:dead' (written by "
+    "the worker, ledger/workers/delivery.py): the job entry's fields as read, then these",
+    "errors": "the worker's errors hash '<tag>:errors' (ledger/workers/delivery.py)",
 }
+# The owners only the worker writes: no script touches them (not in the Lua legend).
+WORKER_OWNERS: frozenset[str] = frozenset({"dead_letter", "errors"})
 
 # The consumers' one-letter codes (ledger.models.Consumer.code): w working memory,
 # r retrieval, m recall, s scratchpad.
@@ -360,7 +381,7 @@ AMP_CLASS = _f(
 
 # --- a job stream entry ---------------------------------------------------------------
 
-JOB_KIND = _f("kind", "kind", "text", "job", "compact or hard_reset")
+JOB_KIND = _f("kind", "kind", "text", "job", "compact or hard_reset")  # ledger.models.JobKind
 JOB_SESSION = _f("session", "session", "id", "job", "the session id")
 JOB_EPOCH = _f("epoch", "epoch", "epoch", "job", "the session's epoch when the job was written")
 JOB_REASON = _f("reason", "reason", "text", "job", "why the job was written")
@@ -385,6 +406,30 @@ COMPACTING = _f(
 CONTENT = _f("<c>:<id>", "content", "text", "content", "an item's text (see content_field)")
 SPILLED = _f("<call_id>", "spilled", "text", "spill", "a spilled tool result's content")
 HISTORY = _f("<version>", "history", "text", "history", "a JSON list of the conversation's items")
+
+# --- the worker's dead letters and errors hash -----------------------------------------
+
+DEAD_JOB = _f(
+    "job", "job", "id", "dead_letter", "the entry id the job had in the partition's job stream"
+)
+DEAD_WHY = _f(
+    "why", "why", "text", "dead_letter", "why the worker gave up on it ('delivered <n> times')"
+)
+DEAD_ERROR = _f(
+    "error",
+    "error",
+    "text",
+    "dead_letter",
+    "the job's last recorded error (its field of the errors hash), empty if none",
+)
+JOB_ERROR = _f(
+    "<entry_id>",
+    "job_error",
+    "text",
+    "errors",
+    "the last error (repr, at most 500 characters) of a job that failed and will be "
+    "retried, by its entry id: removed when the job is done or dead-lettered",
+)
 
 # The names snapshot answers that no hash stores (docs/protocol.md#snapshot).
 SNAPSHOT_NOW = "now"
@@ -427,19 +472,23 @@ def text(v: object) -> str:
 @dataclass(frozen=True, slots=True)
 class JobEntry:
     """One entry of a partition's job stream (docs/protocol.md#the-job-stream), as the
-    scripts write it (``enqueue`` in _common.lua)."""
+    scripts write it (``enqueue`` in _common.lua). ``kind`` given as its string is taken
+    as the :class:`~ledger.models.JobKind` it names (ValueError: no job kind)."""
 
-    kind: str
+    kind: JobKind
     session: str
     epoch: int
     reason: str = ""
     op: str = ""
     inc: int = 0
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", JobKind(self.kind))
+
     def to_fields(self) -> dict[str, str]:
         """The stream entry's fields, in the order the scripts write them."""
         return {
-            JOB_KIND.wire: self.kind,
+            JOB_KIND.wire: self.kind.value,
             JOB_SESSION.wire: self.session,
             JOB_EPOCH.wire: str(self.epoch),
             JOB_REASON.wire: self.reason,
@@ -450,10 +499,11 @@ class JobEntry:
     @classmethod
     def from_fields(cls, fields: Mapping[Any, Any]) -> JobEntry:
         """An entry from its fields (bytes or str); a missing reason, op or inc is empty
-        (0); a missing kind, session or epoch raises KeyError, a bad number ValueError."""
+        (0); a missing kind, session or epoch raises KeyError, an unknown kind or a bad
+        number ValueError."""
         f = {text(k): text(v) for k, v in fields.items()}
         return cls(
-            kind=f[JOB_KIND],
+            kind=JobKind(f[JOB_KIND]),
             session=f[JOB_SESSION],
             epoch=int(f[JOB_EPOCH]),
             reason=f.get(JOB_REASON, ""),
@@ -463,6 +513,46 @@ class JobEntry:
 
 
 JOB_FIELDS: tuple[Field, ...] = tuple(fields("job"))
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetterEntry:
+    """One entry of a partition's dead-letter stream: the fields of the job the worker
+    gave up on, as it read them (perhaps not a well-formed :class:`JobEntry`: a malformed
+    job is dead-lettered too), then its entry id, why, and its last recorded error."""
+
+    fields: Mapping[str, str]
+    job: str
+    why: str
+    error: str = ""
+
+    def to_fields(self) -> dict[str, str]:
+        """The stream entry's fields: the job's, then job, why and error (each of these
+        three in the job's place if the job had a field of that name)."""
+        return {
+            **self.fields,
+            DEAD_JOB.wire: self.job,
+            DEAD_WHY.wire: self.why,
+            DEAD_ERROR.wire: self.error,
+        }
+
+    @classmethod
+    def from_fields(cls, fields: Mapping[Any, Any]) -> DeadLetterEntry:
+        """An entry from its fields (bytes or str); a missing job, why or error is empty."""
+        f = {text(k): text(v) for k, v in fields.items()}
+        own = (DEAD_JOB, DEAD_WHY, DEAD_ERROR)
+        job, why, error = (f.get(n, "") for n in own)
+        return cls({k: v for k, v in f.items() if k not in own}, job, why, error)
+
+    @property
+    def kind(self) -> str:
+        """The job's kind as written ('?' if it had none)."""
+        return self.fields.get(JOB_KIND, "?")
+
+    @property
+    def session(self) -> str:
+        """The job's session id as written ('?' if it had none)."""
+        return self.fields.get(JOB_SESSION, "?")
 
 
 @dataclass(frozen=True, slots=True)
@@ -521,7 +611,8 @@ def _wrap(text: str, width: int) -> list[str]:
 
 
 def legend() -> str:
-    """The legend block of _common.lua: every field, by owner, markers included."""
+    """The legend block of _common.lua: every field the scripts may touch (of an owner
+    not in :data:`WORKER_OWNERS`), by owner, markers included."""
     out = [BEGIN]
     consumers = ", ".join(f"{c} {n}" for c, n in CONSUMERS.items())
     out += [f"-- {line}" for line in _wrap(
@@ -531,6 +622,8 @@ def legend() -> str:
         "F_s is never written). Units: " + "; ".join(f"{k} = {v}" for k, v in UNITS.items())
         + ".", 86)]  # fmt: skip
     for owner, where in OWNERS.items():
+        if owner in WORKER_OWNERS:
+            continue
         out.append("--")
         out += [f"-- {line}" for line in _wrap(f"{owner}: {where}", 86)]
         for f in fields(owner):

@@ -98,7 +98,7 @@ def stored_outcome(ledger: Ledger, session_id: str, op_id: str) -> tuple[str, st
     ledger.check_open()
     with translated():
         for name, k in (("current", keys.outcomes), ("previous", keys.outcomes_old)):
-            *raws, base = ledger.client.hmget(k, [*outcome_buckets(op_id), "e"])
+            *raws, base = ledger.client.hmget(k, [*outcome_buckets(op_id), schema.EPOCH_BASE])
             for raw in raws:
                 if raw is None:
                     continue

@@ -14,7 +14,7 @@ from typing import Any
 import redis
 
 from ledger import Item, Ledger, SessionBudget
-from ledger.models import Consumer
+from ledger.models import Consumer, JobKind
 from ledger.schema import JobEntry
 from ledger.scripts import outcome_key, stored_outcomes
 from ledger.workers.compactors import CompactionPlan, CompactionRequest
@@ -251,6 +251,6 @@ def open_resets(led: Ledger, sids: list[str]) -> list[tuple[str, str]]:
     out = []
     for sid in sids:
         epoch = led.open_session(sid, BUDGET).epoch
-        entry = JobEntry("hard_reset", sid, epoch, reason="test", op="x")
+        entry = JobEntry(JobKind.HARD_RESET, sid, epoch, reason="test", op="x")
         out.append((sid, text(led.client.xadd(jobs_of(led, sid), entry.to_fields()))))  # type: ignore[arg-type]
     return out

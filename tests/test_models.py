@@ -24,6 +24,7 @@ from ledger import (
     ConfigurationError,
     DriftFlag,
     Item,
+    JobKind,
     Ledger,
     Regime,
     SessionBudget,
@@ -41,6 +42,7 @@ ENUMS: tuple[type[enum.StrEnum], ...] = (
     DriftFlag,
     CompactionOutcome,
     ToolResultOutcome,
+    JobKind,
 )
 
 
@@ -69,6 +71,11 @@ def test_outcome_values_are_strings_of_their_scripts() -> None:
     assert {m.value for m in CompactionMode} <= literals("open")
     assert {o.value for o in CompactionOutcome} <= literals("compact")
     assert {o.value for o in ToolResultOutcome} <= literals("admit_tool")
+    # the job kinds the scripts enqueue (enqueue(KEYS[2], '<kind>', ...)), and no other
+    enqueue = re.compile(r"enqueue\(\w+\[2\], '(\w+)'")
+    sources = [strip_comments(p.read_text()) for p in lua_dir().glob("*.lua")]
+    enqueued = {k for src in sources for k in enqueue.findall(src)}
+    assert enqueued == {k.value for k in JobKind}
 
 
 def raw(call: Call[Any]) -> Call[tuple[Reply, Any]]:

@@ -74,6 +74,8 @@ def test_key_vectors() -> None:
     # The worker's own keys in the partition (dead letters, job errors).
     assert f"{ks.tag(k.partition)}:dead" == v["dead_letter"]
     assert f"{ks.tag(k.partition)}:errors" == v["errors"]
+    assert ks.dead_letters(k.partition) == v["dead_letter"]
+    assert ks.job_errors(k.partition) == v["errors"]
 
 
 @pytest.mark.parametrize("v", VECTORS["budgets"], ids=lambda v: v["sha256"][:8])

@@ -35,9 +35,14 @@ def test_a_stale_legend_is_found() -> None:
 def test_the_legend_lists_every_field() -> None:
     legend = schema.legend()
     listed = set(re.findall(r"^--   (\S+)", legend, re.M))
-    assert {f.wire for f in schema.FIELDS} == listed
+    scripts_fields = {f.wire for f in schema.FIELDS if f.owner not in schema.WORKER_OWNERS}
+    assert scripts_fields == listed
     # the fields a hand-written legend once left out
     assert {"ca", "te", "dt", "dr", "dp", "df"} <= listed
+    # the worker's own records are defined, but no script's business: not in the legend
+    worker = [f for f in schema.FIELDS if f.owner in schema.WORKER_OWNERS]
+    assert {f.wire for f in worker} == {"job", "why", "error", "<entry_id>"}
+    assert not any(f"\n-- {owner}: " in legend for owner in schema.WORKER_OWNERS)
 
 
 def test_wire_names_are_unique_per_owner_and_long_names_too() -> None:
@@ -105,9 +110,14 @@ def test_summary_record_reads_what_compact_writes(ledger: Ledger) -> None:
 
 # --- every field used is defined ------------------------------------------------------
 
-_HCALL = re.compile(r"redis\.call\(\s*'(H[A-Z]+)'\s*,")
-_LIT = re.compile(r"^'([^'\\]*)'$")
-_PREFIX = re.compile(r"^'([^'\\]*)'\s*\.\.")
+# A Lua string literal, single- or double-quoted (its text is group 1 or group 2).
+_STR = r"""(?:'([^'\\\n]*)'|"([^"\\\n]*)")"""
+# A command call: redis.call or redis.pcall, its name in either quotes and either case.
+_CALL = r"""redis\.p?call\(\s*['"]"""
+_HCALL = re.compile(_CALL + r"""([Hh][A-Za-z]+)['"]\s*,""")
+_XADD = re.compile(_CALL + r"""[Xx][Aa][Dd][Dd]['"]\s*,""")
+_LIT = re.compile(rf"^{_STR}$")
+_PREFIX = re.compile(rf"^{_STR}\s*\.\.")
 _UNPACK = re.compile(r"^unpack\((\w+)")
 _MAPPED = re.compile(r"^([A-Z]+)\[\w+\]$")
 # the maps of _common.lua a script may index (ACTIVE[c], FLOOR[c])
@@ -182,21 +192,26 @@ def _aliases(src: str) -> dict[str, str]:
     return out
 
 
+def _text(m: re.Match[str]) -> str:
+    """The text of the string literal _STR matched (the first of its groups that did)."""
+    return next(g for g in m.groups() if g is not None)
+
+
 def _names(exprs: list[str], where: str, owner: str, src: str = "") -> Iterator[Use]:
     """The fields the expressions name: a literal, a literal prefix, or ``MAP[c]`` where
     ``local MAP = { w = 'a_w', ... }`` (each of its values)."""
     for e in exprs:
         if m := _LIT.match(e):
-            yield owner, m.group(1), where
+            yield owner, _text(m), where
         elif m := _PREFIX.match(e):
-            yield owner, m.group(1) + "*", where
+            yield owner, _text(m) + "*", where
         elif re.fullmatch(r"[A-Za-z_]\w*", e) and (alias := _aliases(src).get(e)):
             yield from _names([alias], where, owner, src)
         elif (m := _MAPPED.match(e)) and (
             t := re.search(rf"\blocal\s+{m.group(1)}\s*=\s*\{{([^}}]*)\}}", _COMMON + src)
         ):
-            for value in re.findall(r"\w+\s*=\s*'([^']*)'", t.group(1)):
-                yield owner, value, where
+            for v in re.finditer(rf"\w+\s*=\s*{_STR}", t.group(1)):
+                yield owner, _text(v), where
 
 
 def lua_uses(src: str, where: str) -> Iterator[Use]:
@@ -204,10 +219,12 @@ def lua_uses(src: str, where: str) -> Iterator[Use]:
     HEXISTS, HSET, HINCRBY (and of the tables they unpack), the field lists given to
     `load`, the indicators counted with `indicate`, and the table-key reads of what `load`
     returned or an HGETALL was decoded into. A literal prefix (``'u_' .. c``) is a use
-    of a field starting with it."""
+    of a field starting with it. A command is found sent by ``redis.call`` or
+    ``redis.pcall``, its name in either case (``'HGET'``, ``'hget'``), and a literal in
+    either quotes (``'ep'``, ``"ep"``)."""
     src = scripts.strip_comments(src)
     for m in _HCALL.finditer(src):
-        cmd = m.group(1)
+        cmd = m.group(1).upper()
         if cmd in ("HGETALL", "HLEN", "HSCAN"):
             continue  # (no field named: HSCAN's are a cursor, MATCH and COUNT)
         args = _split(_balanced(src, src.index("(", m.start()) + 1))[1:]
@@ -226,7 +243,7 @@ def lua_uses(src: str, where: str) -> Iterator[Use]:
             yield from _names(_split(args[5][1:-1])[::2], where, "session", src)
         elif len(args) == 7:
             yield from _names(_table(src, args[5])[::2], where, "session", src)
-    for m in re.finditer(r"redis\.call\(\s*'XADD'\s*,", src):  # XADD stream * k v ...
+    for m in _XADD.finditer(src):  # XADD stream * k v ...
         args = _split(_balanced(src, src.index("(", m.start()) + 1))
         yield from _names(args[3::2], where, "job", src)
     for lit in re.findall(r"'([^'\n]*)'", src):  # the keys of a JSON record built in a string
@@ -238,7 +255,7 @@ def lua_uses(src: str, where: str) -> Iterator[Use]:
             yield from _names(_split(_balanced(src, m.end() + 1, "{", "}")), where, "session", src)
         elif t := re.match(r"\w+", after):
             yield from _names(_table(src, t.group(0)), where, "session", src)
-    for m in re.finditer(r"\bindicate\(\s*\w+\s*,\s*('[^']+'(?:\s*\.\.)?)", src):
+    for m in re.finditer(rf"\bindicate\(\s*\w+\s*,\s*({_STR}(?:\s*\.\.)?)", src):
         yield from _names([m.group(1)], where, "tally")
     decoded = set(re.findall(r"local\s+(\w+)(?:,\s*\w+)?\s*=\s*load\(", src))
     decoded |= set(re.findall(r"^\s*(\w+),\s*\w+\s*=\s*load\(", src, re.M))
@@ -246,35 +263,121 @@ def lua_uses(src: str, where: str) -> Iterator[Use]:
     for var in decoded:
         for m in re.finditer(rf"(?<![\w.]){var}\.([A-Za-z_]\w*)", src):
             yield "session", m.group(1), where
-        for m in re.finditer(rf"(?<![\w.]){var}\['([^']+)'\]", src):
-            yield "session", m.group(1), where
+        for m in re.finditer(rf"(?<![\w.]){var}\[{_STR}\]", src):
+            yield "session", _text(m), where
 
 
-_PY_HASH = {"hget", "hexists", "hincrby", "hdel", "hmget", "hsetnx"}
+# redis-py's hash commands whose arguments after the key are fields (a list or tuple
+# literal of fields too: hmget(k, ["a", "b"])), and those of one field and its value.
+_PY_FIELDS = {"hget", "hexists", "hdel", "hmget", "hstrlen"}
+_PY_FIELD_VALUE = {"hset", "hsetnx", "hincrby", "hincrbyfloat"}
+
+
+def _elements(e: ast.expr | None) -> list[ast.expr]:
+    """An expression, or the elements of a list or tuple literal."""
+    if e is None:
+        return []
+    return list(e.elts) if isinstance(e, ast.List | ast.Tuple) else [e]
+
+
+def _keys(e: ast.expr | None) -> list[ast.expr]:
+    """The keys of a dict literal (none of anything else, nor of a ``**`` in it)."""
+    return [k for k in e.keys if k is not None] if isinstance(e, ast.Dict) else []
+
+
+def _arg(call: ast.Call, i: int, name: str) -> ast.expr | None:
+    """A call's argument by position or keyword."""
+    if len(call.args) > i and not isinstance(call.args[i], ast.Starred):
+        return call.args[i]
+    return next((k.value for k in call.keywords if k.arg == name), None)
+
+
+def _command_fields(call: ast.Call) -> list[ast.expr]:
+    """The field expressions of a redis-py command call (``client.hget(k, "ep")``,
+    ``pipe.hset(k, mapping={...})``, ``client.xadd(stream, {...})``), or none."""
+    if not isinstance(call.func, ast.Attribute):
+        return []
+    cmd = call.func.attr
+    if cmd in _PY_FIELDS:
+        return [e for a in call.args[1:] for e in _elements(a)]
+    if cmd in _PY_FIELD_VALUE:
+        items = _elements(_arg(call, 4, "items"))[::2] if cmd == "hset" else []
+        return [*_elements(_arg(call, 1, "key")), *_keys(_arg(call, 3, "mapping")), *items]
+    if cmd == "xadd":  # xadd(name, fields, ...): the names of a dict literal's fields
+        return _keys(_arg(call, 1, "fields"))
+    return []
+
+
+_SCOPES = (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+def _own_nodes(scope: ast.AST) -> Iterator[ast.AST]:
+    """The nodes of a module or function but those of the functions defined in it."""
+    todo = list(ast.iter_child_nodes(scope))
+    while todo:
+        node = todo.pop()
+        yield node
+        if not isinstance(node, _SCOPES):
+            todo.extend(ast.iter_child_nodes(node))
+
+
+def _hgetall_reads(tree: ast.AST) -> Iterator[ast.expr]:
+    """The literal keys read, in one function (or a module's top level), of a local bound
+    there to what an hgetall returned (``h = client.hgetall(k)``, or awaited): ``h["ep"]``,
+    ``h.get("ep")``. A dict made from one (``{text(k): ...}``) is not followed."""
+    for scope in (n for n in ast.walk(tree) if isinstance(n, _SCOPES)):
+        nodes = list(_own_nodes(scope))
+        bound = set()
+        for n in nodes:
+            if isinstance(n, ast.Assign | ast.AnnAssign) and n.value is not None:
+                value = n.value.value if isinstance(n.value, ast.Await) else n.value
+                targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+                if (
+                    isinstance(value, ast.Call)
+                    and isinstance(value.func, ast.Attribute)
+                    and value.func.attr == "hgetall"
+                ):
+                    bound |= {t.id for t in targets if isinstance(t, ast.Name)}
+        for n in nodes:
+            if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name):
+                if n.value.id in bound:
+                    yield n.slice
+            elif (
+                isinstance(n, ast.Call)
+                and isinstance(n.func, ast.Attribute)
+                and n.func.attr == "get"
+                and isinstance(n.func.value, ast.Name)
+                and n.func.value.id in bound
+                and n.args
+            ):
+                yield n.args[0]
 
 
 def python_uses(src: str, where: str) -> Iterator[Use]:
-    """The hash fields Python code names as literals: the fields of hget, hexists,
-    hincrby, hdel, hmget, hsetnx, and the keys read of a snapshot's raw fields
-    (``snap.raw.get("ws")``, ``snap.raw["ws"]``)."""
-    for node in ast.walk(ast.parse(src)):
-        lits: list[ast.expr] = []
+    """The hash and stream fields Python code names as literals: the fields of hget,
+    hexists, hdel, hmget (a list of them too), hstrlen, hset (its field, its ``mapping``
+    dict literal's keys, its ``items``), hsetnx, hincrby; the keys of a dict literal
+    given to xadd; the keys read of what an hgetall returned (:func:`_hgetall_reads`);
+    and the keys read of a snapshot's raw fields (``snap.raw.get("ws")``,
+    ``snap.raw["ws"]``)."""
+    tree = ast.parse(src)
+    lits: list[ast.expr] = list(_hgetall_reads(tree))
+    for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
             f = node.func
-            if f.attr in _PY_HASH:
-                lits = node.args[1:]
-            elif f.attr == "get" and isinstance(f.value, ast.Attribute) and f.value.attr == "raw":
-                lits = node.args[:1]
+            lits += _command_fields(node)
+            if f.attr == "get" and isinstance(f.value, ast.Attribute) and f.value.attr == "raw":
+                lits += node.args[:1]
         elif (
             isinstance(node, ast.Subscript)
             and isinstance(node.value, ast.Attribute)
             and node.value.attr == "raw"
         ):
-            lits = [node.slice]
-        for lit in lits:
-            if isinstance(lit, ast.Constant) and isinstance(lit.value, str | bytes):
-                v = lit.value.decode() if isinstance(lit.value, bytes) else lit.value
-                yield "", v, f"{where}:{lit.lineno}"
+            lits.append(node.slice)
+    for lit in lits:
+        if isinstance(lit, ast.Constant) and isinstance(lit.value, str | bytes):
+            v = lit.value.decode() if isinstance(lit.value, bytes) else lit.value
+            yield "", v, f"{where}:{lit.lineno}"
 
 
 def undefined(uses: Iterator[Use]) -> list[Use]:
@@ -320,10 +423,16 @@ def test_every_field_a_script_uses_is_defined() -> None:
     assert undefined(iter(uses)) == []
     # and every field defined is one a script uses (but the opaque ones, whose names are
     # data, and the indicator loud, counted under a name the script computes)
+    # no script names a field only the worker stores (its dead letters, its errors hash)
+    worker_only = [
+        u for u in uses if (f := schema.lookup(u[1])) and f.owner in schema.WORKER_OWNERS
+    ]
+    assert worker_only == []
     unused = [
         f.wire
         for f in schema.FIELDS
         if not f.opaque
+        and f.owner not in schema.WORKER_OWNERS
         and not any(
             (o == f.owner or not o)
             and (f.matches(n) if not n.endswith("*") else f.wire.startswith(n[:-1]))
@@ -359,6 +468,17 @@ redis.call('XADD', stream, '*', 'kind', kind, 'zj', 1)
 local json = '{"text":' .. t .. ',"zs":1}'
 return commit(key, now, op, fp, out, { 'zc', 1 }, J)
 -- redis.call('HGET', key, 'in_a_comment')
+redis.pcall('HGET', key, 'zp')
+redis.call("HGET", KEYS[1], "zd")
+redis.call('hget', key, 'zl')
+redis.pcall("hset", key, "zu", "a value, not a field")
+redis.call('hincrby', OUT, "zv", 1)
+redis.call('HGET', key, "zf_" .. c)
+local DMAP = { w = "zn_w" }
+redis.call('hmget', key, DMAP[c])
+redis.call("xadd", stream, "*", "kind", kind, "zy", 1)
+indicate(key, "no_such_either", 1)
+if H["zb"] then end
 """
     bad = {(o, n) for o, n, _ in undefined(lua_uses(lua, "synthetic.lua"))}
     assert bad == {
@@ -374,8 +494,45 @@ return commit(key, now, op, fp, out, { 'zc', 1 }, J)
         ("job", "zj"),
         ("summary", "zs"),
         ("session", "zc"),
+        # redis.pcall, double quotes, lowercase command names
+        ("session", "zp"),
+        ("session", "zd"),
+        ("session", "zl"),
+        ("session", "zu"),
+        ("outcome", "zv"),
+        ("session", "zf_*"),
+        ("session", "zn_w"),
+        ("job", "zy"),
+        ("tally", "no_such_either"),
+        ("session", "zb"),
     }
     # a field of another hash is not one of the session's
     assert undefined(iter([("session", "e", "x")])) == [("session", "e", "x")]
-    py = 'snap.raw.get("zw")\nclient.hget(k, "zt")\nclient.hget(k, schema.EPOCH)\nsnap.raw["ws"]\n'
-    assert [n for _, n, _ in undefined(python_uses(py, "synthetic.py"))] == ["zw", "zt"]
+    py = """
+snap.raw.get("zw")
+client.hget(k, "zt")
+client.hget(k, schema.EPOCH)
+snap.raw["ws"]
+client.hset(k, "zs1", "a value, not a field")
+pipe.hset(k, key="zs2", value=1)
+client.hset(k, mapping={"zs3": 1, schema.EPOCH: 2, "ep": 3})
+client.hset(k, items=["zs4", 1])
+client.hsetnx(k, "zn", "not_a_field")
+client.hincrby(k, "zi", 1)
+client.hmget(k, ["zm", "ep"])
+client.hdel(k, "zd1", b"zd2")
+client.xadd(stream, {"zx": 1, "kind": "compact"})
+client.xadd(dead, fields={"job": eid, "why": why, "error": "", "zx2": 1})
+def f(client):
+    h = client.hgetall(k)
+    return h["zg"], h.get(b"zb"), h.get("ep"), h.get(schema.EPOCH)
+async def g(client):
+    h2: dict = await client.hgetall(k)
+    return h2["za"]
+def unrelated(h):
+    return h["not_read_of_an_hgetall"], h.get("nor_this")
+"""
+    bad = [n for _, n, _ in undefined(python_uses(py, "synthetic.py"))]
+    planted = "zw zt zs1 zs2 zs3 zs4 zn zi zm zd1 zd2 zx zx2 zg zb za"
+    assert sorted(bad) == sorted(planted.split())
+    assert len(bad) == len(set(bad))  # each found once (a nested function's reads too)

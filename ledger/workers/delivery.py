@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import redis.exceptions as rex
 
 from ledger import schema
-from ledger.workers.jobs import CompactionDeferred
+from ledger.workers.jobs import CompactionDeferred, JobEffect
 from ledger.workers.logs import describe
 from ledger.workers.streams import Groups
 from ledger.workers.trouble import TRANSIENT, kind_of
@@ -135,9 +135,9 @@ class Delivery:
                 extra={"job": eid, "kind": kind, "error": describe(exc)},
                 exc_info=exc if trouble is None else None,  # not a Redis error: show where
             )
-            fields["error"] = repr(exc)[:500]
+            error = repr(exc)[:500]  # the job's value in the errors hash (schema.JOB_ERROR)
             try:
-                client.hset(self.w.streams.errors_hash(partition), eid, fields["error"])
+                client.hset(self.w.streams.errors_hash(partition), eid, error)
             except Exception as rec:
                 if kind_of(rec) is None:
                     raise
@@ -153,7 +153,7 @@ class Delivery:
         took = time.monotonic() - started
         self.w.metrics.processed.labels(kind).inc()
         self.w.metrics.duration.labels(kind).observe(took)
-        if outcome.effect == "skipped":
+        if outcome.effect == JobEffect.SKIPPED:
             self.w.metrics.skipped.labels(kind).inc()
         log.info(
             "job done",
@@ -186,17 +186,16 @@ class Delivery:
         client, s = self.w.ledger.client, self.w.settings
         errors = self.w.streams.errors_hash(partition)
         last = client.hget(errors, eid)
-        entry: dict[Any, Any] = {
-            **fields,
-            "job": eid,
-            "why": why,
-            "error": (last.decode() if isinstance(last, bytes) else str(last or "")),
-        }
+        entry = schema.DeadLetterEntry(fields, job=eid, why=why, error=schema.text(last or ""))
         client.xadd(
-            self.w.streams.dead_letter(partition), entry, maxlen=s.dead_letter_max, approximate=True
+            self.w.streams.dead_letter(partition),
+            entry.to_fields(),  # type: ignore[arg-type]
+            maxlen=s.dead_letter_max,
+            approximate=True,
         )
         client.xdel(self.w.streams.stream(partition), eid)
         client.xack(self.w.streams.stream(partition), s.group, eid)
         client.hdel(errors, eid)
         self.w.metrics.dead.inc()
-        log.error("job dead-lettered", extra={"job": eid, "kind": fields.get("kind"), "why": why})
+        kind = fields.get(schema.JOB_KIND)
+        log.error("job dead-lettered", extra={"job": eid, "kind": kind, "why": why})

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import inspect
 import threading
 import time
@@ -23,7 +24,7 @@ from ledger.errors import (
     UnknownSession,
     translated,
 )
-from ledger.models import Compaction
+from ledger.models import Compaction, CompactionOutcome, JobKind
 from ledger.workers import compactors
 
 if TYPE_CHECKING:
@@ -32,10 +33,18 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
+class JobEffect(enum.StrEnum):
+    """What a job did (the ``effect`` of the worker's "job done" log line)."""
+
+    APPLIED = "applied"  # its change was made now
+    ALREADY = "already"  # made before (a job delivered again): nothing changed
+    SKIPPED = "skipped"  # not due any more (another incarnation, another owner): nothing changed
+
+
 @dataclass
 class JobOutcome:
-    kind: str
-    effect: str  # applied | already | skipped
+    kind: JobKind
+    effect: JobEffect
 
 
 class CompactionDeferred(LedgerError):
@@ -82,10 +91,12 @@ class Jobs:
 
     def handle(self, job_id: str, fields: Mapping[str, str]) -> JobOutcome:
         kind = fields.get(schema.JOB_KIND, "")
-        if kind not in ("hard_reset", "compact"):
+        if kind not in tuple(JobKind):
             raise ValueError(f"unknown job kind {kind!r}")
         job = schema.JobEntry.from_fields(fields)  # KeyError, ValueError: a malformed entry
-        return self._hard_reset(job_id, job) if kind == "hard_reset" else self._compact(job_id, job)
+        if job.kind == JobKind.HARD_RESET:
+            return self._hard_reset(job_id, job)
+        return self._compact(job_id, job)
 
     def _same_incarnation(self, snap: Any, job: schema.JobEntry) -> bool:
         """A job belongs to the session it was enqueued for, not to a later one that was
@@ -100,15 +111,15 @@ class Jobs:
         try:
             snap = self.w.ledger.run(protocol.snapshot(keys))
         except UnknownSession:
-            return JobOutcome("hard_reset", "skipped")
+            return JobOutcome(JobKind.HARD_RESET, JobEffect.SKIPPED)
         if not self._same_incarnation(snap, f):
-            return JobOutcome("hard_reset", "skipped")
+            return JobOutcome(JobKind.HARD_RESET, JobEffect.SKIPPED)
         call = protocol.reset(keys, f"job-{job_id}", f.epoch, f.reason or "job")
         try:
             self.w.ledger.run(call)
         except (StaleEpoch, UnknownSession, OperationIdReused):
-            return JobOutcome("hard_reset", "already")
-        return JobOutcome("hard_reset", "applied")
+            return JobOutcome(JobKind.HARD_RESET, JobEffect.ALREADY)
+        return JobOutcome(JobKind.HARD_RESET, JobEffect.APPLIED)
 
     def _compact(self, job_id: str, f: schema.JobEntry) -> JobOutcome:
         sid, epoch = f.session, f.epoch
@@ -116,15 +127,15 @@ class Jobs:
         try:
             snap = self.w.ledger.run(protocol.snapshot(keys))
         except UnknownSession:
-            return JobOutcome("compact", "skipped")
+            return JobOutcome(JobKind.COMPACT, JobEffect.SKIPPED)
         if not self._same_incarnation(snap, f):
-            return JobOutcome("compact", "skipped")
+            return JobOutcome(JobKind.COMPACT, JobEffect.SKIPPED)
         if snap.epoch != epoch or not snap.compaction_pending:
-            return JobOutcome("compact", "already")
+            return JobOutcome(JobKind.COMPACT, JobEffect.ALREADY)
         if snap.raw.get(schema.AGENT_COMPACTS):
             # The agent compacts this session inline (a job from before an ownership
             # change, or written by hand): the worker keeps out.
-            return JobOutcome("compact", "skipped")
+            return JobOutcome(JobKind.COMPACT, JobEffect.SKIPPED)
         if self.w.compactor is None:
             raise ConfigurationError(
                 f"worker-owned session {sid!r} has a compaction due and this worker runs no "
@@ -134,7 +145,7 @@ class Jobs:
             # Failed compactions escalated: a hard reset is coming, which drops what a
             # compaction would replace. Running the compactor again would only count
             # failures past the maximum.
-            return JobOutcome("compact", "skipped")
+            return JobOutcome(JobKind.COMPACT, JobEffect.SKIPPED)
         turn, items = self._history(keys.session)
         contents = self._contents(keys.content, items)
         compactor = self.w.compactor
@@ -146,18 +157,19 @@ class Jobs:
         finally:
             # (if this fails, the mark says so until its time is up)
             with contextlib.suppress(LedgerError), translated():
-                self.w.ledger.client.hdel(keys.compacted, "~")
+                self.w.ledger.client.hdel(keys.compacted, schema.COMPACTING)
 
     def _mark_compacting(self, keys: Any, ttl_ms: int) -> None:
-        """Say (field '~' of the session's summaries hash) that this worker computes the
-        session's compaction, until when on Redis's clock: an agent beginning a turn waits
-        for a compaction a worker is on, not for one nobody picked up."""
+        """Say (field '~' of the session's summaries hash: schema.COMPACTING) that this
+        worker computes the session's compaction, until when on Redis's clock: an agent
+        beginning a turn waits for a compaction a worker is on, not for one nobody picked
+        up."""
         client = self.w.ledger.client
         with translated():
             sec, usec = client.time()
             until = sec * 1000 + usec // 1000 + int(1000 * (self.w.settings.turn_wait + 60))
             pipe = client.pipeline(transaction=False)
-            pipe.hset(keys.compacted, "~", f"{self.w.settings.consumer}|{until}")
+            pipe.hset(keys.compacted, schema.COMPACTING, f"{self.w.settings.consumer}|{until}")
             pipe.pexpire(keys.compacted, ttl_ms)
             pipe.execute()
 
@@ -210,13 +222,16 @@ class Jobs:
             try:
                 done = self._commit_between_turns(keys, call)
             except (StaleEpoch, UnknownSession, OperationIdReused):
-                return JobOutcome("compact", "already")
+                return JobOutcome(JobKind.COMPACT, JobEffect.ALREADY)
             if done is not None:
-                return JobOutcome("compact", "already" if done.outcome == "already" else "applied")
+                already = done.outcome == CompactionOutcome.ALREADY
+                return JobOutcome(
+                    JobKind.COMPACT, JobEffect.ALREADY if already else JobEffect.APPLIED
+                )
             # a turn ran meanwhile: plan again on what it left (if still due)
             snap = self.w.ledger.run(protocol.snapshot(keys))
             if snap.epoch != epoch or not snap.compaction_pending:
-                return JobOutcome("compact", "already")
+                return JobOutcome(JobKind.COMPACT, JobEffect.ALREADY)
             turn, items = self._history(keys.session)
             contents = self._contents(keys.content, items)
         raise CompactionDeferred(
@@ -245,7 +260,7 @@ class Jobs:
         back (expire.lua), and the commit tried again: the history is what it was."""
         deadline = time.monotonic() + self.w.settings.turn_wait
         done: Compaction = self.w.ledger.run(call)
-        while done.outcome == "turn_open":
+        while done.outcome == CompactionOutcome.TURN_OPEN:
             self.w.metrics.waited_turns.inc()
             while True:
                 snap = self.w.ledger.run(protocol.snapshot(keys))

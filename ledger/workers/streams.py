@@ -42,7 +42,7 @@ class JobStreams:
         return self.w.ledger.keyspace.dead_letters(partition)
 
     def errors_hash(self, partition: int) -> str:
-        return f"{self.w.ledger.keyspace.tag(partition)}:errors"
+        return self.w.ledger.keyspace.job_errors(partition)
 
     def ensure_group(self, partition: int) -> None:
         """Make the partition's stream and group (nothing if the group exists); raises
