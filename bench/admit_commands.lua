@@ -14,11 +14,11 @@
 -- Reply:   the reply text of a single-item admit
 
 local key, item = KEYS[1], 'i:r:' .. ARGV[6]
-redis.call('HMGET', key, 'ep', 'tn', 'sq', 'fr', 'a_m', 'F_m', 'u_r', 'n_r', 'gz', 'xp', 'cd', item)
+redis.call('HMGET', key, 'ep', 'tn', 'sq', 'fr', 'a_rm', 'F_rm', 'u_r', 'n_r', 'gz', 'xp', 'cd', item)
 redis.call('HMGET', KEYS[2], 'ab', 'e')
 redis.call('HMGET', KEYS[3], 'ab', 'e')
 redis.call('TIME')
-redis.call('HSET', key, item, '1|40|0|121', 'sq', '121', 'fr', '104779', 'a_m', '121',
+redis.call('HSET', key, item, '1|40|0|121', 'sq', '121', 'fr', '104779', 'a_rm', '121',
   'u_r', '121', 'n_r', '121')
 redis.call('HSET', KEYS[2], 'ab', '\30' .. '0a1b2c3d4e5f60' .. '0a1b2c3d4e5f\001ok\0071\0081\0090\010\004104779\0050\00640')
 return 'status=ok|charged=1|admitted=1|duplicates=0|skipped=|free=104779|epoch=1|turn=40'

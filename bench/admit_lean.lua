@@ -15,7 +15,7 @@
 
 local A, key, out = ARGV, KEYS[1], KEYS[2]
 local op, c, id = A[1], A[3], A[6]
-local g = ({ w = 'w', r = 'm', m = 'm', s = 's' })[c]
+local g = ({ w = 'w', r = 'rm', m = 'rm', s = 's' })[c]
 local epoch, t, pr = tonumber(A[2]), tonumber(A[7]), tonumber(A[8])
 local idc = '^[%w%._:/@%+=#%-]+$'
 if #KEYS ~= 3 or #A ~= 8 or A[5] ~= '1' or not g or (A[4] ~= 'all' and A[4] ~= 'prefix')

@@ -10,7 +10,7 @@
 
 local A = ARGV
 local idc = '^[%w%._:/@%+=#%-]+$'
-local g = ({ w = 'w', r = 'm', m = 'm', s = 's' })[A[3]]
+local g = ({ w = 'w', r = 'rm', m = 'rm', s = 's' })[A[3]]
 if #KEYS ~= 2 or #A ~= 7 or not g or #A[1] > 128 or not string.find(A[1], idc)
   or #A[4] > 128 or not string.find(A[4], idc) or not string.find(A[2], '^%d+$')
   or not string.find(A[5], '^[1-9]%d*$') or tonumber(A[5]) > 1e8

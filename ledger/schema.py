@@ -8,11 +8,12 @@ module gives them long names and never changes them.
 
 A wire name with ``<...>`` in it is a pattern: ``u_<c>`` is ``u_w``, ``u_r``, ``u_m`` and
 ``u_s`` (:data:`CONSUMERS`), ``x:<name>`` any telemetry counter. Letters have one meaning
-each: a consumer letter ``<c>`` (:data:`CONSUMERS`) appears only in per-consumer fields
-(``u_``, ``n_``, ``v_``, ``i:``, ``r:``'s record); the two claim groups are their own fields
-(``a_w``/``F_w`` working memory, ``a_m``/``F_m`` the memory group, ``a_s`` scratchpad),
-named here ``..._working``, ``..._memory_group``, ``..._scratchpad``: ``m`` as a consumer
-is recall, the ``m`` of ``a_m`` and ``F_m`` is the memory group (retrieval + recall).
+each: a consumer letter ``<c>`` (:data:`CONSUMERS`) means that consumer wherever it
+appears, in the per-consumer fields (``u_``, ``n_``, ``v_``, ``i:``, ``r:``'s record) and in
+the fields of the three claim groups, spelled with the letters of the consumers each holds:
+``a_w``/``F_w`` working memory, ``a_rm``/``F_rm`` the memory group (retrieval ``r`` and
+recall ``m``), ``a_s`` scratchpad; named here ``..._working``, ``..._memory_group``,
+``..._scratchpad``.
 
 The Lua side gets the same definitions as the legend of ``_common.lua``, generated from
 this module: ``python tools/legend.py`` writes it, ``--check`` exits 1 when it is
@@ -215,7 +216,7 @@ DEFAULT_OUTPUT_RESERVE = _s(
 )
 WORKING_FLOOR = _s("F_w", "floor_working", "tokens", "the working-memory group's floor")
 MEMORY_FLOOR = _s(
-    "F_m", "floor_memory_group", "tokens", "the memory group's floor (retrieval + recall)"
+    "F_rm", "floor_memory_group", "tokens", "the memory group's floor (retrieval + recall)"
 )
 SCRATCHPAD_FLOOR = _s(
     "F_s", "floor_scratchpad", "tokens", "never written: the scratchpad has no floor (read as 0)"
@@ -236,7 +237,7 @@ ACTIVE_WORKING = _s(
     "active tokens (items + open reservations) of the working-memory group",
 )
 ACTIVE_MEMORY = _s(
-    "a_m", "active_memory_group", "tokens", "active tokens of the memory group (retrieval + recall)"
+    "a_rm", "active_memory_group", "tokens", "active tokens of the memory group (retrieval + recall)"
 )
 ACTIVE_SCRATCHPAD = _s("a_s", "active_scratchpad", "tokens", "active tokens of the scratchpad")
 HELD = _s("u_<c>", "held", "tokens", "tokens held by consumer c's items")
@@ -617,8 +618,8 @@ def legend() -> str:
     consumers = ", ".join(f"{c} {n}" for c, n in CONSUMERS.items())
     out += [f"-- {line}" for line in _wrap(
         f"Consumer letters <c> (a letter means a consumer only): {consumers}. The claim "
-        "groups have no letters, only fields: a_w/F_w working memory, a_m/F_m the memory "
-        "group (retrieval + recall: this m is not the consumer m), a_s scratchpad (no floor: "
+        "groups are named by their consumers' letters: a_w/F_w working memory, a_rm/F_rm the "
+        "memory group (retrieval r + recall m), a_s scratchpad (no floor: "
         "F_s is never written). Units: " + "; ".join(f"{k} = {v}" for k, v in UNITS.items())
         + ".", 86)]  # fmt: skip
     for owner, where in OWNERS.items():

@@ -186,7 +186,7 @@ def audits(
                 raise res
 
 
-# The fields a row of `top` is ranked by: utilization = (S + T + a_w + a_m + a_s) / W.
+# The fields a row of `top` is ranked by: utilization = (S + T + a_w + a_rm + a_s) / W.
 _RANK = (
     schema.WINDOW,
     schema.SYSTEM_PROMPT,

@@ -80,7 +80,7 @@ def capture(fn: Callable[[], Any]) -> Any:
 
 
 def free_of(budget: dict[str, int], active: dict[str, int]) -> int:
-    """free = W - S - T - out - max(a_w, F_w) - max(a_m, F_m) - a_s."""
+    """free = W - S - T - out - max(a_w, F_w) - max(a_rm, F_rm) - a_s."""
     return (
         budget["window"]
         - budget["system_prompt"]

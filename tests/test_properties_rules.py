@@ -6,7 +6,7 @@ compact.lua, record_span.lua, end_turn.lua and release.lua do to one session, an
 hypothesis drive them (plus replays of earlier calls under their op ids) in a small
 window where refusals, reclamation, spills and failed compactions happen often:
 
-begin_turn   residual = W - S - T - out' - max(memory, F_m) - scratchpad against
+begin_turn   residual = W - S - T - out' - max(memory, F_rm) - scratchpad against
              need = max(working set, working memory, F_w) after the consumers released
              each turn are rotated out; regime ok / starvation / loud (occupancy at the
              eviction threshold); reclamation scratchpad oldest first, then retrieval
@@ -498,9 +498,9 @@ class Model:
                 epoch=self.ep,
                 turn=self.tn,
             )
-        a_m = self.active()["m"]
+        a_rm = self.active()["m"]
         held = self.used("r") + self.used("m")
-        gain = max(a_m, F_M) - max(a_m - held, F_M)
+        gain = max(a_rm, F_M) - max(a_rm - held, F_M)
         size, outcome = tokens, "admitted"
         if tokens > fr + gain:
             size, outcome = min(tokens, self.b.spill_preview_tokens), "spilled"
@@ -514,8 +514,8 @@ class Model:
             for c, i, r in mem:
                 if size <= fr:
                     break
-                fr -= max(a_m - r.tokens, F_M) - max(a_m, F_M)
-                a_m -= r.tokens
+                fr -= max(a_rm - r.tokens, F_M) - max(a_rm, F_M)
+                a_rm -= r.tokens
                 del self.items[c][i]
                 evicted.append((c, i))
             self.x["evicted_memory"] += len(evicted)
@@ -894,8 +894,8 @@ class RulesMachine(ModelMachine):
         assert self.model is not None
         if isinstance(tokens, str):
             m = self.model
-            a_m, held = m.active()["m"], m.used("r") + m.used("m")
-            gain = max(a_m, F_M) - max(a_m - held, F_M)
+            a_rm, held = m.active()["m"], m.used("r") + m.used("m")
+            gain = max(a_rm, F_M) - max(a_rm - held, F_M)
             room = m.free() + gain
             if tokens == "preview":
                 tokens = max(room + 1, m.b.spill_preview_tokens)
@@ -1002,7 +1002,7 @@ class RulesMachine(ModelMachine):
         want = {
             "sq": m.sq,
             "a_w": a["w"],
-            "a_m": a["m"],
+            "a_rm": a["m"],
             "a_s": a["s"],
             "kn": m.kn,
             "rq": m.rq,

@@ -57,14 +57,22 @@ def test_wire_names_are_unique_per_owner_and_long_names_too() -> None:
 
 
 def test_a_letter_has_one_meaning() -> None:
-    """A consumer letter appears only in per-consumer fields; the memory group's ``m`` is
-    only that of a_m and F_m, whose long names say so."""
+    """A consumer letter means that consumer wherever it appears: in per-consumer fields,
+    and in the claim groups' fields, spelled with their consumers' letters (``rm``: the
+    memory group of retrieval and recall)."""
     assert schema.lookup("u_m") is schema.HELD and schema.HELD.of("m") == "u_m"
     assert schema.ACTIVE_MEMORY.name.endswith("memory_group")
     assert schema.MEMORY_FLOOR.name.endswith("memory_group")
     for f in schema.fields("session"):
         if "<c>" in f.wire:
             assert "group" not in f.meaning, f
+    groups = {"a_w": "w", "F_w": "w", "a_rm": "rm", "F_rm": "rm", "a_s": "s", "F_s": "s"}
+    for wire, letters in groups.items():  # each group's letters: the consumers it holds
+        assert schema.lookup(wire).wire.split("_")[1] == letters
+        assert all(schema.CONSUMERS[c] in schema.lookup(wire).meaning
+                   or c in "ws" for c in letters), wire  # fmt: skip
+    claim_letters = {c for letters in groups.values() for c in letters}
+    assert claim_letters == set(schema.CONSUMERS), claim_letters
 
 
 def test_patterns() -> None:
@@ -459,7 +467,7 @@ redis.call('HINCRBY', key, 'zk', 1)
 redis.call('HGET', KEYS[1], 'zh')
 redis.call('HMGET', OUT, 'e', 'zo')
 redis.call('HSET', key, 'q_' .. c, 1)
-local ZMAP = { w = 'zm_w', r = 'a_m' }
+local ZMAP = { w = 'zm_w', r = 'a_rm' }
 local Z, ok = ZMAP[c], 1
 redis.call('HMGET', key, 'ep', Z)
 indicate(key, 'no_such_indicator', 1)

@@ -205,7 +205,7 @@ def exercise_everything(
     for k in range(2):
         s.admit_tool_result(f"call-r{k}", 100, b"{}")
         v = s.snapshot().raw
-        room = v["W"] - v["S"] - v["T"] - v["out"] - max(v["a_m"], v["F_m"]) - v["a_s"]
+        room = v["W"] - v["S"] - v["T"] - v["out"] - max(v["a_rm"], v["F_rm"]) - v["a_s"]
         t = s.begin_turn(room + 100, output_reserve=v["out"])
         assert t.reclaimed and t.reclaimed[0][0] == SCR, t
         s.end_turn(t.turn, 1_500)

@@ -37,7 +37,7 @@ RULES: Final = {
 _NO_CREDIT: Final = {
     "admit": [
         (
-            "local cap, pending, bound, pm, base = nil, A == 'a_m' and v[11] == '1', nil, 0, 0",
+            "local cap, pending, bound, pm, base = nil, A == 'a_rm' and v[11] == '1', nil, 0, 0",
             "local cap, pending, bound, pm, base = nil, false, nil, 0, 0",
         )
     ],

@@ -7,12 +7,12 @@
 --
 -- BEGIN SCHEMA LEGEND (generated from ledger/schema.py by `python tools/legend.py`)
 -- Consumer letters <c> (a letter means a consumer only): w working memory, r retrieval,
--- m recall, s scratchpad. The claim groups have no letters, only fields: a_w/F_w working
--- memory, a_m/F_m the memory group (retrieval + recall: this m is not the consumer m),
--- a_s scratchpad (no floor: F_s is never written). Units: tokens = tokens; ms = a
--- duration in ms; time = a time in ms on Redis's clock; count = a count; per_mille = per
--- mille; flag = 1 or 0; epoch = an epoch; turn = a turn number; id = an identifier
--- (text); text = text; binary = binary (control-character separated).
+-- m recall, s scratchpad. The claim groups are named by their consumers' letters:
+-- a_w/F_w working memory, a_rm/F_rm the memory group (retrieval r + recall m), a_s
+-- scratchpad (no floor: F_s is never written). Units: tokens = tokens; ms = a duration
+-- in ms; time = a time in ms on Redis's clock; count = a count; per_mille = per mille;
+-- flag = 1 or 0; epoch = an epoch; turn = a turn number; id = an identifier (text); text
+-- = text; binary = binary (control-character separated).
 --
 -- session: the session hash '<tag>:s:<session>' (KEYS[1] of every session script)
 --   ep             epoch [epoch]: the fence every call's ARGV[2] is checked against: a
@@ -35,7 +35,7 @@
 --   R0             default_output_reserve [tokens]: the budget's output reserve (what
 --                  begin_turn with '-' takes)
 --   F_w            floor_working [tokens]: the working-memory group's floor
---   F_m            floor_memory_group [tokens]: the memory group's floor (retrieval +
+--   F_rm           floor_memory_group [tokens]: the memory group's floor (retrieval +
 --                  recall)
 --   F_s            floor_scratchpad [tokens]: never written: the scratchpad has no floor
 --                  (read as 0)
@@ -45,7 +45,7 @@
 --                  larger of its active tokens and its floor): kept exact by every script
 --   a_w            active_working [tokens]: active tokens (items + open reservations) of
 --                  the working-memory group
---   a_m            active_memory_group [tokens]: active tokens of the memory group
+--   a_rm           active_memory_group [tokens]: active tokens of the memory group
 --                  (retrieval + recall)
 --   a_s            active_scratchpad [tokens]: active tokens of the scratchpad
 --   u_<c>          held [tokens]: tokens held by consumer c's items
@@ -187,10 +187,10 @@
 -- twice that, with no timestamp or journal per outcome.
 
 -- Each consumer's claim group, named by its fields and never by a letter: ACTIVE[c] holds
--- the group's active tokens, FLOOR[c] its floor. The memory group (a_m, F_m) is retrieval
+-- the group's active tokens, FLOOR[c] its floor. The memory group (a_rm, F_rm) is retrieval
 -- and recall: the m of its fields is not the consumer m (recall). The scratchpad has no
 -- floor: F_s is never written, and read as 0.
-local ACTIVE = { w = 'a_w', r = 'a_m', m = 'a_m', s = 'a_s' }
+local ACTIVE = { w = 'a_w', r = 'a_rm', m = 'a_rm', s = 'a_s' }
 -- The reclaim-order index '<tag>:order:<session>' (docs/protocol.md#the-reclaim-order-index):
 -- a sorted set of the items of the consumers a turn reclaims, member the item's field
 -- 'i:<c>:<id>', score ORDER[c] * ORDER_SPAN + the item's sequence number, so that each
@@ -255,7 +255,7 @@ local function order_keep(ord, c, oq, sq0, sq1, z, ox, now, key, args)
   return true
 end
 
-local FLOOR = { w = 'F_w', r = 'F_m', m = 'F_m', s = 'F_s' }
+local FLOOR = { w = 'F_w', r = 'F_rm', m = 'F_rm', s = 'F_s' }
 local ID_MAX = 128
 local TOKENS_MAX = 100000000      -- 1e8 tokens: above any model's window
 local NEVER = 999999999999999
@@ -640,26 +640,26 @@ local function journal(ul, fields, values, fresh)
 end
 
 -- The free room (field fr): the window less the system prompt, the tool framing, the
--- output reserve `out` and each group's claim, the larger of its active tokens (a_w, a_m,
--- a_s) and its floor (the scratchpad has none). B holds W, S, T, F_w and F_m as numbers.
+-- output reserve `out` and each group's claim, the larger of its active tokens (a_w, a_rm,
+-- a_s) and its floor (the scratchpad has none). B holds W, S, T, F_w and F_rm as numbers.
 -- With nothing active (0, 0, 0: open, reset) it is the window less the reserved floor.
-local function free_room(B, out, a_w, a_m, a_s)
-  return B.W - B.S - B.T - out - math.max(a_w, B.F_w) - math.max(a_m, B.F_m) - a_s
+local function free_room(B, out, a_w, a_rm, a_s)
+  return B.W - B.S - B.T - out - math.max(a_w, B.F_w) - math.max(a_rm, B.F_rm) - a_s
 end
 
 -- The reserved floor (docs/rules.md#budget-and-claims): the system prompt, the tool
 -- framing, both floors and the output reserve `out`, which must not exceed the window
 -- (open, and begin_turn for its own output reserve). B as for `free_room`.
 local function reserved_floor(B, out)
-  return B.S + B.T + B.F_w + B.F_m + out
+  return B.S + B.T + B.F_w + B.F_rm + out
 end
 
 -- Working memory's residual (begin_turn's gate, docs/rules.md#working-memory-starvation):
 -- the room working memory has, the window less the system prompt, the tool framing, the
--- output reserve `out`, memory's claim (the larger of its active tokens a_m and its floor)
+-- output reserve `out`, memory's claim (the larger of its active tokens a_rm and its floor)
 -- and the scratchpad's active tokens a_s. B as for `free_room`.
-local function wm_residual(B, out, a_m, a_s)
-  return B.W - B.S - B.T - out - math.max(a_m, B.F_m) - a_s
+local function wm_residual(B, out, a_rm, a_s)
+  return B.W - B.S - B.T - out - math.max(a_rm, B.F_rm) - a_s
 end
 
 -- Roll the open turn back (docs/agent.md#a-dead-turn-is-undone): every item the turn
@@ -752,10 +752,10 @@ local function rollback(key, dl, sid, why)
     end
   end
   local N = function(x) return tonumber(f[x]) or 0 end
-  local a_w, a_m, a_s = u.w + v.w, u.r + v.r + u.m + v.m, u.s + v.s
-  local B = { W = N('W'), S = N('S'), T = N('T'), F_w = N('F_w'), F_m = N('F_m') }
-  local fr = free_room(B, N('out'), a_w, a_m, a_s)
-  for _, kv in ipairs({ 'fr', fr, 'a_w', a_w, 'a_m', a_m, 'a_s', a_s, 'nv', nv, 'rb', tn .. ' ' .. why,
+  local a_w, a_rm, a_s = u.w + v.w, u.r + v.r + u.m + v.m, u.s + v.s
+  local B = { W = N('W'), S = N('S'), T = N('T'), F_w = N('F_w'), F_rm = N('F_rm') }
+  local fr = free_room(B, N('out'), a_w, a_rm, a_s)
+  for _, kv in ipairs({ 'fr', fr, 'a_w', a_w, 'a_rm', a_rm, 'a_s', a_s, 'nv', nv, 'rb', tn .. ' ' .. why,
     'qs', cat(f.vs, f.qs), 'qd', cat(f.vd, f.qd) }) do
     set[#set + 1] = kv
   end
@@ -817,7 +817,7 @@ end
 -- unclaimed room but it lies inside another consumer's floor, else
 -- token_budget_exhausted. Only called on the refusal path.
 local function refusal_reason(key, requested)
-  local v = redis.call('HMGET', key, 'W', 'S', 'T', 'out', 'a_w', 'a_m', 'a_s')
+  local v = redis.call('HMGET', key, 'W', 'S', 'T', 'out', 'a_w', 'a_rm', 'a_s')
   local room = tonumber(v[1]) - tonumber(v[2]) - tonumber(v[3]) - tonumber(v[4]) - tonumber(v[5])
     - tonumber(v[6]) - tonumber(v[7])
   if requested <= room then return 'floor_protected' end

@@ -93,7 +93,7 @@ local charged, admitted, dups, skipped, items, stored = 0, 0, 0, {}, {}, {}
 -- memory is judged on the post-compaction baseline: the high-water mark plus the
 -- memory admitted since the compaction became pending (pm); at most W - out - HW - pm
 -- more tokens. None while the last one failed.
-local cap, pending, bound, pm, base = nil, A == 'a_m' and v[11] == '1', nil, 0, 0
+local cap, pending, bound, pm, base = nil, A == 'a_rm' and v[11] == '1', nil, 0, 0
 if pending then
   local x = redis.call('HMGET', key, 'HW', 'out', 'W', 'kf', 'pm')
   pm = tonumber(x[5]) or 0

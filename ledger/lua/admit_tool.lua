@@ -67,7 +67,7 @@ else
   key_arg(2, 'content:%s', 'spill:%s', 'spilled:%s')
 end
 local key = KEYS[1]
-local H, R = load(key, { 'ep', 'tn', 'sq', 'fr', 'F_m', 'a_m', 'a_s', 'u_r', 'u_m', 'u_s', 'n_r', 'n_m', 'n_s',
+local H, R = load(key, { 'ep', 'tn', 'sq', 'fr', 'F_rm', 'a_rm', 'a_s', 'u_r', 'u_m', 'u_s', 'n_r', 'n_m', 'n_s',
   'pv', 'sttl', 'gz', 'xp', 'oq', 'ox', 'i:s:' .. call, 'lo', 'ul', 'uo' }, 19)
 local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
@@ -88,7 +88,7 @@ end
 
 -- Tokens memory can give back: its claim above its floor, items only (not reservations).
 local held = H.u_r + H.u_m
-local gain = math.max(H.a_m, H.F_m) - math.max(H.a_m - held, H.F_m)
+local gain = math.max(H.a_rm, H.F_rm) - math.max(H.a_rm - held, H.F_rm)
 local size, outcome = tokens, 'admitted'
 if tokens > H.fr + gain then size, outcome = math.min(tokens, H.pv), 'spilled' end
 if size > H.fr + gain then
@@ -97,7 +97,7 @@ if size > H.fr + gain then
     '|requested=', tokens, '|free=', H.fr, '|epoch=', H.ep, '|turn=', H.tn }), {}, J)
 end
 
-local fr, a_m, evicted, ul, emptied = H.fr, H.a_m, {}, nil, false
+local fr, a_rm, evicted, ul, emptied = H.fr, H.a_rm, {}, nil, false
 local U, N = { r = H.u_r, m = H.u_m }, { r = H.n_r, m = H.n_m }
 if size > fr then
   local mem = {}
@@ -119,8 +119,8 @@ if size > fr then
   for _, it in ipairs(mem) do
     if size <= fr then break end
     was[#dead + 1] = it.v
-    fr = fr - claim_delta(a_m, -it.t, H.F_m)
-    a_m = a_m - it.t
+    fr = fr - claim_delta(a_rm, -it.t, H.F_rm)
+    a_rm = a_rm - it.t
     U[it.c], N[it.c] = U[it.c] - it.t, N[it.c] - 1
     dead[#dead + 1] = it.f
     evicted[#evicted + 1] = it.c .. ':' .. it.id
@@ -147,7 +147,7 @@ if ARGV[6] == '1' then
 end
 local sq = H.sq + 1
 fr = fr - size
-local args = { 'i:s:' .. call, table.concat({ size, H.tn, 0, sq }, '|'), 'sq', sq, 'fr', fr, 'a_m', a_m,
+local args = { 'i:s:' .. call, table.concat({ size, H.tn, 0, sq }, '|'), 'sq', sq, 'fr', fr, 'a_rm', a_rm,
   'a_s', H.a_s + size, 'u_s', H.u_s + size, 'n_s', H.n_s + 1, 'u_r', U.r, 'u_m', U.m,
   'n_r', N.r, 'n_m', N.m }
 if ul then args[#args + 1], args[#args + 2] = 'ul', ul end

@@ -52,10 +52,10 @@ for _, c in ipairs({ 'w', 'r', 'm', 's' }) do
 end
 check('open reservations', f.nv, nv, 'reservations')
 check('working_memory active', f.a_w, u.w + v.w, 'items and reservations')
-check('memory (retrieval + recall) active', f.a_m, u.r + v.r + u.m + v.m, 'items and reservations')
+check('memory (retrieval + recall) active', f.a_rm, u.r + v.r + u.m + v.m, 'items and reservations')
 check('scratchpad active', f.a_s, u.s + v.s, 'items and reservations')
 local N = function(x) return tonumber(f[x]) end
-local B = { W = N('W'), S = N('S'), T = N('T'), F_w = N('F_w'), F_m = N('F_m') }
+local B = { W = N('W'), S = N('S'), T = N('T'), F_w = N('F_w'), F_rm = N('F_rm') }
 local free = free_room(B, N('out'), u.w + v.w, u.r + v.r + u.m + v.m, u.s + v.s)
 check('free', f.fr, free, 'items and reservations')
 if free < 0 then problems[#problems + 1] = 'over-allocated by ' .. (-free) .. ' tokens' end

@@ -97,7 +97,7 @@ if await == 1 and not sums then
   fail('BADARG', 'await 1 needs the summaries hash as KEYS[4], got ' .. #KEYS .. ' keys')
 end
 local key = KEYS[1]
-local FIELDS = { 'ep', 'tn', 'W', 'S', 'T', 'R0', 'F_w', 'F_m', 'a_w', 'a_m', 'a_s', 'u_w', 'u_r',
+local FIELDS = { 'ep', 'tn', 'W', 'S', 'T', 'R0', 'F_w', 'F_rm', 'a_w', 'a_rm', 'a_s', 'u_w', 'u_r',
   'u_m', 'u_s', 'n_w', 'n_r', 'n_m', 'n_s', 'EV', 'HW', 'kt', 'rut', 'rup', 'cd', 'gz', 'xp', 'fr',
   'out', 'le', 'pm', 'rel', 'lo', 'qs', 'qd', 'cm' }
 local H, R = load(key, FIELDS, 31)
@@ -139,7 +139,7 @@ if R[2] and not implicit then
 end
 local queued_s, queued_d = R[3] or '', R[4] or ''
 
-local A = { a_w = H.a_w, a_m = H.a_m, a_s = H.a_s }
+local A = { a_w = H.a_w, a_rm = H.a_rm, a_s = H.a_s }
 local U = { w = H.u_w, r = H.u_r, m = H.u_m, s = H.u_s }
 local N = { w = H.n_w, r = H.n_r, m = H.n_m, s = H.n_s }
 local dead, dead_rec, released, rotated, reclaimed, gone = {}, {}, 0, 0, {}, {}
@@ -151,9 +151,9 @@ local function drop(c, it)
   gone[it.f] = true
   return it.t
 end
-local function residual() return wm_residual(H, out2, A.a_m, A.a_s) end
+local function residual() return wm_residual(H, out2, A.a_rm, A.a_s) end
 local function need() return math.max(ws, A.a_w, H.F_w) end
-local function occupancy() return H.S + H.T + A.a_w + A.a_m + A.a_s end
+local function occupancy() return H.S + H.T + A.a_w + A.a_rm + A.a_s end
 
 -- The items, read only when a turn must rotate or reclaim (a turn that is already ok
 -- costs no read of them), one consumer at a time as the turn reaches it, oldest first.
@@ -343,7 +343,7 @@ if #dead > 0 then
   end
 end
 local turn = H.tn + 1
-local fr = free_room(H, out2, A.a_w, A.a_m, A.a_s)
+local fr = free_room(H, out2, A.a_w, A.a_rm, A.a_s)
 local due = (occupancy() > H.HW or H.cd == 1) and 1 or 0
 local wm_budget = H.F_w > 0 and H.F_w or H.W
 local rollup = (turn - H.kt > H.rut or A.a_w * 1000 > H.rup * wm_budget) and 1 or 0
@@ -357,7 +357,7 @@ if implicit or queued_s ~= '' or queued_d ~= '' then redis.call('HDEL', key, 'qs
 local logged, was = { 'out', 'pm' }, { H.out, H.cd == 1 and (H.pm or 0) or 0 }
 for i = 1, #dead do logged[i + 2], was[i + 2] = dead[i], dead_rec[i] end
 local args = { 'tn', turn, 'out', out2, 'ws', ws, 'fr', fr, 'ai', 0, 'ao', 0, 'an', 0,
-  'a_w', A.a_w, 'a_m', A.a_m, 'a_s', A.a_s, 'lo', owner, 'le', le, 'lb', op,
+  'a_w', A.a_w, 'a_rm', A.a_rm, 'a_s', A.a_s, 'lo', owner, 'le', le, 'lb', op,
   'ul', journal(nil, logged, was, true) }
 if queued_s ~= '' then args[#args + 1], args[#args + 2] = 'vs', queued_s end
 if queued_d ~= '' then args[#args + 1], args[#args + 2] = 'vd', queued_d end

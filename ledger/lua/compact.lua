@@ -103,7 +103,7 @@ if job ~= '-' then
     fail('BADARG', 'job entry id must be <ms>-<seq> or -, got ' .. show(job))
   end
 end
-local NUM = { 'ep', 'tn', 'sq', 'W', 'S', 'T', 'out', 'F_w', 'F_m', 'a_w', 'a_m', 'a_s', 'u_w', 'u_r', 'u_m',
+local NUM = { 'ep', 'tn', 'sq', 'W', 'S', 'T', 'out', 'F_w', 'F_rm', 'a_w', 'a_rm', 'a_s', 'u_w', 'u_r', 'u_m',
   'u_s', 'n_w', 'n_r', 'n_m', 'n_s', 'HW', 'kf', 'kn', 'cx', 'rq', 'gz', 'xp', 'kg', 'cd', 'oq' }
 local fields = { 'i:w:' .. sum_id }
 for i = #NUM, 1, -1 do table.insert(fields, 1, NUM[i]) end
@@ -134,9 +134,9 @@ if again then return again end
 local in_turn = false
 if job ~= '-' then
   if lo then
-    return reply({ 'status=ok', 'outcome=turn_open', 'occupancy=' .. (H.S + H.T + H.a_w + H.a_m + H.a_s),
+    return reply({ 'status=ok', 'outcome=turn_open', 'occupancy=' .. (H.S + H.T + H.a_w + H.a_rm + H.a_s),
       'high_water=' .. H.HW, 'dropped=0', 'summary=0', 'missing=', 'failures=' .. H.kf, 'escalated=0',
-      'free=' .. free_room(H, H.out, H.a_w, H.a_m, H.a_s),
+      'free=' .. free_room(H, H.out, H.a_w, H.a_rm, H.a_s),
       'epoch=' .. H.ep, 'turn=' .. H.tn, 'owner=' .. lo, 'lease=' .. (le or 0) })
   end
 else
@@ -159,14 +159,14 @@ end
 -- Every check is done. A job's entry is deleted here, with the effect: when XDEL deletes
 -- nothing (the entry is gone) nothing has been written and the call replies 'already'.
 if job ~= '-' and redis.call('XDEL', KEYS[2], job) == 0 then
-  return reply({ 'status=ok', 'outcome=already', 'occupancy=' .. (H.S + H.T + H.a_w + H.a_m + H.a_s),
+  return reply({ 'status=ok', 'outcome=already', 'occupancy=' .. (H.S + H.T + H.a_w + H.a_rm + H.a_s),
     'high_water=' .. H.HW, 'dropped=0', 'summary=0', 'missing=', 'failures=' .. H.kf, 'escalated=0',
-    'free=' .. free_room(H, H.out, H.a_w, H.a_m, H.a_s),
+    'free=' .. free_room(H, H.out, H.a_w, H.a_rm, H.a_s),
     'epoch=' .. H.ep, 'turn=' .. H.tn })
 end
 local now = now_ms()
 local J = { gz = H.gz, xp = H.xp, uo = in_turn and (uo or '') or nil }
-local A = { a_w = H.a_w, a_m = H.a_m, a_s = H.a_s }
+local A = { a_w = H.a_w, a_rm = H.a_rm, a_s = H.a_s }
 local U = { w = H.u_w, r = H.u_r, m = H.u_m, s = H.u_s }
 local N = { w = H.n_w, r = H.n_r, m = H.n_m, s = H.n_s }
 local dropped, dead, was, gone, missing = 0, {}, {}, {}, {}
@@ -183,19 +183,19 @@ for k = 1, n do
   end
 end
 A.a_w = A.a_w + sum_t
-local fr = free_room(H, H.out, A.a_w, A.a_m, A.a_s)
+local fr = free_room(H, H.out, A.a_w, A.a_rm, A.a_s)
 -- A summary that does not fit cannot be applied (that would over-allocate): it is a
 -- failed compaction with no effect, judged like one that misses the mark.
 local fits = fr >= 0
 if not fits then
-  A = { a_w = H.a_w, a_m = H.a_m, a_s = H.a_s }
+  A = { a_w = H.a_w, a_rm = H.a_rm, a_s = H.a_s }
   U = { w = H.u_w, r = H.u_r, m = H.u_m, s = H.u_s }
   N = { w = H.n_w, r = H.n_r, m = H.n_m, s = H.n_s }
-  fr = free_room(H, H.out, A.a_w, A.a_m, A.a_s)
+  fr = free_room(H, H.out, A.a_w, A.a_rm, A.a_s)
   dead, was, gone, dropped, sum_t = {}, {}, {}, 0, 0
 end
-local occ = H.S + H.T + A.a_w + A.a_m + A.a_s
-local gain = H.S + H.T + H.a_w + H.a_m + H.a_s - occ
+local occ = H.S + H.T + A.a_w + A.a_rm + A.a_s
+local gain = H.S + H.T + H.a_w + H.a_rm + H.a_s - occ
 local deferred = fits and occ <= H.HW and gain < (H.kg or 0)  -- bought too little: a deferral
 local ok = fits and occ <= H.HW and not deferred
 -- no failure counts past an escalation, until the reset
@@ -210,7 +210,7 @@ if sum_t > 0 then
   -- (a working-memory item has no entry in the reclaim-order index: it stays complete)
   if H.oq == H.sq then args[#args + 1], args[#args + 2] = 'oq', sq end
 end
-local upd = { 'sq', sq, 'a_w', A.a_w, 'a_m', A.a_m, 'a_s', A.a_s, 'fr', fr, 'kf', kf, 'cd', ok and 0 or 1 }
+local upd = { 'sq', sq, 'a_w', A.a_w, 'a_rm', A.a_rm, 'a_s', A.a_s, 'fr', fr, 'kf', kf, 'cd', ok and 0 or 1 }
 for _, c in ipairs({ 'w', 'r', 'm', 's' }) do
   upd[#upd + 1], upd[#upd + 2], upd[#upd + 3], upd[#upd + 4] = 'u_' .. c, U[c], 'n_' .. c, N[c]
 end

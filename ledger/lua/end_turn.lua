@@ -56,7 +56,7 @@ if #ARGV ~= 7 then fail('BADARG', 'expected 7 arguments, got ' .. #ARGV) end
 
 key_arg(2, 'jobs', 'deadlines')
 local key = KEYS[1]
-local H, R = load(key, { 'ep', 'tn', 'W', 'S', 'T', 'a_w', 'a_m', 'a_s', 'F_w', 'HW', 'cd', 'kt', 'rut', 'rup',
+local H, R = load(key, { 'ep', 'tn', 'W', 'S', 'T', 'a_w', 'a_rm', 'a_s', 'F_w', 'HW', 'cd', 'kt', 'rut', 'rup',
   'ai', 'an', 'pu', 'ams', 'amf', 'amp', 'gz', 'xp', 'te', 'dt', 'lo' }, 24)
 local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
@@ -73,7 +73,7 @@ elseif delta > 0 and ratio < H.ams then
 elseif ratio > H.amf then
   class = 'fragmentation'
 end
-local occ = H.S + H.T + H.a_w + H.a_m + H.a_s
+local occ = H.S + H.T + H.a_w + H.a_rm + H.a_s
 local due = (occ > H.HW or H.cd == 1) and 1 or 0
 local drift, tol = final - occ, H.dt or -1
 local flag = 'none'

@@ -30,7 +30,7 @@ n = int_arg(ARGV[4], 'reservation count', 1, 1000)
 if #ARGV ~= 4 + n then
   fail('BADARG', 'expected ' .. (4 + n) .. ' arguments for ' .. n .. ' reservation ids, got ' .. #ARGV)
 end
-local raws = { 'ep', 'fr', 'a_w', 'a_m', 'a_s', 'F_w', 'F_m', 'v_w', 'v_r', 'v_m', 'v_s', 'nv', 'gz', 'xp',
+local raws = { 'ep', 'fr', 'a_w', 'a_rm', 'a_s', 'F_w', 'F_rm', 'v_w', 'v_r', 'v_m', 'v_s', 'nv', 'gz', 'xp',
   'le', 'lo' }
 local lease = false
 for k = 1, n do
@@ -93,7 +93,7 @@ local args = {}
 if expired > 0 then
   redis.call('HDEL', key, unpack(dead))
   indicate(key, 'expired', expired)
-  args = { 'fr', H.fr, 'a_w', H.a_w, 'a_m', H.a_m, 'a_s', H.a_s, 'v_w', H.v_w, 'v_r', H.v_r,
+  args = { 'fr', H.fr, 'a_w', H.a_w, 'a_rm', H.a_rm, 'a_s', H.a_s, 'v_w', H.v_w, 'v_r', H.v_r,
     'v_m', H.v_m, 'v_s', H.v_s, 'nv', H.nv }
 end
 return commit(key, now, op, fp, reply({ 'status=ok', 'expired=' .. expired, 'released=' .. released,

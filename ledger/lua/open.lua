@@ -185,7 +185,7 @@ for k = 1, #names2 do
   v[10 + k] = int_arg(ARGV[15 + k], names2[k], lo2[k], hi2[k])
 end
 local W, S, T, Fw, Fm, out = v[1], v[2], v[3], v[4], v[5], v[6]
-local B = { W = W, S = S, T = T, F_w = Fw, F_m = Fm }
+local B = { W = W, S = S, T = T, F_w = Fw, F_rm = Fm }
 local floor = reserved_floor(B, out)
 if floor > W then
   fail('CONFIG', 'reserved floor ' .. floor .. ' (system_prompt ' .. S .. ' + tool_framing ' .. T ..
@@ -250,8 +250,8 @@ local fr = free_room(B, out, 0, 0, 0)  -- (nothing is active yet)
 -- session.
 local epoch = math.max((H.pe or 0) + 1, now)
 local args = { 'cfg', cfp, 'ep', epoch, 'inc', now, 'tn', 0, 'sq', 0, 'ox', 0,
-  'W', W, 'S', S, 'T', T, 'out', out, 'F_w', Fw, 'F_m', Fm, 'HW', v[7], 'EV', v[8], 'fr', fr,
-  'a_w', 0, 'a_m', 0, 'a_s', 0, 'nv', 0, 'ttl', v[9], 'ort', v[10],
+  'W', W, 'S', S, 'T', T, 'out', out, 'F_w', Fw, 'F_rm', Fm, 'HW', v[7], 'EV', v[8], 'fr', fr,
+  'a_w', 0, 'a_rm', 0, 'a_s', 0, 'nv', 0, 'ttl', v[9], 'ort', v[10],
   'R0', out, 'rel', rel, 'pv', v[11], 'sttl', v[12], 'cx', v[13], 'rut', v[14], 'rup', v[15],
   'ams', v[16], 'amf', v[17], 'amp', v[18], 'dt', tol, 'ca', owner == 'agent' and 1 or 0,
   'kg', gain, 'pm', 0,

@@ -64,7 +64,7 @@ for k = 1, n do
 end
 
 local key = KEYS[1]
-local H, R = load(key, { 'ep', 'tn', 'sq', 'fr', 'W', 'S', 'T', 'out', 'F_w', 'F_m', 'u_w', 'u_r', 'u_m',
+local H, R = load(key, { 'ep', 'tn', 'sq', 'fr', 'W', 'S', 'T', 'out', 'F_w', 'F_rm', 'u_w', 'u_r', 'u_m',
   'u_s', 'n_w', 'n_r', 'n_m', 'n_s', 'v_w', 'v_r', 'v_m', 'v_s', 'gz', 'xp', 'lo', 'ul', 'df', 'uo', 'qs', 'qd' }, 24)
 local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
@@ -113,9 +113,9 @@ for f, rec in pairs(held) do
 end
 table.sort(removed)
 local a_w = U.w + H.v_w
-local a_m = U.r + H.v_r + U.m + H.v_m
+local a_rm = U.r + H.v_r + U.m + H.v_m
 local a_s = U.s + H.v_s
-local fr = free_room(H, H.out, a_w, a_m, a_s)
+local fr = free_room(H, H.out, a_w, a_rm, a_s)
 if fr < 0 then
   indicate(key, 'refused', 1)
   return commit(key, now, op, fp, table.concat({ 'status=refused|reason=token_budget_exhausted',
@@ -139,7 +139,7 @@ if R[5] then args[#args + 1], args[#args + 2] = 'qs', table.concat(qs, ',') end
 if R[6] then args[#args + 1], args[#args + 2] = 'qd', table.concat(qd, ',') end
 call_each('HDEL', key, dead)
 indicate(key, 'reconciled', 1)
-local upd = { 'sq', sq, 'fr', fr, 'a_w', a_w, 'a_m', a_m, 'a_s', a_s, 'df', 0 }
+local upd = { 'sq', sq, 'fr', fr, 'a_w', a_w, 'a_rm', a_rm, 'a_s', a_s, 'df', 0 }
 for _, c in ipairs({ 'w', 'r', 'm', 's' }) do
   upd[#upd + 1], upd[#upd + 2], upd[#upd + 3], upd[#upd + 4] = 'u_' .. c, U[c], 'n_' .. c, N[c]
 end

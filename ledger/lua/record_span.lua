@@ -33,13 +33,13 @@ tout = int_arg(ARGV[6], 'output tokens', 0, TOKENS_MAX)
 if #ARGV ~= 6 then fail('BADARG', 'expected 6 arguments, got ' .. #ARGV) end
 
 local key = KEYS[1]
-local H, R = load(key, { 'ep', 'tn', 'S', 'T', 'a_w', 'a_m', 'a_s', 'fr', 'ai', 'ao', 'an', 'amp', 'gz', 'xp',
+local H, R = load(key, { 'ep', 'tn', 'S', 'T', 'a_w', 'a_rm', 'a_s', 'fr', 'ai', 'ao', 'an', 'amp', 'gz', 'xp',
   'te', 'lo', 'uo' }, 15)
 local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
 local in_turn = fence(key, R[1], H.tn, turn, true)
 local now = now_ms()
-local prompt = math.max(1, H.S + H.T + H.a_w + H.a_m + H.a_s)
+local prompt = math.max(1, H.S + H.T + H.a_w + H.a_rm + H.a_s)
 local ratio = math.floor(H.ai * 1000 / prompt)
 local J = { gz = H.gz, xp = H.xp, uo = in_turn and (R[2] or '') or nil }
 if ratio > H.amp then

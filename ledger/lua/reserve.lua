@@ -55,7 +55,7 @@ local a = H[A]
 local d = claim_delta(a, tokens, H[F] or 0)
 local J = { gz = H.gz, xp = H.xp, uo = in_turn and (R[5] or '') or nil }
 -- (compaction credit: memory waits for the pending compaction)
-local refused, pm = refuse_growth(key, A == 'a_m' and H.cd == 1, tokens, d, H, tokens, now, op, fp, J)
+local refused, pm = refuse_growth(key, A == 'a_rm' and H.cd == 1, tokens, d, H, tokens, now, op, fp, J)
 if refused then return refused end
 local deadline = now + lease
 redis.call('ZADD', KEYS[2], deadline, sid .. '|' .. rid)

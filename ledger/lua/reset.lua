@@ -24,7 +24,7 @@
 local op, fp, epoch = op_args('reset', false)
 local sid, reason = sid_and_id('reason', 'content:%s', 'compacted:%s')
 local key = KEYS[1]
-local H, R = load(key, { 'ep', 'tn', 'W', 'S', 'T', 'out', 'F_w', 'F_m', 'gz', 'xp', 'lo', 'qs', 'qd' }, 10)
+local H, R = load(key, { 'ep', 'tn', 'W', 'S', 'T', 'out', 'F_w', 'F_rm', 'gz', 'xp', 'lo', 'qs', 'qd' }, 10)
 local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
 local now = now_ms()
@@ -54,7 +54,7 @@ call_each('ZREM', KEYS[2], members)
 indicate(key, 'resets', 1)
 redis.call('DEL', KEYS[3], KEYS[4])  -- (after a write that may be refused on a full server)
 local args = { 'ep', H.ep + 1, 'fr', free_room(H, H.out, 0, 0, 0), 'nv', 0,
-  'a_w', 0, 'a_m', 0, 'a_s', 0, 'x:last_reset', reason, 'cd', 0, 'kf', 0, 'rq', 0, 'kt', H.tn,
+  'a_w', 0, 'a_rm', 0, 'a_s', 0, 'x:last_reset', reason, 'cd', 0, 'kf', 0, 'rq', 0, 'kt', H.tn,
   'ai', 0, 'ao', 0, 'an', 0, 'df', 0, 'dr', 0 }
 zero_counters(args)
 if R[1] then args[#args + 1], args[#args + 2] = 'rb', H.tn .. ' reset' end  -- (its calls: TURNLOST)

@@ -58,7 +58,7 @@ local a = H[A]
 local d = claim_delta(a, actual - est, H[F] or 0)
 local J = { gz = H.gz, xp = H.xp, uo = res.uo }
 -- (compaction credit, as admit.lua judges memory, for memory growing past its reservation)
-local refused, pm = refuse_growth(key, A == 'a_m' and H.cd == 1 and actual > est, actual - est, d, H, actual,
+local refused, pm = refuse_growth(key, A == 'a_rm' and H.cd == 1 and actual > est, actual - est, d, H, actual,
   now, op, fp, J)
 if refused then return refused end
 redis.call('HDEL', key, 'r:' .. rid)
