@@ -237,7 +237,10 @@ ACTIVE_WORKING = _s(
     "active tokens (items + open reservations) of the working-memory group",
 )
 ACTIVE_MEMORY = _s(
-    "a_rm", "active_memory_group", "tokens", "active tokens of the memory group (retrieval + recall)"
+    "a_rm",
+    "active_memory_group",
+    "tokens",
+    "active tokens of the memory group (retrieval + recall)",
 )
 ACTIVE_SCRATCHPAD = _s("a_s", "active_scratchpad", "tokens", "active tokens of the scratchpad")
 HELD = _s("u_<c>", "held", "tokens", "tokens held by consumer c's items")
