@@ -375,10 +375,10 @@ class AgentCore:
             raise
         except Exception as exc:
             raise InvalidArgument(f"text_of raised {type(exc).__name__}: {exc}") from exc
-        n = self.counter.known(text)  # (a text counted before: no check, no label to make)
-        if n is None:
-            n = count(self.counter, text, f"{type(obj).__name__} {self.app_id(obj)!s:.60}")
-        return n + self.item_overhead
+        return (
+            count(self.counter, text, f"{type(obj).__name__} {self.app_id(obj)!s:.60}")
+            + self.item_overhead
+        )
 
     def items(self, objs: Iterable[Obj], priority: int = 0) -> list[tuple[Item, Obj]]:
         """Every object's Item, all checked before anything is sent."""
@@ -451,12 +451,10 @@ class AgentCore:
         if isinstance(prompt, str):
             return count(self.counter, prompt, "the prompt")
         if isinstance(prompt, Sequence):
-            known, total = self.counter.known, 0
-            for o in prompt:  # (most parts were counted before, at their admit or a prompt)
-                text = self.text_of(o)
-                n = known(text)
-                total += count(self.counter, text, "a prompt part") if n is None else n
-            return total + self.item_overhead * len(prompt)
+            return sum(
+                count(self.counter, self.text_of(o), "a prompt part") + self.item_overhead
+                for o in prompt
+            )
         raise InvalidArgument(
             f"prompt must be tokens, text or a list of objects, got {prompt!r:.80}"
         )

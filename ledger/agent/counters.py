@@ -174,17 +174,6 @@ class Calibrated:
             return n
         return math.ceil(n * self.factor)
 
-    def known(self, text: object, /) -> int | None:
-        """The count of a text this counter counted before, from the cache (the text was
-        checked then); None for any other (count it with :func:`count`)."""
-        if type(text) is not str or len(text) > self.KEYED:
-            return None
-        n = self._counts.get(text)
-        if n is None:
-            return None
-        self._counts.move_to_end(text)
-        return n if self.factor == 1.0 else math.ceil(n * self.factor)
-
     def truncate(self, text: str, tokens: int) -> str:
         trunc = getattr(self.base, "truncate", None)
         if not callable(trunc):
