@@ -175,7 +175,8 @@ def test_each_objects_text_is_counted_once_per_process(ledger: Ledger) -> None:
 
 def test_a_prompt_of_parts_counted_before_is_the_sum_of_their_counts(ledger: Ledger) -> None:
     """A prompt's parts read from the count cache count what the counter would (scaled by
-    the calibration factor, each rounded up); a part whose text is not a str is refused."""
+    the calibration factor, each rounded up); a part whose text is not valid Unicode is
+    refused."""
     agent = Agent(ledger.open_session(f"s-{uuid.uuid4().hex[:8]}", budget()), TOK)
     core = agent.core
     parts: list[Any] = [SYSTEM, *({"id": f"p{i}", "content": f"part {i} " * i} for i in range(9))]

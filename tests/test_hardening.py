@@ -24,6 +24,7 @@ from ledger import (
     Item,
     KeySpace,
     Ledger,
+    LedgerError,
     LedgerSettings,
     SessionBudget,
     SessionConflict,
@@ -141,6 +142,20 @@ def test_a_reset_leaves_no_summary_record(ledger: Ledger) -> None:
     assert ledger.client.hget(s.keys.compacted, "w1") is not None
     s.reset("operator")
     assert ledger.client.exists(s.keys.compacted, s.keys.content) == 0
+
+
+def test_a_reset_of_a_session_missing_a_floor_changes_nothing(ledger: Ledger) -> None:
+    """A session hash without a field reset reads (one written by an earlier draft of the
+    protocol, before F_m was F_rm) is refused before reset's first write: its texts, its
+    counters and the partition's tally are as they were."""
+    s = ledger.open_session(sid(), small())
+    s.admit(WM, [Item("m0", 100)], texts=["old"])
+    ledger.client.hdel(s.keys.session, "F_rm")
+    before = (ledger.client.hgetall(s.keys.session), ledger.client.hgetall(s.keys.tally))
+    with pytest.raises(LedgerError):
+        s.reset("operator")
+    assert ledger.client.hget(s.keys.content, "w:m0") == b"old"
+    assert (ledger.client.hgetall(s.keys.session), ledger.client.hgetall(s.keys.tally)) == before
 
 
 # --- 2. a compaction drops a re-admitted item's new text -----------------------------

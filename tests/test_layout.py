@@ -168,7 +168,7 @@ def test_one_operation_runs_through_the_files_the_map_names(
                                        "ledger/protocol.py"], on_asyncio  # fmt: skip
     face = ["ledger/core.py", "ledger/protocol.py", "ledger/_sync/client.py"]
     assert sorted(set(taken)) == sorted(set(by_name)) == sorted(face), (taken, by_name)
-    assert len(taken) == 6, taken  # the paragraph's six steps between files
+    assert len(taken) == 6, taken  # the paragraph's six stretches
     assert sorted(set(refusal)) == sorted([*face, "ledger/errors.py"]), refusal
     unnamed = sorted(
         f for f in {*refusal, *on_asyncio, "ledger/lua/admit.lua"} if f"`{f}`" not in paragraph

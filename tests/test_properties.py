@@ -3,7 +3,7 @@
 The model (below) restates the rules of ledger/lua/_common.lua and the operation scripts:
 each group claims max(active, floor) of the window, so
 
-    free = W - S - T - out - max(a_w, F_w) - max(a_r + a_rm, F_rm) - a_s
+    free = W - S - T - out - max(a_w, F_w) - max(a_rm, F_rm) - a_s
 
 where a_<group> counts the tokens of held items plus open reservations. A call whose
 claim would make free negative is refused and changes nothing; an item id the

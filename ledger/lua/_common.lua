@@ -186,10 +186,10 @@
 -- retention as its TTL: an outcome lives at least the op retention, at most about
 -- twice that, with no timestamp or journal per outcome.
 
--- Each consumer's claim group, named by its fields and never by a letter: ACTIVE[c] holds
--- the group's active tokens, FLOOR[c] its floor. The memory group (a_rm, F_rm) is retrieval
--- and recall: the m of its fields is not the consumer m (recall). The scratchpad has no
--- floor: F_s is never written, and read as 0.
+-- Each consumer's claim group, its fields spelled with the letters of the consumers it
+-- holds: ACTIVE[c] holds the group's active tokens, FLOOR[c] its floor. The memory group
+-- (a_rm, F_rm) is retrieval r and recall m. The scratchpad has no floor: F_s is never
+-- written, and read as 0.
 local ACTIVE = { w = 'a_w', r = 'a_rm', m = 'a_rm', s = 'a_s' }
 -- The reclaim-order index '<tag>:order:<session>' (docs/protocol.md#the-reclaim-order-index):
 -- a sorted set of the items of the consumers a turn reclaims, member the item's field

@@ -28,6 +28,7 @@ local H, R = load(key, { 'ep', 'tn', 'W', 'S', 'T', 'out', 'F_w', 'F_rm', 'gz', 
 local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
 local now = now_ms()
+local fr = free_room(H, H.out, 0, 0, 0)  -- (before the first write: it reads every floor)
 local all = redis.call('HGETALL', key)
 local dead, members, dropped, released = {}, {}, 0, 0
 for i = 1, #all, 2 do
@@ -53,7 +54,7 @@ if R[1] then members[#members + 1] = sid .. '|' .. LEASE end
 call_each('ZREM', KEYS[2], members)
 indicate(key, 'resets', 1)
 redis.call('DEL', KEYS[3], KEYS[4])  -- (after a write that may be refused on a full server)
-local args = { 'ep', H.ep + 1, 'fr', free_room(H, H.out, 0, 0, 0), 'nv', 0,
+local args = { 'ep', H.ep + 1, 'fr', fr, 'nv', 0,
   'a_w', 0, 'a_rm', 0, 'a_s', 0, 'x:last_reset', reason, 'cd', 0, 'kf', 0, 'rq', 0, 'kt', H.tn,
   'ai', 0, 'ao', 0, 'an', 0, 'df', 0, 'dr', 0 }
 zero_counters(args)
