@@ -476,8 +476,7 @@ def text(v: object) -> str:
 @dataclass(frozen=True, slots=True)
 class JobEntry:
     """One entry of a partition's job stream (docs/protocol.md#the-job-stream), as the
-    scripts write it (``enqueue`` in _common.lua). ``kind`` given as its string is taken
-    as the :class:`~ledger.models.JobKind` it names (ValueError: no job kind)."""
+    scripts write it (``enqueue`` in _common.lua)."""
 
     kind: JobKind
     session: str
@@ -485,9 +484,6 @@ class JobEntry:
     reason: str = ""
     op: str = ""
     inc: int = 0
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", JobKind(self.kind))
 
     def to_fields(self) -> dict[str, str]:
         """The stream entry's fields, in the order the scripts write them."""
@@ -503,11 +499,14 @@ class JobEntry:
     @classmethod
     def from_fields(cls, fields: Mapping[Any, Any]) -> JobEntry:
         """An entry from its fields (bytes or str); a missing reason, op or inc is empty
-        (0); a missing kind, session or epoch raises KeyError, an unknown kind or a bad
-        number ValueError."""
+        (0); a missing session or epoch raises KeyError, a missing or unknown kind or a
+        bad number ValueError."""
         f = {text(k): text(v) for k, v in fields.items()}
+        kind = f.get(JOB_KIND, "")
+        if kind not in tuple(JobKind):
+            raise ValueError(f"unknown job kind {kind!r}")
         return cls(
-            kind=JobKind(f[JOB_KIND]),
+            kind=JobKind(kind),
             session=f[JOB_SESSION],
             epoch=int(f[JOB_EPOCH]),
             reason=f.get(JOB_REASON, ""),

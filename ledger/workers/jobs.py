@@ -90,9 +90,6 @@ class Jobs:
         return asyncio.run_coroutine_threadsafe(_awaited(got), loop).result()
 
     def handle(self, job_id: str, fields: Mapping[str, str]) -> JobOutcome:
-        kind = fields.get(schema.JOB_KIND, "")
-        if kind not in tuple(JobKind):
-            raise ValueError(f"unknown job kind {kind!r}")
         job = schema.JobEntry.from_fields(fields)  # KeyError, ValueError: a malformed entry
         if job.kind == JobKind.HARD_RESET:
             return self._hard_reset(job_id, job)
