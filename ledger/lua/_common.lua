@@ -654,14 +654,6 @@ local function reserved_floor(B, out)
   return B.S + B.T + B.F_w + B.F_rm + out
 end
 
--- Working memory's residual (begin_turn's gate, docs/rules.md#working-memory-starvation):
--- the room working memory has, the window less the system prompt, the tool framing, the
--- output reserve `out`, memory's claim (the larger of its active tokens a_rm and its floor)
--- and the scratchpad's active tokens a_s. B as for `free_room`.
-local function wm_residual(B, out, a_rm, a_s)
-  return B.W - B.S - B.T - out - math.max(a_rm, B.F_rm) - a_s
-end
-
 -- Roll the open turn back (docs/agent.md#a-dead-turn-is-undone): every item the turn
 -- added goes, every field its undo log names gets its value from before the turn back
 -- (items, reservations, the output reserve, a drift flag), the counters are computed

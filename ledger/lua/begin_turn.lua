@@ -151,7 +151,9 @@ local function drop(c, it)
   gone[it.f] = true
   return it.t
 end
-local function residual() return wm_residual(H, out2, A.a_rm, A.a_s) end
+-- (working memory's residual: the free room were working memory to hold nothing, its
+-- floor included; free_room with no working memory takes its floor F_w, given back here)
+local function residual() return free_room(H, out2, 0, A.a_rm, A.a_s) + H.F_w end
 local function need() return math.max(ws, A.a_w, H.F_w) end
 local function occupancy() return H.S + H.T + A.a_w + A.a_rm + A.a_s end
 
