@@ -133,8 +133,10 @@ def _embedded(settings: LedgerSettings) -> bool:
 def cmd_audit(args: argparse.Namespace, out: Console) -> int:
     """Every session (or those named): counters against items. The Redis settings'
     warnings first, then each session with violations (and, with --verbose, each clean
-    one), then one summary line; --json prints the same as one object. Exit 1 on any
-    violation, an id under two partitions, or an id asked for that does not exist; with
+    one), then one summary line; --json prints the same as one object. A damaged session
+    (its hash not as the scripts write it) is named with what is wrong and gets no
+    verdict; every other session still gets its own. Exit 1 on any violation, a damaged
+    session, an id under two partitions, or an id asked for that does not exist; with
     --strict also on overdue leases and on the Redis settings' warnings."""
     import json
 
@@ -143,7 +145,7 @@ def cmd_audit(args: argparse.Namespace, out: Console) -> int:
     from ledger import health
     from ledger.client import Ledger
     from ledger.errors import translated
-    from ledger.views import audits, placements
+    from ledger.views import Damaged, audits, placements
 
     with Ledger.from_settings(_settings(args)) as ledger:
         with translated():  # Redis gone meanwhile: BackendUnavailable, exit 3
@@ -155,6 +157,7 @@ def cmd_audit(args: argparse.Namespace, out: Console) -> int:
         # space's copy (which may be neither of them) says.
         split = {sid: ps for sid, ps in where.items() if len(ps) > 1}
         violations: dict[str, list[str]] = {}
+        damaged: dict[str, list[str]] = {}
         overdue: dict[str, list[str]] = {}
         clean: list[str] = []
         missing: list[str] = []
@@ -163,6 +166,9 @@ def cmd_audit(args: argparse.Namespace, out: Console) -> int:
                 if args.session and sid not in split:  # asked for by name: named, not fatal
                     missing.append(sid)
                 continue  # closed (a tombstone) or expired since it was listed
+            if isinstance(rep, Damaged):  # named, not judged; the others still are
+                damaged[sid] = list(rep.problems)
+                continue
             if rep.overdue:  # not a violation: the worker's sweep has not released it yet
                 overdue[sid] = list(rep.overdue)
             if rep.clean:
@@ -170,7 +176,9 @@ def cmd_audit(args: argparse.Namespace, out: Console) -> int:
             else:
                 violations[sid] = list(rep.problems)
     audited = len(clean) + len(violations)
-    failed = bool(violations or split or missing) or (args.strict and bool(overdue or warnings))
+    failed = bool(violations or damaged or split or missing) or (
+        args.strict and bool(overdue or warnings)
+    )
     if args.json:
         print(
             json.dumps(
@@ -178,6 +186,7 @@ def cmd_audit(args: argparse.Namespace, out: Console) -> int:
                     "audited": audited,
                     "clean": len(clean),
                     "violations": violations,
+                    "damaged": damaged,
                     "overdue": overdue,
                     "missing": missing,
                     "split": {sid: ps for sid, ps in sorted(split.items())},
@@ -205,6 +214,12 @@ def cmd_audit(args: argparse.Namespace, out: Console) -> int:
         out.print(f"{escape(sid)}: [red]no such session[/] (never opened, deleted or expired)")
     for sid, problems in violations.items():
         out.print(f"{escape(sid)}: [red]{escape('; '.join(problems))}[/]", soft_wrap=True)
+    for sid, problems in damaged.items():
+        out.print(
+            f"{escape(sid)}: [bold red]{escape('; '.join(problems))}[/]; not audited (the "
+            "hash was written by something other than the ledger's scripts)",
+            soft_wrap=True,
+        )
     if args.verbose:  # written in bulk: one rich print per line is slow at scale
         out.out("".join(f"{sid}: clean\n" for sid in clean if sid not in split), end="")
     for sid, late in overdue.items():
@@ -216,6 +231,7 @@ def cmd_audit(args: argparse.Namespace, out: Console) -> int:
     more = [
         f"{n} {what}"
         for n, what in (
+            (len(damaged), "damaged (not audited)"),
             (len(missing), "missing"),
             (len(split), "under two partitions"),
             (len(overdue), "with overdue leases"),
@@ -697,8 +713,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="prove counters equal items (exit 1 on any violation)",
         description="Check every session's counters (or the named sessions') against its "
         "items and reservations, in batches. Prints the Redis settings' warnings, each "
-        "session with violations, each named id that does not exist, overdue leases, and "
-        "a summary line. Exit 1 on a violation, a missing named id or an id under two "
+        "session with violations, each damaged session (named with what is wrong, not "
+        "audited), each named id that does not exist, overdue leases, and a summary "
+        "line. Exit 1 on a violation, a damaged session, a missing named id or an id under two "
         "partitions (with --strict also on overdue leases and Redis warnings), 3 when "
         "Redis is unavailable.",
     )

@@ -172,15 +172,31 @@ def snapshots(ledger: Ledger, ids: Sequence[str]) -> list[tuple[str, Snapshot]]:
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class Damaged:
+    """A session whose stored hash cannot be read as the ledger's scripts write it (a
+    field missing, or holding what is not a number or not of its layout): ``problems``
+    name each field and what it holds. It gets no verdict; every other session does."""
+
+    session_id: str
+    problems: tuple[str, ...]
+
+
 def audits(
     ledger: Ledger, ids: Sequence[str]
-) -> Iterator[tuple[str, AuditReport | UnknownSession]]:
+) -> Iterator[tuple[str, AuditReport | Damaged | UnknownSession]]:
     """Each session's audit, in order, ``BATCH`` sessions per round trip: the report,
-    or the UnknownSession error of a session closed or expired since it was listed."""
+    ``Damaged`` for a session whose hash cannot be audited (``audit.lua`` names what is
+    wrong instead of failing), or the UnknownSession error of a session closed or
+    expired since it was listed."""
     for chunk in _batches(ids, 100):  # an audit reads the whole session hash
         calls = [protocol.audit(ledger.keyspace.session(sid)) for sid in chunk]
-        for sid, res in zip(chunk, read_many(ledger, calls), strict=True):
-            if isinstance(res, UnknownSession) or not isinstance(res, BaseException):
+        raws = raw_many(ledger, calls)
+        results = collect(calls, raws, return_exceptions=True)
+        for sid, raw, res in zip(chunk, raws, results, strict=True):
+            if isinstance(res, AuditReport) and schema.text(raw).startswith("status=damaged|"):
+                yield sid, Damaged(sid, res.problems)
+            elif isinstance(res, UnknownSession) or not isinstance(res, BaseException):
                 yield sid, res
             else:
                 raise res

@@ -161,6 +161,68 @@ def test_audit_in_batches_names_every_session(
     assert "1 session(s) audited: 1 clean, 0 with violations, 1 missing" in out
 
 
+# Each way a session hash can be damaged, and the words the audit names it with.
+DAMAGES = {
+    "missing": (lambda r, key: r.hdel(key, "u_r"), "damaged: field 'u_r' is missing"),
+    "not a number": (
+        lambda r, key: r.hset(key, "W", "abc"),
+        "damaged: field 'W' holds 'abc', not a whole number",
+    ),
+    "bad item": (
+        lambda r, key: r.hset(key, "i:r:a", "5|x"),
+        "damaged: field 'i:r:a' holds '5?x', not 4 numbers (tokens, turn, priority, seq)",
+    ),
+    "no consumer": (
+        lambda r, key: r.hset(key, "i:z:a", "5|1|0|1"),
+        "damaged: field 'i:z:a' names no consumer",
+    ),
+    "bad lease": (
+        lambda r, key: r.hset(key, "r:x", "q|1|2"),
+        "damaged: field 'r:x' holds 'q?1?2', not a consumer, tokens and a deadline",
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_audit_of_1000_sessions_names_the_damaged_one_and_judges_the_others(
+    redis_server: RedisProcess, prefix: str, damage: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One session hash damaged (a field missing, a number that is not one, an item or a
+    lease not of the layout): the 999 others get their verdicts, the damaged one is
+    named with its field, in the text and in --json (still one JSON object), exit 1.
+    Before, audit.lua met the damage with a Lua error and no session got a verdict."""
+    corrupt, words = DAMAGES[damage]
+    ids = [f"fleet-{i:04d}" for i in range(1000)]
+    with Ledger.from_settings(LedgerSettings(redis_url=redis_server.url, prefix=prefix)) as led:
+        _open_many(led, ids)  # pipelined
+        victim = led.session(ids[500])
+        victim.admit("retrieval", [Item("a", 5)])
+        led.session(ids[7]).admit("retrieval", [Item("b", 5)])
+        r = redis.Redis.from_url(redis_server.url)
+        r.hset(led.keyspace.session(ids[7]).session, "u_r", 6)  # a violation, not damage
+        corrupt(r, victim.keys.session)
+        r.close()
+    base = ["--url", redis_server.url, "--prefix", prefix, "audit"]
+    started = time.monotonic()
+    code = cli.main(base)
+    took = time.monotonic() - started
+    out = " ".join(capsys.readouterr().out.split())
+    assert code == cli.EXIT_VIOLATION
+    assert f"{ids[500]}: {words}" in out and "not audited" in out, out
+    assert f"{ids[7]}: retrieval used is 6, items say 5" in out
+    assert "999 session(s) audited: 998 clean, 1 with violations, 1 damaged (not audited)" in out
+    assert took < 30, took  # 10 round trips of 100 audits
+    assert cli.main([*base, "--json"]) == cli.EXIT_VIOLATION
+    got = json.loads(capsys.readouterr().out)
+    assert (got["audited"], got["clean"], got["ok"]) == (999, 998, False)
+    assert list(got["violations"]) == [ids[7]]
+    assert list(got["damaged"]) == [ids[500]] and words in got["damaged"][ids[500]][0]
+    # the damaged session alone, by name: named, exit 1, no verdict
+    assert cli.main([*base, ids[500], ids[0], "-v"]) == cli.EXIT_VIOLATION
+    out = capsys.readouterr().out
+    assert f"{ids[0]}: clean" in out and "1 session(s) audited: 1 clean" in out
+
+
 def test_top_fits_80_columns_cuts_ids_never_numbers(
     redis_server: RedisProcess,
     prefix: str,

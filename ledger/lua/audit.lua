@@ -13,6 +13,12 @@
 --   reconciled since, is a problem too: the counters no longer describe the prompt.
 --   overdue lists open reservations whose deadline has passed; the caller judges
 --   them against its sweep interval.
+--    or  status=damaged|problems=<text;text;...>|overdue=|now=<ms>
+--   A session whose hash cannot be read as the scripts write it (a counter missing or
+--   not a whole number, an item or a reservation whose value or consumer is not of
+--   the layout) is not judged: each problem names the field and what it holds, and no
+--   other check runs on it. Never a Lua error: a fleet-wide audit gives every other
+--   session its verdict.
 -- Errors: LEDGER_NOSESSION.
 -- Calls: HGETALL, TIME.
 
@@ -21,21 +27,65 @@ local f = {}
 for i = 1, #all, 2 do f[all[i]] = all[i + 1] end
 if not f.ep then fail('NOSESSION', NOSESSION) end
 local now = now_ms()
+-- What a damaged hash holds, shown in a problem: short, and without the reply's
+-- separators ('|' between fields, ';' between problems).
+local function shown(x)
+  return (string.gsub(string.sub(x, 1, 40), '[|;]', '?'))
+end
+local damaged = {}
+local function damage(field, what)
+  damaged[#damaged + 1] = "damaged: field '" .. shown(field) .. "' " .. what
+end
+-- A stored whole number (a counter or a budget field), or nil with the damage noted.
+local function whole(name)
+  local x = f[name]
+  if x == nil then
+    damage(name, 'is missing')
+  elseif not string.match(x, '^-?%d+$') then
+    damage(name, "holds '" .. shown(x) .. "', not a whole number")
+  else
+    return tonumber(x)
+  end
+  return nil
+end
+local KNOWN = { w = true, r = true, m = true, s = true }
 local u, n, v = { w = 0, r = 0, m = 0, s = 0 }, { w = 0, r = 0, m = 0, s = 0 }, { w = 0, r = 0, m = 0, s = 0 }
 local nv, overdue = 0, {}
 for name, val in pairs(f) do
-  local c = string.match(name, '^i:(%a):')
-  if c then
-    u[c] = u[c] + tonumber(string.match(val, '^(%d+)|'))
-    n[c] = n[c] + 1
+  if string.sub(name, 1, 2) == 'i:' then
+    local c = string.match(name, '^i:(%a):.')
+    local tokens = string.match(val, '^(%d+)|%-?%d+|%-?%d+|%d+$')
+    if not (c and KNOWN[c]) then
+      damage(name, 'names no consumer (w, r, m or s)')
+    elseif not tokens then
+      damage(name, "holds '" .. shown(val) .. "', not 4 numbers (tokens, turn, priority, seq)")
+    else
+      u[c] = u[c] + tonumber(tokens)
+      n[c] = n[c] + 1
+    end
   end
   local rid = string.match(name, '^r:(.+)$')
   if rid then
     local rc, est, deadline = string.match(val, '^(%a)|(%d+)|(%d+)$')
-    v[rc] = v[rc] + tonumber(est)
-    nv = nv + 1
-    if tonumber(deadline) < now then overdue[#overdue + 1] = rid end
+    if not (rc and KNOWN[rc]) then
+      damage(name, "holds '" .. shown(val) .. "', not a consumer, tokens and a deadline")
+    else
+      v[rc] = v[rc] + tonumber(est)
+      nv = nv + 1
+      if tonumber(deadline) < now then overdue[#overdue + 1] = rid end
+    end
   end
+end
+local stored = {}
+for _, name in ipairs({ 'W', 'S', 'T', 'out', 'F_w', 'F_rm', 'fr', 'nv', 'a_w', 'a_rm', 'a_s',
+  'u_w', 'u_r', 'u_m', 'u_s', 'n_w', 'n_r', 'n_m', 'n_s', 'v_w', 'v_r', 'v_m', 'v_s' }) do
+  stored[name] = whole(name)
+end
+if f.df == '1' then
+  for _, name in ipairs({ 'dp', 'dr', 'dt' }) do stored[name] = whole(name) end
+end
+if #damaged > 0 then
+  return reply({ 'status=damaged', 'problems=' .. table.concat(damaged, ';'), 'overdue=', 'now=' .. now })
 end
 local problems = {}
 -- A stored total (have) against the one its items or reservations add up to (want).
@@ -54,9 +104,8 @@ check('open reservations', f.nv, nv, 'reservations')
 check('working_memory active', f.a_w, u.w + v.w, 'items and reservations')
 check('memory (retrieval + recall) active', f.a_rm, u.r + v.r + u.m + v.m, 'items and reservations')
 check('scratchpad active', f.a_s, u.s + v.s, 'items and reservations')
-local N = function(x) return tonumber(f[x]) end
-local B = { W = N('W'), S = N('S'), T = N('T'), F_w = N('F_w'), F_rm = N('F_rm') }
-local free = free_room(B, N('out'), u.w + v.w, u.r + v.r + u.m + v.m, u.s + v.s)
+local B = { W = stored.W, S = stored.S, T = stored.T, F_w = stored.F_w, F_rm = stored.F_rm }
+local free = free_room(B, stored.out, u.w + v.w, u.r + v.r + u.m + v.m, u.s + v.s)
 check('free', f.fr, free, 'items and reservations')
 if free < 0 then problems[#problems + 1] = 'over-allocated by ' .. (-free) .. ' tokens' end
 if f.df == '1' then
