@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from rich.console import Console, Group
 
     from ledger.client import Ledger
+    from ledger.models import Snapshot
 
 EXIT_OK, EXIT_VIOLATION, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
 
@@ -388,7 +389,9 @@ def _age(ms: int) -> str:
 
 class TopView:
     """The frames of ``ledger top``: the busiest sessions, with rates since the
-    previous frame (turns and refusals per second; '-' on the first frame)."""
+    previous frame (turns and refusals per second; '-' on the first frame). A damaged
+    session (a field that holds no number) is a row of its own, flagged DAMAGED, and the
+    view keeps running."""
 
     COLUMNS = (
         "regime",
@@ -402,27 +405,52 @@ class TopView:
         "drift",
         "age",
     )
+    # Below the width every column needs, these go first (in this order): a number is
+    # never cut, a column is left out whole.
+    DROPPED = ("age", "ref/s", "turn/s", "resid", "drift", "refused", "turn", "free")
+    SESSION_MIN = 8  # the session column's least width
+    CHROME = 6  # lines besides the rows: header, title, column names, rule, footer, slack
 
-    def __init__(self, limit: int, sort: str = "util", match: str | None = None) -> None:
-        self.limit = limit
+    def __init__(self, limit: int | None, sort: str = "util", match: str | None = None) -> None:
+        self.limit = limit  # None: as many rows as the height given to each frame fits
         self.sort = sort
         self.match = match
         self.prev: dict[str, tuple[int, int, int]] = {}  # sid -> now_ms, turn, refusals
+        self.natural = 80  # the width of the last frame made with width=None
 
-    def frame(self, ledger: Ledger, width: int = 80, live: bool = False) -> Group:
+    def rows(self, height: int) -> int:
+        return self.limit or max(5, height - self.CHROME)
+
+    def frame(
+        self, ledger: Ledger, width: int | None = 80, live: bool = False, height: int = 24
+    ) -> Group:
+        """One frame, ``width`` columns wide at most (None: as wide as its content, for
+        output that is not a terminal) and, without a limit, ``height`` lines high."""
         import time
 
-        from rich import box
-        from rich.console import Group
-        from rich.table import Table
-        from rich.text import Text
-
-        from ledger.views import busiest, fleet_status, listed, regime
+        from ledger.views import busiest, fleet_status, listed
 
         ids = listed(ledger)  # one SCAN a frame: the header's count and the ranking
-        rows, totals = busiest(ledger, self.limit, self.sort, self.match, ids)
+        damaged: dict[str, str] = {}
+        limit = self.rows(height)
+        rows, totals = busiest(ledger, limit, self.sort, self.match, ids, damaged)
         fleet = fleet_status(ledger)
-        cells: list[list[str]] = []
+        cells = [(sid, ["DAMAGED"] + ["-"] * (len(self.COLUMNS) - 1)) for sid in sorted(damaged)]
+        cells = (cells + self._cells(rows))[:limit]
+        shown = "" if self.match is None else f" matching {self.match}"
+        header = (
+            f"ledger top {time.strftime('%H:%M:%S')}: {len(ids)} sessions"
+            + (f" ({len(damaged)} DAMAGED)" if damaged else "")
+            + f"; jobs lag {fleet.lag}, pending {fleet.pending}; dead letters {fleet.dead}"
+            + ("; no worker has run" if fleet.groups == 0 else "")
+        )
+        title = f"top {len(rows)}{shown} by {self.sort}"
+        return self._render(header, title, cells, totals, width, live, bool(damaged))
+
+    def _cells(self, rows: list[tuple[str, Snapshot]]) -> list[tuple[str, list[str]]]:
+        from ledger.views import regime
+
+        out: list[tuple[str, list[str]]] = []
         seen: dict[str, tuple[int, int, int]] = {}
         for sid, snap in rows:
             seen[sid] = (snap.now_ms, snap.turn, snap.refusals)
@@ -432,63 +460,131 @@ class TopView:
                 dt = (snap.now_ms - before[0]) / 1000
                 turn_rate = f"{(snap.turn - before[1]) / dt:.1f}"
                 ref_rate = f"{(snap.refusals - before[2]) / dt:.1f}"
-            cells.append(
-                [
-                    regime(snap, snap.raw.get(schema.WORKING_SET, 0))
-                    + ("*" if snap.compaction_pending else ""),
-                    f"{snap.utilization:.2f}",
-                    str(snap.free),
-                    str(snap.residual_working_memory),
-                    str(snap.turn),
-                    turn_rate,
-                    str(snap.refusals),
-                    ref_rate,
-                    f"{snap.drift:+d}" + ("!" if snap.drift_flagged else ""),
-                    _age(snap.now_ms - snap.raw.get(schema.INCARNATION, snap.now_ms)),
-                ]
-            )
+            row = [
+                regime(snap, snap.raw.get(schema.WORKING_SET, 0))
+                + ("*" if snap.compaction_pending else ""),
+                f"{snap.utilization:.2f}",
+                str(snap.free),
+                str(snap.residual_working_memory),
+                str(snap.turn),
+                turn_rate,
+                str(snap.refusals),
+                ref_rate,
+                f"{snap.drift:+d}" + ("!" if snap.drift_flagged else ""),
+                _age(snap.now_ms - snap.raw.get(schema.INCARNATION, snap.now_ms)),
+            ]
+            out.append((sid, row))
         self.prev = seen
-        shown = "" if self.match is None else f" matching {self.match}"
-        header = (
-            f"ledger top {time.strftime('%H:%M:%S')}: {len(ids)} sessions; jobs "
-            f"lag {fleet.lag}, pending {fleet.pending}; dead letters {fleet.dead}"
-            + ("; no worker has run" if fleet.groups == 0 else "")
+        return out
+
+    def _render(
+        self,
+        header: str,
+        title: str,
+        cells: list[tuple[str, list[str]]],
+        totals: dict[str, int],
+        width: int | None,
+        live: bool,
+        damaged: bool = False,
+    ) -> Group:
+        from rich import box
+        from rich.console import Group
+        from rich.table import Table
+        from rich.text import Text
+
+        # Numbers are never cut: each column is as wide as its widest value, and a
+        # terminal too narrow for them all loses whole columns (DROPPED). The session id
+        # takes what is left and is cut where the ids do not differ.
+        widths = {
+            col: max([len(col)] + [len(row[i]) for _, row in cells])
+            for i, col in enumerate(self.COLUMNS)
+        }
+        kept = list(self.COLUMNS)
+        longest = max([len("session")] + [len(sid) for sid, _ in cells])
+        legend = (
+            "* compaction pending; "
+            + ("DAMAGED: ledger inspect <id> names the field; " if damaged else "")
+            + "indicators: "
         )
-        t = Table(
-            title=f"top {len(rows)}{shown} by {self.sort}",
-            box=box.SIMPLE_HEAD,
-            show_edge=False,
-            padding=(0, 0),
-        )
-        # Numbers are never cut: each column is as wide as its widest value; the
-        # session id takes what is left and is cut in its middle, so that ids sharing a
-        # tenant prefix keep the ends that tell them apart.
-        widths = [
-            max([len(col)] + [len(row[i]) for row in cells]) for i, col in enumerate(self.COLUMNS)
-        ]
-        rest = width - sum(widths) - len(widths)  # one space between columns
-        longest = max([len("session")] + [len(sid) for sid, _ in rows])
-        sid_width = max(8, min(longest, rest))
-        t.add_column("session", no_wrap=True, overflow="crop", width=sid_width)
-        for col, w in zip(self.COLUMNS, widths, strict=True):
-            t.add_column(col, justify="right", no_wrap=True, width=w)
-        for sid, row in zip(distinct_cuts([sid for sid, _ in rows], sid_width), cells, strict=True):
-            t.add_row(sid, *row)
-        # only the indicators that are not zero: the footer stays one line on a quiet fleet
-        indicators = ", ".join(f"{k}={v}" for k, v in sorted(totals.items()) if v) or "none"
         keys = "; q quits" if live else ""
+        indicators = [f"{k}={v}" for k, v in sorted(totals.items()) if v] or ["none"]
+        if width is None:  # not a terminal: nothing is cut
+            width = longest + sum(widths[c] + 1 for c in kept)
+            whole = len(legend) + len(", ".join(indicators)) + len(keys)
+            self.natural = width = max(width, len(header), len(title), whole)
+        for col in self.DROPPED:
+            if self.SESSION_MIN + sum(widths[c] + 1 for c in kept) <= width:
+                break
+            kept.remove(col)
+        rest = width - sum(widths[c] + 1 for c in kept)  # one space between columns
+        sid_width = max(self.SESSION_MIN, min(longest, rest))
+        t = Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 0))
+        t.add_column("session", no_wrap=True, overflow="crop", width=sid_width)
+        for col in kept:
+            t.add_column(col, justify="right", no_wrap=True, width=widths[col])
+        at = [self.COLUMNS.index(c) for c in kept]
+        ids = distinct_cuts([sid for sid, _ in cells], sid_width)
+        for sid, (_, row) in zip(ids, cells, strict=True):
+            t.add_row(sid, *(row[i] for i in at))
+        footer = legend + one_line(indicators, width - len(legend) - len(keys))
         return Group(
-            Text(header, overflow="fold"),
+            Text(cut_end(header, width), no_wrap=True, overflow="crop"),
             t,
-            Text(f"* compaction pending; indicators: {indicators}{keys}", overflow="fold"),
+            Text(footer + keys, no_wrap=True, overflow="crop"),
         )
+
+
+def one_line(parts: list[str], width: int) -> str:
+    """``parts`` joined by ', ' in at most ``width`` characters: those that do not fit
+    are left out whole and counted (``+3 more``); never a part cut or a second line."""
+    for n in range(len(parts), 0, -1):
+        more = f", +{len(parts) - n} more" if n < len(parts) else ""
+        text = ", ".join(parts[:n]) + more
+        if len(text) <= width:
+            return text
+    return cut_end(f"+{len(parts)} more", max(width, 0))
+
+
+def cut_end(text: str, width: int) -> str:
+    """``text`` in at most ``width`` characters, its end replaced by an ellipsis."""
+    return text if len(text) <= width else text[: max(width - 1, 0)] + "…"
 
 
 def distinct_cuts(ids: list[str], width: int, head: int = 6, tail: int = 4) -> list[str]:
     """``ids`` in at most ``width`` characters each, cut where they do not differ: the
     prefix and the suffix they all share shrink to a few characters around an
     ellipsis, and what tells them apart stays (cut in its middle only if still too
-    long). ``tenant-acme/agent-se-0007-of-the-fleet`` -> ``tenant…0007…leet``."""
+    long). ``tenant-acme/agent-se-0007-of-the-fleet`` -> ``tenant…0007…leet``. Ids
+    whose cuts look alike (they differ only where a cut fell) are shown around what
+    tells them apart; distinct ids stay distinct."""
+    first = _cuts(ids, width, head, tail)
+    alike: dict[str, set[str]] = {}
+    for i, cut in zip(ids, first, strict=True):
+        alike.setdefault(cut, set()).add(i)
+    regroup: dict[str, str] = {}  # each look-alike group cut again among itself
+    for group in (sorted(g) for g in alike.values() if len(g) > 1):
+        regroup.update(zip(group, _cuts(group, width, head, tail), strict=True))
+    candidates = (
+        first,
+        [regroup.get(i, cut) for i, cut in zip(ids, first, strict=True)],
+        [
+            cut if i not in regroup else _around_difference(i, ids, width)
+            for i, cut in zip(ids, first, strict=True)
+        ],
+        [_around_difference(i, ids, width) for i in ids],
+    )
+    for tried in candidates:
+        if len(set(tried)) == len(set(ids)):
+            return tried
+    # still alike (each differs from the others in several places): numbered
+    out: list[str] = []
+    for cut in candidates[-1]:
+        mark = f"~{len(out) + 1}" if cut in out else ""  # the row's number: unique
+        out.append(cut[: width - len(mark) - 1] + "…" + mark if mark else cut)
+    return out
+
+
+def _cuts(ids: list[str], width: int, head: int, tail: int) -> list[str]:
     if all(len(i) <= width for i in ids):
         return list(ids)
     if len(set(ids)) < 2:
@@ -503,6 +599,16 @@ def distinct_cuts(ids: list[str], width: int, head: int = 6, tail: int = 4) -> l
         room = width - len(start) - len(end)
         out.append(start + cut_middle(core, room) + end if room >= 3 else cut_middle(i, width))
     return out
+
+
+def _around_difference(i: str, others: list[str], width: int) -> str:
+    """``i`` in ``width`` characters, an ellipsis before the part from its first
+    character that no other id of ``others`` shares at that place."""
+    if len(i) <= width or not [o for o in others if o != i]:
+        return cut_middle(i, width)
+    at = max(len(_shared_start([i, o])) for o in others if o != i)
+    start = max(0, min(at - width // 2, len(i) - width + 1))
+    return ("…" + i[start + 1 : start + width]) if start else i[: width - 1] + "…"
 
 
 def _shared_start(texts: list[str]) -> str:
@@ -575,20 +681,28 @@ def cmd_top(args: argparse.Namespace, out: Console, keys: IO[str] | None = None)
 
     from ledger.client import Ledger
 
-    # by default as many rows as the terminal has lines, less the title, header and footer
-    view = TopView(args.limit or max(5, out.height - 7), args.sort, args.match)
+    # Without --limit, as many rows as the terminal has lines, measured again for each
+    # frame (a resized terminal gets its rows on the next refresh), as is its width.
+    view = TopView(args.limit, args.sort, args.match)
     keys = sys.stdin if keys is None else keys
     with Ledger.from_settings(_settings(args)) as ledger:
         if args.once:
-            out.print(view.frame(ledger, out.width))
+            if not out.is_terminal and "COLUMNS" not in os.environ:
+                # piped: the ids whole, however wide (a terminal's 80 columns do not apply)
+                whole = view.frame(ledger, None, height=out.height)
+                out.width = view.natural
+                out.print(whole)
+            else:
+                out.print(view.frame(ledger, out.width, height=out.height))
             return EXIT_OK
-        with (
-            _cbreak(keys),
-            Live(view.frame(ledger, out.width, True), console=out, refresh_per_second=4) as live,
-        ):
+
+        def now() -> Group:
+            return view.frame(ledger, out.width, True, out.height)
+
+        with _cbreak(keys), Live(now(), console=out, refresh_per_second=4) as live:
             try:
                 while wait_for_key(keys, args.interval) not in ("q", "Q"):
-                    live.update(view.frame(ledger, out.width, True))
+                    live.update(now())
             except KeyboardInterrupt:
                 pass
     return EXIT_OK

@@ -13,7 +13,7 @@ from redis.cluster import RedisCluster
 from ledger import protocol, schema
 from ledger.client import Ledger
 from ledger.core import collect
-from ledger.errors import InvalidArgument, LedgerError, UnknownSession, translated
+from ledger.errors import DamagedSession, InvalidArgument, LedgerError, UnknownSession, translated
 from ledger.models import AuditReport, Consumer, HeldItem, Regime, Snapshot
 from ledger.protocol import Call
 from ledger.scripts import is_bucket, outcome_buckets, outcome_key, stored_outcomes
@@ -157,14 +157,21 @@ def read_many(ledger: Ledger, calls: Sequence[Call[Any]]) -> list[Any]:
     return collect(calls, raw_many(ledger, calls), return_exceptions=True)
 
 
-def snapshots(ledger: Ledger, ids: Sequence[str]) -> list[tuple[str, Snapshot]]:
+def snapshots(
+    ledger: Ledger, ids: Sequence[str], damaged: dict[str, str] | None = None
+) -> list[tuple[str, Snapshot]]:
     """A snapshot of each session, ``BATCH`` sessions per round trip (each snapshot is
-    atomic on its own); sessions closed or expired since they were listed are left out."""
+    atomic on its own); sessions closed or expired since they were listed are left out,
+    and so are damaged ones (a field that holds no number), each put in ``damaged``
+    with what is wrong when it is given (else raised)."""
     out: list[tuple[str, Snapshot]] = []
     for chunk in _batches(ids):
         calls = [protocol.snapshot(ledger.keyspace.session(sid)) for sid in chunk]
         for sid, res in zip(chunk, read_many(ledger, calls), strict=True):
             if isinstance(res, UnknownSession):
+                continue
+            if isinstance(res, DamagedSession) and damaged is not None:
+                damaged[sid] = _damage(res.field, res.value)
                 continue
             if isinstance(res, BaseException):
                 raise res
@@ -231,11 +238,14 @@ def busiest(
     sort: str = "util",
     match: str | None = None,
     ids: list[str] | None = None,
+    damaged: dict[str, str] | None = None,
 ) -> tuple[list[tuple[str, Snapshot]], dict[str, int]]:
     """The sessions ranked first by `sort` (SORTS: utilization by default), among those
     whose id matches the glob `match`, and the indicators summed over those sessions.
     Every session's snapshot is read (``BATCH`` per round trip); only the rows shown
-    are parsed whole, the others only for their rank and counters."""
+    are parsed whole, the others only for their rank and counters. A damaged session
+    (a field that holds no number) is ranked nowhere: it goes into ``damaged`` with
+    what is wrong when that is given, else its DamagedSession is raised."""
     rank = SORTS[sort]
     totals: dict[str, int] = {}
     ranked: list[tuple[float, str, object]] = []
@@ -263,17 +273,36 @@ def busiest(
             for name, i in where.items():
                 k, _, val = parts[i].partition("=")
                 if k != name:  # another layout: read it by name
-                    return _busiest_by_name(ledger, limit, ids, rank)
+                    return _busiest_by_name(ledger, limit, ids, rank, damaged)
+                if not _whole(val):
+                    if damaged is None:
+                        raise DamagedSession(name, val)
+                    damaged[sid] = _damage(name, val)
+                    break
                 v[name] = int(val)
+            if sid in (damaged or ()):
+                continue
             for name, n in v.items():
                 if name.startswith(schema.COUNTER.prefix):
                     totals[name[2:]] = totals.get(name[2:], 0) + n
             ranked.append((rank(v), sid, raw))
-    top = heapq.nlargest(limit, ranked, key=lambda row: row[0])
-    return [
-        (sid, collect([protocol.snapshot(ledger.keyspace.session(sid))], [raw], False)[0])
-        for _, sid, raw in top
-    ], totals
+    # Only the rows shown are parsed whole: one damaged in a field the rank does not read
+    # is found here, and the next one in rank takes its place.
+    want = limit
+    while True:
+        shown = []
+        top = heapq.nlargest(want, ranked, key=lambda row: row[0])
+        for _, sid, raw in top:
+            call = protocol.snapshot(ledger.keyspace.session(sid))
+            try:
+                shown.append((sid, collect([call], [raw], False)[0]))
+            except DamagedSession as exc:
+                if damaged is None:
+                    raise
+                damaged[sid] = _damage(exc.field, exc.value)
+        if len(shown) >= limit or len(top) == len(ranked):
+            return shown[:limit], totals
+        want += limit - len(shown)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -306,10 +335,22 @@ def fleet_status(ledger: Ledger) -> FleetStatus:
     return FleetStatus(lag=lag, pending=pending, dead=dead, groups=groups)
 
 
+def _whole(text: str) -> bool:
+    return text.removeprefix("-").isdigit()
+
+
+def _damage(field: str, value: str) -> str:
+    return f"field {field!r} holds {value[:40]!r}, not a number"
+
+
 def _busiest_by_name(
-    ledger: Ledger, limit: int, ids: list[str], rank: Callable[[dict[str, int]], float]
+    ledger: Ledger,
+    limit: int,
+    ids: list[str],
+    rank: Callable[[dict[str, int]], float],
+    damaged: dict[str, str] | None = None,
 ) -> tuple[list[tuple[str, Snapshot]], dict[str, int]]:
-    rows = snapshots(ledger, ids)
+    rows = snapshots(ledger, ids, damaged)
     totals: dict[str, int] = {}
     for _, snap in rows:
         for name, value in snap.raw.items():

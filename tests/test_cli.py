@@ -329,6 +329,175 @@ def test_top_keeps_ids_that_share_a_tenant_prefix_distinct(
     assert lines[-1].startswith("* compaction pending; indicators: none")  # zeros left out
 
 
+def _render(view: cli.TopView, led: Ledger, width: int, height: int = 24) -> list[str]:
+    import io
+
+    from rich.console import Console
+
+    buf = io.StringIO()
+    Console(file=buf, width=width, height=height).print(view.frame(led, width, height=height))
+    return buf.getvalue().splitlines()
+
+
+def test_top_flags_a_damaged_session_and_keeps_running(
+    redis_server: RedisProcess, prefix: str
+) -> None:
+    """A session whose field holds no number (one `top` ranks by, and one it only shows)
+    is a row flagged DAMAGED and the live view keeps refreshing until q; before, the
+    first frame raised (ValueError, exit 2) and a running `top` died."""
+    import io
+    import os
+    import threading
+
+    from rich.console import Console
+
+    ids = ["good-1", "bad-rank", "good-2", "bad-shown"]
+    with Ledger.from_settings(LedgerSettings(redis_url=redis_server.url, prefix=prefix)) as led:
+        _open_many(led, ids)
+        led.session("good-1").admit("retrieval", [Item("a", 50)])
+        args = cli.build_parser().parse_args(
+            ["--url", redis_server.url, "--prefix", prefix, "top", "--interval", "0.05"]
+        )
+        buf = io.StringIO()
+        codes: list[int] = []
+        r, w = os.pipe()
+        with os.fdopen(r) as keys:
+            t = threading.Thread(
+                target=lambda: codes.append(
+                    cli.cmd_top(args, Console(file=buf, width=100, height=24), keys)
+                )
+            )
+            t.start()
+            time.sleep(0.3)
+            # damaged while it runs: a field the rank reads, then one only the row shows
+            led.client.hset(led.keyspace.session("bad-rank").session, "a_w", "12x")
+            led.client.hset(led.keyspace.session("bad-shown").session, "ep", "oops")
+            time.sleep(0.5)
+            assert t.is_alive(), buf.getvalue()[-2000:]
+            os.write(w, b"q")
+            t.join(10)
+            os.close(w)
+        assert not t.is_alive() and codes == [cli.EXIT_OK]
+        last = _render(cli.TopView(limit=10), led, 100)
+    text = "\n".join(last)
+    assert "4 sessions (2 DAMAGED); jobs" in text, text
+    assert "DAMAGED: ledger inspect <id> names the field" in last[-1], text
+    flagged = [ln.split()[0] for ln in last if " DAMAGED " in f"{ln} "]
+    assert sorted(flagged) == ["bad-rank", "bad-shown"], text
+    assert [ln.split()[0] for ln in last if ln.startswith("good-")] == ["good-1", "good-2"]
+    assert "DAMAGED" in buf.getvalue()  # the live frames flagged them too
+    assert cli.main(["--url", redis_server.url, "--prefix", prefix, "top", "--once"]) == 0
+
+
+def test_top_ids_that_differ_only_in_the_middle_stay_distinct() -> None:
+    """`-eu-west-1` and `-eu-west-2` used to collapse into one `tenant…eu-w…sion-0001`."""
+    ids = [
+        f"tenant-acme/agents/{region}/session-{n:04d}"
+        for region in ("eu-west-1", "eu-west-2", "us-east-1")
+        for n in (1, 2)
+    ] + ["tenant-b/short"]
+    for width in (12, 16, 20, 24, 30):
+        got = cli.distinct_cuts(ids, width)
+        assert len(set(got)) == len(ids), (width, got)
+        assert all(len(g) <= width for g in got), (width, got)
+    import random
+
+    rnd = random.Random(5)
+    for _ in range(200):  # ids that share long runs, differing at one place or two
+        base = "".join(rnd.choice("ab-/0") for _ in range(rnd.randint(20, 60)))
+        many = sorted(
+            {
+                base[:k] + rnd.choice("xyz") + base[k + 1 :]
+                for k in (rnd.randrange(len(base)) for _ in range(rnd.randint(2, 12)))
+            }
+        )
+        width = rnd.randint(8, 30)
+        got = cli.distinct_cuts(many, width)
+        assert len(set(got)) == len(many) and all(len(g) <= width for g in got), (many, got)
+
+
+def test_top_rows_follow_the_height_of_each_frame(redis_server: RedisProcess, prefix: str) -> None:
+    """Without --limit the rows are counted again for each frame: a resize is followed."""
+    ids = [f"h{i:02d}" for i in range(40)]
+    with Ledger.from_settings(LedgerSettings(redis_url=redis_server.url, prefix=prefix)) as led:
+        _open_many(led, ids)
+        view = cli.TopView(None)
+        rows = [
+            len([ln for ln in _render(view, led, 80, height) if ln.startswith("h")])
+            for height in (24, 40, 15)
+        ]
+        tall = _render(view, led, 80, 40)
+    assert rows == [24 - view.CHROME, 40 - view.CHROME, 15 - view.CHROME]
+    assert len(tall) <= 40
+
+
+@pytest.mark.parametrize("width", [40, 52, 64, 79])
+def test_top_below_80_columns_drops_columns_never_cuts_a_number(
+    redis_server: RedisProcess, prefix: str, width: int
+) -> None:
+    with Ledger.from_settings(LedgerSettings(redis_url=redis_server.url, prefix=prefix)) as led:
+        s = led.open_session("tenant/narrow-1", SessionBudget(window=1_234_567, system_prompt=10))
+        s.admit("working_memory", [Item("a", 987_654)])
+        for n in range(12):
+            with pytest.raises(ledger.AdmissionRefused):
+                s.reserve("scratchpad", f"r{n}", 10_000_000)
+        snap = s.snapshot()
+        lines = _render(cli.TopView(limit=5), led, width)
+    assert max(len(ln) for ln in lines) <= width, lines
+    head = next(ln for ln in lines if ln.startswith("session")).split()
+    row = next(ln for ln in lines if "row-1 " in ln).split()
+    assert len(row) == len(head) and "regime" in head and "util" in head, lines
+    for col, cell in zip(head[1:], row[1:], strict=True):
+        assert "…" not in cell, (col, cell, lines)  # whole, or its column left out
+    assert "0.80" in row and (str(snap.free) in row or "free" not in head)
+    assert lines[-1].startswith("* compaction pending; indicators: ") and len(lines[-1]) <= width
+
+
+def test_top_footer_stays_one_line(redis_server: RedisProcess, prefix: str) -> None:
+    """Many indicators: those that do not fit are counted (+N more), never wrapped."""
+    with Ledger.from_settings(LedgerSettings(redis_url=redis_server.url, prefix=prefix)) as led:
+        s = led.open_session("f", SessionBudget(window=10_000, system_prompt=10))
+        with pytest.raises(ledger.AdmissionRefused):
+            s.reserve("scratchpad", "r", 10_000_000)
+        view = cli.TopView(limit=5)
+        text = cli.TopView._render(
+            view, "h", "t", [], {f"indicator_{i}": i + 1 for i in range(30)}, 80, True
+        )
+        import io
+
+        from rich.console import Console
+
+        buf = io.StringIO()
+        Console(file=buf, width=80).print(text)
+    lines = buf.getvalue().splitlines()
+    footer = [ln for ln in lines if "indicators" in ln]
+    assert len(footer) == 1 and lines[-1] == footer[0], lines
+    assert len(footer[0]) <= 80 and footer[0].endswith("more; q quits"), footer
+    assert "indicator_0=1" in footer[0] and "indicator_29" not in footer[0]
+
+
+def test_top_piped_prints_whole_lines(redis_server: RedisProcess, prefix: str) -> None:
+    """`ledger top --once | less`: no terminal, no COLUMNS: ids and header whole (a
+    terminal's 80 columns used to cut them); COLUMNS, when set, still bounds it."""
+    import os
+
+    long_id = "tenant-acme/agent-eu-west-1/session-0001-of-the-long-running-fleet"
+    with Ledger.from_settings(LedgerSettings(redis_url=redis_server.url, prefix=prefix)) as led:
+        led.open_session(long_id, SessionBudget(window=10_000, system_prompt=10))
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    argv = [sys.executable, "-m", "ledger.cli", "--url", redis_server.url, "--prefix", prefix]
+    got = subprocess.run([*argv, "top", "--once"], capture_output=True, text=True, env=env)
+    assert got.returncode == 0, got.stderr
+    assert long_id in got.stdout and "…" not in got.stdout, got.stdout
+    assert max(len(ln) for ln in got.stdout.splitlines()) > 80
+    row = next(ln for ln in got.stdout.splitlines() if ln.startswith(long_id)).split()
+    assert len(row) == 1 + len(cli.TopView.COLUMNS)
+    got = subprocess.run(
+        [*argv, "top", "--once"], capture_output=True, text=True, env={**env, "COLUMNS": "60"}
+    )
+    assert max(len(ln) for ln in got.stdout.splitlines()) <= 60 and long_id not in got.stdout
+
+
 def test_version_and_a_closed_pipe(tmp_path: Path) -> None:
     got = subprocess.run(
         [sys.executable, "-m", "ledger.cli", "--version"], capture_output=True, text=True

@@ -104,3 +104,23 @@ def test_inspect_flags_a_damaged_session(
     err = capsys.readouterr().err
     assert "field 'u_r' holds 'abc', not a number" in err
     assert "int()" not in err and "Traceback" not in err
+
+
+def test_busiest_sets_a_damaged_session_apart(ledger: Ledger) -> None:
+    """A field that holds no number (one the rank reads, one only a shown row has):
+    the session is ranked nowhere and named in ``damaged``; without that dict its
+    DamagedSession is raised (never a ValueError)."""
+    from ledger.errors import DamagedSession
+
+    _fleet(ledger)
+    ledger.client.hset(ledger.keyspace.session("high").session, "a_rm", "x1")
+    ledger.client.hset(ledger.keyspace.session("low").session, "tn", "?")
+    damaged: dict[str, str] = {}
+    rows, totals = views.busiest(ledger, limit=10, damaged=damaged)
+    assert [sid for sid, _ in rows] == ["mid"] and totals["refused"] == 1
+    assert damaged == {
+        "high": "field 'a_rm' holds 'x1', not a number",
+        "low": "field 'tn' holds '?', not a number",
+    }
+    with pytest.raises(DamagedSession):
+        views.busiest(ledger, limit=10)
