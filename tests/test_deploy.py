@@ -60,7 +60,7 @@ def test_alert_rules_pass_promtool() -> None:
 
 def test_alert_rules_fire_when_they_should() -> None:
     """A stalled job loop and an unreachable Redis page; a fleet with an observer does
-    not alert (the cases in alerts_test.yml)."""
+    not alert; workers that cannot be scraped page (the cases in alerts_test.yml)."""
     done = subprocess.run(
         [promtool(), "test", "rules", "alerts_test.yml"],
         cwd=RULES.parent,
@@ -69,6 +69,41 @@ def test_alert_rules_fire_when_they_should() -> None:
         timeout=60,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+DOWN_GROUP = "ledger-workers-down"  # rules on Prometheus's `up`, in a group of their own
+
+
+def test_workers_down_pages_when_every_scrape_fails(tmp_path: Path) -> None:
+    """Every scrape of the workers failing: their metrics are gone and every rule on
+    them stays silent (alerts_test.yml asserts it), so the rules on `up` page: each
+    worker down, none up, none known (absent), no worker metrics at all. Without the
+    group those same cases fail: nothing else would have paged."""
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    down = next(g for g in groups if g["name"] == DOWN_GROUP)
+    names = {r["alert"] for r in down["rules"]}
+    assert names == {
+        "LedgerWorkerDown",
+        "LedgerWorkersAllDown",
+        "LedgerWorkersAbsent",
+        "LedgerWorkerMetricsAbsent",
+    }
+    exprs = " ".join(r["expr"] for r in down["rules"])
+    assert 'up{job="ledger-worker"} == 0' in exprs and 'absent(up{job="ledger-worker"})' in exprs
+    # the same unit tests against the rules without the group
+    without = {"groups": [g for g in groups if g["name"] != DOWN_GROUP]}
+    (tmp_path / "alerts.yml").write_text(yaml.safe_dump(without))
+    shutil.copy(RULES.parent / "alerts_test.yml", tmp_path / "alerts_test.yml")
+    done = subprocess.run(
+        [promtool(), "test", "rules", "alerts_test.yml"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0
+    missed = set(re.findall(r"alertname: (\w+)", done.stdout + done.stderr))
+    assert missed == names, done.stdout + done.stderr
 
 
 def test_dashboard_queries_are_valid_promql(tmp_path: Path) -> None:
