@@ -250,35 +250,53 @@ def cmd_audit(args: argparse.Namespace, out: Console) -> int:
 
 
 def cmd_dead(args: argparse.Namespace, out: Console) -> int:
-    """The jobs the worker gave up on: list them, or replay or purge some (or --all)."""
+    """The jobs the worker gave up on: list them (all, or those named), show them whole,
+    or replay or purge some (or --all). Ages are measured on Redis's clock."""
     import json
 
     from rich.markup import escape
 
     from ledger.client import Ledger
-    from ledger.views import dead_letters, purge_dead, replay_dead
+    from ledger.views import dead_letters, purge_dead, redis_now_ms, replay_dead, take_dead
 
     with Ledger.from_settings(_settings(args)) as ledger:
-        if args.action == "list":
-            depths, letters = dead_letters(ledger, args.limit)
+        if args.action in ("list", "show"):
+            if args.action == "show" and not args.refs and not args.all:
+                raise InvalidArgument("ledger dead show needs letters (p<N>:<id>) or --all")
+            if args.refs:
+                letters = take_dead(ledger, args.refs)
+                depths: dict[int, int] = {}
+            else:
+                depths, letters = dead_letters(ledger, args.limit)
+            now = redis_now_ms(ledger)
             if args.json:
-                rows = [{"ref": d.ref, **d.fields} for d in letters]
+                rows = [
+                    {"ref": d.ref, "age_s": (now - d.dead_since_ms) // 1000, **d.fields}
+                    for d in letters
+                ]
                 print(json.dumps({"depths": depths, "letters": rows}, indent=2))
                 return EXIT_OK
             for d in letters:
                 e = schema.DeadLetterEntry.from_fields(d.fields)
+                age = _age(now - d.dead_since_ms)
+                if args.action == "show":  # every field, the error whole
+                    out.print(f"[bold]{escape(d.ref)}[/]  dead for {age}", highlight=False)
+                    for k, v in sorted(d.fields.items()):
+                        out.print(f"  {escape(k)}: {escape(v)}", soft_wrap=True, highlight=False)
+                    continue
                 out.print(
-                    f"{escape(d.ref)} {escape(e.kind)} session "
+                    f"{escape(d.ref)} {age:>4} {escape(e.kind)} session "
                     f"{escape(e.session)}: {escape(e.why)}; {escape(e.error[:200])}",
                     soft_wrap=True,
                     highlight=False,
                 )
-            total = sum(depths.values())
-            out.print(
-                f"{total} dead letter(s) in {len(depths)} partition(s)"
-                + (f", {len(letters)} shown" if len(letters) < total else ""),
-                highlight=False,
-            )
+            if args.action == "list" and not args.refs:
+                total = sum(depths.values())
+                out.print(
+                    f"{total} dead letter(s) in {len(depths)} partition(s)"
+                    + (f", {len(letters)} shown" if len(letters) < total else ""),
+                    highlight=False,
+                )
             return EXIT_OK
         if not args.refs and not args.all:
             raise InvalidArgument(f"ledger dead {args.action} needs letters (p<N>:<id>) or --all")
@@ -870,16 +888,18 @@ def build_parser() -> argparse.ArgumentParser:
     tp.set_defaults(func=cmd_top)
     dl = add(
         "dead",
-        help="jobs the worker gave up on: list, replay, purge",
+        help="jobs the worker gave up on: list, show, replay, purge",
         description="Each partition keeps the jobs the worker dead-lettered (after "
         "max_deliveries attempts) in <prefix>:{p<N>}:dead, at most dead_letter_max each. "
-        "list shows them as p<N>:<entry id> with why and the last error; replay puts the "
+        "list shows them (all, or those named) as p<N>:<entry id> with their age (since "
+        "they were dead-lettered, on Redis's clock), kind, session, why and the last "
+        "error; show prints the named ones (or --all) whole, every field; replay puts the "
         "named ones (or --all) back on their job streams as new jobs, fenced by the "
         "session's epoch like any job; purge deletes them.",
     )
-    dl.add_argument("action", choices=("list", "replay", "purge"))
+    dl.add_argument("action", choices=("list", "show", "replay", "purge"))
     dl.add_argument("refs", nargs="*", metavar="p<N>:<ID>", help="dead letters (from list)")
-    dl.add_argument("--all", action="store_true", help="replay or purge every dead letter")
+    dl.add_argument("--all", action="store_true", help="show, replay or purge every dead letter")
     dl.add_argument("--limit", type=int, default=100, help="letters listed (default 100)")
     dl.add_argument("--json", action="store_true", help="list as one JSON object")
     dl.set_defaults(func=cmd_dead)

@@ -381,6 +381,18 @@ class DeadLetter:
     def job(self) -> dict[str, str]:
         return {k: self.fields[k] for k in JOB_FIELDS if k in self.fields}
 
+    @property
+    def dead_since_ms(self) -> int:
+        """When it was dead-lettered (Redis's clock, ms): its entry id's first part."""
+        return int(self.entry.partition("-")[0])
+
+
+def redis_now_ms(ledger: Ledger) -> int:
+    """Redis's clock (TIME), in ms: what a dead letter's age is measured against."""
+    with translated():
+        secs, micros = ledger.client.time()
+    return int(secs) * 1000 + int(micros) // 1000
+
 
 def dead_letters(ledger: Ledger, limit: int = 100) -> tuple[dict[int, int], list[DeadLetter]]:
     """Every partition's dead-letter depth (non-empty ones), and up to ``limit`` of the
@@ -420,8 +432,9 @@ def _parse_ref(ref: str, partitions: int) -> tuple[int, str]:
     return p, entry
 
 
-def _take(ledger: Ledger, refs: Sequence[str] | None) -> list[DeadLetter]:
-    """The letters named (None: every one), each read back; a missing one is an error."""
+def take_dead(ledger: Ledger, refs: Sequence[str] | None) -> list[DeadLetter]:
+    """The letters named (None: every one), each read back; a missing one is an error
+    (``ledger dead show``, ``list`` with names, ``replay``, ``purge``)."""
     if refs is None:
         return dead_letters(ledger, limit=10**9)[1]
     found = []
@@ -441,7 +454,7 @@ def replay_dead(ledger: Ledger, refs: Sequence[str] | None) -> list[str]:
     runs it as a new job, fenced like any other by the session's epoch and state), and
     remove them from the dead-letter stream. Returns the new entry ids."""
     out = []
-    for letter in _take(ledger, refs):
+    for letter in take_dead(ledger, refs):
         ks, p = ledger.keyspace, letter.partition
         with translated():
             new = ledger.client.xadd(ks.jobs(p), dict(letter.job))  # type: ignore[arg-type]
@@ -453,7 +466,7 @@ def replay_dead(ledger: Ledger, refs: Sequence[str] | None) -> list[str]:
 def purge_dead(ledger: Ledger, refs: Sequence[str] | None) -> int:
     """Delete dead letters (None: all of them). Returns how many were deleted."""
     n = 0
-    for letter in _take(ledger, refs):
+    for letter in take_dead(ledger, refs):
         with translated():
             n += int(
                 ledger.client.xdel(ledger.keyspace.dead_letters(letter.partition), letter.entry)

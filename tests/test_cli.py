@@ -498,6 +498,55 @@ def test_top_piped_prints_whole_lines(redis_server: RedisProcess, prefix: str) -
     assert max(len(ln) for ln in got.stdout.splitlines()) <= 60 and long_id not in got.stdout
 
 
+def _dead_letter(led: Ledger, session: str, age_ms: int, error: str) -> str:
+    """A dead letter as the worker writes it (schema.DeadLetterEntry), dead-lettered
+    `age_ms` ago by Redis's clock (its entry id); its ref."""
+    from ledger import schema
+
+    secs, micros = led.client.time()
+    at = int(secs) * 1000 + int(micros) // 1000 - age_ms
+    p = led.keyspace.partition_of(session)
+    entry = schema.DeadLetterEntry(
+        {"kind": "compact", "session": session, "epoch": "1"}, "1-0", "max deliveries", error
+    )
+    eid = led.client.xadd(led.keyspace.dead_letters(p), entry.to_fields(), id=f"{at}-0")
+    return f"p{p}:{eid.decode() if isinstance(eid, bytes) else eid}"
+
+
+def test_dead_show_list_by_name_and_age(
+    redis_server: RedisProcess, prefix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`dead show` prints named letters whole (before: no such command, exit 2);
+    `dead list <ref>` lists only those named (before: every letter); each row has its
+    age on Redis's clock (before: none)."""
+    long_error = "RuntimeError: summarizer down; " + "detail " * 60 + "END-OF-ERROR"
+    with Ledger.from_settings(LedgerSettings(redis_url=redis_server.url, prefix=prefix)) as led:
+        old = _dead_letter(led, "dl-old", 2 * 3600_000 + 5_000, long_error)
+        new = _dead_letter(led, "dl-new", 5 * 60_000 + 5_000, "ValueError: bad plan")
+    argv = ["--url", redis_server.url, "--prefix", prefix, "dead"]
+    assert cli.main([*argv, "list"]) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    rows = {ln.split()[0]: ln.split() for ln in out.splitlines() if ln.startswith("p")}
+    assert rows[old][1] == "2h" and rows[new][1] == "5m", out
+    assert "END-OF-ERROR" not in out  # list cuts the error
+    assert cli.main([*argv, "list", new]) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    assert new in out and old not in out and "dl-old" not in out
+    assert cli.main([*argv, "show", old]) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    flat = " ".join(out.split())
+    assert f"{old} dead for 2h" in flat and "END-OF-ERROR" in flat and new not in out
+    assert "session: dl-old" in flat and "why: max deliveries" in flat and "kind: compact" in flat
+    assert cli.main([*argv, "show"]) == cli.EXIT_USAGE  # names, or --all
+    assert cli.main([*argv, "show", "p0:1-1"]) == cli.EXIT_VIOLATION  # no such letter
+    assert cli.main([*argv, "show", "--all"]) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    assert old in out and new in out
+    assert cli.main([*argv, "list", "--json"]) == cli.EXIT_OK
+    got = {r["ref"]: r for r in json.loads(capsys.readouterr().out)["letters"]}
+    assert 2 * 3600 <= got[old]["age_s"] < 2 * 3600 + 60 and got[new]["session"] == "dl-new"
+
+
 def test_version_and_a_closed_pipe(tmp_path: Path) -> None:
     got = subprocess.run(
         [sys.executable, "-m", "ledger.cli", "--version"], capture_output=True, text=True
