@@ -299,6 +299,19 @@ def exercise_everything(
     cli = ["--url", url, "--prefix", p]
     cli_ok(*cli, "inspect", "tenant/agent")
     cli_ok(*cli, "top", "--once")
+    # the dead letters: the failing job's, and a copy of it (the admin's) to purge
+    dead_stream = f"{ledger.keyspace.tag(part)}:dead"
+    [(eid, fields)] = admin.xrange(dead_stream)
+    copy = admin.xadd(dead_stream, fields)
+    ref, other = (f"p{part}:{e.decode()}" for e in (eid, copy))
+    cli_ok(*cli, "dead", "list")
+    cli_ok(*cli, "dead", "list", ref)
+    cli_ok(*cli, "dead", "show", ref)
+    cli_ok(*cli, "dead", "replay", ref)
+    cli_ok(*cli, "dead", "purge", other)
+    assert admin.xlen(dead_stream) == 0, "the dead letters were not replayed and purged"
+    done += ["cli dead list", "cli dead show", "cli dead replay", "cli dead purge"]
+    # the worker runs the replayed job (its compactor now works)
     cli_ok(*cli, "worker", "--once", "--compactor", "tests.fleet_compactor:SUMMARIZER")
     done += ["cli inspect", "cli top", "cli worker"]
 
