@@ -1,9 +1,11 @@
 """The ``ledger`` command: ``demo``, ``inspect``, ``top``, ``audit``, ``dead``, ``worker``,
 ``scripts``.
 
-Exit codes: 0 success; 1 an audit found violations or the demo's checks failed;
+Exit codes: 0 success; 1 an audit found violations or a damaged session, the demo's
+checks failed, or the ledger refused the request (an unknown session or dead letter);
 2 bad usage or configuration (among them: no Redis URL for worker, audit, inspect or top,
-and a worker with no compactor named); 3 Redis unavailable.
+a worker with no compactor named, or whose compactor cannot be imported or fails its
+check); 3 Redis unavailable.
 
 Only ``demo`` runs in-process (``embedded://``) when no URL is set; the other commands
 need ``--url`` or ``LEDGER_REDIS_URL`` (``embedded://`` only when asked for by name).
@@ -364,10 +366,11 @@ def cmd_inspect(args: argparse.Namespace, out: Console) -> int:
     t.add_row("system prompt + framing", "", str(snap.system_prompt + snap.tool_framing), "")
     t.add_row("output reserve", "", str(snap.output_reserve), "")
     out.print(t)
-    items = Table(title=f"items ({len(v.items)}, oldest first)")
+    newest = v.items[::-1][: max(args.items, 0)]  # v.items is oldest first
+    items = Table(title=f"items ({len(v.items)}; the newest {len(newest)}, newest first)")
     for col in ("consumer", "id", "tokens", "turn", "priority"):
         items.add_column(col)
-    for it in v.items[-args.items :]:
+    for it in newest:
         items.add_row(it.consumer.value, it.id, str(it.tokens), str(it.turn), str(it.priority))
     out.print(items)
     if v.reservations:
@@ -732,6 +735,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     import signal
     import threading
 
+    import redis
+
     from ledger.client import Ledger
     from ledger.workers.compactors import NO_COMPACTOR
     from ledger.workers.runner import JsonFormatter, Worker, WorkerSettings
@@ -760,7 +765,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
     with Ledger.from_settings(settings) as ledger:
-        worker = Worker(ledger, wsettings)
+        try:
+            worker = Worker(ledger, wsettings)
+        except (LedgerError, redis.RedisError):
+            raise
+        except Exception as exc:  # the compactor's import or its check() raised
+            raise ConfigurationError(
+                f"the compactor {wsettings.compactor!r} cannot work: {type(exc).__name__}: {exc}"
+            ) from exc
         http = None
         if wsettings.metrics_port:  # /metrics, /healthz (the job loop turns), /readyz
             from ledger.workers.http import serve
@@ -780,7 +792,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="ledger", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="ledger",
+        description=plain(__doc__ or ""),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "--url",
@@ -862,7 +876,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.set_defaults(func=cmd_audit)
     i = add("inspect", help="one session: allocations, items, reservations, journal")
     i.add_argument("session")
-    i.add_argument("--items", type=int, default=20, help="newest items shown (default 20)")
+    i.add_argument(
+        "--items", type=int, default=20, help="newest items shown, newest first (default 20)"
+    )
     i.add_argument("--journal", type=int, default=10, help="journal entries shown (default 10)")
     i.add_argument(
         "--op",
@@ -938,6 +954,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     w.set_defaults(func=cmd_worker)
     return p
+
+
+def plain(doc: str) -> str:
+    """A docstring as ``--help`` prints it: without reStructuredText's literal quotes
+    (double backticks), which a terminal shows as they are typed."""
+    return doc.replace("``", "")
 
 
 def _version() -> str:

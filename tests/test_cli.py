@@ -547,6 +547,69 @@ def test_dead_show_list_by_name_and_age(
     assert 2 * 3600 <= got[old]["age_s"] < 2 * 3600 + 60 and got[new]["session"] == "dl-new"
 
 
+def test_help_has_no_rst_quotes() -> None:
+    """`ledger --help` and each command's: plain text, no ``double backticks``."""
+    texts = [cli.build_parser().format_help()]
+    sub = cli.build_parser()._subparsers
+    assert sub is not None
+    for action in sub._group_actions:
+        for parser in getattr(action, "choices", {}).values():
+            texts.append(parser.format_help())
+    assert len(texts) == 8
+    assert "The ledger command: demo, inspect" in texts[0]
+    for text in texts:
+        assert "`" not in text, text
+
+
+def test_inspect_items_newest_first(
+    redis_server: RedisProcess, prefix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--items N shows the N newest items, the newest first, as its help and title say
+    (before: the title said oldest first, and the help newest)."""
+    with Ledger.from_settings(LedgerSettings(redis_url=redis_server.url, prefix=prefix)) as led:
+        s = led.open_session("items", SessionBudget(window=10_000, system_prompt=10))
+        for n in range(5):
+            s.admit("retrieval", [Item(f"doc-{n}", 10)])
+    argv = ["--url", redis_server.url, "--prefix", prefix, "inspect", "items", "--items", "2"]
+    assert cli.main(argv) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    shown = re.findall(r"\bdoc-\d\b", out)
+    assert shown == ["doc-4", "doc-3"], out
+    assert "items (5; the newest 2, newest first)" in " ".join(out.split())
+
+
+class BrokenCheck:
+    """A compactor whose check() raises what is not a ConfigurationError."""
+
+    def __call__(self, request: object) -> object:
+        raise AssertionError("never called")
+
+    def check(self) -> None:
+        raise RuntimeError("endpoint http://summarizer:8000 refused the connection")
+
+
+BROKEN = BrokenCheck()
+
+
+def test_worker_whose_compactor_check_raises_exits_2_without_a_traceback(
+    redis_server: RedisProcess, prefix: str
+) -> None:
+    """Exit 1 is a violation's: a compactor that cannot work is configuration (2), named
+    with its error (before: a traceback and exit 1)."""
+    argv = [sys.executable, "-m", "ledger.cli", "--url", redis_server.url, "--prefix", prefix]
+    got = subprocess.run(
+        [*argv, "worker", "--once", "--compactor", "tests.test_cli:BROKEN"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert got.returncode == cli.EXIT_USAGE, got.stderr
+    assert "Traceback" not in got.stderr
+    assert "the compactor 'tests.test_cli:BROKEN' cannot work: RuntimeError: endpoint" in (
+        got.stderr
+    )
+
+
 def test_version_and_a_closed_pipe(tmp_path: Path) -> None:
     got = subprocess.run(
         [sys.executable, "-m", "ledger.cli", "--version"], capture_output=True, text=True
