@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from redis.cluster import RedisCluster
 
-from ledger import Item, Ledger, SessionBudget, cli, views
+from ledger import AuditReport, Item, Ledger, SessionBudget, cli, views
 from ledger.errors import AdmissionRefused, UnknownSession
 from ledger.testing import RedisProcess
 from tests.conftest import make_settings
@@ -124,3 +124,21 @@ def test_busiest_sets_a_damaged_session_apart(ledger: Ledger) -> None:
     }
     with pytest.raises(DamagedSession):
         views.busiest(ledger, limit=10)
+
+
+def test_audits_name_a_damaged_session_and_judge_the_others(ledger: Ledger) -> None:
+    """audit.lua replies status=damaged (never a Lua error) for a hash not as the scripts
+    write it; views.audits yields it as Damaged, and every other session its report."""
+    budget = SessionBudget(window=1_000, system_prompt=100)
+    for sid in ("whole", "no-w", "bad-item"):
+        ledger.open_session(sid, budget).admit("retrieval", [Item("a", 10)])
+    ledger.client.hdel(ledger.keyspace.session("no-w").session, "W")
+    ledger.client.hset(ledger.keyspace.session("bad-item").session, "i:r:a", "ten")
+    got = dict(views.audits(ledger, ["whole", "no-w", "bad-item"]))
+    assert isinstance(got["whole"], AuditReport) and got["whole"].clean
+    assert got["no-w"] == views.Damaged("no-w", ("damaged: field 'W' is missing",))
+    bad = got["bad-item"]
+    assert isinstance(bad, views.Damaged) and "field 'i:r:a' holds 'ten'" in bad.problems[0]
+    # the client's own audit: not clean, the damage named, no error
+    report = ledger.audit("no-w")
+    assert not report.clean and report.problems == ("damaged: field 'W' is missing",)
