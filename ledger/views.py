@@ -173,6 +173,9 @@ def snapshots(
             if isinstance(res, DamagedSession) and damaged is not None:
                 damaged[sid] = _damage(res.field, res.value)
                 continue
+            if isinstance(res, LedgerError) and damaged is not None:
+                damaged[sid] = unreadable(res)
+                continue
             if isinstance(res, BaseException):
                 raise res
             out.append((sid, res))
@@ -205,6 +208,8 @@ def audits(
                 yield sid, Damaged(sid, res.problems)
             elif isinstance(res, UnknownSession) or not isinstance(res, BaseException):
                 yield sid, res
+            elif isinstance(res, LedgerError):  # its own call failed (a key not a hash)
+                yield sid, Damaged(sid, (f"damaged: {unreadable(res)}",))
             else:
                 raise res
 
@@ -260,7 +265,10 @@ def busiest(
                 res = collect([call], [raw], return_exceptions=True)[0]
                 if isinstance(res, UnknownSession):  # closed or expired
                     continue
-                raise res
+                if damaged is None:
+                    raise res
+                damaged[sid] = unreadable(res)  # its own call failed (a key not a hash)
+                continue
             text = raw.decode() if isinstance(raw, bytes) else str(raw)
             parts = text.split("|")
             if not where:
@@ -333,6 +341,12 @@ def fleet_status(ledger: Ledger) -> FleetStatus:
         if isinstance(length, int):
             dead += length
     return FleetStatus(lag=lag, pending=pending, dead=dead, groups=groups)
+
+
+def unreadable(exc: LedgerError) -> str:
+    """What is wrong with a session whose own read-only call failed (the other sessions'
+    calls did not): a key of its name that is not a hash, most likely."""
+    return f"its call failed: {exc}"
 
 
 def _whole(text: str) -> bool:

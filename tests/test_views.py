@@ -142,3 +142,17 @@ def test_audits_name_a_damaged_session_and_judge_the_others(ledger: Ledger) -> N
     # the client's own audit: not clean, the damage named, no error
     report = ledger.audit("no-w")
     assert not report.clean and report.problems == ("damaged: field 'W' is missing",)
+
+
+def test_a_session_key_that_is_not_a_hash_is_damaged_not_fatal(ledger: Ledger) -> None:
+    """A key of a session's name holding a string (WRONGTYPE in its script): audits and
+    busiest name it and go on; before, its error ended the whole view."""
+    ledger.open_session("fine", SessionBudget(window=1_000, system_prompt=100))
+    ledger.client.set(ledger.keyspace.session("str").session, "x")
+    got = dict(views.audits(ledger, views.listed(ledger)))
+    assert isinstance(got["fine"], AuditReport) and got["fine"].clean
+    bad = got["str"]
+    assert isinstance(bad, views.Damaged) and "WRONGTYPE" in bad.problems[0], bad
+    damaged: dict[str, str] = {}
+    rows, _ = views.busiest(ledger, damaged=damaged)
+    assert [sid for sid, _ in rows] == ["fine"] and "WRONGTYPE" in damaged["str"]
