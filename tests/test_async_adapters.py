@@ -16,7 +16,7 @@ import json
 import sqlite3
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Annotated, Any, TypedDict
@@ -269,13 +269,21 @@ async def test_a_message_added_with_update_state_between_turns_is_in_the_next_pr
 
 
 @pytest.mark.embedded
-def test_each_face_refuses_the_other_agent() -> None:
-    with Ledger.from_url(f"embedded://{uuid.uuid4().hex}") as led:
-        agent = Agent(led.open_session("faces", BUDGET), TOK)
-        with pytest.raises(InvalidArgument, match="AsyncLedgerGraph an AsyncAgent"):
-            AsyncLedgerGraph(agent)  # type: ignore[arg-type]
-        with pytest.raises(InvalidArgument, match="AsyncLedgerGraph an AsyncAgent"):
-            AsyncLedgerMiddleware(agent)  # type: ignore[arg-type]
+async def test_each_face_refuses_the_other_agent() -> None:
+    url = f"embedded://{uuid.uuid4().hex}"
+    async with AsyncLedger.from_url(url) as aled:
+        async_agent = AsyncAgent(await aled.open_session("faces", BUDGET), TOK)
+        with Ledger.from_url(url) as led:
+            agent = Agent(led.session("faces"), TOK)
+            pairs: list[tuple[Any, Any]] = [
+                (AsyncLedgerGraph, agent),
+                (AsyncLedgerMiddleware, agent),
+                (LedgerGraph, async_agent),
+                (LedgerMiddleware, async_agent),
+            ]
+            for face, other in pairs:
+                with pytest.raises(InvalidArgument, match="AsyncLedgerGraph an AsyncAgent"):
+                    face(other)
 
 
 # --- LangChain create_agent --------------------------------------------------------------
@@ -308,6 +316,40 @@ async def run_agent(mw: Any, agent: Any, config: Any, q: str) -> Any:
     return turn
 
 
+LC_BUDGET = SessionBudget(
+    window=8_000,
+    system_prompt=TOK(SYSTEM),
+    tool_framing=schema_tokens([search]),
+    output_reserve=500,
+    framing_tolerance=0,
+)
+
+
+@asynccontextmanager
+async def lc_governed(
+    face: str, url: str, sid: str, saver: Any, pause: float = 0.0
+) -> AsyncIterator[tuple[Any, Any]]:
+    """The middleware of the face (its session opened) and a create_agent agent with it."""
+    if face == "asyncio":
+        async with AsyncLedger.from_url(url) as aled:
+            session = await aled.open_session(sid, LC_BUDGET)
+            mw: Any = AsyncLedgerMiddleware(AsyncAgent(session, TOK), checkpointer=saver)
+            yield mw, create_agent(
+                Stub(pause=pause), [asearch], system_prompt=SYSTEM, checkpointer=saver,
+                middleware=[mw],
+            )  # fmt: skip
+            await session.delete()
+    else:
+        with Ledger.from_url(url) as led:
+            sync_session = led.open_session(sid, LC_BUDGET)
+            mw = LedgerMiddleware(Agent(sync_session, TOK), checkpointer=saver)
+            yield mw, create_agent(
+                Stub(pause=pause), [search], system_prompt=SYSTEM, checkpointer=saver,
+                middleware=[mw],
+            )  # fmt: skip
+            sync_session.delete()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("face", FACES)
 @pytest.mark.parametrize("rule", ["admitted", "without the rule"])
@@ -328,49 +370,21 @@ async def test_langchain_middleware_on_both_faces(
     sid = f"lc-{face}-{uuid.uuid4().hex[:6]}"
     config = {"configurable": {"thread_id": sid}}
     note = HumanMessage("Note from the operator: amounts are in euros.", id="note-1")
-    url = url_of(request, backend)
-    budget = SessionBudget(
-        window=8_000,
-        system_prompt=TOK(SYSTEM),
-        tool_framing=schema_tokens([search]),
-        output_reserve=500,
-        framing_tolerance=0,
-    )
-    async with saver_of(face, tmp_path / "db.sqlite") as saver:
-        if face == "asyncio":
-            aled = AsyncLedger.from_url(url)
-            session: Any = await aled.open_session(sid, budget)
-            mw: Any = AsyncLedgerMiddleware(AsyncAgent(session, TOK), checkpointer=saver)
-            tools = [asearch]
-        else:
-            led = Ledger.from_url(url)
-            session = led.open_session(sid, budget)
-            mw = LedgerMiddleware(Agent(session, TOK), checkpointer=saver)
-            tools = [search]
-        agent = create_agent(
-            Stub(), tools, system_prompt=SYSTEM, checkpointer=saver, middleware=[mw]
-        )
-        try:
-            await run_agent(mw, agent, config, "q1")
-            await update(agent, config, {"messages": [note]})
-            SEEN.clear()
-            turn = await run_agent(mw, agent, config, "q2")
-            assert turn.report.drift == 0 and turn.report.flag == "none"
-            last = SEEN[-1]
-            assert isinstance(last[-1], ToolMessage)  # the second call: after the tool
-            assert mw.tool_tokens(tools) == schema_tokens(tools)
-            assert await occupancy(mw.graph) == tokens(last) + TOK("It is 42.") + schema_tokens(
-                tools
-            )
-            sent = [m.id for m in last]
-            assert ("note-1" in sent) is (rule == "admitted"), sent
-        finally:
-            if face == "asyncio":
-                await session.delete()
-                await aled.aclose()
-            else:
-                session.delete()
-                led.close()
+    async with (
+        saver_of(face, tmp_path / "db.sqlite") as saver,
+        lc_governed(face, url_of(request, backend), sid, saver) as (mw, agent),
+    ):
+        await run_agent(mw, agent, config, "q1")
+        await update(agent, config, {"messages": [note]})
+        SEEN.clear()
+        turn = await run_agent(mw, agent, config, "q2")
+        assert turn.report.drift == 0 and turn.report.flag == "none"
+        last = SEEN[-1]
+        assert isinstance(last[-1], ToolMessage)  # the second call: after the tool
+        assert mw.tool_tokens([search]) == LC_BUDGET.tool_framing
+        assert await occupancy(mw.graph) == tokens(last) + TOK("It is 42.") + LC_BUDGET.tool_framing
+        sent = [m.id for m in last]
+        assert ("note-1" in sent) is (rule == "admitted"), sent
 
 
 # --- the event loop ----------------------------------------------------------------------
@@ -383,12 +397,28 @@ def slow_redis(server: servers.RedisProcess, delay: float) -> Iterator[str]:
         yield proxy.url
 
 
+@asynccontextmanager
+async def adapter(
+    kind: str, face: str, url: str, sid: str, saver: Any, pause: float
+) -> AsyncIterator[Callable[[str], Awaitable[Any]]]:
+    """One turn of the LangGraph graph or the LangChain agent, as a function of its question."""
+    config = {"configurable": {"thread_id": sid}}
+    if kind == "langgraph":
+        async with governed(face, url, sid, saver) as gov:
+            graph = graph_of(gov, saver, pause=pause)
+            yield lambda q: ask(gov, graph, config, q)
+    else:
+        async with lc_governed(face, url, sid, saver, pause) as (mw, agent):
+            yield lambda q: run_agent(mw, agent, config, q)
+
+
 @pytest.mark.redis
+@pytest.mark.parametrize("kind", ["langgraph", "langchain"])
 async def test_the_asyncio_face_never_blocks_the_event_loop(
-    redis_server: servers.RedisProcess, tmp_path: Path
+    kind: str, redis_server: servers.RedisProcess, tmp_path: Path
 ) -> None:
     """A ticker task ticks every 5 ms while a turn runs whose every Redis reply takes
-    40 ms and whose model call takes 100 ms: on the asyncio face it keeps ticking
+    40 ms and whose model calls take 100 ms: on the asyncio face it keeps ticking
     through the turn; the sync face, driven from the same loop, stops it."""
     delay = 0.04
     ticks: list[float] = []
@@ -400,19 +430,17 @@ async def test_the_asyncio_face_never_blocks_the_event_loop(
 
     async def timed(face: str) -> tuple[int, float]:
         sid = f"tick-{face}-{uuid.uuid4().hex[:6]}"
-        config = {"configurable": {"thread_id": sid}}
         with slow_redis(redis_server, delay) as url:
             async with (
                 saver_of(face, tmp_path / f"{face}.sqlite") as saver,
-                governed(face, url, sid, saver) as gov,
+                adapter(kind, face, url, sid, saver, 0.1) as turn,
             ):
-                graph = graph_of(gov, saver, pause=0.1)
-                await ask(gov, graph, config, "warm-up")  # scripts loaded, connections made
+                await turn("warm-up")  # scripts loaded, connections made
                 task = asyncio.create_task(ticker())
                 await asyncio.sleep(0.02)
                 ticks.clear()
                 start = time.monotonic()
-                await ask(gov, graph, config, "q1")
+                await turn("q1")
                 took = time.monotonic() - start
                 task.cancel()
                 return len(ticks), took
