@@ -25,7 +25,14 @@ import pytest
 from langchain.agents import create_agent
 from langchain_core.documents import Document
 from langchain_core.language_models import BaseChatModel
-from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.messages import (
+    AIMessage,
+    AnyMessage,
+    HumanMessage,
+    RemoveMessage,
+    SystemMessage,
+    ToolMessage,
+)
 from langchain_core.outputs import ChatGeneration, ChatResult
 from langchain_core.tools import tool
 from langchain_core.utils.function_calling import convert_to_openai_tool
@@ -237,13 +244,14 @@ async def test_langgraph_turns_on_both_faces(
 @pytest.mark.embedded
 @pytest.mark.parametrize("face", FACES)
 @pytest.mark.parametrize("rule", ["admitted", "without the rule"])
-async def test_a_message_added_with_update_state_between_turns_is_in_the_next_prompt(
+async def test_what_update_state_writes_between_turns_is_the_next_turns(
     face: str, rule: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With the checkpointer (each turn pinned to the checkpoint the last turn committed),
-    a message written with update_state between turns is the next turn's: in its prompt
-    and in the ledger. Without the rule (the turn pinned to the committed checkpoint
-    itself) it never reaches a prompt, and nothing says so."""
+    a message added with update_state between turns is in the next turn's prompt and in
+    the ledger, and one removed that way leaves both. Without the rule (the turn pinned
+    to the committed checkpoint itself) the note never reaches a prompt and the removed
+    message stays in it, and nothing says so."""
     if rule != "admitted":
         for face_module in (ledger._async.langgraph, ledger._sync.langgraph):
             monkeypatch.setattr(face_module, "start_after", lambda mark, newer: mark)
@@ -257,15 +265,22 @@ async def test_a_message_added_with_update_state_between_turns_is_in_the_next_pr
         graph = graph_of(gov, saver)
         await ask(gov, graph, config, "q1")
         await update(graph, config, {"messages": [note]})
-        SEEN.clear()
-        turn = await ask(gov, graph, config, "q2")
-        sent = [m.id for m in SEEN[-1]]
-        assert turn.report.drift == 0  # the ledger holds what the prompt holds, either way
-        assert await occupancy(gov) == tokens(SEEN[-1]) + TOK("It is 42.")
+        sent: list[list[str | None]] = []
+        for q in ("q2", "q3"):
+            SEEN.clear()
+            turn = await ask(gov, graph, config, q)
+            sent.append([m.id for m in SEEN[-1]])
+            assert turn.report.drift == 0  # the ledger holds what the prompt holds, either way
+            assert await occupancy(gov) == tokens(SEEN[-1]) + TOK("It is 42.")
+            if q == "q2":  # between turns 2 and 3: the first question taken out
+                await update(graph, config, {"messages": [RemoveMessage(id="q1")]})
         if rule == "admitted":
-            assert sent[-2:] == ["note-1", "q2"] and sent.index("q1") < sent.index("note-1")
+            assert sent[0][-2:] == ["note-1", "q2"] and sent[0].index("q1") < sent[0].index(
+                "note-1"
+            )
+            assert "q1" not in sent[1] and sent[1][-1] == "q3"  # removed: given back
         else:
-            assert "note-1" not in sent  # lost, silently
+            assert "note-1" not in sent[0] and "q1" in sent[1]  # lost, silently
 
 
 @pytest.mark.embedded

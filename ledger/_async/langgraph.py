@@ -129,6 +129,7 @@ class AsyncLedgerGraph(GraphCore):
             reserve = snap.output_reserve if output_reserve is None else output_reserve
             self.limit = snap.window - reserve
             self.current, self.last_prompt, self._fresh = turn, None, True
+            self._gone = []
             try:
                 yield GraphTurn(turn, await self._pinned(turn, config))
                 if self.last_prompt is None:
@@ -143,9 +144,9 @@ class AsyncLedgerGraph(GraphCore):
         self, turn: AsyncTurn, config: RunnableConfig | None
     ) -> RunnableConfig | None:
         """The config that starts this turn: from the checkpoint the last ended turn
-        recorded, or one written on top of it between turns (``update_state``); before
-        any turn ended, the state before the first governed turn (one that died left
-        checkpoints nobody committed)."""
+        recorded, or the newest written on top of it between turns (``update_state``: what
+        that write removed is noted, to be given back); before any turn ended, the state
+        before the first governed turn (one that died left checkpoints nobody committed)."""
         if config is None or self.checkpointer is None:
             return config
         base = thread_of(config)
@@ -155,9 +156,14 @@ class AsyncLedgerGraph(GraphCore):
                 if turn.mark is not None and checkpoint_id(tup) == turn.mark:
                     break
                 newer.append(tup)
-        if turn.mark is not None:
-            return pinned(config, start_after(turn.mark, newer), turn.number)
-        return pinned(config, before_governed(newer), turn.number)
+        if turn.mark is None:
+            return pinned(config, before_governed(newer), turn.number)
+        start = start_after(turn.mark, newer)
+        if start != turn.mark:  # written between turns: what it removed is given back
+            committed = await self.checkpointer.aget_tuple(pinned(config, turn.mark, 0))
+            adopted = next(t for t in newer if checkpoint_id(t) == start)
+            self._gone = self.removed_between(committed, adopted)
+        return pinned(config, start, turn.number)
 
     async def _committed(self, turn: AsyncTurn, config: RunnableConfig | None) -> str | None:
         """The checkpoint this turn ends on: the newest this turn wrote (its metadata names
@@ -193,14 +199,17 @@ class AsyncLedgerGraph(GraphCore):
         return self.current
 
     async def _start(self, turn: AsyncTurn, state: Any) -> dict[str, list[Any]]:
-        """The turn's first node: the deliveries as an update of the state, the messages
-        that entered the state outside a node admitted, a pending compaction done if
-        asked for."""
+        """The turn's first node: what a write between turns removed given back, the
+        deliveries as an update of the state, the messages that entered the state outside
+        a node admitted, a pending compaction done if asked for."""
         ts = turn.state
         assert ts is not None
         if ts.recalibrated:
             # the session's calibration changed: its objects count otherwise now
             await self.reconcile(state)
+        if self._gone:
+            await turn.release(self._gone)
+            self._gone = []
         pre, adopt = self._deliveries(ts, state)
         if adopt:
             await self._admit_messages(turn, adopt)

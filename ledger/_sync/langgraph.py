@@ -124,6 +124,7 @@ class LedgerGraph(GraphCore):
             reserve = snap.output_reserve if output_reserve is None else output_reserve
             self.limit = snap.window - reserve
             self.current, self.last_prompt, self._fresh = turn, None, True
+            self._gone = []
             try:
                 yield GraphTurn(turn, self._pinned(turn, config))
                 if self.last_prompt is None:
@@ -138,9 +139,9 @@ class LedgerGraph(GraphCore):
         self, turn: Turn, config: RunnableConfig | None
     ) -> RunnableConfig | None:
         """The config that starts this turn: from the checkpoint the last ended turn
-        recorded, or one written on top of it between turns (``update_state``); before
-        any turn ended, the state before the first governed turn (one that died left
-        checkpoints nobody committed)."""
+        recorded, or the newest written on top of it between turns (``update_state``: what
+        that write removed is noted, to be given back); before any turn ended, the state
+        before the first governed turn (one that died left checkpoints nobody committed)."""
         if config is None or self.checkpointer is None:
             return config
         base = thread_of(config)
@@ -150,9 +151,14 @@ class LedgerGraph(GraphCore):
                 if turn.mark is not None and checkpoint_id(tup) == turn.mark:
                     break
                 newer.append(tup)
-        if turn.mark is not None:
-            return pinned(config, start_after(turn.mark, newer), turn.number)
-        return pinned(config, before_governed(newer), turn.number)
+        if turn.mark is None:
+            return pinned(config, before_governed(newer), turn.number)
+        start = start_after(turn.mark, newer)
+        if start != turn.mark:  # written between turns: what it removed is given back
+            committed = self.checkpointer.get_tuple(pinned(config, turn.mark, 0))
+            adopted = next(t for t in newer if checkpoint_id(t) == start)
+            self._gone = self.removed_between(committed, adopted)
+        return pinned(config, start, turn.number)
 
     def _committed(self, turn: Turn, config: RunnableConfig | None) -> str | None:
         """The checkpoint this turn ends on: the newest this turn wrote (its metadata names
@@ -188,14 +194,17 @@ class LedgerGraph(GraphCore):
         return self.current
 
     def _start(self, turn: Turn, state: Any) -> dict[str, list[Any]]:
-        """The turn's first node: the deliveries as an update of the state, the messages
-        that entered the state outside a node admitted, a pending compaction done if
-        asked for."""
+        """The turn's first node: what a write between turns removed given back, the
+        deliveries as an update of the state, the messages that entered the state outside
+        a node admitted, a pending compaction done if asked for."""
         ts = turn.state
         assert ts is not None
         if ts.recalibrated:
             # the session's calibration changed: its objects count otherwise now
             self.reconcile(state)
+        if self._gone:
+            turn.release(self._gone)
+            self._gone = []
         pre, adopt = self._deliveries(ts, state)
         if adopt:
             self._admit_messages(turn, adopt)

@@ -176,6 +176,7 @@ class GraphCore:
         self.last_prompt: int | None = None  # the last prompt sent, plus its answer
         self.limit: int | None = None  # window minus output reserve, for this turn
         self._fresh = False  # the turn's first node has not run yet
+        self._gone: list[Any] = []  # what a write between turns removed: given back
 
     def held(self, state: Any) -> dict[Consumer | str, list[Any]]:
         """What the graph's state holds, by consumer (what ``reconcile`` sets)."""
@@ -185,6 +186,31 @@ class GraphCore:
         for key in self.retrieval_keys:
             held[Consumer.RETRIEVAL] += list(get(state, key) or [])
         return held
+
+    def removed_between(self, committed: Any, adopted: Any) -> list[Any]:
+        """What a write between turns took out of the state: the messages and documents
+        the committed checkpoint holds and the adopted one (written on top of it) does
+        not. The turn's first node gives them back to the ledger."""
+
+        def held(tup: Any) -> dict[tuple[Consumer, str], Any]:
+            values = {} if tup is None else tup.checkpoint.get("channel_values") or {}
+            out = {
+                (consumer_of(m), self.core.item_id(m)): m
+                for m in get(values, self.messages_key) or []
+                if isinstance(m, BaseMessage) and m.id
+            }
+            for key in self.retrieval_keys:
+                out |= {
+                    (Consumer.RETRIEVAL, self.core.item_id(d)): d
+                    for d in get(values, key) or []
+                    if doc_id(d)
+                }
+            return out
+
+        now = held(adopted)
+        gone = {ref: obj for ref, obj in held(committed).items() if ref not in now}
+        self.core.known.update(gone)  # (released under the consumer that held them)
+        return list(gone.values())
 
     def _track(self, state: Any) -> None:
         core = self.core
