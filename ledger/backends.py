@@ -285,3 +285,11 @@ async def async_primary(
             _node_url(settings, node.host, int(node.port)), **_options(settings, asyncio=True)
         )
     return nodes[node.name]  # type: ignore[no-any-return]
+
+
+def forget(nodes: dict[str, Any], client: object) -> None:
+    """Drop the plain client of a primary that did not answer (the caller closes it):
+    after a failover its node is gone or a replica, and the next durable write goes to
+    the slot's primary as the slot map then says."""
+    for name in [n for n, c in nodes.items() if c is client]:
+        del nodes[name]

@@ -1,7 +1,8 @@
 """Throwaway Redis servers and worker processes for tests and benchmarks.
 
 ``standalone()`` starts a ``redis-server`` on a free port in a temporary directory and
-stops it afterwards; ``cluster(n)`` makes an n-primary Redis Cluster the same way;
+stops it afterwards; ``cluster(n)`` makes an n-primary Redis Cluster the same way,
+``replicated_cluster(n, replicas)`` one with replicas for failover tests;
 ``spawn_worker()`` runs ``ledger worker`` as a child process logging JSON lines to a
 file. Nothing here touches a server you already run: every server is a child process
 with its own port. Needs the ``redis-server`` and ``redis-cli`` binaries.
@@ -201,6 +202,130 @@ def cluster(primaries: int = 3) -> Iterator[list[RedisProcess]]:
             yield nodes
         finally:
             for n in nodes:
+                n.stop()
+
+
+def _cluster_node(directory: Path, node_timeout_ms: int, *extra: str) -> RedisProcess:
+    directory.mkdir()
+    return RedisProcess(
+        free_port(bus=True),
+        directory,
+        (
+            "--cluster-enabled", "yes",
+            "--cluster-config-file", str(directory / "nodes.conf"),
+            "--cluster-node-timeout", str(node_timeout_ms),
+            *extra,
+        ),
+    ).start()  # fmt: skip
+
+
+@dataclass
+class ClusterNodes:
+    """A running Redis Cluster with replicas: ``primaries[i]`` and ``replicas[i]``, the
+    nodes that followed it when the cluster was made (after a failover a replica may be
+    the primary: ask :meth:`primary_port`)."""
+
+    primaries: list[RedisProcess]
+    replicas: list[list[RedisProcess]]
+
+    @property
+    def url(self) -> str:
+        return f"redis+cluster://127.0.0.1:{self.primaries[0].port}"
+
+    def nodes(self) -> list[RedisProcess]:
+        return [*self.primaries, *(r for rs in self.replicas for r in rs)]
+
+    def primary_port(self, key: str, via: RedisProcess | None = None) -> int:
+        """The port of the primary that serves ``key``'s slot, as a live node sees it."""
+        alive = [
+            n for n in ([via] if via else self.nodes()) if n and n.proc and n.proc.poll() is None
+        ]
+        r = redis.Redis(port=alive[0].port, socket_timeout=2)
+        try:
+            slot = int(r.cluster("keyslot", key))
+            for row in r.execute_command("CLUSTER SLOTS"):  # type: ignore[no-untyped-call]
+                if int(row[0]) <= slot <= int(row[1]):
+                    return int(row[2][1])
+        finally:
+            r.close()
+        raise RuntimeError(f"no primary serves the slot of {key!r}")
+
+
+@contextlib.contextmanager
+def replicated_cluster(
+    primaries: int = 3,
+    replicas: int | Sequence[int] = 1,
+    *,
+    node_timeout_ms: int = 2000,
+    extra: Sequence[str] = (),
+) -> Iterator[ClusterNodes]:
+    """A Redis Cluster of ``primaries`` primaries, each with ``replicas`` replicas in sync
+    (a number for all, or one per primary): made for failover tests, where a primary is
+    killed and the cluster promotes one of its replicas after ``node_timeout_ms``. A
+    primary given two replicas keeps one after such a failover (the other follows the
+    promoted node), so writes that wait for a replica go on."""
+    counts = [replicas] * primaries if isinstance(replicas, int) else list(replicas)
+    if primaries < 1 or len(counts) != primaries or min(counts) < 0:
+        raise ValueError(f"need 1+ primaries and a replica count for each, got {counts}")
+    with tempfile.TemporaryDirectory(prefix="ledger-rcluster-") as d:
+        made = ClusterNodes([], [])
+        try:
+            for i in range(primaries):
+                made.primaries.append(_cluster_node(Path(d) / f"n{i}", node_timeout_ms, *extra))
+            clients = [redis.Redis(port=n.port) for n in made.primaries]
+            for i, r in enumerate(clients):
+                first, last = i * 16384 // primaries, (i + 1) * 16384 // primaries - 1
+                r.cluster("set-config-epoch", i + 1)
+                r.cluster("addslotsrange", first, last)
+            for r in clients[1:]:
+                r.cluster("meet", "127.0.0.1", made.primaries[0].port)
+            for r in clients:
+                r.close()
+            ids = []
+            for p in made.primaries:
+                r = redis.Redis(port=p.port, decode_responses=True)
+                ids.append(str(r.execute_command("CLUSTER MYID")))  # type: ignore[no-untyped-call]
+                r.close()
+            for i, count in enumerate(counts):
+                made.replicas.append([])
+                for j in range(count):
+                    node = _cluster_node(Path(d) / f"r{i}-{j}", node_timeout_ms, *extra)
+                    made.replicas[i].append(node)
+                    r = redis.Redis(port=node.port)
+                    try:
+                        r.cluster("meet", "127.0.0.1", made.primaries[0].port)
+                        deadline = time.monotonic() + 30
+                        while True:  # a replica must know its primary before following it
+                            try:
+                                r.cluster("replicate", ids[i])
+                                break
+                            except redis.ResponseError:
+                                if time.monotonic() > deadline:
+                                    raise
+                                time.sleep(0.1)
+                    finally:
+                        r.close()
+            for p, count in zip(made.primaries, counts, strict=True):
+                wait_replicas(p, count)
+            total = primaries + sum(counts)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                infos = []
+                for n in made.nodes():
+                    r = redis.Redis(port=n.port, decode_responses=True)
+                    infos.append(r.cluster("info"))
+                    r.close()
+                if all(
+                    i.get("cluster_state") == "ok" and int(i.get("cluster_known_nodes", 0)) == total
+                    for i in infos
+                ):
+                    break
+                time.sleep(0.1)
+            else:
+                raise RuntimeError("the cluster did not reach state ok")
+            yield made
+        finally:
+            for n in made.nodes():
                 n.stop()
 
 

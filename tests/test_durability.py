@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -19,10 +21,12 @@ from ledger import (
     Consumer,
     Item,
     Ledger,
+    LedgerError,
     LedgerSettings,
     NotReplicated,
     SessionBudget,
 )
+from ledger.testing import replicated_cluster
 from tests import servers
 
 WM = Consumer.WORKING_MEMORY
@@ -183,3 +187,79 @@ async def test_on_a_cluster_each_write_waits_for_its_slots_replica() -> None:
         async with AsyncLedger.from_settings(durable) as aled:
             a = await aled.session("c-0")
             await a.admit(WM, [Item("m2", 10)])
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_durable_writes_follow_a_cluster_failover() -> None:
+    """replica_acks=1 on a 3-primary Cluster, a primary killed (-9) under load: once the
+    cluster has promoted its replica, the writes to its slots go to the promoted node
+    (they used to keep going to the dead one, refused, until something else read the
+    slot map again), and every acknowledged write is on the promoted node."""
+    # the victim has two replicas: the one not promoted follows the promoted node, so
+    # a write there can still be held by a replica. It is not the node the URL names
+    # (a client made after the kill reads the slot map from that one).
+    with replicated_cluster(3, (1, 2, 1)) as c:
+        durable = settings(c.url, replica_acks=1, replica_ack_timeout_ms=3_000)
+        victim = c.primaries[1]
+        sids: list[str] = []
+        key = ""  # a session key of the victim's slots
+        with Ledger.from_settings(durable) as led:
+            for i in range(300):
+                s = led.open_session(f"fo-{i}", BUDGET.model_copy(update={"window": 10**7}))
+                if c.primary_port(s.keys.session) == victim.port:
+                    sids.append(s.id)
+                    key = s.keys.session
+                if len(sids) == 3:
+                    break
+        assert len(sids) == 3
+        stop = threading.Event()
+        acked: dict[str, list[tuple[float, str]]] = {sid: [] for sid in sids}
+
+        def write(sid: str) -> None:
+            with Ledger.from_settings(durable) as mine:
+                s = mine.session(sid)
+                n = 0
+                while not stop.is_set():
+                    n += 1
+                    with contextlib.suppress(LedgerError):  # refused while none serves
+                        s.admit(WM, [Item(f"{sid}-{n}", 1)])
+                        acked[sid].append((time.monotonic(), f"{sid}-{n}"))
+
+        threads = [threading.Thread(target=write, args=(sid,)) for sid in sids]
+        for t in threads:
+            t.start()
+        try:
+            time.sleep(1.0)
+            assert all(acked.values()), "every writer acknowledged writes before the kill"
+            killed = time.monotonic()
+            victim.kill()
+            promoted = c.replicas[1]
+            deadline = killed + 60
+            while time.monotonic() < deadline:  # until a live node names a new primary
+                port = c.primary_port(key, via=promoted[0])
+                if port != victim.port:
+                    break
+                time.sleep(0.05)
+            else:
+                pytest.fail("the cluster promoted no replica within 60 s")
+            failover = time.monotonic()
+            time.sleep(max(3.0, 2 * (failover - killed)))
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(30)
+        after = {sid: [t for t, _ in acked[sid] if t > failover] for sid in sids}
+        for sid in sids:
+            # writes resumed soon after the promotion (within the failover's own time,
+            # or 5 s on a loaded machine), and kept going
+            assert after[sid], f"{sid}: no write acknowledged after the failover"
+            assert after[sid][0] - failover < max(5.0, failover - killed), (sid, after[sid][0])
+            assert len(after[sid]) >= 5
+        plain = durable.model_copy(update={"replica_acks": 0})
+        with Ledger.from_settings(plain) as led:
+            for sid in sids:
+                held = {h.id for h in led.items(sid)}
+                lost = [i for _, i in acked[sid] if i not in held]
+                assert lost == [], f"{sid}: acknowledged and lost: {lost[:5]}"
+            assert all(led.session(sid).audit().clean for sid in sids)

@@ -36,6 +36,8 @@ def test_sync_faces_are_generated_from_the_async_ones() -> None:
     assert {(t.source, t.target) for t in unasync.TWINS} == {
         ("ledger/_async/client.py", "ledger/_sync/client.py"),
         ("ledger/_async/agent.py", "ledger/_sync/agent.py"),
+        ("ledger/_async/langgraph.py", "ledger/_sync/langgraph.py"),
+        ("ledger/_async/langchain.py", "ledger/_sync/langchain.py"),
     }
     assert {p.name for p in (ROOT / "ledger" / "_async").glob("*.py")} - {"__init__.py"} == {
         p.name for p in (ROOT / "ledger" / "_sync").glob("*.py")

@@ -1,13 +1,15 @@
 """Generate the sync faces from their asyncio sources (not part of the package).
 
 Each ``ledger/_async/<name>.py`` is the source of ``ledger/_sync/<name>.py``: ``client``
-(``Ledger``, ``Session``) and ``agent`` (``Agent``, ``Turn``); the public modules
-(``ledger.client``, ``ledger.aio``, ``ledger.agent.sync``, ``ledger.agent.aio``) re-export
-them. ``python tools/unasync.py`` writes both; ``--check`` writes nothing and exits 1 when
-either is stale (a test and CI run the check). Each file is made by word-level regular
-expressions only (the common ones, then its own), so a face cannot drift from its
-source: what cannot be written once for both belongs in a neutral module
-(``ledger/core.py``, ``ledger/agent/core.py``), not in a rule.
+(``Ledger``, ``Session``), ``agent`` (``Agent``, ``Turn``), ``langgraph`` (``LedgerGraph``)
+and ``langchain`` (``LedgerMiddleware``); the public modules (``ledger.client``,
+``ledger.aio``, ``ledger.agent.sync``, ``ledger.agent.aio``, ``ledger.adapters.langgraph``,
+``ledger.adapters.langchain``) re-export them. ``python tools/unasync.py`` writes them all;
+``--check`` writes nothing and exits 1 when one is stale (a test and CI run the check).
+Each file is made by word-level regular expressions only (the common ones, then its
+own), so a face cannot drift from its source: what cannot be written once for both
+belongs in a neutral module (``ledger/core.py``, ``ledger/agent/core.py``,
+``ledger/adapters/graph_core.py``), not in a rule.
 """
 
 from __future__ import annotations
@@ -37,6 +39,18 @@ COMMON: Rules = (
     (r"\bledger\._async\.", "ledger._sync."),
     (r"^(from collections\.abc import )Awaitable, ", r"\1"),
     (r"\bAwaitable\[((?:[^\[\]]|\[[^\[\]]*\])*)\]", r"\1"),  # Awaitable[list[Any]] -> list[Any]
+)
+
+
+# The framework adapters' faces: the framework's asyncio methods and the agent layer's.
+ADAPTER: Rules = (
+    (r"\bAsyncLedgerGraph\b", "LedgerGraph"),
+    (r"\bAsyncAgent\b", "Agent"),
+    (r"\bAsyncTurn\b", "Turn"),
+    (r"\bAsyncIterator\b", "Iterator"),
+    (r"\basynccontextmanager\b", "contextmanager"),
+    (r"\baclosing\b", "closing"),
+    (r"\.a(invoke|list|get_tuple)\(", r".\1("),
 )
 
 
@@ -97,6 +111,30 @@ TWINS = (
             (r"\bAsyncAgent\b", "Agent"),
             (r"\bAsyncTurn\b", "Turn"),
             (r"\bAsyncHeartbeat\b", "Heartbeat"),
+        ),
+    ),
+    Twin(
+        name="langgraph",
+        header="The LangGraph adapter's synchronous face: :class:`LedgerGraph`.",
+        rules=(
+            (
+                r"^from collections\.abc import AsyncIterator, Callable, Sequence$",
+                "from collections.abc import Callable, Iterator, Sequence",
+            ),
+            *ADAPTER,
+        ),
+    ),
+    Twin(
+        name="langchain",
+        header="The LangChain middleware's synchronous face: :class:`LedgerMiddleware`.",
+        rules=(
+            (
+                r"^from collections\.abc import AsyncIterator, Awaitable, Callable$",
+                "from collections.abc import Callable, Iterator",
+            ),
+            (r"\bAsyncLedgerMiddleware\b", "LedgerMiddleware"),
+            (r"\ba(before_model|after_model|wrap_model_call|wrap_tool_call)\b", r"\1"),
+            *ADAPTER,
         ),
     ),
 )

@@ -16,6 +16,8 @@ from typing import Any, Self, TypeVar
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.commands.core import AsyncScript
 from redis.exceptions import AskError, MovedError, NoScriptError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ledger import backends, protocol, schema, scripts
 from ledger.backends import AsyncClient, async_client, async_primary
@@ -54,6 +56,7 @@ class AsyncLedger(LedgerCore):
         # durable writes (replica_acks): WAIT after each write, on its own connection
         self._wait = (self.settings.replica_acks, self.settings.replica_ack_timeout_ms)
         self._nodes: dict[str, Any] = {}  # on a cluster: a plain client per primary
+        self._stale = False  # a primary did not answer: read the slot map before the next write
 
     @classmethod
     def from_settings(cls, settings: LedgerSettings) -> Self:
@@ -174,13 +177,24 @@ class AsyncLedger(LedgerCore):
         """EVALSHA then WAIT on one connection of the primary that runs it (a plain
         pipeline): the reply once ``replica_acks`` replicas hold the write, else
         :class:`NotReplicated`."""
-        key, refresh = call.keys[0], False
+        key, refresh = call.keys[0], self._stale
         for _ in range(3):
             client = await async_primary(self.client, self.settings, key, self._nodes, refresh)
-            async with client.pipeline(transaction=False) as pipe:
-                pipe.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
-                pipe.wait(*self._wait)
-                reply, acked = await pipe.execute(raise_on_error=False)
+            self._stale = False
+            try:
+                async with client.pipeline(transaction=False) as pipe:
+                    pipe.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+                    pipe.wait(*self._wait)
+                    reply, acked = await pipe.execute(raise_on_error=False)
+            except (RedisConnectionError, RedisTimeoutError):
+                # The primary does not answer: on a cluster it may be dead, a replica
+                # promoted in its place. The next try (the retry policy's) reads the
+                # slot map again and sends to the slot's primary then, not to this node.
+                if client is not self.client:
+                    self._stale = True
+                    backends.forget(self._nodes, client)
+                    await client.aclose()
+                raise
             if isinstance(reply, NoScriptError):
                 script.sha = await client.script_load(script.script)
                 continue

@@ -11,6 +11,8 @@ from typing import Any, Self, TypeVar
 from redis.cluster import RedisCluster
 from redis.commands.core import Script
 from redis.exceptions import AskError, MovedError, NoScriptError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ledger import backends, protocol, schema, scripts
 from ledger.backends import SyncClient, sync_client, sync_primary
@@ -49,6 +51,7 @@ class Ledger(LedgerCore):
         # durable writes (replica_acks): WAIT after each write, on its own connection
         self._wait = (self.settings.replica_acks, self.settings.replica_ack_timeout_ms)
         self._nodes: dict[str, Any] = {}  # on a cluster: a plain client per primary
+        self._stale = False  # a primary did not answer: read the slot map before the next write
 
     @classmethod
     def from_settings(cls, settings: LedgerSettings) -> Self:
@@ -169,13 +172,24 @@ class Ledger(LedgerCore):
         """EVALSHA then WAIT on one connection of the primary that runs it (a plain
         pipeline): the reply once ``replica_acks`` replicas hold the write, else
         :class:`NotReplicated`."""
-        key, refresh = call.keys[0], False
+        key, refresh = call.keys[0], self._stale
         for _ in range(3):
             client = sync_primary(self.client, self.settings, key, self._nodes, refresh)
-            with client.pipeline(transaction=False) as pipe:
-                pipe.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
-                pipe.wait(*self._wait)
-                reply, acked = pipe.execute(raise_on_error=False)
+            self._stale = False
+            try:
+                with client.pipeline(transaction=False) as pipe:
+                    pipe.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+                    pipe.wait(*self._wait)
+                    reply, acked = pipe.execute(raise_on_error=False)
+            except (RedisConnectionError, RedisTimeoutError):
+                # The primary does not answer: on a cluster it may be dead, a replica
+                # promoted in its place. The next try (the retry policy's) reads the
+                # slot map again and sends to the slot's primary then, not to this node.
+                if client is not self.client:
+                    self._stale = True
+                    backends.forget(self._nodes, client)
+                    client.close()
+                raise
             if isinstance(reply, NoScriptError):
                 script.sha = client.script_load(script.script)
                 continue

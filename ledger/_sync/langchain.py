@@ -1,0 +1,166 @@
+# GENERATED from ledger/_async/langchain.py by tools/unasync.py: edit that file, not this one.
+"""The LangChain middleware's synchronous face: :class:`LedgerMiddleware`."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from langchain.agents.middleware import AgentMiddleware
+from langchain_core.messages import AIMessage, BaseMessage, RemoveMessage, ToolMessage
+from langchain_core.utils.function_calling import convert_to_openai_tool
+from langgraph.types import Command
+
+from ledger._sync.langgraph import LedgerGraph
+from ledger.adapters.graph_core import GraphTurn, consumer_of
+from ledger.agent import Agent
+from ledger.agent.core import Obj
+from ledger.agent.counters import count
+from ledger.models import Consumer, Reconciled
+
+
+class LedgerMiddleware(AgentMiddleware):
+    """Governs a ``langchain.agents.create_agent`` agent's context with the ledger
+    (an :class:`~ledger.agent.Agent`: the agent's asyncio hooks)."""
+
+    def __init__(
+        self,
+        agent: Agent,
+        *,
+        checkpointer: Any = None,
+        summarize: Callable[[list[Obj]], str] | None = None,
+        keep_messages: int = 4,
+    ) -> None:
+        super().__init__()
+        self.graph = LedgerGraph(
+            agent, checkpointer=checkpointer, summarize=summarize, keep_messages=keep_messages
+        )
+        self.agent = agent
+        self._held: dict[tuple[Consumer, str], BaseMessage] = {}  # this turn's view
+
+    @property
+    def name(self) -> str:
+        return "LedgerMiddleware"
+
+    @contextlib.contextmanager
+    def turn(
+        self,
+        working_set: int = 0,
+        output_reserve: int | None = None,
+        *,
+        config: Any = None,
+        wait: float = 0.0,
+        takeover: bool = False,
+    ) -> Iterator[GraphTurn]:
+        """One agent invocation as one ledger turn (see ``LedgerGraph.turn``): invoke with
+        ``turn.config``, pinned to the checkpoint the last ended turn committed (or one
+        written on top of it between turns)."""
+        self._held = {}
+        with self.graph.turn(
+            working_set, output_reserve, config=config, wait=wait, takeover=takeover
+        ) as turn:
+            yield turn
+
+    def reconcile(self, state: Any) -> Reconciled:
+        """Set the ledger to exactly what the agent's state holds (its messages), the
+        repair of a flagged drift; ``state`` may be the agent's config (read from the
+        checkpointer)."""
+        return self.graph.reconcile(state)
+
+    # --- the agent's hooks -----------------------------------------------------------
+
+    def before_model(self, state: Any, runtime: Any) -> dict[str, Any] | None:
+        gov = self.graph
+        turn = gov._turn()
+        core = self.agent.core
+        update: dict[str, list[Any]] = {}
+        fresh = gov._fresh
+        if fresh:  # the turn's first model call: its deliveries, and the input admitted
+            update = gov._start(turn, state)
+            state = gov._merged(state, update)
+        msgs = [m for m in state.get(gov.messages_key) or [] if isinstance(m, BaseMessage)]
+        gov._track(state)
+        now = {(consumer_of(m), core.item_id(m)): m for m in msgs if m.id}
+        if fresh:
+            self._held = now
+            return update or None
+        # What another middleware took out of the state since the last look: given back.
+        gone = [m for key, m in self._held.items() if key not in now]
+        if gone:
+            turn.release(gone)
+        new = [
+            m
+            for key, m in now.items()
+            if key not in self._held and not isinstance(m, ToolMessage) and m.id
+        ]
+        if new:
+            gov._admit_messages(turn, new)
+        self._held = now
+        return update or None
+
+    def wrap_model_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
+        gov = self.graph
+        turn = gov._turn()
+        core = self.agent.core
+        msgs = [*([request.system_message] if request.system_message else []), *request.messages]
+        prompt = core.prompt_tokens(msgs) + self.tool_tokens(request.tools)
+        gov._guard(prompt)  # a guard acts before the call
+        response = handler(request)
+        answers = [m for m in getattr(response, "result", [response]) if isinstance(m, AIMessage)]
+        gov.last_prompt = prompt + core.prompt_tokens(answers)
+        for answer in answers[:1]:
+            usage: dict[str, Any] = dict(answer.usage_metadata or {})
+            billed = usage.get("input_tokens")
+            if type(billed) is int and billed > 0:
+                turn.billed(billed, prompt)  # what the provider billed for it
+        return response
+
+    def after_model(self, state: Any, runtime: Any) -> dict[str, Any] | None:
+        """The model's answer: admitted to working memory (the turn may end with it)."""
+        gov = self.graph
+        turn = gov._turn()
+        core = self.agent.core
+        msgs: list[BaseMessage] = [
+            m for m in state.get(gov.messages_key) or [] if isinstance(m, AIMessage) and m.id
+        ]
+        new = [m for m in msgs if (Consumer.WORKING_MEMORY, core.item_id(m)) not in self._held]
+        if new:
+            gov._admit_messages(turn, new)
+            self._held.update({(Consumer.WORKING_MEMORY, core.item_id(m)): m for m in new})
+        return None
+
+    def wrap_tool_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
+        """A tool's result: admitted whole, or spilled (the preview takes its place), before
+        it reaches the state; memory it evicted leaves the state."""
+        gov = self.graph
+        turn = gov._turn()
+        result = handler(request)
+        if not isinstance(result, ToolMessage):
+            return result
+        got = turn.tool_result(result)
+        shown = got.spilled or got.refused  # the preview, or the refusal note, in its place
+        msg = result.model_copy(update={"content": got.text}) if shown else result
+        self.agent.core.known[(Consumer.SCRATCHPAD, self.agent.core.item_id(msg))] = msg
+        self._held[(Consumer.SCRATCHPAD, self.agent.core.item_id(msg))] = msg
+        removed = [
+            RemoveMessage(id=o.id) for o in got.evicted if isinstance(o, BaseMessage) and o.id
+        ]
+        if not removed:
+            return msg
+        return Command(update={gov.messages_key: [*removed, msg]})
+
+    def tool_tokens(self, tools: Any) -> int:
+        """The tokens of the tool schemas a model call sends (their OpenAI function form):
+        billed with every prompt, the budget's ``tool_framing``."""
+        total = 0
+        for t in tools or []:
+            schema = t if isinstance(t, dict) else convert_to_openai_tool(t)
+            total += count(
+                self.agent.core.counter, json.dumps(schema, sort_keys=True), "a tool schema"
+            )
+        return total
+
+
+__all__ = ["LedgerMiddleware"]

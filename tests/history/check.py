@@ -1,0 +1,234 @@
+"""The checker: a recorded history and the final state, against a model of the rules.
+
+The history is every call of every client (``client.py``): op, op id, arguments, when it
+was sent and when it returned, and what it returned, or that it failed, or that its
+outcome is unknown (no reply: a timeout, an outage, a killed process). The model knows
+the rules, not how calls are laid out: it reads what each call returned.
+
+A turn's effects stand or go together: a turn whose ``end_turn`` returned is committed,
+one whose ``end_turn`` failed, or that was never ended (its process died), is rolled back
+(its admissions go, its releases and settles are undone), and one whose ``end_turn`` has
+an unknown outcome may be either. From that, each anomaly below is a broken rule:
+
+- ``lost``: an item a committed turn admitted (or settled), never released, is not held
+  at the end (an acknowledged effect lost), or is held with other tokens.
+- ``phantom``: an item held at the end that no call admitted, or only calls that were
+  refused, or only a rolled-back turn.
+- ``twice``: one op id with two different replies (a call sent again was applied
+  again instead of answered from its stored outcome).
+- ``overallocated``: a reply with negative free room, or a session whose audit is not
+  clean or whose free room is negative at the end.
+- ``two_owners``: two begin_turn calls given the same turn; or a call of a turn that
+  took effect (returned) although it was sent after another owner's later turn had
+  begun (a turn has one owner at a time: the later begin rolled it back).
+- ``reservation``: a reservation ended twice (settled and voided, or settled twice
+  under different op ids), or still open at the end (after its lease and a sweep).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+TURN_OPS = ("admit", "release", "reserve", "settle", "void", "end_turn")
+
+
+@dataclass
+class Rec:
+    p: str
+    n: int
+    op: str
+    sid: str
+    id: str
+    a: dict[str, Any]
+    t0: float
+    t1: float | None = None
+    ok: bool | None = None  # None: unknown
+    r: dict[str, Any] | None = None
+    e: str | None = None
+
+
+@dataclass
+class Final:
+    """A session at the end of the run: items held (id -> tokens), open reservations,
+    whether its audit is clean, its free room."""
+
+    items: dict[str, int]
+    open_reservations: int
+    clean: bool
+    free: int
+
+
+@dataclass
+class Report:
+    calls: int = 0
+    ok: int = 0
+    failed: int = 0
+    unknown: int = 0
+    duplicates: int = 0
+    turns: int = 0
+    committed: int = 0
+    rolled_back: int = 0
+    faults: dict[str, int] = field(default_factory=dict)
+    anomalies: list[tuple[str, str]] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)  # seconds of each phase
+
+    def kinds(self) -> set[str]:
+        return {k for k, _ in self.anomalies}
+
+    def summary(self) -> str:
+        faults = ", ".join(f"{k} {v}" for k, v in sorted(self.faults.items())) or "none"
+        head = (
+            f"{self.calls} calls ({self.ok} ok, {self.failed} refused, {self.unknown} unknown, "
+            f"{self.duplicates} sent twice), {self.turns} turns ({self.committed} committed, "
+            f"{self.rolled_back} rolled back); faults: {faults}; "
+            f"{len(self.anomalies)} anomalies"
+        )
+        shown = [f"  {k}: {what}" for k, what in self.anomalies[:20]]
+        return "\n".join([head, *shown])
+
+
+def load(directory: Path) -> list[Rec]:
+    """Every call of every client's file, in no particular order."""
+    recs: dict[tuple[str, int], Rec] = {}
+    for path in sorted(directory.glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by SIGKILL
+            key = (d["p"], d["n"])
+            if d["k"] == "inv":
+                recs[key] = Rec(d["p"], d["n"], d["op"], d["sid"], d["id"], d["a"], d["t"])
+            elif key in recs:
+                rec = recs[key]
+                rec.t1, rec.ok, rec.r, rec.e = d["t"], d["ok"], d.get("r"), d.get("e")
+    return list(recs.values())
+
+
+def check(history: list[Rec], final: dict[str, Final]) -> Report:
+    rep = Report(calls=len(history))
+    bad = rep.anomalies.append
+    for r in history:
+        if r.ok is True:
+            rep.ok += 1
+        elif r.ok is False:
+            rep.failed += 1
+        else:
+            rep.unknown += 1
+
+    # twice: one op id, one reply
+    by_id: dict[str, list[Rec]] = defaultdict(list)
+    for r in history:
+        by_id[r.id].append(r)
+    for op_id, recs in by_id.items():
+        rep.duplicates += len(recs) > 1
+        replies = {json.dumps(r.r, sort_keys=True) for r in recs if r.ok is True}
+        if len(replies) > 1:
+            bad(("twice", f"{recs[0].op} {op_id} ({recs[0].sid}) answered {sorted(replies)}"))
+
+    # overallocated: every reply's free room
+    for r in history:
+        if r.ok and isinstance(r.r, dict) and isinstance(r.r.get("free"), int) and r.r["free"] < 0:
+            bad(("overallocated", f"{r.op} {r.id} ({r.sid}) left free={r.r['free']}"))
+    for sid, f in final.items():
+        if not f.clean or f.free < 0:
+            bad(("overallocated", f"{sid} at the end: audit clean={f.clean}, free={f.free}"))
+
+    # turns: who began which, and whether each was committed
+    begins: dict[tuple[str, int], list[Rec]] = defaultdict(list)  # (sid, turn) -> begins
+    for r in history:
+        if r.op == "begin_turn" and r.ok and r.r:
+            begins[(r.sid, int(r.r["turn"]))].append(r)
+    state: dict[tuple[str, int], str] = {}  # committed | rolled_back | unknown
+    ends: dict[tuple[str, int], list[Rec]] = defaultdict(list)
+    for r in history:
+        if r.op == "end_turn":
+            ends[(r.sid, int(r.a["turn"]))].append(r)
+    for key, bs in begins.items():
+        if len({b.id for b in bs}) > 1:
+            owners = sorted({b.p for b in bs})
+            bad(("two_owners", f"turn {key[1]} of {key[0]} begun by {len(bs)} calls: {owners}"))
+        es = ends.get(key, [])
+        if any(e.ok is True for e in es):
+            state[key] = "committed"
+        elif any(e.ok is None for e in es):
+            state[key] = "unknown"
+        else:
+            state[key] = "rolled_back"
+    rep.turns = len(state)
+    rep.committed = sum(v == "committed" for v in state.values())
+    rep.rolled_back = sum(v == "rolled_back" for v in state.values())
+    # a call of turn n that returned although another owner's later turn had begun
+    # (returned) before it was sent
+    later: dict[str, list[tuple[float, int, str]]] = defaultdict(list)
+    for (sid, turn), bs in begins.items():
+        for b in bs:
+            if b.t1 is not None:
+                later[sid].append((b.t1, turn, b.p))
+    sent = {op_id: min(r.t0 for r in recs) for op_id, recs in by_id.items()}
+    for r in history:
+        if r.op in TURN_OPS and r.ok is True:
+            turn = int(r.a["turn"])
+            for t1, m, owner in later[r.sid]:
+                # (a call sent again gets its stored outcome: its first sending counts)
+                if m > turn and owner != r.p and t1 < sent[r.id]:
+                    bad(("two_owners", f"{r.op} {r.id} of turn {turn} ({r.p}, {r.sid}) took "
+                         f"effect after {owner} began turn {m}"))  # fmt: skip
+                    break
+
+    def status(r: Rec) -> str:
+        """'yes' (took effect and stands), 'no' (did not, or was undone), 'maybe'."""
+        turn_state = state.get((r.sid, int(r.a["turn"])), "rolled_back")
+        if r.ok is False or turn_state == "rolled_back":
+            return "no"
+        if r.ok is None or turn_state == "unknown":
+            return "maybe"
+        return "yes"
+
+    # items: what must be held at the end, and what must not
+    adds: dict[tuple[str, str], list[tuple[Rec, int]]] = defaultdict(list)
+    removes: dict[tuple[str, str], list[Rec]] = defaultdict(list)
+    enders: dict[tuple[str, str], list[Rec]] = defaultdict(list)
+    for r in history:
+        if r.op == "admit":
+            adds[(r.sid, r.a["item"])].append((r, int(r.a["tokens"])))
+        elif r.op == "settle":
+            adds[(r.sid, r.a["rid"])].append((r, int(r.a["actual"])))
+            enders[(r.sid, r.a["rid"])].append(r)
+        elif r.op == "void":
+            enders[(r.sid, r.a["rid"])].append(r)
+        elif r.op == "release":
+            removes[(r.sid, r.a["item"])].append(r)
+    for (sid, item), recs in adds.items():
+        held = final[sid].items.get(item) if sid in final else None
+        took = [status(r) for r, _ in recs]
+        gone = [status(r) for r in removes.get((sid, item), [])]
+        tokens = recs[0][1]
+        if "yes" in took and all(g == "no" for g in gone) and held is None:
+            r = recs[0][0]
+            bad(("lost", f"{item} of {sid}: {r.op} {r.id} returned in a committed turn, not held"))
+        if "yes" in gone and held is not None:
+            bad(("lost", f"{item} of {sid}: released in a committed turn, still held"))
+        if held is not None and all(t == "no" for t in took):
+            bad(("phantom", f"{item} of {sid} held ({held}) but every {recs[0][0].op} of it "
+                 "was refused or rolled back"))  # fmt: skip
+        if held is not None and held != tokens:
+            bad(("lost", f"{item} of {sid} held with {held} tokens, admitted with {tokens}"))
+    known = {key for key in adds}
+    for sid, f in final.items():
+        for item in f.items:
+            if (sid, item) not in known:
+                bad(("phantom", f"{item} of {sid} held but never admitted"))
+        if f.open_reservations:
+            bad(("reservation", f"{sid}: {f.open_reservations} reservations still open"))
+
+    # reservations: ended at most once
+    for (sid, rid), recs in enders.items():
+        ended = {r.id for r in recs if status(r) == "yes"}
+        if len(ended) > 1:
+            bad(("reservation", f"{rid} of {sid} ended by {len(ended)} calls: {sorted(ended)}"))
+    return rep
