@@ -692,6 +692,48 @@ def test_top_in_tmux_at_80x24_with_300_sessions_of_one_tenant(
         subprocess.run(["tmux", "kill-session", "-t", name], capture_output=True)
 
 
+@pytest.mark.timeout(90)
+def test_top_in_tmux_follows_a_resize(redis_server: RedisProcess, prefix: str) -> None:
+    """The live view in a real terminal: made taller, it shows more rows at the next
+    refresh; made narrower, it still fits and cuts no number (before: the rows were
+    counted once, at start)."""
+    assert shutil.which("tmux"), "tmux is needed (apt-get install tmux; .ci/run installs it)"
+    with Ledger.from_settings(LedgerSettings(redis_url=redis_server.url, prefix=prefix)) as led:
+        _open_many(led, [f"rs-{i:03d}" for i in range(60)])
+    name = f"top-{uuid.uuid4().hex[:6]}"
+    argv = [sys.executable, "-m", "ledger.cli", "--url", redis_server.url, "--prefix", prefix]
+    # as from a shell: the size is the terminal's (a LINES or COLUMNS in the environment,
+    # as tmux started under pytest passes on, would fix it)
+    cmd = shlex.join(["env", "-u", "LINES", "-u", "COLUMNS", *argv, "top", "--interval", "0.3"])
+    subprocess.run(
+        ["tmux", "new-session", "-d", "-s", name, "-x", "80", "-y", "20", cmd], check=True
+    )
+
+    def rows(lines: list[str]) -> int:
+        return len([ln for ln in lines if ln.startswith("rs-")])
+
+    def settled(want: int) -> list[str]:
+        deadline = time.monotonic() + 20
+        lines: list[str] = []
+        while time.monotonic() < deadline:
+            lines = _pane(name)
+            if any("q quits" in ln for ln in lines) and rows(lines) == want:
+                break
+            time.sleep(0.2)
+        return lines
+
+    try:
+        short = settled(20 - cli.TopView.CHROME)
+        assert rows(short) == 20 - cli.TopView.CHROME, short
+        subprocess.run(["tmux", "resize-window", "-t", name, "-x", "60", "-y", "36"], check=True)
+        tall = settled(36 - cli.TopView.CHROME)
+        assert rows(tall) == 36 - cli.TopView.CHROME, tall
+        assert len(tall) <= 36 and max(len(ln) for ln in tall) <= 60, tall
+        assert all("…" not in c for ln in tall if ln.startswith("rs-") for c in ln.split()[1:])
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", name], capture_output=True)
+
+
 def test_url_and_prefix_are_taken_after_the_command_too() -> None:
     parse = cli.build_parser().parse_args
     assert parse(["audit", "--url", "redis://b", "--prefix", "p2"]).url == "redis://b"
