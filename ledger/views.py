@@ -290,6 +290,13 @@ def busiest(
                 v[name] = int(val)
             if sid in (damaged or ()):
                 continue
+            if v[schema.WINDOW] <= 0:  # no window: no utilization to rank it by
+                if damaged is None:
+                    raise DamagedSession(schema.WINDOW, str(v[schema.WINDOW]))
+                damaged[sid] = (
+                    f"field {str(schema.WINDOW)!r} holds {v[schema.WINDOW]}, not a window"
+                )
+                continue
             for name, n in v.items():
                 if name.startswith(schema.COUNTER.prefix):
                     totals[name[2:]] = totals.get(name[2:], 0) + n

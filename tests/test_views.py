@@ -115,12 +115,15 @@ def test_busiest_sets_a_damaged_session_apart(ledger: Ledger) -> None:
     _fleet(ledger)
     ledger.client.hset(ledger.keyspace.session("high").session, "a_rm", "x1")
     ledger.client.hset(ledger.keyspace.session("low").session, "tn", "?")
+    zero = ledger.open_session("zero", SessionBudget(window=1_000, system_prompt=100))
+    ledger.client.hset(zero.keys.session, "W", 0)  # utilization would divide by 0
     damaged: dict[str, str] = {}
     rows, totals = views.busiest(ledger, limit=10, damaged=damaged)
     assert [sid for sid, _ in rows] == ["mid"] and totals["refused"] == 1
     assert damaged == {
         "high": "field 'a_rm' holds 'x1', not a number",
         "low": "field 'tn' holds '?', not a number",
+        "zero": "field 'W' holds 0, not a window",
     }
     with pytest.raises(DamagedSession):
         views.busiest(ledger, limit=10)
