@@ -54,6 +54,7 @@ from ledger import (
 )
 from ledger.adapters.langchain import AsyncLedgerMiddleware, LedgerMiddleware
 from ledger.adapters.langgraph import AsyncLedgerGraph, LedgerGraph, merge_docs
+from ledger.errors import LostWriteWarning
 from tests import servers
 from tests.tcp_proxy import TcpProxy
 
@@ -85,6 +86,7 @@ class Stub(BaseChatModel):
 
     tools: int = 0  # the tokens of the tool schemas bound (billed with every prompt)
     pause: float = 0.0
+    fail: bool = False  # the provider answers 500
 
     @property
     def _llm_type(self) -> str:
@@ -94,6 +96,8 @@ class Stub(BaseChatModel):
         return self.model_copy(update={"tools": schema_tokens(tools)})
 
     def _answer(self, messages: list[Any]) -> ChatResult:
+        if self.fail:
+            raise RuntimeError("the model provider answered 500")
         SEEN.append(list(messages))
         billed = tokens(messages) + self.tools
         usage = {"input_tokens": billed, "output_tokens": 5, "total_tokens": billed + 5}
@@ -131,8 +135,8 @@ def prompt_of(state: State) -> list[Any]:
     return [SystemMessage(SYSTEM), *docs, *state["messages"]]
 
 
-def graph_of(gov: Any, saver: Any, pause: float = 0.0) -> Any:
-    model = gov.model(Stub(pause=pause))
+def graph_of(gov: Any, saver: Any, pause: float = 0.0, fail: bool = False) -> Any:
+    model = gov.model(Stub(pause=pause, fail=fail))
     if isinstance(gov, AsyncLedgerGraph):
 
         async def answer(state: State) -> dict[str, Any]:  # an async node
@@ -281,6 +285,38 @@ async def test_what_update_state_writes_between_turns_is_the_next_turns(
             assert "q1" not in sent[1] and sent[1][-1] == "q3"  # removed: given back
         else:
             assert "note-1" not in sent[0] and "q1" in sent[1]  # lost, silently
+
+
+@pytest.mark.embedded
+@pytest.mark.parametrize("face", FACES)
+async def test_a_write_on_a_dead_turns_branch_is_flagged(face: str, tmp_path: Path) -> None:
+    """A turn dies after its first node checkpointed (rolled back); a note written then
+    with update_state goes on top of the dead turn's checkpoint. The next turn starts
+    from the committed state without it, and says so (LostWriteWarning) instead of
+    dropping it silently; written again once that turn ended, it is admitted."""
+    sid = f"dead-{face}-{uuid.uuid4().hex[:6]}"
+    config = {"configurable": {"thread_id": sid}}
+    async with (
+        saver_of(face, tmp_path / "db.sqlite") as saver,
+        governed(face, f"embedded://{sid}", sid, saver) as gov,
+    ):
+        graph = graph_of(gov, saver)
+        await ask(gov, graph, config, "q1")
+        broken = graph_of(gov, saver, fail=True)  # its model call fails: the turn dies
+        with pytest.raises(RuntimeError):
+            await ask(gov, broken, config, "q2")
+        note = HumanMessage("Note from the operator: amounts are in euros.", id="note-1")
+        await update(graph, config, {"messages": [note]})
+        SEEN.clear()
+        with pytest.warns(LostWriteWarning, match="rolled back") as caught:
+            turn = await ask(gov, graph, config, "q3")
+        assert len(caught[0].message.checkpoints) == 1  # type: ignore[union-attr]
+        sent = [m.id for m in SEEN[-1]]
+        assert "note-1" not in sent and "q2" not in sent and turn.report.drift == 0
+        await update(graph, config, {"messages": [note]})  # on the committed state now
+        SEEN.clear()
+        await ask(gov, graph, config, "q4")
+        assert [m.id for m in SEEN[-1]][-2:] == ["note-1", "q4"]
 
 
 @pytest.mark.embedded

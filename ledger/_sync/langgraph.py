@@ -18,6 +18,7 @@ from ledger.adapters.graph_core import (
     Removed,
     before_governed,
     checkpoint_id,
+    flag_lost,
     pinned,
     start_after,
     thread_of,
@@ -154,6 +155,7 @@ class LedgerGraph(GraphCore):
         if turn.mark is None:
             return pinned(config, before_governed(newer), turn.number)
         start = start_after(turn.mark, newer)
+        flag_lost(turn.mark, newer, turn.number)
         if start != turn.mark:  # written between turns: what it removed is given back
             committed = self.checkpointer.get_tuple(pinned(config, turn.mark, 0))
             adopted = next(t for t in newer if checkpoint_id(t) == start)

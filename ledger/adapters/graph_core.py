@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ledger.agent.core import AgentCore, Obj, TurnState, default_summary
-from ledger.errors import ContextOverflow, InvalidArgument
+from ledger.errors import ContextOverflow, InvalidArgument, LostWriteWarning
 from ledger.extras import missing
 from ledger.models import Consumer
 
@@ -103,6 +104,42 @@ def start_after(mark: str, newer: Sequence[Any]) -> str:
         if at == mark:
             return checkpoint_id(tup)
     return mark
+
+
+def flag_lost(mark: str, newer: Sequence[Any], number: int) -> list[str]:
+    """Warn of the checkpoints written between turns (not by a turn) that turn ``number``
+    does not start from because they are on a dead branch: written on top of a
+    checkpoint of a turn that was rolled back. Their ids (newest first)."""
+    parents = {
+        checkpoint_id(t): (
+            None
+            if t.parent_config is None
+            else str(t.parent_config["configurable"]["checkpoint_id"])
+        )
+        for t in newer
+    }
+    by_turn = {checkpoint_id(t) for t in newer if TURN_KEY in (t.metadata or {})}
+    lost = []
+    for tup in newer:
+        at: str | None = checkpoint_id(tup)
+        if at in by_turn:
+            continue
+        while at is not None and at != mark and at not in by_turn:
+            at = parents.get(at)
+        if at in by_turn:
+            lost.append(checkpoint_id(tup))
+    if lost:
+        warnings.warn(
+            LostWriteWarning(
+                lost,
+                f"turn {number} starts from checkpoint {mark}, the last committed: "
+                f"{len(lost)} checkpoint(s) written between turns ({', '.join(lost[:3])}) "
+                "are on top of a turn that was rolled back, so not in its state: add what "
+                "they wrote again once this turn has ended",
+            ),
+            stacklevel=4,
+        )
+    return lost
 
 
 def before_governed(tuples: Sequence[Any]) -> str | None:
