@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sqlite3
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -58,6 +61,7 @@ from ledger.errors import LostWriteWarning
 from tests import servers
 from tests.tcp_proxy import TcpProxy
 
+ROOT = Path(__file__).resolve().parent.parent
 TOK = TiktokenCounter()
 SYSTEM = "Answer from the documents."
 BUDGET = SessionBudget(
@@ -317,6 +321,28 @@ async def test_a_write_on_a_dead_turns_branch_is_flagged(face: str, tmp_path: Pa
         SEEN.clear()
         await ask(gov, graph, config, "q4")
         assert [m.id for m in SEEN[-1]][-2:] == ["note-1", "q4"]
+
+
+@pytest.mark.embedded
+def test_the_async_example_runs_as_its_docstring_says() -> None:
+    """examples/langgraph_async_agent.py on embedded: every turn's ledger equals the stub's
+    count of the prompt, and the note added with aupdate_state before turn 4 is in the
+    prompts from turn 4 on; its glue is the number of lines its docstring says."""
+    example = ROOT / "examples" / "langgraph_async_agent.py"
+    out = subprocess.run(
+        [sys.executable, str(example), "--turns", "5"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert len(lines) == 5, lines
+    for n, line in enumerate(lines, 1):
+        got = re.fullmatch(
+            r"turn \d+: ledger (\d+) = prompt (\d+) \(drift 0\); note in prompt: (\w+)", line
+        )
+        assert got and got[1] == got[2] and got[3] == str(n >= 4), line
+    glue = [x for x in example.read_text().splitlines() if x.endswith("# ledger")]
+    assert f"are the glue ({len(glue)} lines)" in example.read_text()
 
 
 @pytest.mark.embedded
