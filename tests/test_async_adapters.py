@@ -173,16 +173,18 @@ async def saver_of(face: str, path: Path) -> AsyncIterator[Any]:
 
 
 @asynccontextmanager
-async def governed(face: str, url: str, sid: str, saver: Any) -> AsyncIterator[Any]:
+async def governed(
+    face: str, url: str, sid: str, saver: Any, budget: SessionBudget = BUDGET, **options: Any
+) -> AsyncIterator[Any]:
     if face == "asyncio":
         async with AsyncLedger.from_url(url) as aled:
-            session = await aled.open_session(sid, BUDGET)
-            yield AsyncLedgerGraph(AsyncAgent(session, TOK), checkpointer=saver)
+            session = await aled.open_session(sid, budget)
+            yield AsyncLedgerGraph(AsyncAgent(session, TOK), checkpointer=saver, **options)
             await session.delete()
     else:
         with Ledger.from_url(url) as led:
-            session = led.open_session(sid, BUDGET)
-            yield LedgerGraph(Agent(session, TOK), checkpointer=saver)
+            session = led.open_session(sid, budget)
+            yield LedgerGraph(Agent(session, TOK), checkpointer=saver, **options)
             session.delete()
 
 
@@ -321,6 +323,38 @@ async def test_a_write_on_a_dead_turns_branch_is_flagged(face: str, tmp_path: Pa
         SEEN.clear()
         await ask(gov, graph, config, "q4")
         assert [m.id for m in SEEN[-1]][-2:] == ["note-1", "q4"]
+
+
+@pytest.mark.embedded
+@pytest.mark.parametrize("face", FACES)
+async def test_inline_compaction_on_both_faces(face: str, tmp_path: Path) -> None:
+    """An agent-owned session with ``summarize=``: once a compaction is pending, the next
+    turn's first node replaces the old messages by one summary message (turn.compact),
+    which is in that turn's prompt; the ledger equals the prompt on every turn."""
+    sid = f"inline-{face}-{uuid.uuid4().hex[:6]}"
+    config = {"configurable": {"thread_id": sid}}
+    budget = BUDGET.model_copy(update={"window": 1_200, "output_reserve": 100})
+    budget = budget.model_copy(update={"compaction": "agent"})
+    async with (
+        saver_of(face, tmp_path / "db.sqlite") as saver,
+        governed(
+            face, f"embedded://{sid}", sid, saver, budget,
+            summarize=lambda objs: f"Summary of {len(objs)} earlier items.", keep_messages=2,
+        ) as gov,
+    ):  # fmt: skip
+        graph = graph_of(gov, saver)
+        for n in range(12):
+            SEEN.clear()
+            turn = await ask(gov, graph, config, f"q{n}: " + "the figures by region " * 20)
+            assert turn.report.drift == 0
+            assert await occupancy(gov) == tokens(SEEN[-1]) + TOK("It is 42.")
+            sent = [str(m.id) for m in SEEN[-1]]
+            if any(i.startswith("summary-") for i in sent):
+                asked = [i.split(":")[0] for i in sent if i.startswith("q")]
+                assert "q0" not in asked and asked[-1] == f"q{n}", sent
+                break
+        else:
+            raise AssertionError("no compaction in 12 turns")
 
 
 @pytest.mark.embedded
