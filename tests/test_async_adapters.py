@@ -252,6 +252,49 @@ async def test_langgraph_turns_on_both_faces(
 
 
 @pytest.mark.embedded
+async def test_parallel_async_nodes_start_the_turn_once(tmp_path: Path) -> None:
+    """Two async retrieval nodes run in one step (asyncio.gather): the turn's deliveries
+    and input are taken once, both nodes' documents are admitted, the ledger equals the
+    prompt."""
+    sid = f"par-{uuid.uuid4().hex[:6]}"
+    config = {"configurable": {"thread_id": sid}}
+    async with (
+        saver_of("asyncio", tmp_path / "db.sqlite") as saver,
+        governed("asyncio", f"embedded://{sid}", sid, saver) as gov,
+    ):
+        model = gov.model(Stub())
+
+        def fetch(source: str) -> Callable[[State], Awaitable[dict[str, Any]]]:
+            async def node(state: State) -> dict[str, Any]:
+                await asyncio.sleep(0.01)
+                n = len(state["messages"])
+                return {"docs": [Document(f"{source} says 42 ({n}).", id=f"{source}-{n}")]}
+
+            return node
+
+        async def answer(state: State) -> dict[str, Any]:
+            return {"messages": [await model.ainvoke(prompt_of(state))]}
+
+        builder = StateGraph(State)
+        builder.add_node("wiki", fetch("wiki"))
+        builder.add_node("sql", fetch("sql"))
+        builder.add_node("answer", answer)
+        builder.add_edge(START, "wiki")
+        builder.add_edge(START, "sql")
+        builder.add_edge(["wiki", "sql"], "answer")
+        builder.add_edge("answer", END)
+        graph = gov.govern(builder).compile(checkpointer=saver)
+        for q in ("q1", "q2"):
+            SEEN.clear()
+            turn = await ask(gov, graph, config, q)
+            assert turn.report.drift == 0
+            assert await occupancy(gov) == tokens(SEEN[-1]) + TOK("It is 42.")
+        assert {d.id for d in (await graph.aget_state(config)).values["docs"]} == {
+            "wiki-1", "sql-1", "wiki-3", "sql-3"
+        }  # fmt: skip
+
+
+@pytest.mark.embedded
 @pytest.mark.parametrize("face", FACES)
 @pytest.mark.parametrize("rule", ["admitted", "without the rule"])
 async def test_what_update_state_writes_between_turns_is_the_next_turns(

@@ -204,6 +204,7 @@ class AsyncLedgerGraph(GraphCore):
         """The turn's first node: what a write between turns removed given back, the
         deliveries as an update of the state, the messages that entered the state outside
         a node admitted, a pending compaction done if asked for."""
+        self._fresh = False  # before any wait: a parallel node does not start it again
         ts = turn.state
         assert ts is not None
         if ts.recalibrated:
