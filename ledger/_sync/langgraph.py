@@ -31,8 +31,7 @@ from ledger.models import Consumer, Reconciled
 
 
 class LedgerGraph(GraphCore):
-    """Governs a LangGraph graph's state with an :class:`~ledger.agent.Agent`
-    (asyncio: ``graph.ainvoke`` / ``graph.astream``, async nodes, async checkpointers).
+    """Governs a LangGraph graph's state with an :class:`~ledger.agent.Agent` (sync).
 
     ``summarize(objects) -> str``: when the ledger has a compaction pending, the first
     node of the next turn replaces everything but the last ``keep_messages`` messages
