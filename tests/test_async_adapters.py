@@ -401,11 +401,12 @@ async def test_inline_compaction_on_both_faces(face: str, tmp_path: Path) -> Non
 
 
 @pytest.mark.embedded
-def test_the_async_example_runs_as_its_docstring_says() -> None:
-    """examples/langgraph_async_agent.py on embedded: every turn's ledger equals the stub's
+@pytest.mark.parametrize("name", ["langgraph", "langchain"])
+def test_the_async_examples_run_as_their_docstrings_say(name: str) -> None:
+    """examples/<name>_async_agent.py on embedded: every turn's ledger equals the stub's
     count of the prompt, and the note added with aupdate_state before turn 4 is in the
     prompts from turn 4 on; its glue is the number of lines its docstring says."""
-    example = ROOT / "examples" / "langgraph_async_agent.py"
+    example = ROOT / "examples" / f"{name}_async_agent.py"
     out = subprocess.run(
         [sys.executable, str(example), "--turns", "5"],
         capture_output=True, text=True, timeout=120, cwd=ROOT,
