@@ -15,7 +15,7 @@ the ledger.
 Redis with a ``ledger worker``): one JSON request a line in, ``{"turn": n, "crash": 0/1,
 "wait": seconds}`` (``crash``: kill -9 inside the answer node, mid-turn) or ``{"note":
 text, "id": id}`` (``aupdate_state`` between turns), one JSON row out. Lines marked
-`# ledger` are the glue (7 lines).
+`# ledger` are the glue (8 lines).
 """
 
 from __future__ import annotations

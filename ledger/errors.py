@@ -268,6 +268,16 @@ class ContextDriftWarning(UserWarning):
         super().__init__(message)
 
 
+class LostWriteWarning(UserWarning):
+    """A framework adapter's turn starts without state written between turns: the write
+    (``graph.update_state``) went on top of a checkpoint of a turn that was rolled back
+    (a dead branch), not on the committed state (``checkpoints``: the writes' ids)."""
+
+    def __init__(self, checkpoints: list[str], message: str) -> None:
+        self.checkpoints = checkpoints
+        super().__init__(message)
+
+
 _CODES: Final[dict[str, type[LedgerError]]] = {
     "BADARG": InvalidArgument,
     "CONFIG": ConfigurationError,

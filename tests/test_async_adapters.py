@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sqlite3
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -54,9 +57,11 @@ from ledger import (
 )
 from ledger.adapters.langchain import AsyncLedgerMiddleware, LedgerMiddleware
 from ledger.adapters.langgraph import AsyncLedgerGraph, LedgerGraph, merge_docs
+from ledger.errors import LostWriteWarning
 from tests import servers
 from tests.tcp_proxy import TcpProxy
 
+ROOT = Path(__file__).resolve().parent.parent
 TOK = TiktokenCounter()
 SYSTEM = "Answer from the documents."
 BUDGET = SessionBudget(
@@ -85,6 +90,7 @@ class Stub(BaseChatModel):
 
     tools: int = 0  # the tokens of the tool schemas bound (billed with every prompt)
     pause: float = 0.0
+    fail: bool = False  # the provider answers 500
 
     @property
     def _llm_type(self) -> str:
@@ -94,6 +100,8 @@ class Stub(BaseChatModel):
         return self.model_copy(update={"tools": schema_tokens(tools)})
 
     def _answer(self, messages: list[Any]) -> ChatResult:
+        if self.fail:
+            raise RuntimeError("the model provider answered 500")
         SEEN.append(list(messages))
         billed = tokens(messages) + self.tools
         usage = {"input_tokens": billed, "output_tokens": 5, "total_tokens": billed + 5}
@@ -131,8 +139,8 @@ def prompt_of(state: State) -> list[Any]:
     return [SystemMessage(SYSTEM), *docs, *state["messages"]]
 
 
-def graph_of(gov: Any, saver: Any, pause: float = 0.0) -> Any:
-    model = gov.model(Stub(pause=pause))
+def graph_of(gov: Any, saver: Any, pause: float = 0.0, fail: bool = False) -> Any:
+    model = gov.model(Stub(pause=pause, fail=fail))
     if isinstance(gov, AsyncLedgerGraph):
 
         async def answer(state: State) -> dict[str, Any]:  # an async node
@@ -165,16 +173,18 @@ async def saver_of(face: str, path: Path) -> AsyncIterator[Any]:
 
 
 @asynccontextmanager
-async def governed(face: str, url: str, sid: str, saver: Any) -> AsyncIterator[Any]:
+async def governed(
+    face: str, url: str, sid: str, saver: Any, budget: SessionBudget = BUDGET, **options: Any
+) -> AsyncIterator[Any]:
     if face == "asyncio":
         async with AsyncLedger.from_url(url) as aled:
-            session = await aled.open_session(sid, BUDGET)
-            yield AsyncLedgerGraph(AsyncAgent(session, TOK), checkpointer=saver)
+            session = await aled.open_session(sid, budget)
+            yield AsyncLedgerGraph(AsyncAgent(session, TOK), checkpointer=saver, **options)
             await session.delete()
     else:
         with Ledger.from_url(url) as led:
-            session = led.open_session(sid, BUDGET)
-            yield LedgerGraph(Agent(session, TOK), checkpointer=saver)
+            session = led.open_session(sid, budget)
+            yield LedgerGraph(Agent(session, TOK), checkpointer=saver, **options)
             session.delete()
 
 
@@ -242,6 +252,49 @@ async def test_langgraph_turns_on_both_faces(
 
 
 @pytest.mark.embedded
+async def test_parallel_async_nodes_start_the_turn_once(tmp_path: Path) -> None:
+    """Two async retrieval nodes run in one step (asyncio.gather): the turn's deliveries
+    and input are taken once, both nodes' documents are admitted, the ledger equals the
+    prompt."""
+    sid = f"par-{uuid.uuid4().hex[:6]}"
+    config = {"configurable": {"thread_id": sid}}
+    async with (
+        saver_of("asyncio", tmp_path / "db.sqlite") as saver,
+        governed("asyncio", f"embedded://{sid}", sid, saver) as gov,
+    ):
+        model = gov.model(Stub())
+
+        def fetch(source: str) -> Callable[[State], Awaitable[dict[str, Any]]]:
+            async def node(state: State) -> dict[str, Any]:
+                await asyncio.sleep(0.01)
+                n = len(state["messages"])
+                return {"docs": [Document(f"{source} says 42 ({n}).", id=f"{source}-{n}")]}
+
+            return node
+
+        async def answer(state: State) -> dict[str, Any]:
+            return {"messages": [await model.ainvoke(prompt_of(state))]}
+
+        builder = StateGraph(State)
+        builder.add_node("wiki", fetch("wiki"))
+        builder.add_node("sql", fetch("sql"))
+        builder.add_node("answer", answer)
+        builder.add_edge(START, "wiki")
+        builder.add_edge(START, "sql")
+        builder.add_edge(["wiki", "sql"], "answer")
+        builder.add_edge("answer", END)
+        graph = gov.govern(builder).compile(checkpointer=saver)
+        for q in ("q1", "q2"):
+            SEEN.clear()
+            turn = await ask(gov, graph, config, q)
+            assert turn.report.drift == 0
+            assert await occupancy(gov) == tokens(SEEN[-1]) + TOK("It is 42.")
+        assert {d.id for d in (await graph.aget_state(config)).values["docs"]} == {
+            "wiki-1", "sql-1", "wiki-3", "sql-3"
+        }  # fmt: skip
+
+
+@pytest.mark.embedded
 @pytest.mark.parametrize("face", FACES)
 @pytest.mark.parametrize("rule", ["admitted", "without the rule"])
 async def test_what_update_state_writes_between_turns_is_the_next_turns(
@@ -281,6 +334,93 @@ async def test_what_update_state_writes_between_turns_is_the_next_turns(
             assert "q1" not in sent[1] and sent[1][-1] == "q3"  # removed: given back
         else:
             assert "note-1" not in sent[0] and "q1" in sent[1]  # lost, silently
+
+
+@pytest.mark.embedded
+@pytest.mark.parametrize("face", FACES)
+async def test_a_write_on_a_dead_turns_branch_is_flagged(face: str, tmp_path: Path) -> None:
+    """A turn dies after its first node checkpointed (rolled back); a note written then
+    with update_state goes on top of the dead turn's checkpoint. The next turn starts
+    from the committed state without it, and says so (LostWriteWarning) instead of
+    dropping it silently; written again once that turn ended, it is admitted."""
+    sid = f"dead-{face}-{uuid.uuid4().hex[:6]}"
+    config = {"configurable": {"thread_id": sid}}
+    async with (
+        saver_of(face, tmp_path / "db.sqlite") as saver,
+        governed(face, f"embedded://{sid}", sid, saver) as gov,
+    ):
+        graph = graph_of(gov, saver)
+        await ask(gov, graph, config, "q1")
+        broken = graph_of(gov, saver, fail=True)  # its model call fails: the turn dies
+        with pytest.raises(RuntimeError):
+            await ask(gov, broken, config, "q2")
+        note = HumanMessage("Note from the operator: amounts are in euros.", id="note-1")
+        await update(graph, config, {"messages": [note]})
+        SEEN.clear()
+        with pytest.warns(LostWriteWarning, match="rolled back") as caught:
+            turn = await ask(gov, graph, config, "q3")
+        assert len(caught[0].message.checkpoints) == 1  # type: ignore[union-attr]
+        sent = [m.id for m in SEEN[-1]]
+        assert "note-1" not in sent and "q2" not in sent and turn.report.drift == 0
+        await update(graph, config, {"messages": [note]})  # on the committed state now
+        SEEN.clear()
+        await ask(gov, graph, config, "q4")
+        assert [m.id for m in SEEN[-1]][-2:] == ["note-1", "q4"]
+
+
+@pytest.mark.embedded
+@pytest.mark.parametrize("face", FACES)
+async def test_inline_compaction_on_both_faces(face: str, tmp_path: Path) -> None:
+    """An agent-owned session with ``summarize=``: once a compaction is pending, the next
+    turn's first node replaces the old messages by one summary message (turn.compact),
+    which is in that turn's prompt; the ledger equals the prompt on every turn."""
+    sid = f"inline-{face}-{uuid.uuid4().hex[:6]}"
+    config = {"configurable": {"thread_id": sid}}
+    budget = BUDGET.model_copy(update={"window": 1_200, "output_reserve": 100})
+    budget = budget.model_copy(update={"compaction": "agent"})
+    async with (
+        saver_of(face, tmp_path / "db.sqlite") as saver,
+        governed(
+            face, f"embedded://{sid}", sid, saver, budget,
+            summarize=lambda objs: f"Summary of {len(objs)} earlier items.", keep_messages=2,
+        ) as gov,
+    ):  # fmt: skip
+        graph = graph_of(gov, saver)
+        for n in range(12):
+            SEEN.clear()
+            turn = await ask(gov, graph, config, f"q{n}: " + "the figures by region " * 20)
+            assert turn.report.drift == 0
+            assert await occupancy(gov) == tokens(SEEN[-1]) + TOK("It is 42.")
+            sent = [str(m.id) for m in SEEN[-1]]
+            if any(i.startswith("summary-") for i in sent):
+                asked = [i.split(":")[0] for i in sent if i.startswith("q")]
+                assert "q0" not in asked and asked[-1] == f"q{n}", sent
+                break
+        else:
+            raise AssertionError("no compaction in 12 turns")
+
+
+@pytest.mark.embedded
+@pytest.mark.parametrize("name", ["langgraph", "langchain"])
+def test_the_async_examples_run_as_their_docstrings_say(name: str) -> None:
+    """examples/<name>_async_agent.py on embedded: every turn's ledger equals the stub's
+    count of the prompt, and the note added with aupdate_state before turn 4 is in the
+    prompts from turn 4 on; its glue is the number of lines its docstring says."""
+    example = ROOT / "examples" / f"{name}_async_agent.py"
+    out = subprocess.run(
+        [sys.executable, str(example), "--turns", "5"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert len(lines) == 5, lines
+    for n, line in enumerate(lines, 1):
+        got = re.fullmatch(
+            r"turn \d+: ledger (\d+) = prompt (\d+) \(drift 0\); note in prompt: (\w+)", line
+        )
+        assert got and got[1] == got[2] and got[3] == str(n >= 4), line
+    glue = [x for x in example.read_text().splitlines() if x.endswith("# ledger")]
+    assert f"are the glue ({len(glue)} lines)" in example.read_text()
 
 
 @pytest.mark.embedded

@@ -1,9 +1,10 @@
-"""The asyncio face in a fleet: two agent OS processes (examples/langgraph_async_agent.py
---serve: AsyncLedgerGraph, async nodes, ainvoke) serve alternate turns of one
+"""The asyncio faces in a fleet: two agent OS processes (examples/langgraph_async_agent.py
+--serve: AsyncLedgerGraph, async nodes, ainvoke; examples/langchain_async_agent.py --serve:
+create_agent with AsyncLedgerMiddleware and an async tool) serve alternate turns of one
 conversation back to back on a real redis-server, a real `ledger worker` compacting, the
 conversation shared through an AsyncSqliteSaver file both open. One turn's owner is
-killed with -9 inside a node (after a checkpoint of that turn was written) and the turn
-is retried on the other process; operators' notes are added with aupdate_state between
+killed with -9 inside a node or the tool (after a checkpoint of that turn was written)
+and the turn is retried on the other process; operators' notes are added with aupdate_state between
 turns, by one process, and the next turn, served by the other, has them in its prompt.
 After every turn the ledger equals the stub model's own count of the prompt it was
 sent (plus its answer)."""
@@ -26,16 +27,16 @@ from ledger.testing import spawn_worker
 from tests import servers
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "examples" / "langgraph_async_agent.py"
+EXAMPLES = ["langgraph", "langchain"]
 TURNS, KILL_AT, NOTES_AFTER, LEASE_S = 14, 6, (3, 9), 1.5
 
 
 class Proc:
     """One agent process: JSON requests in, JSON rows out."""
 
-    def __init__(self, url: str, sid: str, db: Path, env: dict[str, str]) -> None:
+    def __init__(self, script: Path, url: str, sid: str, db: Path, env: dict[str, str]) -> None:
         self.p = subprocess.Popen(
-            [sys.executable, str(SCRIPT), "--serve", "--url", url, "--session", sid,
+            [sys.executable, str(script), "--serve", "--url", url, "--session", sid,
              "--db", str(db)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT,
         )  # fmt: skip
@@ -66,9 +67,11 @@ class Proc:
 
 @pytest.mark.redis
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("example", EXAMPLES)
 def test_two_asyncio_processes_alternate_turns_with_a_crash_and_notes(
-    redis_server: servers.RedisProcess, tmp_path: Path
+    example: str, redis_server: servers.RedisProcess, tmp_path: Path
 ) -> None:
+    script = ROOT / "examples" / f"{example}_async_agent.py"
     prefix, sid = f"fa{uuid.uuid4().hex[:8]}", f"fa-{uuid.uuid4().hex[:8]}"
     env = {
         **os.environ,
@@ -92,7 +95,7 @@ def test_two_asyncio_processes_alternate_turns_with_a_crash_and_notes(
     notes: dict[int, str] = {}
     try:
         worker.wait_started(60)
-        procs = [Proc(redis_server.url, sid, db, env) for _ in range(2)]
+        procs = [Proc(script, redis_server.url, sid, db, env) for _ in range(2)]
         for n in range(1, TURNS + 1):
             i = n % 2
             if n == KILL_AT:
@@ -101,7 +104,7 @@ def test_two_asyncio_processes_alternate_turns_with_a_crash_and_notes(
                 procs[i].close()
                 row = procs[1 - i].ask({"turn": n, "wait": LEASE_S * 8})  # the retry
                 row["retry_s"] = time.monotonic() - died
-                procs[i] = Proc(redis_server.url, sid, db, env)
+                procs[i] = Proc(script, redis_server.url, sid, db, env)
             else:
                 row = procs[i].ask({"turn": n})
             rows.append(row)
@@ -139,5 +142,5 @@ def test_two_asyncio_processes_alternate_turns_with_a_crash_and_notes(
         assert set(r["delivered"]) <= set(r["prompt_ids"]), r
     with Ledger.from_settings(LedgerSettings(redis_url=redis_server.url, prefix=prefix)) as led:
         assert led.audit(sid).clean
-    print(f"{TURNS} turns, retry after kill -9 {retried['retry_s']:.2f} s, "
+    print(f"{example}: {TURNS} turns, retry after kill -9 {retried['retry_s']:.2f} s, "
           f"{len(delivered)} summaries delivered, occupancy {rows[-1]['occupancy']}")  # fmt: skip

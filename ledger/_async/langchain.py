@@ -29,7 +29,8 @@ from ledger.models import Consumer, Reconciled
 
 class AsyncLedgerMiddleware(AgentMiddleware):
     """Governs a ``langchain.agents.create_agent`` agent's context with the ledger
-    (an :class:`~ledger.agent.AsyncAgent`: the agent's asyncio hooks)."""
+    (an :class:`~ledger.agent.AsyncAgent`: its hooks ``abefore_model``, ``awrap_model_call``,
+    ``aafter_model``, ``awrap_tool_call``)."""
 
     def __init__(
         self,

@@ -23,6 +23,7 @@ from ledger.adapters.graph_core import (
     Removed,
     before_governed,
     checkpoint_id,
+    flag_lost,
     pinned,
     start_after,
     thread_of,
@@ -35,8 +36,7 @@ from ledger.models import Consumer, Reconciled
 
 
 class AsyncLedgerGraph(GraphCore):
-    """Governs a LangGraph graph's state with an :class:`~ledger.agent.AsyncAgent`
-    (asyncio: ``graph.ainvoke`` / ``graph.astream``, async nodes, async checkpointers).
+    """Governs a LangGraph graph's state with an :class:`~ledger.agent.AsyncAgent` (asyncio).
 
     ``summarize(objects) -> str``: when the ledger has a compaction pending, the first
     node of the next turn replaces everything but the last ``keep_messages`` messages
@@ -159,6 +159,7 @@ class AsyncLedgerGraph(GraphCore):
         if turn.mark is None:
             return pinned(config, before_governed(newer), turn.number)
         start = start_after(turn.mark, newer)
+        flag_lost(turn.mark, newer, turn.number)
         if start != turn.mark:  # written between turns: what it removed is given back
             committed = await self.checkpointer.aget_tuple(pinned(config, turn.mark, 0))
             adopted = next(t for t in newer if checkpoint_id(t) == start)
@@ -202,6 +203,7 @@ class AsyncLedgerGraph(GraphCore):
         """The turn's first node: what a write between turns removed given back, the
         deliveries as an update of the state, the messages that entered the state outside
         a node admitted, a pending compaction done if asked for."""
+        self._fresh = False  # before any wait: a parallel node does not start it again
         ts = turn.state
         assert ts is not None
         if ts.recalibrated:

@@ -23,7 +23,8 @@ from ledger.models import Consumer, Reconciled
 
 class LedgerMiddleware(AgentMiddleware):
     """Governs a ``langchain.agents.create_agent`` agent's context with the ledger
-    (an :class:`~ledger.agent.Agent`: the agent's asyncio hooks)."""
+    (an :class:`~ledger.agent.Agent`: its hooks ``before_model``, ``wrap_model_call``,
+    ``after_model``, ``wrap_tool_call``)."""
 
     def __init__(
         self,

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ledger.agent.core import AgentCore, Obj, TurnState, default_summary
-from ledger.errors import ContextOverflow, InvalidArgument
+from ledger.errors import ContextOverflow, InvalidArgument, LostWriteWarning
 from ledger.extras import missing
 from ledger.models import Consumer
 
@@ -79,14 +80,10 @@ def thread_of(config: RunnableConfig | Mapping[str, Any]) -> dict[str, Any]:
     return {"configurable": {"thread_id": conf["thread_id"]}}
 
 
-def start_after(mark: str, newer: Sequence[Any]) -> str:
-    """The checkpoint a turn starts from, given the one the last ended turn committed
-    (``mark``) and the thread's checkpoints newer than it (newest first, as a
-    checkpointer lists them). A checkpoint written between turns the framework's own
-    way (``graph.update_state``, ``agent.update_state``) on top of the committed one is
-    the state the turn starts from, so what it added is admitted like the graph's
-    input; one a governed turn wrote (the metadata names its turn: a turn that died, a
-    zombie's) is on a dead branch, as is everything written on top of it."""
+def _roots(mark: str, newer: Sequence[Any]) -> dict[str, str | None]:
+    """Where each checkpoint newer than ``mark`` leads, following its parents: to ``mark``
+    itself (written on top of it), to a checkpoint a governed turn wrote (the metadata
+    names its turn), or None (another branch)."""
     parents = {
         checkpoint_id(t): (
             None
@@ -96,13 +93,45 @@ def start_after(mark: str, newer: Sequence[Any]) -> str:
         for t in newer
     }
     by_turn = {checkpoint_id(t) for t in newer if TURN_KEY in (t.metadata or {})}
+    roots: dict[str, str | None] = {}
     for tup in newer:
         at: str | None = checkpoint_id(tup)
         while at is not None and at != mark and at not in by_turn:
             at = parents.get(at)
-        if at == mark:
-            return checkpoint_id(tup)
-    return mark
+        roots[checkpoint_id(tup)] = at
+    return roots
+
+
+def start_after(mark: str, newer: Sequence[Any]) -> str:
+    """The checkpoint a turn starts from, given the one the last ended turn committed
+    (``mark``) and the thread's checkpoints newer than it (newest first, as a
+    checkpointer lists them). A checkpoint written between turns the framework's own
+    way (``graph.update_state``, ``agent.update_state``) on top of the committed one is
+    the state the turn starts from, so what it added is admitted like the graph's
+    input; one a governed turn wrote (a turn that died, a zombie's) is on a dead branch,
+    as is everything written on top of it."""
+    roots = _roots(mark, newer)
+    return next((at for at in roots if roots[at] == mark), mark)
+
+
+def flag_lost(mark: str, newer: Sequence[Any], number: int) -> list[str]:
+    """Warn of the checkpoints written between turns (not by a turn) that turn ``number``
+    does not start from because they are on a dead branch: written on top of a
+    checkpoint of a turn that was rolled back. Their ids (newest first)."""
+    roots = _roots(mark, newer)
+    lost = [at for at, root in roots.items() if root not in (None, mark, at)]
+    if lost:
+        warnings.warn(
+            LostWriteWarning(
+                lost,
+                f"turn {number} starts from checkpoint {mark}, the last committed: "
+                f"{len(lost)} checkpoint(s) written between turns ({', '.join(lost[:3])}) "
+                "are on top of a turn that was rolled back, so not in its state: add what "
+                "they wrote again once this turn has ended",
+            ),
+            stacklevel=4,
+        )
+    return lost
 
 
 def before_governed(tuples: Sequence[Any]) -> str | None:
