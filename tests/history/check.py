@@ -21,6 +21,11 @@ an unknown outcome may be either. From that, each anomaly below is a broken rule
 - ``two_owners``: two begin_turn calls given the same turn; or a call of a turn that
   took effect (returned) although it was sent after another owner's later turn had
   begun (a turn has one owner at a time: the later begin rolled it back).
+- ``summary``: a worker's summary delivered to two committed turns, or only to turns
+  that were rolled back (it must come again to a later turn); ``lost`` also names a
+  delivered summary not held at the end (nor replaced by a later one). What a summary
+  replaced is known from the turn it was delivered to; the run ends with one turn per
+  session of its own, so that every summary made is delivered.
 - ``reservation``: a reservation ended twice (settled and voided, or settled twice
   under different op ids), or still open at the end (after its lease and a sweep).
 """
@@ -72,6 +77,7 @@ class Report:
     turns: int = 0
     committed: int = 0
     rolled_back: int = 0
+    summaries: int = 0  # summaries delivered (to a turn that was committed)
     faults: dict[str, int] = field(default_factory=dict)
     anomalies: list[tuple[str, str]] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)  # seconds of each phase
@@ -84,7 +90,8 @@ class Report:
         head = (
             f"{self.calls} calls ({self.ok} ok, {self.failed} refused, {self.unknown} unknown, "
             f"{self.duplicates} sent twice), {self.turns} turns ({self.committed} committed, "
-            f"{self.rolled_back} rolled back); faults: {faults}; "
+            f"{self.rolled_back} rolled back), {self.summaries} summaries delivered; "
+            f"faults: {faults}; "
             f"{len(self.anomalies)} anomalies"
         )
         shown = [f"  {k}: {what}" for k, what in self.anomalies[:20]]
@@ -203,10 +210,34 @@ def check(history: list[Rec], final: dict[str, Final]) -> Report:
             enders[(r.sid, r.a["rid"])].append(r)
         elif r.op == "release":
             removes[(r.sid, r.a["item"])].append(r)
+    # compactions: a summary replaced items between turns; the begin_turn it was
+    # delivered to names it and what it replaced (a rolled-back turn's deliveries come
+    # again to a later turn; the compaction itself stands)
+    compacted: set[tuple[str, str]] = set()
+    delivered: dict[tuple[str, str], list[str]] = defaultdict(list)  # -> turn states
+    for (sid, turn), bs in begins.items():
+        for b in {b.id: b for b in bs}.values():  # (a begin sent twice: one delivery)
+            assert b.r is not None
+            for _, item in b.r.get("dropped") or []:
+                compacted.add((sid, item))
+            for summary in b.r.get("summaries") or []:
+                delivered[(sid, summary)].append(state[(sid, turn)])
+    rep.summaries = sum("committed" in states for states in delivered.values())
+    for (sid, summary), states in delivered.items():
+        if states.count("committed") > 1:
+            bad(("summary", f"{summary} of {sid} delivered to {states.count('committed')} "
+                 "committed turns"))  # fmt: skip
+        if "committed" not in states and "unknown" not in states:
+            bad(("summary", f"{summary} of {sid} delivered only to rolled-back turns"))
+        held = sid in final and summary in final[sid].items
+        if not held and (sid, summary) not in compacted:
+            bad(("lost", f"summary {summary} of {sid} delivered, not held at the end"))
     for (sid, item), recs in adds.items():
         held = final[sid].items.get(item) if sid in final else None
         took = [status(r) for r, _ in recs]
         gone = [status(r) for r in removes.get((sid, item), [])]
+        if (sid, item) in compacted:
+            gone.append("yes")
         tokens = recs[0][1]
         if "yes" in took and all(g == "no" for g in gone) and held is None:
             r = recs[0][0]
@@ -218,7 +249,7 @@ def check(history: list[Rec], final: dict[str, Final]) -> Report:
                  "was refused or rolled back"))  # fmt: skip
         if held is not None and held != tokens:
             bad(("lost", f"{item} of {sid} held with {held} tokens, admitted with {tokens}"))
-    known = {key for key in adds}
+    known = {key for key in adds} | set(delivered)
     for sid, f in final.items():
         for item in f.items:
             if (sid, item) not in known:

@@ -42,15 +42,20 @@ from ledger.testing import (
     standalone,
 )
 from tests.history.check import Final, Report, check, load
+from tests.history.client import Recorder
 from tests.tcp_proxy import TcpProxy
 
 ROOT = Path(__file__).resolve().parents[2]
 FAULTS = ("kill_client", "pause", "kill_worker", "kill_redis", "lost_replies")
+# Over its high-water mark a session's end_turn asks the worker for a compaction: its
+# summary replaces old working-memory items between turns, and is delivered to the next
+# turn (with what it replaced). A failed compaction is retried, never escalated to a reset.
 BUDGET = SessionBudget(
     window=4_000,
     system_prompt=200,
-    high_water_mark=1.0,  # no compaction: the items stay as admitted
+    high_water_mark=0.5,
     eviction_threshold=1.0,
+    max_failed_compactions=100,
 )
 
 
@@ -65,6 +70,7 @@ class Plan:
     faults: tuple[str, ...] = FAULTS
     every: float = 0.0  # long form: each fault again every this many seconds
     plant: str | None = None
+    window: int = BUDGET.window  # each session's window (its room: less the system prompt)
     linger_rate: float = 0.05  # turns that outlast their lease (a slow model call)
     failover: bool = False
     worker: bool = True  # a real `ledger worker` (its lease sweep; restarted when killed)
@@ -197,7 +203,7 @@ def open_sessions(
     sids: list[str] = []
     with Ledger.from_settings(LedgerSettings(redis_url=url, prefix=prefix)) as led:
         for i in range(500):
-            s = led.open_session(f"h{i}", BUDGET)
+            s = led.open_session(f"h{i}", BUDGET.model_copy(update={"window": plan.window}))
             if c is None or c.primary_port(s.keys.session) == victim.port:
                 sids.append(s.id)
             if len(sids) == plan.sessions:
@@ -205,12 +211,32 @@ def open_sessions(
     raise RuntimeError("no session of the victim's slots")
 
 
-def final_state(url: str, prefix: str, sids: list[str]) -> dict[str, Final]:
+def final_state(
+    url: str, prefix: str, sids: list[str], d: Path, worker: bool = True
+) -> dict[str, Final]:
+    """Every lease swept, then for each session one last turn of the checker's own
+    (recorded, so the summaries not delivered yet are; with a ``worker``, once it has
+    no compaction pending), then what the session holds."""
     out = {}
     with Ledger.from_settings(LedgerSettings(redis_url=url, prefix=prefix)) as led:
         for p in range(led.keyspace.partitions):
             while led.expire_due(p):
                 pass
+        rec = Recorder(d / "last.jsonl", "last")
+        for sid in sids:
+            s = led.session(sid, owner="last")
+            for _ in range(3):  # until no compaction is pending after the last turn
+                deadline = time.monotonic() + (10 if worker else 0)
+                while s.snapshot().compaction_pending and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                ok, began = rec.call(led, "begin_turn", sid, s.begin_turn_call(0), {})
+                if ok:
+                    rec.call(
+                        led, "end_turn", sid, s.end_turn_call(began.turn, 1), {"turn": began.turn}
+                    )
+                if not worker or not s.snapshot().compaction_pending:
+                    break
+        os.close(rec.fd)
         for sid in sids:
             s = led.session(sid)
             snap = s.snapshot()
@@ -237,7 +263,7 @@ def run(plan: Plan) -> Report:
             "lease_ms": plan.lease_ms, "reservation_ms": plan.reservation_ms,
             "plant": plan.plant, "linger_rate": plan.linger_rate,
             "replica_acks": 1 if plan.failover else 0,
-            "retry_max_seconds": 15.0, "window": BUDGET.window,
+            "retry_max_seconds": 15.0, "window": plan.window,
         }))  # fmt: skip
         fleet = Fleet(plan, d, cfg, url, direct, prefix, sids)
         t0 = time.monotonic()
@@ -270,7 +296,7 @@ def run(plan: Plan) -> Report:
             # every lease runs out, then the sweep ends what is left
             time.sleep(max(plan.lease_ms, plan.reservation_ms) / 1000 + 0.5)
             timings["stop"] = time.monotonic() - t_stop
-            final = final_state(direct, prefix, sids)
+            final = final_state(direct, prefix, sids, d, plan.worker)
         finally:
             if fleet.worker is not None:
                 fleet.worker.kill()  # (the final state is read: no need to wait for it)
