@@ -21,8 +21,10 @@ an unknown outcome may be either. From that, each anomaly below is a broken rule
 - ``two_owners``: two begin_turn calls given the same turn; or a call of a turn that
   took effect (returned) although it was sent after another owner's later turn had
   begun (a turn has one owner at a time: the later begin rolled it back).
-- ``summary``: a worker's summary delivered to two committed turns, or only to turns
-  that were rolled back (it must come again to a later turn); ``lost`` also names a
+- ``summary``: a worker's summary, or an item it replaced, delivered to two committed
+  turns, or only to turns that were rolled back (it must come again to a later turn:
+  a summary replaced meanwhile by a later one comes as one of the items that one
+  replaced, and so do the items it had replaced); ``lost`` also names a
   delivered summary not held at the end (nor replaced by a later one). What a summary
   replaced is known from the turn it was delivered to; the run ends with one turn per
   session of its own, so that every summary made is delivered.
@@ -213,21 +215,35 @@ def check(history: list[Rec], final: dict[str, Final]) -> Report:
     # compactions: a summary replaced items between turns; the begin_turn it was
     # delivered to names it and what it replaced (a rolled-back turn's deliveries come
     # again to a later turn; the compaction itself stands)
-    compacted: set[tuple[str, str]] = set()
     delivered: dict[tuple[str, str], list[str]] = defaultdict(list)  # -> turn states
+    replaced: dict[tuple[str, str], list[str]] = defaultdict(list)  # item -> turn states
     for (sid, turn), bs in begins.items():
         for b in {b.id: b for b in bs}.values():  # (a begin sent twice: one delivery)
             assert b.r is not None
             for _, item in b.r.get("dropped") or []:
-                compacted.add((sid, item))
+                replaced[(sid, item)].append(state[(sid, turn)])
             for summary in b.r.get("summaries") or []:
                 delivered[(sid, summary)].append(state[(sid, turn)])
+    compacted = set(replaced)
+    for (sid, item), states in replaced.items():
+        # what a summary replaced reaches one committed turn, once (the app drops it then)
+        if states.count("committed") > 1:
+            bad(("summary", f"{item} of {sid} given as replaced to "
+                 f"{states.count('committed')} committed turns"))  # fmt: skip
+        if "committed" not in states and "unknown" not in states:
+            bad(("summary", f"{item} of {sid} given as replaced to rolled-back turns only"))
     rep.summaries = sum("committed" in states for states in delivered.values())
     for (sid, summary), states in delivered.items():
         if states.count("committed") > 1:
             bad(("summary", f"{summary} of {sid} delivered to {states.count('committed')} "
                  "committed turns"))  # fmt: skip
-        if "committed" not in states and "unknown" not in states:
+        # (a summary given back by a rollback and replaced by a later one before it came
+        # again is delivered as part of that one: named in its begin's replaced items)
+        if (
+            "committed" not in states
+            and "unknown" not in states
+            and (sid, summary) not in compacted
+        ):
             bad(("summary", f"{summary} of {sid} delivered only to rolled-back turns"))
         held = sid in final and summary in final[sid].items
         if not held and (sid, summary) not in compacted:

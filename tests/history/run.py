@@ -86,6 +86,7 @@ class Fleet:
     direct: str  # what the worker and the checker connect to
     prefix: str
     sids: list[str]
+    key: str  # the first session's key (on a cluster: its slot's primary is killed)
     clients: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     worker: WorkerProc | None = None
     born: int = 0
@@ -169,9 +170,28 @@ def inject(fleet: Fleet, kind: str, rng: random.Random, server: object) -> None:
         time.sleep(0.2)
         server.restart()
     elif kind == "failover":
-        assert isinstance(server, RedisProcess)
-        server.kill()  # the primary of the sessions' slots; its replica takes over
+        assert isinstance(server, ClusterNodes)
+        failover(server, fleet.key)
     fleet.done[kind] += 1
+
+
+def failover(c: ClusterNodes, key: str) -> None:
+    """Kill (-9) the primary that serves ``key``, wait for the cluster to promote one of
+    its replicas, then start the killed node again: it comes back as a replica of the
+    promoted one (as a supervisor would restart it), so a later failover finds a replica
+    to promote and writes that wait for one still find one."""
+    port = c.primary_port(key)
+    victim = next(n for n in c.nodes() if n.port == port)
+    victim.kill()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):  # (a node may be busy promoting)
+            if c.primary_port(key) != port:
+                break
+        time.sleep(0.1)
+    else:
+        raise RuntimeError("the cluster promoted no replica within 60 s")
+    victim.restart()
 
 
 Servers = tuple[str, str, RedisProcess, TcpProxy | None, ClusterNodes | None]
@@ -198,16 +218,19 @@ def servers(plan: Plan, rng: random.Random) -> Iterator[Servers]:
 
 def open_sessions(
     plan: Plan, url: str, prefix: str, victim: RedisProcess, c: ClusterNodes | None
-) -> list[str]:
-    """The run's sessions; on a cluster, sessions the primary the run kills serves."""
+) -> tuple[list[str], str]:
+    """The run's sessions, and the first one's key; on a cluster, sessions the primary the
+    run kills serves."""
     sids: list[str] = []
+    key = ""
     with Ledger.from_settings(LedgerSettings(redis_url=url, prefix=prefix)) as led:
         for i in range(500):
             s = led.open_session(f"h{i}", BUDGET.model_copy(update={"window": plan.window}))
             if c is None or c.primary_port(s.keys.session) == victim.port:
                 sids.append(s.id)
+                key = key or s.keys.session
             if len(sids) == plan.sessions:
-                return sids
+                return sids, key
     raise RuntimeError("no session of the victim's slots")
 
 
@@ -256,7 +279,7 @@ def run(plan: Plan) -> Report:
         d = plan.workdir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="hist-")))
         url, direct, server, proxy, c = stack.enter_context(servers(plan, rng))
         prefix = f"h{uuid.uuid4().hex[:8]}"
-        sids = open_sessions(plan, direct, prefix, server, c)
+        sids, key = open_sessions(plan, direct, prefix, server, c)
         cfg = d / "config.json"
         cfg.write_text(json.dumps({
             "url": url, "prefix": prefix, "sessions": sids, "seed": plan.seed, "dir": str(d),
@@ -265,7 +288,7 @@ def run(plan: Plan) -> Report:
             "replica_acks": 1 if plan.failover else 0,
             "retry_max_seconds": 15.0, "window": plan.window,
         }))  # fmt: skip
-        fleet = Fleet(plan, d, cfg, url, direct, prefix, sids)
+        fleet = Fleet(plan, d, cfg, url, direct, prefix, sids, key)
         t0 = time.monotonic()
         try:
             if plan.worker:
@@ -279,7 +302,7 @@ def run(plan: Plan) -> Report:
             timings = {"setup": t0 - began, "start": start - t0}
             for at, kind in schedule(plan, rng):
                 time.sleep(max(0.0, start + at - time.monotonic()))
-                inject(fleet, kind, rng, server)
+                inject(fleet, kind, rng, c if plan.failover else server)
             time.sleep(max(0.0, start + plan.seconds - time.monotonic()))
             (d / "stop").touch()
             t_stop = time.monotonic()
@@ -317,12 +340,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long", action="store_true", help="60 s, 4 clients, faults every 6 s")
     ap.add_argument("--failover", action="store_true", help="on a Redis Cluster, kill a primary")
     ap.add_argument("--seconds", type=float)
+    ap.add_argument("--dir", type=Path, help="keep the history and logs here (a new folder)")
     args = ap.parse_args(argv)
     plan = Plan(seed=args.seed, failover=args.failover)
     if args.long:
         plan.seconds, plan.clients, plan.every = 60.0, 4, 6.0
     if args.seconds:
         plan.seconds = args.seconds
+    if args.dir:
+        args.dir.mkdir(parents=True)
+        plan.workdir = args.dir
     started = time.monotonic()
     report = run(plan)
     report.timings["total"] = time.monotonic() - started
