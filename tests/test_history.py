@@ -102,15 +102,20 @@ def test_the_checker_passes_a_history_that_keeps_the_rules() -> None:
     history = [
         *turn("A", 1, 1, 0.0, admit("A", 2, "x", 1, 0.1)),
         # a rolled-back turn (its end refused) and a turn whose end is unknown
-        *turn("B", 10, 2, 1.0, admit("B", 11, "y", 2, 1.1), ended=False),
+        *turn("C", 10, 2, 1.0, admit("C", 11, "y", 2, 1.1), ended=False),
         *turn("B", 20, 3, 2.0, admit("B", 21, "z", 3, 2.1), ended=None),
         # a refused admission, and the same call sent twice with one reply
         *turn("A", 30, 4, 3.0, admit("A", 31, "w", 4, 3.1, ok=False),
               admit("A", 32, "v", 4, 3.2), admit("A", 32, "v", 4, 3.3)),
+        # a turn its owner never ended, then began again: that begin may have ended it
+        *turn("D", 40, 5, 4.0, admit("D", 41, "u", 5, 4.1), ended=False),
+        *turn("D", 50, 6, 5.0),
     ]  # fmt: skip
-    report = check(history, held(x=10, v=10))  # z may be there or not
-    assert report.anomalies == [] and (report.committed, report.rolled_back) == (2, 1)
-    assert check(history, held(x=10, v=10, z=10)).anomalies == []
+    report = check(history, held(x=10, v=10))  # z and u may be there or not
+    assert report.anomalies == [] and (report.committed, report.rolled_back) == (3, 1)
+    assert check(history, held(x=10, v=10, z=10, u=10)).anomalies == []
+    # a turn never ended whose owner did not begin again is rolled back: u must go
+    assert check(history[:-2], held(x=10, v=10, u=10)).kinds() == {"phantom"}
 
 
 @pytest.mark.parametrize(

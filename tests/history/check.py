@@ -157,14 +157,26 @@ def check(history: list[Rec], final: dict[str, Final]) -> Report:
     for r in history:
         if r.op == "end_turn":
             ends[(r.sid, int(r.a["turn"]))].append(r)
+    again: dict[str, list[Rec]] = defaultdict(list)  # sid -> begins sent (any outcome)
+    hidden: dict[str, list[float]] = defaultdict(list)  # sid -> begins of unknown outcome
+    for r in history:
+        if r.op == "begin_turn":
+            again[r.sid].append(r)
+            if r.ok is None:
+                hidden[r.sid].append(r.t0)
     for key, bs in begins.items():
         if len({b.id for b in bs}) > 1:
             owners = sorted({b.p for b in bs})
             bad(("two_owners", f"turn {key[1]} of {key[0]} begun by {len(bs)} calls: {owners}"))
         es = ends.get(key, [])
+        first = min(b.t0 for b in bs)
         if any(e.ok is True for e in es):
             state[key] = "committed"
-        elif any(e.ok is None for e in es):
+        elif any(e.ok is None for e in es) or (
+            not es and any(o.p == bs[0].p and o.t0 > first for o in again[key[0]])
+        ):
+            # (never ended, but its owner began again on the session: a begin ends the
+            # owner's own open turn as it stands, if no one rolled it back before)
             state[key] = "unknown"
         else:
             state[key] = "rolled_back"
@@ -217,20 +229,31 @@ def check(history: list[Rec], final: dict[str, Final]) -> Report:
     # again to a later turn; the compaction itself stands)
     delivered: dict[tuple[str, str], list[str]] = defaultdict(list)  # -> turn states
     replaced: dict[tuple[str, str], list[str]] = defaultdict(list)  # item -> turn states
+    delivered_at: dict[tuple[str, str], list[float]] = defaultdict(list)
+    replaced_at: dict[tuple[str, str], list[float]] = defaultdict(list)
     for (sid, turn), bs in begins.items():
         for b in {b.id: b for b in bs}.values():  # (a begin sent twice: one delivery)
             assert b.r is not None
             for _, item in b.r.get("dropped") or []:
                 replaced[(sid, item)].append(state[(sid, turn)])
+                replaced_at[(sid, item)].append(b.t0)
             for summary in b.r.get("summaries") or []:
                 delivered[(sid, summary)].append(state[(sid, turn)])
+                delivered_at[(sid, summary)].append(b.t0)
     compacted = set(replaced)
+
+    def unseen(sid: str, key: tuple[str, str], table: dict[tuple[str, str], list[float]]) -> bool:
+        """Whether a begin of unknown outcome was sent after the first delivery: its turn
+        (which no reply shows) may have been given it, and committed."""
+        return any(t > min(table[key]) for t in hidden[sid])
+
     for (sid, item), states in replaced.items():
         # what a summary replaced reaches one committed turn, once (the app drops it then)
         if states.count("committed") > 1:
             bad(("summary", f"{item} of {sid} given as replaced to "
                  f"{states.count('committed')} committed turns"))  # fmt: skip
-        if "committed" not in states and "unknown" not in states:
+        given = "committed" in states or "unknown" in states
+        if not given and not unseen(sid, (sid, item), replaced_at):
             bad(("summary", f"{item} of {sid} given as replaced to rolled-back turns only"))
     rep.summaries = sum("committed" in states for states in delivered.values())
     for (sid, summary), states in delivered.items():
@@ -243,6 +266,7 @@ def check(history: list[Rec], final: dict[str, Final]) -> Report:
             "committed" not in states
             and "unknown" not in states
             and (sid, summary) not in compacted
+            and not unseen(sid, (sid, summary), delivered_at)
         ):
             bad(("summary", f"{summary} of {sid} delivered only to rolled-back turns"))
         held = sid in final and summary in final[sid].items

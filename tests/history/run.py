@@ -127,7 +127,7 @@ class Fleet:
 
 def schedule(plan: Plan, rng: random.Random) -> list[tuple[float, str]]:
     """(second, fault) for each fault kind: once in the run's middle, and with ``every``
-    again after each such period."""
+    again after each such period (a failover once)."""
     events = []
     kinds = [f for f in plan.faults if f != "lost_replies"]
     if plan.failover:
@@ -137,8 +137,9 @@ def schedule(plan: Plan, rng: random.Random) -> list[tuple[float, str]]:
         t = rng.uniform(0.15, 0.3 if kind == "failover" else 0.6) * plan.seconds
         while t < plan.seconds - 1.0:
             events.append((t, kind))
-            if not plan.every:
-                break
+            if not plan.every or kind == "failover":
+                break  # (one failover a run: a second one, on the node promoted by the
+                # first, is not reliably detected by this harness yet)
             t += plan.every * rng.uniform(0.7, 1.3)
     return sorted(events)
 
@@ -326,6 +327,7 @@ def run(plan: Plan) -> Report:
             for p in fleet.clients.values():
                 if p.poll() is None:
                     p.kill()
+        (d / "final.json").write_text(json.dumps({k: vars(v) for k, v in final.items()}))
         report = check(load(d), final)
         report.faults = dict(fleet.done)
         report.timings = {k: round(v, 1) for k, v in timings.items()}
@@ -341,7 +343,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--failover", action="store_true", help="on a Redis Cluster, kill a primary")
     ap.add_argument("--seconds", type=float)
     ap.add_argument("--dir", type=Path, help="keep the history and logs here (a new folder)")
+    ap.add_argument("--check", type=Path, help="check the history kept in this folder again")
     args = ap.parse_args(argv)
+    if args.check:
+        final = json.loads((args.check / "final.json").read_text())
+        again = check(load(args.check), {k: Final(**v) for k, v in final.items()})
+        print(again.summary())
+        return 1 if again.anomalies else 0
     plan = Plan(seed=args.seed, failover=args.failover)
     if args.long:
         plan.seconds, plan.clients, plan.every = 60.0, 4, 6.0
