@@ -163,3 +163,17 @@ def test_the_checker_finds_each_broken_rule(
 ) -> None:
     report = check(history, final)
     assert kind in report.kinds(), report.summary()
+
+
+def test_a_reset_drops_what_came_before_it() -> None:
+    """A hard reset (the worker's, after failed compactions) advances the epoch and drops
+    every item: an item of the older epoch is then gone by the rules, and held is wrong."""
+    history = turn("A", 1, 1, 0.0, call("A", 2, "admit", {"item": "x", "tokens": 10, "turn": 1},
+                                       0.1, True, free=90, epoch=1))  # fmt: skip
+    after = {"s": Final(items={}, open_reservations=0, clean=True, free=100, epoch=2)}
+    report = check(history, after)
+    assert report.anomalies == [] and report.resets == 1
+    after["s"].items["x"] = 10
+    assert check(history, after).kinds() == {"phantom"}
+    same = {"s": Final(items={}, open_reservations=0, clean=True, free=100, epoch=1)}
+    assert check(history, same).kinds() == {"lost"}

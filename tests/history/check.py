@@ -67,6 +67,7 @@ class Final:
     open_reservations: int
     clean: bool
     free: int
+    epoch: int = 0
 
 
 @dataclass
@@ -79,6 +80,7 @@ class Report:
     turns: int = 0
     committed: int = 0
     rolled_back: int = 0
+    resets: int = 0  # sessions reset (their epoch advanced) during the run
     summaries: int = 0  # summaries delivered (to a turn that was committed)
     faults: dict[str, int] = field(default_factory=dict)
     anomalies: list[tuple[str, str]] = field(default_factory=list)
@@ -92,7 +94,8 @@ class Report:
         head = (
             f"{self.calls} calls ({self.ok} ok, {self.failed} refused, {self.unknown} unknown, "
             f"{self.duplicates} sent twice), {self.turns} turns ({self.committed} committed, "
-            f"{self.rolled_back} rolled back), {self.summaries} summaries delivered; "
+            f"{self.rolled_back} rolled back), {self.summaries} summaries delivered, "
+            f"{self.resets} sessions reset; "
             f"faults: {faults}; "
             f"{len(self.anomalies)} anomalies"
         )
@@ -230,6 +233,7 @@ def check(history: list[Rec], final: dict[str, Final]) -> Report:
     delivered: dict[tuple[str, str], list[str]] = defaultdict(list)  # -> turn states
     replaced: dict[tuple[str, str], list[str]] = defaultdict(list)  # item -> turn states
     delivered_at: dict[tuple[str, str], list[float]] = defaultdict(list)
+    delivered_ep: dict[tuple[str, str], int] = {}  # the epoch a summary was delivered in
     replaced_at: dict[tuple[str, str], list[float]] = defaultdict(list)
     for (sid, turn), bs in begins.items():
         for b in {b.id: b for b in bs}.values():  # (a begin sent twice: one delivery)
@@ -240,7 +244,16 @@ def check(history: list[Rec], final: dict[str, Final]) -> Report:
             for summary in b.r.get("summaries") or []:
                 delivered[(sid, summary)].append(state[(sid, turn)])
                 delivered_at[(sid, summary)].append(b.t0)
+                if isinstance(b.r.get("epoch"), int):
+                    delivered_ep[(sid, summary)] = b.r["epoch"]
     compacted = set(replaced)
+    seen: dict[str, set[int]] = defaultdict(set)
+    for r in sorted(history, key=lambda r: r.t0):
+        if r.ok and r.r and isinstance(r.r.get("epoch"), int) and r.p != "last":
+            seen[r.sid].add(r.r["epoch"])
+    rep.resets = sum(
+        len(seen[sid] | ({f.epoch} if f.epoch else set())) - 1 for sid, f in final.items()
+    )
 
     def unseen(sid: str, key: tuple[str, str], table: dict[tuple[str, str], list[float]]) -> bool:
         """Whether a begin of unknown outcome was sent after the first delivery: its turn
@@ -270,6 +283,8 @@ def check(history: list[Rec], final: dict[str, Final]) -> Report:
         ):
             bad(("summary", f"{summary} of {sid} delivered only to rolled-back turns"))
         held = sid in final and summary in final[sid].items
+        if sid in final and delivered_ep.get((sid, summary), final[sid].epoch) < final[sid].epoch:
+            continue  # a reset since dropped it
         if not held and (sid, summary) not in compacted:
             bad(("lost", f"summary {summary} of {sid} delivered, not held at the end"))
     for (sid, item), recs in adds.items():
@@ -278,6 +293,12 @@ def check(history: list[Rec], final: dict[str, Final]) -> Report:
         gone = [status(r) for r in removes.get((sid, item), [])]
         if (sid, item) in compacted:
             gone.append("yes")
+        epochs = {r.r["epoch"] for r, _ in recs if r.ok and r.r and "epoch" in r.r}
+        if sid in final and epochs and max(epochs) < final[sid].epoch:
+            # a reset since (the worker's, after failed compactions) dropped everything
+            if held is not None:
+                bad(("phantom", f"{item} of {sid} held after a reset of its epoch"))
+            continue
         tokens = recs[0][1]
         if "yes" in took and all(g == "no" for g in gone) and held is None:
             r = recs[0][0]

@@ -269,6 +269,7 @@ def final_state(
                 open_reservations=snap.open_reservations,
                 clean=led.audit(sid).clean,
                 free=snap.free,
+                epoch=snap.epoch,
             )
     return out
 
