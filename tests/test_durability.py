@@ -191,7 +191,7 @@ async def test_on_a_cluster_each_write_waits_for_its_slots_replica() -> None:
 
 @pytest.mark.cluster
 @pytest.mark.slow
-def test_durable_writes_follow_a_cluster_failover() -> None:
+def test_durable_writes_follow_a_cluster_failover(capsys: pytest.CaptureFixture[str]) -> None:
     """replica_acks=1 on a 3-primary Cluster, a primary killed (-9) under load: once the
     cluster has promoted its replica, the writes to its slots go to the promoted node
     (they used to keep going to the dead one, refused, until something else read the
@@ -247,9 +247,20 @@ def test_durable_writes_follow_a_cluster_failover() -> None:
             time.sleep(max(3.0, 2 * (failover - killed)))
         finally:
             stop.set()
+            stopped = time.monotonic()
             for t in threads:
                 t.join(30)
         after = {sid: [t for t, _ in acked[sid] if t > failover] for sid in sids}
+        with capsys.disabled():
+            print(
+                f"\nfailover: promoted {failover - killed:.1f} s after the kill; first write "
+                "acknowledged after it: "
+                + ", ".join(f"{a[0] - failover:.2f} s" for a in after.values() if a)
+                + f"; acknowledged in the {stopped - failover:.1f} s after it: "
+                + ", ".join(str(len(a)) for a in after.values())
+                + "; before the kill: "
+                + ", ".join(str(sum(t <= killed for t, _ in acked[sid])) for sid in sids)
+            )
         for sid in sids:
             # writes resumed soon after the promotion (within the failover's own time,
             # or 5 s on a loaded machine), and kept going

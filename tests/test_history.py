@@ -9,8 +9,11 @@ in a script's text (in the client processes only)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
+from tests.history.check import Final, Rec, check
 from tests.history.run import FAULTS, Plan, run
 
 
@@ -28,7 +31,7 @@ def test_a_run_with_every_fault_has_no_anomaly(
     report = run(Plan(seed=seed, seconds=5.0))
     show(capsys, f"seed {seed}", report.summary())
     assert report.anomalies == []
-    assert report.calls > 100 and report.committed > 10
+    assert report.calls > 100 and report.committed > 10 and report.summaries > 0
     # every fault kind was injected (the proxy lost at least one reply)
     assert {k for k, v in report.faults.items() if v} == set(FAULTS)
 
@@ -61,7 +64,116 @@ def test_the_checker_finds_a_planted_defect(
     # no faults but the slow turns whose leases lapse (and, for "replay", the clients'
     # duplicate sends): the defect alone makes the anomalies. No worker: the next
     # begin_turn takes a lapsed turn over, the checker's final sweep ends what is left
+    # A small window: the sessions are full within the run, so admissions are refused
     plan = Plan(seed=31, seconds=3.0, faults=(), plant=plant, linger_rate=0.3, worker=False)
+    plan.window = 1_200
     report = run(plan)
     show(capsys, f"planted {plant}", report.summary().splitlines()[0])
     assert found in report.kinds(), report.summary()
+
+
+# --- the checker alone, on histories written by hand: each rule, kept and broken -------
+
+
+def call(p: str, n: int, op: str, a: dict[str, Any], t: float, ok: bool | None, **r: Any) -> Rec:
+    return Rec(p, n, op, "s", f"{p}-{n}", a, t, t + 0.01, ok, dict(r) if ok else None)
+
+
+def turn(
+    p: str, n: int, number: int, t: float, *middle: Rec, ended: bool | None = True, **began: Any
+) -> list[Rec]:
+    """A turn of owner p: its begin, the calls in it, and its end: returned (``ended``
+    True), never sent (False: the turn is rolled back), or of unknown outcome (None)."""
+    out = [call(p, n, "begin_turn", {}, t, True, turn=number, free=100, **began), *middle]
+    if ended is not False:
+        out.append(call(p, n + 99, "end_turn", {"turn": number}, t + 0.5, ended, turn=number))
+    return out
+
+
+def held(**items: int) -> dict[str, Final]:
+    return {"s": Final(items=dict(items), open_reservations=0, clean=True, free=100)}
+
+
+def admit(p: str, n: int, item: str, number: int, t: float, ok: bool | None = True) -> Rec:
+    return call(p, n, "admit", {"item": item, "tokens": 10, "turn": number}, t, ok, free=90)
+
+
+def test_the_checker_passes_a_history_that_keeps_the_rules() -> None:
+    history = [
+        *turn("A", 1, 1, 0.0, admit("A", 2, "x", 1, 0.1)),
+        # a rolled-back turn (its end refused) and a turn whose end is unknown
+        *turn("C", 10, 2, 1.0, admit("C", 11, "y", 2, 1.1), ended=False),
+        *turn("B", 20, 3, 2.0, admit("B", 21, "z", 3, 2.1), ended=None),
+        # a refused admission, and the same call sent twice with one reply
+        *turn("A", 30, 4, 3.0, admit("A", 31, "w", 4, 3.1, ok=False),
+              admit("A", 32, "v", 4, 3.2), admit("A", 32, "v", 4, 3.3)),
+        # a turn its owner never ended, then began again: that begin may have ended it
+        *turn("D", 40, 5, 4.0, admit("D", 41, "u", 5, 4.1), ended=False),
+        *turn("D", 50, 6, 5.0),
+    ]  # fmt: skip
+    report = check(history, held(x=10, v=10))  # z and u may be there or not
+    assert report.anomalies == [] and (report.committed, report.rolled_back) == (3, 1)
+    assert check(history, held(x=10, v=10, z=10, u=10)).anomalies == []
+    # a turn never ended whose owner did not begin again is rolled back: u must go
+    assert check(history[:-2], held(x=10, v=10, u=10)).kinds() == {"phantom"}
+
+
+@pytest.mark.parametrize(
+    ("kind", "history", "final"),
+    [
+        ("lost", turn("A", 1, 1, 0.0, admit("A", 2, "x", 1, 0.1)), held()),
+        ("phantom", turn("A", 1, 1, 0.0, admit("A", 2, "x", 1, 0.1), ended=False), held(x=10)),
+        ("phantom", turn("A", 1, 1, 0.0), held(q=10)),
+        (
+            "twice",
+            turn("A", 1, 1, 0.0, admit("A", 2, "x", 1, 0.1),
+                 call("A", 2, "admit", {"item": "x", "tokens": 10, "turn": 1}, 0.2, True,
+                      free=100)),
+            held(x=10),
+        ),
+        (
+            "overallocated",
+            turn("A", 1, 1, 0.0,
+                 call("A", 2, "admit", {"item": "x", "tokens": 10, "turn": 1}, 0.1, True, free=-5)),
+            held(x=10),
+        ),
+        (
+            "two_owners",  # B began turn 2 (a takeover) before A's admit of turn 1 was sent
+            [*turn("A", 1, 1, 0.0, admit("A", 2, "x", 1, 2.0)), *turn("B", 10, 2, 1.0)],
+            held(x=10),
+        ),
+        ("two_owners", [*turn("A", 1, 1, 0.0), *turn("B", 10, 1, 1.0)], held()),
+        (
+            "reservation",
+            turn("A", 1, 1, 0.0,
+                 call("A", 2, "reserve", {"rid": "r", "tokens": 10, "turn": 1}, 0.1, True, free=90),
+                 call("A", 3, "settle", {"rid": "r", "actual": 10, "turn": 1}, 0.2, True, free=90),
+                 call("A", 4, "void", {"rid": "r", "turn": 1}, 0.3, True, free=100)),
+            held(r=10),
+        ),
+        (
+            "summary",  # one summary delivered to two committed turns
+            [*turn("A", 1, 1, 0.0, summaries=["S"]), *turn("B", 10, 2, 1.0, summaries=["S"])],
+            held(S=5),
+        ),
+    ],
+)  # fmt: skip
+def test_the_checker_finds_each_broken_rule(
+    kind: str, history: list[Rec], final: dict[str, Final]
+) -> None:
+    report = check(history, final)
+    assert kind in report.kinds(), report.summary()
+
+
+def test_a_reset_drops_what_came_before_it() -> None:
+    """A hard reset (the worker's, after failed compactions) advances the epoch and drops
+    every item: an item of the older epoch is then gone by the rules, and held is wrong."""
+    history = turn("A", 1, 1, 0.0, call("A", 2, "admit", {"item": "x", "tokens": 10, "turn": 1},
+                                       0.1, True, free=90, epoch=1))  # fmt: skip
+    after = {"s": Final(items={}, open_reservations=0, clean=True, free=100, epoch=2)}
+    report = check(history, after)
+    assert report.anomalies == [] and report.resets == 1
+    after["s"].items["x"] = 10
+    assert check(history, after).kinds() == {"phantom"}
+    same = {"s": Final(items={}, open_reservations=0, clean=True, free=100, epoch=1)}
+    assert check(history, same).kinds() == {"lost"}

@@ -21,6 +21,13 @@ an unknown outcome may be either. From that, each anomaly below is a broken rule
 - ``two_owners``: two begin_turn calls given the same turn; or a call of a turn that
   took effect (returned) although it was sent after another owner's later turn had
   begun (a turn has one owner at a time: the later begin rolled it back).
+- ``summary``: a worker's summary, or an item it replaced, delivered to two committed
+  turns, or only to turns that were rolled back (it must come again to a later turn:
+  a summary replaced meanwhile by a later one comes as one of the items that one
+  replaced, and so do the items it had replaced); ``lost`` also names a
+  delivered summary not held at the end (nor replaced by a later one). What a summary
+  replaced is known from the turn it was delivered to; the run ends with one turn per
+  session of its own, so that every summary made is delivered.
 - ``reservation``: a reservation ended twice (settled and voided, or settled twice
   under different op ids), or still open at the end (after its lease and a sweep).
 """
@@ -60,6 +67,7 @@ class Final:
     open_reservations: int
     clean: bool
     free: int
+    epoch: int = 0
 
 
 @dataclass
@@ -72,6 +80,8 @@ class Report:
     turns: int = 0
     committed: int = 0
     rolled_back: int = 0
+    resets: int = 0  # sessions reset (their epoch advanced) during the run
+    summaries: int = 0  # summaries delivered (to a turn that was committed)
     faults: dict[str, int] = field(default_factory=dict)
     anomalies: list[tuple[str, str]] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)  # seconds of each phase
@@ -84,7 +94,9 @@ class Report:
         head = (
             f"{self.calls} calls ({self.ok} ok, {self.failed} refused, {self.unknown} unknown, "
             f"{self.duplicates} sent twice), {self.turns} turns ({self.committed} committed, "
-            f"{self.rolled_back} rolled back); faults: {faults}; "
+            f"{self.rolled_back} rolled back), {self.summaries} summaries delivered, "
+            f"{self.resets} sessions reset; "
+            f"faults: {faults}; "
             f"{len(self.anomalies)} anomalies"
         )
         shown = [f"  {k}: {what}" for k, what in self.anomalies[:20]]
@@ -148,14 +160,26 @@ def check(history: list[Rec], final: dict[str, Final]) -> Report:
     for r in history:
         if r.op == "end_turn":
             ends[(r.sid, int(r.a["turn"]))].append(r)
+    again: dict[str, list[Rec]] = defaultdict(list)  # sid -> begins sent (any outcome)
+    hidden: dict[str, list[float]] = defaultdict(list)  # sid -> begins of unknown outcome
+    for r in history:
+        if r.op == "begin_turn":
+            again[r.sid].append(r)
+            if r.ok is None:
+                hidden[r.sid].append(r.t0)
     for key, bs in begins.items():
         if len({b.id for b in bs}) > 1:
             owners = sorted({b.p for b in bs})
             bad(("two_owners", f"turn {key[1]} of {key[0]} begun by {len(bs)} calls: {owners}"))
         es = ends.get(key, [])
+        first = min(b.t0 for b in bs)
         if any(e.ok is True for e in es):
             state[key] = "committed"
-        elif any(e.ok is None for e in es):
+        elif any(e.ok is None for e in es) or (
+            not es and any(o.p == bs[0].p and o.t0 > first for o in again[key[0]])
+        ):
+            # (never ended, but its owner began again on the session: a begin ends the
+            # owner's own open turn as it stands, if no one rolled it back before)
             state[key] = "unknown"
         else:
             state[key] = "rolled_back"
@@ -203,10 +227,78 @@ def check(history: list[Rec], final: dict[str, Final]) -> Report:
             enders[(r.sid, r.a["rid"])].append(r)
         elif r.op == "release":
             removes[(r.sid, r.a["item"])].append(r)
+    # compactions: a summary replaced items between turns; the begin_turn it was
+    # delivered to names it and what it replaced (a rolled-back turn's deliveries come
+    # again to a later turn; the compaction itself stands)
+    delivered: dict[tuple[str, str], list[str]] = defaultdict(list)  # -> turn states
+    replaced: dict[tuple[str, str], list[str]] = defaultdict(list)  # item -> turn states
+    delivered_at: dict[tuple[str, str], list[float]] = defaultdict(list)
+    delivered_ep: dict[tuple[str, str], int] = {}  # the epoch a summary was delivered in
+    replaced_at: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for (sid, turn), bs in begins.items():
+        for b in {b.id: b for b in bs}.values():  # (a begin sent twice: one delivery)
+            assert b.r is not None
+            for _, item in b.r.get("dropped") or []:
+                replaced[(sid, item)].append(state[(sid, turn)])
+                replaced_at[(sid, item)].append(b.t0)
+            for summary in b.r.get("summaries") or []:
+                delivered[(sid, summary)].append(state[(sid, turn)])
+                delivered_at[(sid, summary)].append(b.t0)
+                if isinstance(b.r.get("epoch"), int):
+                    delivered_ep[(sid, summary)] = b.r["epoch"]
+    compacted = set(replaced)
+    seen: dict[str, set[int]] = defaultdict(set)
+    for r in sorted(history, key=lambda r: r.t0):
+        if r.ok and r.r and isinstance(r.r.get("epoch"), int) and r.p != "last":
+            seen[r.sid].add(r.r["epoch"])
+    rep.resets = sum(
+        len(seen[sid] | ({f.epoch} if f.epoch else set())) - 1 for sid, f in final.items()
+    )
+
+    def unseen(sid: str, key: tuple[str, str], table: dict[tuple[str, str], list[float]]) -> bool:
+        """Whether a begin of unknown outcome was sent after the first delivery: its turn
+        (which no reply shows) may have been given it, and committed."""
+        return any(t > min(table[key]) for t in hidden[sid])
+
+    for (sid, item), states in replaced.items():
+        # what a summary replaced reaches one committed turn, once (the app drops it then)
+        if states.count("committed") > 1:
+            bad(("summary", f"{item} of {sid} given as replaced to "
+                 f"{states.count('committed')} committed turns"))  # fmt: skip
+        given = "committed" in states or "unknown" in states
+        if not given and not unseen(sid, (sid, item), replaced_at):
+            bad(("summary", f"{item} of {sid} given as replaced to rolled-back turns only"))
+    rep.summaries = sum("committed" in states for states in delivered.values())
+    for (sid, summary), states in delivered.items():
+        if states.count("committed") > 1:
+            bad(("summary", f"{summary} of {sid} delivered to {states.count('committed')} "
+                 "committed turns"))  # fmt: skip
+        # (a summary given back by a rollback and replaced by a later one before it came
+        # again is delivered as part of that one: named in its begin's replaced items)
+        if (
+            "committed" not in states
+            and "unknown" not in states
+            and (sid, summary) not in compacted
+            and not unseen(sid, (sid, summary), delivered_at)
+        ):
+            bad(("summary", f"{summary} of {sid} delivered only to rolled-back turns"))
+        held = sid in final and summary in final[sid].items
+        if sid in final and delivered_ep.get((sid, summary), final[sid].epoch) < final[sid].epoch:
+            continue  # a reset since dropped it
+        if not held and (sid, summary) not in compacted:
+            bad(("lost", f"summary {summary} of {sid} delivered, not held at the end"))
     for (sid, item), recs in adds.items():
         held = final[sid].items.get(item) if sid in final else None
         took = [status(r) for r, _ in recs]
         gone = [status(r) for r in removes.get((sid, item), [])]
+        if (sid, item) in compacted:
+            gone.append("yes")
+        epochs = {r.r["epoch"] for r, _ in recs if r.ok and r.r and "epoch" in r.r}
+        if sid in final and epochs and max(epochs) < final[sid].epoch:
+            # a reset since (the worker's, after failed compactions) dropped everything
+            if held is not None:
+                bad(("phantom", f"{item} of {sid} held after a reset of its epoch"))
+            continue
         tokens = recs[0][1]
         if "yes" in took and all(g == "no" for g in gone) and held is None:
             r = recs[0][0]
@@ -218,7 +310,7 @@ def check(history: list[Rec], final: dict[str, Final]) -> Report:
                  "was refused or rolled back"))  # fmt: skip
         if held is not None and held != tokens:
             bad(("lost", f"{item} of {sid} held with {held} tokens, admitted with {tokens}"))
-    known = {key for key in adds}
+    known = {key for key in adds} | set(delivered)
     for sid, f in final.items():
         for item in f.items:
             if (sid, item) not in known:
