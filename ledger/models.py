@@ -148,7 +148,7 @@ class CompactionOutcome(enum.StrEnum):
     DEFERRED = "deferred"  # under the mark, but the gain is below compaction_min_gain
     DID_NOT_FIT = "did_not_fit"  # the summary does not fit: nothing replaced
     ALREADY = "already"  # the job was committed before: nothing changed
-    TURN_OPEN = "turn_open"  # a job's compaction while a turn is open: nothing changed
+    STAGED = "staged"  # a job's compaction while a turn is open: lands at the next begin_turn
 
 
 class JobKind(enum.StrEnum):
@@ -481,6 +481,9 @@ class TurnStarted:
     lease_until_ms: int = 0  # when the turn lease ends unless renewed (Redis's clock)
     rolled_back: int | None = None  # the dead turn undone to start this one
     mark: str | None = None  # the commit mark of the last ended turn (e.g. a checkpoint id)
+    # the outcome of a worker's compaction staged while the last turn was open and landed
+    # by this begin_turn (a CompactionOutcome, or ``stale``); None when none was staged
+    landed: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

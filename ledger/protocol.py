@@ -459,6 +459,7 @@ def _turn_started(r: Reply) -> TurnStarted:
         lease_until_ms=int(r.get("lease") or 0),
         rolled_back=rolled or None,
         mark=r.get("mark") or None,
+        landed=r.get("landed") or None,
     )
 
 
@@ -483,7 +484,8 @@ def begin_turn(
     await_compaction: bool = False,
 ) -> Call[TurnStarted]:
     """``await_compaction``: refuse the turn (``CompactionPending``, nothing changed) while
-    a compaction is pending; the call then also names the summaries hash."""
+    a compaction is pending, unless one is staged (it lands with this call). The call names
+    the summaries hash and the content store, which a staged compaction writes as it lands."""
     body = [
         _num(working_set),
         "-" if output_reserve is None else _num(output_reserve),
@@ -492,11 +494,9 @@ def begin_turn(
         _lease(lease_ms),
         "1" if takeover else "0",
     ]
-    extra: tuple[str, ...] = (keys.jobs, keys.deadlines)
     if await_compaction:
         body.append("1")
-        extra = (*extra, keys.compacted)
-    extra = (*extra, keys.order)
+    extra = (keys.jobs, keys.deadlines, keys.compacted, keys.content, keys.order)
     return _mutating("begin_turn", keys, extra, op_id, epoch, body, _turn_started)
 
 
@@ -717,16 +717,19 @@ def compact(
     summary: Item | None,
     job: str = "-",
     summary_text: str | None = None,
+    read: int | None = None,
 ) -> Call[Compaction]:
     """``replaced``: working-memory item ids, or (consumer, id) pairs for history held
     by other consumers (stale retrieval chunks, old tool results), or (consumer, id, seq)
     to replace only the version of the item admitted with that sequence number (the one
     the compactor read: a version admitted since stays). ``job``: the stream entry id of
     the compaction job being committed (a worker), deleted in the same step; when it is
-    gone already the call changes nothing (outcome ``already``); while a turn is open it
-    changes nothing either (outcome ``turn_open``). '-' for an agent's own compaction.
-    ``summary_text``: stored with the effect, for the turn the summary is delivered to and
-    for the next compaction (the worker sends it)."""
+    gone already the call changes nothing (outcome ``already``); while a turn is open the
+    plan is staged (outcome ``staged``) and lands at the session's next begin_turn. '-' for
+    an agent's own compaction. ``summary_text``: stored with the effect, for the turn the
+    summary is delivered to and for the next compaction (the worker sends it). ``read``:
+    the newest sequence number of the history the compactor read; the items admitted after
+    it are not held against the post-condition (None: every item is)."""
     if not isinstance(replaced, (list, tuple)):
         raise InvalidArgument("replaced must be a list or tuple of item ids or (consumer, id)")
     refs = []
@@ -753,6 +756,10 @@ def compact(
     if summary_text is not None and summary is None:
         raise InvalidArgument("a summary text needs a summary item")
     body.append(b"" if summary_text is None else utf8(summary_text, "the summary text"))
+    if read is not None:
+        if type(read) is not int or not 0 <= read <= 10**15:
+            raise InvalidArgument(f"the history read must be an int in 0..1e15, got {read!r}")
+        body.append(str(read))
     return _mutating(
         "compact", keys, (keys.jobs, keys.content, keys.compacted), op_id, epoch,
         body, _compaction,

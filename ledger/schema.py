@@ -278,6 +278,13 @@ COMPACTION_REQUESTED_AT = _s(
     "time",
     "when the last compaction job was requested (its entry id)",
 )
+STAGED_COMPACTION = _s(
+    "kp",
+    "staged_compaction",
+    "text",
+    "a worker's compaction committed while a turn was open, landed by the next begin_turn "
+    "(JSON: op, ep, id, t, items, text, read)",
+)
 FAILED_COMPACTIONS = _s("kf", "failed_compactions", "count", "consecutive failed compactions")
 COMPACTIONS_DONE = _s("kn", "compactions_done", "count", "compactions done")
 LAST_COMPACTION_TURN = _s("kt", "last_compaction_turn", "turn", "the turn of the last compaction")

@@ -1,9 +1,12 @@
 """A summarizer compactor for fleet tests' `ledger worker` processes
 (``--compactor tests.fleet_compactor:SUMMARIZER``): the real LLMSummarizer over a stub
-LangChain chat model, counting with the agent layer's tokenizer (no item overhead)."""
+LangChain chat model, counting with the agent layer's tokenizer (no item overhead);
+``SLOW_SUMMARIZER`` takes a second a summary."""
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 from langchain_core.language_models import BaseChatModel
@@ -30,3 +33,17 @@ class StubSummarizer(BaseChatModel):
 
 
 SUMMARIZER = LLMSummarizer(StubSummarizer(), TiktokenCounter())
+
+
+class SlowStubSummarizer(StubSummarizer):
+    """The same summary after ``LEDGER_TEST_SUMMARY_S`` seconds (1 by default): an LLM
+    call that outlasts many turns of an agent that never pauses."""
+
+    def _generate(
+        self, messages: list[Any], stop: Any = None, run_manager: Any = None, **kw: Any
+    ) -> ChatResult:
+        time.sleep(float(os.environ.get("LEDGER_TEST_SUMMARY_S", "1.0")))
+        return super()._generate(messages, stop, run_manager, **kw)
+
+
+SLOW_SUMMARIZER = LLMSummarizer(SlowStubSummarizer(), TiktokenCounter())

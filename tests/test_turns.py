@@ -67,6 +67,7 @@ BOOKKEEPING |= {"sq", "oq", "ox"}  # item sequences are never reused (the order 
 # What a compaction attempt counted stays (the jobs it enqueued cannot be taken back), and
 # a compaction made due by the turn stays due.
 BOOKKEEPING |= {"cd", "cq", "pm", "kf", "kn", "kt", "rq"}
+BOOKKEEPING |= {"kp"}  # a worker's compaction staged under the turn lands at the next begin
 
 
 def _text(x: Any) -> str:
@@ -307,19 +308,22 @@ def worker_compaction(led: Ledger, s: Session, replaced: list[Any], summary: Ite
     )
 
 
-def test_a_worker_compaction_waits_for_the_turn_and_is_delivered_once(ledger: Ledger) -> None:
+def test_a_worker_compaction_is_staged_under_a_turn_and_delivered_once(ledger: Ledger) -> None:
     a = loaded(ledger, "A")
     t = a.begin_turn(0)
     before = whole(ledger, a)
     got = worker_compaction(ledger, a, ["w1", (R, "r1")], Item("sum-1", 100, 1000))
-    assert got.outcome == "turn_open" and not got.compacted
-    assert whole(ledger, a) == before  # nothing changed, nothing stored
+    assert got.outcome == "staged" and not got.compacted
+    after = whole(ledger, a)
+    changed = {k for k in {*before[0], *after[0]} if before[0].get(k) != after[0].get(k)}
+    assert b"kp" in changed and changed <= {b"kp", b"gz", b"xp"}  # only the plan is stored
+    assert after[1] == before[1] and not ledger.client.hgetall(a.keys.compacted)
     a.end_turn(t.turn, 5_000)
-    done = worker_compaction(ledger, a, ["w1", (R, "r1")], Item("sum-1", 100, 1000))
-    assert done.outcome in ("compacted", "deferred", "failed") and done.summary == 100
     b = ledger.session(a.id, owner="B")
-    t2 = b.begin_turn(0)  # delivered to this turn
+    t2 = b.begin_turn(0)  # it lands here, before this turn is gated, and is delivered to it
+    assert t2.landed in ("compacted", "deferred", "failed"), t2
     assert t2.summaries == ("sum-1",) and set(t2.dropped) == {(W, "w1"), (R, "r1")}
+    assert b"kp" not in ledger.client.hgetall(a.keys.session)
     b.abort_turn()  # ... which dies: delivered again to the next
     t3 = a.begin_turn(0)
     assert t3.summaries == ("sum-1",) and set(t3.dropped) == {(W, "w1"), (R, "r1")}

@@ -162,12 +162,16 @@ class SimAgent:
     def wait_attempt(self, before: Snapshot, timeout_s: float) -> bool:
         """Wait (bounded) for the worker's next verdict on the pending compaction: a
         compaction, a failed one, or a hard reset (once the failures escalated to one,
-        the reset itself). True if one arrived in time."""
+        the reset itself), or a compaction staged under the last turn, which the next
+        begin_turn lands. True if one arrived in time."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             snap = self.snapshot()
             if (
                 not snap.compaction_pending
+                or self.session.ledger.client.hexists(
+                    self.session.keys.session, schema.STAGED_COMPACTION
+                )
                 or snap.epoch != before.epoch
                 or (
                     snap.raw.get(_FAILED, 0) != before.raw.get(_FAILED, 0)

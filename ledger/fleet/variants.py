@@ -42,13 +42,17 @@ _NO_CREDIT: Final = {
         )
     ],
     "compact": [
-        ("local ok = fits and occ <= H.HW and not deferred", "local ok = fits"),
+        ("local ok = fits and judged <= H.HW and not deferred", "local ok = fits"),
         (
             "local escalate = (not ok) and kf >= H.cx and H.rq == 0",
             "local escalate = false",
         ),
     ],
 }
+
+
+# begin_turn lands staged compactions with the same judgement (compaction_effect)
+_NO_CREDIT["begin_turn"] = _NO_CREDIT["compact"]
 
 
 def source_without_credit(name: str) -> str:

@@ -74,6 +74,9 @@
 --   cd             compaction_pending [flag]: 1 while a compaction is pending
 --   cq             compaction_requested_at [time]: when the last compaction job was
 --                  requested (its entry id)
+--   kp             staged_compaction [text]: a worker's compaction committed while a turn
+--                  was open, landed by the next begin_turn (JSON: op, ep, id, t, items,
+--                  text, read)
 --   kf             failed_compactions [count]: consecutive failed compactions
 --   kn             compactions_done [count]: compactions done
 --   kt             last_compaction_turn [turn]: the turn of the last compaction
@@ -918,4 +921,178 @@ local function refuse_growth(key, pending, grow, d, H, requested, now, op, fp, J
     'epoch=' .. H.ep, 'turn=' .. H.tn }
   for _, kv in ipairs(extra or {}) do out[#out + 1] = kv end
   return commit(key, now, op, fp, reply(out), {}, J)
+end
+
+-- A compaction's session numbers (compact.lua, and begin_turn.lua landing a staged one):
+-- the first fields of its `load`, the items' records after them.
+local COMPACT_NUM = { 'ep', 'tn', 'sq', 'W', 'S', 'T', 'out', 'F_w', 'F_rm', 'a_w', 'a_rm', 'a_s', 'u_w',
+  'u_r', 'u_m', 'u_s', 'n_w', 'n_r', 'n_m', 'n_s', 'HW', 'kf', 'kn', 'cx', 'rq', 'gz', 'xp', 'kg', 'cd', 'oq' }
+
+-- A compaction's replaced items, each '<c>:<id>' or '<c>:<id>|<seq>' (c in wrms; seq: only
+-- the version admitted with that sequence number): { c, id, ref = '<c>:<id>', ver }, in
+-- order. Fails with BADARG on a malformed one or one named twice.
+local function plan_refs(list)
+  local seen, refs = {}, {}
+  for k = 1, #list do
+    local raw = type(list[k]) == 'string' and list[k] or ''
+    local body, ver = string.match(raw, '^(.-)|(%d+)$')
+    local c, id = string.match(body or raw, '^([wrms]):(.+)$')
+    if not c then
+      fail('BADARG', 'replaced item must be <c>:<id> or <c>:<id>|<seq> with c in wrms, got ' .. show(raw))
+    end
+    id = id_arg(id, 'item id')
+    if ver then ver = int_arg(ver, 'sequence number', 1, 1e15, id) end
+    local ref = c .. ':' .. id
+    if seen[ref] then fail('BADARG', 'item ' .. id .. ' of ' .. consumer_name(c) .. ' appears twice') end
+    seen[ref] = true
+    refs[k] = { c = c, id = id, ref = ref, ver = ver }
+  end
+  return refs
+end
+
+-- Whether each replaced item is held at the version given (recs: their records, false
+-- where not held): an item held in another version is not the one the compactor read.
+local function plan_matched(refs, recs)
+  local matched = {}
+  for k = 1, #refs do
+    local sq = string.match(recs[k] or '', '^%d+|%d+|%d+|(%d+)$')
+    matched[k] = recs[k] and (not refs[k].ver or tonumber(sq) == refs[k].ver) or false
+  end
+  return matched
+end
+
+-- The tokens of the session's items admitted after sequence number `read` (the newest
+-- item the compactor read), but those in `dead`: what the compaction could not have
+-- summarized. One HSCAN of the session's items: once per compaction, not per turn.
+local function added_after(key, read, dead)
+  local skip, later, cursor = {}, 0, '0'
+  for _, f in ipairs(dead) do skip[f] = true end
+  local seen = {}
+  repeat
+    local page = redis.call('HSCAN', key, cursor, 'MATCH', 'i:*', 'COUNT', 4096)
+    cursor = page[1]
+    for i = 1, #page[2], 2 do
+      local f, rec = page[2][i], page[2][i + 1]
+      if not seen[f] and not skip[f] then
+        seen[f] = true
+        local t, sq = string.match(rec, '^(%d+)|%d+|%d+|(%d+)$')
+        if t and tonumber(sq) > read then later = later + tonumber(t) end
+      end
+    end
+  until cursor == '0'
+  return later
+end
+
+-- The effect of a compaction and its judgement (docs/rules.md#compaction-credit), for
+-- compact.lua and for begin_turn.lua landing a staged one. H: the session's COMPACT_NUM
+-- numbers; recs, matched: the replaced items' records and `plan_matched`. P: { refs,
+-- sum_id, sum_t, text, read (the newest sequence number the compactor read, or nil: the
+-- items admitted after it are not held against the post-condition), strict (a staged plan:
+-- an item not held at its version, or conflict, the summary id held and not replaced,
+-- fails the whole plan: outcome stale, nothing replaced), in_turn, ul (a
+-- compaction of the open turn: logged for its rollback, no deliveries queued, no texts
+-- removed), job (a worker's job), sid, op, now, J }. K: { jobs, content, sums } keys.
+-- Writes the content store, the summaries, the job stream and the tally; returns the
+-- session's fields to write (for the caller's HSET or commit) and the judgement
+-- { outcome, occ, dropped, sum_t, missing, kf, escalate, fr, gain }.
+local function compaction_effect(key, H, recs, matched, P, K)
+  local A = { a_w = H.a_w, a_rm = H.a_rm, a_s = H.a_s }
+  local U = { w = H.u_w, r = H.u_r, m = H.u_m, s = H.u_s }
+  local N = { w = H.n_w, r = H.n_r, m = H.n_m, s = H.n_s }
+  local sum_t, dropped, dead, was, gone, missing = P.sum_t, 0, {}, {}, {}, {}
+  for k, ref in ipairs(P.refs) do
+    if matched[k] then
+      local t = tonumber(string.match(recs[k], '^(%d+)|'))
+      dropped = dropped + t
+      A[ACTIVE[ref.c]], U[ref.c], N[ref.c] = A[ACTIVE[ref.c]] - t, U[ref.c] - t, N[ref.c] - 1
+      dead[#dead + 1] = 'i:' .. ref.ref
+      was[#dead], gone[#dead] = recs[k], ref.ref
+    else
+      missing[#missing + 1] = ref.ref
+    end
+  end
+  A.a_w = A.a_w + sum_t
+  local fr = free_room(H, H.out, A.a_w, A.a_rm, A.a_s)
+  -- A summary that does not fit cannot be applied (that would over-allocate), nor a staged
+  -- plan whose items changed since it was made: a failed compaction with no effect.
+  local stale = P.strict and (#missing > 0 or P.conflict)
+  local fits = fr >= 0 and not stale
+  if not fits then
+    A = { a_w = H.a_w, a_rm = H.a_rm, a_s = H.a_s }
+    U = { w = H.u_w, r = H.u_r, m = H.u_m, s = H.u_s }
+    N = { w = H.n_w, r = H.n_r, m = H.n_m, s = H.n_s }
+    fr = free_room(H, H.out, A.a_w, A.a_rm, A.a_s)
+    dead, was, gone, dropped, sum_t = {}, {}, {}, 0, 0
+  end
+  local occ = H.S + H.T + A.a_w + A.a_rm + A.a_s
+  local gain = H.S + H.T + H.a_w + H.a_rm + H.a_s - occ
+  -- judged on what is left of the history the compactor read
+  local judged = occ - ((fits and P.read) and added_after(key, P.read, dead) or 0)
+  local deferred = fits and judged <= H.HW and gain < (H.kg or 0)  -- bought too little: a deferral
+  local ok = fits and judged <= H.HW and not deferred
+  -- no failure counts past an escalation, until the reset
+  local kf = ok and 0 or (H.rq == 0 and H.kf + 1 or H.kf)
+  local escalate = (not ok) and kf >= H.cx and H.rq == 0
+  if #dead > 0 then redis.call('HDEL', key, unpack(dead)) end
+  local sq, args = H.sq, {}
+  if sum_t > 0 then
+    sq = sq + 1
+    args = { 'i:w:' .. P.sum_id, table.concat({ sum_t, H.tn, 1000, sq }, '|') }
+    U.w, N.w = U.w + sum_t, N.w + 1
+    -- (a working-memory item has no entry in the reclaim-order index: it stays complete)
+    if H.oq == H.sq then args[#args + 1], args[#args + 2] = 'oq', sq end
+  end
+  local upd = { 'sq', sq, 'a_w', A.a_w, 'a_rm', A.a_rm, 'a_s', A.a_s, 'fr', fr, 'kf', kf, 'cd', ok and 0 or 1 }
+  for _, c in ipairs({ 'w', 'r', 'm', 's' }) do
+    upd[#upd + 1], upd[#upd + 2], upd[#upd + 3], upd[#upd + 4] = 'u_' .. c, U[c], 'n_' .. c, N[c]
+  end
+  for i = 1, #upd do args[#args + 1] = upd[i] end
+  if P.in_turn then
+    if #dead > 0 then args[#args + 1], args[#args + 2] = 'ul', journal(P.ul, dead, was) end
+  elseif #dead > 0 or sum_t > 0 then
+    -- Deliveries for the next turn: the summary and what it replaced, except a summary not
+    -- delivered yet, which leaves the queue (the items it replaced are queued already).
+    local pending = {}
+    for id in string.gmatch(P.qs or '', '[^,]+') do pending[id] = true end
+    local drops = {}
+    for _, ref in ipairs(gone) do
+      local wid = string.match(ref, '^w:(.+)$')
+      if wid and pending[wid] then pending[wid] = nil else drops[#drops + 1] = ref end
+    end
+    local keep = {}
+    for id in string.gmatch(P.qs or '', '[^,]+') do if pending[id] then keep[#keep + 1] = id end end
+    if sum_t > 0 then keep[#keep + 1] = P.sum_id end
+    args[#args + 1], args[#args + 2] = 'qs', table.concat(keep, ',')
+    args[#args + 1], args[#args + 2] = 'qd', cat(P.qd, table.concat(drops, ','))
+  end
+  if ok then
+    args[#args + 1], args[#args + 2], args[#args + 3], args[#args + 4] = 'kn', H.kn + 1, 'kt', H.tn
+  elseif H.rq == 0 then
+    indicate(key, 'failed_compactions', 1)
+  end
+  if fits and not P.in_turn and #gone > 0 then
+    redis.call('HDEL', K.content, unpack(gone))
+    local olds = {}
+    for _, ref in ipairs(gone) do olds[#olds + 1] = string.match(ref, '^w:(.+)$') end
+    if #olds > 0 then redis.call('HDEL', K.sums, unpack(olds)) end
+  end
+  if P.text and sum_t > 0 then
+    local quoted = {}
+    for i, ref in ipairs(gone) do quoted[i] = '"' .. ref .. '"' end  -- ids need no escapes
+    put(K.sums, { P.sum_id, '{"text":' .. cjson.encode(P.text) .. ',"replaced":[' ..
+      table.concat(quoted, ',') .. '],"at":' .. string.format('%d', P.now) .. '}' }, P.J, key)
+    put(K.content, { 'w:' .. P.sum_id, P.text }, P.J, key)
+  end
+  if escalate then
+    enqueue(K.jobs, 'hard_reset', P.sid, H.ep, P.op, 'failed_compactions')
+    indicate(key, 'escalations', 1)
+    args[#args + 1], args[#args + 2] = 'rq', 1
+  elseif not ok and H.rq == 0 and worker_compacts(key) and (P.job or H.cd ~= 1) then
+    -- (an agent's own failed compaction while a job is queued already adds no second one)
+    enqueue(K.jobs, 'compact', P.sid, H.ep, P.op, 'failed_compaction')
+  end
+  local outcome = ok and 'compacted' or (deferred and 'deferred' or (fits and 'failed' or
+    (stale and 'stale' or 'did_not_fit')))
+  return args, { outcome = outcome, occ = occ, dropped = dropped, sum_t = sum_t, missing = missing,
+    kf = kf, escalate = escalate, fr = fr, gain = gain }
 end

@@ -9,11 +9,12 @@
 -- KEYS[4]  partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
 -- KEYS[5]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
 -- KEYS[6]  previous outcome hash   previous generation ('<tag>:old:<session>')
---          With ARGV[9], one key more: KEYS[4] the session's summaries hash
---          '<tag>:compacted:<session>' (its field '~' is '<worker>|<until ms>' while a
---          worker computes the compaction), then the tally and the two outcome hashes.
---          Optionally the reclaim-order index '<tag>:order:<session>' (see ORDER in
---          _common.lua) right before the tally: 7 KEYS, or 8 with the summaries hash.
+--          Optional keys between KEYS[3] and the tally, in this order, each told apart by
+--          its name: the session's summaries hash '<tag>:compacted:<session>' (its field
+--          '~' is '<worker>|<until ms>' while a worker computes the compaction; needed with
+--          ARGV[9] 1), its content store '<tag>:content:<session>' (with the summaries
+--          hash: a staged compaction lands), the reclaim-order index '<tag>:order:<session>'
+--          (see ORDER in _common.lua): 6 to 9 KEYS.
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
 -- ARGV[3]  working set             tokens the turn must hold in working memory, 0..1e8
@@ -22,10 +23,18 @@
 -- ARGV[6]  owner                   who serves the turn, [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[7]  lease                   milliseconds the turn is held without a renewal, 1..86400000
 -- ARGV[8]  takeover                1: take a live turn over (roll it back); 0: refuse
--- ARGV[9]  (optional) await         1: refuse the turn while a compaction is pending
---                                  (LEDGER_COMPACTING, nothing changed), so that the caller
---                                  waits for it to land first; needs KEYS[4]. 0 or absent:
---                                  begin whatever is pending
+-- ARGV[9]  (optional) await         1: refuse the turn while a compaction is pending and
+--                                  none is staged to land with this call (LEDGER_COMPACTING,
+--                                  nothing changed), so that the caller waits for it to land
+--                                  first; needs the summaries hash. 0 or absent: begin
+--                                  whatever is pending
+--
+-- A staged compaction (field kp, see compact.lua) lands when the summaries hash and the
+-- content store are sent: after the open turn is ended or rolled back, before this turn is
+-- gated, judged as compact.lua judges one (`compaction_effect`) but strictly: a replaced
+-- item no longer held at the version the compactor read, or the summary id held and not
+-- replaced, makes it stale (nothing replaced, a failed compaction, retried by a new job).
+-- A plan of another epoch is dropped. Its deliveries go to this turn.
 --
 -- The turn lease (docs/agent.md#turn-leases). While a turn is open another owner's
 -- begin_turn is refused (LEDGER_TURNHELD, nothing changed) unless it takes over; a
@@ -48,13 +57,15 @@
 --          |utilization=<per mille>|reclaimed=<c:id,...>|rotated=<tokens>|released=<tokens>
 --          |compaction_due=<0|1>|rollup=<0|1>|free=<tokens>|epoch=<n>|summaries=<id,...>
 --          |dropped=<c:id,...>|lease=<ms>|rolled_back=<turn or 0>|mark=<commit mark>
+--          |landed=<compacted|failed|deferred|did_not_fit|stale, or empty: none landed>
 --   summaries, dropped: the deliveries (the app adds the summaries to its state and drops
 --   the items, as it drops those reclaimed); lease: when the lease ends (Redis's clock);
 --   rolled_back: the turn undone to start this one; mark: the last end_turn's mark.
 --    or  status=refused|reason=<starvation|compaction_pending>|requested=<need>|residual=<tokens>
 --          |need=<tokens>|utilization=<per mille>|shortfall=<tokens>|compact=<w:id,...>
 --          |free=<tokens>|epoch=<n>|turn=<n>|rolled_back=<turn or 0>
---   (no lease is taken; a turn rolled back to try stays rolled back, its deliveries queued)
+--   (no lease is taken; a turn rolled back to try stays rolled back, its deliveries queued,
+--   and a staged compaction landed stays landed)
 --   compact: working-memory items to compact, lowest priority then oldest first,
 --   enough to cover the shortfall where compacting working memory can cover it
 --   (docs/rules.md#working-memory-practice); empty when the declared working set
@@ -85,21 +96,26 @@ takeover = int_arg(ARGV[8], 'takeover', 0, 1)
 local await = #ARGV == 9 and int_arg(ARGV[9], 'await', 0, 1) or 0
 if #ARGV ~= 8 and #ARGV ~= 9 then fail('BADARG', 'expected 8 or 9 arguments, got ' .. #ARGV) end
 
--- 6 keys; 7 with the summaries hash or the reclaim-order index (told apart by name); 8
--- with both.
-local ORD = (#KEYS == 8 or (#KEYS == 7 and is_key(4, 'order:%s'))) and KEYS[#KEYS - 3] or nil
-local sums = #KEYS == 8 or (#KEYS == 7 and not ORD)  -- (the summaries hash is KEYS[4])
-local named = { 'jobs', 'deadlines' }
-if sums then named[#named + 1] = 'compacted:%s' end
-if ORD then named[#named + 1] = 'order:%s' end
+-- 6 keys, and after KEYS[3] the optional ones in this order, each told apart by its name:
+-- the summaries hash, the content store, the reclaim-order index.
+local SUMS, CONTENT, ORD
+local named, at = { 'jobs', 'deadlines' }, 4
+for _, suffix in ipairs({ 'compacted:%s', 'content:%s', 'order:%s' }) do
+  if at <= #KEYS - 3 and is_key(at, suffix) then
+    named[#named + 1] = suffix
+    if suffix == 'compacted:%s' then SUMS = KEYS[at] elseif suffix == 'content:%s' then
+      CONTENT = KEYS[at] else ORD = KEYS[at] end
+    at = at + 1
+  end
+end
 key_arg(2, unpack(named))
-if await == 1 and not sums then
+if await == 1 and not SUMS then
   fail('BADARG', 'await 1 needs the summaries hash as KEYS[4], got ' .. #KEYS .. ' keys')
 end
 local key = KEYS[1]
 local FIELDS = { 'ep', 'tn', 'W', 'S', 'T', 'R0', 'F_w', 'F_rm', 'a_w', 'a_rm', 'a_s', 'u_w', 'u_r',
   'u_m', 'u_s', 'n_w', 'n_r', 'n_m', 'n_s', 'EV', 'HW', 'kt', 'rut', 'rup', 'cd', 'gz', 'xp', 'fr',
-  'out', 'le', 'pm', 'rel', 'lo', 'qs', 'qd', 'cm' }
+  'out', 'le', 'pm', 'rel', 'lo', 'qs', 'qd', 'cm', 'kp' }
 local H, R = load(key, FIELDS, 31)
 local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
@@ -110,10 +126,13 @@ if floor > H.W then
     ' exceed the window ' .. H.W)
 end
 local now = now_ms()
+-- A staged compaction lands with this call (below), when it is sent the summaries hash and
+-- the content store the compaction writes.
+local lands = R[6] and SUMS and CONTENT
 -- A pending compaction lands only between turns: a caller that waits for it is told so
 -- (and whether a worker computes it now), and nothing changes.
-if await == 1 and H.cd == 1 then
-  local who, till = string.match(redis.call('HGET', KEYS[4], '~') or '', '^(.*)|(%d+)$')
+if await == 1 and H.cd == 1 and not lands then
+  local who, till = string.match(redis.call('HGET', SUMS, '~') or '', '^(.*)|(%d+)$')
   if till and tonumber(till) > now then
     fail('COMPACTING', 'compaction pending, computed by ' .. who .. ' until ' .. till)
   end
@@ -134,6 +153,37 @@ if R[2] and not implicit then
   else
     rolled = rollback(key, KEYS[3], sid, H.le > now and ('taken over by ' .. owner) or
       ('lease of ' .. R[2] .. ' lapsed'))
+    H, R = load(key, FIELDS, 31)
+  end
+end
+-- The staged compaction (a worker's, committed while the last turn was open) lands now,
+-- at the turn boundary, before this turn is gated: judged as compact.lua judges one, on
+-- the items as they are now (each still held at the version the compactor read, else the
+-- plan is stale: nothing replaced, a failed compaction), its post-condition on what is
+-- left of the history it read. A plan of another epoch (a reset came between) is dropped.
+local landed = ''
+if lands then
+  redis.call('HDEL', key, 'kp')
+  local fine, P = pcall(cjson.decode, R[6])
+  if fine and type(P) == 'table' and tonumber(P.ep) == H.ep then
+    local list = type(P.items) == 'table' and P.items or {}
+    local refs, sum_id = plan_refs(list), P.id
+    local fields = { 'i:w:' .. sum_id }
+    for i = #COMPACT_NUM, 1, -1 do table.insert(fields, 1, COMPACT_NUM[i]) end
+    for k = 1, #refs do fields[#fields + 1] = 'i:' .. refs[k].ref end
+    local C, CR = load(key, fields, #COMPACT_NUM)
+    local recs = {}
+    for k = 1, #refs do recs[k] = CR[1 + k] end
+    local matched = plan_matched(refs, recs)
+    local replaces = false
+    for k = 1, #refs do if refs[k].ref == 'w:' .. sum_id and matched[k] then replaces = true end end
+    local args, V = compaction_effect(key, C, recs, matched, { refs = refs, sum_id = sum_id,
+      sum_t = tonumber(P.t), text = P.text ~= '' and P.text or nil, read = tonumber(P.read),
+      strict = true, conflict = CR[1] and not replaces, qs = R[3], qd = R[4], job = true, sid = sid,
+      op = P.op, now = now, J = { gz = H.gz, xp = H.xp } },
+      { jobs = KEYS[2], content = CONTENT, sums = SUMS })
+    call_each('HSET', key, args)
+    landed = V.outcome
     H, R = load(key, FIELDS, 31)
   end
 end
@@ -382,5 +432,6 @@ return commit(key, now, op, fp, table.concat({ 'status=ok|regime=', regime, '|tu
   '|residual=', residual(), '|need=', need(), '|utilization=', util, '|reclaimed=',
   table.concat(reclaimed, ','), '|rotated=', rotated, '|released=', released,
   '|compaction_due=', due, '|rollup=', rollup, '|free=', fr, '|epoch=', H.ep, '|summaries=', queued_s,
-  '|dropped=', queued_d, '|lease=', le, '|rolled_back=', rolled, '|mark=', R[5] or '' }), args,
+  '|dropped=', queued_d, '|lease=', le, '|rolled_back=', rolled, '|mark=', R[5] or '',
+  '|landed=', landed }), args,
   { gz = H.gz, xp = H.xp, uo = '' })

@@ -35,8 +35,12 @@
 --                                  its whole life in the stream, whatever the op retention.
 -- ARGV[8+n] summary text           the summary's text, or empty for none (part of the op
 --                                  fingerprint)
+-- ARGV[9+n] (optional) history read the newest sequence number of the items the compactor
+--                                  read, 0..1e15, or '-': the post-condition is judged on the
+--                                  occupancy after the compaction less the items admitted
+--                                  after it (the summary could not replace them)
 --
--- When the effect is applied (every outcome but did_not_fit, already and turn_open), in the
+-- When the effect is applied (every outcome but did_not_fit, already and staged), in the
 -- same step: the texts of the replaced versions leave the content store and the records of
 -- replaced summaries leave KEYS[4] (not for a compaction of the open turn, which a rollback
 -- may undo); with a summary text and summary tokens > 0, KEYS[4] gets the summary's record,
@@ -44,7 +48,7 @@
 -- is delivered to reads), and the content store 'w:<summary id>' its text (what the next
 -- compaction reads). An item held in another version keeps its text.
 --
--- Reply: status=ok|outcome=<compacted|failed|deferred|did_not_fit|already|turn_open>
+-- Reply: status=ok|outcome=<compacted|failed|deferred|did_not_fit|already|staged>
 --          |occupancy=<tokens>|high_water=<tokens>|dropped=<tokens>|summary=<tokens>
 --          |missing=<id,...>|failures=<n>|escalated=<0|1>|free=<tokens>|epoch=<n>|turn=<n>
 --          |gain=<tokens>
@@ -56,11 +60,13 @@
 --   compaction was committed before, or the entry was lost with its stream): nothing is
 --   changed or stored; dropped=0, summary=0, missing empty, escalated=0, the other fields
 --   as they are, and no gain.
---   outcome turn_open: a job's compaction while a turn is open (its lease held, or lapsed
---   and not yet rolled back): nothing is changed or stored, the job's entry stays; the
---   worker commits once the turn has ended (a compaction never changes the prompt under
---   a running turn). The fields are those of already, then |owner=<the turn's owner>
---   |lease=<its end, ms> (no gain).
+--   outcome staged: a job's compaction while a turn is open (its lease held, or lapsed
+--   and not yet rolled back): the job's entry is deleted and the plan stored in the
+--   session's field kp (JSON: op, ep, id, t, items, text, read; replacing a plan staged
+--   before), nothing else changes (a compaction never changes the prompt under a running
+--   turn); the next begin_turn lands it before it gates its turn (see begin_turn.lua).
+--   The fields are those of already, then |owner=<the turn's owner>|lease=<its end, ms>
+--   (no gain).
 --   A compaction that is not part of the open turn (a worker's job, or one made with no turn
 --   while none is open) queues its deliveries for the next turn (fields qs, qd): the
 --   summary, and the items it replaced (an undelivered summary it replaces leaves the
@@ -78,7 +84,7 @@
 --         LEDGER_CONFLICT (the summary id is held and not among the replaced items, or
 --         only in another version than the one given),
 --         LEDGER_TURNHELD, LEDGER_TURNLOST (an agent's compaction, see `fence` in _common.lua).
--- Calls: HMGET, XDEL (a job), TIME, HDEL, HSET, HGET and XADD (on escalation or retry), HINCRBY,
+-- Calls: HMGET, XDEL (a job), TIME, HDEL, HSET, HSCAN (with a history read), HGET and XADD (on escalation or retry), HINCRBY,
 --        PEXPIRE (of KEYS[3] and KEYS[4], with a summary text).
 
 local op, fp, epoch, tok = op_args('compact', false)
@@ -87,8 +93,9 @@ sid = session_arg(ARGV[3])
 sum_id = id_arg(ARGV[4], 'summary item id')
 sum_t = int_arg(ARGV[5], 'summary tokens', 0, TOKENS_MAX)
 n = int_arg(ARGV[6], 'item count', 0, 1000)
-if #ARGV ~= 8 + n then
-  fail('BADARG', 'expected ' .. (8 + n) .. ' arguments for ' .. n .. ' items, got ' .. #ARGV)
+if #ARGV ~= 8 + n and #ARGV ~= 9 + n then
+  fail('BADARG', 'expected ' .. (8 + n) .. ' or ' .. (9 + n) .. ' arguments for ' .. n ..
+    ' items, got ' .. #ARGV)
 end
 local text = ARGV[8 + n] ~= '' and ARGV[8 + n] or nil
 -- A stream entry id: two unsigned 64-bit decimals (an id XDEL would refuse is a BADARG).
@@ -103,164 +110,60 @@ if job ~= '-' then
     fail('BADARG', 'job entry id must be <ms>-<seq> or -, got ' .. show(job))
   end
 end
-local NUM = { 'ep', 'tn', 'sq', 'W', 'S', 'T', 'out', 'F_w', 'F_rm', 'a_w', 'a_rm', 'a_s', 'u_w', 'u_r', 'u_m',
-  'u_s', 'n_w', 'n_r', 'n_m', 'n_s', 'HW', 'kf', 'kn', 'cx', 'rq', 'gz', 'xp', 'kg', 'cd', 'oq' }
+local read = nil
+if #ARGV == 9 + n and ARGV[9 + n] ~= '-' then read = int_arg(ARGV[9 + n], 'history read', 0, 1e15) end
+local list = {}
+for k = 1, n do list[k] = ARGV[6 + k] end
+local refs = plan_refs(list)
 local fields = { 'i:w:' .. sum_id }
-for i = #NUM, 1, -1 do table.insert(fields, 1, NUM[i]) end
-local seen, refs = {}, {}
-for k = 1, n do
-  local raw = type(ARGV[6 + k]) == 'string' and ARGV[6 + k] or ''
-  local body, ver = string.match(raw, '^(.-)|(%d+)$')
-  local c, id = string.match(body or raw, '^([wrms]):(.+)$')
-  if not c then
-    fail('BADARG', 'replaced item must be <c>:<id> or <c>:<id>|<seq> with c in wrms, got ' .. show(raw))
-  end
-  id = id_arg(id, 'item id')
-  if ver then ver = int_arg(ver, 'sequence number', 1, 1e15, id) end
-  local ref = c .. ':' .. id
-  if seen[ref] then fail('BADARG', 'item ' .. id .. ' of ' .. consumer_name(c) .. ' appears twice') end
-  seen[ref] = true
-  refs[k] = { c = c, id = id, ref = ref, ver = ver }
-  fields[#fields + 1] = 'i:' .. ref
-end
+for i = #COMPACT_NUM, 1, -1 do table.insert(fields, 1, COMPACT_NUM[i]) end
+for k = 1, n do fields[#fields + 1] = 'i:' .. refs[k].ref end
 for _, f in ipairs({ 'lo', 'ul', 'qs', 'qd', 'le', 'uo' }) do fields[#fields + 1] = f end
 
 key_arg(2, 'jobs', 'content:%s', 'compacted:%s')
 local key = KEYS[1]
-local H, R = load(key, fields, #NUM)
+local H, R = load(key, fields, #COMPACT_NUM)
 local lo, ul, qs, qd, le, uo = R[n + 2], R[n + 3], R[n + 4], R[n + 5], R[n + 6], R[n + 7]
 local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
-local in_turn = false
-if job ~= '-' then
-  if lo then
-    return reply({ 'status=ok', 'outcome=turn_open', 'occupancy=' .. (H.S + H.T + H.a_w + H.a_rm + H.a_s),
-      'high_water=' .. H.HW, 'dropped=0', 'summary=0', 'missing=', 'failures=' .. H.kf, 'escalated=0',
-      'free=' .. free_room(H, H.out, H.a_w, H.a_rm, H.a_s),
-      'epoch=' .. H.ep, 'turn=' .. H.tn, 'owner=' .. lo, 'lease=' .. (le or 0) })
-  end
-else
-  in_turn = fence(key, lo, H.tn, tok)
-end
+local in_turn = job == '-' and fence(key, lo, H.tn, tok)
 -- The replaced items at the versions given (an item held in another version stays).
-local matched = {}
+local recs = {}
+for k = 1, n do recs[k] = R[1 + k] end
+local matched = plan_matched(refs, recs)
+local named, replaces_summary = false, false
 for k = 1, n do
-  local sq = string.match(R[1 + k] or '', '^%d+|%d+|%d+|(%d+)$')
-  matched[k] = R[1 + k] and (not refs[k].ver or tonumber(sq) == refs[k].ver) or false
-end
-local replaces_summary = false
-for k = 1, n do
-  if refs[k].ref == 'w:' .. sum_id and matched[k] then replaces_summary = true end
+  if refs[k].ref == 'w:' .. sum_id then named, replaces_summary = true, matched[k] end
 end
 if R[1] and not replaces_summary then
   fail('CONFLICT', 'working memory already holds ' .. sum_id .. ' and it is not being replaced' ..
-    (seen['w:' .. sum_id] and ' (it is held in another version than the one given)' or ''))
+    (named and ' (it is held in another version than the one given)' or ''))
+end
+local function unchanged(outcome, extra)
+  local kv = { 'status=ok', 'outcome=' .. outcome, 'occupancy=' .. (H.S + H.T + H.a_w + H.a_rm + H.a_s),
+    'high_water=' .. H.HW, 'dropped=0', 'summary=0', 'missing=', 'failures=' .. H.kf, 'escalated=0',
+    'free=' .. free_room(H, H.out, H.a_w, H.a_rm, H.a_s), 'epoch=' .. H.ep, 'turn=' .. H.tn }
+  for _, x in ipairs(extra) do kv[#kv + 1] = x end
+  return reply(kv)
 end
 -- Every check is done. A job's entry is deleted here, with the effect: when XDEL deletes
 -- nothing (the entry is gone) nothing has been written and the call replies 'already'.
-if job ~= '-' and redis.call('XDEL', KEYS[2], job) == 0 then
-  return reply({ 'status=ok', 'outcome=already', 'occupancy=' .. (H.S + H.T + H.a_w + H.a_rm + H.a_s),
-    'high_water=' .. H.HW, 'dropped=0', 'summary=0', 'missing=', 'failures=' .. H.kf, 'escalated=0',
-    'free=' .. free_room(H, H.out, H.a_w, H.a_rm, H.a_s),
-    'epoch=' .. H.ep, 'turn=' .. H.tn })
-end
+if job ~= '-' and redis.call('XDEL', KEYS[2], job) == 0 then return unchanged('already', {}) end
 local now = now_ms()
 local J = { gz = H.gz, xp = H.xp, uo = in_turn and (uo or '') or nil }
-local A = { a_w = H.a_w, a_rm = H.a_rm, a_s = H.a_s }
-local U = { w = H.u_w, r = H.u_r, m = H.u_m, s = H.u_s }
-local N = { w = H.n_w, r = H.n_r, m = H.n_m, s = H.n_s }
-local dropped, dead, was, gone, missing = 0, {}, {}, {}, {}
-for k = 1, n do
-  local rec, c = R[1 + k], refs[k].c
-  if matched[k] then
-    local t = tonumber(string.match(rec, '^(%d+)|'))
-    dropped = dropped + t
-    A[ACTIVE[c]], U[c], N[c] = A[ACTIVE[c]] - t, U[c] - t, N[c] - 1
-    dead[#dead + 1] = fields[#NUM + 1 + k]
-    was[#dead], gone[#dead] = rec, refs[k].ref
-  else
-    missing[#missing + 1] = refs[k].ref
-  end
+if job ~= '-' and lo then
+  -- A turn is open: the plan is staged (field kp, replacing one staged before) and lands
+  -- at the session's next begin_turn, before that turn is gated.
+  local plan = cjson.encode({ op = op, ep = string.format('%d', H.ep), id = sum_id,
+    t = string.format('%d', sum_t), items = list, text = text or '',
+    read = read and string.format('%d', read) or '-' })
+  return commit(key, now, op, fp, unchanged('staged', { 'owner=' .. lo, 'lease=' .. (le or 0) }),
+    { 'kp', plan }, J)
 end
-A.a_w = A.a_w + sum_t
-local fr = free_room(H, H.out, A.a_w, A.a_rm, A.a_s)
--- A summary that does not fit cannot be applied (that would over-allocate): it is a
--- failed compaction with no effect, judged like one that misses the mark.
-local fits = fr >= 0
-if not fits then
-  A = { a_w = H.a_w, a_rm = H.a_rm, a_s = H.a_s }
-  U = { w = H.u_w, r = H.u_r, m = H.u_m, s = H.u_s }
-  N = { w = H.n_w, r = H.n_r, m = H.n_m, s = H.n_s }
-  fr = free_room(H, H.out, A.a_w, A.a_rm, A.a_s)
-  dead, was, gone, dropped, sum_t = {}, {}, {}, 0, 0
-end
-local occ = H.S + H.T + A.a_w + A.a_rm + A.a_s
-local gain = H.S + H.T + H.a_w + H.a_rm + H.a_s - occ
-local deferred = fits and occ <= H.HW and gain < (H.kg or 0)  -- bought too little: a deferral
-local ok = fits and occ <= H.HW and not deferred
--- no failure counts past an escalation, until the reset
-local kf = ok and 0 or (H.rq == 0 and H.kf + 1 or H.kf)
-local escalate = (not ok) and kf >= H.cx and H.rq == 0
-if #dead > 0 then redis.call('HDEL', key, unpack(dead)) end
-local sq, args = H.sq, {}
-if sum_t > 0 then
-  sq = sq + 1
-  args = { 'i:w:' .. sum_id, table.concat({ sum_t, H.tn, 1000, sq }, '|') }
-  U.w, N.w = U.w + sum_t, N.w + 1
-  -- (a working-memory item has no entry in the reclaim-order index: it stays complete)
-  if H.oq == H.sq then args[#args + 1], args[#args + 2] = 'oq', sq end
-end
-local upd = { 'sq', sq, 'a_w', A.a_w, 'a_rm', A.a_rm, 'a_s', A.a_s, 'fr', fr, 'kf', kf, 'cd', ok and 0 or 1 }
-for _, c in ipairs({ 'w', 'r', 'm', 's' }) do
-  upd[#upd + 1], upd[#upd + 2], upd[#upd + 3], upd[#upd + 4] = 'u_' .. c, U[c], 'n_' .. c, N[c]
-end
-for i = 1, #upd do args[#args + 1] = upd[i] end
-if in_turn then
-  if #dead > 0 then args[#args + 1], args[#args + 2] = 'ul', journal(ul, dead, was) end
-elseif #dead > 0 or sum_t > 0 then
-  -- Deliveries for the next turn: the summary and what it replaced, except a summary not
-  -- delivered yet, which leaves the queue (the items it replaced are queued already).
-  local pending = {}
-  for id in string.gmatch(qs or '', '[^,]+') do pending[id] = true end
-  local drops = {}
-  for _, ref in ipairs(gone) do
-    local wid = string.match(ref, '^w:(.+)$')
-    if wid and pending[wid] then pending[wid] = nil else drops[#drops + 1] = ref end
-  end
-  local keep = {}
-  for id in string.gmatch(qs or '', '[^,]+') do if pending[id] then keep[#keep + 1] = id end end
-  if sum_t > 0 then keep[#keep + 1] = sum_id end
-  args[#args + 1], args[#args + 2] = 'qs', table.concat(keep, ',')
-  args[#args + 1], args[#args + 2] = 'qd', cat(qd, table.concat(drops, ','))
-end
-if ok then
-  args[#args + 1], args[#args + 2], args[#args + 3], args[#args + 4] = 'kn', H.kn + 1, 'kt', H.tn
-elseif H.rq == 0 then
-  indicate(key, 'failed_compactions', 1)
-end
-if fits and not in_turn and #gone > 0 then
-  redis.call('HDEL', KEYS[3], unpack(gone))
-  local olds = {}
-  for _, ref in ipairs(gone) do olds[#olds + 1] = string.match(ref, '^w:(.+)$') end
-  if #olds > 0 then redis.call('HDEL', KEYS[4], unpack(olds)) end
-end
-if text and sum_t > 0 then
-  local quoted = {}
-  for i, ref in ipairs(gone) do quoted[i] = '"' .. ref .. '"' end  -- ids need no escapes
-  put(KEYS[4], { sum_id, '{"text":' .. cjson.encode(text) .. ',"replaced":[' ..
-    table.concat(quoted, ',') .. '],"at":' .. string.format('%d', now) .. '}' }, J, key)
-  put(KEYS[3], { 'w:' .. sum_id, text }, J, key)
-end
-if escalate then
-  enqueue(KEYS[2], 'hard_reset', sid, H.ep, op, 'failed_compactions')
-  indicate(key, 'escalations', 1)
-  args[#args + 1], args[#args + 2] = 'rq', 1
-elseif not ok and H.rq == 0 and worker_compacts(key) and (job ~= '-' or H.cd ~= 1) then
-  -- (an agent's own failed compaction while a job is queued already adds no second one)
-  enqueue(KEYS[2], 'compact', sid, H.ep, op, 'failed_compaction')
-end
-return commit(key, now, op, fp, table.concat({ 'status=ok|outcome=',
-  ok and 'compacted' or (deferred and 'deferred' or (fits and 'failed' or 'did_not_fit')),
-  '|occupancy=', occ, '|high_water=', H.HW, '|dropped=', dropped, '|summary=', sum_t, '|missing=',
-  table.concat(missing, ','), '|failures=', kf, '|escalated=', escalate and 1 or 0, '|free=', fr,
-  '|epoch=', H.ep, '|turn=', H.tn, '|gain=', gain }), args, J)
+local args, V = compaction_effect(key, H, recs, matched, { refs = refs, sum_id = sum_id, sum_t = sum_t,
+  text = text, read = read, in_turn = in_turn, ul = ul, qs = qs, qd = qd, job = job ~= '-', sid = sid,
+  op = op, now = now, J = J }, { jobs = KEYS[2], content = KEYS[3], sums = KEYS[4] })
+return commit(key, now, op, fp, table.concat({ 'status=ok|outcome=', V.outcome,
+  '|occupancy=', V.occ, '|high_water=', H.HW, '|dropped=', V.dropped, '|summary=', V.sum_t, '|missing=',
+  table.concat(V.missing, ','), '|failures=', V.kf, '|escalated=', V.escalate and 1 or 0, '|free=', V.fr,
+  '|epoch=', H.ep, '|turn=', H.tn, '|gain=', V.gain }), args, J)

@@ -1,6 +1,7 @@
-"""The job kinds: a compaction (the compactor's plan committed between turns, by
-``compact.lua``) and a hard reset (``reset.lua``), each fenced by the epoch it was
-enqueued at, so that a job delivered twice changes the state once."""
+"""The job kinds: a compaction (the compactor's plan committed by ``compact.lua``:
+between turns, or staged while a turn is open to land at the next ``begin_turn``) and a
+hard reset (``reset.lua``), each fenced by the epoch it was enqueued at, so that a job
+delivered twice changes the state once."""
 
 from __future__ import annotations
 
@@ -9,13 +10,11 @@ import contextlib
 import enum
 import inspect
 import threading
-import time
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ledger import protocol, schema
-from ledger.core import new_op_id
 from ledger.errors import (
     ConfigurationError,
     LedgerError,
@@ -48,8 +47,8 @@ class JobOutcome:
 
 
 class CompactionDeferred(LedgerError):
-    """A compaction ready to commit found the session's turn still open after
-    ``turn_wait``: the job stays pending, its delivery uncounted, for a later claim."""
+    """A compaction job left pending, its delivery uncounted, for a later claim. (A
+    compaction that finds a turn open is staged, not deferred: compact.lua.)"""
 
 
 class Jobs:
@@ -182,58 +181,43 @@ class Jobs:
         items: tuple[Any, ...],
         contents: dict[str, str],
     ) -> JobOutcome:
-        """Plan (the compactor) and commit, between turns. A commit that had to wait for a
-        turn is planned again on the history that turn left: judged on its own end state
-        (the post-condition), a plan made before a turn would count that turn's items as
-        its failure."""
-        for _attempt in range(4):
-            plan = self._run_compactor(
-                compactor,
-                compactors.CompactionRequest(
-                    session_id=sid,
-                    epoch=epoch,
-                    turn=turn,
-                    items=items,
-                    occupancy=snap.occupancy,
-                    high_water_mark=snap.high_water_mark,
-                    window=snap.window,
-                    contents=contents,
-                ),
-            )
-            # Each replaced item at the version the compactor read: one released and
-            # admitted again since (with other text) stays.
-            seqs = {(i.consumer, i.id): i.seq for i in items}
-            replaced = [
-                (c, i, seqs[(c, i)]) if (c, i) in seqs else (c, i) for c, i in plan.replaced
-            ]
-            # The job's entry id goes with the call: compact.lua deletes the entry with the
-            # effect, and answers 'already' when it is gone (committed before, by a worker
-            # that died before acknowledging it), whatever the op retention. The summary's
-            # text goes with it: stored with the effect, the replaced versions' texts
-            # removed with it (an item admitted again since keeps its new text).
-            text = plan.summary_text if plan.summary is not None else None
-            call = protocol.compact(
-                keys, f"job-{job_id}", epoch, replaced, plan.summary, job=job_id,
-                summary_text=text,
-            )  # fmt: skip
-            try:
-                done = self._commit_between_turns(keys, call)
-            except (StaleEpoch, UnknownSession, OperationIdReused):
-                return JobOutcome(JobKind.COMPACT, JobEffect.ALREADY)
-            if done is not None:
-                already = done.outcome == CompactionOutcome.ALREADY
-                return JobOutcome(
-                    JobKind.COMPACT, JobEffect.ALREADY if already else JobEffect.APPLIED
-                )
-            # a turn ran meanwhile: plan again on what it left (if still due)
-            snap = self.w.ledger.run(protocol.snapshot(keys))
-            if snap.epoch != epoch or not snap.compaction_pending:
-                return JobOutcome(JobKind.COMPACT, JobEffect.ALREADY)
-            turn, items = self._history(keys.session)
-            contents = self._contents(keys.content, items)
-        raise CompactionDeferred(
-            f"session {keys.session_id!r}: a turn began before each of 4 plans could commit"
+        """Plan (the compactor) and commit: applied now between turns, or staged while a
+        turn is open (compact.lua), to land at the session's next begin_turn. Either way
+        it is judged on the history the compactor read: the items admitted after it (a
+        turn that ran meanwhile) are not held against the summary."""
+        plan = self._run_compactor(
+            compactor,
+            compactors.CompactionRequest(
+                session_id=sid,
+                epoch=epoch,
+                turn=turn,
+                items=items,
+                occupancy=snap.occupancy,
+                high_water_mark=snap.high_water_mark,
+                window=snap.window,
+                contents=contents,
+            ),
         )
+        # Each replaced item at the version the compactor read: one released and admitted
+        # again since (with other text) stays.
+        seqs = {(i.consumer, i.id): i.seq for i in items}
+        replaced = [(c, i, seqs[(c, i)]) if (c, i) in seqs else (c, i) for c, i in plan.replaced]
+        # The job's entry id goes with the call: compact.lua deletes the entry with the
+        # effect (or the staging), and answers 'already' when it is gone (committed before,
+        # by a worker that died before acknowledging it), whatever the op retention. The
+        # summary's text goes with it: stored with the effect, the replaced versions' texts
+        # removed with it (an item admitted again since keeps its new text).
+        text = plan.summary_text if plan.summary is not None else None
+        call = protocol.compact(
+            keys, f"job-{job_id}", epoch, replaced, plan.summary, job=job_id,
+            summary_text=text, read=max((i.seq for i in items), default=0),
+        )  # fmt: skip
+        try:
+            done: Compaction = self.w.ledger.run(call)
+        except (StaleEpoch, UnknownSession, OperationIdReused):
+            return JobOutcome(JobKind.COMPACT, JobEffect.ALREADY)
+        already = done.outcome == CompactionOutcome.ALREADY
+        return JobOutcome(JobKind.COMPACT, JobEffect.ALREADY if already else JobEffect.APPLIED)
 
     def _history(self, session_key: str) -> tuple[int, tuple[Any, ...]]:
         """The turn the compaction prepares (the open one, else the next) and the items of
@@ -248,33 +232,6 @@ class Jobs:
         tn = int(text.get(schema.TURN) or 0)
         turn = tn if schema.TURN_OWNER in text else tn + 1
         return turn, tuple(protocol.committed_items(fields))
-
-    def _commit_between_turns(self, keys: Any, call: Any) -> Compaction | None:
-        """Commit a compaction, unless the session's turn is open: compact.lua changes
-        nothing while a turn holds the lease (outcome turn_open). A live turn is waited
-        for, up to ``turn_wait`` seconds (then CompactionDeferred: the job stays pending),
-        then None: the plan is made again on what the turn left. A lapsed lease is rolled
-        back (expire.lua), and the commit tried again: the history is what it was."""
-        deadline = time.monotonic() + self.w.settings.turn_wait
-        done: Compaction = self.w.ledger.run(call)
-        while done.outcome == CompactionOutcome.TURN_OPEN:
-            self.w.metrics.waited_turns.inc()
-            while True:
-                snap = self.w.ledger.run(protocol.snapshot(keys))
-                if snap.turn_owner is None:
-                    return None  # the turn ended: what it committed changes the plan
-                left = snap.lease_left_ms or 0
-                if left < 0:  # its owner died: rolled back, the history is as planned
-                    self.w.ledger.run(protocol.expire(keys, new_op_id(), [protocol.LEASE_MEMBER]))
-                    done = self.w.ledger.run(call)
-                    break
-                if time.monotonic() >= deadline:
-                    raise CompactionDeferred(
-                        f"session {keys.session_id!r}: turn {snap.turn} of {snap.turn_owner} "
-                        f"still open after {self.w.settings.turn_wait:g} s"
-                    )
-                time.sleep(min(0.05, left / 1000, max(deadline - time.monotonic(), 0.001)))
-        return done
 
     def _contents(self, key: str, items: tuple[Any, ...]) -> dict[str, str]:
         """The stored texts of the held items ('<c>:<id>' -> text)."""
