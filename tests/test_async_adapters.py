@@ -218,6 +218,9 @@ async def update(graph: Any, config: Any, values: dict[str, Any]) -> None:
 def url_of(request: pytest.FixtureRequest, backend: str) -> str:
     if backend == "redis":
         return str(request.getfixturevalue("redis_server").url)
+    if backend == "cluster":
+        nodes = request.getfixturevalue("redis_cluster")
+        return f"redis+cluster://127.0.0.1:{nodes[0].port}"
     return f"embedded://{uuid.uuid4().hex}"
 
 
@@ -227,7 +230,7 @@ BACKENDS = [
 ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [*BACKENDS, pytest.param("cluster", marks=pytest.mark.cluster)])
 @pytest.mark.parametrize("face", FACES)
 async def test_langgraph_turns_on_both_faces(
     face: str, backend: str, request: pytest.FixtureRequest, tmp_path: Path
