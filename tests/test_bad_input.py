@@ -806,3 +806,60 @@ def test_scripts_refuse_keys_that_are_not_the_sessions(
         ):
             ledger._scripts[name](keys=list(keys), args=list(call.args))
         assert state(ledger, session) == before, diff(before, state(ledger, session))
+
+
+def _open_with_json(ledger: Ledger, sid: str, text: str) -> Any:
+    """open, its ARGV[13..14] replaced by ``text`` and that text's own SHA-256."""
+    import hashlib
+
+    keys = ledger.keyspace.session(sid)
+    call = protocol.open_session(keys, new_op_id(), BUDGET, 120_000)
+    args = list(call.args)
+    args[12], args[13] = hashlib.sha256(text.encode()).hexdigest(), text
+    return ledger._scripts["open"](keys=list(call.keys), args=args)
+
+
+@pytest.mark.parametrize(
+    ("was", "now"),
+    [
+        ('"window":32000', '"window":32000.0'),  # one budget, two spellings
+        ('"window":32000', '"window":3.2e4'),
+        ('"eviction_threshold":0.9', '"eviction_threshold":0.90'),
+        ('"high_water_mark":0.72', '"high_water_mark":7.2e-1'),
+        ('{"amplification', '{ "amplification'),  # whitespace
+        ('"window":32000,', '"window":32000,"window":32000,'),  # a key twice
+    ],
+)
+def test_open_refuses_a_budget_json_that_is_not_canonical(
+    ledger: Ledger, was: str, now: str
+) -> None:
+    """docs/protocol.md: ARGV[14] is the canonical JSON, else LEDGER_BADARG. The same
+    budget written otherwise (with that text's own SHA-256) would be a second fingerprint
+    of one budget: a second open with the canonical text would then conflict."""
+    text = BUDGET.canonical_json()
+    assert was in text
+    spoiled = text.replace(was, now, 1)
+    sid = "bad-input/json-" + new_op_id()
+    with pytest.raises(redis.exceptions.ResponseError, match=r"^LEDGER_BADARG .*not canonical"):
+        _open_with_json(ledger, sid, spoiled)
+    assert ledger.client.exists(ledger.keyspace.session(sid).session) == 0
+    # The canonical text of the same budget opens it.
+    assert protocol.decode(_open_with_json(ledger, sid, text))["created"] == "1"
+
+
+@pytest.mark.parametrize(
+    "update",
+    [
+        {"high_water_mark": 1 / 3, "eviction_threshold": 0.1 + 0.8},
+        {"compaction_min_gain": 0.00001, "rollup_fraction": 0.123456789012},
+        {"compaction_min_gain": 1e-7, "framing_tolerance": 0},
+        {"release_each_turn": {Consumer.RETRIEVAL, Consumer.RECALL}, "compaction": "agent"},
+    ],
+    ids=["thirds", "small", "exponent", "lists"],
+)
+def test_open_takes_the_canonical_json_of_any_budget(ledger: Ledger, update: Any) -> None:
+    """The server's canonical form is the clients' (RFC 8785) for numbers of every
+    shape a budget holds: shortest digits, decimals from 1e-6 up, an exponent below."""
+    budget = SessionBudget(**{**BUDGET_FIELDS, **update})
+    s = ledger.open_session("bad-input/canon-" + new_op_id(), budget)
+    assert s.snapshot().window == BUDGET.window
