@@ -546,12 +546,15 @@ def ints(lo: int, hi: int) -> list[str | bytes]:
 
 TOKENS = ints(1, 100_000_000)
 PRIORITY = ints(0, 1000)
+V = f"{protocol.VERSION}:"  # ARGV[2] starts with the protocol version
 EPOCH_BASE: list[str | bytes] = [
-    "", "-1", "1.0", "abc", b"\xff", "1000000000000001", "0100", "-0", *HUGE
-]  # fmt: skip
-EPOCH_FENCED = [*EPOCH_BASE, "*"]  # (a newer epoch is well formed: refused as stale)
-EPOCH_OPEN = [*EPOCH_BASE, "*"]  # open ignores the value, but it must be a number
+    V + e for e in ("", "-1", "1.0", "abc", "1000000000000001", "0100", "-0", *HUGE)
+] + [V.encode() + b"\xff", V + "1@1!xyz", V + "1@1!" + "a" * 15, V + "1!" + "0" * 65]
+EPOCH_FENCED = [*EPOCH_BASE, V + "*"]  # (a newer epoch is well formed: refused as stale)
+EPOCH_OPEN = [*EPOCH_BASE, V + "*"]  # open ignores the value, but it must be a number
 EPOCH_OR_STAR = EPOCH_BASE  # close and expire accept '*'
+# ARGV[2] of another protocol version, or of none (protocol 1): LEDGER_VERSION, not BADARG
+NO_VERSION: list[str | bytes] = ["", "1", "*", "12345", "1:12345", "3:12345", ":1", b"\xff"]
 
 # ARGV position (1-based) -> malformed values, per script (see each script's header).
 COMMON: dict[int, list[str | bytes]] = {1: BAD_ARG_IDS, 2: EPOCH_FENCED}
@@ -670,8 +673,10 @@ def malformed(name: str, good: list[str | bytes]) -> Iterator[tuple[str, list[st
             args = list(good)
             args[pos - 1] = v
             yield f"ARGV[{pos}]={v!r}"[:80], args
-    yield "no ARGV", []
-    yield "only an op id", good[:1]
+    for v in NO_VERSION:
+        yield f"version ARGV[2]={v!r}", [good[0], v, *good[2:]]
+    yield "version no ARGV", []
+    yield "version only an op id", good[:1]
     yield "prologue only", good[:2]
     yield "last argument missing", good[:-1]
     yield "one argument too many", [*good, "extra"]
@@ -689,7 +694,8 @@ def test_scripts_refuse_malformed_argv(ledger: Ledger, session: Session, name: s
         try:
             reply = script(keys=keys, args=args)
         except redis.exceptions.ResponseError as exc:
-            if not str(exc).startswith("LEDGER_BADARG"):
+            want = "LEDGER_VERSION" if label.startswith("version") else "LEDGER_BADARG"
+            if not str(exc).startswith(want):
                 problems.append(f"{label}: {exc}")
         except Exception as exc:
             problems.append(f"{label}: {type(exc).__name__}: {exc}")

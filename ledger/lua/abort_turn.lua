@@ -36,7 +36,11 @@ local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
 local now = now_ms()
 local rolled = 0
-if R[1] and H.tn == tok then rolled = rollback(key, KEYS[2], sid, 'aborted by ' .. R[1]) end
+if R[1] and H.tn == tok then
+  -- (only the handle that began the turn rolls it back by name: it carries the owner token)
+  if not owns(redis.call('HGET', key, 'lk')) then not_owner(key, R[1], H.tn) end
+  rolled = rollback(key, KEYS[2], sid, 'aborted by ' .. R[1])
+end
 local fr = redis.call('HGET', key, 'fr')
 return commit(key, now, op, fp, reply({ 'status=ok', 'rolled_back=' .. rolled, 'turn=' .. H.tn,
   'free=' .. fr, 'epoch=' .. H.ep }), {}, { gz = H.gz, xp = H.xp })
