@@ -426,7 +426,9 @@ class SessionCore:
     Redis as it is nor shown by ``snapshot()``) goes with its begin_turn and with every
     call of its turn: the scripts accept a call into an open turn only with the token
     that began it, so naming another handle's turn by its number (``turn=n``) is refused
-    (``TurnInProgress``), whoever knows the number or the owner's name.
+    (``TurnInProgress``), whoever knows the number or the owner's name. Handles meant to
+    serve as one owner from several places (one begin_turn op id sent from each, one
+    replayed) are given the same ``owner`` and ``owner_token``.
     """
 
     def __init__(
@@ -437,6 +439,7 @@ class SessionCore:
         *,
         owner: str | None = None,
         lease_ms: int = 30_000,
+        owner_token: str | None = None,
     ) -> None:
         self.keys = keys
         self.epoch = epoch
@@ -447,7 +450,11 @@ class SessionCore:
         self.lease_ms = int(protocol._lease(lease_ms))
         self.turn: int | None = None  # the open turn this handle began (its calls' stamp)
         self._last_left = 0  # the last turn this handle ended or rolled back
-        self._token = protocol.new_token()  # the owner token of the turns it begins
+        # the owner token of the turns it begins: this handle's secret, or one given to
+        # handles that serve as one owner (the same name and token) from several places
+        self._token = (
+            protocol.new_token() if owner_token is None else protocol.check_token(owner_token)
+        )
 
     def _stamp(self, turn: int | BegunBy | None = None) -> Epoch:
         """ARGV[2]: the epoch, and the turn the call belongs to (``turn``, by default the
