@@ -12,7 +12,8 @@
 -- KEYS[4]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
 -- KEYS[5]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
--- ARGV[2]  epoch@turn              the epoch and the turn to roll back
+-- ARGV[2]  v:epoch@turn!token     the version, the epoch, the turn to roll back and its owner
+--                                  token
 -- ARGV[3]  session id              must name KEYS[1]
 --
 -- Reply: status=ok|rolled_back=<turn or 0>|turn=<n>|free=<tokens>|epoch=<n>

@@ -15,7 +15,9 @@
 --          Optionally the reclaim-order index '<tag>:order:<session>' (see ORDER in
 --          _common.lua) right before the tally: 7 KEYS, or 8 with the summaries hash.
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
--- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
+-- ARGV[2]  v:epoch!token           '<version>:<epoch>!<owner token>' (op_args): the token
+--                                  of the turn, required (its SHA-1 is stored as lk);
+--                                  an older epoch -> LEDGER_STALE
 -- ARGV[3]  working set             tokens the turn must hold in working memory, 0..1e8
 -- ARGV[4]  output reserve          tokens for this turn's output, 0..1e8, or '-' for the budget's
 -- ARGV[5]  session id              must name KEYS[1]
