@@ -33,6 +33,7 @@ from ledger.errors import (
     TurnLost,
     UnknownReservation,
     UnknownSession,
+    VersionMismatch,
     WorkingMemoryStarvation,
 )
 from ledger.extras import MissingExtra
@@ -82,6 +83,7 @@ __all__ = [
     "CompactionPending",
     "UnknownReservation",
     "UnknownSession",
+    "VersionMismatch",
     "new_op_id",
 ]
 __all__ += models.__all__

@@ -963,9 +963,11 @@ def plain(doc: str) -> str:
 
 
 def _version() -> str:
+    """The release and the protocol version it speaks (docs/operations.md#upgrades)."""
     from ledger import __version__
+    from ledger.protocol import VERSION
 
-    return __version__
+    return f"{__version__} (protocol {VERSION})"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -135,7 +135,10 @@ def _fenced_on_first(calls: Sequence[Call[Any]]) -> bool:
     if not calls[0].args:
         return False
     fence = f"@~{calls[0].args[0]!s}"
-    return all(len(c.args) > 1 and str(c.args[1]).endswith(fence) for c in calls[1:])
+    # ('<version>:<epoch>@~<op id>!<owner token>': the token is no op id's character)
+    return all(
+        len(c.args) > 1 and str(c.args[1]).partition("!")[0].endswith(fence) for c in calls[1:]
+    )
 
 
 def batch_loads(batch: Sequence[Call[Any]]) -> list[str]:
@@ -418,6 +421,14 @@ class SessionCore:
     until the turn ends, every call the handle makes is stamped with it (``turn``), so
     that a call from a turn that was taken over or rolled back is refused (``TurnLost``)
     instead of acting on the next one.
+
+    The handle's owner token (128 random bits, made with the handle, never stored in
+    Redis as it is nor shown by ``snapshot()``) goes with its begin_turn and with every
+    call of its turn: the scripts accept a call into an open turn only with the token
+    that began it, so naming another handle's turn by its number (``turn=n``) is refused
+    (``TurnInProgress``), whoever knows the number or the owner's name. Handles meant to
+    serve as one owner from several places (one begin_turn op id sent from each, one
+    replayed) are given the same ``owner`` and ``owner_token``.
     """
 
     def __init__(
@@ -428,6 +439,7 @@ class SessionCore:
         *,
         owner: str | None = None,
         lease_ms: int = 30_000,
+        owner_token: str | None = None,
     ) -> None:
         self.keys = keys
         self.epoch = epoch
@@ -438,11 +450,16 @@ class SessionCore:
         self.lease_ms = int(protocol._lease(lease_ms))
         self.turn: int | None = None  # the open turn this handle began (its calls' stamp)
         self._last_left = 0  # the last turn this handle ended or rolled back
+        # the owner token of the turns it begins: this handle's secret, or one given to
+        # handles that serve as one owner (the same name and token) from several places
+        self._token = (
+            protocol.new_token() if owner_token is None else protocol.check_token(owner_token)
+        )
 
     def _stamp(self, turn: int | BegunBy | None = None) -> Epoch:
         """ARGV[2]: the epoch, and the turn the call belongs to (``turn``, by default the
-        one this handle holds)."""
-        return stamp(self.epoch, self.turn if turn is None else turn)
+        one this handle holds) with this handle's owner token."""
+        return stamp(self.epoch, self.turn if turn is None else turn, self._token)
 
     def _began(
         self, parse: Callable[[protocol.Reply], TurnStarted]
@@ -611,6 +628,7 @@ class SessionCore:
             self.lease_ms if lease_ms is None else lease_ms,
             takeover,
             await_compaction,
+            self._token,
         )
         return Call(call.script, call.keys, call.args, self._began(call.parse))
 
@@ -628,7 +646,7 @@ class SessionCore:
         """Account a memory-tool span before making it; FanoutRefused once the turn's
         amplification passed the pathological threshold (docs/rules.md#amplification)."""
         return protocol.record_span(
-            self.keys, _op(op_id), self.epoch, turn, kind, input_tokens, output_tokens
+            self.keys, _op(op_id), self.epoch, turn, kind, input_tokens, output_tokens, self._token
         )
 
     record_span = operation(record_span_call)
@@ -661,6 +679,7 @@ class SessionCore:
             p99_trend,
             self.drift_action,
             mark,
+            self._token,
         )
         return Call(call.script, call.keys, call.args, self._left(turn, call.parse))
 
@@ -678,7 +697,7 @@ class SessionCore:
             raise InvalidArgument(
                 "abort_turn: this handle holds no turn; name the turn to roll back"
             )
-        call = protocol.abort_turn(self.keys, _op(op_id), self.epoch, t)
+        call = protocol.abort_turn(self.keys, _op(op_id), self.epoch, t, self._token)
         return Call(call.script, call.keys, call.args, self._left(t, call.parse))
 
     abort_turn = operation(abort_turn_call)
@@ -691,9 +710,8 @@ class SessionCore:
         t = self.turn if turn is None else turn
         if t is None:
             raise InvalidArgument("renew_turn: this handle holds no turn")
-        return protocol.renew_turn(
-            self.keys, _op(op_id), self.epoch, t, self.lease_ms if lease_ms is None else lease_ms
-        )
+        lease = self.lease_ms if lease_ms is None else lease_ms
+        return protocol.renew_turn(self.keys, _op(op_id), self.epoch, t, lease, self._token)
 
     renew_turn = operation(renew_turn_call)
 

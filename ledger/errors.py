@@ -114,6 +114,25 @@ class CompactionPending(TurnConflict):
         self.requested_ms_ago: int | None = int(asked.group(1)) if asked else None
 
 
+class VersionMismatch(LedgerError):
+    """A call, or a session, of another version than the scripts' (docs/protocol.md#versions):
+    refused before anything was written. ``kind``: ``"protocol"`` (the call's version,
+    ``found``, is not the scripts' ``expected``; a client of protocol 1 sends none and
+    ``found`` is 1) or ``"layout"`` (the session's stored layout ``found`` is one the
+    scripts of protocol ``expected`` do not read). Run clients, workers and scripts of one
+    version, or follow the upgrade runbook (docs/operations.md#upgrades)."""
+
+    _FOUND = re.compile(r"is of (protocol|layout) (\d+)")
+    _EXPECTED = re.compile(r"these scripts are of protocol (\d+)")
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        m, e = self._FOUND.search(message), self._EXPECTED.search(message)
+        self.kind: str | None = m.group(1) if m else None
+        self.found: int | None = int(m.group(2)) if m else None
+        self.expected: int | None = int(e.group(1)) if e else None
+
+
 class PermissionDenied(LedgerError, PermissionError):
     """Redis refused the credentials (AUTH) or a command or key (ACL, NOPERM)."""
 
@@ -290,6 +309,7 @@ _CODES: Final[dict[str, type[LedgerError]]] = {
     "TURNHELD": TurnInProgress,
     "TURNLOST": TurnLost,
     "COMPACTING": CompactionPending,
+    "VERSION": VersionMismatch,
 }
 
 _UNAVAILABLE = (

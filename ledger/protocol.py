@@ -7,6 +7,7 @@ The sync and asyncio clients only differ in how they send a call.
 from __future__ import annotations
 
 import re
+import secrets
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -58,6 +59,19 @@ from ledger.models import (
 
 T = TypeVar("T")
 Reply = dict[str, str]
+
+# The protocol version (docs/protocol.md#versions), defined here only: every call carries
+# it (ARGV[2] '<version>:...' of a mutating call, ARGV[1] of a read), the scripts refuse a
+# call of another one (LEDGER_VERSION, :class:`~ledger.errors.VersionMismatch`), and a
+# session opened by these scripts stores it as its layout version (field 'lv'). Bumped by
+# every change a client or script of the previous version would misread (KEYS, ARGV,
+# a reply field's meaning, a stored field's name or meaning); `python tools/legend.py`
+# writes it into _common.lua. 2: the owner token, the version itself, the layout field.
+VERSION = 2
+# The oldest stored layout these scripts read and write (a session without 'lv' is of
+# layout 1): layout 2 only adds fields (lv, lk) that layout 1's scripts never read, so a
+# fleet upgrades from 1 to 2 with both versions running (docs/operations.md#upgrades).
+OLDEST_LAYOUT = 1
 
 ID_RE = re.compile(r"[A-Za-z0-9._:/@+=#-]{1,128}")
 
@@ -147,20 +161,38 @@ class Stamp(str):
 Epoch = int | str  # an epoch, '*' (unfenced), or a Stamp
 
 
-def stamp(epoch: int, turn: int | BegunBy | None) -> Epoch:
-    """ARGV[2] of a call: the epoch, and the turn the call belongs to when it is made in
-    one ('<epoch>@<turn>', docs/protocol.md#turns): only calls of the open turn are
-    accepted while a turn is open. A turn named by its begin (:class:`BegunBy`) is
-    '<epoch>@~<op id>'."""
+TOKEN_RE = re.compile(r"[0-9a-f]{16,64}")
+
+
+def check_token(token: object) -> str:
+    """An owner token: 16-64 lowercase hex digits (a handle's secret, see
+    :func:`new_token`)."""
+    if not isinstance(token, str) or not TOKEN_RE.fullmatch(token):
+        raise InvalidArgument("an owner token must be 16-64 lowercase hex digits")
+    return token
+
+
+def new_token() -> str:
+    """A fresh owner token: 128 random bits, known only to the handle that made it."""
+    return secrets.token_hex(16)
+
+
+def stamp(epoch: int, turn: int | BegunBy | None, token: str | None = None) -> Epoch:
+    """ARGV[2] of a call (after the version): the epoch, and the turn the call belongs to
+    when it is made in one ('<epoch>@<turn>', docs/protocol.md#turns): only calls of the
+    open turn are accepted while a turn is open, and only with the owner token of the
+    handle that began it ('<epoch>@<turn>!<token>'). A turn named by its begin
+    (:class:`BegunBy`) is '<epoch>@~<op id>!<token>'."""
     if turn is None:
         return epoch
+    end = "" if token is None else "!" + check_token(token)
     if isinstance(turn, BegunBy) and type(epoch) is int:
-        return Stamp(f"{epoch}@~{check_id(turn.op_id, 'op id of the turn')}")
+        return Stamp(f"{epoch}@~{check_id(turn.op_id, 'op id of the turn')}{end}")
     if type(epoch) is not int or type(turn) is not int or turn < 1:
         raise InvalidArgument(
             f"a turn stamp needs an int epoch and turn >= 1, got {epoch!r}@{turn!r}"
         )
-    return Stamp(f"{epoch}@{turn}")
+    return Stamp(f"{epoch}@{turn}{end}")
 
 
 def _mutating(
@@ -174,9 +206,11 @@ def _mutating(
 ) -> Call[T]:
     """A mutating script's call. Its KEYS: the session hash, the script's ``own`` keys,
     then the partition's tally and the two outcome hashes, always last. Its ARGV: the op
-    id, the epoch (or turn stamp), then ``body``."""
+    id, the protocol version and the epoch (or turn stamp), '<version>:<epoch>', then
+    ``body``."""
     check_id(op_id, "operation id")
     head = epoch if isinstance(epoch, Stamp) or epoch == "*" else _num(epoch)
+    head = f"{VERSION}:{head}"
     layout = (keys.session, *own, keys.tally, keys.outcomes, keys.outcomes_old)
     return Call(script=script, keys=layout, args=(op_id, head, *body), parse=parse)
 
@@ -417,7 +451,7 @@ def worker_check(deadlines: str, jobs: str, group: str, idle_ms: int) -> Call[Pa
     return Call(
         script="worker_check",
         keys=(deadlines, jobs),
-        args=(check_id(group, "group"), _num(idle_ms)),
+        args=(str(VERSION), check_id(group, "group"), _num(idle_ms)),
         parse=parse,
     )
 
@@ -482,10 +516,13 @@ def begin_turn(
     lease_ms: int,
     takeover: bool = False,
     await_compaction: bool = False,
+    token: str | None = None,
 ) -> Call[TurnStarted]:
     """``await_compaction``: refuse the turn (``CompactionPending``, nothing changed) while
     a compaction is pending, unless one is staged (it lands with this call). The call names
-    the summaries hash and the content store, which a staged compaction writes as it lands."""
+    the summaries hash and the content store, which a staged compaction writes as it lands.
+    ``token``: the owner token of the turn (by default a fresh one): every call into the
+    turn must carry it, and a begin_turn of the same owner ends its open turn only with it."""
     body = [
         _num(working_set),
         "-" if output_reserve is None else _num(output_reserve),
@@ -497,10 +534,15 @@ def begin_turn(
     if await_compaction:
         body.append("1")
     extra = (keys.jobs, keys.deadlines, keys.compacted, keys.content, keys.order)
-    return _mutating("begin_turn", keys, extra, op_id, epoch, body, _turn_started)
+    if type(epoch) is not int:
+        raise InvalidArgument(f"begin_turn needs an int epoch, got {epoch!r}")
+    head = Stamp(f"{epoch}!{check_token(new_token() if token is None else token)}")
+    return _mutating("begin_turn", keys, extra, op_id, head, body, _turn_started)
 
 
-def abort_turn(keys: SessionKeys, op_id: str, epoch: int, turn: int) -> Call[TurnAborted]:
+def abort_turn(
+    keys: SessionKeys, op_id: str, epoch: int, turn: int, token: str | None = None
+) -> Call[TurnAborted]:
     def parse(r: Reply) -> TurnAborted:
         rolled = int(r["rolled_back"])
         return TurnAborted(
@@ -515,14 +557,14 @@ def abort_turn(keys: SessionKeys, op_id: str, epoch: int, turn: int) -> Call[Tur
         keys,
         (keys.deadlines,),
         op_id,
-        stamp(epoch, turn),
+        stamp(epoch, turn, token),
         [keys.session_id],
         parse,
     )
 
 
 def renew_turn(
-    keys: SessionKeys, op_id: str, epoch: int, turn: int, lease_ms: int
+    keys: SessionKeys, op_id: str, epoch: int, turn: int, lease_ms: int, token: str | None = None
 ) -> Call[TurnRenewed]:
     def parse(r: Reply) -> TurnRenewed:
         return TurnRenewed(
@@ -534,7 +576,7 @@ def renew_turn(
         keys,
         (keys.deadlines,),
         op_id,
-        stamp(epoch, turn),
+        stamp(epoch, turn, token),
         [keys.session_id, _lease(lease_ms)],
         parse,
     )
@@ -558,17 +600,19 @@ def record_span(
     kind: str,
     input_tokens: int,
     output_tokens: int,
+    token: str | None = None,
 ) -> Call[SpanRecorded]:
     body = [_num(turn), check_id(kind, "span kind"), _num(input_tokens), _num(output_tokens)]
-    return _mutating("record_span", keys, (), op_id, _turn_stamp(epoch, turn), body, _span)
+    head = _turn_stamp(epoch, turn, token)
+    return _mutating("record_span", keys, (), op_id, head, body, _span)
 
 
-def _turn_stamp(epoch: Epoch, turn: object) -> Epoch:
+def _turn_stamp(epoch: Epoch, turn: object, token: str | None = None) -> Epoch:
     """The stamp of a call that names its turn (record_span, end_turn); a turn that is no
     int >= 1 is left out, for the script to refuse it."""
     if isinstance(epoch, str) or type(epoch) is not int or type(turn) is not int or turn < 1:
         return epoch
-    return stamp(epoch, turn)
+    return stamp(epoch, turn, token)
 
 
 def _report(r: Reply) -> TurnReport:
@@ -613,6 +657,7 @@ def end_turn(
     p99_trend: int,
     drift_action: str = "warn",
     mark: str | None = None,
+    token: str | None = None,
 ) -> Call[TurnReport]:
     body = [
         _num(turn),
@@ -636,7 +681,7 @@ def end_turn(
         keys,
         (keys.jobs, keys.deadlines),
         op_id,
-        _turn_stamp(epoch, turn),
+        _turn_stamp(epoch, turn, token),
         body,
         parse,
     )
@@ -827,7 +872,7 @@ def read_spill(keys: SessionKeys, call_id: str) -> Call[bytes | None]:
     return Call(
         script="read_spill",
         keys=(keys.session, keys.spills, keys.spilled),
-        args=(cid,),
+        args=(str(VERSION), cid),
         parse=_not_pairs,
     )
 
@@ -906,7 +951,12 @@ def _snapshot(r: Reply) -> Snapshot:
 
 
 def snapshot(keys: SessionKeys) -> Call[Snapshot]:
-    return Call(script="snapshot", keys=(keys.session, keys.compacted), args=(), parse=_snapshot)
+    return Call(
+        script="snapshot",
+        keys=(keys.session, keys.compacted),
+        args=(str(VERSION),),
+        parse=_snapshot,
+    )
 
 
 def audit(keys: SessionKeys) -> Call[AuditReport]:
@@ -920,7 +970,7 @@ def audit(keys: SessionKeys) -> Call[AuditReport]:
             now_ms=int(r["now"]),
         )
 
-    return Call(script="audit", keys=(keys.session,), args=(), parse=parse)
+    return Call(script="audit", keys=(keys.session,), args=(str(VERSION),), parse=parse)
 
 
 def committed_items(fields: Mapping[Any, Any]) -> list[HeldItem]:

@@ -40,7 +40,18 @@ from typing import Any, Literal
 from ledger.models import JobKind
 
 Unit = Literal[
-    "tokens", "ms", "time", "count", "per_mille", "flag", "epoch", "turn", "id", "text", "binary"
+    "tokens",
+    "ms",
+    "time",
+    "count",
+    "per_mille",
+    "flag",
+    "epoch",
+    "turn",
+    "id",
+    "text",
+    "binary",
+    "version",
 ]
 Owner = Literal[
     "session",
@@ -69,6 +80,7 @@ UNITS: dict[str, str] = {
     "id": "an identifier (text)",
     "text": "text",
     "binary": "binary (control-character separated)",
+    "version": "a version number (docs/protocol.md#versions)",
 }
 
 # Where each owner lives (docs/protocol.md#keys).
@@ -178,6 +190,13 @@ def _s(wire: str, name: str, unit: Unit, meaning: str) -> Field:
     return _f(wire, name, unit, "session", meaning)
 
 
+LAYOUT = _s(
+    "lv",
+    "layout",
+    "version",
+    "the session's stored layout version: the protocol version of the open that created "
+    "it (absent: 1); scripts refuse a layout they do not read (LEDGER_VERSION)",
+)
 EPOCH = _s(
     "ep",
     "epoch",
@@ -322,6 +341,13 @@ BEGUN_BY = _s(
     "id",
     "the op id of the begin_turn that opened the open turn "
     "(calls sent with it stamp '<epoch>@~<op id>')",
+)
+TURN_KEY = _s(
+    "lk",
+    "turn_key",
+    "text",
+    "the SHA-1 (hex) of the open turn's owner token: a call into the turn must carry the "
+    "token (ARGV[2] '...!<token>'); absent: no call can prove the turn (begun by protocol 1)",
 )
 UNDO_LOG = _s(
     "ul",

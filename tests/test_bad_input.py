@@ -546,12 +546,15 @@ def ints(lo: int, hi: int) -> list[str | bytes]:
 
 TOKENS = ints(1, 100_000_000)
 PRIORITY = ints(0, 1000)
+V = f"{protocol.VERSION}:"  # ARGV[2] starts with the protocol version
 EPOCH_BASE: list[str | bytes] = [
-    "", "-1", "1.0", "abc", b"\xff", "1000000000000001", "0100", "-0", *HUGE
-]  # fmt: skip
-EPOCH_FENCED = [*EPOCH_BASE, "*"]  # (a newer epoch is well formed: refused as stale)
-EPOCH_OPEN = [*EPOCH_BASE, "*"]  # open ignores the value, but it must be a number
+    V + e for e in ("", "-1", "1.0", "abc", "1000000000000001", "0100", "-0", *HUGE)
+] + [V.encode() + b"\xff", V + "1@1!xyz", V + "1@1!" + "a" * 15, V + "1!" + "0" * 65]
+EPOCH_FENCED = [*EPOCH_BASE, V + "*"]  # (a newer epoch is well formed: refused as stale)
+EPOCH_OPEN = [*EPOCH_BASE, V + "*"]  # open ignores the value, but it must be a number
 EPOCH_OR_STAR = EPOCH_BASE  # close and expire accept '*'
+# ARGV[2] of another protocol version, or of none (protocol 1): LEDGER_VERSION, not BADARG
+NO_VERSION: list[str | bytes] = ["", "1", "*", "12345", "1:12345", "3:12345", ":1", b"\xff"]
 
 # ARGV position (1-based) -> malformed values, per script (see each script's header).
 COMMON: dict[int, list[str | bytes]] = {1: BAD_ARG_IDS, 2: EPOCH_FENCED}
@@ -670,8 +673,10 @@ def malformed(name: str, good: list[str | bytes]) -> Iterator[tuple[str, list[st
             args = list(good)
             args[pos - 1] = v
             yield f"ARGV[{pos}]={v!r}"[:80], args
-    yield "no ARGV", []
-    yield "only an op id", good[:1]
+    for v in NO_VERSION:
+        yield f"version ARGV[2]={v!r}", [good[0], v, *good[2:]]
+    yield "version no ARGV", []
+    yield "version only an op id", good[:1]
     yield "prologue only", good[:2]
     yield "last argument missing", good[:-1]
     yield "one argument too many", [*good, "extra"]
@@ -689,7 +694,8 @@ def test_scripts_refuse_malformed_argv(ledger: Ledger, session: Session, name: s
         try:
             reply = script(keys=keys, args=args)
         except redis.exceptions.ResponseError as exc:
-            if not str(exc).startswith("LEDGER_BADARG"):
+            want = "LEDGER_VERSION" if label.startswith("version") else "LEDGER_BADARG"
+            if not str(exc).startswith(want):
                 problems.append(f"{label}: {exc}")
         except Exception as exc:
             problems.append(f"{label}: {type(exc).__name__}: {exc}")
@@ -806,3 +812,60 @@ def test_scripts_refuse_keys_that_are_not_the_sessions(
         ):
             ledger._scripts[name](keys=list(keys), args=list(call.args))
         assert state(ledger, session) == before, diff(before, state(ledger, session))
+
+
+def _open_with_json(ledger: Ledger, sid: str, text: str) -> Any:
+    """open, its ARGV[13..14] replaced by ``text`` and that text's own SHA-256."""
+    import hashlib
+
+    keys = ledger.keyspace.session(sid)
+    call = protocol.open_session(keys, new_op_id(), BUDGET, 120_000)
+    args = list(call.args)
+    args[12], args[13] = hashlib.sha256(text.encode()).hexdigest(), text
+    return ledger._scripts["open"](keys=list(call.keys), args=args)
+
+
+@pytest.mark.parametrize(
+    ("was", "now"),
+    [
+        ('"window":32000', '"window":32000.0'),  # one budget, two spellings
+        ('"window":32000', '"window":3.2e4'),
+        ('"eviction_threshold":0.9', '"eviction_threshold":0.90'),
+        ('"high_water_mark":0.72', '"high_water_mark":7.2e-1'),
+        ('{"amplification', '{ "amplification'),  # whitespace
+        ('"window":32000,', '"window":32000,"window":32000,'),  # a key twice
+    ],
+)
+def test_open_refuses_a_budget_json_that_is_not_canonical(
+    ledger: Ledger, was: str, now: str
+) -> None:
+    """docs/protocol.md: ARGV[14] is the canonical JSON, else LEDGER_BADARG. The same
+    budget written otherwise (with that text's own SHA-256) would be a second fingerprint
+    of one budget: a second open with the canonical text would then conflict."""
+    text = BUDGET.canonical_json()
+    assert was in text
+    spoiled = text.replace(was, now, 1)
+    sid = "bad-input/json-" + new_op_id()
+    with pytest.raises(redis.exceptions.ResponseError, match=r"^LEDGER_BADARG .*not canonical"):
+        _open_with_json(ledger, sid, spoiled)
+    assert ledger.client.exists(ledger.keyspace.session(sid).session) == 0
+    # The canonical text of the same budget opens it.
+    assert protocol.decode(_open_with_json(ledger, sid, text))["created"] == "1"
+
+
+@pytest.mark.parametrize(
+    "update",
+    [
+        {"high_water_mark": 1 / 3, "eviction_threshold": 0.1 + 0.8},
+        {"compaction_min_gain": 0.00001, "rollup_fraction": 0.123456789012},
+        {"compaction_min_gain": 1e-7, "framing_tolerance": 0},
+        {"release_each_turn": {Consumer.RETRIEVAL, Consumer.RECALL}, "compaction": "agent"},
+    ],
+    ids=["thirds", "small", "exponent", "lists"],
+)
+def test_open_takes_the_canonical_json_of_any_budget(ledger: Ledger, update: Any) -> None:
+    """The server's canonical form is the clients' (RFC 8785) for numbers of every
+    shape a budget holds: shortest digits, decimals from 1e-6 up, an exponent below."""
+    budget = SessionBudget(**{**BUDGET_FIELDS, **update})
+    s = ledger.open_session("bad-input/canon-" + new_op_id(), budget)
+    assert s.snapshot().window == BUDGET.window

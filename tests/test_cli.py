@@ -621,7 +621,8 @@ def test_version_and_a_closed_pipe(tmp_path: Path) -> None:
     got = subprocess.run(
         [sys.executable, "-m", "ledger.cli", "--version"], capture_output=True, text=True
     )
-    assert got.returncode == 0 and got.stdout.strip() == f"ledger {ledger.__version__}"
+    want = f"ledger {ledger.__version__} (protocol {ledger.protocol.VERSION})"
+    assert got.returncode == 0 and got.stdout.strip() == want
     # `ledger scripts DIR | head -1`: the reader leaves early, no traceback
     pipe = subprocess.run(
         f"{sys.executable} -m ledger.cli scripts {tmp_path} | head -1",

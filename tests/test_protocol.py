@@ -25,13 +25,20 @@ DOC = (ROOT / "docs" / "protocol.md").read_text()
 
 
 def op_fingerprint(script: str, argv: list[str]) -> str:
-    """The rule of docs/protocol.md, written out independently of the Lua."""
-    return hashlib.sha1("\x1f".join([script, *argv[1:]]).encode()).hexdigest()[:12]
+    """The rule of docs/protocol.md, written out independently of the Lua: ARGV[2]
+    counts with its epoch only (no version, turn or owner token)."""
+    epoch = re.sub(r"^\d+:", "", argv[1]).partition("!")[0].partition("@")[0]
+    signed = [script, epoch, *argv[2:]]
+    return hashlib.sha1("\x1f".join(signed).encode()).hexdigest()[:12]
 
 
-def test_vectors_are_protocol_version_1() -> None:
-    assert VECTORS["protocol_version"] == 1
-    assert "protocol version 1" in DOC.lower()
+def test_vectors_are_of_this_protocol_version() -> None:
+    assert VECTORS["protocol_version"] == protocol.VERSION == 2
+    assert f"protocol version {protocol.VERSION}" in DOC.lower()
+    assert all(c["argv"][1].startswith(f"{protocol.VERSION}:") for c in VECTORS["calls"])
+    lua = (scripts.lua_dir() / "_common.lua").read_text()
+    line = f"local VERSION, OLDEST_LAYOUT = {protocol.VERSION}, {protocol.OLDEST_LAYOUT}\n"
+    assert line in lua
 
 
 @pytest.mark.parametrize("v", VECTORS["numbers"], ids=lambda v: v["float"])
@@ -116,7 +123,7 @@ def test_call_vectors() -> None:
             call = protocol.open_session(keys, v["argv"][0], budget, v["op_retention_ms"])
         else:
             items = [Item(i, t, priority=p) for i, t, p in v["items"]]
-            epoch = int(v["argv"][1])
+            epoch = int(v["argv"][1].partition(":")[2])
             call = protocol.admit(keys, v["argv"][0], epoch, v["consumer"], items, v["partial"])
         assert call.script == v["script"]
         assert list(call.keys) == v["keys"]
@@ -218,6 +225,16 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
         got = _reply(r.eval(text["open"], 9, *okeys, *opened["argv"]))
         assert (got["status"], got["created"], got["turn"]) == ("ok", "1", "0")
         epoch = got["epoch"]
+        v = f"{protocol.VERSION}:"  # every ARGV[2] starts with the protocol version
+        # A call of protocol 1 (no version: '<epoch>' alone) is refused before anything is
+        # written, naming both versions.
+        before = r.hgetall(key)
+        mismatch = r"^LEDGER_VERSION .*of protocol {}[ ,].*of protocol 2"
+        with pytest.raises(redis.ResponseError, match=mismatch.format(1)):
+            r.eval(text["admit"], 6, *adk, admit["argv"][0], epoch, *admit["argv"][2:])
+        with pytest.raises(redis.ResponseError, match=mismatch.format(3)):
+            r.eval(text["snapshot"], 1, key, "3")
+        assert r.hgetall(key) == before and r.hget(key, "lv") == b"2"
         # What the server stored: the budget fingerprint as sent, and the outcome under
         # the op id, with the server's own fingerprint of the call, in its bucket of the
         # current generation: the vector's record, whose epoch is 0 as the generation's
@@ -242,7 +259,7 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
         with pytest.raises(redis.ResponseError, match=r"^LEDGER_OPREUSED "):
             r.eval(text["open"], 9, *okeys, opened["argv"][0], *other["argv"][1:])
         # admit, fenced by the epoch open answered.
-        argv = [admit["argv"][0], epoch, *admit["argv"][2:]]
+        argv = [admit["argv"][0], v + epoch, *admit["argv"][2:]]
         got = _reply(r.evalsha(printed[str(tmp_path / "admit.lua")], 6, *adk, *argv))
         # a new session's reclaim-order index is built by its first turn that needs it: an
         # admit before that adds nothing to it
@@ -261,7 +278,7 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
                 out,
                 old,
                 "op-admit-2",
-                str(int(epoch) - 1),
+                v + str(int(epoch) - 1),
                 *argv[2:],
             )
         # Rotation: the first call at or after gz renames the current generation to the
@@ -270,7 +287,7 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
         retention = int(opened["argv"][11])
         r.hset(key, "gz", 0)
         got = _reply(
-            r.eval(text["release"], 4, key, tally, out, old, "op-rel-1", epoch, "r", "1", "x")
+            r.eval(text["release"], 4, key, tally, out, old, "op-rel-1", v + epoch, "r", "1", "x")
         )
         assert (got["status"], got["count"], got["missing"]) == ("ok", "0", "x")
         assert 0 < r.pttl(old) <= retention and r.pttl(out) > 0
@@ -295,7 +312,7 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
             out,
             old,
             "op-b1",
-            epoch,
+            f"{v}{epoch}!{'a1' * 16}",  # the owner token of the turn, 32 hex digits
             "0",
             "-",
             sid,
@@ -307,7 +324,8 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
         assert (got["status"], got["turn"], got["rolled_back"]) == ("ok", "1", "0")
         assert r.zscore(dl, f"{sid}|~") == int(got["lease"])  # the turn lease's member
         # The turn is held: another owner's begin_turn and a call of no turn are refused.
-        other_begin = [*begin[:6], "op-b2", *begin[7:11], "node-2", "30000", "0"]
+        other_begin = [*begin[:6], "op-b2", f"{v}{epoch}!{'b2' * 16}", *begin[8:11], "node-2"]
+        other_begin += ["30000", "0"]
         with pytest.raises(redis.ResponseError, match=r"^LEDGER_TURNHELD turn 1 is held by node-1"):
             r.eval(text["begin_turn"], 6, *other_begin)
         with pytest.raises(redis.ResponseError, match=r"^LEDGER_TURNHELD "):
@@ -320,7 +338,7 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
                 out,
                 old,
                 "op-w0",
-                epoch,
+                v + epoch,
                 "w",
                 "all",
                 "1",
@@ -328,10 +346,16 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
                 "1",
                 "0",
             )
-        # The turn's calls carry '<epoch>@<turn>'.
-        w1 = ["op-w1", f"{epoch}@1", "w", "all", "1", "turn-1", "6000", "0"]
+        # The turn's calls carry '<epoch>@<turn>!<owner token>': without the token that
+        # began it (or with another) a call naming the turn is refused.
+        for stamp in (f"{v}{epoch}@1", f"{v}{epoch}@1!{'b2' * 16}"):
+            w0 = ["op-w0", stamp, "w", "all", "1", "turn-1", "6000", "0"]
+            with pytest.raises(redis.ResponseError, match=r"^LEDGER_TURNHELD .*owner token"):
+                r.eval(text["admit"], 6, *adk, *w0)
+        w1 = ["op-w1", f"{v}{epoch}@1!{'a1' * 16}", "w", "all", "1", "turn-1", "6000", "0"]
         r.eval(text["admit"], 6, *adk, *w1)
-        end = [key, jobs, dl, tally, out, old, "op-e1", epoch, "1", "6700", "0", sid, "ck-1"]
+        end = [key, jobs, dl, tally, out, old, "op-e1", f"{v}{epoch}@1!{'a1' * 16}", "1", "6700"]
+        end += ["0", sid, "ck-1"]
         ended = _reply(r.eval(text["end_turn"], 6, *end))
         assert ended["compaction_due"] == "1"
         # The indicator it counted: the session's x:class:<class> and the partition's tally.
@@ -443,3 +467,55 @@ def test_the_doc_gives_every_session_field_a_meaning() -> None:
     missing = {f for f in answered | written if f not in documented}
     missing -= {f for f in missing if any(f.startswith(g.split("<")[0]) for g in generic)}
     assert len(answered) > 50 and len(written) > 50 and not missing, sorted(missing)
+
+
+def _key_counts() -> dict[str, set[int]]:
+    """How many KEYS each script's calls have, by the Python client's builders, with and
+    without each optional key."""
+    k = KeySpace("ledger", 64).session("s-1")
+    b = SessionBudget(window=8000, system_prompt=10)
+    it = [Item("a", 1)]
+    calls: list[protocol.Call[Any]] = [
+        protocol.open_session(k, "o", b, 60_000),
+        protocol.admit(k, "o", 1, "retrieval", it),
+        protocol.release(k, "o", 1, "retrieval", ["a"]),
+        protocol.reserve(k, "o", 1, "scratchpad", "r", 5, 1000),
+        protocol.settle(k, "o", 1, "r", 5),
+        protocol.void(k, "o", 1, "r"),
+        protocol.expire(k, "o", ["r"]),
+        protocol.reset(k, "o", 1, "why"),
+        protocol.delete(k, "o", 1),
+        protocol.begin_turn(k, "o", 1, 0, None, "me", 1000),
+        protocol.begin_turn(k, "o", 1, 0, None, "me", 1000, await_compaction=True),
+        protocol.renew_turn(k, "o", 1, 1, 1000),
+        protocol.abort_turn(k, "o", 1, 1),
+        protocol.record_span(k, "o", 1, 1, "search", 1, 0),
+        protocol.end_turn(k, "o", 1, 1, 10, 0),
+        protocol.compact(k, "o", 1, ["a"], Item("s", 1)),
+        protocol.admit_tool(k, "o", 1, "c", 1, "x"),
+        protocol.reconcile(k, "o", 1, {"retrieval": it}),
+        protocol.read_spill(k, "c"),
+        protocol.snapshot(k),
+        protocol.audit(k),
+        protocol.worker_check("ledger:{p0}:deadlines", "ledger:{p0}:jobs", "g", 1),
+    ]
+    counts: dict[str, set[int]] = {}
+    for c in calls:
+        n = len(c.keys)
+        optional = sum(1 for key in c.keys if ":order:" in key or ":compacted:" in key)
+        if c.script in ("delete", "reset", "compact", "open"):
+            optional = sum(1 for key in c.keys if ":order:" in key)
+        counts.setdefault(c.script, set()).update({n, n - optional} if optional else {n})
+    counts["begin_turn"].add(8)  # the summaries hash and the order index (checked above)
+    return counts
+
+
+def test_the_doc_gives_each_scripts_key_count_as_the_client_sends_them() -> None:
+    """The table of KEYS counts in docs/protocol.md is the one count of each script."""
+    table = re.search(r"^\| script \| KEYS \|.*?\n\n", DOC, re.S | re.M)
+    assert table is not None
+    doc: dict[str, set[int]] = {}
+    for name, cell in re.findall(r"`(\w+)` \| ([^|]+) \|", table.group(0)):
+        doc[name] = {int(n) for n in re.findall(r"\d+", cell)}
+    assert doc == _key_counts()
+    assert set(doc) == set(scripts.NAMES)

@@ -219,16 +219,20 @@ def test_9_an_op_id_sent_again_with_any_other_argument_is_refused(
     script = ledger._scripts["admit"]
     for pos in range(1, len(first.args)):
         args = list(first.args)
-        args[pos] = {2: "w", 3: "prefix", 4: "2", 5: "doc2"}.get(pos, "7")
+        args[pos] = {1: f"{protocol.VERSION}:7", 2: "w", 3: "prefix", 4: "2", 5: "doc2"}.get(
+            pos, "7"
+        )
         assert args[pos] != first.args[pos]
         with pytest.raises(redis.exceptions.ResponseError, match=r"^LEDGER_(OPREUSED|BADARG)"):
             script(keys=list(first.keys), args=args)
     assert ledger.run(first) == done  # the same arguments replay the outcome
     assert s.snapshot().used[RET] == 100 and s.snapshot().used[WM] == 0
     # The fingerprint a script stores is its own: 12 hex digits of SHA-1 over the
-    # script's name and the arguments after the op id, joined by \x1f.
+    # script's name and the arguments after the op id, joined by \x1f (ARGV[2] as its epoch
+    # only, without the protocol version).
     [stored] = [fp for k, fp in jobs.stored_fingerprints(ledger, s.id) if k == jobs.op_key("op-9")]
-    want = hashlib.sha1(b"\x1f".join([b"admit", *(a.encode() for a in first.args[1:])]))
+    signed = [str(first.args[1]).partition(":")[2], *first.args[2:]]
+    want = hashlib.sha1(b"\x1f".join([b"admit", *(str(a).encode() for a in signed)]))
     assert stored == want.hexdigest()[:12]
 
 

@@ -928,8 +928,9 @@ def test_two_workers_race_on_the_same_turns(ledger: Ledger, settings: LedgerSett
         try:
             with Ledger.from_settings(settings) as led:
                 # one owner serving each turn from two places with one op id: a retried
-                # call, replayed (docs/agent.md#turn-leases)
-                sess = led.session(s.id, owner="fleet")
+                # call, replayed (docs/agent.md#turn-leases); one owner is one name and
+                # one owner token (docs/protocol.md#turns)
+                sess = led.session(s.id, owner="fleet", owner_token="f1" * 16)
                 for r in range(rounds):
                     barrier.wait()
                     t = sess.begin_turn(1_000, op_id=f"{s.id}:turn-{r}")

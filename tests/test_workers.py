@@ -36,7 +36,7 @@ import pytest
 import redis
 from prometheus_client import generate_latest
 
-from ledger import Item, Ledger, LedgerSettings, SessionBudget, scripts
+from ledger import Item, Ledger, LedgerSettings, SessionBudget, protocol, scripts
 from ledger.errors import (
     AdmissionRefused,
     InvalidArgument,
@@ -1069,11 +1069,12 @@ def test_worker_check_refuses_keys_of_two_partitions_and_bad_arguments(
 ) -> None:
     with Ledger.from_settings(make_settings(redis_server.url)) as led:
         k, src = led.keyspace, scripts.source("worker_check")
+        v = str(protocol.VERSION)
         for keys, args in [
-            ((k.deadlines(1), k.jobs(2)), ("g", "5")),
-            ((k.jobs(1), k.deadlines(1)), ("g", "5")),
-            ((k.deadlines(1), k.jobs(1)), ("g{x}", "5")),
-            ((k.deadlines(1), k.jobs(1)), ("g", "-1")),
+            ((k.deadlines(1), k.jobs(2)), (v, "g", "5")),
+            ((k.jobs(1), k.deadlines(1)), (v, "g", "5")),
+            ((k.deadlines(1), k.jobs(1)), (v, "g{x}", "5")),
+            ((k.deadlines(1), k.jobs(1)), (v, "g", "-1")),
         ]:
             with pytest.raises(redis.ResponseError, match=r"^LEDGER_BADARG"):
                 led.client.eval(src, 2, *keys, *args)

@@ -5,16 +5,34 @@ rewrites the block between the legend markers of the scripts' ``_common.lua`` (f
 through :func:`ledger.scripts.lua_dir`); ``--check`` writes nothing and exits 1 when
 the block is stale (run by ``.ci/run`` and tests/test_schema.py). Edit a field in
 ledger/schema.py, never in the legend.
+
+It also writes the line ``local VERSION, OLDEST_LAYOUT = ...`` of ``_common.lua`` from
+``ledger/protocol.py`` (``VERSION``, ``OLDEST_LAYOUT``): the protocol version is defined
+there only, and the scripts get it from this line.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
+from ledger.protocol import OLDEST_LAYOUT, VERSION
 from ledger.schema import with_legend
 from ledger.scripts import lua_dir
+
+_VERSIONS = re.compile(r"^local VERSION, OLDEST_LAYOUT = .*$", re.M)
+
+
+def with_versions(source: str) -> str:
+    """``source`` with its versions line written from ledger/protocol.py; ValueError when
+    it has none."""
+    line = f"local VERSION, OLDEST_LAYOUT = {VERSION}, {OLDEST_LAYOUT}"
+    fresh, n = _VERSIONS.subn(line, source)
+    if n != 1:
+        raise ValueError("_common.lua has no line 'local VERSION, OLDEST_LAYOUT = ...'")
+    return fresh
 
 
 def common_lua() -> Path:
@@ -28,13 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     path = common_lua()
     source = path.read_text()
     try:
-        fresh = with_legend(source)
+        fresh = with_versions(with_legend(source))
     except ValueError as exc:
         print(f"{path}: {exc}", file=sys.stderr)
         return 1
     if args.check:
         if fresh != source:
-            print(f"{path}: the schema legend is stale: run python tools/legend.py")
+            print(f"{path}: the schema legend or versions are stale: run python tools/legend.py")
             return 1
         return 0
     if fresh != source:

@@ -224,16 +224,22 @@ class AsyncLedger(LedgerCore):
         budget: SessionBudget,
         *,
         owner: str | None = None,
+        owner_token: str | None = None,
         op_id: str | None = None,
     ) -> AsyncSession:
         """Open (or re-attach to an identically configured) session. ``owner`` names this
-        handle in the turn leases it takes (default: host, pid and a random suffix)."""
+        handle in the turn leases it takes (default: host, pid and a random suffix);
+        ``owner_token`` is its secret (default: a fresh one; see ``SessionCore``)."""
         opened = await self.run(self.open_call(session_id, budget, op_id))
-        return AsyncSession(self, self.keyspace.session(session_id), opened.epoch, owner=owner)
+        keys = self.keyspace.session(session_id)
+        return AsyncSession(self, keys, opened.epoch, owner=owner, owner_token=owner_token)
 
-    async def session(self, session_id: str, *, owner: str | None = None) -> AsyncSession:
+    async def session(
+        self, session_id: str, *, owner: str | None = None, owner_token: str | None = None
+    ) -> AsyncSession:
         """Attach to an open session at its current epoch."""
-        s = AsyncSession(self, self.keyspace.session(session_id), 0, owner=owner)
+        keys = self.keyspace.session(session_id)
+        s = AsyncSession(self, keys, 0, owner=owner, owner_token=owner_token)
         await s.refresh()
         return s
 
@@ -329,10 +335,19 @@ class AsyncSession(SessionCore):
     """One agent session's budget, shared by every worker that serves it (asyncio)."""
 
     def __init__(
-        self, ledger: AsyncLedger, keys: Any, epoch: int, *, owner: str | None = None
+        self,
+        ledger: AsyncLedger,
+        keys: Any,
+        epoch: int,
+        *,
+        owner: str | None = None,
+        owner_token: str | None = None,
     ) -> None:
         s = ledger.settings
-        super().__init__(keys, epoch, s.drift_action, owner=owner, lease_ms=s.turn_lease_ms)
+        super().__init__(
+            keys, epoch, s.drift_action, owner=owner, lease_ms=s.turn_lease_ms,
+            owner_token=owner_token,
+        )  # fmt: skip
         self.ledger = ledger
 
     async def refresh(self) -> int:

@@ -219,16 +219,22 @@ class Ledger(LedgerCore):
         budget: SessionBudget,
         *,
         owner: str | None = None,
+        owner_token: str | None = None,
         op_id: str | None = None,
     ) -> Session:
         """Open (or re-attach to an identically configured) session. ``owner`` names this
-        handle in the turn leases it takes (default: host, pid and a random suffix)."""
+        handle in the turn leases it takes (default: host, pid and a random suffix);
+        ``owner_token`` is its secret (default: a fresh one; see ``SessionCore``)."""
         opened = self.run(self.open_call(session_id, budget, op_id))
-        return Session(self, self.keyspace.session(session_id), opened.epoch, owner=owner)
+        keys = self.keyspace.session(session_id)
+        return Session(self, keys, opened.epoch, owner=owner, owner_token=owner_token)
 
-    def session(self, session_id: str, *, owner: str | None = None) -> Session:
+    def session(
+        self, session_id: str, *, owner: str | None = None, owner_token: str | None = None
+    ) -> Session:
         """Attach to an open session at its current epoch."""
-        s = Session(self, self.keyspace.session(session_id), 0, owner=owner)
+        keys = self.keyspace.session(session_id)
+        s = Session(self, keys, 0, owner=owner, owner_token=owner_token)
         s.refresh()
         return s
 
@@ -324,10 +330,19 @@ class Session(SessionCore):
     """One agent session's budget, shared by every worker that serves it (sync)."""
 
     def __init__(
-        self, ledger: Ledger, keys: Any, epoch: int, *, owner: str | None = None
+        self,
+        ledger: Ledger,
+        keys: Any,
+        epoch: int,
+        *,
+        owner: str | None = None,
+        owner_token: str | None = None,
     ) -> None:
         s = ledger.settings
-        super().__init__(keys, epoch, s.drift_action, owner=owner, lease_ms=s.turn_lease_ms)
+        super().__init__(
+            keys, epoch, s.drift_action, owner=owner, lease_ms=s.turn_lease_ms,
+            owner_token=owner_token,
+        )  # fmt: skip
         self.ledger = ledger
 
     def refresh(self) -> int:

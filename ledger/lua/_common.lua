@@ -12,9 +12,13 @@
 -- scratchpad (no floor: F_s is never written). Units: tokens = tokens; ms = a duration
 -- in ms; time = a time in ms on Redis's clock; count = a count; per_mille = per mille;
 -- flag = 1 or 0; epoch = an epoch; turn = a turn number; id = an identifier (text); text
--- = text; binary = binary (control-character separated).
+-- = text; binary = binary (control-character separated); version = a version number
+-- (docs/protocol.md#versions).
 --
 -- session: the session hash '<tag>:s:<session>' (KEYS[1] of every session script)
+--   lv             layout [version]: the session's stored layout version: the protocol
+--                  version of the open that created it (absent: 1); scripts refuse a
+--                  layout they do not read (LEDGER_VERSION)
 --   ep             epoch [epoch]: the fence every call's ARGV[2] is checked against: a
 --                  new incarnation starts at Redis's clock, each hard reset adds 1
 --   tn             turn [turn]: the last turn begun (the open one while lo is set)
@@ -101,6 +105,9 @@
 --   le             lease_until [time]: the end of the open turn's lease
 --   lb             begun_by [id]: the op id of the begin_turn that opened the open turn
 --                  (calls sent with it stamp '<epoch>@~<op id>')
+--   lk             turn_key [text]: the SHA-1 (hex) of the open turn's owner token: a
+--                  call into the turn must carry the token (ARGV[2] '...!<token>');
+--                  absent: no call can prove the turn (begun by protocol 1)
 --   ul             undo_log [binary]: the open turn's undo log: '\31<field>\30<value
 --                  before>' per item or reservation field it changed, and 'out'
 --   uo             turn_ops [binary]: the open turn's op keys (the outcomes a rollback
@@ -189,6 +196,16 @@
 -- retention as its TTL: an outcome lives at least the op retention, at most about
 -- twice that, with no timestamp or journal per outcome.
 
+-- The protocol version these scripts speak, and the oldest stored layout they read
+-- (docs/protocol.md#versions): written by `python tools/legend.py` from ledger/protocol.py
+-- (VERSION, OLDEST_LAYOUT), never by hand. Every call carries its client's protocol version
+-- (`op_args`, `protocol_arg`); every session stores its layout version in 'lv' (absent: 1).
+local VERSION, OLDEST_LAYOUT = 2, 1
+
+-- What `op_args` read from this call's ARGV[2] besides the epoch and the turn: the owner
+-- token (false when the call sends none), which `fence` and begin_turn check against 'lk'.
+local CALL = { token = false }
+
 -- Each consumer's claim group, its fields spelled with the letters of the consumers it
 -- holds: ACTIVE[c] holds the group's active tokens, FLOOR[c] its floor. The memory group
 -- (a_rm, F_rm) is retrieval r and recall m. The scratchpad has no floor: F_s is never
@@ -275,6 +292,36 @@ local function show(v)
   local s = string.gsub(string.sub(v, 1, 48), '[^%w%p ]', '?')
   if #v > 48 then s = s .. '...' end
   return "'" .. s .. "'"
+end
+
+-- Refuse a call of another protocol version than these scripts' (LEDGER_VERSION, naming
+-- both, before anything is read or written). `got`: the version the call carries, or
+-- nil when it carries none (a client of protocol 1, which had no version).
+local function version_mismatch(got)
+  fail('VERSION', 'protocol version mismatch: the call is of protocol ' .. (got or '1 (it carries ' ..
+    'no version)') .. ', these scripts are of protocol ' .. VERSION .. ': run client, worker and ' ..
+    'scripts of one protocol version (docs/operations.md#upgrades)')
+end
+
+-- A read-only script's ARGV[1]: the protocol version of the call, which must be VERSION.
+local function protocol_arg(v)
+  if v ~= tostring(VERSION) then
+    version_mismatch(type(v) == 'string' and string.match(v, '^[1-9]%d?$') or nil)
+  end
+end
+
+-- A session's stored layout version (field 'lv' as read; absent: 1, a session written
+-- before versions were stored) must be one these scripts read: OLDEST_LAYOUT..VERSION.
+-- Else LEDGER_VERSION, naming both, before anything is written: a session of a newer
+-- layout is not read with an older one's field names (nor an older one with a newer's).
+local function layout_check(lv)
+  local n = tonumber(lv) or 1
+  if n < OLDEST_LAYOUT or n > VERSION then
+    fail('VERSION', 'stored layout mismatch: the session is of layout ' .. n .. ', these ' ..
+      'scripts are of protocol ' .. VERSION .. ' and read layouts ' .. OLDEST_LAYOUT .. ' to ' ..
+      VERSION .. (n > VERSION and ': upgrade this client' or ': migrate the session') ..
+      ' (docs/operations.md#upgrades)')
+  end
 end
 
 -- A decimal integer in [lo, hi], written canonically ('0', or an optional '-' and
@@ -378,19 +425,25 @@ local function indicate(key, name, n)
   redis.call('HINCRBY', TALLY, name, n)
 end
 
--- The prologue of every mutating call: ARGV[1] op id, ARGV[2] the epoch the caller
--- believes current ('*' where the script allows an unfenced call), followed by
--- '@<turn>' for a call made in that turn, or '@~<op id>' for a call made in the turn that
--- the begin_turn of that op id opened (sent with it, its number not known yet; see
--- `fence`). Returns op, the call's fingerprint, epoch (nil for '*') and turn (nil for a
+-- The prologue of every mutating call: ARGV[1] op id, ARGV[2] the call's protocol
+-- version and ':' (first of all: a call of another version, or of none, is refused with
+-- LEDGER_VERSION naming both, see `version_mismatch`), then the epoch the caller believes
+-- current ('*' where the script allows an unfenced call), followed by '@<turn>' for a call
+-- made in that turn, or '@~<op id>' for a call made in the turn that the begin_turn of that
+-- op id opened (sent with it, its number not known yet; see `fence`), and last, for a call
+-- of a turn and for begin_turn, '!<owner token>' (16-64 hex digits: the secret of the
+-- handle that begins or serves the turn, kept in CALL.token; see `fence`). Returns op,
+-- the call's fingerprint, epoch (nil for '*') and turn (nil for a
 -- call of no turn; the string '~<op id>' for a turn named by its begin), or fails with
 -- BADARG. The fingerprint is computed here, by the server, over the script's name and
--- every argument after the op id, ARGV[2] without its '@<turn>' (the first 12 hex digits
+-- every argument after the op id, ARGV[2] with only its epoch (the first 12 hex digits
 -- of their SHA-1): a client cannot claim one, so an op id sent again with other
 -- arguments is always refused, whatever the client. It also
 -- checks that the last three KEYS are the tally of the partition and the outcome hashes
 -- of the session in KEYS[1].
 local function op_args(name, unfenced_ok)
+  local v, head = string.match(type(ARGV[2]) == 'string' and ARGV[2] or '', '^([1-9]%d?):(.*)$')
+  if v ~= tostring(VERSION) then version_mismatch(v) end
   local tag, sid = string.match(KEYS[1] or '', '^([^{]*{p%d+}):s:(.+)$')
   if not tag or #KEYS < 4 or TALLY ~= tag .. ':tally' or OUT ~= tag .. ':out:' .. sid or
       OLD ~= tag .. ':old:' .. sid then
@@ -398,10 +451,19 @@ local function op_args(name, unfenced_ok)
       'session key ' .. show(KEYS[1]) .. ', got ' .. #KEYS .. ' keys')
   end
   local op = id_arg(ARGV[1], 'operation id')
-  if unfenced_ok and ARGV[2] == '*' then
-    return op, string.sub(redis.sha1hex(name .. '\31' .. table.concat(ARGV, '\31', 2)), 1, 12), nil
+  if unfenced_ok and head == '*' then
+    local rest = #ARGV > 2 and ('\31' .. table.concat(ARGV, '\31', 3)) or ''
+    return op, string.sub(redis.sha1hex(name .. '\31*' .. rest), 1, 12), nil
   end
-  local e, t = ARGV[2], nil
+  local e, t = head, nil
+  local bang = string.find(e, '!', 1, true)
+  if bang then
+    local token = string.sub(e, bang + 1)
+    if #token < 16 or #token > 64 or not string.match(token, '^%x+$') then
+      fail('BADARG', 'owner token must be 16-64 hex digits, got ' .. show(token))
+    end
+    e, CALL.token = string.sub(e, 1, bang - 1), token
+  end
   local at = type(e) == 'string' and string.find(e, '@', 1, true)  -- (the first '@')
   if at and string.sub(e, at + 1, at + 1) == '~' then
     e, t = string.sub(e, 1, at - 1), '~' .. id_arg(string.sub(e, at + 2), 'op id of the turn of the call')
@@ -561,12 +623,14 @@ end
 
 -- The checks every mutating call makes once its fields are read, given the outcome
 -- stored for its op id (rec, from `recorded`) and the session's epoch (ep, a number or nil), in this order: a
--- stored outcome is replayed, a missing session and a stale epoch are refused.
+-- stored outcome is replayed, a missing session, a session of a stored layout these
+-- scripts do not read (`layout_check`) and a stale epoch are refused.
 -- Returns the stored reply to send again, or nil to go on (else it fails).
 local function gate(rec, ep, op, fp, epoch)
   local again = replay(rec, op, fp)
   if again then return again end
   if not ep then fail('NOSESSION', NOSESSION) end
+  layout_check(redis.call('HGET', KEYS[1], 'lv'))
   stale(ep, epoch)
 end
 
@@ -577,10 +641,26 @@ local LEASE = '~'
 -- A call of no turn while a turn is open: refused (TURNHELD), naming the owner and the
 -- time its lease has left (negative once it lapsed: the next begin_turn or the worker
 -- rolls the turn back).
-local function turn_held(key, lo, tn)
+-- `why`, when given, replaces the advice at the end of the message.
+local function turn_held(key, lo, tn, why)
   local le = tonumber(redis.call('HGET', key, 'le')) or 0
   fail('TURNHELD', 'turn ' .. tn .. ' is held by ' .. lo .. ' (lease ' .. (le - now_ms()) ..
-    ' ms left): only its calls are accepted; wait for it, or begin_turn with takeover')
+    ' ms left): ' .. (why or 'only its calls are accepted; wait for it, or begin_turn with takeover'))
+end
+
+-- Whether this call carries the open turn's owner token: the SHA-1 of CALL.token (from
+-- ARGV[2], see `op_args`) is the session's 'lk' (`lk` as read, false when absent: a
+-- turn begun by a client of protocol 1, which no call of protocol 2 can prove).
+local function owns(lk)
+  return lk and CALL.token and redis.sha1hex(CALL.token) == lk or false
+end
+
+-- A call of the open turn that does not carry the turn's owner token (a handle naming
+-- another's turn by its number): refused as a call of no turn is (TURNHELD), nothing
+-- changed.
+local function not_owner(key, lo, tn)
+  turn_held(key, lo, tn, 'this call names that turn but does not carry its owner ' ..
+    'token (only the handle that began the turn can call into it)')
 end
 
 -- Whether a call belongs to the open turn, given the session's lease owner (lo, nil
@@ -598,10 +678,17 @@ local function fence(key, lo, tn, tok, unleased)
     return false
   end
   tn = tonumber(tn)  -- (the caller may pass the field as read: a call of no turn needs no number)
-  if lo and tok == tn then return true end
+  if lo and tok == tn then
+    if not owns(redis.call('HGET', key, 'lk')) then not_owner(key, lo, tn) end
+    return true
+  end
   if type(tok) == 'string' then
     local by = string.sub(tok, 2)
-    if lo and redis.call('HGET', key, 'lb') == by then return true end
+    local b = lo and redis.call('HMGET', key, 'lb', 'lk')
+    if b and b[1] == by then
+      if not owns(b[2]) then not_owner(key, lo, tn) end
+      return true
+    end
     fail('TURNLOST', 'the turn begun by op ' .. by .. ' is not open' ..
       (lo and (' (turn ' .. tn .. ' is, held by ' .. lo .. ')') or ''))
   end
@@ -674,7 +761,7 @@ local function rollback(key, dl, sid, why)
   for field, was in string.gmatch(f.ul or '', '\31([^\30\31]+)\30([^\31]*)') do
     prior[field] = was
   end
-  local dead, set, zrem, zadd = { 'lo', 'le', 'lb', 'ul', 'vs', 'vd', 'uo' }, {}, { sid .. '|' .. LEASE }, {}
+  local dead, set, zrem, zadd = { 'lo', 'le', 'lb', 'lk', 'ul', 'vs', 'vd', 'uo' }, {}, { sid .. '|' .. LEASE }, {}
   -- The outcomes of the turn's calls go: a call sent again is then judged anew (refused
   -- as a call of a turn no longer open, or done once in the turn that sends it), never
   -- told that an effect this rollback undid took place.

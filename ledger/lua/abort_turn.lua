@@ -12,7 +12,8 @@
 -- KEYS[4]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
 -- KEYS[5]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
--- ARGV[2]  epoch@turn              the epoch and the turn to roll back
+-- ARGV[2]  v:epoch@turn!token     the version, the epoch, the turn to roll back and its owner
+--                                  token
 -- ARGV[3]  session id              must name KEYS[1]
 --
 -- Reply: status=ok|rolled_back=<turn or 0>|turn=<n>|free=<tokens>|epoch=<n>
@@ -36,7 +37,11 @@ local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
 local now = now_ms()
 local rolled = 0
-if R[1] and H.tn == tok then rolled = rollback(key, KEYS[2], sid, 'aborted by ' .. R[1]) end
+if R[1] and H.tn == tok then
+  -- (only the handle that began the turn rolls it back by name: it carries the owner token)
+  if not owns(redis.call('HGET', key, 'lk')) then not_owner(key, R[1], H.tn) end
+  rolled = rollback(key, KEYS[2], sid, 'aborted by ' .. R[1])
+end
 local fr = redis.call('HGET', key, 'fr')
 return commit(key, now, op, fp, reply({ 'status=ok', 'rolled_back=' .. rolled, 'turn=' .. H.tn,
   'free=' .. fr, 'epoch=' .. H.ep }), {}, { gz = H.gz, xp = H.xp })

@@ -1,7 +1,8 @@
 -- audit.lua: prove a session's counters equal the sum of its items (read-only).
 --
 -- KEYS[1]  session hash
--- (no ARGV)
+-- ARGV[1]  protocol version         the call's (docs/protocol.md#versions); another one
+--                                  is LEDGER_VERSION
 --
 -- Reply: status=clean|overdue=<id,...>|now=<ms>
 --    or  status=violations|problems=<text;text;...>|overdue=<id,...>|now=<ms>
@@ -19,13 +20,17 @@
 --   the layout) is not judged: each problem names the field and what it holds, and no
 --   other check runs on it. Never a Lua error: a fleet-wide audit gives every other
 --   session its verdict.
--- Errors: LEDGER_NOSESSION.
+-- Errors: LEDGER_NOSESSION, LEDGER_VERSION (another protocol, or a session of a layout
+--         these scripts do not read).
 -- Calls: HGETALL, TIME.
 
+protocol_arg(ARGV[1])
+if #ARGV ~= 1 then fail('BADARG', 'expected 1 argument, got ' .. #ARGV) end
 local all = redis.call('HGETALL', KEYS[1])
 local f = {}
 for i = 1, #all, 2 do f[all[i]] = all[i + 1] end
 if not f.ep then fail('NOSESSION', NOSESSION) end
+layout_check(f.lv)
 local now = now_ms()
 -- What a damaged hash holds, shown in a problem: short, and without the reply's
 -- separators ('|' between fields, ';' between problems).

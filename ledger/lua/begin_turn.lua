@@ -16,7 +16,9 @@
 --          hash: a staged compaction lands), the reclaim-order index '<tag>:order:<session>'
 --          (see ORDER in _common.lua): 6 to 9 KEYS.
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
--- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
+-- ARGV[2]  v:epoch!token           '<version>:<epoch>!<owner token>' (op_args): the token
+--                                  of the turn, required (its SHA-1 is stored as lk);
+--                                  an older epoch -> LEDGER_STALE
 -- ARGV[3]  working set             tokens the turn must hold in working memory, 0..1e8
 -- ARGV[4]  output reserve          tokens for this turn's output, 0..1e8, or '-' for the budget's
 -- ARGV[5]  session id              must name KEYS[1]
@@ -83,6 +85,9 @@
 --        and HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due.
 
 local op, fp, epoch = op_args('begin_turn', false)
+if not CALL.token then
+  fail('BADARG', 'begin_turn needs the owner token of the turn: ARGV[2] <version>:<epoch>!<token>')
+end
 local ws, out2
 ws = int_arg(ARGV[3], 'working set', 0, TOKENS_MAX)
 if ARGV[4] ~= '-' then
@@ -144,11 +149,15 @@ if await == 1 and H.cd == 1 and not lands then
   fail('COMPACTING', 'compaction pending, not picked up')
 end
 -- The same owner beginning again while its lease is live ends its open turn as it
--- stands (implicit); a lapsed lease, or a takeover, rolls the open turn back, whoever
--- owned it (a process restarted under the same owner name is not the one that died).
-local rolled, implicit = 0, R[2] == owner and H.le > now and takeover == 0
+-- stands (implicit): the same owner is the same name and the open turn's owner token
+-- (a name is no secret: snapshot() shows it). A lapsed lease, or a takeover, rolls the
+-- open turn back, whoever owned it (a process restarted under the same owner name is not
+-- the one that died); else the call is refused.
+local mine = R[2] == owner and owns(redis.call('HGET', key, 'lk'))
+local rolled, implicit = 0, mine and H.le > now and takeover == 0
 if R[2] and not implicit then
-  if R[2] ~= owner and H.le > now and takeover == 0 then
+  if H.le > now and takeover == 0 then
+    if R[2] == owner then not_owner(key, R[2], H.tn) end
     turn_held(key, R[2], H.tn)
   else
     rolled = rollback(key, KEYS[3], sid, H.le > now and ('taken over by ' .. owner) or
@@ -410,6 +419,7 @@ local logged, was = { 'out', 'pm' }, { H.out, H.cd == 1 and (H.pm or 0) or 0 }
 for i = 1, #dead do logged[i + 2], was[i + 2] = dead[i], dead_rec[i] end
 local args = { 'tn', turn, 'out', out2, 'ws', ws, 'fr', fr, 'ai', 0, 'ao', 0, 'an', 0,
   'a_w', A.a_w, 'a_rm', A.a_rm, 'a_s', A.a_s, 'lo', owner, 'le', le, 'lb', op,
+  'lk', redis.sha1hex(CALL.token),
   'ul', journal(nil, logged, was, true) }
 if queued_s ~= '' then args[#args + 1], args[#args + 2] = 'vs', queued_s end
 if queued_d ~= '' then args[#args + 1], args[#args + 2] = 'vd', queued_d end

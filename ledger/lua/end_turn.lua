@@ -90,7 +90,7 @@ if due == 1 and H.cd ~= 1 and worker_compacts(key) then
   enqueue(KEYS[2], 'compact', sid, H.ep, op, 'high_water_mark')
 end
 -- The turn commits: its lease, undo log and deliveries go.
-redis.call('HDEL', key, 'lo', 'le', 'lb', 'ul', 'vs', 'vd', 'uo')
+redis.call('HDEL', key, 'lo', 'le', 'lb', 'lk', 'ul', 'vs', 'vd', 'uo')
 redis.call('ZREM', KEYS[3], sid .. '|' .. LEASE)
 local args = { 'pu', util, 'cd', due, 'te', turn, 'dp', final, 'dr', drift, 'df', flag == 'none' and 0 or 1 }
 if due == 1 and H.cd ~= 1 then args[#args + 1], args[#args + 2] = 'pm', 0 end

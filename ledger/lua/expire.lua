@@ -56,6 +56,7 @@ if not H.ep then
   redis.call('ZREM', KEYS[2], unpack(gone))
   return reply({ 'status=ok', 'expired=0', 'released=0', 'pending=', 'rolled_back=0' })
 end
+layout_check(redis.call('HGET', key, 'lv'))
 stale(H.ep, epoch)
 if lease and R[1] and H.le < now then
   rolled = rollback(key, KEYS[2], sid, 'lease of ' .. R[1] .. ' lapsed')

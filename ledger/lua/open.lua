@@ -106,6 +106,51 @@ local function permille(x)
   return f
 end
 
+-- A JSON number as ECMAScript writes it (JSON.stringify, RFC 8785): an integral value as an
+-- integer, any other in the fewest significant digits that read back the same, in decimal
+-- notation from 1e-6 up (a smaller one as '<digits>e-<n>').
+local function js_number(x)
+  if x == math.floor(x) and math.abs(x) < 1e21 then
+    return (string.gsub(string.format('%.0f', x), '^%-0$', '0'))
+  end
+  local s
+  for p = 1, 17 do
+    s = string.format('%.' .. p .. 'g', x)
+    if tonumber(s) == x then break end
+  end
+  local sign, int, frac, exp = string.match(s, '^(%-?)(%d)%.?(%d*)e%-0*(%d+)$')
+  if not int then return s end  -- (%g is in decimal notation here, as ECMAScript)
+  exp = tonumber(exp)
+  if exp <= 6 then return sign .. '0.' .. string.rep('0', exp - 1) .. int .. frac end
+  return sign .. int .. (frac ~= '' and ('.' .. frac) or '') .. 'e-' .. exp
+end
+
+-- The canonical JSON (RFC 8785) of a decoded budget: keys sorted, no whitespace, numbers
+-- as `js_number` writes them; `lists` names the fields that are lists (an empty one
+-- decodes as an empty table). Strings of a budget are ASCII names, written as they are.
+local function canonical(b, lists)
+  local names = {}
+  for name in pairs(b) do names[#names + 1] = name end
+  table.sort(names)
+  local function value(x, list)
+    if x == cjson.null then return 'null' end
+    if type(x) == 'number' then return js_number(x) end
+    if type(x) == 'boolean' then return tostring(x) end
+    if type(x) == 'table' and list then
+      local parts = {}
+      for i = 1, #x do parts[i] = value(x[i]) end
+      return '[' .. table.concat(parts, ',') .. ']'
+    end
+    if type(x) == 'string' and string.match(x, '^[%w_]*$') then return '"' .. x .. '"' end
+    fail('BADARG', 'budget json has a value that is no budget\'s: ' .. show(cjson.encode(x)))
+  end
+  local parts = {}
+  for i, name in ipairs(names) do
+    parts[i] = '"' .. name .. '":' .. value(b[name], lists[name])
+  end
+  return '{' .. table.concat(parts, ',') .. '}'
+end
+
 -- The budget json (canonical JSON of the budget, docs/protocol.md) must name every field
 -- of the budget, and only those, with the values the other arguments were derived from.
 local function budget_matches(json, v, rel, tol, owner, gain)
@@ -159,6 +204,15 @@ local function budget_matches(json, v, rel, tol, owner, gain)
   end
   for name in pairs(b) do
     if not known[name] then fail('BADARG', 'budget json has an unknown field ' .. show(name)) end
+  end
+  -- One budget, one text, one fingerprint: the json must be written canonically (a
+  -- '"window":8000.0' with its own SHA-256 would be the same budget under another one).
+  local want = canonical(b, { release_each_turn = true })
+  if want ~= json then
+    local i = 1
+    while string.byte(want, i) == string.byte(json, i) do i = i + 1 end
+    fail('BADARG', 'budget json is not canonical (RFC 8785): at byte ' .. i .. ' expected ' ..
+      show(string.sub(want, i)) .. ', got ' .. show(string.sub(json, i)))
   end
 end
 
@@ -229,6 +283,7 @@ if sha256hex(ARGV[14]) ~= cfp then
 end
 budget_matches(ARGV[14], v, rel, tol, owner, gain)
 if H.ep then
+  layout_check(redis.call('HGET', key, 'lv'))
   if R[1] ~= cfp then
     fail('CONFLICT', 'session is already open with another budget (fingerprint ' ..
       tostring(R[1]) .. '); asked for ' .. cfp .. ': ' .. ARGV[14])
@@ -249,7 +304,7 @@ local fr = free_room(B, out, 0, 0, 0)  -- (nothing is active yet)
 -- or a retry from before the loss is refused as stale instead of acting on the new
 -- session.
 local epoch = math.max((H.pe or 0) + 1, now)
-local args = { 'cfg', cfp, 'ep', epoch, 'inc', now, 'tn', 0, 'sq', 0, 'ox', 0,
+local args = { 'lv', VERSION, 'cfg', cfp, 'ep', epoch, 'inc', now, 'tn', 0, 'sq', 0, 'ox', 0,
   'W', W, 'S', S, 'T', T, 'out', out, 'F_w', Fw, 'F_rm', Fm, 'HW', v[7], 'EV', v[8], 'fr', fr,
   'a_w', 0, 'a_rm', 0, 'a_s', 0, 'nv', 0, 'ttl', v[9], 'ort', v[10],
   'R0', out, 'rel', rel, 'pv', v[11], 'sttl', v[12], 'cx', v[13], 'rut', v[14], 'rup', v[15],

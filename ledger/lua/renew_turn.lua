@@ -10,7 +10,7 @@
 -- KEYS[4]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
 -- KEYS[5]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
--- ARGV[2]  epoch@turn              the epoch and the open turn
+-- ARGV[2]  v:epoch@turn!token     the version, the epoch, the open turn and its owner token
 -- ARGV[3]  session id              must name KEYS[1]
 -- ARGV[4]  lease                   milliseconds from now, 1..86400000
 --

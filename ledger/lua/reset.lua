@@ -46,7 +46,7 @@ for i = 1, #all, 2 do
 end
 -- (only fields that exist: a script's first write decides whether it may run on a
 -- server out of memory, and resetting an empty session must not bypass that check)
-if R[1] then for _, f in ipairs({ 'lo', 'le', 'lb', 'ul', 'vs', 'vd', 'uo' }) do dead[#dead + 1] = f end end
+if R[1] then for _, f in ipairs({ 'lo', 'le', 'lb', 'lk', 'ul', 'vs', 'vd', 'uo' }) do dead[#dead + 1] = f end end
 if R[2] then dead[#dead + 1] = 'qs' end
 if R[3] then dead[#dead + 1] = 'qd' end
 for i = 1, #dead, 1000 do redis.call('HDEL', key, unpack(dead, i, math.min(i + 999, #dead))) end

@@ -3,7 +3,8 @@
 -- KEYS[1]  session hash
 -- KEYS[2]  (optional) the session's summaries hash '<tag>:compacted:<session>': its field
 --          '~' is '<worker>|<until ms>' while a worker computes the session's compaction
--- (no ARGV)
+-- ARGV[1]  protocol version         the call's (docs/protocol.md#versions); another one
+--                                  is LEDGER_VERSION
 --
 -- Reply: now=<ms>|<field>=<value>|... for every numeric field of the session hash
 --        (see _common.lua), the last end_turn's drift (dt tolerance, dr drift, dp prompt,
@@ -13,9 +14,12 @@
 --        cm=<the last ended turn's commit mark> and lo=<owner> (each empty when there is
 --        none), the two fields that are not numbers;
 --        with KEYS[2], before it kw=<1|0>: whether a worker is computing a compaction now.
--- Errors: LEDGER_NOSESSION.
+-- Errors: LEDGER_NOSESSION, LEDGER_VERSION (another protocol, or a session of a layout
+--         these scripts do not read: its fields would be read as zeros).
 -- Calls: HMGET, TIME (HGET of KEYS[2] when given).
 
+protocol_arg(ARGV[1])
+if #ARGV ~= 1 then fail('BADARG', 'expected 1 argument, got ' .. #ARGV) end
 local FIELDS = { 'ep', 'tn', 'sq', 'W', 'S', 'T', 'out', 'F_w', 'F_rm', 'HW', 'EV', 'fr',
   'a_w', 'a_rm', 'a_s', 'u_w', 'u_r', 'u_m', 'u_s', 'n_w', 'n_r', 'n_m', 'n_s',
   'v_w', 'v_r', 'v_m', 'v_s', 'nv', 'ttl', 'ort', 'cd', 'kf', 'kn', 'rq', 'ai', 'an', 'ws',
@@ -24,6 +28,7 @@ local FIELDS = { 'ep', 'tn', 'sq', 'W', 'S', 'T', 'out', 'F_w', 'F_rm', 'HW', 'E
   'x:rolled_back', 'le', 'te', 'cm', 'lo' }
 local v = redis.call('HMGET', KEYS[1], unpack(FIELDS))
 if not v[1] then fail('NOSESSION', NOSESSION) end
+layout_check(redis.call('HGET', KEYS[1], 'lv'))
 local out = { 'now=' .. now_ms() }
 -- A session opened before drift detection has no tolerance (dt): -1, not judged.
 for i = 1, #FIELDS - 2 do out[#out + 1] = FIELDS[i] .. '=' .. (v[i] or (FIELDS[i] == 'dt' and '-1' or '0')) end

@@ -1,0 +1,265 @@
+"""Versions a fleet can see (issue 40): the upgrade runbook of docs/operations.md#upgrades,
+run from the release deployed today to this one, and the refusals that name both versions.
+
+``OLD`` (033c8b3, ledger 0.1.0, protocol 1) is taken from git history with ``git archive``
+into a temporary directory and run with its own PYTHONPATH: its ``ledger worker`` and its
+agents (tests/upgrade_agent.py) beside this release's, on one real redis-server, turns of
+shared sessions alternating between all of them, as the runbook says (workers one at a
+time, then agents). No turn fails, and ``ledger audit --strict`` is clean.
+
+A client of protocol 1 whose calls reach this release's scripts (033c8b3's Python client
+with these scripts in place of its own: what a client in another language meets when it
+uses scripts it did not ship) is refused with ``LEDGER_VERSION`` naming both versions, and
+nothing is written. A session of a stored layout these scripts do not read (one a later
+release wrote) is refused the same way (``VersionMismatch``), on every backend.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ledger import (
+    Item,
+    Ledger,
+    LedgerSettings,
+    SessionBudget,
+    VersionMismatch,
+    cli,
+    protocol,
+    schema,
+)
+from ledger.scripts import lua_dir
+from ledger.testing import WorkerProc, spawn_worker, standalone
+from tests import servers
+
+ROOT = Path(__file__).resolve().parent.parent
+OLD = "033c8b3"  # what is deployed today: ledger 0.1.0, protocol 1 (no version carried)
+AGENT = ROOT / "tests" / "upgrade_agent.py"
+BUDGET = SessionBudget(window=10_000, system_prompt=500, output_reserve=500)
+
+
+@pytest.fixture(scope="module")
+def old_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The package ``ledger`` of OLD, alone in a directory (its PYTHONPATH)."""
+    root = tmp_path_factory.mktemp("old-release")
+    tar = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", OLD, "ledger"], capture_output=True, check=True
+    )
+    subprocess.run(["tar", "-x", "-C", str(root)], input=tar.stdout, check=True)
+    assert not (root / "ledger" / "errors.py").read_text().count("VERSION")
+    return root
+
+
+def _env(pythonpath: Path | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LEDGER_")}
+    env.pop("PYTHONPATH", None)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    return env
+
+
+def _agent(
+    tree: Path | None, url: str, prefix: str, name: str, turns: int, sids: list[str], cwd: Path
+) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, str(AGENT), url, prefix, name, str(turns), *sids],
+        env=_env(tree),
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _result(p: subprocess.Popen[str]) -> dict[str, Any]:
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-3000:]
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
+def _worker(tree: Path | None, url: str, prefix: str, name: str, logs: Path) -> WorkerProc:
+    env = {
+        "LEDGER_REDIS_URL": url,
+        "LEDGER_PREFIX": prefix,
+        "LEDGER_WORKER_CLAIM_IDLE_MS": "300",
+        "LEDGER_WORKER_POLL_INTERVAL": "0.02",
+        **({"PYTHONPATH": str(tree)} if tree is not None else {}),
+    }
+    w = spawn_worker(name, env, logs / f"{name}.log")
+    w.wait_started()
+    return w
+
+
+@pytest.mark.redis
+@pytest.mark.timeout(180)
+def test_the_runbook_upgrades_a_running_fleet_from_the_deployed_release(
+    old_tree: Path, tmp_path: Path
+) -> None:
+    with standalone("--appendonly", "yes") as server:  # (as production: audit --strict)
+        _upgrade(server.url, old_tree, tmp_path)
+
+
+def _upgrade(url: str, old_tree: Path, tmp_path: Path) -> None:
+    prefix = f"up{uuid.uuid4().hex[:8]}"
+    sids = [f"up-{uuid.uuid4().hex[:6]}-{i}" for i in range(2)]
+    turns = 14  # per agent and session: 4 agents x 14 = 56 turns of each session
+    old_worker = _worker(old_tree, url, prefix, "old-worker", tmp_path)
+    # today's fleet: the deployed release's worker and two agents (one session opened
+    # by each release: layouts 1 and 2 side by side)
+    with Ledger.from_settings(LedgerSettings(redis_url=url, prefix=prefix)) as led:
+        led.open_session(sids[1], BUDGET)
+        old_agents = [
+            _agent(old_tree, url, prefix, f"old-{i}", turns, sids, tmp_path) for i in range(2)
+        ]
+        # the old fleet serves turns until the old worker has compacted a session
+        deadline = time.monotonic() + 60
+        while not old_worker.messages("job done"):
+            assert time.monotonic() < deadline, old_worker.tail()
+            time.sleep(0.05)
+        # 2. the workers, one at a time: the new one is ready before the old one stops
+        new_worker = _worker(None, url, prefix, "new-worker", tmp_path)
+        assert old_worker.stop() == 0, old_worker.tail()
+        # 3. the agents: new ones start while the old ones still serve turns
+        new_agents = [
+            _agent(None, url, prefix, f"new-{i}", turns, sids, tmp_path) for i in range(2)
+        ]
+        results = [_result(p) for p in (*old_agents, *new_agents)]
+        assert new_worker.stop() == 0, new_worker.tail()
+        for r, tree in zip(results, [old_tree, old_tree, ROOT, ROOT], strict=True):
+            assert r["ledger"].startswith(str(tree)), r  # each ran the release it should
+            assert r["errors"] == [] and r["turns"] == turns * len(sids), r
+        layouts = [
+            led.client.hget(led.keyspace.session(sid).session, schema.LAYOUT) for sid in sids
+        ]
+        assert layouts == [None, str(protocol.VERSION).encode()]  # opened by old, by new
+        for sid in sids:
+            snap = led.session(sid).snapshot()
+            assert snap.last_ended_turn == snap.turn == 4 * turns and snap.turn_owner is None
+            assert snap.raw[schema.COMPACTIONS_DONE] >= 1  # the workers compacted it
+        # both workers compacted: the old one before it stopped, the new one after
+        assert old_worker.messages("job done") and new_worker.messages("job done")
+        # 4. check
+        assert cli.main(["--url", url, "--prefix", prefix, "audit", "--strict"]) == cli.EXIT_OK
+
+
+@pytest.mark.redis
+@pytest.mark.timeout(120)
+def test_a_client_of_the_previous_protocol_is_refused_naming_both_versions(
+    redis_server: servers.RedisProcess, old_tree: Path, tmp_path: Path
+) -> None:
+    """033c8b3's client with this release's scripts in place of its own: its calls carry
+    no version, so every script refuses them (LEDGER_VERSION, both versions named) before
+    it reads or writes anything: a new session is not created, an existing one not
+    changed, a snapshot not answered."""
+    tree = tmp_path / "old-client"
+    shutil.copytree(old_tree, tree)
+    shutil.rmtree(tree / "ledger" / "lua")
+    shutil.copytree(lua_dir(), tree / "ledger" / "lua")
+    prefix = f"v1{uuid.uuid4().hex[:8]}"
+    with Ledger.from_settings(LedgerSettings(redis_url=redis_server.url, prefix=prefix)) as led:
+        s = led.open_session("existing", BUDGET)
+        s.admit("working_memory", [Item("a", 100)])
+        before = led.client.hgetall(s.keys.session)
+        probe = f"""
+import json
+from ledger import Item, Ledger, LedgerError, LedgerSettings, SessionBudget
+from ledger.client import Session
+
+b = SessionBudget(window=10_000, system_prompt=500, output_reserve=500)
+out = []
+with Ledger.from_settings(LedgerSettings(redis_url={redis_server.url!r}, prefix={prefix!r})) as led:
+    h = Session(led, led.keyspace.session("existing"), {s.epoch})
+    for name, call in [
+        ("open", lambda: led.open_session("fresh", b)),
+        ("admit", lambda: h.admit("working_memory", [Item("x", 1)])),
+        ("snapshot", h.snapshot),
+    ]:
+        try:
+            call()
+            out.append([name, "accepted", ""])
+        except LedgerError as exc:
+            out.append([name, type(exc).__name__, str(exc)])
+print(json.dumps(out))
+"""
+        done = subprocess.run(
+            [sys.executable, "-c", probe],
+            env=_env(tree),
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        got = json.loads(done.stdout.strip().splitlines()[-1])
+        assert [name for name, _, _ in got] == ["open", "admit", "snapshot"]
+        for name, kind, message in got:
+            # protocol 1 has no VERSION code: its most general error, the message naming both
+            assert kind == "LedgerError", (name, kind, message)
+            assert "is of protocol 1 (it carries no version)" in message, message
+            assert f"these scripts are of protocol {protocol.VERSION}" in message, message
+        assert led.client.exists(led.keyspace.session("fresh").session) == 0
+        assert led.client.hgetall(s.keys.session) == before
+
+
+def test_a_session_of_a_layout_these_scripts_do_not_read_is_refused(ledger: Ledger) -> None:
+    """A session a later release wrote with a layout it declared incompatible (field lv
+    above VERSION): every call is refused before it writes, naming both versions, instead
+    of reading renamed fields as missing (the incident of issue 40)."""
+    s = ledger.open_session(f"layout-{uuid.uuid4().hex[:6]}", BUDGET)
+    assert ledger.client.hget(s.keys.session, schema.LAYOUT) == str(protocol.VERSION).encode()
+    newer = protocol.VERSION + 1
+    ledger.client.hset(s.keys.session, schema.LAYOUT, str(newer))
+    before = ledger.client.hgetall(s.keys.session)
+    calls = {
+        "begin_turn": lambda: s.begin_turn(working_set=100),
+        "admit": lambda: s.admit("working_memory", [Item("x", 10)]),
+        "snapshot": s.snapshot,
+        "audit": lambda: ledger.audit(s.id),
+        "open": lambda: ledger.open_session(s.id, BUDGET),
+        "reset": lambda: s.reset("upgrade"),
+    }
+    for name, call in calls.items():
+        with pytest.raises(VersionMismatch, match=r"stored layout mismatch") as info:
+            call()
+        assert (info.value.kind, info.value.found, info.value.expected) == (
+            "layout",
+            newer,
+            protocol.VERSION,
+        ), name
+        assert ledger.client.hgetall(s.keys.session) == before, name
+    # A session of layout 1 (no lv: opened by protocol 1) is read and written as it is.
+    ledger.client.hdel(s.keys.session, schema.LAYOUT)
+    s.begin_turn(working_set=100)
+    s.admit("working_memory", [Item("x", 10)])
+    assert s.snapshot().items["working_memory"] == 1
+
+
+def test_a_call_of_another_protocol_is_a_typed_refusal(ledger: Ledger) -> None:
+    """The Python face of LEDGER_VERSION: VersionMismatch with both versions, nothing
+    written (a call built for protocol 3 reaching these scripts)."""
+    s = ledger.open_session(f"proto-{uuid.uuid4().hex[:6]}", BUDGET)
+    call = s.admit_call("working_memory", [Item("x", 10)])
+    head = str(call.args[1]).replace(f"{protocol.VERSION}:", f"{protocol.VERSION + 1}:", 1)
+    foreign = protocol.Call(
+        call.script, call.keys, (call.args[0], head, *call.args[2:]), call.parse
+    )
+    before = ledger.client.hgetall(s.keys.session)
+    with pytest.raises(VersionMismatch) as info:
+        ledger.run(foreign)
+    assert (info.value.kind, info.value.found, info.value.expected) == (
+        "protocol",
+        protocol.VERSION + 1,
+        protocol.VERSION,
+    )
+    assert ledger.client.hgetall(s.keys.session) == before
