@@ -37,7 +37,6 @@ from ledger.adapters.langgraph import GraphTurn, LedgerGraph, _consumer
 from ledger.agent.core import Obj
 from ledger.agent.counters import count
 from ledger.agent.sync import Agent
-from ledger.errors import ContextOverflow
 from ledger.extras import missing
 from ledger.models import Consumer, Reconciled
 
@@ -132,9 +131,9 @@ class LedgerMiddleware(AgentMiddleware):
         turn = gov._turn()
         core = self.agent.core
         msgs = [*([request.system_message] if request.system_message else []), *request.messages]
-        prompt = core.prompt_tokens(msgs) + self.tool_tokens(request.tools)
-        if gov.limit is not None and prompt > gov.limit:
-            raise ContextOverflow(prompt, gov.limit)  # a guard acts before the call
+        with core.counter.measure() as tally:
+            prompt = core.prompt_tokens(msgs) + self.tool_tokens(request.tools)
+        core.guard(prompt, gov.limit, gov.window, tally)  # a guard acts before the call
         response = handler(request)
         answers = [m for m in getattr(response, "result", [response]) if isinstance(m, AIMessage)]
         gov.last_prompt = prompt + core.prompt_tokens(answers)
@@ -142,7 +141,7 @@ class LedgerMiddleware(AgentMiddleware):
             usage: dict[str, Any] = dict(answer.usage_metadata or {})
             billed = usage.get("input_tokens")
             if type(billed) is int and billed > 0:
-                turn.billed(billed, prompt)  # what the provider billed for it
+                turn.billed(billed, prompt, tally)  # what the provider billed for it
         return response
 
     def after_model(self, state: Any, runtime: Any) -> dict[str, Any] | None:

@@ -39,7 +39,6 @@ from ledger.agent.counters import count
 from ledger.agent.sync import Agent, Turn
 from ledger.errors import (
     AdmissionRefused,
-    ContextOverflow,
     InvalidArgument,
     WorkingMemoryStarvation,
 )
@@ -136,6 +135,7 @@ class LedgerGraph:
         self.current: Turn | None = None
         self.last_prompt: int | None = None  # the last prompt sent, plus its answer
         self.limit: int | None = None  # window minus output reserve, for this turn
+        self.window: int | None = None
         self._fresh = False  # the turn's first node has not run yet
 
     # --- the graph ---------------------------------------------------------------------
@@ -175,14 +175,14 @@ class LedgerGraph:
             msgs = messages.to_messages() if hasattr(messages, "to_messages") else messages
             if not isinstance(msgs, list):
                 raise InvalidArgument("the governed model takes a list of messages")
-            prompt = core.prompt_tokens(msgs)
-            if self.limit is not None and prompt > self.limit:
-                raise ContextOverflow(prompt, self.limit)  # a guard acts before the call
+            with core.counter.measure() as tally:
+                prompt = core.prompt_tokens(msgs)
+            core.guard(prompt, self.limit, self.window, tally)  # a guard acts before the call
             answer = chat_model.invoke(msgs, config)
             self.last_prompt = prompt + core.prompt_tokens([answer])
             billed = (getattr(answer, "usage_metadata", None) or {}).get("input_tokens")
             if self.current is not None and type(billed) is int and billed > 0:
-                self.current.billed(billed, prompt)  # what the provider billed for it
+                self.current.billed(billed, prompt, tally)  # what the provider billed for it
             return answer
 
         return RunnableLambda(call)
@@ -205,7 +205,7 @@ class LedgerGraph:
         with self.agent.turn(working_set, output_reserve, wait=wait, takeover=takeover) as turn:
             snap = self.agent.session.snapshot()
             reserve = snap.output_reserve if output_reserve is None else output_reserve
-            self.limit = snap.window - reserve
+            self.limit, self.window = snap.window - reserve, snap.window
             self.current, self.last_prompt, self._fresh = turn, None, True
             try:
                 yield GraphTurn(turn, self._pinned(turn, config))
@@ -299,9 +299,6 @@ class LedgerGraph:
         self._fresh = False
         assert turn.state is not None
         core = self.agent.core
-        if turn.state.recalibrated:
-            # the session's calibration changed: its objects count otherwise now
-            self.reconcile(state)
         msgs = list(_get(state, self.messages_key) or [])
         pre: dict[str, list[Any]] = {}
         kept = turn.apply(msgs)
@@ -334,9 +331,23 @@ class LedgerGraph:
             self._admit_messages(turn, adopt)
         for summary in turn.summaries:
             core.known[(Consumer.WORKING_MEMORY, core.item_id(summary))] = summary
+        if turn.state.recalibrated:
+            # the session's calibration changed: its objects count otherwise now, set to
+            # the state as this turn holds it (its deliveries applied, not before them)
+            self._recount(turn, self._merged(state, pre))
         if self.summarize is not None and core.compaction_pending:
             self._compact(turn, self._merged(state, pre), pre)
         return pre
+
+    def _recount(self, turn: Turn, state: Any) -> None:
+        """The ledger set to the state recounted; a refusal is kept on the turn
+        (``turn.state.unreconciled``; its drift shows at end_turn), never raised out of the
+        graph's run."""
+        assert turn.state is not None
+        try:
+            self.reconcile(state)
+        except AdmissionRefused as exc:
+            turn.state.unreconciled = exc
 
     def _merged(self, state: Any, pre: Mapping[str, list[Any]]) -> Any:
         """The state with an update applied, as the graph's reducers apply it."""
