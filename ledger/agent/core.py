@@ -65,9 +65,10 @@ Effect = Any  # Held | Store | Fetch | Note: the reads and writes outside the le
 # the factors learned per kind of content, and the last plausible reports they come from
 CALIBRATION = "~calibration"
 REPORTS_KEPT = 12  # the reports the factors are solved from (the newest)
-# a kind's factor is learned once it made this share of a report's prompt (below it, the
-# report tells too little of it: a small error elsewhere would move it far)
-KIND_SHARE = 0.25
+# a kind's factor is learned once it made this share of a report's prompt, and 64 tokens
+# of it (below that, the report tells too little of it: a small error elsewhere would move
+# it far)
+KIND_SHARE = 0.1
 BILLED = "~billed"  # '<turn>|<counted>|<billed>|<flagged 0/1>': the last turn's last report
 
 DIGEST_PREFIX = "h."
@@ -981,8 +982,8 @@ def _calibration(raw: str | None) -> tuple[dict[str, float], list[list[Any]]]:
 def _solve(
     reports: Sequence[Sequence[Any]], current: Mapping[str, float], priors: Mapping[str, float]
 ) -> dict[str, float]:
-    """The factor of each kind the reports tell enough of (it made ``KIND_SHARE`` of some
-    report's prompt): least squares over the reports, each
+    """The factor of each kind the reports tell enough of (``KIND_SHARE`` of some
+    report's prompt, and 64 tokens): least squares over the reports, each
     ``sum(factor[kind] x base count[kind]) = billed`` (a larger report, whose bill rounds
     less, weighs more), held near the current factors (or the priors) where the reports
     cannot tell kinds apart. A solved factor outside its kind's plausible range is not
@@ -993,7 +994,7 @@ def _solve(
         for _, raw, billed in reports
         for k in raw
         if billed > 0
-        and raw[k] * priors[k] >= KIND_SHARE * sum(n * priors[j] for j, n in raw.items())
+        and raw[k] * priors[k] >= max(64, KIND_SHARE * sum(n * priors[j] for j, n in raw.items()))
     }
     if not kinds or not told:
         return {}
