@@ -6,8 +6,9 @@ worker`` compacting, through the Agents SDK's governed Session or a LangChain
 
 The stub model bills by its own notion of content kinds, each at its own rate of chars/4
 (prose 1.22x, CSV/JSON rows 2.4x, CJK 3x), and reports it as the input tokens. Each turn
-asks a question (in Chinese/Japanese every fifth turn), the model runs a SQL tool and
-answers; the tool's result is ~20k billed tokens every fourth turn (a 16k window). Every
+asks a question (in Chinese/Japanese every fifth turn from turn 6), the model runs a SQL tool and
+answers; the tool's result is ~20k billed tokens every fourth turn (a 16k window), the
+first of them after three turns of prose. Every
 prompt the model is sent is billed by the stub itself and kept in the turn's row with the
 kinds it held, beside the ledger's count of it.
 
@@ -62,12 +63,17 @@ def bill(texts: list[str]) -> tuple[int, list[str]]:
 
 
 def rows(turn: int) -> str:
-    n = 1_850 if turn % 4 == 0 else 40 + (turn * 13) % 40  # ~20k billed tokens, or ~600
+    """The SQL tool's result: prose on the first turns (no rows yet), then CSV rows, ~20k
+    billed tokens every fourth turn (the first on turn 4, when a factor learned from prose
+    alone would count it at half of that), ~600 otherwise."""
+    if turn < 4:
+        return f"No rows for Q{turn} yet: " + " ".join(WORDS[(turn + i) % 8] for i in range(60))
+    n = 1_850 if turn % 4 == 0 else 40 + (turn * 13) % 40
     return "\n".join(f"{r},{WORDS[(r + turn) % 8]},{r * 37 % 1000}.{r % 100:02d}" for r in range(n))
 
 
 def question(turn: int) -> str:
-    if turn % 5 == 2:
+    if turn % 5 == 1 and turn > 1:  # turns 6, 11, 16...
         return f"Q{turn}: " + CJK * 12
     return f"Q{turn}: how did {WORDS[turn % 8]} move by region and quarter? " * 4
 
@@ -98,14 +104,14 @@ def row(n: int, t: Any, snap: Any) -> dict[str, Any]:
          "flagged": c.flagged, "plausible": c.plausible}
         for c in t.state.billing
     ]  # fmt: skip
-    unreconciled = t.state.unreconciled
+    unreconciled = getattr(t.state, "unreconciled", None)
     return {
         "turn": n, "pid": os.getpid(), "calls": list(SEEN), "checks": checks,
         "drift": t.report.drift, "window": WINDOW, "occupancy": snap.occupancy,
         "spilled": [o.spilled for o in t.state.tools],
         "tool_tokens": [o.tokens for o in t.state.tools],
         "delivered": len(t.summaries), "recalibrated": t.state.recalibrated,
-        "factors": dict(t.agent.core.counter.factors),
+        "factors": dict(getattr(t.agent.core.counter, "factors", {})),
         "unreconciled": repr(unreconciled) if unreconciled else None,
     }  # fmt: skip
 
@@ -247,6 +253,7 @@ def langchain_server(url: str, session_id: str, db: str) -> Any:
             framing, _ = bill(schema_texts([sql]))
             s = Ledger.from_url(url).open_session(session_id, budget(system, framing))
             self.mw = LedgerMiddleware(Agent(s, EstimatingCounter()), checkpointer=saver)
+            self.gov = self.mw.graph
             self.agent = create_agent(Stub(), [sql], system_prompt=SYSTEM, checkpointer=saver,
                                       middleware=[self.mw])  # fmt: skip
 

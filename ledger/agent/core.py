@@ -460,7 +460,15 @@ class AgentCore:
             room = budget - self.item_overhead - count(self.counter, head, "the spill header")
             if room < 0:
                 return cut_to(self.counter, head, budget - self.item_overhead, "the spill header")
-        return head + cut_to(self.counter, text, room, "the spill preview")
+        shown = head + cut_to(self.counter, text, room, "the spill preview")
+        # counted whole, the preview may be of another kind than its parts (a prose header
+        # on rows): cut further until the whole is within the budget, as the prompt counts it
+        over = count(self.counter, shown, "the spill preview") + self.item_overhead - budget
+        while over > 0 and len(shown) > len(head):
+            room -= over
+            shown = head + cut_to(self.counter, text, room, "the spill preview")
+            over = count(self.counter, shown, "the spill preview") + self.item_overhead - budget
+        return shown
 
     def guard(self, prompt: int, limit: int | None, window: int | None, tally: Tally) -> None:
         """Before a model call: a prompt counted over ``limit`` (the window minus the output
