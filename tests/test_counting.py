@@ -214,3 +214,125 @@ def test_the_messages_name_the_way_out() -> None:
         t.abort()
     with pytest.raises(InvalidArgument, match=r"gov\.reconcile"):
         a.reconcile({"working_memory": [{"role": "user", "content": "no id"}]})
+
+
+def test_a_refused_recount_is_kept_on_the_turn_not_raised_out_of_the_sdk_run() -> None:
+    """The Agents SDK adapter recounts its input when the factors change; when the window
+    refuses the recount (here: reports at 1.9x after eight turns at 1.0x, the history no
+    longer fits beside the memory floor) the run goes on, the refusal is kept on the turn
+    (turn.state.unreconciled) and the drift shows at its end. It used to escape
+    Runner.run as AdmissionRefused."""
+    import asyncio
+
+    from agents import Agent as SdkAgent
+    from agents import Model, ModelResponse, Runner, Usage, set_tracing_disabled
+    from agents.testing import assistant_message
+
+    from ledger import AsyncAgent, AsyncLedger, ContextDriftWarning
+    from ledger.adapters.openai_agents import LedgerAgents, item_text
+
+    set_tracing_disabled(True)
+    rate = {"now": 1.0}
+
+    class Stub(Model):
+        async def get_response(
+            self, system_instructions: Any, input: Any, *a: Any, **k: Any
+        ) -> Any:
+            raw = sum(math.ceil(len(item_text(dict(i))) / 4) for i in input)
+            billed = math.ceil(raw * rate["now"])
+            return ModelResponse(
+                output=[
+                    assistant_message("Noted, " + WORDS[len(input) % 8], item_id=f"a{len(input)}")
+                ],
+                usage=Usage(
+                    requests=1, input_tokens=billed, output_tokens=3, total_tokens=billed + 3
+                ),
+                response_id=None,
+            )
+
+        def stream_response(self, *a: Any, **k: Any) -> Any:
+            raise NotImplementedError
+
+    async def main() -> list[Any]:
+        led = AsyncLedger.from_url(f"embedded://{uuid.uuid4().hex}")
+        s = await led.open_session(
+            "sdk-recount",
+            SessionBudget(
+                window=6_000,
+                system_prompt=0,
+                output_reserve=500,
+                min_memory=2_000,
+                framing_tolerance=8,
+            ),
+        )
+        gov = LedgerAgents(AsyncAgent(s, EstimatingCounter()))
+        agent = SdkAgent(name="a", instructions=None, model=Stub())
+        turns = []
+        for n in range(13):
+            rate["now"] = 1.9 if n >= 8 else 1.0
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", BillingDriftWarning)
+                warnings.simplefilter("ignore", ContextDriftWarning)
+                async with gov.turn() as t:
+                    await Runner.run(agent, f"Q{n}: " + prose(n, 100), session=gov.session,
+                                     run_config=gov.run_config(), hooks=gov.hooks)  # fmt: skip
+            turns.append(t)
+            if t.state.unreconciled is not None:
+                break  # (the window is full now: compaction's business from here)
+        await s.delete()
+        return turns
+
+    turns = asyncio.run(main())  # every turn ran to its end
+    refused = [t for t in turns if t.state.unreconciled is not None]
+    assert refused, [t.state.billing[0].learned for t in turns]
+    for t in refused:
+        assert t.state.recalibrated and t.state.unreconciled.reason == "token_budget_exhausted"
+        assert t.report.flag == "drift"  # (the ledger kept the old counts: shown, not hidden)
+
+
+def test_a_drift_of_the_tool_schemas_names_the_missing_tool_framing() -> None:
+    """A budget opened without the tool schemas' tokens drifts by exactly them on every
+    LangChain turn with tools: the warning names tool_framing and its value."""
+    from langchain.agents import create_agent
+    from langchain_core.language_models import BaseChatModel
+    from langchain_core.messages import AIMessage, HumanMessage
+    from langchain_core.outputs import ChatGeneration, ChatResult
+    from langchain_core.tools import tool
+    from langgraph.checkpoint.memory import InMemorySaver
+
+    from ledger import ContextDriftWarning
+    from ledger.adapters.langchain import LedgerMiddleware
+
+    @tool
+    def lookup(q: str) -> str:
+        """Look up q in the handbook."""
+        return "nothing"
+
+    class Stub(BaseChatModel):
+        @property
+        def _llm_type(self) -> str:
+            return "stub"
+
+        def bind_tools(self, tools: Any, **kw: Any) -> Any:
+            return self
+
+        def _generate(
+            self, messages: Any, stop: Any = None, run_manager: Any = None, **kw: Any
+        ) -> Any:
+            return ChatResult(generations=[ChatGeneration(message=AIMessage("42", id="a1"))])
+
+    tok = TiktokenCounter()
+    led = Ledger.from_url(f"embedded://{uuid.uuid4().hex}")
+    budget = SessionBudget(window=8_000, system_prompt=0, output_reserve=500, framing_tolerance=2)
+    s = led.open_session("framing", budget)  # (no tool_framing)
+    saver = InMemorySaver()
+    mw = LedgerMiddleware(Agent(s, tok), checkpointer=saver)
+    agent = create_agent(Stub(), [lookup], checkpointer=saver, middleware=[mw])
+    schemas = mw.tool_tokens([lookup])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ContextDriftWarning)
+        with mw.turn(config={"configurable": {"thread_id": "framing"}}) as turn:
+            agent.invoke({"messages": [HumanMessage("What is it?", id="q1")]}, turn.config)
+    assert turn.report.drift == schemas > 0
+    hints = [str(w.message) for w in caught if "tool_framing" in str(w.message)]
+    assert hints and f"SessionBudget(tool_framing={schemas})" in hints[0], hints

@@ -349,7 +349,9 @@ class AsyncTurn:
         if self._prompt is None:
             raise InvalidArgument("end_turn needs the real prompt: call turn.prompt(...) first")
         try:
-            report = await self.agent.run(self.agent.core.end(self._state.turn, self._prompt, mark))
+            report = await self.agent.run(
+                self.agent.core.end(self._state.turn, self._prompt, mark, self._state)
+            )
         except ContextDrift as exc:
             # The turn has ended (drift_action="raise"): keep its report all the same.
             if isinstance(exc.report, TurnReport):

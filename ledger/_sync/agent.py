@@ -345,7 +345,9 @@ class Turn:
         if self._prompt is None:
             raise InvalidArgument("end_turn needs the real prompt: call turn.prompt(...) first")
         try:
-            report = self.agent.run(self.agent.core.end(self._state.turn, self._prompt, mark))
+            report = self.agent.run(
+                self.agent.core.end(self._state.turn, self._prompt, mark, self._state)
+            )
         except ContextDrift as exc:
             # The turn has ended (drift_action="raise"): keep its report all the same.
             if isinstance(exc.report, TurnReport):

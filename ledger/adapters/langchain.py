@@ -132,7 +132,10 @@ class LedgerMiddleware(AgentMiddleware):
         core = self.agent.core
         msgs = [*([request.system_message] if request.system_message else []), *request.messages]
         with core.counter.measure() as tally:
-            prompt = core.prompt_tokens(msgs) + self.tool_tokens(request.tools)
+            framing = self.tool_tokens(request.tools)
+            prompt = core.prompt_tokens(msgs) + framing
+        if turn.state is not None:
+            turn.state.framing = framing
         core.guard(prompt, gov.limit, gov.window, tally)  # a guard acts before the call
         response = handler(request)
         answers = [m for m in getattr(response, "result", [response]) if isinstance(m, AIMessage)]

@@ -299,9 +299,13 @@ class LedgerAgents:
         instructions = data.model_data.instructions
         core = self.agent.core
         with core.counter.measure() as self.tally:
-            self.last_prompt = self.last_counted = self.tokens(
-                [p.content for p in kept] + ([instructions] if instructions else [])
-            ) + self.tool_tokens(data.agent)
+            framing = self.tool_tokens(data.agent)
+            self.last_prompt = self.last_counted = (
+                self.tokens([p.content for p in kept] + ([instructions] if instructions else []))
+                + framing
+            )
+        if turn.state is not None:
+            turn.state.framing = framing
         core.guard(self.last_prompt, self.limit, self.window, self.tally)  # before the call
         return ModelInputData(input=[p.item for p in kept], instructions=instructions)  # type: ignore[misc]
 

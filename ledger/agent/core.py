@@ -34,6 +34,8 @@ from ledger.errors import (
     AdmissionRefused,
     BillingDriftWarning,
     CompactionPending,
+    ContextDrift,
+    ContextDriftWarning,
     ContextOverflow,
     InvalidArgument,
     LedgerError,
@@ -284,6 +286,8 @@ class TurnState:
     # the adapter's recount after a recalibration was refused (it did not fit): the ledger
     # keeps the old counts, the drift shows at end_turn; the turn goes on
     unreconciled: AdmissionRefused | None = None
+    # the tokens of the tool schemas the last prompt sent, as the adapter counted them
+    framing: int = 0
 
     @property
     def turn(self) -> int:
@@ -932,8 +936,17 @@ class AgentCore:
         if state is not None and state.billing:  # the turn's last report, for every process
             c = state.billing[-1]
             yield Note(((BILLED, f"{turn}|{c.counted}|{c.billed}|{int(c.flagged)}"),))
-        report: TurnReport = yield self.session.end_turn_call(turn, prompt_tokens, mark=mark)
+        try:
+            report: TurnReport = yield self.session.end_turn_call(turn, prompt_tokens, mark=mark)
+        except ContextDrift as exc:
+            hint = framing_hint(exc.report, state)
+            if hint:
+                raise ContextDrift(exc.report, f"{exc}; {hint}") from exc
+            raise
         self.compaction_pending = report.compaction_due
+        hint = framing_hint(report, state)
+        if hint:
+            warnings.warn(ContextDriftWarning(report, hint), stacklevel=4)
         return report
 
     def abort(self, turn: int) -> Op[TurnAborted]:
@@ -1044,6 +1057,22 @@ def _gauss(a: list[list[float]], y: list[float]) -> list[float]:
                 q = m[r][c] / m[c][c]
                 m[r] = [u - q * v for u, v in zip(m[r], m[c], strict=True)]
     return [m[i][n] / m[i][i] for i in range(n)]
+
+
+def framing_hint(report: object, state: TurnState | None) -> str | None:
+    """When a flagged drift is the tool schemas' tokens the prompt sent (within the
+    tolerance): what is missing is the budget's ``tool_framing``, named with its value."""
+    drift = getattr(report, "drift", 0)
+    tolerance = getattr(report, "tolerance", None) or 0
+    framing = 0 if state is None else state.framing
+    if getattr(report, "flag", None) != "drift" or framing <= 0:
+        return None
+    if abs(drift - framing) > tolerance:
+        return None
+    return (
+        f"the drift is the {framing} tokens of the tool schemas the prompt sent: the "
+        f"session's budget has no tool_framing for them (SessionBudget(tool_framing={framing}))"
+    )
 
 
 def billing_message(c: BillingCheck) -> str:
