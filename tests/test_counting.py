@@ -89,6 +89,19 @@ def test_four_reports_at_1_9x_leave_the_factor_at_1_9_never_compounded() -> None
         assert check.plausible
     factor = agent.core.counter.factors["prose"]
     assert factor == pytest.approx(1.9, abs=0.01) and factor <= 1.9 + 1e-9
+    # Reports at 1.9x of what the ledger counted (a reporter echoing the count scaled):
+    # never beyond the bound, so never learned (they taught 1.9, 3.61, 6.85, 13.0).
+    _led2, s2 = session()
+    echo = Agent(s2, EstimatingCounter())
+    for i in range(4):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", BillingDriftWarning)
+            with echo.turn() as t:
+                t.admit("working_memory", msgs[: i + 1])
+                counted = t.prompt(msgs[: i + 1])
+                check = t.billed(round(counted * 1.9), counted)
+        assert check.flagged and not check.plausible and check.learned is None
+    assert learned(s2) == {} and echo.core.counter.factors == {}
     other = Agent(s.ledger.session(s.id), EstimatingCounter())  # another process reads it
     with other.turn() as t:
         assert other.core.counter.factors["prose"] == factor
