@@ -13,6 +13,7 @@ prompt the model is sent is billed by the stub itself and kept in the turn's row
 kinds it held, beside the ledger's count of it.
 
     python tests/fleet_counting.py --url redis://... --processes 2 --turns 24 --json
+    LEDGER_COUNTING_FRAMEWORK=langchain python tests/fleet_counting.py --turns 40 --summary
 """
 
 from __future__ import annotations
@@ -273,6 +274,42 @@ def server(url: str, session_id: str, db: str) -> Any:
     return (sdk_server if FRAMEWORK == "sdk" else langchain_server)(url, session_id, db)
 
 
+def summary(rows: list[dict[str, Any]]) -> str:
+    """The figures of a run: the prompts sent against the window, and each prompt's count
+    against its bill from the second turn that bills its kinds."""
+    sent = [c["billed"] for r in rows for c in r["calls"]]
+    seen: set[str] = set()
+    judged = outside = 0
+    worst = 0.0
+    for r in rows:
+        kinds = {k for c in r["calls"] for k in c["kinds"]}
+        if kinds <= seen:
+            for c in r["checks"]:
+                judged += 1
+                outside += abs(c["billed"] - c["counted"]) > c["tolerance"]
+                worst = max(worst, abs(c["billed"] - c["counted"]) / max(c["counted"], 1))
+        seen |= kinds
+    return (
+        f"{FRAMEWORK}: {len(rows)} turns, {len(sent)} prompts, largest sent {max(sent)} of a "
+        f"{WINDOW} window, {sum(n > WINDOW for n in sent)} over it; {judged} prompts judged, "
+        f"{outside} outside the billing tolerance, worst |billed - counted| {worst:.2%} of the "
+        f"count; max |drift| after turn 1: {max(abs(r['drift']) for r in rows[1:])}; summaries "
+        f"delivered {sum(r['delivered'] for r in rows)}; recounts refused "
+        f"{sum(1 for r in rows if r['unreconciled'])}"
+    )
+
+
 if __name__ == "__main__":
-    fleet.main(__file__, server, COMPACTOR, "fleet_counting:COMPACTOR", "embedded://counting",
-               "cnt")  # fmt: skip
+    if "--summary" in sys.argv:  # the figures instead of the rows
+        import contextlib
+        import io
+
+        sys.argv = [a for a in sys.argv if a != "--summary"] + ["--json"]
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            fleet.main(__file__, server, COMPACTOR, "fleet_counting:COMPACTOR",
+                       "embedded://counting", "cnt")  # fmt: skip
+        print(summary(json.loads(out.getvalue())))
+    else:
+        fleet.main(__file__, server, COMPACTOR, "fleet_counting:COMPACTOR",
+                   "embedded://counting", "cnt")  # fmt: skip
