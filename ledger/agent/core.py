@@ -496,9 +496,16 @@ class AgentCore:
             with self.counter.measure():
                 return count(self.counter, prompt, "the prompt")
         if isinstance(prompt, Sequence):
+            # a plain string among the parts is the budget's fixed text (the system prompt):
+            # counted as the budget counted it, with the counter itself
             with self.counter.measure():
                 return sum(
-                    count(self.counter, self.text_of(o), "a prompt part") + self.item_overhead
+                    count(
+                        self.counter.fixed if isinstance(o, str) else self.counter,
+                        self.text_of(o),
+                        "a prompt part",
+                    )
+                    + self.item_overhead
                     for o in prompt
                 )
         raise InvalidArgument(

@@ -240,6 +240,16 @@ class Calibrated:
         self.factors = {} if value == 1.0 and not self.kinds else dict.fromkeys(KINDS, value)
 
     def __call__(self, text: str, /) -> int:
+        return self._count(text, False)
+
+    def fixed(self, text: str, /) -> int:
+        """The count of a text of the budget's fixed framing (the system prompt given as a
+        plain string): the base's own, as the budget's ``system_prompt`` was counted, so the
+        ledger still equals the prompt; tallied like any other (its bills teach its kind,
+        the guard takes its bound)."""
+        return self._count(text, True)
+
+    def _count(self, text: str, fixed: bool) -> int:
         # a text up to KEYED characters is its own key (Python caches a str's hash, so the
         # same object counted again costs a lookup); a longer one is keyed by a digest, so
         # that the cache holds no large text
@@ -257,7 +267,7 @@ class Calibrated:
         else:
             self._counts.move_to_end(key)
         raw, kind = got
-        out = self.scaled(raw, kind)
+        out = raw if fixed else self.scaled(raw, kind)
         if self._tally is not None and raw >= 0:
             t = self._tally
             t.raw[kind] = t.raw.get(kind, 0) + raw
