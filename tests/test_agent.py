@@ -175,14 +175,19 @@ def test_each_objects_text_is_counted_once_per_process(ledger: Ledger) -> None:
 
 def test_a_prompt_of_parts_counted_before_is_the_sum_of_their_counts(ledger: Ledger) -> None:
     """A prompt's parts read from the count cache count what the counter would (scaled by
-    the calibration factor, each rounded up); a part whose text is not valid Unicode is
+    the calibration factor, each to the nearest token; the system prompt given as a string
+    as the budget counts it); a part whose text is not valid Unicode is
     refused."""
     agent = Agent(ledger.open_session(f"s-{uuid.uuid4().hex[:8]}", budget()), TOK)
     core = agent.core
     parts: list[Any] = [SYSTEM, *({"id": f"p{i}", "content": f"part {i} " * i} for i in range(9))]
     for factor in (1.0, 1.37):
         core.counter.factor = factor
-        fresh = sum(math.ceil(TOK(core.text_of(p)) * factor) + core.item_overhead for p in parts)
+        fresh = sum(  # (a plain string, the system prompt, as the budget counts it)
+            (TOK(p) if isinstance(p, str) else math.floor(TOK(core.text_of(p)) * factor + 0.5))
+            + core.item_overhead
+            for p in parts
+        )
         assert core.prompt_tokens(parts) == fresh  # counted
         assert core.prompt_tokens(parts) == fresh  # from the cache
     with pytest.raises(InvalidArgument, match="a prompt part is not valid Unicode"):

@@ -91,7 +91,7 @@ def turns(gov: LedgerGraph, g: Any, n: int) -> list[Any]:
                     f"question {i}: " + "tell me about the ledger " * (20 + 7 * i), id=f"q{i}"
                 )
                 state = g.invoke({"messages": [*state["messages"], question]})
-        assert t.report is not None and abs(t.report.drift) <= 2, (
+        assert t.report is not None and abs(t.report.drift) <= 8, (
             t.report
         )  # the ledger is the prompt
         assert len(caught) == sum(c.flagged for c in t.state.billing)
@@ -107,7 +107,7 @@ def make(ledger_url: str, counter: Any, budget_counter: Any) -> tuple[Ledger, An
             window=20_000,
             system_prompt=budget_counter(SYSTEM),
             output_reserve=500,
-            framing_tolerance=2,
+            framing_tolerance=8,
         ),
     )
     return led, s
@@ -126,8 +126,10 @@ def test_an_estimate_22_percent_under_is_flagged_once_then_calibrated(
     states = turns(gov, graph(gov, Billing(rate=1.22)), 5)
     first, rest = states[0], states[1:]
     assert first.billing[0].flagged and first.billing[0].plausible
-    assert first.billing[0].learned == pytest.approx(1.22, abs=0.02)
-    assert rest[0].recalibrated and not any(st.recalibrated for st in rest[1:])
+    assert first.billing[0].learned == {"prose": pytest.approx(1.22, abs=0.02)}
+    assert rest[0].recalibrated  # (later ones refine the factor from larger reports)
+    for c in (c for st in rest for c in st.billing if c.learned):
+        assert c.learned == {"prose": pytest.approx(1.22, abs=0.01)} and not c.flagged
     for st in rest:  # within the tolerance from the next turn on
         assert not any(c.flagged for c in st.billing), st.billing
     assert s.audit().clean
@@ -135,7 +137,7 @@ def test_an_estimate_22_percent_under_is_flagged_once_then_calibrated(
     other = Agent(led.session(s.id), EstimatingCounter())
     with other.turn() as t:
         assert t.state is not None and t.state.recalibrated
-        assert other.core.counter.factor == pytest.approx(1.22, abs=0.02)
+        assert other.core.counter.factors == {"prose": pytest.approx(1.22, abs=0.02)}
         t.abort()
     s.delete()
 
@@ -148,8 +150,8 @@ def test_a_report_that_covers_more_than_was_counted_is_flagged_not_learned() -> 
     for st in states:
         (check,) = st.billing
         assert check.flagged and not check.plausible and check.learned is None
-        assert check.difference >= 4_000
-    assert gov.agent.core.counter.factor == 1.0  # nothing learned: the count is not scaled
+        assert check.difference >= 4_000 - check.counted  # (counted at the bound)
+    assert gov.agent.core.counter.factors == {}  # nothing learned
 
 
 def test_an_exact_counter_that_agrees_with_the_provider_is_never_flagged() -> None:

@@ -32,6 +32,7 @@ from ledger.agent.core import (
     ToolOutcome,
     TurnState,
 )
+from ledger.agent.counters import Tally
 from ledger.agent.lease import AsyncHeartbeat
 from ledger.errors import ContextDrift, InvalidArgument, LedgerError, TurnLost, translated
 from ledger.models import Consumer, Reconciled, TurnAborted, TurnReport
@@ -284,11 +285,17 @@ class AsyncTurn:
         """Set when a renewal found the turn taken over or rolled back."""
         return None if self._beat is None else self._beat.lost
 
-    async def billed(self, input_tokens: int, counted: int) -> BillingCheck:
+    async def billed(
+        self, input_tokens: int, counted: int, tally: Tally | None = None
+    ) -> BillingCheck:
         """Record what the provider billed for a prompt this turn sent (its reported input
         tokens) against the ledger's count of that prompt (``counted``): flagged beyond the
-        agent's ``billing_tolerance``; an estimating counter is calibrated from it."""
-        return await self.agent.run(self.agent.core.billed(self._state, input_tokens, counted))
+        agent's ``billing_tolerance``; an estimating counter is calibrated from it. ``tally``:
+        what the count was made of (``agent.core.counter.measure()``), by default the
+        last prompt measured."""
+        return await self.agent.run(
+            self.agent.core.billed(self._state, input_tokens, counted, tally)
+        )
 
     def apply(self, objs: Sequence[Obj]) -> list[Obj]:
         """The app's objects as this turn must hold them: what the ledger reclaimed and
@@ -342,7 +349,9 @@ class AsyncTurn:
         if self._prompt is None:
             raise InvalidArgument("end_turn needs the real prompt: call turn.prompt(...) first")
         try:
-            report = await self.agent.run(self.agent.core.end(self._state.turn, self._prompt, mark))
+            report = await self.agent.run(
+                self.agent.core.end(self._state.turn, self._prompt, mark, self._state)
+            )
         except ContextDrift as exc:
             # The turn has ended (drift_action="raise"): keep its report all the same.
             if isinstance(exc.report, TurnReport):

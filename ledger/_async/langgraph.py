@@ -96,12 +96,12 @@ class AsyncLedgerGraph(GraphCore):
         core = self.core
 
         async def call(messages: Any, config: RunnableConfig) -> Any:
-            msgs, prompt = self._prompt_of(messages)  # a guard acts before the call
+            msgs, prompt, tally = self._prompt_of(messages)  # a guard acts before the call
             answer = await chat_model.ainvoke(msgs, config)
             self.last_prompt = prompt + core.prompt_tokens([answer])
             billed = (getattr(answer, "usage_metadata", None) or {}).get("input_tokens")
             if self.current is not None and type(billed) is int and billed > 0:
-                await self.current.billed(billed, prompt)  # what the provider billed for it
+                await self.current.billed(billed, prompt, tally)  # what the provider billed
             return answer
 
         return RunnableLambda(call)
@@ -127,7 +127,7 @@ class AsyncLedgerGraph(GraphCore):
         ) as turn:
             snap = await self.agent.session.snapshot()
             reserve = snap.output_reserve if output_reserve is None else output_reserve
-            self.limit = snap.window - reserve
+            self.limit, self.window = snap.window - reserve, snap.window
             self.current, self.last_prompt, self._fresh = turn, None, True
             self._gone = []
             try:
@@ -206,15 +206,16 @@ class AsyncLedgerGraph(GraphCore):
         self._fresh = False  # before any wait: a parallel node does not start it again
         ts = turn.state
         assert ts is not None
-        if ts.recalibrated:
-            # the session's calibration changed: its objects count otherwise now
-            await self.reconcile(state)
         if self._gone:
             await turn.release(self._gone)
             self._gone = []
         pre, adopt = self._deliveries(ts, state)
         if adopt:
             await self._admit_messages(turn, adopt)
+        if ts.recalibrated:
+            # the session's calibration changed: its objects count otherwise now, set to
+            # the state as this turn holds it (its deliveries applied, not before them)
+            await self._recount(turn, self._merged(state, pre))
         if self.summarize is not None and self.core.compaction_pending:
             plan = self._to_compact(ts, self._merged(state, pre))
             if plan is not None:
@@ -224,6 +225,16 @@ class AsyncLedgerGraph(GraphCore):
                 if done.summary is not None and done.dropped:
                     pre.setdefault(self.messages_key, []).append(summary)
         return pre
+
+    async def _recount(self, turn: AsyncTurn, state: Any) -> None:
+        """The ledger set to the state recounted; a refusal is kept on the turn
+        (``turn.state.unreconciled``; its drift shows at end_turn), never raised out of the
+        graph's run."""
+        assert turn.state is not None
+        try:
+            await self.reconcile(state)
+        except AdmissionRefused as exc:
+            turn.state.unreconciled = exc
 
     async def _apply(
         self, turn: AsyncTurn, state: Any, update: Any, pre: dict[str, list[Any]]

@@ -106,8 +106,12 @@ class LedgerMiddleware(AgentMiddleware):
         turn = gov._turn()
         core = self.agent.core
         msgs = [*([request.system_message] if request.system_message else []), *request.messages]
-        prompt = core.prompt_tokens(msgs) + self.tool_tokens(request.tools)
-        gov._guard(prompt)  # a guard acts before the call
+        with core.counter.measure() as tally:
+            framing = self.tool_tokens(request.tools)
+            prompt = core.prompt_tokens(msgs) + framing
+        if turn.state is not None:
+            turn.state.framing = framing
+        gov._guard(prompt, tally)  # a guard acts before the call
         response = handler(request)
         answers = [m for m in getattr(response, "result", [response]) if isinstance(m, AIMessage)]
         gov.last_prompt = prompt + core.prompt_tokens(answers)
@@ -115,7 +119,7 @@ class LedgerMiddleware(AgentMiddleware):
             usage: dict[str, Any] = dict(answer.usage_metadata or {})
             billed = usage.get("input_tokens")
             if type(billed) is int and billed > 0:
-                turn.billed(billed, prompt)  # what the provider billed for it
+                turn.billed(billed, prompt, tally)  # what the provider billed for it
         return response
 
     def after_model(self, state: Any, runtime: Any) -> dict[str, Any] | None:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ledger.agent.core import AgentCore, Obj, TurnState, default_summary
-from ledger.errors import ContextOverflow, InvalidArgument, LostWriteWarning
+from ledger.agent.counters import Tally
+from ledger.errors import InvalidArgument, LostWriteWarning
 from ledger.extras import missing
 from ledger.models import Consumer
 
@@ -204,6 +205,7 @@ class GraphCore:
             core.summary_of = lambda sid, text: SystemMessage(content=text, id=sid)
         self.last_prompt: int | None = None  # the last prompt sent, plus its answer
         self.limit: int | None = None  # window minus output reserve, for this turn
+        self.window: int | None = None  # the session's window, for this turn
         self._fresh = False  # the turn's first node has not run yet
         self._gone: list[Any] = []  # what a write between turns removed: given back
 
@@ -338,16 +340,18 @@ class GraphCore:
             return m.model_copy(update={"id": uuid.uuid4().hex})
         return m
 
-    def _prompt_of(self, messages: Any) -> tuple[list[Any], int]:
-        """A governed model call's messages and their tokens; refused over the limit."""
+    def _prompt_of(self, messages: Any) -> tuple[list[Any], int, Tally]:
+        """A governed model call's messages, their tokens and the tally of that count (its
+        kinds, which a billing report teaches); refused over the limit."""
         msgs = messages.to_messages() if hasattr(messages, "to_messages") else messages
         if not isinstance(msgs, list):
             raise InvalidArgument("the governed model takes a list of messages")
-        prompt = self.core.prompt_tokens(msgs)
-        self._guard(prompt)
-        return msgs, prompt
+        with self.core.counter.measure() as tally:
+            prompt = self.core.prompt_tokens(msgs)
+        self._guard(prompt, tally)
+        return msgs, prompt, tally
 
-    def _guard(self, prompt: int) -> None:
-        """A prompt over the window minus the output reserve is refused before the call."""
-        if self.limit is not None and prompt > self.limit:
-            raise ContextOverflow(prompt, self.limit)
+    def _guard(self, prompt: int, tally: Tally) -> None:
+        """A prompt over the window minus the output reserve, or whose stated upper bound is
+        over the window, is refused before the call (``AgentCore.guard``)."""
+        self.core.guard(prompt, self.limit, self.window, tally)

@@ -37,8 +37,8 @@ from typing import Any
 from ledger import schema
 from ledger.agent.aio import AsyncAgent, AsyncTurn
 from ledger.agent.core import Obj, default_summary, ledger_id
-from ledger.agent.counters import count
-from ledger.errors import AdmissionRefused, ContextOverflow, InvalidArgument, translated
+from ledger.agent.counters import Tally, count
+from ledger.errors import AdmissionRefused, InvalidArgument, translated
 from ledger.extras import missing
 from ledger.models import Consumer, Reconciled
 
@@ -147,6 +147,8 @@ class LedgerAgents:
         self.last_prompt: int | None = None
         self.last_counted: int | None = None  # the last prompt sent, before its answer
         self.limit: int | None = None  # window minus output reserve, for this turn
+        self.window: int | None = None
+        self.tally: Tally | None = None  # what the last prompt's count was made of
         self.inserted: list[Piece] = []  # this turn's summaries, first in every later input
         self._fresh = False
         self.session = LedgerSession(self)
@@ -202,7 +204,7 @@ class LedgerAgents:
             assert turn.state is not None
             snap = await self.agent.session.snapshot()
             reserve = snap.output_reserve if output_reserve is None else output_reserve
-            self.limit = snap.window - reserve
+            self.limit, self.window = snap.window - reserve, snap.window
             self.current, self.last_prompt, self.last_counted, self._fresh = turn, None, None, True
             self.dropped = set(turn.state.drop_refs)
             self.spilled.clear()
@@ -261,7 +263,10 @@ class LedgerAgents:
             self._fresh = False
             assert turn.state is not None
             if turn.state.recalibrated:  # the session's calibration changed: recount
-                await self.reconcile([p.item for p in rows])
+                try:  # (the deliveries applied: rows are what this turn sends)
+                    await self.reconcile([p.item for p in rows])
+                except AdmissionRefused as exc:  # kept on the turn, never raised out of the run
+                    turn.state.unreconciled = exc
             rows = await self._compact(turn, rows)
         else:  # the run's own input lacks this turn's summary: put it back
             rows = [*(p for p in self.inserted if p.key not in seen), *rows]
@@ -292,11 +297,16 @@ class LedgerAgents:
             kept.append(p)
         self.last_input = kept
         instructions = data.model_data.instructions
-        self.last_prompt = self.last_counted = self.tokens(
-            [p.content for p in kept] + ([instructions] if instructions else [])
-        ) + self.tool_tokens(data.agent)
-        if self.limit is not None and self.last_prompt > self.limit:
-            raise ContextOverflow(self.last_prompt, self.limit)  # a guard acts before the call
+        core = self.agent.core
+        with core.counter.measure() as self.tally:
+            framing = self.tool_tokens(data.agent)
+            self.last_prompt = self.last_counted = (
+                self.tokens([p.content for p in kept] + ([instructions] if instructions else []))
+                + framing
+            )
+        if turn.state is not None:
+            turn.state.framing = framing
+        core.guard(self.last_prompt, self.limit, self.window, self.tally)  # before the call
         return ModelInputData(input=[p.item for p in kept], instructions=instructions)  # type: ignore[misc]
 
     async def _admit(self, turn: AsyncTurn, rows: list[Piece]) -> None:
@@ -393,7 +403,7 @@ class LedgerHooks(RunHooks[Any]):
         billed = getattr(usage, "input_tokens", 0) or 0
         gov = self.gov
         if gov.current is not None and gov.last_counted is not None and billed > 0:
-            await gov.current.billed(int(billed), gov.last_counted)
+            await gov.current.billed(int(billed), gov.last_counted, gov.tally)
 
 
 class LedgerSession:

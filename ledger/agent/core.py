@@ -28,12 +28,15 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from ledger import schema
-from ledger.agent.counters import Calibrated, count, cut_to, is_estimate
+from ledger.agent.counters import KINDS, PLAUSIBLE, Calibrated, Tally, count, cut_to, is_estimate
 from ledger.core import SessionCore, new_op_id
 from ledger.errors import (
     AdmissionRefused,
     BillingDriftWarning,
     CompactionPending,
+    ContextDrift,
+    ContextDriftWarning,
+    ContextOverflow,
     InvalidArgument,
     LedgerError,
     TurnInProgress,
@@ -60,7 +63,14 @@ Op = Generator["Call[Any] | Batch | Sleep | Held | Store | Fetch | Note", Any, T
 Effect = Any  # Held | Store | Fetch | Note: the reads and writes outside the ledger's scripts
 
 # Fields of the session's summaries hash that are no summary ('~' is no id's character):
-CALIBRATION = "~calibration"  # '<factor>|<turn>|<counted>|<billed>': the counter's scale
+# JSON {"v": 1, "factors": {kind: factor}, "reports": [[turn, {kind: base count}, billed]]}:
+# the factors learned per kind of content, and the last plausible reports they come from
+CALIBRATION = "~calibration"
+REPORTS_KEPT = 12  # the reports the factors are solved from (the newest)
+# a kind's factor is learned once it made this share of a report's prompt, and 64 tokens
+# of it (below that, the report tells too little of it: a small error elsewhere would move
+# it far)
+KIND_SHARE = 0.1
 BILLED = "~billed"  # '<turn>|<counted>|<billed>|<flagged 0/1>': the last turn's last report
 
 DIGEST_PREFIX = "h."
@@ -196,8 +206,8 @@ class BillingCheck:
     billed: int
     tolerance: int  # the difference allowed: billing_tolerance of the counted prompt
     flagged: bool  # |billed - counted| > tolerance
-    plausible: bool  # a ratio a counter can be off by (0.5..2), over enough tokens to tell
-    learned: float | None  # the new calibration factor, when this report set one
+    plausible: bool  # a ratio an estimate can be off by (0.5..2 of each kind's prior)
+    learned: Mapping[str, float] | None  # the factors this report taught, by kind
 
     @property
     def difference(self) -> int:
@@ -273,6 +283,11 @@ class TurnState:
     # the calibration factor changed since this process last counted: the app's held
     # objects count otherwise now (an adapter reconciles the ledger to them)
     recalibrated: bool = False
+    # the adapter's recount after a recalibration was refused (it did not fit): the ledger
+    # keeps the old counts, the drift shows at end_turn; the turn goes on
+    unreconciled: AdmissionRefused | None = None
+    # the tokens of the tool schemas the last prompt sent, as the adapter counted them
+    framing: int = 0
 
     @property
     def turn(self) -> int:
@@ -323,11 +338,13 @@ class AgentCore:
         if not 0 <= billing_tolerance < 1:
             raise InvalidArgument(f"billing_tolerance must be in [0, 1), got {billing_tolerance!r}")
         self.session = session
-        # every count goes through the session's calibration (a factor of 1 unless the
-        # counter estimates and the provider's reports taught another)
-        self.counter = Calibrated(counter)
         self.billing_tolerance = billing_tolerance
         self.calibrate = is_estimate(counter) if calibrate is None else calibrate
+        # every count goes through the session's calibration: the counter's own when it is
+        # exact, by kind of content when it estimates (docs/agent.md#what-the-model-billed)
+        self.counter = Calibrated(counter, kinds=self.calibrate)
+        self.counter.tolerance = billing_tolerance
+        self.reports: list[list[Any]] = []  # the session's kept reports (its calibration)
         self.id_of = id_of or default_id
         self.text_of = text_of or default_text
         self.item_overhead = item_overhead
@@ -359,9 +376,16 @@ class AgentCore:
                 f"id_of raised {type(exc).__name__} on {obj!r:.80}: {exc}"
             ) from exc
         if v is None or v == "":
+            sdk = isinstance(obj, Mapping) and ("role" in obj or "type" in obj)
             raise InvalidArgument(
                 f"a {type(obj).__name__} without a usable id ({obj!r:.80}): give it an id, "
                 "or pass id_of= to the agent"
+                + (
+                    " (an Agents SDK input item? set the ledger to SDK items with "
+                    "gov.reconcile(items) of LedgerAgents, which gives each an id)"
+                    if sdk
+                    else ""
+                )
             )
         return v
 
@@ -440,7 +464,27 @@ class AgentCore:
             room = budget - self.item_overhead - count(self.counter, head, "the spill header")
             if room < 0:
                 return cut_to(self.counter, head, budget - self.item_overhead, "the spill header")
-        return head + cut_to(self.counter, text, room, "the spill preview")
+        shown = head + cut_to(self.counter, text, room, "the spill preview")
+        # counted whole, the preview may be of another kind than its parts (a prose header
+        # on rows): cut further until the whole is within the budget, as the prompt counts it
+        over = count(self.counter, shown, "the spill preview") + self.item_overhead - budget
+        while over > 0 and len(shown) > len(head):
+            room -= over
+            shown = head + cut_to(self.counter, text, room, "the spill preview")
+            over = count(self.counter, shown, "the spill preview") + self.item_overhead - budget
+        return shown
+
+    def guard(self, prompt: int, limit: int | None, window: int | None, tally: Tally) -> None:
+        """Before a model call: a prompt counted over ``limit`` (the window minus the output
+        reserve), or whose stated upper bound (``Calibrated.upper``: an estimate's unlearned
+        kinds at their bound, its learned ones at their count plus the billing tolerance;
+        what the counter did not count as counted) is over the ``window``, is refused
+        (``ContextOverflow``): no prompt over the window reaches the model."""
+        if limit is not None and prompt > limit:
+            raise ContextOverflow(prompt, limit)
+        upper = tally.upper + max(prompt - tally.counted, 0)
+        if window is not None and upper > window:
+            raise ContextOverflow(upper, window)
 
     def prompt_tokens(self, prompt: int | str | Sequence[Obj]) -> int:
         """The real prompt's tokens: a count, a text, or the app objects it is made of."""
@@ -449,12 +493,21 @@ class AgentCore:
                 raise InvalidArgument(f"prompt tokens must not be negative, got {prompt}")
             return prompt
         if isinstance(prompt, str):
-            return count(self.counter, prompt, "the prompt")
+            with self.counter.measure():
+                return count(self.counter, prompt, "the prompt")
         if isinstance(prompt, Sequence):
-            return sum(
-                count(self.counter, self.text_of(o), "a prompt part") + self.item_overhead
-                for o in prompt
-            )
+            # a plain string among the parts is the budget's fixed text (the system prompt):
+            # counted as the budget counted it, with the counter itself
+            with self.counter.measure():
+                return sum(
+                    count(
+                        self.counter.fixed if isinstance(o, str) else self.counter,
+                        self.text_of(o),
+                        "a prompt part",
+                    )
+                    + self.item_overhead
+                    for o in prompt
+                )
         raise InvalidArgument(
             f"prompt must be tokens, text or a list of objects, got {prompt!r:.80}"
         )
@@ -559,7 +612,10 @@ class AgentCore:
                 waited_for += self.poll_interval
             except TurnInProgress as busy:
                 if waited >= wait:
-                    raise
+                    raise TurnInProgress(
+                        f"{busy} (waited {waited:g} s: begin the turn with wait=<seconds> to "
+                        "wait for it longer, or takeover=True to roll it back and start now)"
+                    ) from busy
                 left = max(busy.lease_left_ms or 0, 0) / 1000
                 step = min(
                     max(self.poll_interval, 0.001), wait - waited, left or self.poll_interval
@@ -590,9 +646,11 @@ class AgentCore:
         extra = (CALIBRATION,) if self.calibrate else ()
         got: list[str | None] = yield Fetch((*ids, *extra))
         if self.calibrate:
-            factor = _factor(got[-1])
-            if factor != self.counter.factor:
-                self.counter.factor, state.recalibrated = factor, True
+            factors, self.reports = _calibration(got[-1])
+            if factors != self.counter.factors:
+                self.counter.factors, state.recalibrated = factors, True
+            if ids:  # the worker counted its summaries with its own counter: recount
+                state.recalibrated = True
         for sid, raw in zip(ids, got[: len(ids)], strict=True):
             if raw is None:
                 continue  # a summary whose record expired or was never written: its drops stand
@@ -607,23 +665,51 @@ class AgentCore:
             state.summaries.append(summary)
             state.replaced_by[sid] = replaced
 
-    def billed(self, state: TurnState, billed: int, counted: int) -> Op[BillingCheck]:
+    def billed(
+        self, state: TurnState, billed: int, counted: int, tally: Tally | None = None
+    ) -> Op[BillingCheck]:
         """What the provider billed for a prompt (its reported input tokens) against the
         ledger's count of that prompt: flagged beyond ``billing_tolerance`` (a
-        BillingDriftWarning). When this agent calibrates (its counter estimates), a
-        plausible difference teaches the session a new factor, kept in Redis for every
-        process from the next turn on; an implausible one (a report covering more than
-        was counted, e.g. a system message the count left out) is flagged, not learned."""
+        BillingDriftWarning). ``tally``: what the count was made of (the base's counts by
+        kind, ``Calibrated.measure``); by default the last prompt measured, when its total
+        is ``counted``.
+
+        When this agent calibrates (its counter estimates), a plausible report (between
+        0.5 and 2 times each kind's prior estimate of the prompt) is kept in Redis with
+        the last ones, and a flagged one teaches the kinds it tells enough of a factor
+        solved from the kept reports against the base's counts (never against a calibrated
+        count: reports do not compound), for every process from the next turn on. A report
+        outside that range, whatever its size, is flagged and not learned: one wrong or
+        hostile report cannot move the fleet's counts past a kind's bound."""
         for name, v in (("billed", billed), ("counted", counted)):
             if type(v) is not int or v < 0:
                 raise InvalidArgument(f"{name} tokens must be a non-negative int, got {v!r}")
+        if tally is None:
+            last = self.counter.last
+            tally = last if last is not None and last.counted <= counted else Tally()
         tolerance = math.ceil(self.billing_tolerance * counted)
         flagged = abs(billed - counted) > tolerance
-        plausible = counted >= 64 and 0.5 <= billed / counted <= 2.0
+        # the tokens the counter did not count (item_overhead, framing) are billed alike
+        fixed = counted - tally.counted
+        text = billed - fixed
+        raw = {k: n for k, n in tally.raw.items() if n > 0}
+        prior = sum(n * self.counter.priors[k] for k, n in raw.items())
+        plausible = prior >= 64 and PLAUSIBLE[0] * prior <= text <= PLAUSIBLE[1] * prior
         learned = None
-        if flagged and self.calibrate and plausible:
-            learned = round(self.counter.factor * billed / counted, 4)
-            yield Note(((CALIBRATION, f"{learned}|{state.turn}|{counted}|{billed}"),))
+        if self.calibrate and plausible:
+            self.reports = [*self.reports, [state.turn, raw, text]][-REPORTS_KEPT:]
+            factors = dict(self.counter.factors)
+            solved = _solve(self.reports, factors, self.counter.priors)
+            new = {k: f for k, f in solved.items() if factors.get(k) != f}
+            # taught when the count is off, or when the kept reports move this prompt's
+            # count by 2 tokens or more (a factor from a small report is refined by the
+            # larger ones after it, before its error grows with the prompt)
+            shift = sum(abs(f - factors.get(k, f)) * raw.get(k, 0) for k, f in new.items())
+            if new and (flagged or shift >= 2 or not factors.keys() >= new.keys()):
+                learned = new
+                factors.update(new)
+            record = {"v": 1, "factors": factors, "reports": self.reports}
+            yield Note(((CALIBRATION, json.dumps(record, sort_keys=True)),))
         check = BillingCheck(
             turn=state.turn,
             counted=counted,
@@ -857,8 +943,17 @@ class AgentCore:
         if state is not None and state.billing:  # the turn's last report, for every process
             c = state.billing[-1]
             yield Note(((BILLED, f"{turn}|{c.counted}|{c.billed}|{int(c.flagged)}"),))
-        report: TurnReport = yield self.session.end_turn_call(turn, prompt_tokens, mark=mark)
+        try:
+            report: TurnReport = yield self.session.end_turn_call(turn, prompt_tokens, mark=mark)
+        except ContextDrift as exc:
+            hint = framing_hint(exc.report, state)
+            if hint:
+                raise ContextDrift(exc.report, f"{exc}; {hint}") from exc
+            raise
         self.compaction_pending = report.compaction_due
+        hint = framing_hint(report, state)
+        if hint:
+            warnings.warn(ContextDriftWarning(report, hint), stacklevel=4)
         return report
 
     def abort(self, turn: int) -> Op[TurnAborted]:
@@ -896,23 +991,108 @@ class AgentCore:
         return done
 
 
-def _factor(raw: str | None) -> float:
-    """The calibration factor of the session's record ('<factor>|...'), 1 without one."""
+def _calibration(raw: str | None) -> tuple[dict[str, float], list[list[Any]]]:
+    """The session's calibration record: the learned factors by kind and the kept reports
+    (none of either without a record, or with one this version did not write)."""
     try:
-        f = float(str(raw).split("|", 1)[0]) if raw else 1.0
-    except ValueError:
-        return 1.0
-    return f if 0.1 <= f <= 10 else 1.0
+        rec = json.loads(raw) if raw else {}
+        factors = {
+            str(k): float(v)
+            for k, v in rec.get("factors", {}).items()
+            if k in KINDS and float(v) > 0
+        }
+        reports = [list(r) for r in rec.get("reports", []) if len(r) == 3]
+    except (ValueError, TypeError, AttributeError):
+        return {}, []
+    return factors, reports
+
+
+def _solve(
+    reports: Sequence[Sequence[Any]], current: Mapping[str, float], priors: Mapping[str, float]
+) -> dict[str, float]:
+    """The factor of each kind the reports tell enough of (``KIND_SHARE`` of some
+    report's prompt, and 64 tokens): least squares over the reports, each
+    ``sum(factor[kind] x base count[kind]) = billed`` (a larger report, whose bill rounds
+    less, weighs more), held near the current factors (or the priors) where the reports
+    cannot tell kinds apart. A solved factor outside its kind's plausible range is not
+    learned."""
+    kinds = sorted({k for _, raw, _ in reports for k in raw})
+    told = {
+        k
+        for _, raw, billed in reports
+        for k in raw
+        if billed > 0
+        and raw[k] * priors[k] >= max(64, KIND_SHARE * sum(n * priors[j] for j, n in raw.items()))
+    }
+    if not kinds or not told:
+        return {}
+    n = len(kinds)
+    a = [[0.0] * n for _ in range(n)]
+    y = [0.0] * n
+    for _, raw, billed in reports:
+        if billed <= 0:
+            continue
+        x = [float(raw.get(k, 0)) for k in kinds]
+        for i in range(n):
+            y[i] += x[i] * billed
+            for j in range(n):
+                a[i][j] += x[i] * x[j]
+    for i, k in enumerate(kinds):  # a light pull toward what is known of each kind
+        g = current.get(k, priors[k])
+        w = 1e-3 * max(a[i][i], 1e-12) + (0.0 if k in told else 1e3 * max(a[i][i], 1e-12))
+        a[i][i] += w
+        y[i] += w * g
+    f = _gauss(a, y)
+    out = {}
+    for k, v in zip(kinds, f, strict=True):
+        if k in told and PLAUSIBLE[0] * priors[k] <= v <= PLAUSIBLE[1] * priors[k]:
+            out[k] = round(v, 4)
+    return out
+
+
+def _gauss(a: list[list[float]], y: list[float]) -> list[float]:
+    """Solve a x = y (a small symmetric positive definite system) by elimination."""
+    n = len(y)
+    m = [[*row, v] for row, v in zip(a, y, strict=True)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(m[r][c]))
+        m[c], m[p] = m[p], m[c]
+        if abs(m[c][c]) < 1e-300:
+            return [0.0] * n
+        for r in range(n):
+            if r != c:
+                q = m[r][c] / m[c][c]
+                m[r] = [u - q * v for u, v in zip(m[r], m[c], strict=True)]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+def framing_hint(report: object, state: TurnState | None) -> str | None:
+    """When a flagged drift is the tool schemas' tokens the prompt sent (within the
+    tolerance): what is missing is the budget's ``tool_framing``, named with its value."""
+    drift = getattr(report, "drift", 0)
+    tolerance = getattr(report, "tolerance", None) or 0
+    framing = 0 if state is None else state.framing
+    if getattr(report, "flag", None) != "drift" or framing <= 0:
+        return None
+    if abs(drift - framing) > tolerance:
+        return None
+    return (
+        f"the drift is the {framing} tokens of the tool schemas the prompt sent: the "
+        f"session's budget has no tool_framing for them (SessionBudget(tool_framing={framing}))"
+    )
 
 
 def billing_message(c: BillingCheck) -> str:
+    learned = ", ".join(f"{k} x{f:g}" for k, f in sorted((c.learned or {}).items()))
     why = (
-        "the counter is off; the factor learned from it is applied from the next turn"
-        if c.learned is not None
-        else "the counter is off (an estimate? Agent(calibrate=True) learns its factor)"
+        f"the counter is off; the factors learned from it ({learned}) are applied from the "
+        "next turn"
+        if c.learned
+        else "the counter is off (an estimate? Agent(calibrate=True) learns its factors)"
         if c.plausible
-        else "the report covers what the count did not (a system message, tool schemas, "
-        "images?) or far less: nothing learned from it; count the prompt the provider bills"
+        else "the report is outside what an estimate can be off by (0.5-2x of each kind's "
+        "prior): it covers what the count did not (a system message, tool schemas, images?), "
+        "far less, or is wrong: nothing learned from it; count the prompt the provider bills"
     )
     return (
         f"turn {c.turn}: the provider billed {c.billed} input tokens for a prompt the ledger "

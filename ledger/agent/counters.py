@@ -13,13 +13,16 @@ A counter is any callable ``text -> int`` (a :class:`TokenCounter`). Two ship he
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import gzip
 import hashlib
 import importlib.util
 import math
+import re
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -135,50 +138,184 @@ class TiktokenCounter:
         return str(self._enc.decode(ids[: max(tokens, 0)]))
 
 
+# Kinds of content, told apart by their characters (content_kind): an estimate from
+# characters is off by a different ratio for each, so each is calibrated on its own.
+KINDS = ("prose", "code", "data", "cjk")
+# The characters a token takes for each kind before any report (the prior): English prose
+# about 4, code about 3, CSV/JSON rows about 2 (numbers and punctuation split finely),
+# CJK about 1.
+CHARS_PER_TOKEN = {"prose": 4.0, "code": 3.0, "data": 2.0, "cjk": 1.0}
+# What a report may say of a kind, as a multiple of its prior: outside it the report
+# counts what the count never saw (or is wrong) and is not learned from. Its top is the
+# upper bound a kind is counted at until a report taught its factor.
+PLAUSIBLE = (0.5, 2.0)
+
+_CJK = re.compile(
+    r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff\uff00-\uffef]"
+)
+_DATA = re.compile(r'[0-9{}\[\]",:|\t]')
+_CODE = re.compile(r"[(){}\[\];=<>_+*/&|!#$]")
+
+
+def content_kind(text: str) -> str:
+    """The kind of a text's content, by the share of its characters (spaces aside) that
+    are CJK (>= 20%: ``cjk``), digits and the punctuation of rows and JSON (>= 30%:
+    ``data``), operators and brackets (>= 6%: ``code``); ``prose`` otherwise."""
+    dense = len(text) - text.count(" ") - text.count("\n")
+    if dense <= 0:
+        return "prose"
+    if not text.isascii() and len(_CJK.findall(text)) >= 0.2 * dense:
+        return "cjk"
+    if len(_DATA.findall(text)) >= 0.3 * dense:
+        return "data"
+    if len(_CODE.findall(text)) >= 0.06 * dense:
+        return "code"
+    return "prose"
+
+
+def _nearest(x: float) -> int:
+    """Rounded to the nearest int (halves up): an error of at most half a token that is
+    as often below as above, so that a sum of many counts does not drift one way."""
+    return math.floor(x + 0.5)
+
+
+@dataclass
+class Tally:
+    """What one measure counted: the base's counts by kind, and the calibrated total."""
+
+    raw: dict[str, int] = field(default_factory=dict)
+    counted: int = 0
+    upper: int = 0  # the stated upper bound of ``counted`` (see Calibrated.upper)
+
+    def add(self, other: Tally) -> None:
+        for k, n in other.raw.items():
+            self.raw[k] = self.raw.get(k, 0) + n
+        self.counted += other.counted
+        self.upper += other.upper
+
+
 class Calibrated:
-    """A counter scaled by a factor learned from what the provider billed:
-    ``ceil(base(text) * factor)`` (the base's own count while the factor is 1). The
-    agent layer keeps one per session and takes the factor from Redis at each turn, so
-    that every process counts alike."""
+    """A counter scaled by what the provider billed, per kind of content.
+
+    For an exact counter (``kinds`` false) the count is the base's own. For an estimate
+    (``kinds`` true), each text's kind is detected (:func:`content_kind`) and counted as
+    ``base(text) x factor[kind]``, rounded to the nearest token, once a report taught the
+    kind's factor; before that at its upper bound, ``ceil(base(text) x prior x 2)`` (the
+    most a plausible report can say), so an unlearned estimate errs toward spilling, never
+    toward overflowing the window. The factors are learned against the base's count,
+    never against an already calibrated one. The agent layer keeps one per session and
+    takes the factors from Redis at each turn, so that every process counts alike."""
 
     CACHED = 4096  # texts whose base count is kept (the least recently used go first)
     KEYED = 4096  # characters up to which a text is its own cache key
 
-    def __init__(self, base: Callable[[str], int]) -> None:
+    def __init__(self, base: Callable[[str], int], kinds: bool = False) -> None:
         self.base = base
-        self.factor = 1.0
+        self.kinds = kinds
+        self.factors: dict[str, float] = {}  # kind -> tokens per token of the base's count
+        cpt = getattr(base, "chars_per_token", None)
+        # the prior of each kind, as a multiple of the base's count: for a characters
+        # estimate, its own characters per token over the kind's; else 1
+        self.priors = {
+            k: (float(cpt) / CHARS_PER_TOKEN[k] if isinstance(cpt, (int, float)) else 1.0)
+            for k in KINDS
+        }
+        self.tolerance = 0.0  # the billing tolerance a learned count is trusted within
         self.name = str(getattr(base, "name", type(base).__name__))
         # base counts by content: an object's text is counted once per process, not on
         # every admit, prompt and end_turn that names it again (a counter is a function
         # of the text alone)
-        self._counts: OrderedDict[object, int] = OrderedDict()
+        self._counts: OrderedDict[object, tuple[int, str]] = OrderedDict()
         self.calls = 0  # calls of the base counter (the cache's misses)
+        self._tally: Tally | None = None
+        self.last: Tally | None = None  # the last measure taken
+
+    @property
+    def factor(self) -> float:
+        """The prose factor (1 while none is learned); setting it sets every kind's."""
+        return self.factors.get("prose", 1.0)
+
+    @factor.setter
+    def factor(self, value: float) -> None:
+        self.factors = {} if value == 1.0 and not self.kinds else dict.fromkeys(KINDS, value)
 
     def __call__(self, text: str, /) -> int:
+        return self._count(text, False)
+
+    def fixed(self, text: str, /) -> int:
+        """The count of a text of the budget's fixed framing (the system prompt given as a
+        plain string): the base's own, as the budget's ``system_prompt`` was counted, so the
+        ledger still equals the prompt; tallied like any other (its bills teach its kind,
+        the guard takes its bound)."""
+        return self._count(text, True)
+
+    def _count(self, text: str, fixed: bool) -> int:
         # a text up to KEYED characters is its own key (Python caches a str's hash, so the
         # same object counted again costs a lookup); a longer one is keyed by a digest, so
         # that the cache holds no large text
         key: object = text if len(text) <= self.KEYED else (len(text), _digest(text))
-        n = self._counts.get(key)
-        if n is None:
+        got = self._counts.get(key)
+        if got is None:
             self.calls += 1
             n = self.base(text)
             if type(n) is not int:
                 return n  # not a count: count() says what is wrong, nothing is kept
-            self._counts[key] = n
+            got = (n, content_kind(text) if self.kinds else "prose")
+            self._counts[key] = got
             if len(self._counts) > self.CACHED:
                 self._counts.popitem(last=False)
         else:
             self._counts.move_to_end(key)
-        if self.factor == 1.0:
-            return n
-        return math.ceil(n * self.factor)
+        raw, kind = got
+        out = raw if fixed else self.scaled(raw, kind)
+        if self._tally is not None and raw >= 0:
+            t = self._tally
+            t.raw[kind] = t.raw.get(kind, 0) + raw
+            t.counted += out
+            t.upper += self.upper(raw, kind)
+        return out
+
+    def scaled(self, raw: int, kind: str) -> int:
+        """The count of a text whose base count is ``raw``, of this kind."""
+        f = self.factors.get(kind)
+        if f is None:
+            return self.bound(raw, kind) if self.kinds else raw
+        return raw if f == 1.0 else _nearest(raw * f)
+
+    def bound(self, raw: int, kind: str) -> int:
+        """The upper bound of a kind's count: the top of the plausible range."""
+        return math.ceil(raw * self.priors[kind] * PLAUSIBLE[1])
+
+    def upper(self, raw: int, kind: str) -> int:
+        """The most a text can bill, as stated: its bound while its kind's factor is not
+        learned; the learned count plus the billing tolerance once it is (a report beyond
+        it is flagged and teaches the factor again); the count itself when exact."""
+        f = self.factors.get(kind)
+        if f is None:
+            return self.bound(raw, kind) if self.kinds else raw
+        return math.ceil(raw * f * (1 + self.tolerance))
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[Tally]:
+        """Tally what is counted inside: the base's counts by kind and the total (the
+        learning of a report needs both)."""
+        outer, tally = self._tally, Tally()
+        self._tally = tally
+        try:
+            yield tally
+        finally:
+            self._tally = outer
+            if outer is not None:
+                outer.add(tally)
+            self.last = tally
 
     def truncate(self, text: str, tokens: int) -> str:
         trunc = getattr(self.base, "truncate", None)
         if not callable(trunc):
             raise AttributeError("truncate")
-        return str(trunc(text, math.floor(tokens / self.factor)))
+        kind = content_kind(text) if self.kinds else "prose"
+        per = self.scaled(1_000_000, kind) / 1_000_000  # this kind's tokens per base token
+        return str(trunc(text, math.floor(tokens / per) if per > 0 else tokens))
 
 
 def _digest(text: str) -> bytes:
