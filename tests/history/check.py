@@ -241,6 +241,8 @@ def check(history: list[Rec], final: dict[str, Final]) -> Report:
             for _, item in b.r.get("dropped") or []:
                 replaced[(sid, item)].append(state[(sid, turn)])
                 replaced_at[(sid, item)].append(b.t0)
+                if isinstance(b.r.get("epoch"), int):
+                    delivered_ep[(sid, item)] = b.r["epoch"]
             for summary in b.r.get("summaries") or []:
                 delivered[(sid, summary)].append(state[(sid, turn)])
                 delivered_at[(sid, summary)].append(b.t0)
@@ -260,12 +262,17 @@ def check(history: list[Rec], final: dict[str, Final]) -> Report:
         (which no reply shows) may have been given it, and committed."""
         return any(t > min(table[key]) for t in hidden[sid])
 
+    def reset(sid: str, name: str) -> bool:
+        """Whether the session was reset since ``name`` was delivered (which drops what
+        was queued for delivery with everything else)."""
+        return sid in final and delivered_ep.get((sid, name), final[sid].epoch) < final[sid].epoch
+
     for (sid, item), states in replaced.items():
         # what a summary replaced reaches one committed turn, once (the app drops it then)
         if states.count("committed") > 1:
             bad(("summary", f"{item} of {sid} given as replaced to "
                  f"{states.count('committed')} committed turns"))  # fmt: skip
-        given = "committed" in states or "unknown" in states
+        given = "committed" in states or "unknown" in states or reset(sid, item)
         if not given and not unseen(sid, (sid, item), replaced_at):
             bad(("summary", f"{item} of {sid} given as replaced to rolled-back turns only"))
     rep.summaries = sum("committed" in states for states in delivered.values())
@@ -280,10 +287,11 @@ def check(history: list[Rec], final: dict[str, Final]) -> Report:
             and "unknown" not in states
             and (sid, summary) not in compacted
             and not unseen(sid, (sid, summary), delivered_at)
+            and not reset(sid, summary)
         ):
             bad(("summary", f"{summary} of {sid} delivered only to rolled-back turns"))
         held = sid in final and summary in final[sid].items
-        if sid in final and delivered_ep.get((sid, summary), final[sid].epoch) < final[sid].epoch:
+        if reset(sid, summary):
             continue  # a reset since dropped it
         if not held and (sid, summary) not in compacted:
             bad(("lost", f"summary {summary} of {sid} delivered, not held at the end"))
