@@ -593,7 +593,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter())
     overrides: dict[str, object] = {}
-    names = ("compactor", "consumer", "metrics_port", "claim_idle_ms", "max_deliveries")
+    names: tuple[str, ...] = ("compactor", "consumer", "metrics_port", "claim_idle_ms")
+    names += ("max_deliveries", "metrics_host", "drain_seconds")
     for name in (*names, "max_in_flight"):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
@@ -608,16 +609,28 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if wsettings.compactor is None:
         raise ConfigurationError(NO_COMPACTOR)
     stop = threading.Event()
+    said: list[str] = []  # the signal that stopped the worker (its log names it)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        said.append(signal.Signals(signum).name)
+        stop.set()  # no job starts from now on; the loop drains and says so
+
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
+            signal.signal(sig, on_signal)
     with Ledger.from_settings(settings) as ledger:
         worker = Worker(ledger, wsettings)
+        worker.signals = said
         http = None
         if wsettings.metrics_port:  # /metrics, /healthz (the job loop turns), /readyz
             from ledger.workers.http import serve
 
-            http = serve(worker, wsettings.metrics_port, wsettings.health_stale_seconds)
+            http = serve(
+                worker,
+                wsettings.metrics_port,
+                wsettings.health_stale_seconds,
+                host=wsettings.metrics_host,
+            )
         try:
             worker.run(stop, once=args.once)
             if args.once:
@@ -778,6 +791,15 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--max-in-flight", type=int, help="compactions at once (default 16)")
     w.add_argument("--consumer", help="consumer name in the group (default host-pid)")
     w.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    w.add_argument(
+        "--metrics-host",
+        help="address the metrics endpoint listens on (default 0.0.0.0; 127.0.0.1: this host)",
+    )
+    w.add_argument(
+        "--drain-seconds",
+        type=float,
+        help="at SIGTERM, how long the jobs running get to end (default 25, at most 30)",
+    )
     w.add_argument("--claim-idle-ms", type=int, help="take over jobs idle this long")
     w.add_argument("--max-deliveries", type=int, help="dead-letter a job after this many")
     w.add_argument(

@@ -1143,7 +1143,8 @@ def test_healthz_fails_when_the_job_loop_is_wedged(led: Ledger) -> None:
         while get("/readyz")[0] != 200:
             assert time.monotonic() < deadline, get("/readyz")
             time.sleep(0.05)
-        assert get("/healthz") == (200, "ok\n")
+        code, why = get("/healthz")
+        assert code == 200 and why.startswith("ok: Redis answered"), why
         code, body = get("/metrics")
         assert code == 200 and "ledger_redis_up 1.0" in body and "ledger_build_info" in body
         assert get("/other")[0] == 404
@@ -1163,9 +1164,11 @@ def test_healthz_fails_when_the_job_loop_is_wedged(led: Ledger) -> None:
 def test_dead_letters_listed_replayed_and_purged(
     led: Ledger, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A job the compactor always fails ends in a dead-letter stream; `ledger dead list`
-    shows it, `replay` puts it back on its job stream as a new job that a working
-    compactor then runs, `purge` deletes letters; the worker exports the depth."""
+    """A job the compactor always fails ends in a dead-letter stream, each death
+    committed as a failed compaction, so a session's third reaches its hard reset (it is
+    not left waiting for a compaction nobody makes); `ledger dead list` shows them,
+    `replay` puts one back on its job stream as a new job (done as 'already': its session
+    moved on to a new epoch), `purge` deletes letters; the worker exports the depth."""
     import json
 
     from ledger import cli, views
@@ -1177,21 +1180,26 @@ def test_dead_letters_listed_replayed_and_purged(
     )
     drain_in_process(led, worker)
     depths, letters = views.dead_letters(led)
-    assert sum(depths.values()) == 2 and {d.fields["session"] for d in letters} == {"dl-1", "dl-2"}
+    assert sum(depths.values()) == 6 and {d.fields["session"] for d in letters} == {"dl-1", "dl-2"}
+    assert all("counted as a failed compaction (failed)" in d.fields["why"] for d in letters)
+    for sid in ("dl-1", "dl-2"):
+        h = session_hash(led, sid)
+        assert (h["x:failed_compactions"], h["x:resets"], h["ep"], h["cd"]) == ("3", "1", "2", "0")
     worker.observe()
     gauge = worker.metrics.registry.get_sample_value
-    assert sum(gauge("ledger_dead_letters", {"partition": str(p)}) or 0 for p in depths) == 2
+    assert sum(gauge("ledger_dead_letters", {"partition": str(p)}) or 0 for p in depths) == 6
     argv = ["--url", led.settings.redis_url or "", "--prefix", led.settings.prefix, "dead"]
     assert cli.main([*argv, "list", "--json"]) == cli.EXIT_OK
     listed = json.loads(capsys.readouterr().out)
-    refs = {r["session"]: r["ref"] for r in listed["letters"]}
-    assert cli.main([*argv, "replay", refs["dl-1"]]) == cli.EXIT_OK
+    refs = [r["ref"] for r in listed["letters"] if r["session"] == "dl-1"]
+    assert cli.main([*argv, "replay", refs[0]]) == cli.EXIT_OK
     assert cli.main([*argv, "replay", "p0:1-1"]) == cli.EXIT_VIOLATION  # no such letter
     assert cli.main([*argv, "replay"]) == cli.EXIT_USAGE  # names, or --all
     good = in_process_worker(led, claim_idle_ms=10)
     drain_in_process(led, good)
-    assert session_hash(led, "dl-1")["kn"] == "1"  # the replayed job ran
-    assert session_hash(led, "dl-2")["kn"] == "0"
+    assert jobs.metric(good, "ledger_jobs_processed_total", kind="compact") == 1  # replayed
+    assert session_hash(led, "dl-1")["ep"] == "2"  # nothing more: its epoch had moved on
+    assert sum(views.dead_letters(led)[0].values()) == 5
     assert cli.main([*argv, "purge", "--all"]) == cli.EXIT_OK
     assert views.dead_letters(led)[0] == {}
     capsys.readouterr()
