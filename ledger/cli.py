@@ -289,11 +289,12 @@ def cmd_inspect(args: argparse.Namespace, out: Console) -> int:
     from rich.table import Table
 
     from ledger.client import Ledger
-    from ledger.views import stored_outcome, view
+    from ledger.views import session_dead_letters, stored_outcome, view
 
     with Ledger.from_settings(_settings(args)) as ledger:
         v = view(ledger, args.session, journal=args.journal)
         ops = {op: stored_outcome(ledger, args.session, op) for op in args.op or ()}
+        letters = session_dead_letters(ledger, args.session)
     snap = v.snapshot
     out.print(
         f"[bold]{v.session_id}[/]  epoch {snap.epoch}  turn {snap.turn}  regime "
@@ -310,6 +311,16 @@ def cmd_inspect(args: argparse.Namespace, out: Console) -> int:
         out.print(
             f"[bold red]DAMAGED: {', '.join(negative)} below 0: the stored allocations "
             "exceed the window (ledger audit names what disagrees)[/]"
+        )
+    for d in letters:  # jobs of this session the worker gave up on, newest first
+        epoch = d.fields.get("epoch", "?")
+        held = epoch == str(snap.epoch)  # of this epoch: its failed state is this one's
+        out.print(
+            ("[bold red]HELD BY A DEAD LETTER[/] " if held else "dead letter ")
+            + f"{escape(d.ref)}: {escape(d.fields.get('kind', '?'))} job of epoch {escape(epoch)}, "
+            + escape(d.fields.get("why", ""))
+            + (f"; last error {escape(d.fields.get('error', ''))}" if d.fields.get("error") else "")
+            + ("  (ledger dead list / replay / purge)" if held else "")
         )
     tol = "not judged" if snap.framing_tolerance is None else str(snap.framing_tolerance)
     out.print(

@@ -1205,6 +1205,34 @@ def test_dead_letters_listed_replayed_and_purged(
     capsys.readouterr()
 
 
+def test_inspect_names_a_session_held_by_a_dead_letter(
+    led: Ledger, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compaction that died is a failed compaction of the session's epoch: `ledger
+    inspect` says the session is held by that dead letter, and names it."""
+    from ledger import cli
+
+    open_compaction(led, "dl-held")
+    worker = in_process_worker(
+        led, compactor="tests.test_workers:always_fails", max_deliveries=1, claim_idle_ms=10
+    )
+    worker.ensure_groups()
+    monkeypatch.setenv("LEDGER_PARTITIONS", str(led.keyspace.partitions))
+    argv = ["--url", led.settings.redis_url or "", "--prefix", led.settings.prefix]
+    assert cli.main([*argv, "inspect", "dl-held"]) == cli.EXIT_OK
+    assert "DEAD LETTER" not in capsys.readouterr().out
+    worker.poll_once()  # the compactor raises: pending, its error recorded
+    time.sleep(0.05)
+    worker.poll_once()  # claimed again: delivered twice, dead-lettered
+    assert session_hash(led, "dl-held")["kf"] == "1"  # counted as a failed compaction
+    assert cli.main([*argv, "inspect", "dl-held"]) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    p = led.keyspace.partition_of("dl-held")
+    [(eid, _)] = led.client.xrange(led.keyspace.dead_letters(p))
+    assert "HELD BY A DEAD LETTER" in out and f"p{p}:{_text(eid)}" in out, out
+    assert "summarizer down" in out
+
+
 def test_a_stopping_worker_leaves_its_groups_unless_it_holds_jobs(led: Ledger) -> None:
     """A clean stop removes the worker's consumer from every group where it holds no
     pending job (restarts do not pile consumers up); one holding a job stays, so that
