@@ -1105,7 +1105,9 @@ def test_a_compactor_that_cannot_work_stops_the_worker_at_start(
     Worker(led, WorkerSettings(compactor="ledger.adapters.summarizer:openai_from_env"))
 
 
-def test_healthz_fails_when_the_job_loop_is_wedged(led: Ledger) -> None:
+def test_healthz_fails_when_the_job_loop_is_wedged(
+    led: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """/healthz reads the loop's heartbeat, not the HTTP thread's: a loop stuck in a step
     makes it 503 while /metrics still answers; /readyz needs Redis's last pass too."""
     import threading
@@ -1145,6 +1147,12 @@ def test_healthz_fails_when_the_job_loop_is_wedged(led: Ledger) -> None:
             time.sleep(0.05)
         code, why = get("/healthz")
         assert code == 200 and why.startswith("ok: Redis answered"), why
+        # the container's probe finds the endpoint from the worker's settings
+        from ledger.workers.http import probe
+
+        monkeypatch.setenv("LEDGER_WORKER_METRICS_PORT", str(server.server_address[1]))
+        monkeypatch.setenv("LEDGER_WORKER_METRICS_HOST", "127.0.0.1")
+        assert probe("healthz") == 0 and probe("readyz") == 0
         code, body = get("/metrics")
         assert code == 200 and "ledger_redis_up 1.0" in body and "ledger_build_info" in body
         assert get("/other")[0] == 404
@@ -1152,6 +1160,7 @@ def test_healthz_fails_when_the_job_loop_is_wedged(led: Ledger) -> None:
         time.sleep(1.0)  # more than stale_s without a turn of the loop
         code, why = get("/healthz")
         assert code == 503 and "has not turned" in why
+        assert probe("healthz") == 1
         assert get("/readyz")[0] == 503 and get("/metrics")[0] == 200
     finally:
         release.set()
