@@ -32,6 +32,12 @@ effect, so it applies once for its whole life in the stream, even when taken ove
 after the op retention; a hard-reset job needs no such check (a reset at epoch e
 moves the session to e + 1, so the job, fenced at e, can apply only once).
 
+No job holds the loop: the jobs read run in job threads beside it (at most
+``max_in_flight`` in hand, those of one session in order), kept from looking idle while
+they run; the loop goes on reading into the free slots, sweeping, claiming and beating.
+At a stop it reads nothing more and gives the jobs in hand ``drain_seconds``; a job
+still running then stays pending for another worker (see ``Worker.run``).
+
 No Redis condition stops the loop. Out of memory, a read-only replica, loading,
 busy, an unreachable server: the job in hand stays pending without counting as a
 delivery, the condition is logged and counted (``ledger_worker_errors{kind}``), and
