@@ -4,10 +4,10 @@ Real `ledger worker` processes on a real redis-server:
 
 - a slow synchronous compactor (20 s here; ``SLOW_COMPACT_SECONDS=60`` for the issue's
   form, by hand) at ``--max-in-flight 3`` holding two slots: the third slot takes a new
-  job at once, leases are swept, ``/healthz`` and ``/readyz`` answer 200 throughout (the
-  loop turns, Redis answers), and SIGTERM ends the process within the drain deadline,
-  the two jobs left pending (the log names them) for another worker, which takes them
-  over and compacts;
+  job at once, leases are swept, a dead worker's job is taken over, ``/healthz`` and
+  ``/readyz`` answer 200 throughout (the loop turns, Redis answers), and SIGTERM ends
+  the process within the drain deadline, the two jobs left pending (the log names
+  them) for another worker, which takes them over and compacts;
 - a compactor that always raises: each death is committed as a failed compaction, so
   the sessions reach the hard reset (docs/rules.md) within the stated bound, and admit
   again after it.
@@ -129,6 +129,20 @@ def test_a_slow_sync_compactor_holds_neither_the_loop_nor_sigterm(
             probe()
             assert time.monotonic() - started < 8, w.tail()
             time.sleep(0.05)
+        # A job a dead worker ("ghost") read is taken over meanwhile.
+        ghost = "ghost-reset"
+        epoch = led.open_session(ghost, jobs.BUDGET).epoch
+        stream = jobs.jobs_of(led, ghost)
+        entry = {"kind": "hard_reset", "session": ghost, "epoch": epoch, "reason": "t", "op": "x"}
+        pipe = led.client.pipeline(transaction=True)  # read by the ghost before the worker
+        pipe.xadd(stream, entry)  # type: ignore[arg-type]
+        pipe.xreadgroup(jobs.GROUP, "ghost", {stream: ">"}, count=10)
+        pipe.execute()
+        while jobs.session_hash(led, ghost).get("ep") != "2":
+            probe()
+            assert time.monotonic() - started < 12, w.tail()
+            time.sleep(0.05)
+        assert w.messages("job done")[-1]["session"] == ghost
         for _ in range(10):
             probe()
             time.sleep(0.05)
