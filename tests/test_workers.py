@@ -1261,3 +1261,28 @@ def test_a_stopping_worker_leaves_its_groups_unless_it_holds_jobs(led: Ledger) -
     }
     assert removed == len(w.partitions) - 1
     assert [q for q, names in left.items() if b"leaver" in names or "leaver" in names] == [p]
+
+
+def test_a_worker_without_compactor_leaves_compactions_to_one_with(led: Ledger) -> None:
+    """--compactor none: a compaction job of a worker-owned session is not its job. It
+    stays pending with its delivery uncounted (never dead-lettered for it, however often
+    it comes back), and a worker with a compactor takes it over and compacts."""
+    open_compaction(led, "none-1")
+    none = in_process_worker(led, compactor="none", max_deliveries=1, claim_idle_ms=10)
+    none.ensure_groups()
+    for _ in range(4):  # read, then claimed again and again: more than max_deliveries
+        none.poll_once()
+        time.sleep(0.03)
+    assert jobs.metric(none, "ledger_jobs_deferred_total") == 4
+    assert jobs.metric(none, "ledger_jobs_failed_total", kind="compact") == 0
+    assert views_dead(led) == 0 and session_hash(led, "none-1")["kn"] == "0"
+    good = in_process_worker(led, claim_idle_ms=10)
+    time.sleep(0.03)
+    drain_in_process(led, good)
+    assert session_hash(led, "none-1")["kn"] == "1"
+
+
+def views_dead(led: Ledger) -> int:
+    from ledger import views
+
+    return sum(views.dead_letters(led)[0].values())
