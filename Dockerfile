@@ -25,10 +25,12 @@ RUN pip install ".[worker,summarizer,cli]" \
 USER ledger
 WORKDIR /home/ledger
 # No Redis URL is baked in: LEDGER_REDIS_URL names it (the worker exits 2 without one).
-# The worker's /metrics, /healthz and /readyz on 9464; the health check fails once the
-# job loop has not turned for 90 s (docs/operations.md).
+# The worker's /metrics, /healthz and /readyz on 9464 (LEDGER_WORKER_METRICS_PORT and
+# LEDGER_WORKER_METRICS_HOST change them); the health check asks /healthz where those
+# settings say (python -m ledger.workers.http) and fails once the job loop has not
+# turned for 90 s (docs/operations.md).
 ENV LEDGER_WORKER_METRICS_PORT=9464
 EXPOSE 9464
 HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 \
-    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:9464/healthz', timeout=3)"]
+    CMD ["python", "-m", "ledger.workers.http", "healthz"]
 CMD ["ledger", "worker"]

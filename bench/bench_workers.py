@@ -3,6 +3,7 @@ with --idle, what an idle worker costs and how fast it picks up a job.
 
     python -m bench.bench_workers [--jobs N] [--json] [--reps R] [--partitions P]
     python -m bench.bench_workers --metrics SESSIONS [--rounds R] [--latency-jobs N]
+    python -m bench.bench_workers --queue-wait [--wait-seconds S] [--baseline DIR]
     python -m bench.bench_workers --idle [--partitions P] [--idle-seconds S]
                                   [--latency-jobs N] [--cluster]
 
@@ -28,6 +29,13 @@ variables, each logging JSON to its own file; a fresh key prefix for every run.
 4. Metrics (--metrics SESSIONS, instead): pickup latency as in 3 with that many live
    sessions, a worker with a metrics port and OBSERVE_INTERVAL=1 against one without,
    in interleaved rounds; the median per round and the median ratio on / off (min-max).
+5. Queue wait (--queue-wait, instead): one worker at its default max_in_flight (16)
+   with an async LLM-like compactor (3-6 s a summary, asyncio.sleep); a new session
+   becomes due for compaction every 0.4 s for --wait-seconds (about 11 compactions in
+   flight: slots stay free); each job's wait from its enqueueing (the entry id's time)
+   to its start (its "job done" time minus its duration), p50, p90 and max. --baseline
+   DIR runs the same with the worker imported from DIR (a checkout of another commit,
+   e.g. ``git worktree add /tmp/old <commit>``): the before / after figure.
 
 Worker processes, redis-server and this script share the CPUs (``nproc`` is reported).
 """
@@ -35,6 +43,7 @@ Worker processes, redis-server and this script share the CPUs (``nproc`` is repo
 from __future__ import annotations
 
 import argparse
+import datetime
 import random
 import statistics
 import tempfile
@@ -409,6 +418,85 @@ def print_metrics(res: dict[str, Any]) -> None:
     )
 
 
+# The compactor of --queue-wait, written next to the worker's log (its working directory,
+# so `python -m ledger.cli worker` imports it whichever checkout the ledger comes from).
+LLM_LIKE = """
+import asyncio, random
+from ledger import Item
+from ledger.workers.compactors import CompactionPlan
+
+async def llm_like(request):
+    await asyncio.sleep(random.uniform(3.0, 6.0))  # a summary from a remote LLM
+    wm = [i for i in request.items if i.consumer.value == "working_memory"]
+    old = wm[:-2]
+    summary = Item(f"sum-{request.turn}", max(1, sum(i.tokens for i in old) // 10), 1000)
+    return CompactionPlan(tuple((i.consumer, i.id) for i in old), summary)
+"""
+
+
+def queue_wait_once(url: str, a: argparse.Namespace, logs: Path, old: str | None) -> dict[str, Any]:
+    from ledger import Item
+
+    (logs / "llm_like_compactor.py").write_text(LLM_LIKE)
+    with Run(url, a.partitions, logs) as run:
+        env = {"LEDGER_WORKER_COMPACTOR": "llm_like_compactor:llm_like"}
+        if old is not None:
+            env["PYTHONPATH"] = old
+        w = run.spawn("queue-wait" + ("-old" if old else ""), **env)
+        w.wait_started()
+        items = [Item(f"old{k}", 250) for k in range(8)] + [Item(f"big{k}", 3_100) for k in (1, 2)]
+        sids, deadline, k = [], time.monotonic() + a.wait_seconds, 0
+        while time.monotonic() < deadline:
+            sid = f"q{k}"
+            s = run.led.open_session(sid, BUDGET)
+            s.admit("working_memory", items)
+            assert s.end_turn(0, 8_000).compaction_due
+            sids.append(sid)
+            k += 1
+            time.sleep(0.4)
+        run.wait_drained(timeout=120)
+        waits = []
+        for r in w.messages("job done"):
+            if r.get("kind") != "compact":
+                continue
+            done = datetime.datetime.fromisoformat(r["ts"].replace("Z", "+00:00")).timestamp()
+            start = done - r["duration_ms"] / 1000
+            waits.append(start - int(r["job"].split("-")[0]) / 1000)
+        if len(waits) != len(sids):
+            raise RuntimeError(f"{len(waits)} compactions done of {len(sids)}")
+        waits.sort()
+        q = statistics.quantiles(waits, n=10)
+        return {
+            "jobs": len(waits),
+            "p50_s": round(statistics.median(waits), 3),
+            "p90_s": round(q[8], 3),
+            "max_s": round(waits[-1], 3),
+        }
+
+
+def queue_wait(a: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp, servers.standalone() as server:
+        logs = Path(tmp)
+        res: dict[str, Any] = {
+            "environment": environment(redis.Redis.from_url(server.url)),
+            "wait_seconds": a.wait_seconds,
+        }
+        res["this"] = queue_wait_once(server.url, a, logs, None)
+        if a.baseline:
+            res["baseline"] = queue_wait_once(server.url, a, logs, str(Path(a.baseline)))
+    return res
+
+
+def print_queue_wait(res: dict[str, Any]) -> None:
+    for name in ("baseline", "this"):
+        if name in res:
+            r = res[name]
+            print(
+                f"{name:>8}: {r['jobs']} compactions of 3-6 s, queue wait p50 {r['p50_s']} s, "
+                f"p90 {r['p90_s']} s, max {r['max_s']} s"
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m bench.bench_workers",
@@ -425,10 +513,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cluster", action="store_true", help="--idle on a 3-primary cluster")
     ap.add_argument("--metrics", type=int, metavar="SESSIONS", help="instead: pickup latency")
     ap.add_argument("--rounds", type=int, default=3, help="--metrics: interleaved rounds")
+    ap.add_argument("--queue-wait", action="store_true", help="instead: queue wait of jobs")
+    ap.add_argument("--wait-seconds", type=float, default=20.0, help="--queue-wait: feeding")
+    ap.add_argument("--baseline", help="--queue-wait: also with the worker of this checkout")
     a = ap.parse_args(argv)
     if a.jobs < 1 or a.reps < 1 or a.latency_jobs < 1:
         ap.error("--jobs, --reps and --latency-jobs must be at least 1")
-    if a.metrics:
+    if a.queue_wait:
+        emit(queue_wait(a), a.json, print_queue_wait)
+    elif a.metrics:
         emit(with_metrics(a), a.json, print_metrics)
     elif a.idle:
         emit(idle(a), a.json, print_idle)

@@ -326,11 +326,12 @@ def cmd_inspect(args: argparse.Namespace, out: Console) -> int:
     from rich.table import Table
 
     from ledger.client import Ledger
-    from ledger.views import stored_outcome, view
+    from ledger.views import session_dead_letters, stored_outcome, view
 
     with Ledger.from_settings(_settings(args)) as ledger:
         v = view(ledger, args.session, journal=args.journal)
         ops = {op: stored_outcome(ledger, args.session, op) for op in args.op or ()}
+        letters = session_dead_letters(ledger, args.session)
     snap = v.snapshot
     out.print(
         f"[bold]{v.session_id}[/]  epoch {snap.epoch}  turn {snap.turn}  regime "
@@ -347,6 +348,16 @@ def cmd_inspect(args: argparse.Namespace, out: Console) -> int:
         out.print(
             f"[bold red]DAMAGED: {', '.join(negative)} below 0: the stored allocations "
             "exceed the window (ledger audit names what disagrees)[/]"
+        )
+    for d in letters:  # jobs of this session the worker gave up on, newest first
+        epoch = d.fields.get("epoch", "?")
+        held = epoch == str(snap.epoch)  # of this epoch: its failed state is this one's
+        out.print(
+            ("[bold red]HELD BY A DEAD LETTER[/] " if held else "dead letter ")
+            + f"{escape(d.ref)}: {escape(d.fields.get('kind', '?'))} job of epoch {escape(epoch)}, "
+            + escape(d.fields.get("why", ""))
+            + (f"; last error {escape(d.fields.get('error', ''))}" if d.fields.get("error") else "")
+            + ("  (ledger dead list / replay / purge)" if held else "")
         )
     tol = "not judged" if snap.framing_tolerance is None else str(snap.framing_tolerance)
     out.print(
@@ -746,7 +757,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter())
     overrides: dict[str, object] = {}
-    names = ("compactor", "consumer", "metrics_port", "claim_idle_ms", "max_deliveries")
+    names: tuple[str, ...] = ("compactor", "consumer", "metrics_port", "claim_idle_ms")
+    names += ("max_deliveries", "metrics_host", "drain_seconds")
     for name in (*names, "max_in_flight"):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
@@ -761,9 +773,15 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if wsettings.compactor is None:
         raise ConfigurationError(NO_COMPACTOR)
     stop = threading.Event()
+    said: list[str] = []  # the signal that stopped the worker (its log names it)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        said.append(signal.Signals(signum).name)
+        stop.set()  # no job starts from now on; the loop drains and says so
+
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
+            signal.signal(sig, on_signal)
     with Ledger.from_settings(settings) as ledger:
         try:
             worker = Worker(ledger, wsettings)
@@ -773,11 +791,17 @@ def cmd_worker(args: argparse.Namespace) -> int:
             raise ConfigurationError(
                 f"the compactor {wsettings.compactor!r} cannot work: {type(exc).__name__}: {exc}"
             ) from exc
+        worker.signals = said
         http = None
         if wsettings.metrics_port:  # /metrics, /healthz (the job loop turns), /readyz
             from ledger.workers.http import serve
 
-            http = serve(worker, wsettings.metrics_port, wsettings.health_stale_seconds)
+            http = serve(
+                worker,
+                wsettings.metrics_port,
+                wsettings.health_stale_seconds,
+                host=wsettings.metrics_host,
+            )
         try:
             worker.run(stop, once=args.once)
             if args.once:
@@ -945,6 +969,15 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--max-in-flight", type=int, help="compactions at once (default 16)")
     w.add_argument("--consumer", help="consumer name in the group (default host-pid)")
     w.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    w.add_argument(
+        "--metrics-host",
+        help="address the metrics endpoint listens on (default 0.0.0.0; 127.0.0.1: this host)",
+    )
+    w.add_argument(
+        "--drain-seconds",
+        type=float,
+        help="at SIGTERM, how long the jobs running get to end (default 25, at most 30)",
+    )
     w.add_argument("--claim-idle-ms", type=int, help="take over jobs idle this long")
     w.add_argument("--max-deliveries", type=int, help="dead-letter a job after this many")
     w.add_argument(

@@ -450,7 +450,12 @@ DEAD_JOB = _f(
     "job", "job", "id", "dead_letter", "the entry id the job had in the partition's job stream"
 )
 DEAD_WHY = _f(
-    "why", "why", "text", "dead_letter", "why the worker gave up on it ('delivered <n> times')"
+    "why",
+    "why",
+    "text",
+    "dead_letter",
+    "why the worker gave up on it ('delivered <n> times'; a compaction's adds '; counted "
+    "as a failed compaction (<outcome>)')",
 )
 DEAD_ERROR = _f(
     "error",

@@ -443,6 +443,21 @@ def dead_letters(ledger: Ledger, limit: int = 100) -> tuple[dict[int, int], list
     return depths, letters
 
 
+def session_dead_letters(ledger: Ledger, session_id: str, scan: int = 1000) -> list[DeadLetter]:
+    """The dead letters of one session among the newest ``scan`` of its partition's
+    dead-letter stream, newest first (what ``ledger inspect`` names)."""
+    p = ledger.keyspace.partition_of(session_id)
+    out = []
+    with translated():
+        got = ledger.client.xrevrange(ledger.keyspace.dead_letters(p), count=scan) or []
+    for eid, raw in got:
+        fields = {schema.text(k): schema.text(v) for k, v in (raw or {}).items()}
+        if fields.get(schema.JOB_SESSION) == session_id:
+            e = schema.text(eid)
+            out.append(DeadLetter(ref=f"p{p}:{e}", partition=p, entry=e, fields=fields))
+    return out
+
+
 def _parse_ref(ref: str, partitions: int) -> tuple[int, str]:
     head, sep, entry = ref.partition(":")
     if not sep or not head.startswith("p") or not head[1:].isdigit() or not entry:

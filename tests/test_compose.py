@@ -429,9 +429,9 @@ def test_the_worker_is_probed_on_its_health_endpoint(services: dict[str, dict[st
     """The worker's healthcheck asks /healthz on its metrics port (the job loop's
     heartbeat, tests/test_workers.py), and the default summarizer host resolves on Linux."""
     w = services["worker"]
-    port = w["environment"]["LEDGER_WORKER_METRICS_PORT"]
-    probe = " ".join(w["healthcheck"]["test"])
-    assert f"127.0.0.1:{port}/healthz" in probe
+    # the probe reads the port and address from the worker's settings (its environment)
+    assert w["healthcheck"]["test"] == ["CMD", "python", "-m", "ledger.workers.http", "healthz"]
+    assert w["environment"]["LEDGER_WORKER_METRICS_PORT"]
     assert "host.docker.internal:host-gateway" in w["extra_hosts"]
 
 
@@ -443,7 +443,13 @@ def test_nothing_is_published_beyond_the_hosts_loopback(
     probed on /healthz."""
     published = {name: [str(p) for p in s.get("ports", [])] for name, s in services.items()}
     assert all(p.startswith("127.0.0.1:") for ports in published.values() for p in ports), published
+    ranges = []
     for name in ("worker", "worker-cluster"):
         port = services[name]["environment"]["LEDGER_WORKER_METRICS_PORT"]
-        assert f"127.0.0.1:{port}:{port}" in published[name]
-        assert f"127.0.0.1:{port}/healthz" in " ".join(services[name]["healthcheck"]["test"])
+        # a range of host ports, so that --scale worker=N does not collide on one
+        [spec] = [p for p in published[name] if p.endswith(f":{port}")]
+        first, last = (int(x) for x in spec.split(":")[1].split("-"))
+        assert last > first
+        ranges.append(range(first, last + 1))
+        assert "ledger.workers.http" in services[name]["healthcheck"]["test"]
+    assert not set(ranges[0]) & set(ranges[1])

@@ -195,6 +195,9 @@ def test_loop_survives_every_kind_of_redis_error_and_a_bug(
     [bug] = [r for r in caplog.records if r.levelno == logging.ERROR and r.exc_info]
     assert bug.exc_info is not None and isinstance(bug.exc_info[1], TypeError)
     assert "a bug" in caplog.text
+    # Redis unreachable (ConnectionError, TimeoutError, BackendUnavailable), then back: said
+    back = [r for r in caplog.records if r.getMessage() == "Redis answers again"]
+    assert back and all(r.down_seconds >= 0 for r in back)  # type: ignore[attr-defined]
 
 
 @pytest.mark.redis

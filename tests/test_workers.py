@@ -1106,7 +1106,9 @@ def test_a_compactor_that_cannot_work_stops_the_worker_at_start(
     Worker(led, WorkerSettings(compactor="ledger.adapters.summarizer:openai_from_env"))
 
 
-def test_healthz_fails_when_the_job_loop_is_wedged(led: Ledger) -> None:
+def test_healthz_fails_when_the_job_loop_is_wedged(
+    led: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """/healthz reads the loop's heartbeat, not the HTTP thread's: a loop stuck in a step
     makes it 503 while /metrics still answers; /readyz needs Redis's last pass too."""
     import threading
@@ -1144,7 +1146,14 @@ def test_healthz_fails_when_the_job_loop_is_wedged(led: Ledger) -> None:
         while get("/readyz")[0] != 200:
             assert time.monotonic() < deadline, get("/readyz")
             time.sleep(0.05)
-        assert get("/healthz") == (200, "ok\n")
+        code, why = get("/healthz")
+        assert code == 200 and why.startswith("ok: Redis answered"), why
+        # the container's probe finds the endpoint from the worker's settings
+        from ledger.workers.http import probe
+
+        monkeypatch.setenv("LEDGER_WORKER_METRICS_PORT", str(server.server_address[1]))
+        monkeypatch.setenv("LEDGER_WORKER_METRICS_HOST", "127.0.0.1")
+        assert probe("healthz") == 0 and probe("readyz") == 0
         code, body = get("/metrics")
         assert code == 200 and "ledger_redis_up 1.0" in body and "ledger_build_info" in body
         assert get("/other")[0] == 404
@@ -1152,6 +1161,7 @@ def test_healthz_fails_when_the_job_loop_is_wedged(led: Ledger) -> None:
         time.sleep(1.0)  # more than stale_s without a turn of the loop
         code, why = get("/healthz")
         assert code == 503 and "has not turned" in why
+        assert probe("healthz") == 1
         assert get("/readyz")[0] == 503 and get("/metrics")[0] == 200
     finally:
         release.set()
@@ -1164,9 +1174,11 @@ def test_healthz_fails_when_the_job_loop_is_wedged(led: Ledger) -> None:
 def test_dead_letters_listed_replayed_and_purged(
     led: Ledger, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A job the compactor always fails ends in a dead-letter stream; `ledger dead list`
-    shows it, `replay` puts it back on its job stream as a new job that a working
-    compactor then runs, `purge` deletes letters; the worker exports the depth."""
+    """A job the compactor always fails ends in a dead-letter stream, each death
+    committed as a failed compaction, so a session's third reaches its hard reset (it is
+    not left waiting for a compaction nobody makes); `ledger dead list` shows them,
+    `replay` puts one back on its job stream as a new job (done as 'already': its session
+    moved on to a new epoch), `purge` deletes letters; the worker exports the depth."""
     import json
 
     from ledger import cli, views
@@ -1178,24 +1190,57 @@ def test_dead_letters_listed_replayed_and_purged(
     )
     drain_in_process(led, worker)
     depths, letters = views.dead_letters(led)
-    assert sum(depths.values()) == 2 and {d.fields["session"] for d in letters} == {"dl-1", "dl-2"}
+    assert sum(depths.values()) == 6 and {d.fields["session"] for d in letters} == {"dl-1", "dl-2"}
+    assert all("counted as a failed compaction (failed)" in d.fields["why"] for d in letters)
+    for sid in ("dl-1", "dl-2"):
+        h = session_hash(led, sid)
+        assert (h["x:failed_compactions"], h["x:resets"], h["ep"], h["cd"]) == ("3", "1", "2", "0")
     worker.observe()
     gauge = worker.metrics.registry.get_sample_value
-    assert sum(gauge("ledger_dead_letters", {"partition": str(p)}) or 0 for p in depths) == 2
+    assert sum(gauge("ledger_dead_letters", {"partition": str(p)}) or 0 for p in depths) == 6
     argv = ["--url", led.settings.redis_url or "", "--prefix", led.settings.prefix, "dead"]
     assert cli.main([*argv, "list", "--json"]) == cli.EXIT_OK
     listed = json.loads(capsys.readouterr().out)
-    refs = {r["session"]: r["ref"] for r in listed["letters"]}
-    assert cli.main([*argv, "replay", refs["dl-1"]]) == cli.EXIT_OK
+    refs = [r["ref"] for r in listed["letters"] if r["session"] == "dl-1"]
+    assert cli.main([*argv, "replay", refs[0]]) == cli.EXIT_OK
     assert cli.main([*argv, "replay", "p0:1-1"]) == cli.EXIT_VIOLATION  # no such letter
     assert cli.main([*argv, "replay"]) == cli.EXIT_USAGE  # names, or --all
     good = in_process_worker(led, claim_idle_ms=10)
     drain_in_process(led, good)
-    assert session_hash(led, "dl-1")["kn"] == "1"  # the replayed job ran
-    assert session_hash(led, "dl-2")["kn"] == "0"
+    assert jobs.metric(good, "ledger_jobs_processed_total", kind="compact") == 1  # replayed
+    assert session_hash(led, "dl-1")["ep"] == "2"  # nothing more: its epoch had moved on
+    assert sum(views.dead_letters(led)[0].values()) == 5
     assert cli.main([*argv, "purge", "--all"]) == cli.EXIT_OK
     assert views.dead_letters(led)[0] == {}
     capsys.readouterr()
+
+
+def test_inspect_names_a_session_held_by_a_dead_letter(
+    led: Ledger, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compaction that died is a failed compaction of the session's epoch: `ledger
+    inspect` says the session is held by that dead letter, and names it."""
+    from ledger import cli
+
+    open_compaction(led, "dl-held")
+    worker = in_process_worker(
+        led, compactor="tests.test_workers:always_fails", max_deliveries=1, claim_idle_ms=10
+    )
+    worker.ensure_groups()
+    monkeypatch.setenv("LEDGER_PARTITIONS", str(led.keyspace.partitions))
+    argv = ["--url", led.settings.redis_url or "", "--prefix", led.settings.prefix]
+    assert cli.main([*argv, "inspect", "dl-held"]) == cli.EXIT_OK
+    assert "DEAD LETTER" not in capsys.readouterr().out
+    worker.poll_once()  # the compactor raises: pending, its error recorded
+    time.sleep(0.05)
+    worker.poll_once()  # claimed again: delivered twice, dead-lettered
+    assert session_hash(led, "dl-held")["kf"] == "1"  # counted as a failed compaction
+    assert cli.main([*argv, "inspect", "dl-held"]) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    p = led.keyspace.partition_of("dl-held")
+    [(eid, _)] = led.client.xrange(led.keyspace.dead_letters(p))
+    assert "HELD BY A DEAD LETTER" in out and f"p{p}:{_text(eid)}" in out, out
+    assert "summarizer down" in out
 
 
 def test_a_stopping_worker_leaves_its_groups_unless_it_holds_jobs(led: Ledger) -> None:
@@ -1217,3 +1262,28 @@ def test_a_stopping_worker_leaves_its_groups_unless_it_holds_jobs(led: Ledger) -
     }
     assert removed == len(w.partitions) - 1
     assert [q for q, names in left.items() if b"leaver" in names or "leaver" in names] == [p]
+
+
+def test_a_worker_without_compactor_leaves_compactions_to_one_with(led: Ledger) -> None:
+    """--compactor none: a compaction job of a worker-owned session is not its job. It
+    stays pending with its delivery uncounted (never dead-lettered for it, however often
+    it comes back), and a worker with a compactor takes it over and compacts."""
+    open_compaction(led, "none-1")
+    none = in_process_worker(led, compactor="none", max_deliveries=1, claim_idle_ms=10)
+    none.ensure_groups()
+    for _ in range(4):  # read, then claimed again and again: more than max_deliveries
+        none.poll_once()
+        time.sleep(0.03)
+    assert jobs.metric(none, "ledger_jobs_deferred_total") == 4
+    assert jobs.metric(none, "ledger_jobs_failed_total", kind="compact") == 0
+    assert views_dead(led) == 0 and session_hash(led, "none-1")["kn"] == "0"
+    good = in_process_worker(led, claim_idle_ms=10)
+    time.sleep(0.03)
+    drain_in_process(led, good)
+    assert session_hash(led, "none-1")["kn"] == "1"
+
+
+def views_dead(led: Ledger) -> int:
+    from ledger import views
+
+    return sum(views.dead_letters(led)[0].values())

@@ -11,12 +11,15 @@ The modules, each named for what it does:
 - ``streams.py``: the job streams and their consumer group, the reads of new jobs (a
   reader thread per partition on a cluster).
 - ``takeover.py``: jobs idle too long elsewhere, claimed (XAUTOCLAIM).
-- ``delivery.py``: each job read run, acknowledged, left pending or dead-lettered.
+- ``delivery.py``: the job threads beside the loop (at most ``max_in_flight`` jobs in
+  hand), each job run, acknowledged, left pending or dead-lettered (a compaction's
+  death counted as a failed compaction), and the drain at a stop.
 - ``jobs.py``: the job kinds, compaction and hard reset, and the compactor's call.
 - ``compactors.py``: the compactors a worker may load (``--compactor module:attr``).
 - ``leases.py``: the lease sweep and, on a cluster, the partition checks.
 - ``metrics.py``: the Prometheus metrics and the metrics pass (observer lease).
-- ``http.py``: ``/metrics``, ``/healthz`` and ``/readyz``.
+- ``http.py``: ``/metrics``, ``/healthz`` and ``/readyz``, and the container's probe
+  (``python -m ledger.workers.http``).
 - ``logs.py``: the JSON log lines and the Redis trouble the worker survives, counted.
 - ``trouble.py``: what kind of Redis trouble an error is, and the backoff (no I/O).
 

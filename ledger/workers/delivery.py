@@ -1,20 +1,30 @@
-"""Running the jobs read: those of one session one after the other, up to
-``max_in_flight`` sessions at once; each job acknowledged and deleted when done, left
+"""Running the jobs read, beside the job loop: those of one session one after the other,
+up to ``max_in_flight`` jobs at once, each in a job thread of its own (a sync compactor
+runs there; an async one as a task on the worker's event loop, the thread waiting for
+it). The loop hands jobs over (``submit``) and goes on reading, sweeping, heartbeating and
+taking over: no job holds it. Each job is acknowledged and deleted when done, left
 pending (its delivery uncounted) when Redis could not serve it or its session's turn
-stayed open, recorded when it failed, and dead-lettered after ``max_deliveries``."""
+stayed open, recorded when it failed, and dead-lettered after ``max_deliveries`` (a
+compaction's death committed as a failed compaction first, see ``bury``). At a stop
+(``drain``) no job starts any more; those running get a deadline, and what is not done
+by then stays pending for another worker to take over."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import redis.exceptions as rex
 
-from ledger import schema
+from ledger import protocol, schema
+from ledger.errors import OperationIdReused, StaleEpoch, UnknownSession
+from ledger.models import CompactionOutcome, JobKind
 from ledger.workers.jobs import CompactionDeferred, JobEffect
 from ledger.workers.logs import describe
 from ledger.workers.streams import Groups
@@ -26,57 +36,251 @@ if TYPE_CHECKING:
 log = logging.getLogger("ledger.worker")
 
 
+@dataclass
+class Batch:
+    """Jobs handed over by a caller that waits for them (``run_groups``: ``poll_once``,
+    ``take_over``): how many are left, how many were done, the first error that ends a
+    pass (Redis unreachable, an ACL refusal, a bug), raised to that caller."""
+
+    left: int
+    done: int = 0
+    error: BaseException | None = None
+    finished: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class Entry:
+    """A job read and handed over, not yet started."""
+
+    partition: int
+    eid: Any
+    fields: Any
+    claimed: bool
+    batch: Batch | None
+
+
 class Delivery:
     """A worker's job threads and the life of each job it reads."""
 
     def __init__(self, worker: Worker) -> None:
         self.w = worker
-        self.pool = ThreadPoolExecutor(worker.settings.max_in_flight, "ledger-job")
+        self.bound = worker.settings.max_in_flight
+        self.lock = threading.Condition()
+        # Jobs handed over and not started, by (partition, session); a session here has a
+        # job thread on it, or waits in `waiting` for one.
+        self.sessions: dict[tuple[int, str], collections.deque[Entry]] = {}
+        self.waiting: collections.deque[tuple[int, str]] = collections.deque()
+        self.threads = 0  # job threads alive (at most `bound`)
+        self.idle = 0  # of which waiting for a session
+        self.busy = 0  # of which on a session
+        self.accepted = 0  # jobs handed over and not finished: what `free` counts
+        # Jobs by 'p<partition>:<entry id>' (an entry id is unique in its stream only):
+        self.running: dict[str, str] = {}  # those running -> kind, for the drain's log
+        self.held: dict[str, tuple[int, str]] = {}  # every job in hand -> (partition, id)
+        self.stopping = False  # the drain deadline passed: no job starts any more
+        self.stop_event: threading.Event | None = None  # the loop's stop (set by Worker.run)
+        self.local = threading.local()  # .job: this thread is a job thread
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
+        """Nothing to wait for: job threads are daemons (a job still running at exit stays
+        pending in the stream, for a takeover)."""
+
+    def halted(self) -> bool:
+        """No job is read any more: the loop's stop is set (by a signal: at once) or the
+        drain ended."""
+        return self.stopping or (self.stop_event is not None and self.stop_event.is_set())
+
+    def in_job_thread(self) -> bool:
+        return bool(getattr(self.local, "job", False))
+
+    def free(self) -> int:
+        """How many more jobs the loop may read now (max_in_flight minus those in hand)."""
+        with self.lock:
+            return 0 if self.halted() else max(0, self.bound - self.accepted)
+
+    def in_flight(self) -> int:
+        with self.lock:
+            return self.accepted
+
+    def wait_free(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for a slot (a job finishing)."""
+        with self.lock:
+            self.lock.wait_for(lambda: self.accepted < self.bound or self.halted(), timeout)
+
+    def submit(self, groups: Groups, batch: Batch | None = None) -> int:
+        """Hand the jobs read over to job threads, those of one session after the jobs of
+        that session already in hand; returns how many. After ``drain`` began, nothing
+        is taken: the jobs are given back (pending, their delivery uncounted). The loop
+        reads no more once its stop is set (``free`` is 0): a read under way then is
+        the last."""
+        n = sum(len(jobs) for jobs in groups.values())
+        if n == 0:
+            return 0
+        with self.lock:
+            if not self.stopping:
+                for (p, sid), jobs in groups.items():
+                    queue = self.sessions.get((p, sid))
+                    if queue is None:
+                        queue = self.sessions[(p, sid)] = collections.deque()
+                        self.waiting.append((p, sid))
+                    for e, f, c in jobs:
+                        if ref(p, e) in self.held:  # in hand already (claimed again)
+                            n -= 1
+                            continue
+                        self.held[ref(p, e)] = (p, schema.text(e))
+                        queue.append(Entry(p, e, f, c, batch))
+                self.accepted += n
+                if batch is not None:
+                    batch.left = n
+                    if n == 0:
+                        batch.finished.set()
+                self._start()
+                return n
+        for (p, _), jobs in groups.items():
+            for eid, _, claimed in jobs:
+                self.uncount_untried(p, schema.text(eid), claimed)
+        if batch is not None:
+            batch.finished.set()
+        return 0
+
+    def _start(self) -> None:
+        """(lock held) Wake an idle job thread for the waiting sessions, or start one, up
+        to the bound. The threads stay (daemons, idle between jobs): starting a thread
+        per job costs a scheduling round on a loaded host."""
+        if not self.waiting:
+            return
+        wanted = len(self.waiting) - self.idle
+        while wanted > 0 and self.threads < self.bound:
+            self.threads += 1
+            self.idle += 1  # (counted idle until it takes a session)
+            wanted -= 1
+            threading.Thread(target=self._work, name="ledger-job", daemon=True).start()
+        self.lock.notify_all()
+
+    def _work(self) -> None:
+        self.local.job = True
+        while True:
+            with self.lock:
+                self.lock.wait_for(lambda: bool(self.waiting) and not self.stopping)
+                key = self.waiting.popleft()
+                self.idle -= 1
+                self.busy += 1
+            try:
+                self._session(key)
+            finally:
+                with self.lock:
+                    self.busy -= 1
+                    self.idle += 1
+                    self.lock.notify_all()
+
+    def _session(self, key: tuple[int, str]) -> None:
+        """Do one session's jobs in order, those handed over meanwhile too. When Redis
+        trouble ends the run (or a stop begins), the jobs not tried get their delivery
+        back, so that an outage does not push them to the dead letters."""
+        while True:
+            with self.lock:
+                queue = self.sessions[key]
+                if not queue or self.stopping:
+                    rest = list(queue)
+                    del self.sessions[key]
+                    break
+                entry = queue.popleft()
+                eid = schema.text(entry.eid)
+                self.running[ref(entry.partition, eid)] = field_text(entry.fields, schema.JOB_KIND)
+            done, failed = 0, False
+            try:
+                done = self.deliver(entry.partition, entry.eid, entry.fields, entry.claimed)
+            except BaseException as exc:  # (not only Exception: the thread must not vanish)
+                failed = True
+                self._trouble(entry, exc)
+            finally:
+                self._finished(entry, done)
+            if failed:
+                with self.lock:
+                    rest = list(self.sessions.pop(key))
+                break
+        for e in rest:
+            self.uncount_untried(e.partition, schema.text(e.eid), e.claimed)
+            self._finished(e, 0)
+
+    def _finished(self, entry: Entry, done: int) -> None:
+        with self.lock:
+            self.running.pop(ref(entry.partition, entry.eid), None)
+            self.held.pop(ref(entry.partition, entry.eid), None)
+            self.accepted -= 1
+            self.lock.notify_all()
+            batch = entry.batch
+            if batch is not None:
+                batch.done += done
+                batch.left -= 1
+                if batch.left <= 0:
+                    batch.finished.set()
+
+    def _trouble(self, entry: Entry, exc: BaseException) -> None:
+        """Redis trouble (or a bug) that ended a session's run: counted and logged as in a
+        pass; what would end a pass goes to a waiting caller, if any."""
+        try:
+            if not isinstance(exc, Exception):
+                raise exc
+            self.w.streams.partition_trouble(entry.partition, exc)
+        except BaseException as whole:
+            batch = entry.batch
+            if batch is not None:
+                with self.lock:
+                    batch.error = batch.error or whole
+            elif isinstance(whole, Exception):
+                self.w.troubles.survive(whole, "job")
+            else:
+                log.error(
+                    "job thread interrupted", extra={"job": schema.text(entry.eid)}, exc_info=whole
+                )
+
+    def renew(self) -> None:
+        """Keep the jobs in hand from looking idle: XCLAIM ... JUSTID to this consumer
+        (their delivery count unchanged) resets each one's idle time, so that neither
+        this worker's takeover nor another's claims a job that is only slow. Called by
+        the loop every claim_idle_ms / 4."""
+        with self.lock:
+            by: dict[int, list[Any]] = {}
+            for p, eid in self.held.values():
+                by.setdefault(p, []).append(eid)
+        s = self.w.settings
+        for p, eids in by.items():
+            self.w.ledger.client.xclaim(
+                self.w.streams.stream(p), s.group, s.consumer, 0, eids, justid=True
+            )
 
     def run_groups(self, groups: Groups) -> int:
-        """Run the jobs read, those of one session one after the other."""
-        if not groups:
+        """Run the jobs read and wait for them (``poll_once``, ``take_over``, ``--once``):
+        returns the number done; raises what ended a pass (see ``Batch``)."""
+        n = sum(len(jobs) for jobs in groups.values())
+        if n == 0:
             return 0
-        done = 0
-        if len(groups) == 1 or self.w.settings.max_in_flight == 1:
-            for (p, _), jobs in groups.items():
-                try:
-                    done += self.deliver_all(p, jobs)
-                except Exception as exc:
-                    self.w.streams.partition_trouble(p, exc)
-            return done
-        futures = {
-            self.pool.submit(self.deliver_all, p, jobs): p for (p, _), jobs in groups.items()
-        }
-        whole: BaseException | None = None
-        for fut, p in futures.items():
-            try:
-                done += fut.result()
-            except Exception as exc:
-                try:
-                    self.w.streams.partition_trouble(p, exc)
-                except Exception as again:
-                    whole = whole or again
-        if whole is not None:
-            raise whole
-        return done
+        batch = Batch(n)
+        self.submit(groups, batch)
+        batch.finished.wait()
+        if batch.error is not None:
+            raise batch.error
+        return batch.done
 
-    def deliver_all(self, p: int, jobs: list[tuple[bytes | str, Any, bool]]) -> int:
-        """Do one session's jobs in order. When Redis trouble ends the run, the jobs
-        after the one that met it were read (their delivery counted) but not tried: each
-        gets its count back, so that an outage does not push them to the dead letters."""
-        done = 0
-        for i, (eid, fields, claimed) in enumerate(jobs):
-            try:
-                done += self.deliver(p, eid, fields, claimed=claimed)
-            except Exception:
-                for rest, _, was_claimed in jobs[i + 1 :]:
-                    self.uncount_untried(p, schema.text(rest), was_claimed)
-                raise
-        return done
+    def drain(self, deadline: float) -> list[str]:
+        """At a stop (the loop reads nothing more once its stop is set): wait up to
+        ``deadline`` seconds for the jobs in hand; then no job starts any more (those
+        handed over and not started are given back: pending, their delivery uncounted).
+        Returns the ids of the jobs still running then (left pending in the stream:
+        another worker takes them over after claim_idle_ms)."""
+        with self.lock:
+            self.lock.wait_for(lambda: self.busy == 0 and not self.waiting, max(0.0, deadline))
+            self.stopping = True
+            given: list[Entry] = []
+            for key in list(self.waiting):
+                given.extend(self.sessions.pop(key, ()))
+            self.waiting.clear()
+        for e in given:
+            self.uncount_untried(e.partition, schema.text(e.eid), e.claimed)
+            self._finished(e, 0)
+        with self.lock:
+            return sorted(self.running)
 
     def uncount_untried(self, p: int, eid: str, claimed: bool) -> None:
         """Take back the delivery a read (or a claim) counted for a job never tried."""
@@ -105,8 +309,10 @@ class Delivery:
             deliveries = int(info[0]["times_delivered"]) if info else 1
             self.w.metrics.retried.inc()
             if deliveries > s.max_deliveries:
-                self.bury(partition, eid, fields, f"delivered {deliveries} times")
-                return 0
+                return self.bury(partition, eid, fields, f"delivered {deliveries} times")
+        if not claimed:  # from its enqueueing (the entry id's time, Redis's clock) to now
+            waited = time.time() - int(eid.split("-", 1)[0]) / 1000
+            self.w.metrics.queue_wait.labels(kind).observe(max(0.0, waited))
         started = time.monotonic()
         try:
             outcome = self.w.handle(eid, fields)
@@ -182,10 +388,20 @@ class Delivery:
                 justid=True,
             )
 
-    def bury(self, partition: int, eid: str, fields: dict[str, str], why: str) -> None:
+    def bury(self, partition: int, eid: str, fields: dict[str, str], why: str) -> int:
+        """Dead-letter a job delivered ``max_deliveries`` times. A compaction's death is
+        first committed as a failed compaction (``fail_compaction``): a dead letter never
+        leaves its session waiting for a compaction nobody will make. While the session's
+        turn is open that commit waits: the job stays pending, buried by a later claim."""
         client, s = self.w.ledger.client, self.w.settings
+        counted = self.fail_compaction(eid, fields)
+        if counted == CompactionOutcome.TURN_OPEN:
+            log.info("job to dead-letter waits for its session's turn to end", extra={"job": eid})
+            return 0
         errors = self.w.streams.errors_hash(partition)
         last = client.hget(errors, eid)
+        if counted:
+            why += f"; counted as a failed compaction ({counted})"
         entry = schema.DeadLetterEntry(fields, job=eid, why=why, error=schema.text(last or ""))
         client.xadd(
             self.w.streams.dead_letter(partition),
@@ -198,4 +414,60 @@ class Delivery:
         client.hdel(errors, eid)
         self.w.metrics.dead.inc()
         kind = fields.get(schema.JOB_KIND)
-        log.error("job dead-lettered", extra={"job": eid, "kind": kind, "why": why})
+        log.error(
+            "job dead-lettered",
+            extra={"job": eid, "kind": kind, "session": fields.get(schema.JOB_SESSION), "why": why},
+        )
+        return 0
+
+    def fail_compaction(self, eid: str, fields: Mapping[str, str]) -> str:
+        """A compaction job that died (its compactor raised, or its commit failed, every
+        delivery) is a failed compaction: committed as one through ``compact.lua`` with
+        nothing replaced, under the job's entry id and epoch. The script judges it as any
+        attempt: counted towards ``max_failed_compactions`` (the next attempt enqueued, or
+        at the maximum the hard reset), or, if the session fell back under its mark
+        meanwhile, a compaction that holds (nothing more due). Returns the outcome, or ''
+        when there was nothing to commit (not a compaction, a malformed entry, the session
+        gone, another incarnation, an agent-compacted session, the epoch moved on)."""
+        try:
+            job = schema.JobEntry.from_fields(fields)
+        except (KeyError, ValueError):
+            return ""
+        if job.kind != JobKind.COMPACT:
+            return ""
+        keys = self.w.ledger.keyspace.session(job.session)
+        try:
+            snap = self.w.ledger.run(protocol.snapshot(keys))
+            if not self.w.jobs.same_incarnation(snap, job) or snap.raw.get(schema.AGENT_COMPACTS):
+                return ""
+            if snap.epoch != job.epoch:
+                return ""
+            done = self.w.ledger.run(
+                protocol.compact(keys, f"job-{eid}", job.epoch, [], None, job=eid)
+            )
+        except (StaleEpoch, UnknownSession, OperationIdReused):
+            return ""
+        if done.outcome != CompactionOutcome.TURN_OPEN:
+            log.warning(
+                "dead compaction counted as a failed compaction",
+                extra={
+                    "job": eid,
+                    "session": job.session,
+                    "outcome": str(done.outcome),
+                    "failures": done.failures,
+                    "escalated": done.escalated,
+                },
+            )
+        return str(done.outcome)
+
+
+def ref(partition: int, entry_id: Any) -> str:
+    """A job's reference across partitions, as ``ledger dead`` writes it: 'p<N>:<id>'."""
+    return f"p{partition}:{schema.text(entry_id)}"
+
+
+def field_text(fields: Any, name: str) -> str:
+    for k, v in (fields or {}).items():
+        if schema.text(k) == name:
+            return schema.text(v)
+    return "?"

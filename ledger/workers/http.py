@@ -1,4 +1,8 @@
-"""The worker's HTTP endpoint: ``/metrics`` (Prometheus), ``/healthz`` and ``/readyz``.
+"""The worker's HTTP endpoint: ``/metrics`` (Prometheus), ``/healthz`` and ``/readyz``;
+and the container's health probe, ``python -m ledger.workers.http [healthz|readyz]``,
+which asks the endpoint on the port and address the worker's settings name
+(``LEDGER_WORKER_METRICS_PORT``, ``LEDGER_WORKER_METRICS_HOST``): exit 0 on 200, 1
+otherwise, the answer's reason printed.
 
 ``/healthz`` answers 200 while the job loop keeps turning and 503 once it has not turned
 for ``stale_s`` seconds (a wedged loop: a probe that restarts the container then helps);
@@ -10,7 +14,10 @@ loop that stopped.
 
 from __future__ import annotations
 
+import sys
 import threading
+import urllib.error
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING
 
@@ -51,3 +58,29 @@ def serve(worker: Worker, port: int, stale_s: float, host: str = "") -> Threadin
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="ledger-worker-http", daemon=True).start()
     return server
+
+
+def probe(path: str = "healthz", timeout: float = 3.0) -> int:
+    """Ask this host's worker endpoint (from the worker's settings): 0 when it answers
+    200, 1 otherwise (no port set, refused, 503); prints the reason it gives."""
+    from ledger.workers.settings import WorkerSettings
+
+    s = WorkerSettings(compactor="none")
+    if not s.metrics_port:
+        print("no metrics port: LEDGER_WORKER_METRICS_PORT is not set", file=sys.stderr)
+        return 1
+    host = "127.0.0.1" if s.metrics_host in ("", "0.0.0.0") else s.metrics_host
+    host = f"[{host}]" if ":" in host else host
+    try:
+        with urllib.request.urlopen(f"http://{host}:{s.metrics_port}/{path}", timeout=timeout) as r:
+            print(r.read().decode().strip())
+            return 0
+    except urllib.error.HTTPError as e:
+        print(e.read().decode().strip(), file=sys.stderr)
+    except OSError as e:
+        print(f"no answer on {host}:{s.metrics_port}: {e}", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(probe("readyz" if sys.argv[1:2] == ["readyz"] else "healthz"))

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ledger import protocol, schema
 from ledger.errors import (
-    ConfigurationError,
     LedgerError,
     OperationIdReused,
     StaleEpoch,
@@ -94,7 +93,7 @@ class Jobs:
             return self._hard_reset(job_id, job)
         return self._compact(job_id, job)
 
-    def _same_incarnation(self, snap: Any, job: schema.JobEntry) -> bool:
+    def same_incarnation(self, snap: Any, job: schema.JobEntry) -> bool:
         """A job belongs to the session it was enqueued for, not to a later one that was
         opened under the same id after the first was closed or expired."""
         return job.inc == 0 or snap.raw.get(schema.INCARNATION, 0) == job.inc
@@ -108,7 +107,7 @@ class Jobs:
             snap = self.w.ledger.run(protocol.snapshot(keys))
         except UnknownSession:
             return JobOutcome(JobKind.HARD_RESET, JobEffect.SKIPPED)
-        if not self._same_incarnation(snap, f):
+        if not self.same_incarnation(snap, f):
             return JobOutcome(JobKind.HARD_RESET, JobEffect.SKIPPED)
         call = protocol.reset(keys, f"job-{job_id}", f.epoch, f.reason or "job")
         try:
@@ -124,7 +123,7 @@ class Jobs:
             snap = self.w.ledger.run(protocol.snapshot(keys))
         except UnknownSession:
             return JobOutcome(JobKind.COMPACT, JobEffect.SKIPPED)
-        if not self._same_incarnation(snap, f):
+        if not self.same_incarnation(snap, f):
             return JobOutcome(JobKind.COMPACT, JobEffect.SKIPPED)
         if snap.epoch != epoch or not snap.compaction_pending:
             return JobOutcome(JobKind.COMPACT, JobEffect.ALREADY)
@@ -133,9 +132,11 @@ class Jobs:
             # change, or written by hand): the worker keeps out.
             return JobOutcome(JobKind.COMPACT, JobEffect.SKIPPED)
         if self.w.compactor is None:
-            raise ConfigurationError(
+            # Not this worker's job: it stays pending, its delivery uncounted (never
+            # dead-lettered for it), for a worker with a compactor to take over.
+            raise CompactionDeferred(
                 f"worker-owned session {sid!r} has a compaction due and this worker runs no "
-                "compactor (--compactor none): run a worker with a compactor"
+                "compactor (--compactor none): left pending for a worker with a compactor"
             )
         if snap.raw.get(schema.RESET_REQUESTED):
             # Failed compactions escalated: a hard reset is coming, which drops what a

@@ -57,8 +57,10 @@ class Troubles:
 
     def met(self, kind: str, exc: BaseException, **where: object) -> None:
         """Count a Redis error the worker survives; log it (each kind at most every 10 s,
-        with the number of occurrences not logged in between)."""
-        self.troubled = True
+        with the number of occurrences not logged in between). Met by the job loop (not
+        by a job thread, which leaves its job pending), it makes the loop back off."""
+        if not self.w.delivery.in_job_thread():
+            self.troubled = True
         self.w.metrics.errors.labels(kind).inc()
         now = time.monotonic()
         if now - self._said.get(kind, float("-inf")) < 10:

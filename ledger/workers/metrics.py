@@ -77,6 +77,20 @@ class Metrics:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
             registry=r,
         )
+        self.queue_wait = Histogram(
+            "ledger_job_queue_wait_seconds",
+            "Time a job waited before it started, from its enqueueing (its stream entry's "
+            "time) to a job thread taking it up; first deliveries only",
+            ["kind"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "ledger_jobs_in_flight",
+            "Jobs this worker has in hand (running or waiting for their session's previous "
+            "job), at most max_in_flight",
+            registry=r,
+        )
         self.dead = Counter("ledger_jobs_dead_lettered", "Jobs moved to dead letter", registry=r)
         self.takeovers = Counter(
             "ledger_jobs_taken_over", "Jobs claimed from idle consumers", registry=r

@@ -32,6 +32,12 @@ effect, so it applies once for its whole life in the stream, even when taken ove
 after the op retention; a hard-reset job needs no such check (a reset at epoch e
 moves the session to e + 1, so the job, fenced at e, can apply only once).
 
+No job holds the loop: the jobs read run in job threads beside it (at most
+``max_in_flight`` in hand, those of one session in order), kept from looking idle while
+they run; the loop goes on reading into the free slots, sweeping, claiming and beating.
+At a stop it reads nothing more and gives the jobs in hand ``drain_seconds``; a job
+still running then stays pending for another worker (see ``Worker.run``).
+
 No Redis condition stops the loop. Out of memory, a read-only replica, loading,
 busy, an unreachable server: the job in hand stays pending without counting as a
 delivery, the condition is logged and counted (``ledger_worker_errors{kind}``), and
@@ -51,7 +57,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import redis
 import redis.cluster
@@ -131,6 +137,8 @@ class Worker:
             check()
         self.partitions = range(ledger.keyspace.partitions)
         self.beat: float | None = None  # monotonic time the job loop last turned
+        self.stopping = False  # the loop ended: draining, then gone
+        self.signals: list[str] = []  # the signals received (the CLI's handler adds them)
         self.redis_ok = False  # Redis answered the loop's last pass
         # One command may name every partition's keys only outside a cluster (there a
         # command stays within one hash slot, and each partition has its own).
@@ -178,7 +186,8 @@ class Worker:
 
     @_ledger_errors
     def poll_once(self) -> int:
-        """One pass over every partition: new jobs, then jobs idle too long elsewhere.
+        """One pass over every partition: new jobs, then jobs idle too long elsewhere,
+        done before it returns (``--once``, tests; the loop hands jobs over and goes on).
 
         The jobs read are run up to ``max_in_flight`` at once, those of one session one
         after the other, in the order read (a 2 s summarizer does not hold up the
@@ -186,16 +195,27 @@ class Worker:
         the pass goes on with the next (an unreachable server or an ACL refusal ends the
         pass: it is raised); a job stream found missing is reported and its group made
         again. Returns the number of jobs done."""
+        return self.delivery.run_groups(self.gather(None))
+
+    def gather(self, limit: int | None) -> Groups:
+        """New jobs of each partition, then jobs idle too long elsewhere: at most
+        ``limit`` in all (None: up to ``batch`` a partition), by session. A Redis error in
+        one partition is handled as ``poll_once`` says."""
         groups: Groups = {}
         failed = set()
+        left = limit
         for p in self.partitions:
+            if left is not None and left <= 0:
+                return groups
             try:
-                collect(groups, p, self.streams.read_partition(p), claimed=False)
+                got = self.streams.read_partition(p, left and min(left, self.settings.batch))
+                collect(groups, p, got, claimed=False)
+                left = None if left is None else left - len(got)
             except Exception as exc:
                 failed.add(p)
                 self.streams.partition_trouble(p, exc)
-        self.takeover.claim_into(groups, skip=failed, every=True)
-        return self.delivery.run_groups(groups)
+        self.takeover.claim_into(groups, skip=failed, every=True, limit=left)
+        return groups
 
     @_ledger_errors
     def take_over(self, every: bool = False, partitions: list[int] | None = None) -> int:
@@ -205,9 +225,13 @@ class Worker:
         pending (its job done, by a worker that died before acknowledging it) is no
         longer in its stream, and is acknowledged by the claim that finds it. Given
         ``partitions``, only those are looked at."""
+        return self.delivery.run_groups(self.claimed(every, partitions, None))
+
+    def claimed(self, every: bool, partitions: list[int] | None, limit: int | None) -> Groups:
+        """Jobs idle too long elsewhere, claimed (at most ``limit``), by session."""
         groups: Groups = {}
-        self.takeover.claim_into(groups, skip=set(), every=every, only=partitions)
-        return self.delivery.run_groups(groups)
+        self.takeover.claim_into(groups, skip=set(), every=every, only=partitions, limit=limit)
+        return groups
 
     def handle(self, job_id: str, fields: Mapping[str, str]) -> JobOutcome:
         """Run one job (see ``Jobs.handle``)."""
@@ -258,22 +282,41 @@ class Worker:
         return report
 
     def health(self, stale_s: float) -> tuple[bool, bool, str]:
-        """(healthy, ready, why) for /healthz and /readyz: healthy while the job loop
-        turned within ``stale_s`` seconds; ready when healthy, started and Redis answered
-        its last pass."""
+        """(healthy, ready, why) for /healthz and /readyz. Healthy (live): the job loop
+        turned within ``stale_s`` seconds; jobs run beside it, so a busy worker is live.
+        Ready: live, started, not stopping, and Redis answered the loop's last pass (the
+        loop's own commands; a job's failure is not Redis's). ``why`` says which."""
+        jobs = self.delivery.in_flight()
         if self.beat is None:
-            return True, False, "starting"
+            return True, False, "starting: the job loop has not turned yet"
         age = time.monotonic() - self.beat
+        turned = f"the job loop turned {age:.1f} s ago, {jobs} jobs in flight"
         if age > stale_s:
-            return False, False, f"the job loop has not turned for {age:.1f} s"
+            return (
+                False,
+                False,
+                f"the job loop has not turned for {age:.1f} s ({jobs} jobs in flight)",
+            )
+        if self.stopping:
+            return True, False, f"stopping: no new job is taken; {turned}"
         if not self.redis_ok:
-            return True, False, "Redis did not answer the last pass (or refused it)"
-        return True, True, "ok"
+            kind = self.troubles.last_kind or "error"
+            return True, False, f"Redis did not answer the job loop's last pass ({kind}); {turned}"
+        return True, True, f"ok: Redis answered the job loop's last pass; {turned}"
 
     def run(self, stop: threading.Event, once: bool = False) -> None:
+        """The job loop: reads new jobs and hands them to job threads (at most
+        ``max_in_flight`` in hand), takes over idle ones, sweeps leases, checks Redis's
+        settings, and beats (``health``). No job holds it: it waits for jobs, its timers
+        or a free slot, never for a job to end. Once ``stop`` is set it takes no job,
+        and drains: the jobs running get ``drain_seconds`` to end, what is left stays
+        pending for another worker (the log names it)."""
         s = self.settings
         backoff = Backoff(s.backoff_initial, max(s.backoff_initial, s.backoff_max))
         self.troubles.troubled = False
+        self.stopping = False
+        self.delivery.stop_event = stop
+        self.delivery.stopping = False  # (a worker run again after a stop)
         log.info(
             "worker starting",
             extra={
@@ -282,6 +325,7 @@ class Worker:
                 "partitions": len(self.partitions),
                 "compactor": s.compactor or f"{type(self.compactor).__name__} (in code)",
                 "max_in_flight": s.max_in_flight,
+                "drain_seconds": s.drain_seconds,
                 "consumer": s.consumer,
                 "group": s.group,
             },
@@ -313,6 +357,8 @@ class Worker:
         readers = Readers(self) if self.on_cluster and not once else None
         slices = self.leases.slices(time.monotonic()) if readers is not None else []
         taken: list[int] = []  # partitions whose readers' results were taken
+        down_since: float | None = None  # when the loop last found Redis not answering
+        last_renew = float("-inf")
         while not stop.is_set():
             self.troubles.troubled = False
             now = time.monotonic()
@@ -327,34 +373,67 @@ class Worker:
                 self.troubles.guard(self.sweep, "sweep")
             if readers is not None:
                 readers.again(taken)  # after the backoff, if any
-            if once or not (self.blocking or readers):
+                taken = []
+            if now - last_renew >= claim_every:
+                last_renew = now
+                self.troubles.guard(self.delivery.renew, "renew")
+            free = self.delivery.free()
+            worked: object = 0
+            if once:
                 worked = self.troubles.guard(self.poll_once, "poll")  # new jobs, then stuck ones
+            elif not (self.blocking or readers):
+                worked = self.troubles.guard(
+                    functools.partial(self.handed, functools.partial(self.gather, free), free),
+                    "poll",
+                )
             else:
-                if readers is None and now - last_claim >= claim_every:
+                if readers is None and now - last_claim >= claim_every and free > 0:
                     last_claim = now
                     # every 16th time, each partition: entries pending without a body
                     every = not self.one_node or claims % EVERY_PARTITION == 0
                     claims += 1
-                    self.troubles.guard(functools.partial(self.take_over, every), "take over")
-                timers = [self._last_health + s.health_interval]
+                    claim = functools.partial(self.claimed, every, None, free)
+                    got = self.troubles.guard(
+                        functools.partial(self.handed, claim, free), "take over"
+                    )
+                    free -= int(got or 0)  # type: ignore[call-overload]
+                    if free <= 0:  # as many as there were slots: more may wait, claim again
+                        last_claim = float("-inf")
+                timers = [self._last_health + s.health_interval, last_renew + claim_every]
                 if readers is None:
                     timers += [self._last_sweep + s.sweep_interval, last_claim + claim_every]
                 else:
                     timers += [*self.leases.next_check.values(), *self.leases.due.values()]
                 wait = max(0.001, min(timers) - time.monotonic())
-                if readers is None:
-                    worked = self.troubles.guard(
-                        functools.partial(self.streams.read_blocking, wait), "poll"
-                    )
+                claim_due = readers is None and time.monotonic() - last_claim >= claim_every
+                if free <= 0 or claim_due:
+                    # Every slot taken: wait for one (or a timer), read nothing. A claim
+                    # due goes first: jobs a dead worker left wait longest already.
+                    self.delivery.wait_free(wait)
+                elif readers is None:
+                    read = functools.partial(self.streams.read_blocking, wait, free)
+                    worked = self.troubles.guard(functools.partial(self.handed, read, free), "poll")
                 else:
-                    got = readers.take(wait)
-                    taken = [p for p, _ in got]
+                    got_read = readers.take(wait)
+                    taken = [p for p, _ in got_read]
                     worked = self.troubles.guard(
-                        functools.partial(self.streams.read_results, got), "poll"
+                        functools.partial(
+                            self.handed, functools.partial(self._results, got_read), free
+                        ),
+                        "poll",
                     )
             self.redis_ok = not self.troubles.troubled or self.troubles.redis_ok_despite_trouble()
+            if not self.redis_ok and down_since is None:
+                down_since = time.monotonic()
+            elif self.redis_ok and down_since is not None:
+                log.warning(
+                    "Redis answers again",
+                    extra={"down_seconds": round(time.monotonic() - down_since, 1)},
+                )
+                down_since = None
             self.metrics.redis_up.set(1 if self.redis_ok else 0)
             self.metrics.heartbeat.set(time.time())
+            self.metrics.in_flight.set(self.delivery.in_flight())
             if once:
                 break
             if self.troubles.troubled:
@@ -363,9 +442,49 @@ class Worker:
                 backoff.reset()
                 if not worked and not (self.blocking or readers):
                     stop.wait(s.poll_interval)
+        self.stopping = True
         if readers is not None:
             readers.close()
+        self._drain()
         if observer is not None:
             observer.join(self.settings.observe_interval + 5)
         left = self.troubles.guard(self.leave_groups, "leave") if not once else 0
         log.info("worker stopped", extra={"consumer": self.settings.consumer, "left": left})
+
+    def _results(self, got: list[tuple[int, Any]]) -> Groups:
+        groups: Groups = {}
+        self.streams.read_results(got, groups)
+        return groups
+
+    def handed(self, read: Callable[[], Groups], free: int) -> int:
+        """Read jobs (``read``, at most ``free``) and hand them to the job threads;
+        returns how many. A read that ends after the stop began hands nothing over: its
+        jobs stay pending, their delivery uncounted, for another worker."""
+        groups = read()
+        return self.delivery.submit(groups)
+
+    def _drain(self) -> None:
+        """At a stop: no job starts; those running get ``drain_seconds``; what is still
+        running then is left pending (said in the log, by job id)."""
+        in_flight = self.delivery.in_flight()
+        log.info(
+            "worker stopping: no new job is taken; draining the jobs in flight",
+            extra={
+                "signal": self.signals[0] if self.signals else None,
+                "in_flight": in_flight,
+                "drain_seconds": self.settings.drain_seconds,
+            },
+        )
+        started = time.monotonic()
+        left = self.delivery.drain(self.settings.drain_seconds)
+        if left:
+            log.warning(
+                "jobs still running at the drain deadline are left pending: another worker "
+                "takes them over after claim_idle_ms",
+                extra={"jobs": left, "drain_seconds": self.settings.drain_seconds},
+            )
+        else:
+            log.info(
+                "jobs in flight drained",
+                extra={"in_flight": in_flight, "seconds": round(time.monotonic() - started, 2)},
+            )

@@ -70,6 +70,21 @@ class WorkerSettings(BaseSettings):
         le=65535,
         description="0: no HTTP endpoint; else /metrics, /healthz and /readyz on this port",
     )
+    metrics_host: str = Field(
+        default="0.0.0.0",
+        description="address the HTTP endpoint listens on (with metrics_port): 0.0.0.0 "
+        "every interface (a container's probes and Prometheus reach it), 127.0.0.1 this "
+        "host only",
+    )
+    drain_seconds: float = Field(
+        default=25.0,
+        ge=0,
+        le=30,
+        description="at SIGTERM/SIGINT: no new job is taken, and the jobs running get this "
+        "long to end; a job still running then stays pending (un-acknowledged) for "
+        "another worker to take over. At most 30 s, so that a stop fits the usual grace "
+        "period (Kubernetes' 30 s) before a SIGKILL",
+    )
     health_stale_seconds: float = Field(
         default=90.0,
         gt=0,

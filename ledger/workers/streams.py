@@ -125,41 +125,44 @@ class JobStreams:
                 raise
             self.w.troubles.met(kind, again, partition=p)  # made on a later pass
 
-    def read_partition(self, p: int) -> list[tuple[Any, Any]]:
-        """New jobs of a partition (no wait)."""
+    def read_partition(self, p: int, count: int | None = None) -> list[tuple[Any, Any]]:
+        """New jobs of a partition (no wait), at most ``count`` (default ``batch``)."""
         s = self.w.settings
         if p not in self.groups:  # not made yet (e.g. Redis was out of memory at start)
             self.ensure_group(p)
         got: Any = self.w.ledger.client.xreadgroup(
-            s.group, s.consumer, {self.stream(p): ">"}, count=s.batch
+            s.group, s.consumer, {self.stream(p): ">"}, count=count or s.batch
         )
         return [entry for _, entries in got or [] for entry in entries]
 
-    def read_blocking(self, block: float) -> int:
-        """Wait up to ``block`` seconds for new jobs in any partition, with one
-        XREADGROUP ... BLOCK over every partition's stream, and do them. A stream or
-        group found missing sends a pass over each partition (poll_once), which reports
-        the loss and makes the group again. Returns the number of jobs done."""
+    def read_blocking(self, block: float, count: int) -> Groups:
+        """Wait up to ``block`` seconds for new jobs in any partition, at most ``count``,
+        with one XREADGROUP ... BLOCK over every partition's stream. A stream or group
+        found missing sends a read of each partition (``Worker.gather``), which reports
+        the loss and makes the group again. Returns the jobs read, by session."""
         s = self.w.settings
         streams: dict[Any, Any] = {self.stream(p): ">" for p in self.w.partitions}
         ms = max(1, int(1000 * min(block, s.block, self.w.ledger.settings.socket_timeout / 2)))
         try:
             got: Any = self.w.ledger.client.xreadgroup(
-                s.group, s.consumer, streams, count=s.batch, block=ms
+                s.group,
+                s.consumer,
+                streams,
+                count=per_stream(count, len(streams), s.batch),
+                block=ms,
             )
         except rex.ResponseError as exc:
             if not stream_gone(exc):
                 raise
-            return self.w.poll_once()
+            return self.w.gather(count)
         groups: Groups = {}
         for stream, entries in got or []:
             collect(groups, self.partition_of[schema.text(stream)], entries, claimed=False)
-        return self.w.delivery.run_groups(groups)
+        return groups
 
-    def read_results(self, got: list[tuple[int, Any]]) -> int:
-        """Do the jobs the cluster's readers brought; a reader's error is handled as in
-        a pass (an unreachable server or an ACL refusal raised once)."""
-        groups: Groups = {}
+    def read_results(self, got: list[tuple[int, Any]], groups: Groups) -> None:
+        """The jobs the cluster's readers brought, added to ``groups``; a reader's error
+        is handled as in a pass (an unreachable server or an ACL refusal raised once)."""
         whole: BaseException | None = None
         for p, result in got:
             if not isinstance(result, BaseException):
@@ -169,10 +172,15 @@ class JobStreams:
                 self.partition_trouble(p, result)
             except Exception as exc:
                 whole = whole or exc
-        done = self.w.delivery.run_groups(groups)
         if whole is not None:
             raise whole
-        return done
+
+
+def per_stream(free: int, streams: int, batch: int) -> int:
+    """COUNT of one XREADGROUP over several streams (it applies to each): the free slots
+    shared out, so that a read takes about as many jobs as there are slots (at least one
+    a stream)."""
+    return max(1, min(batch, -(-free // streams)))
 
 
 def stream_gone(exc: BaseException) -> bool:

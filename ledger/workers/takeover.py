@@ -23,8 +23,17 @@ class Takeover:
         self.w = worker
 
     def claim_into(
-        self, groups: Groups, skip: set[int], every: bool, only: list[int] | None = None
+        self,
+        groups: Groups,
+        skip: set[int],
+        every: bool,
+        only: list[int] | None = None,
+        limit: int | None = None,
     ) -> None:
+        """Claim idle jobs into ``groups``: at most ``limit`` (None: up to ``batch`` a
+        partition; the loop claims no more than it has free slots for)."""
+        if limit is not None and limit <= 0:
+            return
         try:
             candidates = (
                 only
@@ -42,8 +51,12 @@ class Takeover:
         for p in candidates:
             if p in skip:
                 continue
+            if limit is not None and limit <= 0:
+                return
             try:
-                collect(groups, p, self.claim_partition(p), claimed=True)
+                got = self.claim_partition(p, limit)
+                collect(groups, p, got, claimed=True)
+                limit = None if limit is None else limit - len(got)
             except Exception as exc:
                 self.w.streams.partition_trouble(p, exc)
 
@@ -57,12 +70,17 @@ class Takeover:
         got: Any = self.w.ledger.client.xread(streams, count=1)
         return sorted(self.w.streams.partition_of[schema.text(stream)] for stream, _ in got or [])
 
-    def claim_partition(self, p: int) -> list[tuple[Any, Any]]:
-        """A partition's jobs idle too long elsewhere (taken over)."""
+    def claim_partition(self, p: int, limit: int | None = None) -> list[tuple[Any, Any]]:
+        """A partition's jobs idle too long elsewhere (taken over), at most ``limit``."""
         s, client, out = self.w.settings, self.w.ledger.client, []
         stream = self.w.streams.stream(p)
         auto: Any = client.xautoclaim(
-            stream, s.group, s.consumer, s.claim_idle_ms, start_id="0-0", count=s.batch
+            stream,
+            s.group,
+            s.consumer,
+            s.claim_idle_ms,
+            start_id="0-0",
+            count=min(s.batch, limit or s.batch),
         )
         for entry_id, fields in auto[1]:
             if fields is None:  # deleted while pending (Redis 6.2; 7 drops them itself)

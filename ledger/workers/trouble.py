@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 
 import redis.exceptions as rex
 
-from ledger.errors import BackendUnavailable, LedgerError
+from ledger.errors import BackendUnavailable, LedgerError, PermissionDenied
 
 # Redis error codes (the reply's first word) -> the kind counted and logged.
 _CODES = {
@@ -102,6 +102,8 @@ def kind_of(exc: BaseException) -> str | None:
     reply), ``ledger`` (a LedgerError: a script's refusal, or one that names no
     Redis condition). The driver's own error, where there is one, says most."""
     chain = list(_chain(exc))
+    if any(isinstance(e, PermissionDenied) for e in chain):
+        return "noperm"  # (a refusal inside a script too: its reply names no code first)
     for e in chain:
         if isinstance(e, rex.RedisError | rex.RedisClusterException):
             if str(e).startswith("LEDGER_"):
