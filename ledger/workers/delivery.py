@@ -24,7 +24,7 @@ import redis.exceptions as rex
 
 from ledger import protocol, schema
 from ledger.errors import OperationIdReused, StaleEpoch, UnknownSession
-from ledger.models import CompactionOutcome, JobKind
+from ledger.models import JobKind
 from ledger.workers.jobs import CompactionDeferred, JobEffect
 from ledger.workers.logs import describe
 from ledger.workers.streams import Groups
@@ -392,12 +392,10 @@ class Delivery:
         """Dead-letter a job delivered ``max_deliveries`` times. A compaction's death is
         first committed as a failed compaction (``fail_compaction``): a dead letter never
         leaves its session waiting for a compaction nobody will make. While the session's
-        turn is open that commit waits: the job stays pending, buried by a later claim."""
+        turn is open that commit is staged (``staged``): it is judged, and counted, when the
+        session's next turn begins."""
         client, s = self.w.ledger.client, self.w.settings
         counted = self.fail_compaction(eid, fields)
-        if counted == CompactionOutcome.TURN_OPEN:
-            log.info("job to dead-letter waits for its session's turn to end", extra={"job": eid})
-            return 0
         errors = self.w.streams.errors_hash(partition)
         last = client.hget(errors, eid)
         if counted:
@@ -447,17 +445,16 @@ class Delivery:
             )
         except (StaleEpoch, UnknownSession, OperationIdReused):
             return ""
-        if done.outcome != CompactionOutcome.TURN_OPEN:
-            log.warning(
-                "dead compaction counted as a failed compaction",
-                extra={
-                    "job": eid,
-                    "session": job.session,
-                    "outcome": str(done.outcome),
-                    "failures": done.failures,
-                    "escalated": done.escalated,
-                },
-            )
+        log.warning(
+            "dead compaction counted as a failed compaction",
+            extra={
+                "job": eid,
+                "session": job.session,
+                "outcome": str(done.outcome),
+                "failures": done.failures,
+                "escalated": done.escalated,
+            },
+        )
         return str(done.outcome)
 
 
