@@ -11,6 +11,7 @@ from ledger.errors import (
     AdmissionRefused,
     BackendUnavailable,
     BillingDriftWarning,
+    CeilingReached,
     CompactionPending,
     ConfigurationError,
     ContextDrift,
@@ -32,6 +33,7 @@ from ledger.errors import (
     TurnInProgress,
     TurnLost,
     UnknownReservation,
+    UnknownScope,
     UnknownSession,
     WorkingMemoryStarvation,
 )
@@ -81,6 +83,8 @@ __all__ = [
     "TurnLost",
     "CompactionPending",
     "UnknownReservation",
+    "UnknownScope",
+    "CeilingReached",
     "UnknownSession",
     "new_op_id",
 ]

@@ -40,6 +40,7 @@ from ledger.keys import KeySpace, SessionKeys
 from ledger.models import (
     Admitted,
     BegunBy,
+    CallCost,
     Compaction,
     Consumer,
     Deleted,
@@ -57,6 +58,7 @@ from ledger.models import (
     TurnRenewed,
     TurnReport,
     TurnStarted,
+    Usage,
     Voided,
 )
 from ledger.protocol import Call, Epoch, stamp
@@ -226,7 +228,7 @@ class LedgerCore:
             raise InvalidArgument(f"expected a ledger Call, got {type(call).__name__}")
         key = call.keys[0] if call.keys else ""
         if key not in self._owned:
-            if not self.keyspace.owns(key):
+            if not (self.keyspace.owns(key) or self.keyspace.owns_scope(key)):
                 raise InvalidArgument(
                     f"the call's key {key!r} is not a session of this ledger (prefix "
                     f"{self.keyspace.prefix!r}, {self.keyspace.partitions} partitions): build "
@@ -515,10 +517,14 @@ class SessionCore:
         tokens: int,
         *,
         lease_ms: int = 30_000,
+        cost: CallCost | None = None,
         turn: int | BegunBy | None = None,
         op_id: str | None = None,
     ) -> Call[Reservation]:
-        """Hold an estimate until a deadline on Redis's clock (phase one of two)."""
+        """Hold an estimate until a deadline on Redis's clock (phase one of two). With
+        ``cost``, a model call's worst case is held in the same step in every budget
+        scope above the session (docs/ceilings.md): refused with ``CeilingReached``,
+        nothing held anywhere, when one of their ceilings would be passed."""
         return protocol.reserve(
             self.keys,
             _op(op_id),
@@ -527,6 +533,7 @@ class SessionCore:
             reservation_id,
             tokens,
             lease_ms,
+            cost,
         )
 
     reserve = operation(reserve_call)
@@ -538,23 +545,41 @@ class SessionCore:
         item_id: str | None = None,
         *,
         priority: int = 0,
+        billed: Usage | None = None,
+        scopes: Sequence[str] = (),
         turn: int | BegunBy | None = None,
         op_id: str | None = None,
     ) -> Call[Settled]:
         """Turn a reservation into an item of its actual size (lower or higher), named
         ``item_id`` (by default the reservation's id, which ``reserve`` checks is not
-        held already)."""
+        held already). ``billed``: for a reservation held in budget scopes (``scopes``,
+        as ``Reservation.scopes`` names them), what the provider billed: charged to them
+        in the same step, more or less than held."""
         return protocol.settle(
-            self.keys, _op(op_id), self._stamp(turn), reservation_id, actual, item_id, priority
+            self.keys,
+            _op(op_id),
+            self._stamp(turn),
+            reservation_id,
+            actual,
+            item_id,
+            priority,
+            billed,
+            scopes,
         )
 
     settle = operation(settle_call)
 
     def void_call(
-        self, reservation_id: str, *, turn: int | BegunBy | None = None, op_id: str | None = None
+        self,
+        reservation_id: str,
+        *,
+        scopes: Sequence[str] = (),
+        turn: int | BegunBy | None = None,
+        op_id: str | None = None,
     ) -> Call[Voided]:
-        """Cancel a reservation and give its tokens back."""
-        return protocol.void(self.keys, _op(op_id), self._stamp(turn), reservation_id)
+        """Cancel a reservation and give its tokens back (and its holds in ``scopes``,
+        as ``Reservation.scopes`` names them)."""
+        return protocol.void(self.keys, _op(op_id), self._stamp(turn), reservation_id, scopes)
 
     void = operation(void_call)
 

@@ -32,6 +32,8 @@ from ledger import (
     Item,
     Ledger,
     LedgerError,
+    Price,
+    ScopeBudget,
     Session,
     SessionBudget,
     UnknownSession,
@@ -125,6 +127,12 @@ def good_call(name: str, s: Session, turn: int) -> protocol.Call[Any]:
         "delete": lambda: protocol.delete(k, op, e),
         "reconcile": lambda: protocol.reconcile(
             k, op, ep, {"retrieval": [Item("doc1", 300), Item("new3", 40, 2)]}
+        ),
+        "set_scope": lambda: protocol.set_scope(
+            s.ledger.keyspace,
+            op,
+            "fuzz",
+            ScopeBudget(window_ms=60_000, tokens=1_000, cents=5, prices={"m": Price(300, 900)}),
         ),
     }
     return calls[name]()
