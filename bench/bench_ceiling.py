@@ -2,7 +2,7 @@
 baseline, in one run, both sides interleaved.
 
     python -m bench.bench_ceiling [--procs 32] [--sessions 200] [--tenants 4]
-                                  [--seconds 16] [--window-ms 4000] [--rounds 7]
+                                  [--seconds 16] [--window-ms 4000] [--rounds 9]
                                   [--calls 300] [--json]
 
 It starts its own redis-server. Each of ``--procs`` OS processes loops over model calls
@@ -68,8 +68,16 @@ from ledger.testing import standalone
 W = Consumer.WORKING_MEMORY
 PRICE = Price(300, 1_500)  # cents per million tokens: input, output
 SESSION = SessionBudget(window=100_000_000, system_prompt=10)
-TOKEN_CEILING = 40_000  # input + output, per tenant and window
-CENT_CEILING = 24  # per tenant and window (about as binding as the token ceiling)
+# Per tenant and window: even tenants are held by their token ceiling (input + output),
+# odd ones by their money ceiling (cents); the other ceiling is out of reach.
+TIGHT_TOKENS, TIGHT_CENTS, LOOSE = 40_000, 20, 10**6
+
+
+def ceilings(tenant_index: int) -> tuple[int, int]:
+    """(tokens, cents) of tenant i."""
+    return (TIGHT_TOKENS, LOOSE) if tenant_index % 2 == 0 else (LOOSE * 100, TIGHT_CENTS)
+
+
 KEY_FACTOR = 10  # a key's ceilings: 10x its tenant's (never the binding one here)
 LEASE_MS = 2_000
 
@@ -158,7 +166,9 @@ def child(url: str, prefix: str, window_ms: int, tenants: list[str], per: int, s
     settings = LedgerSettings(redis_url=url, prefix=prefix)
     led = Ledger.from_settings(settings)
     base = Baseline(redis.Redis.from_url(url), f"{prefix}:bl", window_ms)
-    tenant = tenants[seed % len(tenants)]
+    ti = seed % len(tenants)
+    tenant = tenants[ti]
+    cap_t, cap_c = ceilings(ti)
     base.r.incr(f"{prefix}:ready")
     sessions = {}
     n = 0
@@ -200,8 +210,8 @@ def child(url: str, prefix: str, window_ms: int, tenants: list[str], per: int, s
                 pass  # (an expiry under load: the hold lapsed, nothing billed)
         else:
             scopes = [
-                (tenant, TOKEN_CEILING, CENT_CEILING * 1_000_000),
-                (key, TOKEN_CEILING * KEY_FACTOR, CENT_CEILING * KEY_FACTOR * 1_000_000),
+                (tenant, cap_t, cap_c * 1_000_000),
+                (key, cap_t * KEY_FACTOR, cap_c * KEY_FACTOR * 1_000_000),
             ]
             if not base.reserve(scopes, inp + out, money):
                 time.sleep(0.002)
@@ -217,12 +227,14 @@ def child(url: str, prefix: str, window_ms: int, tenants: list[str], per: int, s
 # --- the run ------------------------------------------------------------------------------
 
 
-def overshoot(per_window: dict[int, dict[str, int]]) -> tuple[int, int, int, int]:
-    """(tokens, micro-cents) let through past the ceilings, and billed past reservations."""
+def overshoot(per_window: dict[int, dict[str, int]], ti: int) -> tuple[int, int, int, int]:
+    """(tokens, micro-cents) tenant i let through past its ceilings, and billed past
+    reservations."""
+    cap_t, cap_c = ceilings(ti)
     tok = mon = xt = xm = 0
     for v in per_window.values():
-        tok += max(v.get("t", 0) - v.get("xt", 0) - TOKEN_CEILING, 0)
-        mon += max(v.get("m", 0) - v.get("xm", 0) - CENT_CEILING * 1_000_000, 0)
+        tok += max(v.get("t", 0) - v.get("xt", 0) - cap_t, 0)
+        mon += max(v.get("m", 0) - v.get("xm", 0) - cap_c * 1_000_000, 0)
         xt, xm = xt + v.get("xt", 0), xm + v.get("xm", 0)
     return tok, mon, xt, xm
 
@@ -280,14 +292,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         tenants = [f"tenant{i}" for i in range(args.tenants)]
         per = args.sessions // args.tenants
         with Ledger.from_settings(LedgerSettings(redis_url=url, prefix=prefix)) as led:
-            for t in tenants:
+            for ti, t in enumerate(tenants):
+                cap_t, cap_c = ceilings(ti)
                 led.set_scope(
                     t,
                     ScopeBudget(
                         window_ms=args.window_ms,
-                        tokens=TOKEN_CEILING,
+                        tokens=cap_t,
                         counted=("input", "output"),
-                        cents=CENT_CEILING,
+                        cents=cap_c,
                         prices={"m": PRICE},
                         hold_limit_ms=10_000,
                     ),
@@ -297,7 +310,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         f"{t}/k{k}",
                         ScopeBudget(
                             window_ms=args.window_ms,
-                            tokens=TOKEN_CEILING * KEY_FACTOR,
+                            tokens=cap_t * KEY_FACTOR,
                             counted=("input", "output"),
                             hold_limit_ms=10_000,
                         ),
@@ -339,7 +352,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ledger_over = [0, 0, 0, 0]
         base_over = [0, 0, 0, 0]
         windows = 0
-        for t in tenants:
+        for ti, t in enumerate(tenants):
             u = led.scope_usage(t)
             per_w = {
                 b: {
@@ -351,13 +364,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for b, v in u.buckets.items()
             }
             windows += len(per_w)
-            ledger_over = [a + b for a, b in zip(ledger_over, overshoot(per_w), strict=True)]
+            ledger_over = [a + b for a, b in zip(ledger_over, overshoot(per_w, ti), strict=True)]
             raw = r.hgetall(f"{prefix}:bl:truth:{t}")
             bw: dict[int, dict[str, int]] = {}
             for k, v in raw.items():
                 w, _, q = k.decode().partition(":")
                 bw.setdefault(int(w), {})[q] = int(v)
-            base_over = [a + b for a, b in zip(base_over, overshoot(bw), strict=True)]
+            base_over = [a + b for a, b in zip(base_over, overshoot(bw, ti), strict=True)]
         led.close()
         timing = server_time(url, prefix, "timing", args.rounds, args.calls)
     return {
@@ -403,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tenants", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=16.0)
     ap.add_argument("--window-ms", type=int, default=4_000)
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--calls", type=int, default=300, help="reserves a timing round")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)

@@ -6,7 +6,7 @@ from ledger import models
 from ledger.agent import Agent, AsyncAgent, EstimatingCounter, TiktokenCounter
 from ledger.aio import AsyncLedger, AsyncSession
 from ledger.client import Ledger, Session
-from ledger.core import new_op_id
+from ledger.core import LocalAllowance, new_op_id
 from ledger.errors import (
     AdmissionRefused,
     BackendUnavailable,
@@ -87,6 +87,7 @@ __all__ = [
     "CeilingReached",
     "UnknownSession",
     "new_op_id",
+    "LocalAllowance",
 ]
 __all__ += models.__all__
 __version__ = "0.1.0"

@@ -16,12 +16,14 @@ from pathlib import Path
 import pytest
 
 from ledger import (
+    BackendUnavailable,
     CallCost,
     CeilingReached,
     Consumer,
     InvalidArgument,
     Ledger,
     LedgerSettings,
+    LocalAllowance,
     Price,
     ReservationExpired,
     ScopeBudget,
@@ -31,6 +33,7 @@ from ledger import (
     Usage,
 )
 from ledger.keys import KeySpace
+from tests import servers
 
 W = Consumer.WORKING_MEMORY
 BUDGET = SessionBudget(window=200_000, system_prompt=1_000)
@@ -241,3 +244,35 @@ def test_bench_ceiling_smoke() -> None:
     assert res["ledger"]["tokens"] == 0 and res["ledger"]["cents"] == 0
     assert res["baseline"]["tokens"] >= 0
     assert res["timing"]["reserve_usec"] > 0 and res["timing"]["reserve_tenant_usec"] > 0
+
+
+@pytest.mark.redis
+def test_redis_unreachable_refuses_or_spends_the_stated_local_allowance() -> None:
+    """Fail closed: with Redis gone, a reservation with a cost raises BackendUnavailable
+    (typed, after the bounded retries). The opt-in LocalAllowance then admits calls
+    until the process's allowance is spent, and no further: that is its whole overshoot."""
+    with servers.standalone() as srv:
+        settings = LedgerSettings(
+            redis_url=srv.url,
+            prefix=f"t{uuid.uuid4().hex[:8]}",
+            retry_attempts=2,
+            retry_max_seconds=0.5,
+            connect_timeout=0.5,
+            socket_timeout=0.5,
+        )
+        t = tenant()
+        with Ledger.from_settings(settings) as led:
+            led.set_scope(t, ScopeBudget(window_ms=DAY, tokens=1_000_000))
+            s = led.open_session(f"@{t}/s", BUDGET)
+            cost = CallCost(model="m", input=3_000, output=1_000)
+            s.reserve(W, "up", 1, cost=cost)  # Redis answers: held in the scope
+            srv.kill()
+            allowance = LocalAllowance(tokens=10_000)
+            admitted = 0
+            for n in range(4):
+                with pytest.raises(BackendUnavailable):
+                    s.reserve(W, f"down{n}", 1, cost=cost)
+                admitted += allowance.admit(cost)
+            assert admitted == 2 and allowance.left == (2_000, None)  # 2 x 4,000 of 10,000
+            money = LocalAllowance(tokens=10**6, cents=5, price=Price(300, 1_500))
+            assert [money.admit(cost) for _ in range(3)] == [True, True, False]  # 2.4 c each
