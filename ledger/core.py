@@ -42,6 +42,8 @@ from ledger.models import (
     Admitted,
     BegunBy,
     CallCost,
+    ChildDrawn,
+    ChildOpened,
     Compaction,
     Consumer,
     Deleted,
@@ -584,6 +586,41 @@ class SessionCore:
         return protocol.void(self.keys, _op(op_id), self._stamp(turn), reservation_id, scopes)
 
     void = operation(void_call)
+
+    def open_child_call(
+        self,
+        reservation_id: str,
+        child_id: str,
+        floor: int,
+        *,
+        turn: int | BegunBy | None = None,
+        op_id: str | None = None,
+    ) -> Call[ChildOpened]:
+        """Open a child (a subagent) drawing from this open reservation, ``floor`` tokens
+        held for it alone; refused (``child_floor``) when the floor does not fit what the
+        reservation has left, the other children unchanged (docs/ceilings.md)."""
+        return protocol.open_child(
+            self.keys, _op(op_id), self._stamp(turn), reservation_id, child_id, floor
+        )
+
+    open_child = operation(open_child_call)
+
+    def draw_child_call(
+        self,
+        reservation_id: str,
+        child_id: str,
+        tokens: int,
+        *,
+        turn: int | BegunBy | None = None,
+        op_id: str | None = None,
+    ) -> Call[ChildDrawn]:
+        """A child draws tokens from the reservation: within its floor always, past it
+        while no other child's floor needs the room."""
+        return protocol.draw_child(
+            self.keys, _op(op_id), self._stamp(turn), reservation_id, child_id, tokens
+        )
+
+    draw_child = operation(draw_child_call)
 
     def reset_call(self, reason: str, *, op_id: str | None = None) -> Call[ResetDone]:
         """Hard reset: advance the epoch, drop every item and reservation, keep the budget.

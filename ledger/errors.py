@@ -146,6 +146,7 @@ RefusalReason = Literal[
     "starvation",
     "fanout_guard",
     "ceiling_reached",
+    "child_floor",
 ]
 REFUSAL_REASONS: Final[frozenset[str]] = frozenset(get_args(RefusalReason))
 PendingBound = Literal["pending", "failed"]

@@ -53,6 +53,8 @@ __all__ = [
     "Usage",
     "ScopeSet",
     "ScopeUsage",
+    "ChildOpened",
+    "ChildDrawn",
     "Voided",
     "Expired",
     "PartitionCheck",
@@ -540,6 +542,32 @@ class Usage:
     input: int
     output: int
     cached_input: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChildOpened:
+    """``open_child``: a child drawing from the reservation, its floor held for it;
+    ``free``: what the pool has left past every floor and every draw past a floor."""
+
+    reservation: str
+    child: str
+    floor: int
+    free: int
+    epoch: int
+    turn: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChildDrawn:
+    """``draw_child``: the child's tokens drawn so far; ``free``: what it may still draw."""
+
+    reservation: str
+    child: str
+    used: int
+    floor: int
+    free: int
+    epoch: int
+    turn: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

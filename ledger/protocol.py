@@ -31,6 +31,8 @@ from ledger.models import (
     AuditReport,
     BegunBy,
     CallCost,
+    ChildDrawn,
+    ChildOpened,
     Classification,
     Compaction,
     CompactionOutcome,
@@ -454,6 +456,55 @@ def void(
         body += [str(len(names)), *names]
         own += _scope_layout(keys, names)
     return _mutating("void", keys, own, op_id, epoch, body, _voided)
+
+
+def _child_opened(r: Reply) -> ChildOpened:
+    _refusal(r)
+    return ChildOpened(
+        reservation=r["reservation"],
+        child=r["child"],
+        floor=int(r["floor"]),
+        free=int(r["free"]),
+        epoch=int(r["epoch"]),
+        turn=int(r["turn"]),
+    )
+
+
+def open_child(
+    keys: SessionKeys, op_id: str, epoch: Epoch, reservation_id: str, child_id: str, floor: int
+) -> Call[ChildOpened]:
+    body = [
+        keys.session_id,
+        check_id(reservation_id, "reservation id"),
+        check_id(child_id, "child id"),
+        _num(floor),
+    ]
+    return _mutating("open_child", keys, (), op_id, epoch, body, _child_opened)
+
+
+def _child_drawn(r: Reply) -> ChildDrawn:
+    _refusal(r)
+    return ChildDrawn(
+        reservation=r["reservation"],
+        child=r["child"],
+        used=int(r["used"]),
+        floor=int(r["floor"]),
+        free=int(r["free"]),
+        epoch=int(r["epoch"]),
+        turn=int(r["turn"]),
+    )
+
+
+def draw_child(
+    keys: SessionKeys, op_id: str, epoch: Epoch, reservation_id: str, child_id: str, tokens: int
+) -> Call[ChildDrawn]:
+    body = [
+        keys.session_id,
+        check_id(reservation_id, "reservation id"),
+        check_id(child_id, "child id"),
+        _num(tokens),
+    ]
+    return _mutating("draw_child", keys, (), op_id, epoch, body, _child_drawn)
 
 
 _QUANTITIES = {"i": "input", "o": "output", "c": "cached_input", "$": "money"}

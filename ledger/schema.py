@@ -351,6 +351,13 @@ ITEM = _s("i:<c>:<id>", "item", "text", "one item: '<tokens>|<turn>|<priority>|<
 RESERVATION = _s(
     "r:<id>", "reservation", "text", "one open reservation: '<c>|<tokens>|<deadline ms>'"
 )
+CHILD_POOL = _s(
+    "k:<id>",
+    "child_pool",
+    "text",
+    "the children of open reservation <id>: '<floors>|<drawn past floors>|<children>'",
+)
+CHILD = _s("k:<id>|<child>", "child", "text", "one child of reservation <id>: '<floor>|<used>'")
 LAST_RESET = _s("x:last_reset", "last_reset", "text", "the last reset's reason")
 COUNTER = _s("x:<name>", "counter", "count", "a telemetry counter (only ever incremented)")
 
@@ -381,7 +388,7 @@ HAD_PREVIOUS = _f(
 INDICATORS = (
     "drift", "reconciled", "refused", "refused_pending", "expired", "spilled", "starvation",
     "loud", "failed_compactions", "escalations", "resets", "rolled_back", "evicted_memory",
-    "fanout_refused", "refused_ceiling",
+    "fanout_refused", "refused_ceiling", "refused_child",
 )  # fmt: skip
 for _name in INDICATORS:
     _f(_name, "tally_" + _name, "count", "tally", f"indicator {_name} (docs/operations.md)")

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from ledger import (
+    AdmissionRefused,
     BackendUnavailable,
     CallCost,
     CeilingReached,
@@ -29,6 +30,7 @@ from ledger import (
     ScopeBudget,
     Session,
     SessionBudget,
+    UnknownReservation,
     UnknownScope,
     Usage,
 )
@@ -276,3 +278,54 @@ def test_redis_unreachable_refuses_or_spends_the_stated_local_allowance() -> Non
             assert admitted == 2 and allowance.left == (2_000, None)  # 2 x 4,000 of 10,000
             money = LocalAllowance(tokens=10**6, cents=5, price=Price(300, 1_500))
             assert [money.admit(cost) for _ in range(3)] == [True, True, False]  # 2.4 c each
+
+
+def _pool(ledger: Ledger, pool: int) -> tuple[Session, str]:
+    t = tenant()
+    ledger.set_scope(t, ScopeBudget(window_ms=DAY, tokens=1_000_000))
+    s = ledger.open_session(f"@{t}/parent", BUDGET)
+    r = s.reserve(W, "fan", pool, cost=CallCost(model="m", input=pool, output=0))
+    return s, r.id
+
+
+def test_four_children_whose_floors_fit_are_none_starved(ledger: Ledger) -> None:
+    s, rid = _pool(ledger, 4_000)
+    for k in range(4):
+        assert s.open_child(rid, f"kid{k}", 1_000).free == 4_000 - 1_000 * (k + 1)
+    # the first child is greedy: it gets its floor, and nothing its siblings' floors hold
+    assert s.draw_child(rid, "kid0", 1_000).used == 1_000
+    with pytest.raises(AdmissionRefused) as err:
+        s.draw_child(rid, "kid0", 1)
+    assert err.value.free == 0
+    for k in range(1, 4):  # every sibling still gets its whole floor
+        assert s.draw_child(rid, f"kid{k}", 1_000).used == 1_000
+
+
+def test_eight_children_whose_floors_do_not_fit_the_extra_ones_are_refused_alone(
+    ledger: Ledger,
+) -> None:
+    s, rid = _pool(ledger, 4_000)
+    opened, refused = [], []
+    for k in range(8):
+        try:
+            s.open_child(rid, f"kid{k}", 1_000)
+            opened.append(k)
+        except AdmissionRefused as exc:
+            assert exc.reason == "child_floor" and exc.free == 0
+            refused.append(k)
+    assert opened == [0, 1, 2, 3] and refused == [4, 5, 6, 7]
+    for k in opened:  # the refusals took nothing from the children already open
+        assert s.draw_child(rid, f"kid{k}", 1_000).free == 0
+    with pytest.raises(UnknownReservation):
+        s.draw_child(rid, "kid5", 1)  # a refused child was never opened
+
+
+def test_without_floors_one_greedy_child_starves_its_siblings(ledger: Ledger) -> None:
+    """What the floors prevent: children opened with floor 0 share the pool first come,
+    first served, and the first one can take it all."""
+    s, rid = _pool(ledger, 4_000)
+    for k in range(4):
+        s.open_child(rid, f"kid{k}", 0)
+    assert s.draw_child(rid, "kid0", 4_000).used == 4_000
+    with pytest.raises(AdmissionRefused):
+        s.draw_child(rid, "kid1", 1)

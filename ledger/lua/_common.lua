@@ -115,6 +115,9 @@
 --   gz             rotate_at [time]: when the current outcome generation is rotated
 --   i:<c>:<id>     item [text]: one item: '<tokens>|<turn>|<priority>|<seq>'
 --   r:<id>         reservation [text]: one open reservation: '<c>|<tokens>|<deadline ms>'
+--   k:<id>         child_pool [text]: the children of open reservation <id>:
+--                  '<floors>|<drawn past floors>|<children>'
+--   k:<id>|<child> child [text]: one child of reservation <id>: '<floor>|<used>'
 --   x:last_reset   last_reset [text]: the last reset's reason
 --   x:<name>       counter [count]: a telemetry counter (only ever incremented)
 --
@@ -149,6 +152,8 @@
 --   fanout_refused tally_fanout_refused [count]: indicator fanout_refused
 --                  (docs/operations.md)
 --   refused_ceiling tally_refused_ceiling [count]: indicator refused_ceiling
+--                  (docs/operations.md)
+--   refused_child  tally_refused_child [count]: indicator refused_child
 --                  (docs/operations.md)
 --   class:<class>  tally_class [count]: ended turns of one amplification class
 --
