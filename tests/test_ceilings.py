@@ -22,6 +22,7 @@ from ledger import (
     CeilingReached,
     Consumer,
     InvalidArgument,
+    Item,
     Ledger,
     LedgerSettings,
     LocalAllowance,
@@ -329,3 +330,58 @@ def test_without_floors_one_greedy_child_starves_its_siblings(ledger: Ledger) ->
     assert s.draw_child(rid, "kid0", 4_000).used == 4_000
     with pytest.raises(AdmissionRefused):
         s.draw_child(rid, "kid1", 1)
+
+
+def test_usage_as_genai_attributes_one_name_a_quantity() -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as semconv
+
+    from ledger.adapters import otel
+
+    # the names are the pinned release's
+    assert otel.INPUT == semconv.GEN_AI_USAGE_INPUT_TOKENS
+    assert otel.OUTPUT == semconv.GEN_AI_USAGE_OUTPUT_TOKENS
+    assert otel.CACHE_READ == semconv.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS
+    assert otel.CONVERSATION == semconv.GEN_AI_CONVERSATION_ID
+    with Ledger.from_url(f"embedded://{uuid.uuid4().hex}") as led:
+        s = led.open_session("@acme/otel", BUDGET)
+        s.admit(W, [Item("turn1", 700)])
+        attrs = otel.usage_attributes(
+            s.id, Usage(input=1_000, output=200, cached_input=3_000), s.snapshot()
+        )
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    with provider.get_tracer("t").start_as_current_span("chat") as span:
+        span.set_attributes(attrs)
+    got = dict(exporter.get_finished_spans()[0].attributes or {})
+    assert got[otel.INPUT] == 4_000 and got[otel.CACHE_READ] == 3_000 and got[otel.OUTPUT] == 200
+    assert got[otel.CONVERSATION] == "@acme/otel"
+    assert got["ledger.window.working_memory.used"] == 700
+    assert got["ledger.window.free"] == BUDGET.window - 1_000 - 700 - BUDGET.output_reserve
+    gen_ai = [k for k in got if k.startswith("gen_ai.")]
+    assert sorted(gen_ai) == sorted({otel.INPUT, otel.OUTPUT, otel.CACHE_READ, otel.CONVERSATION})
+
+
+@pytest.mark.redis
+def test_ledger_scope_shows_a_tenants_window(
+    redis_server: servers.RedisProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ledger import cli
+
+    prefix, t = f"t{uuid.uuid4().hex[:8]}", tenant()
+    with Ledger.from_settings(LedgerSettings(redis_url=redis_server.url, prefix=prefix)) as led:
+        led.set_scope(t, ScopeBudget(window_ms=DAY, tokens=10_000))
+        s = led.open_session(f"@{t}/s", BUDGET)
+        r = s.reserve(W, "a", 1, cost=CallCost(model="m", input=3_000, output=500))
+        s.settle("a", 1, billed=Usage(input=3_000, output=900), scopes=r.scopes)
+        s.reserve(W, "b", 1, cost=CallCost(model="m", input=1_000, output=0))
+    argv = ["--url", redis_server.url, "--prefix", prefix, "scope", t, "--json"]
+    assert cli.main(argv) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["charged"]["input"] == 4_000 and got["held"]["input"] == 1_000
+    assert got["remaining"] == {"tokens": 10_000 - 4_900} and got["over"] == 400
+    assert cli.main(["--url", redis_server.url, "--prefix", prefix, "scope", f"{t}/none"]) == 1
+    assert "no ceilings set" in capsys.readouterr().err
