@@ -156,10 +156,10 @@ def test_a_dead_processs_hold_expires_on_redis_clock(ledger: Ledger) -> None:
     t = tenant()
     ledger.set_scope(t, ScopeBudget(window_ms=DAY, tokens=1_000))
     s = ledger.open_session(f"@{t}/s", BUDGET)
-    s.reserve(W, "dead", 10, lease_ms=300, cost=CallCost(model="m", input=900, output=0))
+    s.reserve(W, "dead", 10, lease_ms=1_000, cost=CallCost(model="m", input=900, output=0))
     with pytest.raises(CeilingReached):
         s.reserve(W, "next", 10, cost=CallCost(model="m", input=900, output=0))
-    time.sleep(0.5)  # nobody settles or voids "dead": its deadline passes on Redis's clock
+    time.sleep(1.3)  # nobody settles or voids "dead": its deadline passes on Redis's clock
     assert ledger.scope_usage(t).held["input"] == 0  # a read leaves a lapsed hold out
     r = s.reserve(W, "next", 10, cost=CallCost(model="m", input=900, output=0))
     with pytest.raises(ReservationExpired):
