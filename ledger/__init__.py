@@ -6,11 +6,12 @@ from ledger import models
 from ledger.agent import Agent, AsyncAgent, EstimatingCounter, TiktokenCounter
 from ledger.aio import AsyncLedger, AsyncSession
 from ledger.client import Ledger, Session
-from ledger.core import new_op_id
+from ledger.core import LocalAllowance, new_op_id
 from ledger.errors import (
     AdmissionRefused,
     BackendUnavailable,
     BillingDriftWarning,
+    CeilingReached,
     CompactionPending,
     ConfigurationError,
     ContextDrift,
@@ -32,6 +33,7 @@ from ledger.errors import (
     TurnInProgress,
     TurnLost,
     UnknownReservation,
+    UnknownScope,
     UnknownSession,
     VersionMismatch,
     WorkingMemoryStarvation,
@@ -82,9 +84,12 @@ __all__ = [
     "TurnLost",
     "CompactionPending",
     "UnknownReservation",
+    "UnknownScope",
+    "CeilingReached",
     "UnknownSession",
     "VersionMismatch",
     "new_op_id",
+    "LocalAllowance",
 ]
 __all__ += models.__all__
 __version__ = "0.1.0"

@@ -1,5 +1,5 @@
-"""The ``ledger`` command: ``demo``, ``inspect``, ``top``, ``audit``, ``dead``, ``worker``,
-``scripts``.
+"""The ``ledger`` command: ``demo``, ``inspect``, ``scope``, ``top``, ``audit``, ``dead``,
+``worker``, ``scripts``.
 
 Exit codes: 0 success; 1 an audit found violations or a damaged session, the demo's
 checks failed, or the ledger refused the request (an unknown session or dead letter);
@@ -11,7 +11,8 @@ Only ``demo`` runs in-process (``embedded://``) when no URL is set; the other co
 need ``--url`` or ``LEDGER_REDIS_URL`` (``embedded://`` only when asked for by name).
 
 Extras (ledger/extras.py): ``demo`` needs ``redis-token-ledger[demo]``; ``top``,
-``inspect``, ``audit`` and ``dead`` need ``[cli]``; ``worker`` needs ``[worker]``; ``scripts`` none.
+``inspect``, ``scope``, ``audit`` and ``dead`` need ``[cli]``; ``worker`` needs ``[worker]``;
+``scripts`` none.
 A missing one is a usage error (exit 2) whose message is the line that installs it.
 """
 
@@ -708,6 +709,57 @@ def _cbreak(stream: IO[str] | None) -> Iterator[None]:
         termios.tcsetattr(fd, termios.TCSADRAIN, saved)
 
 
+def cmd_scope(args: argparse.Namespace, out: Console) -> int:
+    """A budget scope's window: ceilings, what is charged and held, what is left, the
+    refusals and what settles billed past their holds, and each bucket kept."""
+    import json
+
+    from rich.table import Table
+
+    from ledger.client import Ledger
+
+    with Ledger.from_settings(_settings(args)) as ledger:
+        u = ledger.scope_usage(args.scope)
+    if args.json:
+        body = {
+            "scope": u.scope,
+            "now_ms": u.now_ms,
+            "window_ms": u.window_ms,
+            "bucket_ms": u.bucket_ms,
+            "charged": dict(u.charged),
+            "held": dict(u.held),
+            "remaining": dict(u.remaining),
+            "open_holds": u.open_holds,
+            "refused": u.refused,
+            "over": u.over,
+            "over_money": u.over_money,
+            "buckets": {str(b): dict(v) for b, v in u.buckets.items()},
+        }
+        print(json.dumps(body))
+        return EXIT_OK
+    kind = "fixed" if u.window_ms == u.bucket_ms else f"rolling, buckets of {u.bucket_ms} ms"
+    out.print(
+        f"[bold]{u.scope}[/]  window {u.window_ms} ms ({kind})  open holds {u.open_holds}  "
+        f"refused {u.refused}  billed past holds {u.over} tokens, {u.over_money} micro-cents"
+    )
+    t = Table("quantity", "charged", "of which held", "remaining")
+    for q in ("input", "output", "cached_input", "money"):
+        left = u.remaining.get(q)
+        t.add_row(q, str(u.charged[q]), str(u.held[q]), "-" if left is None else str(left))
+    if "tokens" in u.remaining:
+        t.add_row("tokens (counted)", "", "", str(u.remaining["tokens"]))
+    out.print(t)
+    b = Table("bucket start (ms)", "input", "output", "cached_input", "money", "billed past holds")
+    for start, v in u.buckets.items():
+        b.add_row(
+            str(start),
+            *(str(v.get(q, 0)) for q in ("input", "output", "cached_input", "money")),
+            str(v.get("over", 0)),
+        )
+    out.print(b)
+    return EXIT_OK
+
+
 def cmd_top(args: argparse.Namespace, out: Console, keys: IO[str] | None = None) -> int:
     from rich.live import Live
 
@@ -912,6 +964,16 @@ def build_parser() -> argparse.ArgumentParser:
         "ids); repeatable",
     )
     i.set_defaults(func=cmd_inspect)
+    sc = add(
+        "scope",
+        help="a budget scope (a tenant, or <tenant>/<name>): ceilings, charged, remaining",
+        description="A budget scope's current window (docs/ceilings.md): per quantity what "
+        "is charged (open holds and billed usage), held and left under its ceiling; its "
+        "refusals; what settles billed past their holds; the billed usage of each bucket kept.",
+    )
+    sc.add_argument("scope", help="the tenant, or <tenant>/<name>")
+    sc.add_argument("--json", action="store_true", help="print the scope as one JSON object")
+    sc.set_defaults(func=cmd_scope)
     tp = add("top", help="live view of the busiest sessions and the indicators (q quits)")
     tp.add_argument(
         "--limit", type=int, help="sessions shown (default: as many as the terminal's height fits)"

@@ -7,6 +7,7 @@ import inspect
 import itertools
 import os
 import socket
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Coroutine, Generator, Iterable, Mapping, Sequence
 from types import MethodType
@@ -40,10 +41,14 @@ from ledger.keys import KeySpace, SessionKeys
 from ledger.models import (
     Admitted,
     BegunBy,
+    CallCost,
+    ChildDrawn,
+    ChildOpened,
     Compaction,
     Consumer,
     Deleted,
     Item,
+    Price,
     Reconciled,
     Released,
     Reservation,
@@ -57,6 +62,7 @@ from ledger.models import (
     TurnRenewed,
     TurnReport,
     TurnStarted,
+    Usage,
     Voided,
 )
 from ledger.protocol import Call, Epoch, stamp
@@ -229,7 +235,7 @@ class LedgerCore:
             raise InvalidArgument(f"expected a ledger Call, got {type(call).__name__}")
         key = call.keys[0] if call.keys else ""
         if key not in self._owned:
-            if not self.keyspace.owns(key):
+            if not (self.keyspace.owns(key) or self.keyspace.owns_scope(key)):
                 raise InvalidArgument(
                     f"the call's key {key!r} is not a session of this ledger (prefix "
                     f"{self.keyspace.prefix!r}, {self.keyspace.partitions} partitions): build "
@@ -532,10 +538,14 @@ class SessionCore:
         tokens: int,
         *,
         lease_ms: int = 30_000,
+        cost: CallCost | None = None,
         turn: int | BegunBy | None = None,
         op_id: str | None = None,
     ) -> Call[Reservation]:
-        """Hold an estimate until a deadline on Redis's clock (phase one of two)."""
+        """Hold an estimate until a deadline on Redis's clock (phase one of two). With
+        ``cost``, a model call's worst case is held in the same step in every budget
+        scope above the session (docs/ceilings.md): refused with ``CeilingReached``,
+        nothing held anywhere, when one of their ceilings would be passed."""
         return protocol.reserve(
             self.keys,
             _op(op_id),
@@ -544,6 +554,7 @@ class SessionCore:
             reservation_id,
             tokens,
             lease_ms,
+            cost,
         )
 
     reserve = operation(reserve_call)
@@ -555,25 +566,78 @@ class SessionCore:
         item_id: str | None = None,
         *,
         priority: int = 0,
+        billed: Usage | None = None,
+        scopes: Sequence[str] = (),
         turn: int | BegunBy | None = None,
         op_id: str | None = None,
     ) -> Call[Settled]:
         """Turn a reservation into an item of its actual size (lower or higher), named
         ``item_id`` (by default the reservation's id, which ``reserve`` checks is not
-        held already)."""
+        held already). ``billed``: for a reservation held in budget scopes (``scopes``,
+        as ``Reservation.scopes`` names them), what the provider billed: charged to them
+        in the same step, more or less than held."""
         return protocol.settle(
-            self.keys, _op(op_id), self._stamp(turn), reservation_id, actual, item_id, priority
+            self.keys,
+            _op(op_id),
+            self._stamp(turn),
+            reservation_id,
+            actual,
+            item_id,
+            priority,
+            billed,
+            scopes,
         )
 
     settle = operation(settle_call)
 
     def void_call(
-        self, reservation_id: str, *, turn: int | BegunBy | None = None, op_id: str | None = None
+        self,
+        reservation_id: str,
+        *,
+        scopes: Sequence[str] = (),
+        turn: int | BegunBy | None = None,
+        op_id: str | None = None,
     ) -> Call[Voided]:
-        """Cancel a reservation and give its tokens back."""
-        return protocol.void(self.keys, _op(op_id), self._stamp(turn), reservation_id)
+        """Cancel a reservation and give its tokens back (and its holds in ``scopes``,
+        as ``Reservation.scopes`` names them)."""
+        return protocol.void(self.keys, _op(op_id), self._stamp(turn), reservation_id, scopes)
 
     void = operation(void_call)
+
+    def open_child_call(
+        self,
+        reservation_id: str,
+        child_id: str,
+        floor: int,
+        *,
+        turn: int | BegunBy | None = None,
+        op_id: str | None = None,
+    ) -> Call[ChildOpened]:
+        """Open a child (a subagent) drawing from this open reservation, ``floor`` tokens
+        held for it alone; refused (``child_floor``) when the floor does not fit what the
+        reservation has left, the other children unchanged (docs/ceilings.md)."""
+        return protocol.open_child(
+            self.keys, _op(op_id), self._stamp(turn), reservation_id, child_id, floor
+        )
+
+    open_child = operation(open_child_call)
+
+    def draw_child_call(
+        self,
+        reservation_id: str,
+        child_id: str,
+        tokens: int,
+        *,
+        turn: int | BegunBy | None = None,
+        op_id: str | None = None,
+    ) -> Call[ChildDrawn]:
+        """A child draws tokens from the reservation: within its floor always, past it
+        while no other child's floor needs the room."""
+        return protocol.draw_child(
+            self.keys, _op(op_id), self._stamp(turn), reservation_id, child_id, tokens
+        )
+
+    draw_child = operation(draw_child_call)
 
     def reset_call(self, reason: str, *, op_id: str | None = None) -> Call[ResetDone]:
         """Hard reset: advance the epoch, drop every item and reservation, keep the budget.
@@ -783,3 +847,55 @@ class SessionCore:
         return protocol.delete(self.keys, _op(op_id), self.epoch)
 
     delete = operation(delete_call)
+
+
+# --- fail closed, or an opt-in local allowance (docs/ceilings.md#when-redis-cannot-be-reached)
+
+
+class LocalAllowance:
+    """What one process may admit on its own while Redis cannot be reached: opt-in.
+
+    By default a reservation with a cost is refused with ``BackendUnavailable`` when Redis
+    does not answer (the ledger fails closed: no ceiling can be checked). A process that
+    prefers to keep serving makes one ``LocalAllowance`` and, on ``BackendUnavailable``,
+    asks it (:meth:`admit`): it admits a call while the call's worst case fits what is left
+    of ``tokens`` (input, output and cached input together) and, with ``price``, of
+    ``cents``. What it admitted is never recorded in any scope, and it is never refilled:
+    the worst case over a scope's ceiling is ``tokens`` (and ``cents``) per process that
+    holds one, for the life of the process. Thread-safe."""
+
+    def __init__(self, *, tokens: int, cents: int | None = None, price: Price | None = None):
+        if type(tokens) is not int or tokens < 0:
+            raise InvalidArgument(f"tokens must be an int >= 0, got {tokens!r}")
+        if (cents is None) != (price is None):
+            raise InvalidArgument("a money allowance needs both cents and a price")
+        self.tokens, self.cents, self.price = tokens, cents, price
+        self._left_tokens = tokens
+        self._left_money = None if cents is None else cents * 1_000_000
+        self._lock = threading.Lock()
+        self.admitted = 0
+
+    def admit(self, cost: CallCost) -> bool:
+        """Take the call's worst case from what is left, or refuse it (False)."""
+        tok = cost.input + cost.output + cost.cached_input
+        money = 0
+        if self.price is not None:
+            p = self.price
+            money = (
+                cost.input * p.input + cost.output * p.output + cost.cached_input * p.cached_input
+            )
+        with self._lock:
+            if tok > self._left_tokens or (
+                self._left_money is not None and money > self._left_money
+            ):
+                return False
+            self._left_tokens -= tok
+            if self._left_money is not None:
+                self._left_money -= money
+            self.admitted += 1
+            return True
+
+    @property
+    def left(self) -> tuple[int, int | None]:
+        """Tokens and micro-cents left."""
+        return self._left_tokens, self._left_money

@@ -51,6 +51,11 @@ class UnknownReservation(LedgerError, LookupError):
     """The reservation is not open: settled, voided, expired and swept, or never made."""
 
 
+class UnknownScope(LedgerError, LookupError):
+    """A budget scope named in a call has no ceilings set (``set_scope`` was never called
+    for it): nothing was held or changed (docs/ceilings.md)."""
+
+
 class ReservationExpired(LedgerError):
     """The reservation's deadline passed on Redis's clock; it can no longer be settled."""
 
@@ -159,6 +164,8 @@ RefusalReason = Literal[
     "compaction_pending",
     "starvation",
     "fanout_guard",
+    "ceiling_reached",
+    "child_floor",
 ]
 REFUSAL_REASONS: Final[frozenset[str]] = frozenset(get_args(RefusalReason))
 PendingBound = Literal["pending", "failed"]
@@ -224,6 +231,25 @@ class FanoutRefused(AdmissionRefused):
             self,
             f"fanout_guard: amplification {self.ratio:.2f} > {self.threshold:.2f}; "
             "summarize and proceed before the next fan-out",
+        )
+
+
+class CeilingReached(AdmissionRefused):
+    """A budget scope above the session (a tenant, or a key or user within it) would pass
+    one of its ceilings: the reservation was refused, nothing held in the session or in
+    any scope (docs/ceilings.md). ``scope`` names it, ``quantity`` the ceiling (input,
+    output, cached_input, tokens or money), ``ceiling`` its value; ``requested`` and
+    ``free`` are in that quantity's unit (money: micro-cents, a millionth of a cent)."""
+
+    def __init__(self, detail: Mapping[str, str]) -> None:
+        super().__init__(detail["reason"], int(detail["requested"]), int(detail["free"]), detail)
+        self.scope = detail["scope"]
+        self.quantity = detail["quantity"]
+        self.ceiling = int(detail["ceiling"])
+        Exception.__init__(
+            self,
+            f"ceiling_reached: scope {self.scope} {self.quantity} ceiling {self.ceiling}: "
+            f"requested {self.requested}, {self.free} left",
         )
 
 
@@ -305,6 +331,7 @@ _CODES: Final[dict[str, type[LedgerError]]] = {
     "STALE": StaleEpoch,
     "OPREUSED": OperationIdReused,
     "NORESERVATION": UnknownReservation,
+    "NOSCOPE": UnknownScope,
     "EXPIRED": ReservationExpired,
     "TURNHELD": TurnInProgress,
     "TURNLOST": TurnLost,

@@ -60,6 +60,16 @@ them on Redis Cluster::
                                        send it; a turn builds it again when it is not
                                        complete: it is never the truth, only an order
 
+A session of a tenant is named '@<tenant>/<id>' (docs/ceilings.md): its partition is
+the tenant's, ``crc32(tenant) % partitions``, so that the session and every budget scope
+of its tenant share one hash tag and one script can hold a model call's cost in all of
+them. A tenant's scopes (the tenant, or '<tenant>/<name>' for a key or user within it):
+
+    <prefix>:{p<N>}:t:<scope>          hash: the scope's window, ceilings and price table,
+                                       its counters per bucket and its open holds
+    <prefix>:{p<N>}:th:<scope>         sorted set of the scope's open holds by deadline
+                                       (ms, Redis's clock), members '<session>|<reservation>'
+
 Deleting a session deletes its content, spill, compacted and history keys with it, and its
 reclaim-order index; a new incarnation of an id starts with none (a new session builds its
 index at its first turn that needs it, whatever an earlier one left).
@@ -79,6 +89,41 @@ from ledger.errors import InvalidArgument
 
 _SESSION_RE = re.compile(r"[A-Za-z0-9._:/@+=#-]{1,128}")
 _PREFIX_RE = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+_TENANT_RE = re.compile(r"[A-Za-z0-9._:=#+-]{1,64}")
+_OF_TENANT = re.compile(r"@([A-Za-z0-9._:=#+-]{1,64})/.")
+
+
+def tenant_of(session_id: str) -> str | None:
+    """The tenant a session id names ('@<tenant>/<id>'), or None."""
+    m = _OF_TENANT.match(session_id)
+    return m.group(1) if m else None
+
+
+def check_scope(name: object) -> str:
+    """A budget scope's name checked: a tenant, or '<tenant>/<name>' within it (at most
+    128 characters of a session id's). Returns the tenant."""
+    tenant, sep, rest = name.partition("/") if isinstance(name, str) else ("", "", "")
+    if (
+        not _TENANT_RE.fullmatch(tenant)
+        or (sep and not _SESSION_RE.fullmatch(rest))
+        or len(str(name)) > 128
+    ):
+        raise InvalidArgument(
+            "a scope is a tenant (1-64 characters of [A-Za-z0-9._:=#+-]) or "
+            f"'<tenant>/<name>' within it, got {name!r}"
+        )
+    return tenant
+
+
+@dataclass(frozen=True, slots=True)
+class ScopeKeys:
+    """The two keys of a budget scope: its hash and its holds index."""
+
+    name: str
+    tenant: str
+    partition: int
+    hash: str
+    holds: str
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -121,7 +166,22 @@ class KeySpace:
             raise InvalidArgument(f"partitions must be 1..16384, got {self.partitions}")
 
     def partition_of(self, session_id: str) -> int:
+        """A session's partition: its tenant's for '@<tenant>/<id>', else its id's."""
+        tenant = tenant_of(session_id)
+        if tenant is not None:
+            return self.tenant_partition(tenant)
         return zlib.crc32(session_id.encode()) % self.partitions
+
+    def tenant_partition(self, tenant: str) -> int:
+        return zlib.crc32(tenant.encode()) % self.partitions
+
+    def scope(self, name: str) -> ScopeKeys:
+        """A budget scope's keys: the tenant '<tenant>', or '<tenant>/<name>' within it,
+        in the tenant's partition."""
+        tenant = check_scope(name)
+        p = self.tenant_partition(tenant)
+        tag = self.tag(p)
+        return ScopeKeys(name, tenant, p, f"{tag}:t:{name}", f"{tag}:th:{name}")
 
     def tag(self, partition: int) -> str:
         return f"{self.prefix}:{{p{partition}}}"
@@ -196,6 +256,17 @@ class KeySpace:
             and _SESSION_RE.fullmatch(sid) is not None
             and (self.tag(self.partition_of(sid)) + ":s:" + sid == key)
         )
+
+    def owns_scope(self, key: str) -> bool:
+        """Whether ``key`` is the hash of a budget scope of this key space, in its
+        tenant's partition."""
+        m = re.fullmatch(rf"{re.escape(self.prefix)}:\{{p(\d+)\}}:t:(.+)", key)
+        if not m:
+            return False
+        try:
+            return self.scope(m.group(2)).hash == key
+        except InvalidArgument:
+            return False
 
     def session_pattern(self) -> str:
         """SCAN pattern matching every session hash of this prefix."""

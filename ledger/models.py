@@ -47,6 +47,14 @@ __all__ = [
     "Released",
     "Reservation",
     "Settled",
+    "Price",
+    "ScopeBudget",
+    "CallCost",
+    "Usage",
+    "ScopeSet",
+    "ScopeUsage",
+    "ChildOpened",
+    "ChildDrawn",
     "Voided",
     "Expired",
     "PartitionCheck",
@@ -402,6 +410,9 @@ class Reservation:
     free: int
     epoch: int
     turn: int
+    scopes: tuple[str, ...] = ()
+    """The budget scopes the reservation holds a model call's worst case in (none: the
+    session's window only); settle and void name them again."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -412,6 +423,182 @@ class Settled:
     free: int
     epoch: int
     turn: int
+    billed_money: int | None = None
+    """With scopes: the call's billed usage priced by the tenant's table, in micro-cents."""
+    over: int = 0
+    """Tokens billed past what the reservation held: charged all the same (and counted in
+    each scope's ``ot``), never dropped."""
+    over_money: int = 0
+    """Micro-cents billed past what the reservation held."""
+
+
+# --- budget scopes above the session (docs/ceilings.md) ------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Price:
+    """A model's price in cents per million tokens (so tokens x price is micro-cents,
+    a whole number): uncached input, output and cached input."""
+
+    input: int
+    output: int
+    cached_input: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("input", "output", "cached_input"):
+            v = getattr(self, name)
+            if type(v) is not int or not 0 <= v <= 10**9:
+                raise InvalidArgument(f"price {name} must be an int of cents per Mtok, got {v!r}")
+
+    @property
+    def wire(self) -> str:
+        return f"{self.input}|{self.output}|{self.cached_input}"
+
+
+_KINDS = ("input", "output", "cached_input")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScopeBudget:
+    """The ceilings of a budget scope (a tenant, or a key or user within it) over a
+    window of Redis's clock: fixed (``bucket_ms`` None: the window is one bucket,
+    aligned on multiples of its length since the epoch) or rolling (the window is
+    ``window_ms // bucket_ms`` buckets, the last of them the current one). A ceiling of
+    None is no ceiling. ``tokens`` counts the kinds of ``counted`` together; ``cents``
+    is a money ceiling priced by ``prices`` (the tenant's table, model -> Price; '*'
+    prices any other model). ``hold_limit_ms`` is the longest lease a reservation may
+    hold in the scope."""
+
+    window_ms: int
+    bucket_ms: int | None = None
+    hold_limit_ms: int = 3_600_000
+    input: int | None = None
+    output: int | None = None
+    cached_input: int | None = None
+    tokens: int | None = None
+    counted: tuple[str, ...] = _KINDS
+    cents: int | None = None
+    prices: Mapping[str, Price] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        bucket = self.bucket_ms or self.window_ms
+        if type(self.window_ms) is not int or self.window_ms < 1000:
+            raise ConfigurationError(f"window_ms must be an int >= 1000, got {self.window_ms!r}")
+        if self.window_ms % bucket or self.window_ms // bucket > 96 or bucket < 1000:
+            raise ConfigurationError(
+                f"bucket_ms must divide the window into 1..96 buckets of >= 1 s, got {bucket}"
+            )
+        if not 1 <= self.hold_limit_ms <= 86_400_000:
+            raise ConfigurationError(f"hold_limit_ms must be 1..86400000, got {self.hold_limit_ms}")
+        if any(k not in _KINDS for k in self.counted):
+            raise ConfigurationError(f"counted must be among {_KINDS}, got {self.counted!r}")
+        if self.cents is not None and not self.prices:
+            raise ConfigurationError("a money ceiling (cents) needs a price table")
+
+    def wire(self) -> list[str]:
+        """ARGV[2..] of set_scope."""
+
+        def cap(v: int | None, scale: int = 1) -> str:
+            return "-" if v is None else str(v * scale)
+
+        counted = "".join(k[0] if k != "cached_input" else "c" for k in self.counted) or "-"
+        out = [
+            str(self.window_ms),
+            str(self.bucket_ms or self.window_ms),
+            str(self.hold_limit_ms),
+            cap(self.input),
+            cap(self.output),
+            cap(self.cached_input),
+            cap(self.tokens),
+            cap(self.cents, 1_000_000),
+            counted,
+            str(len(self.prices)),
+        ]
+        for model, price in sorted(self.prices.items()):
+            out += [model, price.wire]
+        return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CallCost:
+    """A model call's worst case, held in budget scopes with the reservation: the
+    prompt the ledger admitted (``input`` uncached, ``cached_input`` read from the
+    provider's cache) and its output reserve (``output``), priced as ``model``.
+    ``scopes``: the session's tenant first (by default the tenant its id names), then
+    scopes within it ('<tenant>/<name>')."""
+
+    model: str
+    input: int
+    output: int
+    cached_input: int = 0
+    scopes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Usage:
+    """What the provider billed for a call, settled into the scopes of its
+    reservation."""
+
+    input: int
+    output: int
+    cached_input: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChildOpened:
+    """``open_child``: a child drawing from the reservation, its floor held for it;
+    ``free``: what the pool has left past every floor and every draw past a floor."""
+
+    reservation: str
+    child: str
+    floor: int
+    free: int
+    epoch: int
+    turn: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChildDrawn:
+    """``draw_child``: the child's tokens drawn so far; ``free``: what it may still draw."""
+
+    reservation: str
+    child: str
+    used: int
+    floor: int
+    free: int
+    epoch: int
+    turn: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScopeSet:
+    scope: str
+    prices: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScopeUsage:
+    """A budget scope as read at ``now_ms`` (Redis's clock): per quantity ('input',
+    'output', 'cached_input', 'money' in micro-cents) what its current window has
+    charged (``charged``: open holds and billed usage), of which ``held`` by open holds
+    (holds past their deadline are not counted); ``remaining`` per ceiling set ('tokens'
+    for the token ceiling; never below 0); ``buckets``: bucket start (ms) -> billed usage
+    per quantity (and 'over', 'over_money': billed past the holds), for every bucket
+    kept; ``open_holds``, ``refused``, and ``over`` /
+    ``over_money``: what settles billed past their holds, ever."""
+
+    scope: str
+    now_ms: int
+    window_ms: int
+    bucket_ms: int
+    charged: Mapping[str, int]
+    held: Mapping[str, int]
+    remaining: Mapping[str, int]
+    buckets: Mapping[int, Mapping[str, int]]
+    open_holds: int
+    refused: int
+    over: int
+    over_money: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

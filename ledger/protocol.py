@@ -6,6 +6,7 @@ The sync and asyncio clients only differ in how they send a call.
 
 from __future__ import annotations
 
+import functools
 import re
 import secrets
 import warnings
@@ -16,18 +17,23 @@ from typing import Any, Generic, TypeVar
 from ledger import schema
 from ledger.errors import (
     AdmissionRefused,
+    CeilingReached,
     ContextDrift,
     ContextDriftWarning,
     DamagedSession,
     FanoutRefused,
     InvalidArgument,
+    UnknownScope,
     WorkingMemoryStarvation,
 )
-from ledger.keys import SessionKeys
+from ledger.keys import KeySpace, SessionKeys, check_scope, tenant_of
 from ledger.models import (
     Admitted,
     AuditReport,
     BegunBy,
+    CallCost,
+    ChildDrawn,
+    ChildOpened,
     Classification,
     Compaction,
     CompactionOutcome,
@@ -44,6 +50,9 @@ from ledger.models import (
     Released,
     Reservation,
     ResetDone,
+    ScopeBudget,
+    ScopeSet,
+    ScopeUsage,
     SessionBudget,
     Settled,
     Snapshot,
@@ -54,6 +63,7 @@ from ledger.models import (
     TurnRenewed,
     TurnReport,
     TurnStarted,
+    Usage,
     Voided,
 )
 
@@ -136,6 +146,8 @@ def _refusal(r: Reply) -> None:
         raise WorkingMemoryStarvation(r)
     if r["reason"] == "fanout_guard":
         raise FanoutRefused(r)
+    if r["reason"] == "ceiling_reached":
+        raise CeilingReached(r)
     raise AdmissionRefused(
         reason=r["reason"],
         requested=int(r.get("requested", 0)),
@@ -345,7 +357,7 @@ def release(
 # --- two-phase reservations ---------------------------------------------------------
 
 
-def _reserved(r: Reply) -> Reservation:
+def _reserved(r: Reply, scopes: tuple[str, ...] = ()) -> Reservation:
     _refusal(r)
     return Reservation(
         id=r["reservation"],
@@ -353,7 +365,34 @@ def _reserved(r: Reply) -> Reservation:
         free=int(r["free"]),
         epoch=int(r["epoch"]),
         turn=int(r["turn"]),
+        scopes=scopes,
     )
+
+
+def scopes_of(keys: SessionKeys, scopes: Sequence[str]) -> tuple[str, ...]:
+    """The budget scopes of a call of this session: the tenant its id names first (added
+    when not given), then the scopes within it; their keys are the script's own keys
+    (hash, holds index per scope). An InvalidArgument for a session of no tenant."""
+    tenant = tenant_of(keys.session_id)
+    if tenant is None:
+        raise InvalidArgument(
+            f"session {keys.session_id!r} names no tenant ('@<tenant>/<id>'): it has no scopes"
+        )
+    names = tuple(scopes)
+    if not names or names[0] != tenant:
+        names = (tenant, *names)
+    return names
+
+
+def _scope_layout(keys: SessionKeys, names: Sequence[str]) -> list[str]:
+    """The keys of these scopes, named in the session's partition (checked by the
+    script against the session's hash tag)."""
+    tag = keys.session.split(":s:", 1)[0]
+    out: list[str] = []
+    for name in names:
+        check_scope(name)
+        out += [f"{tag}:t:{name}", f"{tag}:th:{name}"]
+    return out
 
 
 def reserve(
@@ -364,6 +403,7 @@ def reserve(
     reservation_id: str,
     tokens: int,
     lease_ms: int,
+    cost: CallCost | None = None,
 ) -> Call[Reservation]:
     body = [
         keys.session_id,
@@ -372,7 +412,22 @@ def reserve(
         _num(tokens),
         _num(lease_ms),
     ]
-    return _mutating("reserve", keys, (keys.deadlines,), op_id, epoch, body, _reserved)
+    own = [keys.deadlines]
+    names: tuple[str, ...] = ()
+    if cost is not None:
+        names = scopes_of(keys, cost.scopes)
+        body += [
+            check_id(cost.model, "model"),
+            _num(cost.input),
+            _num(cost.output),
+            _num(cost.cached_input),
+            str(len(names)),
+            *names,
+        ]
+        own += _scope_layout(keys, names)
+    return _mutating(
+        "reserve", keys, own, op_id, epoch, body, functools.partial(_reserved, scopes=names)
+    )
 
 
 def _settled(r: Reply) -> Settled:
@@ -384,6 +439,9 @@ def _settled(r: Reply) -> Settled:
         free=int(r["free"]),
         epoch=int(r["epoch"]),
         turn=int(r["turn"]),
+        billed_money=int(r["billed_money"]) if "billed_money" in r else None,
+        over=int(r.get("over", 0)),
+        over_money=int(r.get("over_money", 0)),
     )
 
 
@@ -395,11 +453,21 @@ def settle(
     actual: int,
     item_id: str | None = None,
     priority: int = 0,
+    billed: Usage | None = None,
+    scopes: Sequence[str] = (),
 ) -> Call[Settled]:
     rid = check_id(reservation_id, "reservation id")
     item = rid if item_id is None else check_id(item_id, "item id")
     body = [keys.session_id, rid, _num(actual), item, _num(priority)]
-    return _mutating("settle", keys, (keys.deadlines, keys.order), op_id, epoch, body, _settled)
+    own = [keys.deadlines, keys.order]
+    if billed is not None:
+        names = scopes_of(keys, scopes)
+        body += [_num(billed.input), _num(billed.output), _num(billed.cached_input)]
+        body += [str(len(names)), *names]
+        own += _scope_layout(keys, names)
+    elif scopes:
+        raise InvalidArgument("settling a reservation held in scopes needs the billed usage")
+    return _mutating("settle", keys, own, op_id, epoch, body, _settled)
 
 
 def _voided(r: Reply) -> Voided:
@@ -412,9 +480,159 @@ def _voided(r: Reply) -> Voided:
     )
 
 
-def void(keys: SessionKeys, op_id: str, epoch: Epoch, reservation_id: str) -> Call[Voided]:
+def void(
+    keys: SessionKeys, op_id: str, epoch: Epoch, reservation_id: str, scopes: Sequence[str] = ()
+) -> Call[Voided]:
     body = [keys.session_id, check_id(reservation_id, "reservation id")]
-    return _mutating("void", keys, (keys.deadlines,), op_id, epoch, body, _voided)
+    own = [keys.deadlines]
+    if scopes:
+        names = scopes_of(keys, scopes)
+        body += [str(len(names)), *names]
+        own += _scope_layout(keys, names)
+    return _mutating("void", keys, own, op_id, epoch, body, _voided)
+
+
+def _child_opened(r: Reply) -> ChildOpened:
+    _refusal(r)
+    return ChildOpened(
+        reservation=r["reservation"],
+        child=r["child"],
+        floor=int(r["floor"]),
+        free=int(r["free"]),
+        epoch=int(r["epoch"]),
+        turn=int(r["turn"]),
+    )
+
+
+def open_child(
+    keys: SessionKeys, op_id: str, epoch: Epoch, reservation_id: str, child_id: str, floor: int
+) -> Call[ChildOpened]:
+    body = [
+        keys.session_id,
+        check_id(reservation_id, "reservation id"),
+        check_id(child_id, "child id"),
+        _num(floor),
+    ]
+    return _mutating("open_child", keys, (), op_id, epoch, body, _child_opened)
+
+
+def _child_drawn(r: Reply) -> ChildDrawn:
+    _refusal(r)
+    return ChildDrawn(
+        reservation=r["reservation"],
+        child=r["child"],
+        used=int(r["used"]),
+        floor=int(r["floor"]),
+        free=int(r["free"]),
+        epoch=int(r["epoch"]),
+        turn=int(r["turn"]),
+    )
+
+
+def draw_child(
+    keys: SessionKeys, op_id: str, epoch: Epoch, reservation_id: str, child_id: str, tokens: int
+) -> Call[ChildDrawn]:
+    body = [
+        keys.session_id,
+        check_id(reservation_id, "reservation id"),
+        check_id(child_id, "child id"),
+        _num(tokens),
+    ]
+    return _mutating("draw_child", keys, (), op_id, epoch, body, _child_drawn)
+
+
+_QUANTITIES = {"i": "input", "o": "output", "c": "cached_input", "$": "money"}
+
+
+def scope_usage(
+    name: str, fields: Mapping[Any, Any], deadlines: Sequence[Any], now_ms: int
+) -> ScopeUsage:
+    """Read a scope's hash (HGETALL) and its holds index (ZRANGE WITHSCORES) as at
+    ``now_ms``: holds past their deadline are left out, as the next reserve's sweep
+    leaves them."""
+    lapsed = {
+        "q:" + (m.decode() if isinstance(m, bytes) else str(m))
+        for m, deadline in deadlines
+        if deadline < now_ms
+    }
+    f = {
+        (k.decode() if isinstance(k, bytes) else str(k)): (
+            v.decode() if isinstance(v, bytes) else str(v)
+        )
+        for k, v in fields.items()
+    }
+    if "L" not in f:
+        raise UnknownScope(f"scope {name} has no ceilings set (set_scope)")
+    window, bucket = int(f["L"]), int(f["G"])
+    cur = now_ms // bucket
+    first = cur - window // bucket + 1
+    charged = dict.fromkeys(_QUANTITIES.values(), 0)
+    held = dict.fromkeys(_QUANTITIES.values(), 0)
+    buckets: dict[int, dict[str, int]] = {}
+    for k, v in f.items():
+        b, _, q = k.partition(":")
+        if not b.isdigit():
+            continue
+        if q in _QUANTITIES and first <= int(b) <= cur:
+            charged[_QUANTITIES[q]] += int(v)
+        if q[:1] == "u" and q[1:] in _QUANTITIES:
+            buckets.setdefault(int(b) * bucket, {})[_QUANTITIES[q[1:]]] = int(v)
+        elif q in ("xt", "x$"):
+            buckets.setdefault(int(b) * bucket, {})["over" if q == "xt" else "over_money"] = int(v)
+    if "wb" in f and first <= int(f["wb"]) <= cur:
+        for q, quantity in _QUANTITIES.items():
+            charged[quantity] += int(f.get("w" + q, 0))
+    holds = 0
+    for k, v in f.items():
+        if not k.startswith("q:"):
+            continue
+        p = [int(x) for x in v.split("|")]
+        for q, amount in zip(("input", "output", "cached_input", "money"), p[1:5], strict=True):
+            if k in lapsed and first <= p[0] <= cur:
+                charged[q] -= amount
+            elif first <= p[0] <= cur:
+                held[q] += amount
+        holds += k not in lapsed
+    remaining: dict[str, int] = {}
+    names = {"c_i": "input", "c_o": "output", "c_c": "cached_input", "c_$": "money"}
+    for field_name, q in names.items():
+        if field_name in f:
+            remaining[q] = max(int(f[field_name]) - charged[q], 0)
+    if "c_t" in f:
+        counted = [_QUANTITIES[x] for x in f.get("k", "")]
+        remaining["tokens"] = max(int(f["c_t"]) - sum(charged[q] for q in counted), 0)
+    return ScopeUsage(
+        scope=name,
+        now_ms=now_ms,
+        window_ms=window,
+        bucket_ms=bucket,
+        charged=charged,
+        held=held,
+        remaining=remaining,
+        buckets=dict(sorted(buckets.items())),
+        open_holds=holds,
+        refused=int(f.get("nr", 0)),
+        over=int(f.get("ot", 0)),
+        over_money=int(f.get("om", 0)),
+    )
+
+
+def set_scope(space: KeySpace, op_id: str, name: str, budget: ScopeBudget) -> Call[ScopeSet]:
+    """Set a budget scope's window, ceilings and price table (the operator's call)."""
+    sk = space.scope(name)
+
+    def parse(r: Reply) -> ScopeSet:
+        return ScopeSet(scope=sk.name, prices=int(r["prices"]))
+
+    for model in budget.prices:
+        if model != "*":
+            check_id(model, "model")
+    return Call(
+        "set_scope",
+        (sk.hash,),
+        (str(VERSION), check_id(op_id, "operation id"), *budget.wire()),
+        parse,
+    )
 
 
 def _expired(r: Reply) -> Expired:

@@ -65,6 +65,8 @@ Owner = Literal[
     "history",
     "dead_letter",
     "errors",
+    "scope",
+    "scope_holds",
 ]
 
 # What each unit means, for the legend.
@@ -99,6 +101,10 @@ OWNERS: dict[str, str] = {
     "dead_letter": "an entry of the partition's dead-letter stream '<tag>:dead' (written by "
     "the worker, ledger/workers/delivery.py): the job entry's fields as read, then these",
     "errors": "the worker's errors hash '<tag>:errors' (ledger/workers/delivery.py)",
+    "scope": "a budget scope's hash '<tag>:t:<scope>' (docs/ceilings.md): a tenant, or a "
+    "key or user within it, in the tenant's partition; quantities <q>: i input, o output, "
+    "c cached input tokens, $ micro-cents",
+    "scope_holds": "a budget scope's holds index '<tag>:th:<scope>' (sorted set)",
 }
 # The owners only the worker writes: no script touches them (not in the Lua legend).
 WORKER_OWNERS: frozenset[str] = frozenset({"dead_letter", "errors"})
@@ -378,6 +384,13 @@ ITEM = _s("i:<c>:<id>", "item", "text", "one item: '<tokens>|<turn>|<priority>|<
 RESERVATION = _s(
     "r:<id>", "reservation", "text", "one open reservation: '<c>|<tokens>|<deadline ms>'"
 )
+CHILD_POOL = _s(
+    "k:<id>",
+    "child_pool",
+    "text",
+    "the children of open reservation <id>: '<floors>|<drawn past floors>|<children>'",
+)
+CHILD = _s("k:<id>|<child>", "child", "text", "one child of reservation <id>: '<floor>|<used>'")
 LAST_RESET = _s("x:last_reset", "last_reset", "text", "the last reset's reason")
 COUNTER = _s("x:<name>", "counter", "count", "a telemetry counter (only ever incremented)")
 
@@ -408,7 +421,7 @@ HAD_PREVIOUS = _f(
 INDICATORS = (
     "drift", "reconciled", "refused", "refused_pending", "expired", "spilled", "starvation",
     "loud", "failed_compactions", "escalations", "resets", "rolled_back", "evicted_memory",
-    "fanout_refused",
+    "fanout_refused", "refused_ceiling", "refused_child",
 )  # fmt: skip
 for _name in INDICATORS:
     _f(_name, "tally_" + _name, "count", "tally", f"indicator {_name} (docs/operations.md)")
@@ -471,6 +484,77 @@ JOB_ERROR = _f(
     "errors",
     "the last error (repr, at most 500 characters) of a job that failed and will be "
     "retried, by its entry id: removed when the job is done or dead-lettered",
+)
+
+# --- a budget scope (docs/ceilings.md) -----------------------------------------------
+
+
+def _t(wire: str, name: str, unit: Unit, meaning: str) -> Field:
+    return _f(wire, name, unit, "scope", meaning)
+
+
+SCOPE_WINDOW = _t("L", "scope_window", "ms", "the window's length")
+SCOPE_BUCKET = _t(
+    "G", "scope_bucket", "ms", "a bucket's length: the window (fixed) or a divisor (rolling)"
+)
+SCOPE_HOLD_LIMIT = _t("hl", "scope_hold_limit", "ms", "the longest lease a hold may have")
+SCOPE_CEILING_INPUT = _t("c_i", "ceiling_input", "tokens", "the input ceiling (absent: none)")
+SCOPE_CEILING_OUTPUT = _t("c_o", "ceiling_output", "tokens", "the output ceiling")
+SCOPE_CEILING_CACHED = _t("c_c", "ceiling_cached_input", "tokens", "the cached input ceiling")
+SCOPE_CEILING_TOKENS = _t(
+    "c_t", "ceiling_tokens", "tokens", "the ceiling on the counted kinds together"
+)
+SCOPE_CEILING_MONEY = _t("c_$", "ceiling_money", "count", "the money ceiling, micro-cents")
+SCOPE_COUNTED = _t("k", "counted", "text", "the kinds c_t counts: letters of 'ioc'")
+SCOPE_OP = _t("op", "scope_set_by", "id", "the op id of the set_scope that set it")
+SCOPE_PRICE = _t(
+    "p:<model>",
+    "price",
+    "text",
+    "'<input>|<output>|<cached input>' cents per million tokens ('p:*': any other model)",
+)
+SCOPE_BUCKETS = _t("bl", "buckets", "text", "the buckets kept before the live one ('<bucket>,...')")
+SCOPE_LIVE_BUCKET = _t("wb", "live_bucket", "count", "the live bucket: the one w<q> and wn count")
+SCOPE_LIVE = _t("w<q>", "live_charged", "count", "what the live bucket charged of quantity q")
+SCOPE_LIVE_OPEN = _t("wn", "live_open_holds", "count", "the live bucket's open holds")
+SCOPE_NEXT_DEADLINE = _t(
+    "nd", "next_deadline", "time", "no open hold has an earlier deadline (absent: none open)"
+)
+SCOPE_CHARGED = _t(
+    "<bucket>:<q>",
+    "charged",
+    "count",
+    "what bucket <bucket> (now // G), once not live, charged of quantity q: open holds and "
+    "billed usage",
+)
+SCOPE_USED = _t("<bucket>:u<q>", "billed", "count", "what bucket <bucket> billed of quantity q")
+SCOPE_BUCKET_OVER = _t(
+    "<bucket>:xt",
+    "bucket_over",
+    "tokens",
+    "tokens bucket <bucket>'s settles billed past their holds",
+)
+SCOPE_BUCKET_OVER_MONEY = _t(
+    "<bucket>:x$", "bucket_over_money", "count", "micro-cents billed past holds in bucket <bucket>"
+)
+SCOPE_OPEN = _t("<bucket>:n", "open_holds", "count", "bucket <bucket>'s open holds")
+SCOPE_HOLD = _t(
+    "q:<session>|<id>",
+    "hold",
+    "text",
+    "an open hold: '<bucket>|<i>|<o>|<c>|<$>|<price i>|<price o>|<price c>|<scopes>'",
+)
+SCOPE_REFUSED = _t("nr", "scope_refused", "count", "reservations this scope refused")
+SCOPE_OVER = _t("ot", "scope_over", "tokens", "tokens settles billed past their holds")
+SCOPE_OVER_MONEY = _t(
+    "om", "scope_over_money", "count", "micro-cents settles billed past their holds"
+)
+SCOPE_HOLD_DEADLINE = _f(
+    "<session>|<id>",
+    "hold_deadline",
+    "time",
+    "scope_holds",
+    "member: an open hold, scored by its deadline",
 )
 
 # The names snapshot answers that no hash stores (docs/protocol.md#snapshot).

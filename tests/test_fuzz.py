@@ -32,6 +32,8 @@ from ledger import (
     Item,
     Ledger,
     LedgerError,
+    Price,
+    ScopeBudget,
     Session,
     SessionBudget,
     UnknownSession,
@@ -82,6 +84,7 @@ def fresh_session(ledger: Ledger) -> tuple[Session, int]:
     s.admit("retrieval", [Item("doc1", 400), Item("doc2", 300, priority=5)])
     s.admit("working_memory", [Item("turn1", 200)])
     s.reserve("scratchpad", "res1", 500, lease_ms=600_000)
+    s.open_child("res1", "kid0", 100)
     turn = s.begin_turn(1_000).turn
     return s, turn
 
@@ -125,6 +128,14 @@ def good_call(name: str, s: Session, turn: int) -> protocol.Call[Any]:
         "delete": lambda: protocol.delete(k, op, e),
         "reconcile": lambda: protocol.reconcile(
             k, op, ep, {"retrieval": [Item("doc1", 300), Item("new3", 40, 2)]}
+        ),
+        "open_child": lambda: protocol.open_child(k, op, ep, "res1", "kid1", 100),
+        "draw_child": lambda: protocol.draw_child(k, op, ep, "res1", "kid0", 50),
+        "set_scope": lambda: protocol.set_scope(
+            s.ledger.keyspace,
+            op,
+            "fuzz",
+            ScopeBudget(window_ms=60_000, tokens=1_000, cents=5, prices={"m": Price(300, 900)}),
         ),
     }
     return calls[name]()

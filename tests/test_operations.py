@@ -39,7 +39,14 @@ from tests.conftest import make_settings
 
 # Scripts that a ledger or the worker runs itself (open_session, expire_due, audit,
 # the worker's check of a partition), not a session.
-LEDGER_SCRIPTS = {"open", "expire", "audit", "worker_check", "read_spill"}  # Ledger methods
+LEDGER_SCRIPTS = {
+    "open",
+    "expire",
+    "audit",
+    "worker_check",
+    "read_spill",
+    "set_scope",
+}  # Ledger methods
 
 BUDGET = SessionBudget(window=32_000, system_prompt=2_000)
 

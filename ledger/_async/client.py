@@ -36,7 +36,16 @@ from ledger.errors import (
     PermissionDenied,
     translated,
 )
-from ledger.models import AuditReport, Expired, HeldItem, PartitionCheck, SessionBudget
+from ledger.models import (
+    AuditReport,
+    Expired,
+    HeldItem,
+    PartitionCheck,
+    ScopeBudget,
+    ScopeSet,
+    ScopeUsage,
+    SessionBudget,
+)
 from ledger.protocol import Call
 from ledger.settings import LedgerSettings
 
@@ -275,6 +284,24 @@ class AsyncLedger(LedgerCore):
         if value is None or isinstance(value, bytes):
             return value
         return str(value).encode()
+
+    async def set_scope(
+        self, name: str, budget: ScopeBudget, *, op_id: str | None = None
+    ) -> ScopeSet:
+        """Set a budget scope's window, ceilings and price table (docs/ceilings.md): a
+        tenant, or '<tenant>/<name>' within it. Its counters are kept."""
+        return await self.run(protocol.set_scope(self.keyspace, op_id or new_op_id(), name, budget))
+
+    async def scope_usage(self, name: str) -> ScopeUsage:
+        """A budget scope's window as it stands (Redis's TIME, HGETALL, ZRANGE: a view,
+        not one atomic read)."""
+        self.check_open()
+        sk = self.keyspace.scope(name)
+        with translated():
+            sec, usec = await self.client.time()
+            fields = await self.client.hgetall(sk.hash)
+            holds = await self.client.zrange(sk.holds, 0, -1, withscores=True)
+        return protocol.scope_usage(sk.name, fields, holds, sec * 1000 + usec // 1000)
 
     async def audit(self, session_id: str) -> AuditReport:
         return await self.run(protocol.audit(self.keyspace.session(session_id)))

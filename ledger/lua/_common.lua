@@ -125,6 +125,9 @@
 --   gz             rotate_at [time]: when the current outcome generation is rotated
 --   i:<c>:<id>     item [text]: one item: '<tokens>|<turn>|<priority>|<seq>'
 --   r:<id>         reservation [text]: one open reservation: '<c>|<tokens>|<deadline ms>'
+--   k:<id>         child_pool [text]: the children of open reservation <id>:
+--                  '<floors>|<drawn past floors>|<children>'
+--   k:<id>|<child> child [text]: one child of reservation <id>: '<floor>|<used>'
 --   x:last_reset   last_reset [text]: the last reset's reason
 --   x:<name>       counter [count]: a telemetry counter (only ever incremented)
 --
@@ -158,6 +161,10 @@
 --                  (docs/operations.md)
 --   fanout_refused tally_fanout_refused [count]: indicator fanout_refused
 --                  (docs/operations.md)
+--   refused_ceiling tally_refused_ceiling [count]: indicator refused_ceiling
+--                  (docs/operations.md)
+--   refused_child  tally_refused_child [count]: indicator refused_child
+--                  (docs/operations.md)
 --   class:<class>  tally_class [count]: ended turns of one amplification class
 --
 -- job: an entry of the partition's job stream '<tag>:jobs' (written in this order)
@@ -186,6 +193,45 @@
 --
 -- history: the history hash '<tag>:history:<session>'
 --   <version>      history [text]: a JSON list of the conversation's items
+--
+-- scope: a budget scope's hash '<tag>:t:<scope>' (docs/ceilings.md): a tenant, or a key
+-- or user within it, in the tenant's partition; quantities <q>: i input, o output, c
+-- cached input tokens, $ micro-cents
+--   L              scope_window [ms]: the window's length
+--   G              scope_bucket [ms]: a bucket's length: the window (fixed) or a divisor
+--                  (rolling)
+--   hl             scope_hold_limit [ms]: the longest lease a hold may have
+--   c_i            ceiling_input [tokens]: the input ceiling (absent: none)
+--   c_o            ceiling_output [tokens]: the output ceiling
+--   c_c            ceiling_cached_input [tokens]: the cached input ceiling
+--   c_t            ceiling_tokens [tokens]: the ceiling on the counted kinds together
+--   c_$            ceiling_money [count]: the money ceiling, micro-cents
+--   k              counted [text]: the kinds c_t counts: letters of 'ioc'
+--   op             scope_set_by [id]: the op id of the set_scope that set it
+--   p:<model>      price [text]: '<input>|<output>|<cached input>' cents per million
+--                  tokens ('p:*': any other model)
+--   bl             buckets [text]: the buckets kept before the live one ('<bucket>,...')
+--   wb             live_bucket [count]: the live bucket: the one w<q> and wn count
+--   w<q>           live_charged [count]: what the live bucket charged of quantity q
+--   wn             live_open_holds [count]: the live bucket's open holds
+--   nd             next_deadline [time]: no open hold has an earlier deadline (absent:
+--                  none open)
+--   <bucket>:<q>   charged [count]: what bucket <bucket> (now // G), once not live,
+--                  charged of quantity q: open holds and billed usage
+--   <bucket>:u<q>  billed [count]: what bucket <bucket> billed of quantity q
+--   <bucket>:xt    bucket_over [tokens]: tokens bucket <bucket>'s settles billed past
+--                  their holds
+--   <bucket>:x$    bucket_over_money [count]: micro-cents billed past holds in bucket
+--                  <bucket>
+--   <bucket>:n     open_holds [count]: bucket <bucket>'s open holds
+--   q:<session>|<id> hold [text]: an open hold: '<bucket>|<i>|<o>|<c>|<$>|<price i>|<price
+--                  o>|<price c>|<scopes>'
+--   nr             scope_refused [count]: reservations this scope refused
+--   ot             scope_over [tokens]: tokens settles billed past their holds
+--   om             scope_over_money [count]: micro-cents settles billed past their holds
+--
+-- scope_holds: a budget scope's holds index '<tag>:th:<scope>' (sorted set)
+--   <session>|<id> hold_deadline [time]: member: an open hold, scored by its deadline
 -- END SCHEMA LEGEND
 --
 -- An item's turn is the turn that admitted it: while a turn is open, an item of that
@@ -1182,4 +1228,257 @@ local function compaction_effect(key, H, recs, matched, P, K)
     (stale and 'stale' or 'did_not_fit')))
   return args, { outcome = outcome, occ = occ, dropped = dropped, sum_t = sum_t, missing = missing,
     kf = kf, escalate = escalate, fr = fr, gain = gain }
+
+-- Budget scopes above the session (docs/ceilings.md). A scope is a tenant, or a key or
+-- user within it ('<tenant>/<name>'); a session '@<tenant>/<id>' lives in its tenant's
+-- partition, so its scopes' keys share the session's hash tag. Each scope is two keys:
+-- its hash '<tag>:t:<scope>' (its configuration, one counter per quantity and bucket,
+-- and its open holds 'q:<session>|<reservation>') and its holds index '<tag>:th:<scope>'
+-- (a sorted set of the holds' deadlines, ms of Redis's clock). The quantities: i input
+-- tokens, o output tokens, c cached input tokens, $ money in micro-cents (a price is
+-- cents per million tokens, so tokens x price is micro-cents, an integer).
+local SCOPE_Q = { 'i', 'o', 'c', '$' }
+
+-- A whole number as Redis and the replies spell it (Lua's tostring gives 1e+15).
+local function num(v)
+  return string.format('%d', v)
+end
+
+-- ARGV[at] the number of scopes (1..3), then their names: the session's tenant first,
+-- then scopes within it. Returns the names, the KEYS suffixes they name (for key_arg:
+-- hash, then holds index, per scope) and the index of the last ARGV read.
+local function scope_args(at, sid)
+  local tenant = string.match(sid, '^@([%w%._:=#%+%-]+)/.')
+  if not tenant then
+    fail('BADARG', 'session ' .. show(sid) .. ' names no tenant (@<tenant>/<id>): it has no scopes')
+  end
+  local n = int_arg(ARGV[at], 'scope count', 1, 3)
+  local names, suffixes = {}, {}
+  for k = 1, n do
+    local s = id_arg(ARGV[at + k], 'scope')
+    local inside = string.sub(s, 1, #tenant + 1) == tenant .. '/' and #s > #tenant + 1
+    if (k == 1 and s ~= tenant) or (k > 1 and not inside) then
+      fail('BADARG', 'scope ' .. k .. ' must be ' .. (k == 1 and 'the tenant ' or 'within the tenant ') ..
+        tenant .. ', got ' .. show(s))
+    end
+    for j = 1, k - 1 do
+      if names[j] == s then fail('BADARG', 'scope ' .. s .. ' appears twice') end
+    end
+    names[k], suffixes[2 * k - 1], suffixes[2 * k] = s, 't:' .. s, 'th:' .. s
+  end
+  return names, suffixes, at + n
+end
+
+-- Each scope's configuration and live counters, one HMGET a scope (KEYS from `first`:
+-- hash, then holds index, per scope), checked against a hold of `lease` ms; with `model`,
+-- its price from the tenant's (the first scope's) table 'p:<model>', else 'p:*', as
+-- { i, o, c } cents per million tokens ({ 0, 0, 0 } when none: then no scope may have a
+-- money ceiling). The live bucket wb's counters are fields of their own (w<q>, wn),
+-- read with the configuration; older buckets' are '<bucket>:<q>'. Fails NOSCOPE for a
+-- scope never set, BADARG for a lease above a hold limit or a money ceiling with no price.
+local function scope_config(names, first, lease, model)
+  local S, money = {}, false
+  for k, s in ipairs(names) do
+    local hk = KEYS[first + 2 * k - 2]
+    local v = redis.call('HMGET', hk, 'L', 'G', 'hl', 'c_i', 'c_o', 'c_c', 'c_t', 'c_$', 'k', 'bl', 'wb',
+      'wi', 'wo', 'wc', 'w$', 'wn', 'nd', model and k == 1 and 'p:' .. model or 'L', 'p:*')
+    if not v[1] then fail('NOSCOPE', 'scope ' .. s .. ' has no ceilings set (set_scope)') end
+    local hl = tonumber(v[3])
+    if lease and lease > hl then
+      fail('BADARG', 'lease ' .. lease .. ' ms is above the hold limit ' .. hl .. ' ms of scope ' .. s)
+    end
+    S[k] = { name = s, hk = hk, zk = KEYS[first + 2 * k - 1], L = tonumber(v[1]), G = tonumber(v[2]),
+      hl = hl, cap = { i = tonumber(v[4]), o = tonumber(v[5]), c = tonumber(v[6]), t = tonumber(v[7]),
+      ['$'] = tonumber(v[8]) }, counted = v[9] or '', bl = v[10] or '', wb = tonumber(v[11]),
+      w = { i = tonumber(v[12]) or 0, o = tonumber(v[13]) or 0, c = tonumber(v[14]) or 0,
+      ['$'] = tonumber(v[15]) or 0, n = tonumber(v[16]) or 0 }, nd = tonumber(v[17]) or NEVER,
+      price = model and k == 1 and (v[18] or v[19]) }
+    money = money or S[k].cap['$'] ~= nil
+  end
+  if not model then return S end
+  local pi, po, pc = string.match(S[1].price or '', '^(%d+)|(%d+)|(%d+)$')
+  if not pi and money then
+    fail('BADARG', 'no price for model ' .. show(model) .. ' in the price table of tenant ' .. S[1].name)
+  end
+  return S, pi and { tonumber(pi), tonumber(po), tonumber(pc) } or { 0, 0, 0 }
+end
+
+-- A scope's bucket at `now` (a bucket is G ms; a window is L/G buckets: one for a
+-- fixed window, more for a rolling one) and the first bucket still kept: older ones
+-- can hold no open hold (a hold lasts at most the scope's hold limit) and are dropped.
+local function scope_bucket(sc, now)
+  local cur = math.floor(now / sc.G)
+  return cur, cur - sc.L / sc.G - math.ceil(sc.hl / sc.G) - 1
+end
+
+-- Add d (per quantity, n the hold count) to bucket b's counters: the live fields when b
+-- is the live bucket (and to sc.w, as read), else the bucket's own fields.
+local function scope_add(sc, b, d)
+  for q, v in pairs(d) do
+    if v ~= 0 then
+      if b == sc.wb then
+        sc.w[q] = sc.w[q] + v
+        redis.call('HINCRBY', sc.hk, 'w' .. q, num(v))
+      else
+        redis.call('HINCRBY', sc.hk, num(b) .. ':' .. q, num(v))
+      end
+    end
+  end
+end
+
+-- Give back the holds of a scope whose deadline has passed on Redis's clock, when one
+-- may have (nd, the earliest deadline a hold may have, is past): at most 64 a call, the
+-- rest stay counted, which can only refuse, never admit, too much.
+local function scope_sweep(sc, now)
+  if sc.nd >= now then return end
+  local due = redis.call('ZRANGEBYSCORE', sc.zk, '-inf', now - 1, 'LIMIT', 0, 64)
+  if #due > 0 then
+    local f = {}
+    for j, m in ipairs(due) do f[j] = 'q:' .. m end
+    local recs = redis.call('HMGET', sc.hk, unpack(f))
+    local _, kept = scope_bucket(sc, now)
+    for _, rec in ipairs(recs) do
+      local b, i, o, c, m = string.match(rec or '', '^(%d+)|(%d+)|(%d+)|(%d+)|(%d+)|')
+      if b and tonumber(b) >= kept then
+        scope_add(sc, tonumber(b), { i = -tonumber(i), o = -tonumber(o), c = -tonumber(c),
+          ['$'] = -tonumber(m), n = -1 })
+      end
+    end
+    redis.call('HDEL', sc.hk, unpack(f))
+    redis.call('ZREM', sc.zk, unpack(due))
+  end
+  local first = redis.call('ZRANGE', sc.zk, 0, 0, 'WITHSCORES')
+  sc.nd = tonumber(first[2]) or NEVER
+  redis.call('HSET', sc.hk, 'nd', num(sc.nd))
+end
+
+-- What a scope has charged in its window (open holds and billed usage), per quantity.
+-- The first ceiling `want` would pass: its quantity's name, its ceiling, what is left
+-- under it and what was asked; nil when all fit. A fixed window reads nothing more; a
+-- rolling one reads its older buckets' counters.
+local QUANTITY = { i = 'input', o = 'output', c = 'cached_input', t = 'tokens', ['$'] = 'money' }
+local function scope_room(sc, now, want)
+  local cur = scope_bucket(sc, now)
+  local sum = { i = 0, o = 0, c = 0, ['$'] = 0 }
+  local lo = cur - sc.L / sc.G + 1
+  if sc.wb and sc.wb >= lo then
+    for _, q in ipairs(SCOPE_Q) do sum[q] = sc.w[q] end
+  end
+  if lo < cur then
+    local f = {}
+    for b = lo, cur do
+      if b ~= sc.wb then
+        for _, q in ipairs(SCOPE_Q) do f[#f + 1] = num(b) .. ':' .. q end
+      end
+    end
+    local v = redis.call('HMGET', sc.hk, unpack(f))
+    for j = 1, #f do
+      local q = SCOPE_Q[(j - 1) % 4 + 1]
+      sum[q] = sum[q] + (tonumber(v[j]) or 0)
+    end
+  end
+  for _, q in ipairs({ 'i', 'o', 'c', 't', '$' }) do
+    local cap = sc.cap[q]
+    if cap then
+      local used, asked = sum[q], want[q]
+      if q == 't' then
+        used, asked = 0, 0
+        for l in string.gmatch(sc.counted, '%a') do used, asked = used + sum[l], asked + want[l] end
+      end
+      if used + asked > cap then return QUANTITY[q], cap, cap - used, asked end
+    end
+  end
+  return nil
+end
+
+-- Hold `want` in each scope's current bucket until `deadline` (member m), after every
+-- scope said yes: one HSET and one ZADD a scope. When the bucket is new, the live
+-- counters of the one before are kept under its number (and buckets past keeping dropped).
+local function scope_hold(S, now, m, deadline, want, price)
+  for _, sc in ipairs(S) do
+    local cur, kept = scope_bucket(sc, now)
+    local b = num(cur)
+    local w = { 'q:' .. m, b .. '|' .. num(want.i) .. '|' .. num(want.o) .. '|' .. num(want.c) .. '|' ..
+      num(want['$']) .. '|' .. price[1] .. '|' .. price[2] .. '|' .. price[3] .. '|' .. #S }
+    if sc.wb ~= cur then
+      local keep, drop = {}, {}
+      if sc.wb then sc.bl = sc.bl .. ',' .. num(sc.wb) end
+      for x in string.gmatch(sc.bl, '%d+') do
+        if tonumber(x) >= kept then keep[#keep + 1] = x else
+          for _, q in ipairs({ 'i', 'o', 'c', '$', 'n', 'ui', 'uo', 'uc', 'u$', 'xt', 'x$' }) do
+            drop[#drop + 1] = x .. ':' .. q
+          end
+        end
+      end
+      if #drop > 0 then redis.call('HDEL', sc.hk, unpack(drop)) end
+      if sc.wb and sc.wb >= kept then
+        for _, q in ipairs({ 'i', 'o', 'c', '$', 'n' }) do w[#w + 1], w[#w + 2] = num(sc.wb) .. ':' .. q, num(sc.w[q]) end
+      end
+      for _, q in ipairs({ 'i', 'o', 'c', '$', 'n' }) do sc.w[q] = 0 end
+      w[#w + 1], w[#w + 2], w[#w + 3], w[#w + 4] = 'bl', table.concat(keep, ','), 'wb', b
+    end
+    w[#w + 1], w[#w + 2], w[#w + 3], w[#w + 4] = 'wi', num(sc.w.i + want.i), 'wo', num(sc.w.o + want.o)
+    w[#w + 1], w[#w + 2], w[#w + 3], w[#w + 4] = 'wc', num(sc.w.c + want.c), 'w$', num(sc.w['$'] + want['$'])
+    w[#w + 1], w[#w + 2] = 'wn', num(sc.w.n + 1)
+    if deadline < sc.nd then w[#w + 1], w[#w + 2] = 'nd', num(deadline) end
+    redis.call('HSET', sc.hk, unpack(w))
+    redis.call('ZADD', sc.zk, deadline, m)
+  end
+end
+
+-- The holds of member m in each scope, read and checked: each must be open and made
+-- against as many scopes as named (a settle or void names the reservation's scopes).
+-- A hold missing is allowed only when `gone_ok` (its deadline passed: swept already).
+local function scope_holds(S, m, gone_ok)
+  for _, sc in ipairs(S) do
+    local rec = redis.call('HGET', sc.hk, 'q:' .. m)
+    if rec then
+      local p = {}
+      for x in string.gmatch(rec, '%d+') do p[#p + 1] = tonumber(x) end
+      if p[9] ~= #S then
+        fail('BADARG', 'reservation ' .. m .. ' was charged to ' .. p[9] .. ' scopes, ' .. #S .. ' named')
+      end
+      sc.hold = p
+    elseif not gone_ok then
+      fail('BADARG', 'reservation ' .. m .. ' holds nothing in scope ' .. sc.name)
+    end
+  end
+end
+
+-- Close member m's hold in each scope: its bucket's held quantities are replaced by
+-- `billed` (nil: a void, nothing billed) and the billed usage is counted as used, in the
+-- hold's bucket. Returns the tokens and micro-cents billed past the hold, and the
+-- billed micro-cents (of the first scope; the same in every scope).
+local function scope_close(S, m, billed)
+  local over, over_m, cost = 0, 0, 0
+  for k, sc in ipairs(S) do
+    local p = sc.hold
+    if p then
+      local b = num(p[1])
+      local bi, bo, bc = 0, 0, 0
+      if billed then bi, bo, bc = billed.i, billed.o, billed.c end
+      local bm = bi * p[6] + bo * p[7] + bc * p[8]
+      scope_add(sc, p[1], { i = bi - p[2], o = bo - p[3], c = bc - p[4], ['$'] = bm - p[5], n = -1 })
+      if billed then
+        redis.call('HINCRBY', sc.hk, b .. ':ui', num(bi))
+        redis.call('HINCRBY', sc.hk, b .. ':uo', num(bo))
+        redis.call('HINCRBY', sc.hk, b .. ':uc', num(bc))
+        redis.call('HINCRBY', sc.hk, b .. ':u$', num(bm))
+        local ot = math.max(bi - p[2], 0) + math.max(bo - p[3], 0) + math.max(bc - p[4], 0)
+        local om = math.max(bm - p[5], 0)
+        if ot > 0 then
+          redis.call('HINCRBY', sc.hk, 'ot', num(ot))
+          redis.call('HINCRBY', sc.hk, b .. ':xt', num(ot))
+        end
+        if om > 0 then
+          redis.call('HINCRBY', sc.hk, 'om', num(om))
+          redis.call('HINCRBY', sc.hk, b .. ':x$', num(om))
+        end
+        if k == 1 then over, over_m, cost = ot, om, bm end
+      end
+      redis.call('HDEL', sc.hk, 'q:' .. m)
+      redis.call('ZREM', sc.zk, m)
+    end
+  end
+  return over, over_m, cost
 end

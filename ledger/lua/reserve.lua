@@ -13,15 +13,26 @@
 -- ARGV[5]  reservation id          [A-Za-z0-9._:/@+=#-]{1,128}, unique among open ones
 -- ARGV[6]  tokens                  estimate, 1..1e8
 -- ARGV[7]  lease                   milliseconds until the deadline, 1..86400000, on Redis's clock
+-- (optional, a model call charged to budget scopes, docs/ceilings.md; KEYS[3..] are then
+-- each scope's hash '<tag>:t:<scope>' and holds index '<tag>:th:<scope>', in ARGV's order)
+-- ARGV[8]  model                   its price is read from the tenant's price table
+-- ARGV[9]  input tokens            the call's worst case, 0..1e8 (uncached prompt)
+-- ARGV[10] output tokens           0..1e8 (its output reserve)
+-- ARGV[11] cached input tokens     0..1e8
+-- ARGV[12] n                       scopes, 1..3: the session's tenant, then scopes within it
+-- ARGV[13..12+n]                   the scope names
 --
 -- Reply: status=ok|reservation=<id>|deadline_ms=<ms>|free=<tokens>|epoch=<n>|turn=<n>
 --    or  status=refused|reason=<reason>|requested=<tokens>|free=<tokens>|epoch=<n>|turn=<n>
+--   reason ceiling_reached (a scope's ceiling would be passed) adds |scope=<name>|quantity=
+--   <input|output|cached_input|tokens|money>|ceiling=<n>; requested and free are then in
+--   that quantity's unit (money: micro-cents); nothing is held anywhere
 --   reason: token_budget_exhausted, floor_protected, or compaction_pending (retrieval and
 --   recall while a compaction is pending, judged as admit.lua judges them: refused while
 --   the last compaction failed, else H + pm + tokens + output reserve <= window; a
 --   compaction_pending refusal adds |bound=<pending|failed>|baseline=<tokens>; a request
 --   within that bound but above the free room gets the free-room reason)
--- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED,
+-- Errors: LEDGER_BADARG, LEDGER_NOSCOPE (a scope named has no ceilings set), LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED,
 --         LEDGER_CONFLICT (the reservation id is open already, or the consumer holds an
 --         item of that id: settle names the item after the reservation by default),
 --         LEDGER_TURNHELD, LEDGER_TURNLOST (see `fence` in _common.lua).
@@ -34,10 +45,19 @@ c = consumer_arg(ARGV[4])
 rid = id_arg(ARGV[5], 'reservation id')
 tokens = int_arg(ARGV[6], 'tokens', 1, TOKENS_MAX)
 lease = int_arg(ARGV[7], 'lease ms', 1, 86400000)
-if #ARGV ~= 7 then fail('BADARG', 'expected 7 arguments, got ' .. #ARGV) end
+local names, suffixes, last, model, want = nil, {}, 7, nil, nil
+if #ARGV > 7 then
+  model = id_arg(ARGV[8], 'model')
+  want = { i = int_arg(ARGV[9], 'input tokens', 0, TOKENS_MAX), o = int_arg(ARGV[10], 'output tokens', 0, TOKENS_MAX),
+    c = int_arg(ARGV[11], 'cached input tokens', 0, TOKENS_MAX) }
+  names, suffixes, last = scope_args(12, sid)
+end
+if #ARGV ~= last then fail('BADARG', 'expected ' .. last .. ' arguments, got ' .. #ARGV) end
 local A, F = ACTIVE[c], FLOOR[c]
 
-key_arg(2, 'deadlines')
+key_arg(2, 'deadlines', unpack(suffixes))
+local S, price
+if names then S, price = scope_config(names, 3, lease, model) end
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'fr', A, F, 'v_' .. c, 'nv', 'gz', 'xp', 'cd',
   'r:' .. rid, 'i:' .. c .. ':' .. rid, 'lo', 'ul', 'uo' }, 10)
@@ -58,6 +78,21 @@ local J = { gz = H.gz, xp = H.xp, uo = in_turn and (R[5] or '') or nil }
 local refused, pm = refuse_growth(key, A == 'a_rm' and H.cd == 1, tokens, d, H, tokens, now, op, fp, J)
 if refused then return refused end
 local deadline = now + lease
+if S then
+  want['$'] = want.i * price[1] + want.o * price[2] + want.c * price[3]
+  for _, sc in ipairs(S) do
+    scope_sweep(sc, now)
+    local q, cap, left, asked = scope_room(sc, now, want)
+    if q then
+      indicate(key, 'refused_ceiling', 1)
+      redis.call('HINCRBY', sc.hk, 'nr', 1)
+      return commit(key, now, op, fp, reply({ 'status=refused', 'reason=ceiling_reached',
+        'requested=' .. num(asked), 'free=' .. num(math.max(left, 0)), 'epoch=' .. H.ep, 'turn=' .. H.tn,
+        'scope=' .. sc.name, 'quantity=' .. q, 'ceiling=' .. num(cap) }), {}, J)
+    end
+  end
+  scope_hold(S, now, sid .. '|' .. rid, deadline, want, price)
+end
 redis.call('ZADD', KEYS[2], deadline, sid .. '|' .. rid)
 local args = { 'r:' .. rid, c .. '|' .. tokens .. '|' .. deadline, 'fr', H.fr - d, A, a + tokens,
   'v_' .. c, H['v_' .. c] + tokens, 'nv', H.nv + 1 }

@@ -15,14 +15,23 @@
 -- ARGV[5]  actual tokens           1..1e8, lower or higher than the estimate
 -- ARGV[6]  item id                 the item the settled tokens become
 -- ARGV[7]  priority                0..1000
+-- (optional, a reservation charged to budget scopes, docs/ceilings.md; its scopes' keys
+-- then follow KEYS[2] (and the order index), hash and holds index per scope)
+-- ARGV[8]  billed input tokens     0..1e8, what the provider billed (more or less than held)
+-- ARGV[9]  billed output tokens    0..1e8
+-- ARGV[10] billed cached input     0..1e8
+-- ARGV[11] n                       scopes, 1..3, as the reservation named them
+-- ARGV[12..11+n]                   the scope names
 --
 -- Reply: status=ok|reservation=<id>|item=<id>|charged=<tokens>|free=<tokens>|epoch=<n>|turn=<n>
+--        with scopes also |billed_money=<micro-cents>|over=<tokens>|over_money=<micro-cents>
+--        (billed past the hold: charged all the same, and counted in each scope's ot and om)
 --    or  status=refused|reason=<reason>|requested=<tokens>|free=<tokens>|epoch=<n>|turn=<n>
 --        (the actual size does not fit; the reservation stays open until voided or expired;
 --        reason token_budget_exhausted, floor_protected, or compaction_pending for memory
 --        growing past its reservation while a compaction is pending, judged as admit.lua
 --        judges it, with |bound=<pending|failed>|baseline=<tokens>)
--- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED,
+-- Errors: LEDGER_BADARG, LEDGER_NOSCOPE, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED,
 --         LEDGER_NORESERVATION (not open: settled, voided, expired and swept, or never made),
 --         LEDGER_EXPIRED (its deadline has passed on Redis's clock),
 --         LEDGER_CONFLICT (the consumer already holds the item id), LEDGER_TURNHELD,
@@ -37,10 +46,18 @@ rid = id_arg(ARGV[4], 'reservation id')
 actual = int_arg(ARGV[5], 'actual tokens', 1, TOKENS_MAX)
 item = id_arg(ARGV[6], 'item id')
 prio = int_arg(ARGV[7], 'priority', 0, 1000)
-if #ARGV ~= 7 then fail('BADARG', 'expected 7 arguments, got ' .. #ARGV) end
+local names, suffixes, last, billed = nil, {}, 7, nil
+if #ARGV > 7 then
+  billed = { i = int_arg(ARGV[8], 'billed input tokens', 0, TOKENS_MAX),
+    o = int_arg(ARGV[9], 'billed output tokens', 0, TOKENS_MAX),
+    c = int_arg(ARGV[10], 'billed cached input tokens', 0, TOKENS_MAX) }
+  names, suffixes, last = scope_args(11, sid)
+end
+if #ARGV ~= last then fail('BADARG', 'expected ' .. last .. ' arguments, got ' .. #ARGV) end
 
-local ORD = #KEYS == 6 and KEYS[3] or nil
-if ORD then key_arg(2, 'deadlines', 'order:%s') else key_arg(2, 'deadlines') end
+local ORD = is_key(3, 'order:%s') and KEYS[3] or nil
+if ORD then key_arg(2, 'deadlines', 'order:%s', unpack(suffixes)) else key_arg(2, 'deadlines', unpack(suffixes)) end
+local S = names and scope_config(names, ORD and 4 or 3)
 local key = KEYS[1]
 local res, again = open_reservation(key, op, fp, epoch, rid, tok)
 if again then return again end
@@ -53,6 +70,7 @@ if now > deadline then
   fail('EXPIRED', 'reservation ' .. rid .. ' expired at ' .. deadline .. ' ms, ' .. (now - deadline) .. ' ms ago')
 end
 if R[1] then fail('CONFLICT', consumer_name(c) .. ' already holds item ' .. item) end
+if S then scope_holds(S, sid .. '|' .. rid, false) end
 
 local a = H[A]
 local d = claim_delta(a, actual - est, H[F] or 0)
@@ -64,6 +82,11 @@ if refused then return refused end
 redis.call('HDEL', key, 'r:' .. rid)
 redis.call('ZREM', KEYS[2], sid .. '|' .. rid)
 local fr = H.fr - d
+local scoped = {}
+if S then
+  local over, over_m, cost = scope_close(S, sid .. '|' .. rid, billed)
+  scoped = { 'billed_money=' .. num(cost), 'over=' .. over, 'over_money=' .. num(over_m) }
+end
 local args = { 'i:' .. c .. ':' .. item, actual .. '|' .. H.tn .. '|' .. prio .. '|' .. (H.sq + 1),
   'sq', H.sq + 1, 'fr', fr, A, a - est + actual, 'u_' .. c, H['u_' .. c] + actual,
   'n_' .. c, H['n_' .. c] + 1, 'v_' .. c, H['v_' .. c] - est, 'nv', H.nv - 1 }
@@ -72,4 +95,4 @@ if res.in_turn then args[#args + 1], args[#args + 2] = 'ul', journal(res.ul, { '
 order_keep(ORD, c, H.oq, H.sq, H.sq + 1, ORDER[c] and { order_score(c, H.sq + 1), args[1] },
   H.ox, now, key, args)
 return commit(key, now, op, fp, reply({ 'status=ok', 'reservation=' .. rid, 'item=' .. item,
-  'charged=' .. actual, 'free=' .. fr, 'epoch=' .. H.ep, 'turn=' .. H.tn }), args, J)
+  'charged=' .. actual, 'free=' .. fr, 'epoch=' .. H.ep, 'turn=' .. H.tn, unpack(scoped) }), args, J)

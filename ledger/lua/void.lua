@@ -10,17 +10,32 @@
 --                                  a call of that turn (see `fence`)
 -- ARGV[3]  session id              the member prefix in the deadline index
 -- ARGV[4]  reservation id
+-- (optional, a reservation charged to budget scopes, docs/ceilings.md; KEYS[3..] are then
+-- each scope's hash and holds index; a hold already swept, its deadline passed, is skipped)
+-- ARGV[5]  n                       scopes, 1..3, as the reservation named them
+-- ARGV[6..5+n]                     the scope names
 --
 -- Reply: status=ok|reservation=<id>|released=<tokens>|free=<tokens>|epoch=<n>|turn=<n>
--- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED, LEDGER_NORESERVATION,
+-- Errors: LEDGER_BADARG, LEDGER_NOSCOPE, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED, LEDGER_NORESERVATION,
 --         LEDGER_TURNHELD, LEDGER_TURNLOST (see `fence` in _common.lua).
 -- Calls: HMGET, TIME, HSET, HDEL, ZREM (HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due).
 
 local op, fp, epoch, tok = op_args('void', false)
-local sid, rid = sid_and_id('reservation id')
+local sid, rid, S
+if #ARGV > 4 then
+  sid = session_arg(ARGV[3])
+  rid = id_arg(ARGV[4], 'reservation id')
+  local names, suffixes, last = scope_args(5, sid)
+  if #ARGV ~= last then fail('BADARG', 'expected ' .. last .. ' arguments, got ' .. #ARGV) end
+  key_arg(2, 'deadlines', unpack(suffixes))
+  S = scope_config(names, 3)
+else
+  sid, rid = sid_and_id('reservation id')
+end
 local key = KEYS[1]
 local res, again = open_reservation(key, op, fp, epoch, rid, tok)
 if again then return again end
+if S then scope_holds(S, sid .. '|' .. rid, res.deadline < now_ms()) end
 local c, est = res.c, res.est
 local A, F = ACTIVE[c], FLOOR[c]
 local H, R = load(key, { 'ep', 'tn', 'fr', A, F, 'v_' .. c, 'nv', 'gz', 'xp' }, 9)
@@ -29,6 +44,7 @@ local a = H[A]
 local fr = H.fr - claim_delta(a, -est, H[F] or 0)
 redis.call('HDEL', key, 'r:' .. rid)
 redis.call('ZREM', KEYS[2], sid .. '|' .. rid)
+if S then scope_close(S, sid .. '|' .. rid, nil) end
 local args = { 'fr', fr, A, a - est, 'v_' .. c, H['v_' .. c] - est, 'nv', H.nv - 1 }
 if res.in_turn then args[#args + 1], args[#args + 2] = 'ul', journal(res.ul, { 'r:' .. rid }, { res.rec }) end
 return commit(key, now, op, fp, reply({ 'status=ok', 'reservation=' .. rid, 'released=' .. est,

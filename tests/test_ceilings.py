@@ -1,0 +1,387 @@
+"""Budget scopes above the session (docs/ceilings.md), on embedded, a real Redis and a
+real Redis Cluster: a model call's worst case held in the session and its tenant's scopes
+in one script, settled with the billed usage, voided, expired on Redis's clock; windows
+that roll over under load with nothing lost or doubled."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from ledger import (
+    AdmissionRefused,
+    BackendUnavailable,
+    CallCost,
+    CeilingReached,
+    Consumer,
+    InvalidArgument,
+    Item,
+    Ledger,
+    LedgerSettings,
+    LocalAllowance,
+    Price,
+    ReservationExpired,
+    ScopeBudget,
+    Session,
+    SessionBudget,
+    UnknownReservation,
+    UnknownScope,
+    Usage,
+)
+from ledger.keys import KeySpace
+from tests import servers
+
+W = Consumer.WORKING_MEMORY
+BUDGET = SessionBudget(window=200_000, system_prompt=1_000)
+DAY = 86_400_000
+PRICES = {"big": Price(300, 1_500, 30), "*": Price(100, 400)}
+
+
+def tenant() -> str:
+    return f"acme{uuid.uuid4().hex[:8]}"
+
+
+def state(led: Ledger, s: Session, *scopes: str) -> tuple[object, ...]:
+    """The session hash, the deadline index and each scope's two keys, byte for byte."""
+    out: list[object] = [led.client.hgetall(s.keys.session)]
+    out.append(led.client.zrange(s.keys.deadlines, 0, -1, withscores=True))
+    for name in scopes:
+        sk = led.keyspace.scope(name)
+        out += [led.client.hgetall(sk.hash), led.client.zrange(sk.holds, 0, -1, withscores=True)]
+    return tuple(out)
+
+
+def _unlike(a: object, b: object) -> set[bytes]:
+    assert isinstance(a, dict) and isinstance(b, dict)
+    return {k for k in a.keys() | b.keys() if a.get(k) != b.get(k) and k not in (b"xp", b"gz")}
+
+
+def test_a_tenants_sessions_and_scopes_share_one_partition() -> None:
+    space = KeySpace("ledger", 64)
+    p = space.scope("acme").partition
+    assert {space.partition_of(f"@acme/{i}") for i in range(50)} == {p}
+    assert space.scope("acme/key-1").partition == p
+    assert space.session("@acme/x").session.startswith(space.tag(p))
+    # a session of no tenant still maps by its whole id
+    assert len({space.partition_of(f"plain-{i}") for i in range(50)}) > 10
+
+
+def test_reserve_settle_void_charge_the_scopes_in_the_same_step(ledger: Ledger) -> None:
+    t = tenant()
+    ledger.set_scope(t, ScopeBudget(window_ms=DAY, tokens=1_000, cents=1, prices=PRICES))
+    ledger.set_scope(f"{t}/key1", ScopeBudget(window_ms=DAY, output=150))
+    s = ledger.open_session(f"@{t}/s1", BUDGET)
+    cost = CallCost(model="big", input=400, output=100, scopes=(f"{t}/key1",))
+    r = s.reserve(W, "r1", 100, cost=cost)
+    assert r.scopes == (t, f"{t}/key1")
+    u = ledger.scope_usage(t)
+    assert u.held == {"input": 400, "output": 100, "cached_input": 0, "money": 270_000}
+    assert u.remaining == {"tokens": 500, "money": 730_000}
+
+    # the key's output ceiling refuses the next one: nothing held anywhere, session included
+    before = state(ledger, s, t, f"{t}/key1")
+    with pytest.raises(CeilingReached) as err:
+        s.reserve(W, "r2", 100, cost=CallCost(model="big", input=10, output=60, scopes=cost.scopes))
+    assert (err.value.scope, err.value.quantity, err.value.ceiling) == (f"{t}/key1", "output", 150)
+    assert (err.value.requested, err.value.free) == (60, 50)
+    after = state(ledger, s, t, f"{t}/key1")
+    assert _unlike(before[0], after[0]) == {b"x:refused_ceiling"}  # counted, nothing held
+    assert after[1:4] == before[1:4] and after[5] == before[5]
+    assert _unlike(before[4], after[4]) == {b"nr"}
+    assert ledger.scope_usage(f"{t}/key1").refused == 1
+
+    # settle bills more than held: charged all the same, and said so
+    done = s.settle("r1", 120, billed=Usage(input=400, output=120), scopes=r.scopes)
+    assert (done.over, done.billed_money, done.over_money) == (20, 300_000, 30_000)
+    u = ledger.scope_usage(t)
+    assert u.held["output"] == 0 and u.charged["output"] == 120 and u.over == 20
+    assert sum(b["output"] for b in u.buckets.values()) == 120
+    assert ledger.scope_usage(f"{t}/key1").charged["output"] == 120
+
+    # void gives the hold back in every scope
+    r3 = s.reserve(W, "r3", 10, cost=CallCost(model="other", input=100, output=10))
+    assert ledger.scope_usage(t).held["money"] == 100 * 100 + 10 * 400
+    s.void("r3", scopes=r3.scopes)
+    assert ledger.scope_usage(t).held == dict.fromkeys(
+        ("input", "output", "cached_input", "money"), 0
+    )
+    assert ledger.scope_usage(t).open_holds == 0
+
+
+def test_the_money_ceiling_refuses_what_the_token_ceiling_allows(ledger: Ledger) -> None:
+    t = tenant()
+    ledger.set_scope(t, ScopeBudget(window_ms=DAY, cents=10, prices=PRICES))
+    s = ledger.open_session(f"@{t}/s", BUDGET)
+    # 5,000 output tokens at 1,500 cents per Mtok: 7.5 cents
+    s.reserve(W, "a", 10, cost=CallCost(model="big", input=0, output=5_000))
+    with pytest.raises(CeilingReached) as err:
+        s.reserve(W, "b", 10, cost=CallCost(model="big", input=0, output=5_000))
+    assert err.value.quantity == "money" and err.value.free == 2_500_000
+
+
+def test_bad_input_is_refused_typed_and_changes_nothing(ledger: Ledger) -> None:
+    t = tenant()
+    ledger.set_scope(t, ScopeBudget(window_ms=DAY, tokens=1_000, hold_limit_ms=60_000))
+    s = ledger.open_session(f"@{t}/s", BUDGET)
+    before = state(ledger, s, t)
+    with pytest.raises(UnknownScope):
+        s.reserve(W, "a", 10, cost=CallCost(model="m", input=1, output=1, scopes=(f"{t}/nokey",)))
+    with pytest.raises(InvalidArgument, match="hold limit"):
+        s.reserve(W, "a", 10, lease_ms=120_000, cost=CallCost(model="m", input=1, output=1))
+    with pytest.raises(InvalidArgument, match="within the tenant"):
+        ledger.run(
+            s.reserve_call(
+                W, "a", 10, cost=CallCost(model="m", input=1, output=1, scopes=("zz/k",))
+            )
+        )
+    assert state(ledger, s, t) == before
+    plain = ledger.open_session(f"plain-{uuid.uuid4().hex[:6]}", BUDGET)
+    with pytest.raises(InvalidArgument, match="names no tenant"):
+        plain.reserve(W, "a", 10, cost=CallCost(model="m", input=1, output=1))
+    money = ScopeBudget(window_ms=DAY, cents=1, prices={"m": Price(1, 1)})
+    ledger.set_scope(t, money)
+    with pytest.raises(InvalidArgument, match="no price"):
+        s.reserve(W, "a", 10, cost=CallCost(model="unpriced", input=1, output=1))
+    assert state(ledger, s)[:2] == before[:2]
+
+
+def test_a_dead_processs_hold_expires_on_redis_clock(ledger: Ledger) -> None:
+    t = tenant()
+    ledger.set_scope(t, ScopeBudget(window_ms=DAY, tokens=1_000))
+    s = ledger.open_session(f"@{t}/s", BUDGET)
+    s.reserve(W, "dead", 10, lease_ms=1_000, cost=CallCost(model="m", input=900, output=0))
+    with pytest.raises(CeilingReached):
+        s.reserve(W, "next", 10, cost=CallCost(model="m", input=900, output=0))
+    time.sleep(1.3)  # nobody settles or voids "dead": its deadline passes on Redis's clock
+    assert ledger.scope_usage(t).held["input"] == 0  # a read leaves a lapsed hold out
+    r = s.reserve(W, "next", 10, cost=CallCost(model="m", input=900, output=0))
+    with pytest.raises(ReservationExpired):
+        s.settle("dead", 10, billed=Usage(input=900, output=0), scopes=r.scopes)
+    assert ledger.scope_usage(t).open_holds == 1  # the swept hold is gone, "next" is open
+
+
+def _fleet(url: str, prefix: str, t: str, stop: float, out: list[int], ident: int) -> None:
+    """One client: reserve 100 input tokens, settle a billed 1..100, until `stop`."""
+    with Ledger.from_settings(_settings(url, prefix)) as led:
+        s = led.open_session(f"@{t}/w{ident}", SessionBudget(window=10_000_000, system_prompt=10))
+        n = 0
+        while time.time() < stop:
+            n += 1
+            try:
+                r = s.reserve(W, f"r{n}", 1, cost=CallCost(model="m", input=100, output=0))
+            except CeilingReached:
+                time.sleep(0.01)
+                continue
+            billed = 1 + (n * 37 + ident) % 100
+            s.settle(r.id, 1, billed=Usage(input=billed, output=0), scopes=r.scopes)
+            out[ident] += billed
+
+
+def _settings(url: str, prefix: str) -> LedgerSettings:
+    return LedgerSettings(redis_url=url, prefix=prefix)
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        pytest.param("redis", marks=pytest.mark.redis, id="redis"),
+        pytest.param("cluster", marks=pytest.mark.cluster, id="cluster"),
+    ],
+)
+@pytest.mark.parametrize("bucket_ms", [None, 1_000], ids=["fixed", "rolling"])
+def test_a_window_rolls_over_under_load_nothing_lost_or_doubled(
+    ledger: Ledger, bucket_ms: int | None
+) -> None:
+    t = tenant()
+    ceiling = 3_000
+    window = 2_000
+    ledger.set_scope(t, ScopeBudget(window_ms=window, bucket_ms=bucket_ms, input=ceiling))
+    billed = [0] * 6
+    stop = time.time() + 5.0
+    url, prefix = ledger.settings.redis_url, ledger.settings.prefix
+    threads = [
+        threading.Thread(target=_fleet, args=(url, prefix, t, stop, billed, i)) for i in range(6)
+    ]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    u = ledger.scope_usage(t)
+    per_bucket = {b: v["input"] for b, v in u.buckets.items()}
+    step = bucket_ms or window
+    starts = sorted(per_bucket)
+    assert starts[-1] - starts[0] >= 3_000  # 5 s of load: the window rolled over again and again
+    assert sum(per_bucket.values()) == sum(billed)  # nothing lost, nothing doubled
+    span = window // step
+    for b in starts:  # every window (fixed) or every span of buckets (rolling) under the ceiling
+        charged = sum(per_bucket.get(b + k * step, 0) for k in range(span))
+        assert charged <= ceiling, (b, charged)
+    assert u.open_holds == 0 and u.over == 0
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+@pytest.mark.timeout(300)
+def test_bench_ceiling_smoke() -> None:
+    """bench/bench_ceiling.py end to end, small: 4 processes, 2 tenants, kill -9 included;
+    the ledger lets nothing past a ceiling (the full run's figures: docs/ceilings.md)."""
+    args = ["--procs", "4", "--sessions", "8", "--tenants", "2", "--seconds", "4"]
+    args += ["--window-ms", "2000", "--rounds", "2", "--calls", "100", "--json"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.bench_ceiling", *args],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(proc.stdout)
+    assert res["windows"] >= 2 and res["kills"] >= 1
+    assert res["ledger"]["tokens"] == 0 and res["ledger"]["cents"] == 0
+    assert res["baseline"]["tokens"] >= 0
+    assert res["timing"]["reserve_usec"] > 0 and res["timing"]["reserve_tenant_usec"] > 0
+
+
+@pytest.mark.redis
+def test_redis_unreachable_refuses_or_spends_the_stated_local_allowance() -> None:
+    """Fail closed: with Redis gone, a reservation with a cost raises BackendUnavailable
+    (typed, after the bounded retries). The opt-in LocalAllowance then admits calls
+    until the process's allowance is spent, and no further: that is its whole overshoot."""
+    with servers.standalone() as srv:
+        settings = LedgerSettings(
+            redis_url=srv.url,
+            prefix=f"t{uuid.uuid4().hex[:8]}",
+            retry_attempts=2,
+            retry_max_seconds=0.5,
+            connect_timeout=0.5,
+            socket_timeout=0.5,
+        )
+        t = tenant()
+        with Ledger.from_settings(settings) as led:
+            led.set_scope(t, ScopeBudget(window_ms=DAY, tokens=1_000_000))
+            s = led.open_session(f"@{t}/s", BUDGET)
+            cost = CallCost(model="m", input=3_000, output=1_000)
+            s.reserve(W, "up", 1, cost=cost)  # Redis answers: held in the scope
+            srv.kill()
+            allowance = LocalAllowance(tokens=10_000)
+            admitted = 0
+            for n in range(4):
+                with pytest.raises(BackendUnavailable):
+                    s.reserve(W, f"down{n}", 1, cost=cost)
+                admitted += allowance.admit(cost)
+            assert admitted == 2 and allowance.left == (2_000, None)  # 2 x 4,000 of 10,000
+            money = LocalAllowance(tokens=10**6, cents=5, price=Price(300, 1_500))
+            assert [money.admit(cost) for _ in range(3)] == [True, True, False]  # 2.4 c each
+
+
+def _pool(ledger: Ledger, pool: int) -> tuple[Session, str]:
+    t = tenant()
+    ledger.set_scope(t, ScopeBudget(window_ms=DAY, tokens=1_000_000))
+    s = ledger.open_session(f"@{t}/parent", BUDGET)
+    r = s.reserve(W, "fan", pool, cost=CallCost(model="m", input=pool, output=0))
+    return s, r.id
+
+
+def test_four_children_whose_floors_fit_are_none_starved(ledger: Ledger) -> None:
+    s, rid = _pool(ledger, 4_000)
+    for k in range(4):
+        assert s.open_child(rid, f"kid{k}", 1_000).free == 4_000 - 1_000 * (k + 1)
+    # the first child is greedy: it gets its floor, and nothing its siblings' floors hold
+    assert s.draw_child(rid, "kid0", 1_000).used == 1_000
+    with pytest.raises(AdmissionRefused) as err:
+        s.draw_child(rid, "kid0", 1)
+    assert err.value.free == 0
+    for k in range(1, 4):  # every sibling still gets its whole floor
+        assert s.draw_child(rid, f"kid{k}", 1_000).used == 1_000
+
+
+def test_eight_children_whose_floors_do_not_fit_the_extra_ones_are_refused_alone(
+    ledger: Ledger,
+) -> None:
+    s, rid = _pool(ledger, 4_000)
+    opened, refused = [], []
+    for k in range(8):
+        try:
+            s.open_child(rid, f"kid{k}", 1_000)
+            opened.append(k)
+        except AdmissionRefused as exc:
+            assert exc.reason == "child_floor" and exc.free == 0
+            refused.append(k)
+    assert opened == [0, 1, 2, 3] and refused == [4, 5, 6, 7]
+    for k in opened:  # the refusals took nothing from the children already open
+        assert s.draw_child(rid, f"kid{k}", 1_000).free == 0
+    with pytest.raises(UnknownReservation):
+        s.draw_child(rid, "kid5", 1)  # a refused child was never opened
+
+
+def test_without_floors_one_greedy_child_starves_its_siblings(ledger: Ledger) -> None:
+    """What the floors prevent: children opened with floor 0 share the pool first come,
+    first served, and the first one can take it all."""
+    s, rid = _pool(ledger, 4_000)
+    for k in range(4):
+        s.open_child(rid, f"kid{k}", 0)
+    assert s.draw_child(rid, "kid0", 4_000).used == 4_000
+    with pytest.raises(AdmissionRefused):
+        s.draw_child(rid, "kid1", 1)
+
+
+def test_usage_as_genai_attributes_one_name_a_quantity() -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as semconv
+
+    from ledger.adapters import otel
+
+    # the names are the pinned release's
+    assert otel.INPUT == semconv.GEN_AI_USAGE_INPUT_TOKENS
+    assert otel.OUTPUT == semconv.GEN_AI_USAGE_OUTPUT_TOKENS
+    assert otel.CACHE_READ == semconv.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS
+    assert otel.CONVERSATION == semconv.GEN_AI_CONVERSATION_ID
+    with Ledger.from_url(f"embedded://{uuid.uuid4().hex}") as led:
+        s = led.open_session("@acme/otel", BUDGET)
+        s.admit(W, [Item("turn1", 700)])
+        attrs = otel.usage_attributes(
+            s.id, Usage(input=1_000, output=200, cached_input=3_000), s.snapshot()
+        )
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    with provider.get_tracer("t").start_as_current_span("chat") as span:
+        span.set_attributes(attrs)
+    got = dict(exporter.get_finished_spans()[0].attributes or {})
+    assert got[otel.INPUT] == 4_000 and got[otel.CACHE_READ] == 3_000 and got[otel.OUTPUT] == 200
+    assert got[otel.CONVERSATION] == "@acme/otel"
+    assert got["ledger.window.working_memory.used"] == 700
+    assert got["ledger.window.free"] == BUDGET.window - 1_000 - 700 - BUDGET.output_reserve
+    gen_ai = [k for k in got if k.startswith("gen_ai.")]
+    assert sorted(gen_ai) == sorted({otel.INPUT, otel.OUTPUT, otel.CACHE_READ, otel.CONVERSATION})
+
+
+@pytest.mark.redis
+def test_ledger_scope_shows_a_tenants_window(
+    redis_server: servers.RedisProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ledger import cli
+
+    prefix, t = f"t{uuid.uuid4().hex[:8]}", tenant()
+    with Ledger.from_settings(LedgerSettings(redis_url=redis_server.url, prefix=prefix)) as led:
+        led.set_scope(t, ScopeBudget(window_ms=DAY, tokens=10_000))
+        s = led.open_session(f"@{t}/s", BUDGET)
+        r = s.reserve(W, "a", 1, cost=CallCost(model="m", input=3_000, output=500))
+        s.settle("a", 1, billed=Usage(input=3_000, output=900), scopes=r.scopes)
+        s.reserve(W, "b", 1, cost=CallCost(model="m", input=1_000, output=0))
+    argv = ["--url", redis_server.url, "--prefix", prefix, "scope", t, "--json"]
+    assert cli.main(argv) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["charged"]["input"] == 4_000 and got["held"]["input"] == 1_000
+    assert got["remaining"] == {"tokens": 10_000 - 4_900} and got["over"] == 400
+    assert cli.main(["--url", redis_server.url, "--prefix", prefix, "scope", f"{t}/none"]) == 1
+    assert "no ceilings set" in capsys.readouterr().err
