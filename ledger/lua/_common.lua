@@ -1228,6 +1228,7 @@ local function compaction_effect(key, H, recs, matched, P, K)
     (stale and 'stale' or 'did_not_fit')))
   return args, { outcome = outcome, occ = occ, dropped = dropped, sum_t = sum_t, missing = missing,
     kf = kf, escalate = escalate, fr = fr, gain = gain }
+end
 
 -- Budget scopes above the session (docs/ceilings.md). A scope is a tenant, or a key or
 -- user within it ('<tenant>/<name>'); a session '@<tenant>/<id>' lives in its tenant's
