@@ -16,7 +16,7 @@ import redis
 
 from ledger import Ledger, LedgerSettings, SessionBudget, cli, protocol, schema, scripts, views
 from ledger.keys import KeySpace
-from ledger.models import Consumer, Item, canonical_json
+from ledger.models import CallCost, Consumer, Item, ScopeBudget, Usage, canonical_json
 from tests.servers import RedisProcess
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -498,7 +498,20 @@ def _key_counts() -> dict[str, set[int]]:
         protocol.snapshot(k),
         protocol.audit(k),
         protocol.worker_check("ledger:{p0}:deadlines", "ledger:{p0}:jobs", "g", 1),
+        protocol.set_scope(KeySpace("ledger", 64), "o", "acme", ScopeBudget(window_ms=86_400_000)),
+        protocol.open_child(k, "o", 1, "r", "c", 5),
+        protocol.draw_child(k, "o", 1, "r", "c", 5),
     ]
+    # with one, two and three budget scopes (a tenant's session)
+    kt = KeySpace("ledger", 64).session("@acme/s-1")
+    for scopes in (("acme",), ("acme", "acme/k"), ("acme", "acme/k", "acme/u")):
+        cost = CallCost(model="m", input=5, output=1, scopes=scopes)
+        billed = Usage(input=5, output=1)
+        calls += [
+            protocol.reserve(kt, "o", 1, "scratchpad", "r", 5, 1000, cost=cost),
+            protocol.settle(kt, "o", 1, "r", 5, billed=billed, scopes=scopes),
+            protocol.void(kt, "o", 1, "r", scopes=scopes),
+        ]
     counts: dict[str, set[int]] = {}
     for c in calls:
         n = len(c.keys)
