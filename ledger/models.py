@@ -157,6 +157,7 @@ class CompactionOutcome(enum.StrEnum):
     DID_NOT_FIT = "did_not_fit"  # the summary does not fit: nothing replaced
     ALREADY = "already"  # the job was committed before: nothing changed
     STAGED = "staged"  # a job's compaction while a turn is open: lands at the next begin_turn
+    RECOUNTED = "recounted"  # a summary replacing itself: the receiving agent's count
 
 
 class JobKind(enum.StrEnum):

@@ -992,7 +992,9 @@ def compact(
     an agent's own compaction. ``summary_text``: stored with the effect, for the turn the
     summary is delivered to and for the next compaction (the worker sends it). ``read``:
     the newest sequence number of the history the compactor read; the items admitted after
-    it are not held against the post-condition (None: every item is)."""
+    it are not held against the post-condition (None: every item is). A summary replacing
+    itself in the open turn is a recount (outcome ``recounted``): it takes the tokens given,
+    no compaction judged."""
     if not isinstance(replaced, (list, tuple)):
         raise InvalidArgument("replaced must be a list or tuple of item ids or (consumer, id)")
     refs = []

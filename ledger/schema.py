@@ -445,6 +445,9 @@ SUMMARY_REPLACED = _f(
     "replaced", "replaced", "text", "summary", "the items it replaced: ['<c>:<id>', ...]"
 )
 SUMMARY_AT = _f("at", "at", "time", "summary", "when the compact that stored it ran")
+SUMMARY_TOKENS = _f(
+    "tokens", "tokens", "tokens", "summary", "the summary's tokens as its compactor counted them"
+)
 SUMMARY = _f("<summary_id>", "summary", "text", "compacted", "a SummaryRecord (JSON)")
 COMPACTING = _f(
     "~",
@@ -683,11 +686,13 @@ class DeadLetterEntry:
 @dataclass(frozen=True, slots=True)
 class SummaryRecord:
     """What ``compact`` stores per summary in the summaries hash:
-    ``{"text": <text>, "replaced": ["<c>:<id>", ...], "at": <ms>}``."""
+    ``{"text": <text>, "replaced": ["<c>:<id>", ...], "at": <ms>, "tokens": <n>}``
+    (``tokens``: the count the ledger took, the compactor's; 0 when the record has none)."""
 
     text: str
     replaced: tuple[str, ...] = ()
     at: int = 0
+    tokens: int = 0
 
     def to_json(self) -> str:
         return json.dumps(
@@ -695,6 +700,7 @@ class SummaryRecord:
                 SUMMARY_TEXT.wire: self.text,
                 SUMMARY_REPLACED.wire: list(self.replaced),
                 SUMMARY_AT.wire: self.at,
+                SUMMARY_TOKENS.wire: self.tokens,
             },
             separators=(",", ":"),
         )
@@ -709,6 +715,7 @@ class SummaryRecord:
                 str(rec[SUMMARY_TEXT]),
                 tuple(str(r) for r in rec.get(SUMMARY_REPLACED, ())),
                 int(rec.get(SUMMARY_AT, 0)),
+                int(rec.get(SUMMARY_TOKENS, 0)),
             )
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"not a summary record: {raw!r:.200}") from exc

@@ -57,13 +57,21 @@ def agent(url: str, sid: str, turns: int, model_ms: int) -> list[dict[str, Any]]
                 {
                     "turn": n,
                     "retrieval": bool(got.kept),
+                    "reason": got.reason,
                     "due": bool(report.compaction_due),
                     "summaries": len(turn.summaries),
                     "drift": report.drift,
+                    "waited": round(turn.state.waited_compaction, 3) if turn.state else 0.0,
                 }
             )
         snap = session.snapshot()
-        rows.append({"kn": snap.raw.get("kn", 0), "kf": snap.raw.get("kf", 0)})
+        rows.append(
+            {
+                "kn": snap.raw.get("kn", 0),
+                "kf": snap.raw.get("kf", 0),
+                "failed": snap.raw.get("x:failed_compactions", 0),
+            }
+        )
     return rows
 
 
@@ -83,11 +91,16 @@ def figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "compactions": sum(r["summaries"] for r in turns),
         "kn": rows[-1]["kn"],
+        "failed": rows[-1]["failed"],
+        "reasons": sorted({str(r["reason"]) for r in turns if not r["retrieval"]}),
         "max_lag": max(lags, default=0),
         "lags": lags,
         "min_window": min(rates),
         "windows": rates,
         "max_drift": max(abs(r["drift"]) for r in turns),
+        "waits": [r["waited"] for r in turns],
+        "due": [r["turn"] for r in turns if r["due"]],
+        "delivered": [r["turn"] for r in turns if r["summaries"]],
     }
 
 
@@ -168,6 +181,8 @@ def main(argv: list[str]) -> int:
             f"windows {' '.join(f'{w:.1f}' for w in s['windows'])}"
         )
     print(f"elapsed {got['elapsed_s']} s")
+    if os.environ.get("NOPAUSE_DUMP"):
+        print(json.dumps(got))
     return 0
 
 

@@ -31,6 +31,7 @@ from ledger import (
     ToolResultOutcome,
     TurnReport,
     TurnStarted,
+    scripts,
 )
 from ledger.protocol import Call, Reply
 from ledger.scripts import lua_dir, strip_comments
@@ -47,7 +48,9 @@ ENUMS: tuple[type[enum.StrEnum], ...] = (
 
 
 def code(script: str) -> str:
-    return strip_comments((lua_dir() / f"{script}.lua").read_text())
+    """A script as sent: with the _common.lua definitions it uses (compact's judgement is
+    compaction_effect, shared with begin_turn)."""
+    return strip_comments(scripts.source(script))
 
 
 def assigned(script: str, var: str) -> set[str]:
@@ -72,7 +75,7 @@ def test_outcome_values_are_strings_of_their_scripts() -> None:
     assert {o.value for o in CompactionOutcome} <= literals("compact")
     assert {o.value for o in ToolResultOutcome} <= literals("admit_tool")
     # the job kinds the scripts enqueue (enqueue(KEYS[2], '<kind>', ...)), and no other
-    enqueue = re.compile(r"enqueue\(\w+\[2\], '(\w+)'")
+    enqueue = re.compile(r"enqueue\((?:\w+\[2\]|K\.jobs), '(\w+)'")
     sources = [strip_comments(p.read_text()) for p in lua_dir().glob("*.lua")]
     enqueued = {k for src in sources for k in enqueue.findall(src)}
     assert enqueued == {k.value for k in JobKind}

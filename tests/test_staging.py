@@ -13,7 +13,15 @@ from typing import Any
 
 import pytest
 
-from ledger import Consumer, InvalidArgument, Item, Ledger, SessionBudget, protocol
+from ledger import (
+    CompactionPending,
+    Consumer,
+    InvalidArgument,
+    Item,
+    Ledger,
+    SessionBudget,
+    protocol,
+)
 from ledger.client import Session
 
 W, R = Consumer.WORKING_MEMORY, Consumer.RETRIEVAL
@@ -169,3 +177,27 @@ def test_bad_input_is_refused_typed_changing_nothing(ledger: Ledger) -> None:
     assert session_hash(ledger, s) == before  # nothing staged, nothing changed
     entry = good.args[-3]
     assert ledger.client.xrange(s.keys.jobs, _text(entry), _text(entry))  # the job stays
+
+
+def test_a_turn_that_waits_for_a_pending_compaction_gets_the_staged_one(ledger: Ledger) -> None:
+    """A begin that waits for a pending compaction (await) is refused while one is pending
+    and none is staged; with one staged it lands the plan instead and begins."""
+    s = history(ledger, tokens=4_000)  # 16,600 tokens: over the mark, due at the turn
+    read, seqs = read_of(ledger, s)
+    t = s.begin_turn(0)
+    assert t.compaction_due
+    s.end_turn(t.turn, 16_600)
+
+    def waiting_begin() -> Any:
+        call = protocol.begin_turn(s.keys, f"b-{uuid.uuid4().hex}", s.epoch, 0, None, "A", 30_000,
+                                   await_compaction=True)  # fmt: skip
+        return ledger.run(call)
+
+    with pytest.raises(CompactionPending):
+        waiting_begin()  # pending, nothing staged: refused, nothing changed
+    t2 = s.begin_turn(0)
+    replaced = [(W, f"w{i}", seqs[f"w{i}"]) for i in (1, 2, 3)]
+    assert ledger.run(job_call(ledger, s, replaced, Item("sum", 500), read)).outcome == "staged"
+    s.end_turn(t2.turn, 16_600)
+    t3 = waiting_begin()
+    assert t3.landed == "compacted" and t3.summaries == ("sum",) and not t3.compaction_due

@@ -272,6 +272,9 @@ class TurnState:
     # the worker's summaries delivered to this turn: put them in the prompt (``dropped``
     # holds the objects they replaced)
     summaries: list[Obj] = field(default_factory=list)
+    # delivered summaries this agent counts otherwise than their compactor did: (id, its
+    # count), each corrected in the ledger as the turn begins
+    recounts: list[tuple[str, int]] = field(default_factory=list)
     # every (consumer, ledger id) this turn must drop from the app's state: reclaimed at
     # begin_turn and replaced by the delivered summaries (what ``dropped`` resolves)
     drop_refs: list[tuple[Consumer, str]] = field(default_factory=list)
@@ -628,6 +631,16 @@ class AgentCore:
         state.drop_refs = [*started.reclaimed, *started.dropped]
         if started.summaries or self.calibrate:
             yield from self._deliver(state)
+        for sid, tokens in state.recounts:
+            # The summary counted as this agent counts it (its counter, its framing), in
+            # one call of this turn: its prompt and the ledger then agree (drift 0), on
+            # whatever counter the worker's compactor used. (A recount that does not fit
+            # changes nothing: the turn's drift then shows it.)
+            yield self.session.compact_call(
+                [(Consumer.WORKING_MEMORY, sid)],
+                Item(sid, tokens, 1000),
+                turn=started.turn,
+            )
         state.dropped, state.unresolved = self.resolve(state.drop_refs)
         for (c, planned, _), result in zip(plans, got[1:], strict=True):
             if isinstance(result, AdmissionRefused):
@@ -664,6 +677,8 @@ class AgentCore:
             self.known[(Consumer.WORKING_MEMORY, sid)] = summary
             state.summaries.append(summary)
             state.replaced_by[sid] = replaced
+            if rec.tokens and (mine := self.tokens(summary)) != rec.tokens:
+                state.recounts.append((sid, mine))  # the compactor counted it otherwise
 
     def billed(
         self, state: TurnState, billed: int, counted: int, tally: Tally | None = None

@@ -179,6 +179,7 @@
 --   text           text [text]: the summary's text
 --   replaced       replaced [text]: the items it replaced: ['<c>:<id>', ...]
 --   at             at [time]: when the compact that stored it ran
+--   tokens         tokens [tokens]: the summary's tokens as its compactor counted them
 --
 -- compacted: the summaries hash '<tag>:compacted:<session>'
 --   <summary_id>   summary [text]: a SummaryRecord (JSON)
@@ -1213,7 +1214,8 @@ local function compaction_effect(key, H, recs, matched, P, K)
     local quoted = {}
     for i, ref in ipairs(gone) do quoted[i] = '"' .. ref .. '"' end  -- ids need no escapes
     put(K.sums, { P.sum_id, '{"text":' .. cjson.encode(P.text) .. ',"replaced":[' ..
-      table.concat(quoted, ',') .. '],"at":' .. string.format('%d', P.now) .. '}' }, P.J, key)
+      table.concat(quoted, ',') .. '],"at":' .. string.format('%d', P.now) .. ',"tokens":' ..
+      sum_t .. '}' }, P.J, key)
     put(K.content, { 'w:' .. P.sum_id, P.text }, P.J, key)
   end
   if escalate then

@@ -48,7 +48,13 @@
 -- is delivered to reads), and the content store 'w:<summary id>' its text (what the next
 -- compaction reads). An item held in another version keeps its text.
 --
--- Reply: status=ok|outcome=<compacted|failed|deferred|did_not_fit|already|staged>
+-- A recount: an agent's compaction in its open turn whose one replaced item is the summary
+-- itself (ARGV[7] 'w:<summary id>', ARGV[4] that id, ARGV[5] > 0) gives the summary the
+-- tokens ARGV[5] (the agent that received it counted its text): outcome recounted, no
+-- compaction judged or counted, logged for the turn's rollback; did_not_fit when the new
+-- count does not fit (nothing changed).
+--
+-- Reply: status=ok|outcome=<compacted|failed|deferred|did_not_fit|already|staged|recounted>
 --          |occupancy=<tokens>|high_water=<tokens>|dropped=<tokens>|summary=<tokens>
 --          |missing=<id,...>|failures=<n>|escalated=<0|1>|free=<tokens>|epoch=<n>|turn=<n>
 --          |gain=<tokens>
@@ -159,6 +165,28 @@ if job ~= '-' and lo then
     read = read and string.format('%d', read) or '-' })
   return commit(key, now, op, fp, unchanged('staged', { 'owner=' .. lo, 'lease=' .. (le or 0) }),
     { 'kp', plan }, J)
+end
+-- A summary replacing itself, in the open turn, is a recount: the agent the summary was
+-- delivered to counts its text with its own counter and framing, and the item takes that
+-- count (a new version, its turn and priority kept), logged for a rollback. No compaction
+-- is judged or counted; one that does not fit changes nothing (did_not_fit).
+if in_turn and n == 1 and refs[1].ref == 'w:' .. sum_id and matched[1] and sum_t > 0 then
+  local old, tn0, p0 = string.match(recs[1], '^(%d+)|(%d+)|(%d+)|')
+  local d = sum_t - tonumber(old)
+  local fr = free_room(H, H.out, H.a_w + d, H.a_rm, H.a_s)
+  local out = { 'status=ok', 'outcome=' .. (fr >= 0 and 'recounted' or 'did_not_fit'),
+    'occupancy=' .. (H.S + H.T + H.a_w + H.a_rm + H.a_s + (fr >= 0 and d or 0)), 'high_water=' .. H.HW,
+    'dropped=' .. (fr >= 0 and old or 0), 'summary=' .. (fr >= 0 and sum_t or 0), 'missing=',
+    'failures=' .. H.kf, 'escalated=0', 'free=' .. (fr >= 0 and fr or free_room(H, H.out, H.a_w, H.a_rm, H.a_s)),
+    'epoch=' .. H.ep, 'turn=' .. H.tn, 'gain=' .. (fr >= 0 and -d or 0) }
+  local args = {}
+  if fr >= 0 then
+    local f, sq = 'i:w:' .. sum_id, H.sq + 1
+    args = { f, table.concat({ sum_t, tn0, p0, sq }, '|'), 'sq', sq, 'a_w', H.a_w + d, 'u_w', H.u_w + d,
+      'fr', fr, 'ul', journal(ul, { f }, { recs[1] }) }
+    if H.oq == H.sq then args[#args + 1], args[#args + 2] = 'oq', sq end
+  end
+  return commit(key, now, op, fp, reply(out), args, J)
 end
 local args, V = compaction_effect(key, H, recs, matched, { refs = refs, sum_id = sum_id, sum_t = sum_t,
   text = text, read = read, in_turn = in_turn, ul = ul, qs = qs, qd = qd, job = job ~= '-', sid = sid,
