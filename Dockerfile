@@ -3,7 +3,9 @@
 #   docker run --rm --init -e LEDGER_REDIS_URL=redis://host:6379/0 \
 #     -e LEDGER_WORKER_COMPACTOR=ledger.adapters.summarizer:openai_from_env redis-token-ledger
 #   docker run --rm -e LEDGER_REDIS_URL=redis://host:6379/0 redis-token-ledger ledger audit
-FROM python:3.11-slim
+# The base image pinned to a patch release and Debian release (a digest pin,
+# python:3.11.9-slim-bookworm@sha256:..., is the registry's: add it where you build).
+FROM python:3.11.9-slim-bookworm
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -14,11 +16,12 @@ WORKDIR /src
 # Only what the wheel is built from: ledger/, with the worker (ledger/workers) and the
 # Lua scripts (ledger/lua) inside it (one import name, `ledger`).
 COPY pyproject.toml README.md ./
+COPY deploy/constraints.txt ./
 COPY ledger ./ledger
 # The worker's extras: its metrics (worker) and the LLM compactor docker-compose.yml
 # names (summarizer); and the admin commands' output (cli), so that
 # `docker compose exec worker ledger audit` (top, inspect) works. Not the embedded backend.
-RUN pip install ".[worker,summarizer,cli]" \
+RUN pip install -c constraints.txt ".[worker,summarizer,cli]" \
     && rm -rf /src \
     && useradd --create-home --uid 10001 ledger
 

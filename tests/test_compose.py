@@ -235,12 +235,13 @@ def test_cluster_init_service(services: dict[str, dict[str, Any]]) -> None:
 
 
 def test_dockerfile_base_image_and_command(services: dict[str, dict[str, Any]]) -> None:
-    assert instructions("FROM") == ["python:3.11-slim"]
+    # a patch release on a named Debian release: a rebuild months later gets the same Python
+    assert instructions("FROM") == ["python:3.11.9-slim-bookworm"]
     cmd = instructions("CMD")
     assert len(cmd) == 1
     assert json.loads(cmd[0]) == argv(services["worker"]["command"])
     assert any(
-        re.search(r"\bpip install \"?\.(\[[a-z,-]+\])?\"?(\s|$)", run)
+        re.search(r"\bpip install (-c constraints\.txt )?\"?\.(\[[a-z,-]+\])?\"?(\s|$)", run)
         for run in instructions("RUN")
     )
     env = " ".join(instructions("ENV"))
@@ -251,13 +252,13 @@ def test_dockerfile_base_image_and_command(services: dict[str, dict[str, Any]]) 
     assert ["CMD", *json.loads(check.partition("CMD")[2])] == probe
 
 
+# `pip install [-c constraints.txt] ".[extras]"`
+PIP_EXTRAS = r"\bpip install (?:-c constraints\.txt )?\"?\.\[([a-z,-]+)\]\"?(\s|$)"
+
+
 def installed_extras() -> set[str]:
     """The extras of the Dockerfile's `pip install ".[...]"`."""
-    found = [
-        m.group(1)
-        for run in instructions("RUN")
-        if (m := re.search(r"\bpip install \"?\.\[([a-z,-]+)\]\"?(\s|$)", run))
-    ]
+    found = [m.group(1) for run in instructions("RUN") if (m := re.search(PIP_EXTRAS, run))]
     assert len(found) == 1, found
     return set(found[0].split(","))
 
@@ -295,6 +296,21 @@ def test_dockerfile_installs_what_the_worker_needs(services: dict[str, dict[str,
     assert not names & {"fakeredis", "matplotlib"}, names  # embedded, plot
 
 
+def test_dockerfile_installs_with_every_dependency_pinned() -> None:
+    """The image installs with deploy/constraints.txt (``-c``): every distribution its
+    extras name is pinned there (==), so two builds of one commit get the same versions."""
+    lock = ROOT / "deploy" / "constraints.txt"
+    assert ("COPY", "deploy/constraints.txt ./") in [(i, rest.strip()) for i, rest in dockerfile()]
+    pinned = {}
+    for line in lock.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, sep, version = line.partition("==")
+            assert sep and re.fullmatch(r"[0-9][0-9A-Za-z.+-]*", version), line
+            pinned[re.sub(r"[-_.]+", "-", name).lower()] = version
+    needed = {re.sub(r"[-_.]+", "-", n) for n in requirements(installed_extras())}
+    assert needed <= set(pinned), needed - set(pinned)
+
+
 @pytest.mark.slow
 def test_dockerfile_copies_enough_to_build_the_wheel(tmp_path: Path) -> None:
     """The image is built from the COPY'd files only: they must make the whole wheel."""
@@ -307,6 +323,7 @@ def test_dockerfile_copies_enough_to_build_the_wheel(tmp_path: Path) -> None:
             if path.is_dir():
                 shutil.copytree(path, ctx / src, ignore=shutil.ignore_patterns("__pycache__"))
             else:
+                (ctx / src).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(path, ctx / src)
     out = tmp_path / "dist"
     # With build isolation, as pip in the image does: the backend comes from the index.
