@@ -149,7 +149,7 @@ def cmd_audit(args: argparse.Namespace, out: Console) -> int:
     from ledger import health
     from ledger.client import Ledger
     from ledger.errors import translated
-    from ledger.views import Damaged, audits, placements
+    from ledger.views import Damaged, audits, dead_letters, placements
 
     with Ledger.from_settings(_settings(args)) as ledger:
         with translated():  # Redis gone meanwhile: BackendUnavailable, exit 3
@@ -179,6 +179,14 @@ def cmd_audit(args: argparse.Namespace, out: Console) -> int:
                 clean.append(sid)
             else:
                 violations[sid] = list(rep.problems)
+        # A session one of whose jobs was dead-lettered: named with the letters' refs (the
+        # worker counted a dead compaction as a failed one; `ledger dead show` tells why).
+        asked = set(ids)
+        held: dict[str, list[str]] = {}
+        for letter in dead_letters(ledger, limit=10_000)[1]:
+            sid = letter.fields.get("session", "")
+            if sid in asked:
+                held.setdefault(sid, []).append(letter.ref)
     audited = len(clean) + len(violations)
     failed = bool(violations or damaged or split or missing) or (
         args.strict and bool(overdue or warnings)
@@ -191,6 +199,7 @@ def cmd_audit(args: argparse.Namespace, out: Console) -> int:
                     "clean": len(clean),
                     "violations": violations,
                     "damaged": damaged,
+                    "dead_letters": dict(sorted(held.items())),
                     "overdue": overdue,
                     "missing": missing,
                     "split": {sid: ps for sid, ps in sorted(split.items())},
@@ -222,6 +231,12 @@ def cmd_audit(args: argparse.Namespace, out: Console) -> int:
         out.print(
             f"{escape(sid)}: [bold red]{escape('; '.join(problems))}[/]; not audited (the "
             "hash was written by something other than the ledger's scripts)",
+            soft_wrap=True,
+        )
+    for sid, refs in sorted(held.items()):
+        out.print(
+            f"{escape(sid)}: [yellow]a job dead-lettered[/] ({escape(', '.join(refs))}); "
+            "see `ledger dead show`",
             soft_wrap=True,
         )
     if args.verbose:  # written in bulk: one rich print per line is slow at scale

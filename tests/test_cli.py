@@ -554,6 +554,25 @@ def test_dead_show_list_by_name_and_age(
     assert 2 * 3600 <= got[old]["age_s"] < 2 * 3600 + 60 and got[new]["session"] == "dl-new"
 
 
+def test_audit_names_a_session_with_a_dead_letter(
+    redis_server: RedisProcess, prefix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`ledger audit` names each session one of whose jobs was dead-lettered, with the
+    letters' refs (text and --json); the other sessions are not named."""
+    with Ledger.from_settings(LedgerSettings(redis_url=redis_server.url, prefix=prefix)) as led:
+        for sid in ("held-1", "fine-1"):
+            led.open_session(sid, SessionBudget(window=8000, system_prompt=10))
+        ref = _dead_letter(led, "held-1", 60_000, "RuntimeError: summarizer down")
+    argv = ["--url", redis_server.url, "--prefix", prefix, "audit"]
+    cli.main(argv)
+    out = capsys.readouterr().out
+    assert f"held-1: a job dead-lettered ({ref})" in " ".join(out.split()), out
+    assert "fine-1" not in out
+    cli.main([*argv, "--json"])
+    got = json.loads(capsys.readouterr().out)
+    assert got["dead_letters"] == {"held-1": [ref]}
+
+
 def test_help_has_no_rst_quotes() -> None:
     """`ledger --help` and each command's: plain text, no ``double backticks``."""
     texts = [cli.build_parser().format_help()]
