@@ -223,7 +223,7 @@ def summarize(r: DemoReport) -> dict[str, Any]:
     scenario's rule, ``off``; None with ``--without``), per scenario run."""
     naive: dict[str, Any] = {}
     led: dict[str, Any] = {}
-    off: dict[str, Any] | None = None if r.config.without else {}
+    off: dict[str, Any] | None = {} if r.config.off_column else None
     if r.decay_ledger:
         naive |= _decay_summary(r.decay_naive, ledger=False)
         led |= _decay_summary(r.decay_ledger, ledger=True)
@@ -253,6 +253,7 @@ def summarize(r: DemoReport) -> dict[str, Any]:
             off["fanout"] = _fanout(r.fanout.off, ledger=True)
     config = dict(r.config.__dict__)
     config["only"] = sorted(config["only"]) if config["only"] else None
+    config["scripts"] = sorted(config["scripts"])  # the names of the scripts replaced
     out = {
         "config": config,
         "backend": r.backend,

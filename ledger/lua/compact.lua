@@ -197,6 +197,7 @@ end
 local occ = H.S + H.T + A.a_w + A.a_rm + A.a_s
 local gain = H.S + H.T + H.a_w + H.a_rm + H.a_s - occ
 local deferred = fits and occ <= H.HW and gain < (H.kg or 0)  -- bought too little: a deferral
+-- rule: post-condition (the demo's rule tests replace the next line)
 local ok = fits and occ <= H.HW and not deferred
 -- no failure counts past an escalation, until the reset
 local kf = ok and 0 or (H.rq == 0 and H.kf + 1 or H.kf)
