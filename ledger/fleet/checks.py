@@ -218,11 +218,12 @@ def _fanout(n: Summary, lg: Summary, off: Summary | None, out: dict[str, Check])
         0 <= frag_lag <= 3
         and path_ok
         and lf["first_pathological"] >= lf["first_ratio_over_8"]
-        and (lf["ratio_after_guard_max"] or 99) <= 9.0
+        and (lf["ratio_max"] or 99) <= 9.0
         and ctl.get("saturation", 0) > sum(ctl.values()) / 2,
         f"fragmentation {frag_lag} turns after ratio 3; pathological from turn "
         f"{lf['first_pathological']} (ratio > 8 at {lf['first_ratio_over_8']}); guarded max "
-        f"{lf['ratio_after_guard_max']}; control {ctl}",
+        f"{lf['ratio_after_guard_max']}, highest ratio {lf['ratio_max']} over {lf['turns']} "
+        f"turns; control {ctl}",
     )
     if off is not None and "fanout" in off:
         of = off["fanout"]

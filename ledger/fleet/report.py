@@ -214,6 +214,9 @@ def _fanout(rows: Sequence[fanout.TurnRow], ledger: bool) -> dict[str, Any]:
             "first_pathological": first(lambda r: r.classification == "pathological"),
             "guard_stops": sum(r.guard_stops for r in rows),
             "ratio_after_guard_max": max((r.ratio for r in rows if r.guard_stops), default=None),
+            # every turn of every session: what the guard holds down, not where it acted
+            "ratio_max": max((r.ratio for r in rows), default=None),
+            "turns": len(rows),
         }
     return out
 
