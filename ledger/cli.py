@@ -21,10 +21,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, TextIO
 
 from ledger import schema
 from ledger.errors import (
@@ -101,10 +101,15 @@ def cmd_demo(args: argparse.Namespace, out: Console) -> int:
             f"{config.sessions} agent sessions (median 40 turns, capped at {config.max_turns}; "
             f"and {config.tail} more beyond turn 120) and {config.workers} workers"
         )
-    # progress on stderr for every stage, --json included (stdout holds the JSON alone)
-    with Progress(console=Console(stderr=True), transient=True) as bar:
-        tasks = {name: bar.add_task(name, total=n) for name, n in stages(config).items()}
-        res = run(settings, config, progress=lambda name, n: bar.advance(tasks[name], n))
+    # progress on stderr for every stage, --json included (stdout holds the JSON alone):
+    # a bar on a terminal, else a line each tenth of a stage (a log, a CI job)
+    err = Console(stderr=True)
+    if err.is_terminal:
+        with Progress(console=err, transient=True) as bar:
+            tasks = {name: bar.add_task(name, total=n) for name, n in stages(config).items()}
+            res = run(settings, config, progress=lambda name, n: bar.advance(tasks[name], n))
+    else:
+        res = run(settings, config, progress=_progress_lines(stages(config), sys.stderr))
     summary = fleet_report.summarize(res)
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
@@ -123,6 +128,27 @@ def cmd_demo(args: argparse.Namespace, out: Console) -> int:
     clean = res.audits_clean == res.audits_total and res.over_allocations == 0
     checks_pass = all(c["pass"] for c in summary["acceptance"].values())
     return EXIT_OK if clean and checks_pass else EXIT_VIOLATION
+
+
+def _progress_lines(totals: dict[str, int], stream: TextIO) -> Callable[[str, int], None]:
+    """A progress callback for a stream that is not a terminal: one line (stage, steps
+    done of its total, seconds since the start) at each tenth of a stage and at its end."""
+    import time
+
+    done = dict.fromkeys(totals, 0)
+    t0 = time.monotonic()
+
+    def step(name: str, n: int) -> None:
+        before, total = done[name], totals[name]
+        done[name] = before + n
+        if done[name] * 10 // total > before * 10 // total or done[name] >= total:
+            print(
+                f"ledger demo: {name} {done[name]}/{total} ({time.monotonic() - t0:.0f} s)",
+                file=stream,
+                flush=True,
+            )
+
+    return step
 
 
 WIDE = 140  # the demo's table needs this many columns; narrower terminals get blocks

@@ -148,11 +148,10 @@ def test_variant_without_credit_changes_only_the_rule() -> None:
         assert variant == packaged, name  # the expressions put back: the packaged text
 
 
-# rule -> (scenario, extra demo arguments, a check of its scenario that must now fail)
+# rule -> (scenario, extra demo arguments, a check of its scenario that must now fail).
+# The flag's path is the same for every rule, so one cheap scenario shows it; each rule
+# taken out of the script where it lives is tests/test_demo_rules.py.
 RULE_OFF = {
-    "compaction-credit": ("001", ["--sessions", "12"], "001 ledger hard resets present"),
-    "working-memory": ("000", [], "000 ledger classes starvation, reclaims, restores"),
-    "spill": ("002", [], "002 ledger no truncation, spills and refusals"),
     "amplification": ("004", [], "004 ledger classes fragmentation, pathological, guard ~8"),
 }
 
@@ -179,3 +178,35 @@ def test_demo_without_a_rule_fails_its_check_and_exits_1(
         data = json.loads(capsys.readouterr().out)
         assert code == cli.EXIT_OK, {k: v for k, v in data["acceptance"].items() if not v["pass"]}
         assert data["acceptance"][check]["pass"] is True
+
+
+@pytest.mark.embedded
+@pytest.mark.timeout(120)
+def test_demo_progress_goes_to_stderr_when_not_a_terminal(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`ledger demo --json > file`: stdout holds the JSON alone, and stderr (not a terminal
+    here) gets a line for each stage as it ends, not the terminal's transient bar."""
+    url = f"embedded://{uuid.uuid4().hex}"
+    code = cli.main(["--url", url, "demo", "--json", "--seed", "1", "--only", "004"])
+    out, err = capsys.readouterr()
+    assert code == cli.EXIT_OK
+    json.loads(out)
+    lines = err.splitlines()
+    assert "ledger demo: 004 fan-out 1/1" in lines[0] and lines[-1].startswith(
+        "ledger demo: audits 1/1"
+    ), lines
+
+
+def test_progress_lines_each_tenth_of_a_stage() -> None:
+    import io
+
+    stream = io.StringIO()
+    step = cli._progress_lines({"001 sessions": 40, "audits": 1}, stream)
+    for _ in range(40):
+        step("001 sessions", 1)
+    step("audits", 1)
+    lines = stream.getvalue().splitlines()
+    assert [x.split(" (")[0] for x in lines] == [
+        f"ledger demo: 001 sessions {4 * k}/40" for k in range(1, 11)
+    ] + ["ledger demo: audits 1/1"]

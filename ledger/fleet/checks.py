@@ -169,13 +169,24 @@ def _truncation(n: Summary, lg: Summary, off: Summary | None, out: dict[str, Che
     nt, lt = n["truncation_loop"], lg["truncation_loop"]
     ev = nt["compression_events"]
     out["002 naive loop per compression event"] = _c(
-        ev > 0 and nt["truncated"] >= ev and nt["repeated_calls"] >= ev,
-        f"{ev} events, {nt['truncated']} truncations, {nt['repeated_calls']} repeats",
+        ev > 0
+        and nt["truncated"] >= ev
+        and nt["repeated_calls"] >= ev
+        and nt["forbidden_calls"] > 0
+        and nt["damaged_turns"] >= ev,
+        f"{ev} events, {nt['damaged_turns']} damaged turns, {nt['forbidden_calls']} "
+        f"forbidden calls, {nt['truncated']} truncations, {nt['repeated_calls']} repeats",
     )
+    # the floor half: the system prompt keeps its permission paragraph on every turn
+    out["002 ledger floor: no compression, no damaged turn, no forbidden call"] = _c(
+        lt["compression_events"] == 0 and lt["damaged_turns"] == 0 and lt["forbidden_calls"] == 0,
+        f"{lt['compression_events']} compressions, {lt['damaged_turns']} damaged turns, "
+        f"{lt['forbidden_calls']} forbidden calls",
+    )
+    # the spill half: a result that does not fit is spilled whole, never cut
     out["002 ledger no truncation, spills and refusals"] = _c(
         lt["truncated"] == 0
         and lt["repeated_calls"] == 0
-        and lt["compression_events"] == 0
         and lt["spilled"] > 0
         and lt["refusals"] > 0,
         f"truncated {lt['truncated']}, repeats {lt['repeated_calls']}, spilled "
@@ -207,11 +218,12 @@ def _fanout(n: Summary, lg: Summary, off: Summary | None, out: dict[str, Check])
         0 <= frag_lag <= 3
         and path_ok
         and lf["first_pathological"] >= lf["first_ratio_over_8"]
-        and (lf["ratio_after_guard_max"] or 99) <= 9.0
+        and (lf["ratio_max"] or 99) <= 9.0
         and ctl.get("saturation", 0) > sum(ctl.values()) / 2,
         f"fragmentation {frag_lag} turns after ratio 3; pathological from turn "
         f"{lf['first_pathological']} (ratio > 8 at {lf['first_ratio_over_8']}); guarded max "
-        f"{lf['ratio_after_guard_max']}; control {ctl}",
+        f"{lf['ratio_after_guard_max']}, highest ratio {lf['ratio_max']} over {lf['turns']} "
+        f"turns; control {ctl}",
     )
     if off is not None and "fanout" in off:
         of = off["fanout"]

@@ -214,6 +214,9 @@ def _fanout(rows: Sequence[fanout.TurnRow], ledger: bool) -> dict[str, Any]:
             "first_pathological": first(lambda r: r.classification == "pathological"),
             "guard_stops": sum(r.guard_stops for r in rows),
             "ratio_after_guard_max": max((r.ratio for r in rows if r.guard_stops), default=None),
+            # every turn of every session: what the guard holds down, not where it acted
+            "ratio_max": max((r.ratio for r in rows), default=None),
+            "turns": len(rows),
         }
     return out
 
@@ -223,7 +226,7 @@ def summarize(r: DemoReport) -> dict[str, Any]:
     scenario's rule, ``off``; None with ``--without``), per scenario run."""
     naive: dict[str, Any] = {}
     led: dict[str, Any] = {}
-    off: dict[str, Any] | None = None if r.config.without else {}
+    off: dict[str, Any] | None = {} if r.config.off_column else None
     if r.decay_ledger:
         naive |= _decay_summary(r.decay_naive, ledger=False)
         led |= _decay_summary(r.decay_ledger, ledger=True)
@@ -253,6 +256,7 @@ def summarize(r: DemoReport) -> dict[str, Any]:
             off["fanout"] = _fanout(r.fanout.off, ledger=True)
     config = dict(r.config.__dict__)
     config["only"] = sorted(config["only"]) if config["only"] else None
+    config["scripts"] = sorted(config["scripts"])  # the names of the scripts replaced
     out = {
         "config": config,
         "backend": r.backend,

@@ -12,7 +12,7 @@ import multiprocessing
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -53,6 +53,15 @@ class FleetConfig:
     # a rule (ledger/fleet/variants.py) the ledger column runs without; None: every rule
     # on, and each scenario's rule-off column beside it
     without: str | None = None
+    # script name -> full Lua text loaded in place of the packaged script, by every ledger
+    # the demo makes (its agents and its workers): a rule taken out where it lives (the
+    # rule tests, tests/test_demo_rules.py); the rule-off column is then not run
+    scripts: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def off_column(self) -> bool:
+        """Whether each scenario's rule-off column runs beside the ledger's."""
+        return self.without is None and not self.scripts
 
     def runs(self, scenario: str) -> bool:
         return self.only is None or scenario in self.only
@@ -75,7 +84,7 @@ def stages(config: FleetConfig) -> dict[str, int]:
     }
     out = {
         names[k]: (
-            config.sessions * (1 if config.without else 2) + config.tail if k == "001" else 1
+            config.sessions * (2 if config.off_column else 1) + config.tail if k == "001" else 1
         )
         for k in SCENARIOS
         if config.runs(k)
@@ -107,11 +116,14 @@ class DemoReport:
 
 @contextmanager
 def background_worker(
-    settings: LedgerSettings, compactor: str, credit: bool = True
+    settings: LedgerSettings,
+    compactor: str,
+    credit: bool = True,
+    scripts: Mapping[str, str] | None = None,
 ) -> Iterator[Worker]:
     """The ledger's worker in a thread; `credit=False`: its scripts without compaction
-    credit (ledger/fleet/variants.py)."""
-    led = Ledger.from_settings(settings)
+    credit (ledger/fleet/variants.py); `scripts`: these texts in place of the packaged."""
+    led = variants.load(Ledger.from_settings(settings), scripts or {})
     if not credit:
         variants.without_credit(led)
     worker = Worker(
@@ -160,11 +172,12 @@ class DecayJob:
     credit: bool = True
     tail: bool = False
     start_s: float = 0.0  # when the session starts, after its job is taken (staggered)
+    scripts: Mapping[str, str] = field(default_factory=dict)  # FleetConfig.scripts
 
 
 def _decay_one(job: DecayJob) -> tuple[decay.SessionRun, int]:
     time.sleep(job.start_s)
-    with Ledger.from_settings(job.settings) as led:
+    with variants.load(Ledger.from_settings(job.settings), job.scripts) as led:
         if not job.credit:
             variants.without_credit(led)
         agent = SimAgent(led, job.session_id, decay.BUDGET)
@@ -229,12 +242,15 @@ def _decay_fleet(
                 credit=credit,
                 tail=tail,
                 start_s=STAGGER_S * decay.unit("start", config.seed, i),
+                scripts=dict(config.scripts),
             )
             for sid, i, n, tail in decay_fleet_plan(config)
         ),
         key=lambda j: -j.turns,
     )
-    with background_worker(settings, "ledger.fleet.decay:compactor", credit) as worker:
+    with background_worker(
+        settings, "ledger.fleet.decay:compactor", credit, config.scripts
+    ) as worker:
         results = _pool_map(settings, _decay_one, jobs, config.workers, progress)
         totals = _metric_totals(worker)
     by_id = {r.session_id: (r, c) for r, c in results}
@@ -261,7 +277,7 @@ def run(settings: LedgerSettings, config: FleetConfig, progress: Progress = None
             naive_runs.append(decay.run_naive(sid, decay.plan(config.seed, i, n)))
             naive_runs[-1].tail = tail
         fleets = [(tag, config.rule("001"))]
-        if config.without is None:
+        if config.off_column:
             fleets.append((f"{tag}-off", False))
         for fleet_tag, credit in fleets:
             # the rule-off column runs the fleet alone (its late figures name their few
@@ -278,9 +294,11 @@ def run(settings: LedgerSettings, config: FleetConfig, progress: Progress = None
                 worker_jobs[k] = worker_jobs.get(k, 0) + v
 
     starv = trunc = fan = None
-    off = config.without is None
-    with background_worker(settings, "ledger.workers.compactors:simulated") as worker:
-        with Ledger.from_settings(settings) as led:
+    off = config.off_column
+    with background_worker(
+        settings, "ledger.workers.compactors:simulated", scripts=config.scripts
+    ) as worker:
+        with variants.load(Ledger.from_settings(settings), config.scripts) as led:
             if config.runs("000"):
                 starv = starvation.run(led, config.seed, tag, config.rule("000"), off)
                 if progress:

@@ -160,6 +160,7 @@ def run_ledger(agent: SimAgent, turns: tuple[TurnPlan, ...], c: Counts, rule: bo
     results: list[Doc] = []
     memory: list[Doc] = []
     react = Reaction()
+    whole = True  # the system prompt held its permission paragraph at the last turn
     for p in turns:
         t = agent.begin(2_000)
         gone = {i for _, i in (*t.reclaimed, *t.dropped)}
@@ -169,8 +170,12 @@ def run_ledger(agent: SimAgent, turns: tuple[TurnPlan, ...], c: Counts, rule: bo
         memory = list(got.kept)
         if got.refused:
             c.refusals += 1  # memory, the only elastic source, is what gives way
-        clause = agent.snapshot().system_prompt >= BUDGET.system_prompt  # a floor: always
+        # read back from the ledger: the system prompt is a reserved floor, so it holds its
+        # permission paragraph on every turn, unless that rule is gone (the rule tests)
+        clause = agent.snapshot().system_prompt >= BUDGET.system_prompt
+        c.compression_events += whole and not clause
         c.damaged_turns += not clause
+        whole = clause
         tokens = react.call(p, clause, c)
         if tokens and not rule:
             head = _truncating(agent, Doc(f"tool{p.turn}", tokens), c)

@@ -1163,6 +1163,7 @@ local function compaction_effect(key, H, recs, matched, P, K)
   -- judged on what is left of the history the compactor read
   local judged = occ - ((fits and P.read) and added_after(key, P.read, dead) or 0)
   local deferred = fits and judged <= H.HW and gain < (H.kg or 0)  -- bought too little: a deferral
+  -- rule: post-condition (the demo's rule tests replace the next line)
   local ok = fits and judged <= H.HW and not deferred
   -- no failure counts past an escalation, until the reset
   local kf = ok and 0 or (H.rq == 0 and H.kf + 1 or H.kf)

@@ -88,8 +88,10 @@ end
 
 -- Tokens memory can give back: its claim above its floor, items only (not reservations).
 local held = H.u_r + H.u_m
+-- rule: system-prompt-floor (memory alone gives way, never the system prompt; the demo's rule tests add to the next line)
 local gain = math.max(H.a_rm, H.F_rm) - math.max(H.a_rm - held, H.F_rm)
 local size, outcome = tokens, 'admitted'
+-- rule: spill (the demo's rule tests replace the next line)
 if tokens > H.fr + gain then size, outcome = math.min(tokens, H.pv), 'spilled' end
 if size > H.fr + gain then
   indicate(key, 'refused', 1)

@@ -338,6 +338,7 @@ local function order_done(args)
 end
 local regime, start_residual = 'ok', residual()
 local util = math.floor(occupancy() * 1000 / H.W)
+-- rule: working-set-gate (the demo's rule tests replace the next line)
 if start_residual < need() then
   regime = occupancy() >= H.EV and 'loud' or 'starvation'
   -- The reclaim order, one consumer at a time, stopping as soon as the gap is closed.
@@ -348,6 +349,7 @@ if start_residual < need() then
       reclaimed[#reclaimed + 1] = c .. ':' .. it.id
     end
   end
+  -- rule: reclaim-order (the demo's rule tests replace the next line)
   each_item('s', function(it) return take('s', it) end)
   if residual() < need() then
     -- retrieval chunks recall also holds first (oldest first), then the others

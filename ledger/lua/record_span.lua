@@ -42,6 +42,7 @@ local now = now_ms()
 local prompt = math.max(1, H.S + H.T + H.a_w + H.a_rm + H.a_s)
 local ratio = math.floor(H.ai * 1000 / prompt)
 local J = { gz = H.gz, xp = H.xp, uo = in_turn and (R[2] or '') or nil }
+-- rule: fanout-guard (the demo's rule tests replace the next line)
 if ratio > H.amp then
   indicate(key, 'fanout_refused', 1)
   return commit(key, now, op, fp, table.concat({ 'status=refused|reason=fanout_guard|requested=', tin,
