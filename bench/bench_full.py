@@ -93,6 +93,8 @@ OPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "lock": ("redis-py Lock, HMGET, MULTI/HINCRBY/HSET/EXEC, unlock: admit of 1 item", ()),
 }  # fmt: skip
 ALTERNATIVES = ("watch", "lock")
+# The bench owner's token, the same in every process (a fixed one: the bench is its only user)
+TOKEN = "b" * 32
 LEDGER_OPS = ("admit_1", "admit_16", "begin_turn", "release", "reserve_settle")
 MODES = ("sync", "asyncio", "pipelined")
 MODE_OPS: dict[str, tuple[str, ...]] = {
@@ -208,9 +210,10 @@ def prepare(spec: RowSpec, w: int, led: Ledger) -> list[Call[Any]]:
     if spec.op in ALTERNATIVES:
         alt.open_session(r, spec.alt_key(w), ALT_WINDOW)
         return []
-    # one owner for every process of a shared session: the bench measures the scripts, and
-    # a begin_turn by the owner of the open turn ends it (docs/agent.md#turn-leases)
-    s = led.open_session(spec.session_id(w), BENCH_BUDGET, owner="bench")
+    # one owner for every process of a shared session, with one owner token: the bench
+    # measures the scripts, and a begin_turn by the owner of the open turn (its token
+    # shown) ends it (docs/agent.md#turn-leases)
+    s = led.open_session(spec.session_id(w), BENCH_BUDGET, owner="bench", owner_token=TOKEN)
     r.script_load(led._scripts["admit"].script)
     if spec.op == "release":
         ids = [f"{tag}.{k}" for k in range(-spec.concurrency, spec.cap)]
@@ -275,7 +278,7 @@ def pipelined(spec: RowSpec, w: int, led: Ledger, raw: list[Call[Any]]) -> Calla
     if spec.op == "admit_raw":
         sha = scripts.sha("admit")
         return lambda k: _pipe(r, sha, [(c.keys, c.args) for c in raw[k * n : (k + 1) * n]], True)
-    s = led.session(spec.session_id(w), owner="bench")
+    s = led.session(spec.session_id(w), owner="bench", owner_token=TOKEN)
     size = 16 if spec.op == "admit_16" else 1
 
     def admit_batch(k: int) -> int:
@@ -313,7 +316,9 @@ def run_sync_row(spec: RowSpec, w: int, outbox: Any, barrier: Any) -> dict[str, 
         if spec.mode == "pipelined":
             op, unit = pipelined(spec, w, led, raw), spec.batch
         else:
-            s = None if spec.op in ALTERNATIVES else led.session(spec.session_id(w), owner="bench")
+            s = None
+            if spec.op not in ALTERNATIVES:
+                s = led.session(spec.session_id(w), owner="bench", owner_token=TOKEN)
             fs = steps(spec, w, s, led.client, raw)
 
             def op(k: int) -> int:
@@ -358,7 +363,7 @@ async def run_async_row(spec: RowSpec, w: int, outbox: Any, barrier: Any) -> dic
         stack.push_async_callback(led.aclose)
         s = None
         if spec.op not in ALTERNATIVES:
-            s = await led.session(spec.session_id(w), owner="bench")
+            s = await led.session(spec.session_id(w), owner="bench", owner_token=TOKEN)
         fs = steps(spec, w, s, led.client, raw)
 
         async def op(k: int) -> int:
