@@ -33,6 +33,7 @@ from ledger import (
     protocol,
 )
 from ledger import cli as ledger_cli
+from ledger.errors import translated
 from ledger.workers.compactors import CompactionPlan, CompactionRequest
 from ledger.workers.runner import Worker, WorkerSettings
 
@@ -252,6 +253,18 @@ def exercise_everything(
     for _ in range(20):  # bounded: a few passes drain every job
         if not worker.poll_once():
             break
+    # a slow job kept from looking idle: the loop's XCLAIM JUSTID of the jobs in hand
+    fill("tenant/slow")
+    slow = ledger.keyspace.partition_of("tenant/slow")
+    stream, group = worker.streams.stream(slow), worker.settings.group
+    ((_, entries),) = ledger.client.xreadgroup(group, "good", {stream: ">"}, count=1)
+    eid = entries[0][0].decode()
+    worker.delivery.held[f"p{slow}:{eid}"] = (slow, eid)
+    with translated():  # as the loop's guard reports it: PermissionDenied
+        worker.delivery.renew()
+    worker.delivery.held.clear()
+    ledger.client.xack(stream, group, eid)
+    done += ["worker.renew (a slow job's XCLAIM JUSTID)"]
     c = ledger.session("tenant/c").snapshot()
     assert not c.compaction_pending and c.raw["kn"] >= 1, "compaction job not applied"
     assert ledger.session("tenant/h").epoch == h.epoch + 1, "hard-reset job not applied"
