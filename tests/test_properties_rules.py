@@ -543,6 +543,8 @@ class Model:
         sum_id, sum_t = summary if summary is not None else (NO_SUMMARY, 0)
         if sum_id in self.items["w"] and ("w", sum_id) not in refs:
             return ("error", "SessionConflict")
+        if self.open and refs == (("w", sum_id),) and sum_id in self.items["w"] and sum_t > 0:
+            return self._recount(sum_id, sum_t)
         before = self.occupancy()
         dropped = sum(self.items[c][i].tokens for c, i in refs if i in self.items[c])
         missing = tuple((Consumer.from_code(c), i) for c, i in refs if i not in self.items[c])
@@ -607,6 +609,37 @@ class Model:
             epoch=self.ep,
             turn=self.tn,
             gain=gain,
+        )
+
+    def _recount(self, sum_id: str, sum_t: int) -> Outcome:
+        """A summary replacing itself in the open turn: the agent it was delivered to
+        counted it otherwise. The item takes the new count (its turn and priority kept, a
+        new sequence number) if it fits; no compaction is judged or counted."""
+        old = self.items["w"][sum_id]
+        d = sum_t - old.tokens
+        a = {
+            "w": sum(r.tokens for r in self.items["w"].values()) + d,
+            "m": sum(r.tokens for c in "rm" for r in self.items[c].values()),
+            "s": sum(r.tokens for r in self.items["s"].values()),
+        }
+        ok = self.free(a=a) >= 0
+        if ok:
+            self.sq += 1
+            self.items["w"][sum_id] = Rec(sum_t, old.turn, old.prio, self.sq)
+        return Compaction(
+            compacted=False,
+            outcome=CompactionOutcome.RECOUNTED if ok else CompactionOutcome.DID_NOT_FIT,
+            occupancy=self.occupancy(),
+            high_water_mark=self.HW,
+            dropped=old.tokens if ok else 0,
+            summary=sum_t if ok else 0,
+            missing=(),
+            failures=self.kf,
+            escalated=False,
+            free=self.free(),
+            epoch=self.ep,
+            turn=self.tn,
+            gain=-d if ok else 0,
         )
 
     def _span(self, op_id: str, turn: int, tin: int, tout: int) -> Outcome:
