@@ -274,7 +274,9 @@ def test_stream_deleted_under_the_worker(
     done_once(led, later)
     assert [jobs.text(g["name"]) for g in led.client.xinfo_groups(stream)] == [jobs.GROUP]
     assert jobs.metric(worker, "ledger_job_streams_lost_total") == 1
-    assert jobs.metric(worker, "ledger_worker_errors_total", kind="nogroup") == 1
+    # each call of the pass that met the missing group counts once (the read, and the
+    # renewal of the jobs in hand when it fell in that pass): one loss, one recreation
+    assert 1 <= jobs.metric(worker, "ledger_worker_errors_total", kind="nogroup") <= 2
     lost = [r for r in caplog.records if r.getMessage().startswith("job stream lost")]
     assert len(lost) == 1 and lost[0].levelno == logging.WARNING
     assert "may be lost" in lost[0].getMessage()
