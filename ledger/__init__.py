@@ -92,7 +92,7 @@ __all__ = [
     "LocalAllowance",
 ]
 __all__ += models.__all__
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def __getattr__(name: str) -> Any:
