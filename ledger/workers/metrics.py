@@ -10,7 +10,7 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from ledger import __version__
+from ledger._version import __version__
 from ledger.errors import translated
 from ledger.extras import missing
 from ledger.workers.calls import LedgerCalls
