@@ -9,9 +9,9 @@ The modules, each named for what it does:
   here (``Worker``, ``WorkerSettings``, ``Metrics``, ``JsonFormatter``, ``mask_url``, ...).
 - ``settings.py``: ``WorkerSettings``, the ``LEDGER_WORKER_*`` options.
 - ``streams.py``: the job streams and their consumer group, the reads of new jobs (a
-  reader thread per partition on a cluster); the one module that sends stream commands
-  (XREADGROUP, XAUTOCLAIM, XCLAIM, XACK, XDEL, XADD, ...).
-- ``takeover.py``: jobs idle too long elsewhere, claimed (XAUTOCLAIM).
+  reader thread per partition on a cluster), the jobs idle too long elsewhere claimed
+  (``Takeover``, XAUTOCLAIM); the one module that sends stream commands (XREADGROUP,
+  XAUTOCLAIM, XCLAIM, XACK, XDEL, XADD, ...).
 - ``delivery.py``: the job threads beside the loop (at most ``max_in_flight`` jobs in
   hand), each job run, acknowledged, left pending or dead-lettered (a compaction's
   death counted as a failed compaction), and the drain at a stop.

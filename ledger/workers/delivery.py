@@ -169,7 +169,7 @@ class Delivery:
         self.lock.notify_all()
 
     def _work(self) -> None:
-        self.troubles.mark_job_thread()
+        self.troubles.job_threads.job = True  # (see Troubles.in_job_thread)
         while True:
             with self.lock:
                 self.lock.wait_for(lambda: bool(self.waiting) and not self.stopping)

@@ -51,7 +51,8 @@ class Troubles:
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
-        self.jobs = threading.local()  # .job: this thread is a job thread (mark_job_thread)
+        # .job: this thread is one of delivery's job threads (set by the thread itself)
+        self.job_threads = threading.local()
         self.troubled = False  # this pass met a Redis error: back off before the next
         self.last_kind: str | None = None
         self._said: dict[str, float] = {}  # kind -> when it was last logged
@@ -79,13 +80,10 @@ class Troubles:
             },
         )
 
-    def mark_job_thread(self) -> None:
-        """This thread runs jobs (delivery's job threads): the trouble it meets leaves its
-        job pending and does not make the loop back off."""
-        self.jobs.job = True
-
     def in_job_thread(self) -> bool:
-        return bool(getattr(self.jobs, "job", False))
+        """A job thread's trouble leaves its job pending; it does not make the loop back
+        off."""
+        return bool(getattr(self.job_threads, "job", False))
 
     def redis_ok_despite_trouble(self) -> bool:
         """After a troubled pass: whether Redis still answered (the trouble was a job's

@@ -70,8 +70,15 @@ from ledger.workers.leases import Leases, next_round
 from ledger.workers.logs import MESSAGES, JsonFormatter, Troubles, mask_url
 from ledger.workers.metrics import FleetIndicators, Metrics, Observer
 from ledger.workers.settings import WorkerSettings
-from ledger.workers.streams import Groups, JobStreams, Readers, ReadResult, collect
-from ledger.workers.takeover import EVERY_PARTITION, Takeover
+from ledger.workers.streams import (
+    EVERY_PARTITION,
+    Groups,
+    JobStreams,
+    Readers,
+    ReadResult,
+    Takeover,
+    collect,
+)
 from ledger.workers.trouble import WHOLE_PASS, Backoff, kind_of
 
 # The names other modules, the tests and the docs import from here.
@@ -107,11 +114,10 @@ def _ledger_errors(method: Callable[_P, _R]) -> Callable[_P, _R]:
 
 
 class Worker:
-    """The worker loop. Its parts, each owned by the worker and each a module of
-    ``ledger.workers``: ``streams`` (the job streams and their reads), ``takeover``
-    (claims of idle jobs), ``delivery`` (running each job read), ``jobs`` (the job
-    kinds), ``leases`` (lease sweeps and cluster checks), ``observer`` (the metrics
-    passes) and ``troubles`` (the errors it survives)."""
+    """The worker loop. Its parts, each built with what it uses: ``streams`` (the job
+    streams and their reads), ``takeover`` (claims of idle jobs), ``delivery`` (running
+    each job read), ``jobs`` (the job kinds), ``leases`` (lease sweeps and cluster checks),
+    ``observer`` (the metrics passes) and ``troubles`` (the errors it survives)."""
 
     def __init__(
         self,
@@ -363,7 +369,8 @@ class Worker:
                 self._last_health = now
                 self.troubles.guard(self.check_redis, "health")
             if readers is not None:
-                self.leases.checked(now, slices, self.sweep, self._take_over)
+                take = functools.partial(self.take_over, False)
+                self.leases.checked(now, slices, self.sweep, take)
             elif now - self._last_sweep >= s.sweep_interval:
                 self._last_sweep = now
                 self.troubles.guard(self.sweep, "sweep")
@@ -446,9 +453,6 @@ class Worker:
             observer.join(self.settings.observe_interval + 5)
         left = self.troubles.guard(self.leave_groups, "leave") if not once else 0
         log.info("worker stopped", extra={"consumer": self.settings.consumer, "left": left})
-
-    def _take_over(self, partitions: list[int]) -> int:
-        return self.take_over(partitions=partitions)
 
     def _read_blocking(self, block: float, count: int) -> Groups:
         """New jobs (``JobStreams.read_blocking``); a stream found missing: a read of
