@@ -1,10 +1,12 @@
-"""Read-only views for operators: one session in detail, and the busiest sessions."""
+"""Read-only views for operators: one session in detail, the busiest sessions, dead
+letters, and budget scopes (a tenant in detail; the scopes the worker exports)."""
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import heapq
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,8 +15,15 @@ from redis.cluster import RedisCluster
 from ledger import protocol, schema
 from ledger.client import Ledger
 from ledger.core import collect
-from ledger.errors import DamagedSession, InvalidArgument, LedgerError, UnknownSession, translated
-from ledger.models import AuditReport, Consumer, HeldItem, Regime, Snapshot
+from ledger.errors import (
+    DamagedSession,
+    InvalidArgument,
+    LedgerError,
+    UnknownScope,
+    UnknownSession,
+    translated,
+)
+from ledger.models import AuditReport, Consumer, HeldItem, Regime, ScopeUsage, Snapshot
 from ledger.protocol import Call
 from ledger.scripts import is_bucket, outcome_buckets, outcome_key, stored_outcomes
 
@@ -508,3 +517,148 @@ def purge_dead(ledger: Ledger, refs: Sequence[str] | None) -> int:
                 ledger.client.xdel(ledger.keyspace.dead_letters(letter.partition), letter.entry)
             )
     return n
+
+
+# --- budget scopes (docs/ceilings.md) --------------------------------------------------
+
+
+def scope_names(ledger: Ledger, tenant: str | None = None) -> list[str]:
+    """Every budget scope whose ceilings were set (``set_scope``), found by one SCAN with a
+    MATCH on the scope hashes' key prefix (on a cluster, on every primary), sorted; with
+    ``tenant``, only the tenant's own scope and those within it."""
+    ks = ledger.keyspace
+    if tenant is not None and ks.scope(tenant).tenant != tenant:
+        raise InvalidArgument(f"a tenant is a scope without '/', got {tenant!r}")
+    ledger.check_open()
+    out = set()
+    with translated():
+        for k in ledger.client.scan_iter(match=ks.scope_pattern(tenant), count=1000):
+            name = ks.scope_name_of(schema.text(k))
+            if name is None:
+                continue
+            if tenant is None or name == tenant or name.startswith(tenant + "/"):
+                out.add(name)
+    return sorted(out)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScopeHold:
+    """An open hold of a scope: a reservation of a session, what it holds per quantity
+    (``ScopeUsage``'s names), until ``deadline_ms`` on Redis's clock (``overdue`` past it:
+    the next reserve in the scope gives it back)."""
+
+    scope: str
+    session_id: str
+    reservation: str
+    deadline_ms: int
+    held: Mapping[str, int]
+    overdue: bool
+
+
+def _scope_reads(
+    ledger: Ledger, names: Sequence[str]
+) -> tuple[int, list[tuple[str, dict[str, str], list[tuple[str, float]]]]]:
+    """Redis's clock, and each scope's hash and holds index (HGETALL, ZRANGE WITHSCORES):
+    one pipelined round trip, without MULTI/EXEC (a view, not one atomic read)."""
+    ks = ledger.keyspace
+    ledger.check_open()
+    with translated():
+        secs, micros = ledger.client.time()
+        replies: list[Any] = []
+        for chunk in _batches(names):
+            with ledger.client.pipeline(transaction=False) as pipe:
+                for name in chunk:
+                    sk = ks.scope(name)
+                    pipe.hgetall(sk.hash)
+                    pipe.zrange(sk.holds, 0, -1, withscores=True)
+                replies += pipe.execute()
+    out = []
+    for name, fields, holds in zip(names, replies[::2], replies[1::2], strict=True):
+        f = {schema.text(k): schema.text(v) for k, v in fields.items()}
+        out.append((name, f, [(schema.text(m), float(d)) for m, d in holds]))
+    return int(secs) * 1000 + int(micros) // 1000, out
+
+
+def scope_usages(ledger: Ledger, names: Sequence[str]) -> list[ScopeUsage]:
+    """Each named scope's window as it stands (``Ledger.scope_usage``), in one pipelined
+    round trip per ``BATCH`` scopes; a scope deleted since it was listed is left out."""
+    now, reads = _scope_reads(ledger, names)
+    out = []
+    for name, fields, holds in reads:
+        with contextlib.suppress(UnknownScope):
+            out.append(protocol.scope_usage(name, fields, holds, now))
+    return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TenantView:
+    """A tenant as ``ledger inspect --tenant`` shows it: its scopes' windows (the tenant's
+    own first), their open holds (soonest deadline first) and its sessions' ids."""
+
+    tenant: str
+    now_ms: int
+    scopes: list[ScopeUsage]
+    holds: list[ScopeHold]
+    sessions: list[str]
+
+
+def tenant_view(ledger: Ledger, tenant: str) -> TenantView:
+    names = scope_names(ledger, tenant)
+    now, reads = _scope_reads(ledger, names)
+    usages, holds = [], []
+    for name, fields, index in reads:
+        try:
+            usages.append(protocol.scope_usage(name, fields, index, now))
+        except UnknownScope:
+            continue
+        for member, deadline in index:
+            sid, _, rid = member.rpartition("|")
+            raw = fields.get("q:" + member, "")
+            parts = raw.split("|")
+            if len(parts) < 5 or not all(_whole(x) for x in parts[:5]):
+                continue  # given back since the index was read
+            held = dict(
+                zip(("input", "output", "cached_input", "money"), map(int, parts[1:5]), strict=True)
+            )
+            holds.append(
+                ScopeHold(
+                    scope=name,
+                    session_id=sid,
+                    reservation=rid,
+                    deadline_ms=int(deadline),
+                    held=held,
+                    overdue=deadline < now,
+                )
+            )
+    usages.sort(key=lambda u: (u.scope != tenant, u.scope))
+    holds.sort(key=lambda h: (h.deadline_ms, h.scope, h.session_id, h.reservation))
+    mine = f"@{tenant}/"
+    sessions = [sid for sid in listed(ledger) if sid.startswith(mine)]
+    return TenantView(tenant=tenant, now_ms=now, scopes=usages, holds=holds, sessions=sessions)
+
+
+def dead_lettered(ledger: Ledger, scan: int = 1000) -> dict[str, set[int]]:
+    """Each session with a dead letter among the newest ``scan`` of its partition's
+    dead-letter stream, and the epochs of its letters (what ``ledger top`` flags): the
+    partitions' depths and their letters in two pipelined round trips."""
+    ks = ledger.keyspace
+    with translated(), ledger.client.pipeline(transaction=False) as pipe:
+        for p in range(ks.partitions):
+            pipe.xlen(ks.dead_letters(p))
+        depths = pipe.execute(raise_on_error=False)
+    full = [p for p, n in enumerate(depths) if isinstance(n, int) and n > 0]
+    out: dict[str, set[int]] = {}
+    if not full:
+        return out
+    with translated(), ledger.client.pipeline(transaction=False) as pipe:
+        for p in full:
+            pipe.xrevrange(ks.dead_letters(p), count=scan)
+        got = pipe.execute(raise_on_error=False)
+    for entries in got:
+        for _, raw in entries if isinstance(entries, list) else ():
+            fields = {schema.text(k): schema.text(v) for k, v in (raw or {}).items()}
+            sid = fields.get(schema.JOB_SESSION)
+            if sid:
+                epoch = fields.get(schema.JOB_EPOCH, "")
+                out.setdefault(sid, set()).update([int(epoch)] if epoch.isdigit() else [])
+    return out
