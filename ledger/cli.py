@@ -40,9 +40,10 @@ from ledger.settings import LedgerSettings, require_url
 
 if TYPE_CHECKING:
     from rich.console import Console, Group
+    from rich.table import Table
 
     from ledger.client import Ledger
-    from ledger.models import Snapshot
+    from ledger.models import ScopeUsage, Snapshot
 
 EXIT_OK, EXIT_VIOLATION, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
 
@@ -370,6 +371,12 @@ def cmd_inspect(args: argparse.Namespace, out: Console) -> int:
     from ledger.client import Ledger
     from ledger.views import session_dead_letters, stored_outcome, view
 
+    if (args.session is None) == (args.tenant is None):
+        raise InvalidArgument("inspect takes a session id or --tenant TENANT (one of them)")
+    if args.tenant is not None:
+        return inspect_tenant(args, out)
+    if args.json:
+        raise InvalidArgument("--json is for --tenant (a session: ledger audit SESSION --json)")
     with Ledger.from_settings(_settings(args)) as ledger:
         v = view(ledger, args.session, journal=args.journal)
         ops = {op: stored_outcome(ledger, args.session, op) for op in args.op or ()}
@@ -451,6 +458,126 @@ def cmd_inspect(args: argparse.Namespace, out: Console) -> int:
     if v.counters:
         out.print("counters: " + ", ".join(f"{k}={val}" for k, val in sorted(v.counters.items())))
     return EXIT_VIOLATION if negative else EXIT_OK
+
+
+def scope_json(u: ScopeUsage) -> dict[str, Any]:
+    """A budget scope's window as one JSON object (``ledger scope --json``, and each
+    scope of ``ledger inspect --tenant --json``)."""
+    return {
+        "scope": u.scope,
+        "now_ms": u.now_ms,
+        "window_ms": u.window_ms,
+        "bucket_ms": u.bucket_ms,
+        "ceilings": dict(u.ceilings),
+        "charged": dict(u.charged),
+        "held": dict(u.held),
+        "remaining": dict(u.remaining),
+        "open_holds": u.open_holds,
+        "refused": u.refused,
+        "over": u.over,
+        "over_money": u.over_money,
+        "buckets": {str(b): dict(v) for b, v in u.buckets.items()},
+    }
+
+
+def scope_table(u: ScopeUsage, title: str | None = None) -> Table:
+    """Per quantity: the ceiling, what the window charged, of which held, what is left."""
+    from rich.table import Table
+
+    t = Table("quantity", "ceiling", "charged", "of which held", "remaining", title=title)
+    for c in t.columns[1:]:
+        c.justify, c.no_wrap = "right", True
+    for q in ("input", "output", "cached_input", "money"):
+        left = u.remaining.get(q)
+        cap = u.ceilings.get(q)
+        t.add_row(
+            "money (micro-cents)" if q == "money" else q,
+            "-" if cap is None else str(cap),
+            str(u.charged[q]),
+            str(u.held[q]),
+            "-" if left is None else str(left),
+        )
+    if "tokens" in u.remaining:
+        t.add_row("tokens (counted)", str(u.ceilings["tokens"]), "", "", str(u.remaining["tokens"]))
+    return t
+
+
+def _window(u: ScopeUsage) -> str:
+    kind = "fixed" if u.window_ms == u.bucket_ms else f"rolling, buckets of {u.bucket_ms} ms"
+    return f"window {u.window_ms} ms ({kind})"
+
+
+def inspect_tenant(args: argparse.Namespace, out: Console) -> int:
+    """``ledger inspect --tenant T``: each scope of the tenant (the tenant's own first),
+    its window, ceilings, charged, held and remaining per quantity, refusals and what was
+    billed past holds; the open holds, soonest deadline first; the tenant's sessions."""
+    import json
+
+    from rich.markup import escape
+    from rich.table import Table
+
+    from ledger.client import Ledger
+    from ledger.errors import UnknownScope
+    from ledger.views import tenant_view
+
+    with Ledger.from_settings(_settings(args)) as ledger:
+        v = tenant_view(ledger, args.tenant)
+    if not v.scopes:
+        raise UnknownScope(
+            f"no budget scope set for tenant {args.tenant!r} ({len(v.sessions)} sessions "
+            "named @<tenant>/...): ledger scope, set_scope"
+        )
+    if args.json:
+        body = {
+            "tenant": v.tenant,
+            "now_ms": v.now_ms,
+            "scopes": [scope_json(u) for u in v.scopes],
+            "holds": [
+                {
+                    "scope": h.scope,
+                    "session": h.session_id,
+                    "reservation": h.reservation,
+                    "deadline_ms": h.deadline_ms,
+                    "held": dict(h.held),
+                    "overdue": h.overdue,
+                }
+                for h in v.holds
+            ],
+            "sessions": v.sessions,
+        }
+        print(json.dumps(body))
+        return EXIT_OK
+    out.print(
+        f"[bold]tenant {escape(v.tenant)}[/]  {len(v.scopes)} scopes  {len(v.holds)} open holds  "
+        f"{len(v.sessions)} sessions  (Redis clock {v.now_ms} ms)"
+    )
+    for u in v.scopes:
+        out.print(
+            f"[bold]{escape(u.scope)}[/]  {_window(u)}  open holds {u.open_holds}  "
+            f"refused {u.refused}  billed past holds {u.over} tokens, {u.over_money} micro-cents"
+        )
+        out.print(scope_table(u))
+    if v.holds:
+        t = Table(title="open holds, soonest deadline first")
+        for col in ("scope", "session", "reservation"):
+            t.add_column(col, overflow="ellipsis")
+        for col in ("input/output/cached", "micro-cents", "deadline in"):
+            t.add_column(col, justify="right", no_wrap=True)
+        for h in v.holds:
+            left = h.deadline_ms - v.now_ms
+            t.add_row(
+                escape(h.scope),
+                escape(h.session_id),
+                escape(h.reservation),
+                "/".join(str(h.held[q]) for q in ("input", "output", "cached_input")),
+                str(h.held["money"]),
+                "OVERDUE" if h.overdue else f"{left / 1000:.1f} s",
+            )
+        out.print(t)
+    shown = v.sessions[: max(args.items, 0)]
+    more = f" (the first {len(shown)}; --items N)" if len(shown) < len(v.sessions) else ""
+    out.print(f"sessions{more}: " + (", ".join(escape(s) for s in shown) or "none"))
+    return EXIT_OK
 
 
 def _age(ms: int) -> str:
@@ -762,34 +889,13 @@ def cmd_scope(args: argparse.Namespace, out: Console) -> int:
     with Ledger.from_settings(_settings(args)) as ledger:
         u = ledger.scope_usage(args.scope)
     if args.json:
-        body = {
-            "scope": u.scope,
-            "now_ms": u.now_ms,
-            "window_ms": u.window_ms,
-            "bucket_ms": u.bucket_ms,
-            "charged": dict(u.charged),
-            "held": dict(u.held),
-            "remaining": dict(u.remaining),
-            "open_holds": u.open_holds,
-            "refused": u.refused,
-            "over": u.over,
-            "over_money": u.over_money,
-            "buckets": {str(b): dict(v) for b, v in u.buckets.items()},
-        }
-        print(json.dumps(body))
+        print(json.dumps(scope_json(u)))
         return EXIT_OK
-    kind = "fixed" if u.window_ms == u.bucket_ms else f"rolling, buckets of {u.bucket_ms} ms"
     out.print(
-        f"[bold]{u.scope}[/]  window {u.window_ms} ms ({kind})  open holds {u.open_holds}  "
+        f"[bold]{u.scope}[/]  {_window(u)}  open holds {u.open_holds}  "
         f"refused {u.refused}  billed past holds {u.over} tokens, {u.over_money} micro-cents"
     )
-    t = Table("quantity", "charged", "of which held", "remaining")
-    for q in ("input", "output", "cached_input", "money"):
-        left = u.remaining.get(q)
-        t.add_row(q, str(u.charged[q]), str(u.held[q]), "-" if left is None else str(left))
-    if "tokens" in u.remaining:
-        t.add_row("tokens (counted)", "", "", str(u.remaining["tokens"]))
-    out.print(t)
+    out.print(scope_table(u))
     b = Table("bucket start (ms)", "input", "output", "cached_input", "money", "billed past holds")
     for start, v in u.buckets.items():
         b.add_row(
@@ -991,10 +1097,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a.add_argument("--verbose", "-v", action="store_true", help="also list each clean session")
     a.set_defaults(func=cmd_audit)
-    i = add("inspect", help="one session: allocations, items, reservations, journal")
-    i.add_argument("session")
+    i = add(
+        "inspect",
+        help="one session: allocations, items, reservations, journal; or a tenant (--tenant)",
+        description="A session (allocations, items, reservations, outcomes kept, dead "
+        "letters), or with --tenant a tenant: each of its budget scopes' window, ceilings, "
+        "charged, held and remaining per quantity, refusals, its open holds and its sessions.",
+    )
+    i.add_argument("session", nargs="?", help="the session id (or --tenant)")
+    i.add_argument("--tenant", metavar="TENANT", help="inspect a tenant's budget scopes instead")
+    i.add_argument("--json", action="store_true", help="with --tenant: one JSON object")
     i.add_argument(
-        "--items", type=int, default=20, help="newest items shown, newest first (default 20)"
+        "--items",
+        type=int,
+        default=20,
+        help="newest items shown, newest first (default 20); with --tenant, sessions named",
     )
     i.add_argument("--journal", type=int, default=10, help="journal entries shown (default 10)")
     i.add_argument(
