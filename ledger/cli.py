@@ -605,17 +605,26 @@ class TopView:
         "ref/s",
         "drift",
         "age",
+        "dead",
     )
     # Below the width every column needs, these go first (in this order): a number is
     # never cut, a column is left out whole.
-    DROPPED = ("age", "ref/s", "turn/s", "resid", "drift", "refused", "turn", "free")
+    DROPPED = ("age", "ref/s", "turn/s", "resid", "drift", "dead", "refused", "turn", "free")
+    SCOPE_LINES = 4  # with --tenant: the tenant's scopes, one line each, at most
     SESSION_MIN = 8  # the session column's least width
     CHROME = 6  # lines besides the rows: header, title, column names, rule, footer, slack
 
-    def __init__(self, limit: int | None, sort: str = "util", match: str | None = None) -> None:
+    def __init__(
+        self,
+        limit: int | None,
+        sort: str = "util",
+        match: str | None = None,
+        tenant: str | None = None,
+    ) -> None:
         self.limit = limit  # None: as many rows as the height given to each frame fits
         self.sort = sort
         self.match = match
+        self.tenant = tenant  # only its sessions, its scopes above them
         self.prev: dict[str, tuple[int, int, int]] = {}  # sid -> now_ms, turn, refusals
         self.natural = 80  # the width of the last frame made with width=None
 
@@ -629,26 +638,59 @@ class TopView:
         output that is not a terminal) and, without a limit, ``height`` lines high."""
         import time
 
-        from ledger.views import busiest, fleet_status, listed
+        from ledger.views import busiest, dead_lettered, fleet_status, listed
 
         ids = listed(ledger)  # one SCAN a frame: the header's count and the ranking
+        scopes = self._scope_lines(ledger) if self.tenant is not None else []
+        if self.tenant is not None:
+            ids = [sid for sid in ids if sid.startswith(f"@{self.tenant}/")]
         damaged: dict[str, str] = {}
-        limit = self.rows(height)
+        limit = self.rows(height) - (len(scopes) if self.limit is None else 0)
         rows, totals = busiest(ledger, limit, self.sort, self.match, ids, damaged)
         fleet = fleet_status(ledger)
+        dead = dead_lettered(ledger) if fleet.dead else {}
         cells = [(sid, ["DAMAGED"] + ["-"] * (len(self.COLUMNS) - 1)) for sid in sorted(damaged)]
-        cells = (cells + self._cells(rows))[:limit]
+        cells = (cells + self._cells(rows, dead))[:limit]
         shown = "" if self.match is None else f" matching {self.match}"
+        whose = "" if self.tenant is None else f" of tenant {self.tenant}"
         header = (
-            f"ledger top {time.strftime('%H:%M:%S')}: {len(ids)} sessions"
+            f"ledger top {time.strftime('%H:%M:%S')}: {len(ids)} sessions{whose}"
             + (f" ({len(damaged)} DAMAGED)" if damaged else "")
             + f"; jobs lag {fleet.lag}, pending {fleet.pending}; dead letters {fleet.dead}"
             + ("; no worker has run" if fleet.groups == 0 else "")
         )
         title = f"top {len(rows)}{shown} by {self.sort}"
-        return self._render(header, title, cells, totals, width, live, bool(damaged))
+        return self._render(header, title, cells, totals, width, live, bool(damaged), scopes)
 
-    def _cells(self, rows: list[tuple[str, Snapshot]]) -> list[tuple[str, list[str]]]:
+    def _scope_lines(self, ledger: Ledger) -> list[str]:
+        """The tenant's scopes (its own first), one line each: what is left of each
+        ceiling set (money in cents), refusals, open holds."""
+        from ledger.views import scope_names, scope_usages
+
+        assert self.tenant is not None
+        names = scope_names(ledger, self.tenant)
+        names.sort(key=lambda n: (n != self.tenant, n))
+        lines = []
+        for u in scope_usages(ledger, names[: self.SCOPE_LINES]):
+            left = [
+                f"{q} {u.remaining[q] / 1e6:.2f}/{u.ceilings[q] / 1e6:.2f} cents"
+                if q == "money"
+                else f"{q} {u.remaining[q]}/{u.ceilings[q]}"
+                for q in sorted(u.remaining)
+            ]
+            lines.append(
+                f"{u.scope}: left {', '.join(left) or 'no ceiling'}; refused {u.refused}; "
+                f"holds {u.open_holds}"
+            )
+        if len(names) > self.SCOPE_LINES:
+            lines.append(f"+{len(names) - self.SCOPE_LINES} more scopes: ledger inspect --tenant")
+        if not names:
+            lines.append(f"tenant {self.tenant}: no budget scope set")
+        return lines
+
+    def _cells(
+        self, rows: list[tuple[str, Snapshot]], dead: dict[str, list[int]] | None = None
+    ) -> list[tuple[str, list[str]]]:
         from ledger.views import regime
 
         out: list[tuple[str, list[str]]] = []
@@ -673,10 +715,20 @@ class TopView:
                 ref_rate,
                 f"{snap.drift:+d}" + ("!" if snap.drift_flagged else ""),
                 _age(snap.now_ms - snap.raw.get(schema.INCARNATION, snap.now_ms)),
+                self._dead((dead or {}).get(sid, []), snap.epoch),
             ]
             out.append((sid, row))
         self.prev = seen
         return out
+
+    @staticmethod
+    def _dead(epochs: list[int], epoch: int) -> str:
+        """The dead column: '-', or how many of the session's jobs were dead-lettered,
+        '!' when one is of its current epoch (a compaction of this epoch given up on:
+        ledger inspect shows it HELD BY A DEAD LETTER)."""
+        if not epochs:
+            return "-"
+        return f"{len(epochs)}" + ("!" if epoch in epochs else "")
 
     def _render(
         self,
@@ -687,6 +739,7 @@ class TopView:
         width: int | None,
         live: bool,
         damaged: bool = False,
+        scopes: Sequence[str] = (),
     ) -> Group:
         from rich import box
         from rich.console import Group
@@ -700,10 +753,12 @@ class TopView:
             col: max([len(col)] + [len(row[i]) for _, row in cells])
             for i, col in enumerate(self.COLUMNS)
         }
-        kept = list(self.COLUMNS)
+        flagged = any(row[-1] != "-" for _, row in cells)
+        kept = [c for c in self.COLUMNS if c != "dead" or flagged]  # shown when it flags
         longest = max([len("session")] + [len(sid) for sid, _ in cells])
         legend = (
             "* compaction pending; "
+            + ("dead: jobs dead-lettered, ! of its epoch; " if flagged else "")
             + ("DAMAGED: ledger inspect <id> names the field; " if damaged else "")
             + "indicators: "
         )
@@ -712,8 +767,9 @@ class TopView:
         if width is None:  # not a terminal: nothing is cut
             width = longest + sum(widths[c] + 1 for c in kept)
             whole = len(legend) + len(", ".join(indicators)) + len(keys)
-            self.natural = width = max(width, len(header), len(title), whole)
-        for col in self.DROPPED:
+            longest_scope = max([len(line) for line in scopes], default=0)
+            self.natural = width = max(width, len(header), len(title), whole, longest_scope)
+        for col in (c for c in self.DROPPED if c in kept):
             if self.SESSION_MIN + sum(widths[c] + 1 for c in kept) <= width:
                 break
             kept.remove(col)
@@ -730,6 +786,7 @@ class TopView:
         footer = legend + one_line(indicators, width - len(legend) - len(keys))
         return Group(
             Text(cut_end(header, width), no_wrap=True, overflow="crop"),
+            *(Text(cut_end(line, width), no_wrap=True, overflow="crop") for line in scopes),
             t,
             Text(footer + keys, no_wrap=True, overflow="crop"),
         )
@@ -914,7 +971,7 @@ def cmd_top(args: argparse.Namespace, out: Console, keys: IO[str] | None = None)
 
     # Without --limit, as many rows as the terminal has lines, measured again for each
     # frame (a resized terminal gets its rows on the next refresh), as is its width.
-    view = TopView(args.limit, args.sort, args.match)
+    view = TopView(args.limit, args.sort, args.match, args.tenant)
     keys = sys.stdin if keys is None else keys
     with Ledger.from_settings(_settings(args)) as ledger:
         if args.once:
@@ -1145,6 +1202,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="rank sessions by utilization (default), least free room, refusals, |drift| or turn",
     )
     tp.add_argument("--match", metavar="GLOB", help="only sessions whose id matches, e.g. 'acme/*'")
+    tp.add_argument(
+        "--tenant",
+        metavar="TENANT",
+        help="only the tenant's sessions (@TENANT/...), its budget scopes' lines above them",
+    )
     tp.set_defaults(func=cmd_top)
     dl = add(
         "dead",

@@ -637,17 +637,18 @@ def tenant_view(ledger: Ledger, tenant: str) -> TenantView:
     return TenantView(tenant=tenant, now_ms=now, scopes=usages, holds=holds, sessions=sessions)
 
 
-def dead_lettered(ledger: Ledger, scan: int = 1000) -> dict[str, set[int]]:
+def dead_lettered(ledger: Ledger, scan: int = 1000) -> dict[str, list[int]]:
     """Each session with a dead letter among the newest ``scan`` of its partition's
-    dead-letter stream, and the epochs of its letters (what ``ledger top`` flags): the
-    partitions' depths and their letters in two pipelined round trips."""
+    dead-letter stream, and the epoch of each of its letters, newest first (-1: none
+    written), what ``ledger top`` flags: the partitions' depths and their letters in two
+    pipelined round trips."""
     ks = ledger.keyspace
     with translated(), ledger.client.pipeline(transaction=False) as pipe:
         for p in range(ks.partitions):
             pipe.xlen(ks.dead_letters(p))
         depths = pipe.execute(raise_on_error=False)
     full = [p for p, n in enumerate(depths) if isinstance(n, int) and n > 0]
-    out: dict[str, set[int]] = {}
+    out: dict[str, list[int]] = {}
     if not full:
         return out
     with translated(), ledger.client.pipeline(transaction=False) as pipe:
@@ -660,5 +661,5 @@ def dead_lettered(ledger: Ledger, scan: int = 1000) -> dict[str, set[int]]:
             sid = fields.get(schema.JOB_SESSION)
             if sid:
                 epoch = fields.get(schema.JOB_EPOCH, "")
-                out.setdefault(sid, set()).update([int(epoch)] if epoch.isdigit() else [])
+                out.setdefault(sid, []).append(int(epoch) if epoch.isdigit() else -1)
     return out

@@ -238,3 +238,59 @@ def test_ledger_inspect_tenant(
     assert "ceiling" in out and "remaining" in out and "5800" in out and "c2" in out
     assert cli.main([*base, "--tenant", "nobody"]) == 1  # no scope set for that tenant
     assert "no budget scope" in capsys.readouterr().err
+
+
+def test_ledger_top_tenant_shows_its_scopes_and_only_its_sessions(
+    redis_server: servers.RedisProcess,
+    led: Ledger,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    a, _ = spend(led)
+    led.open_session("no-tenant-1", BUDGET)
+    monkeypatch.setenv("COLUMNS", "100")
+    base = ["--url", redis_server.url, "--prefix", led.keyspace.prefix, "top", "--once"]
+    assert cli.main([*base, "--tenant", a]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert f"1 sessions of tenant {a}" in lines[0]
+    assert lines[1] == f"{a}: left money 4.37/5.00 cents, tokens 5800/10000; refused 2; holds 1"
+    assert lines[2] == f"{a}/key-7: left output 1300/2000; refused 1; holds 0"
+    rows = [ln.split()[0] for ln in lines if ln.lstrip().startswith("@")]
+    assert rows == [f"@{a}/chat-1"]  # not b's, not the session without a tenant
+    assert cli.main([*base, "--tenant", f"{a}/key-7"]) == cli.EXIT_USAGE  # not a tenant
+    assert "a tenant is a scope without '/'" in capsys.readouterr().err
+
+
+def test_ledger_top_flags_a_session_whose_compaction_was_dead_lettered(
+    led: Ledger, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A compactor that always raises, max_deliveries 1: the first dead letter is of the
+    session's current epoch (`1!`: its compaction is held by it); once the failures
+    escalated to a hard reset (a new epoch) its letters are of an older one (`3`)."""
+    from ledger.views import dead_lettered
+    from tests.jobs import busy, open_compaction
+
+    open_compaction(led, "held-1")
+    led.open_session("calm-1", BUDGET)
+    w = new_worker(led, "tests.test_workers:always_fails", max_deliveries=1)
+    w.ensure_groups()
+    deadline = time.monotonic() + 20
+    while not dead_lettered(led) and time.monotonic() < deadline:
+        w.poll_once() or time.sleep(0.02)
+    monkeypatch.setenv("COLUMNS", "100")
+    base = ["--url", led.settings.redis_url, "--prefix", led.keyspace.prefix, "top", "--once"]
+
+    def rows() -> tuple[dict[str, list[str]], str]:
+        assert cli.main(base) == 0
+        out = capsys.readouterr().out
+        return {ln.split()[0]: ln.split() for ln in out.splitlines() if "-1 " in ln}, out
+
+    got, out = rows()
+    epoch = led.session("held-1").snapshot().epoch
+    assert got["held-1"][-1] == "1!" and got["calm-1"][-1] == "-", out
+    assert "dead: jobs dead-lettered, ! of its epoch" in out
+    while busy(led) and time.monotonic() < deadline + 20:
+        w.poll_once() or time.sleep(0.02)
+    assert led.session("held-1").snapshot().epoch != epoch  # the hard reset
+    got, out = rows()
+    assert got["held-1"][-1] == "3", out
