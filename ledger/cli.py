@@ -651,6 +651,8 @@ class TopView:
         dead = dead_lettered(ledger) if fleet.dead else {}
         cells = [(sid, ["DAMAGED"] + ["-"] * (len(self.COLUMNS) - 1)) for sid in sorted(damaged)]
         cells = (cells + self._cells(rows, dead))[:limit]
+        if self.tenant is not None:  # the header names the tenant: its ids without it
+            cells = [(sid.removeprefix(f"@{self.tenant}/"), row) for sid, row in cells]
         shown = "" if self.match is None else f" matching {self.match}"
         whose = "" if self.tenant is None else f" of tenant {self.tenant}"
         header = (
@@ -659,7 +661,9 @@ class TopView:
             + f"; jobs lag {fleet.lag}, pending {fleet.pending}; dead letters {fleet.dead}"
             + ("; no worker has run" if fleet.groups == 0 else "")
         )
-        title = f"top {len(rows)}{shown} by {self.sort}"
+        title = f"top {len(rows)}{shown} by {self.sort}" + (
+            "" if self.tenant is None else f" (session ids after @{self.tenant}/)"
+        )
         return self._render(header, title, cells, totals, width, live, bool(damaged), scopes)
 
     def _scope_lines(self, ledger: Ledger) -> list[str]:
@@ -758,7 +762,7 @@ class TopView:
         longest = max([len("session")] + [len(sid) for sid, _ in cells])
         legend = (
             "* compaction pending; "
-            + ("dead: jobs dead-lettered, ! of its epoch; " if flagged else "")
+            + ("dead: letters, ! of its epoch; " if flagged else "")
             + ("DAMAGED: ledger inspect <id> names the field; " if damaged else "")
             + "indicators: "
         )

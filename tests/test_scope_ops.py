@@ -7,6 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
 import time
 import urllib.request
 import uuid
@@ -255,8 +260,8 @@ def test_ledger_top_tenant_shows_its_scopes_and_only_its_sessions(
     assert f"1 sessions of tenant {a}" in lines[0]
     assert lines[1] == f"{a}: left money 4.37/5.00 cents, tokens 5800/10000; refused 2; holds 1"
     assert lines[2] == f"{a}/key-7: left output 1300/2000; refused 1; holds 0"
-    rows = [ln.split()[0] for ln in lines if ln.lstrip().startswith("@")]
-    assert rows == [f"@{a}/chat-1"]  # not b's, not the session without a tenant
+    rows = [ln.split()[0] for ln in lines if ln.split()[1:2] == ["ok"]]
+    assert rows == ["chat-1"]  # not b's, not the session without a tenant
     assert cli.main([*base, "--tenant", f"{a}/key-7"]) == cli.EXIT_USAGE  # not a tenant
     assert "a tenant is a scope without '/'" in capsys.readouterr().err
 
@@ -288,9 +293,83 @@ def test_ledger_top_flags_a_session_whose_compaction_was_dead_lettered(
     got, out = rows()
     epoch = led.session("held-1").snapshot().epoch
     assert got["held-1"][-1] == "1!" and got["calm-1"][-1] == "-", out
-    assert "dead: jobs dead-lettered, ! of its epoch" in out
+    assert "dead: letters, ! of its epoch" in out
     while busy(led) and time.monotonic() < deadline + 20:
         w.poll_once() or time.sleep(0.02)
     assert led.session("held-1").snapshot().epoch != epoch  # the hard reset
     got, out = rows()
     assert got["held-1"][-1] == "3", out
+
+
+def _pane(name: str) -> list[str]:
+    got = subprocess.run(
+        ["tmux", "capture-pane", "-p", "-t", name], capture_output=True, text=True, check=True
+    )
+    return got.stdout.splitlines()
+
+
+@pytest.mark.timeout(120)
+def test_top_tenant_live_in_tmux_at_80x24(led: Ledger) -> None:
+    """`ledger top --tenant`, live, in a real terminal (tmux, 80x24): the tenant's scope
+    lines under the header, its 40 sessions' rows (ids sharing the tenant's prefix stay
+    distinct, numbers whole), one of them flagged dead-lettered, all in 80x24; a refusal
+    made while it runs shows at a later refresh; q quits."""
+    from ledger import schema
+
+    assert shutil.which("tmux"), "tmux is needed (apt-get install tmux; .ci/run installs it)"
+    a, _ = spend(led)
+    ids = [f"@{a}/agent-{i:03d}-of-the-fleet" for i in range(40)]
+    for sid in ids:
+        led.open_session(sid, BUDGET)
+    snap = led.session(ids[5]).snapshot()
+    p = led.keyspace.partition_of(ids[5])
+    entry = schema.DeadLetterEntry(
+        {"kind": "compact", "session": ids[5], "epoch": str(snap.epoch)}, "1-0", "why", "boom"
+    )
+    led.client.xadd(led.keyspace.dead_letters(p), entry.to_fields())  # as the worker writes it
+    name = f"top-{uuid.uuid4().hex[:6]}"
+    argv = [sys.executable, "-m", "ledger.cli", "--url", led.settings.redis_url]
+    argv += ["--prefix", led.keyspace.prefix, "top", "--tenant", a, "--interval", "0.3"]
+    cmd = shlex.join(["env", "-u", "LINES", "-u", "COLUMNS", *argv, "--sort", "turn"])
+    subprocess.run(
+        ["tmux", "new-session", "-d", "-s", name, "-x", "80", "-y", "24", cmd], check=True
+    )
+
+    def settled(want: str) -> list[str]:
+        deadline = time.monotonic() + 30
+        lines: list[str] = []
+        while time.monotonic() < deadline:
+            lines = _pane(name)
+            if any("q quits" in ln for ln in lines) and any(want in ln for ln in lines):
+                break
+            time.sleep(0.2)
+        return lines
+
+    try:
+        lines = settled(f"{a}: left")
+        text = "\n".join(lines)
+        assert "q quits" in text, text
+        assert len(lines) <= 24 and max(len(ln) for ln in lines) <= 80, text
+        assert f"41 sessions of tenant {a}" in lines[0], text  # 40 and chat-1
+        assert lines[1].startswith(f"{a}: left money 4.37/5.00 cents, tokens 5800/10000;"), text
+        assert lines[2].startswith(f"{a}/key-7: left output 1300/2000; refused 1"), text
+        rows = [ln.split() for ln in lines if ln.split()[1:2] == ["ok"]]
+        assert len(rows) >= 10 and all(re.search(r"0\d\d", r[0]) for r in rows), text
+        assert len({r[0] for r in rows}) == len(rows), rows  # distinct ids
+        for r in rows:  # regime, then whole numbers and the dead flag
+            assert all(re.fullmatch(r"[+-]?\d+(\.\d+)?!?|-|\d+[smhd]", c) for c in r[2:]), r
+        flagged = [r for r in rows if r[-1] == "1!"]
+        assert len(flagged) == 1 and "005" in flagged[0][0], rows
+        refuse(led, f"@{a}/chat-1", 50_000)
+        lines = settled("refused 3")
+        assert any(ln.startswith(f"{a}: left") and "refused 3" in ln for ln in lines), lines
+        subprocess.run(["tmux", "send-keys", "-t", name, "q"], check=True)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            alive = subprocess.run(["tmux", "has-session", "-t", name], capture_output=True)
+            if alive.returncode != 0:
+                break
+            time.sleep(0.2)
+        assert alive.returncode != 0, "q did not quit"
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", name], capture_output=True)
