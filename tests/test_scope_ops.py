@@ -373,3 +373,41 @@ def test_top_tenant_live_in_tmux_at_80x24(led: Ledger) -> None:
         assert alive.returncode != 0, "q did not quit"
     finally:
         subprocess.run(["tmux", "kill-session", "-t", name], capture_output=True)
+
+
+@pytest.mark.cluster
+def test_on_a_redis_cluster_scopes_are_found_on_every_primary(
+    redis_cluster: list[servers.RedisProcess], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On a real Redis Cluster (3 primaries) the scopes of tenants in different slots are
+    found (a SCAN on every primary), read (each scope's keys on its own primary), exported
+    by a metrics pass, and shown by `ledger inspect --tenant`."""
+    url = f"redis+cluster://127.0.0.1:{redis_cluster[0].port}"
+    settings = LedgerSettings(redis_url=url, prefix=f"so{uuid.uuid4().hex[:10]}")
+    with Ledger.from_settings(settings) as led:
+        tenants = [tenant(f"t{k}x") for k in range(6)]
+        for t in tenants:
+            led.set_scope(t, ScopeBudget(window_ms=DAY, tokens=1_000))
+            s = led.open_session(f"@{t}/s", BUDGET)
+            s.reserve(W, "r", 1, cost=CallCost(model="m", input=100, output=0))
+            refuse(led, f"@{t}/s", 5_000)
+        slots = {led.client.keyslot(led.keyspace.scope(t).hash) for t in tenants}
+        nodes = {led.client.get_node_from_key(led.keyspace.scope(t).hash).name for t in tenants}
+        assert len(nodes) >= 2, (slots, nodes)  # the test means something: several primaries
+        assert scope_names(led) == sorted(tenants)
+        w = new_worker(led, "none", scope_metrics_max=4)
+        w.observe()
+        reg = w.metrics.registry
+        for t in sorted(tenants)[:4]:
+            assert (
+                reg.get_sample_value("ledger_scope_remaining", {"scope": t, "quantity": "tokens"})
+                == 900
+            )
+        assert reg.get_sample_value("ledger_scope_refused_total", {"scope": "other"}) == 2
+        assert tenant_view(led, tenants[0]).holds[0].reservation == "r"
+    argv = ["--url", url, "--prefix", settings.prefix, "inspect", "--tenant", tenants[1], "--json"]
+    assert cli.main(argv) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["scopes"][0]["remaining"] == {"tokens": 900} and got["sessions"] == [
+        f"@{tenants[1]}/s"
+    ]
