@@ -167,6 +167,33 @@ def test_new_scopes_are_found_at_the_next_search_not_every_pass(led: Ledger) -> 
     assert left == 5
 
 
+def test_a_metrics_pass_reads_each_exported_scope_once_and_searches_by_interval(
+    led: Ledger,
+) -> None:
+    """What a pass sends, counted by the server (INFO commandstats): the SCAN only when
+    the search interval is over; one HGETALL and one ZRANGE per exported scope, one HGET
+    per folded one, whatever the number of sessions; nothing per session."""
+    spend(led)  # 3 scopes
+    for i in range(300):
+        led.open_session(f"many-{i}", BUDGET)
+    w = new_worker(led, "none", scope_metrics_max=2, scope_scan_interval=3600)
+    r = led.client
+
+    def calls() -> dict[str, int]:
+        r.config_resetstat()
+        w.observe()
+        stats = r.info("commandstats")
+        names = ("scan", "hgetall", "zrange", "hget", "evalsha", "hmget")
+        return {c: int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in names}
+
+    first = calls()
+    partitions = led.keyspace.partitions  # the indicators' tallies: one HGETALL each
+    assert first["scan"] >= 1 and first["hgetall"] == partitions + 2
+    assert (first["zrange"], first["hget"], first["evalsha"], first["hmget"]) == (2, 1, 0, 0)
+    again = calls()
+    assert again == {**first, "scan": 0}  # within the interval: no search
+
+
 def scrape(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
         body: bytes = r.read()
@@ -243,6 +270,9 @@ def test_ledger_inspect_tenant(
     assert "ceiling" in out and "remaining" in out and "5800" in out and "c2" in out
     assert cli.main([*base, "--tenant", "nobody"]) == 1  # no scope set for that tenant
     assert "no budget scope" in capsys.readouterr().err
+    assert cli.main(base) == cli.EXIT_USAGE  # neither a session nor a tenant
+    assert cli.main([*base, f"@{a}/chat-1", "--tenant", a]) == cli.EXIT_USAGE  # both
+    assert "a session id or --tenant" in capsys.readouterr().err
 
 
 def test_ledger_top_tenant_shows_its_scopes_and_only_its_sessions(
