@@ -40,9 +40,10 @@ from ledger.settings import LedgerSettings, require_url
 
 if TYPE_CHECKING:
     from rich.console import Console, Group
+    from rich.table import Table
 
     from ledger.client import Ledger
-    from ledger.models import Snapshot
+    from ledger.models import ScopeUsage, Snapshot
 
 EXIT_OK, EXIT_VIOLATION, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
 
@@ -370,6 +371,12 @@ def cmd_inspect(args: argparse.Namespace, out: Console) -> int:
     from ledger.client import Ledger
     from ledger.views import session_dead_letters, stored_outcome, view
 
+    if (args.session is None) == (args.tenant is None):
+        raise InvalidArgument("inspect takes a session id or --tenant TENANT (one of them)")
+    if args.tenant is not None:
+        return inspect_tenant(args, out)
+    if args.json:
+        raise InvalidArgument("--json is for --tenant (a session: ledger audit SESSION --json)")
     with Ledger.from_settings(_settings(args)) as ledger:
         v = view(ledger, args.session, journal=args.journal)
         ops = {op: stored_outcome(ledger, args.session, op) for op in args.op or ()}
@@ -453,6 +460,126 @@ def cmd_inspect(args: argparse.Namespace, out: Console) -> int:
     return EXIT_VIOLATION if negative else EXIT_OK
 
 
+def scope_json(u: ScopeUsage) -> dict[str, Any]:
+    """A budget scope's window as one JSON object (``ledger scope --json``, and each
+    scope of ``ledger inspect --tenant --json``)."""
+    return {
+        "scope": u.scope,
+        "now_ms": u.now_ms,
+        "window_ms": u.window_ms,
+        "bucket_ms": u.bucket_ms,
+        "ceilings": dict(u.ceilings),
+        "charged": dict(u.charged),
+        "held": dict(u.held),
+        "remaining": dict(u.remaining),
+        "open_holds": u.open_holds,
+        "refused": u.refused,
+        "over": u.over,
+        "over_money": u.over_money,
+        "buckets": {str(b): dict(v) for b, v in u.buckets.items()},
+    }
+
+
+def scope_table(u: ScopeUsage, title: str | None = None) -> Table:
+    """Per quantity: the ceiling, what the window charged, of which held, what is left."""
+    from rich.table import Table
+
+    t = Table("quantity", "ceiling", "charged", "of which held", "remaining", title=title)
+    for c in t.columns[1:]:
+        c.justify, c.no_wrap = "right", True
+    for q in ("input", "output", "cached_input", "money"):
+        left = u.remaining.get(q)
+        cap = u.ceilings.get(q)
+        t.add_row(
+            "money (micro-cents)" if q == "money" else q,
+            "-" if cap is None else str(cap),
+            str(u.charged[q]),
+            str(u.held[q]),
+            "-" if left is None else str(left),
+        )
+    if "tokens" in u.remaining:
+        t.add_row("tokens (counted)", str(u.ceilings["tokens"]), "", "", str(u.remaining["tokens"]))
+    return t
+
+
+def _window(u: ScopeUsage) -> str:
+    kind = "fixed" if u.window_ms == u.bucket_ms else f"rolling, buckets of {u.bucket_ms} ms"
+    return f"window {u.window_ms} ms ({kind})"
+
+
+def inspect_tenant(args: argparse.Namespace, out: Console) -> int:
+    """``ledger inspect --tenant T``: each scope of the tenant (the tenant's own first),
+    its window, ceilings, charged, held and remaining per quantity, refusals and what was
+    billed past holds; the open holds, soonest deadline first; the tenant's sessions."""
+    import json
+
+    from rich.markup import escape
+    from rich.table import Table
+
+    from ledger.client import Ledger
+    from ledger.errors import UnknownScope
+    from ledger.views import tenant_view
+
+    with Ledger.from_settings(_settings(args)) as ledger:
+        v = tenant_view(ledger, args.tenant)
+    if not v.scopes:
+        raise UnknownScope(
+            f"no budget scope set for tenant {args.tenant!r} ({len(v.sessions)} sessions "
+            "named @<tenant>/...): ledger scope, set_scope"
+        )
+    if args.json:
+        body = {
+            "tenant": v.tenant,
+            "now_ms": v.now_ms,
+            "scopes": [scope_json(u) for u in v.scopes],
+            "holds": [
+                {
+                    "scope": h.scope,
+                    "session": h.session_id,
+                    "reservation": h.reservation,
+                    "deadline_ms": h.deadline_ms,
+                    "held": dict(h.held),
+                    "overdue": h.overdue,
+                }
+                for h in v.holds
+            ],
+            "sessions": v.sessions,
+        }
+        print(json.dumps(body))
+        return EXIT_OK
+    out.print(
+        f"[bold]tenant {escape(v.tenant)}[/]  {len(v.scopes)} scopes  {len(v.holds)} open holds  "
+        f"{len(v.sessions)} sessions  (Redis clock {v.now_ms} ms)"
+    )
+    for u in v.scopes:
+        out.print(
+            f"[bold]{escape(u.scope)}[/]  {_window(u)}  open holds {u.open_holds}  "
+            f"refused {u.refused}  billed past holds {u.over} tokens, {u.over_money} micro-cents"
+        )
+        out.print(scope_table(u))
+    if v.holds:
+        t = Table(title="open holds, soonest deadline first")
+        for col in ("scope", "session", "reservation"):
+            t.add_column(col, overflow="ellipsis")
+        for col in ("input/output/cached", "micro-cents", "deadline in"):
+            t.add_column(col, justify="right", no_wrap=True)
+        for h in v.holds:
+            left = h.deadline_ms - v.now_ms
+            t.add_row(
+                escape(h.scope),
+                escape(h.session_id),
+                escape(h.reservation),
+                "/".join(str(h.held[q]) for q in ("input", "output", "cached_input")),
+                str(h.held["money"]),
+                "OVERDUE" if h.overdue else f"{left / 1000:.1f} s",
+            )
+        out.print(t)
+    shown = v.sessions[: max(args.items, 0)]
+    more = f" (the first {len(shown)}; --items N)" if len(shown) < len(v.sessions) else ""
+    out.print(f"sessions{more}: " + (", ".join(escape(s) for s in shown) or "none"))
+    return EXIT_OK
+
+
 def _age(ms: int) -> str:
     s = max(ms, 0) // 1000
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
@@ -478,17 +605,26 @@ class TopView:
         "ref/s",
         "drift",
         "age",
+        "dead",
     )
     # Below the width every column needs, these go first (in this order): a number is
     # never cut, a column is left out whole.
-    DROPPED = ("age", "ref/s", "turn/s", "resid", "drift", "refused", "turn", "free")
+    DROPPED = ("age", "ref/s", "turn/s", "resid", "drift", "dead", "refused", "turn", "free")
+    SCOPE_LINES = 4  # with --tenant: the tenant's scopes, one line each, at most
     SESSION_MIN = 8  # the session column's least width
     CHROME = 6  # lines besides the rows: header, title, column names, rule, footer, slack
 
-    def __init__(self, limit: int | None, sort: str = "util", match: str | None = None) -> None:
+    def __init__(
+        self,
+        limit: int | None,
+        sort: str = "util",
+        match: str | None = None,
+        tenant: str | None = None,
+    ) -> None:
         self.limit = limit  # None: as many rows as the height given to each frame fits
         self.sort = sort
         self.match = match
+        self.tenant = tenant  # only its sessions, its scopes above them
         self.prev: dict[str, tuple[int, int, int]] = {}  # sid -> now_ms, turn, refusals
         self.natural = 80  # the width of the last frame made with width=None
 
@@ -502,26 +638,63 @@ class TopView:
         output that is not a terminal) and, without a limit, ``height`` lines high."""
         import time
 
-        from ledger.views import busiest, fleet_status, listed
+        from ledger.views import busiest, dead_lettered, fleet_status, listed
 
         ids = listed(ledger)  # one SCAN a frame: the header's count and the ranking
+        scopes = self._scope_lines(ledger) if self.tenant is not None else []
+        if self.tenant is not None:
+            ids = [sid for sid in ids if sid.startswith(f"@{self.tenant}/")]
         damaged: dict[str, str] = {}
-        limit = self.rows(height)
+        limit = self.rows(height) - (len(scopes) if self.limit is None else 0)
         rows, totals = busiest(ledger, limit, self.sort, self.match, ids, damaged)
         fleet = fleet_status(ledger)
+        dead = dead_lettered(ledger) if fleet.dead else {}
         cells = [(sid, ["DAMAGED"] + ["-"] * (len(self.COLUMNS) - 1)) for sid in sorted(damaged)]
-        cells = (cells + self._cells(rows))[:limit]
+        cells = (cells + self._cells(rows, dead))[:limit]
+        if self.tenant is not None:  # the header names the tenant: its ids without it
+            cells = [(sid.removeprefix(f"@{self.tenant}/"), row) for sid, row in cells]
         shown = "" if self.match is None else f" matching {self.match}"
+        whose = "" if self.tenant is None else f" of tenant {self.tenant}"
         header = (
-            f"ledger top {time.strftime('%H:%M:%S')}: {len(ids)} sessions"
+            f"ledger top {time.strftime('%H:%M:%S')}: {len(ids)} sessions{whose}"
             + (f" ({len(damaged)} DAMAGED)" if damaged else "")
             + f"; jobs lag {fleet.lag}, pending {fleet.pending}; dead letters {fleet.dead}"
             + ("; no worker has run" if fleet.groups == 0 else "")
         )
-        title = f"top {len(rows)}{shown} by {self.sort}"
-        return self._render(header, title, cells, totals, width, live, bool(damaged))
+        title = f"top {len(rows)}{shown} by {self.sort}" + (
+            "" if self.tenant is None else f" (session ids after @{self.tenant}/)"
+        )
+        return self._render(header, title, cells, totals, width, live, bool(damaged), scopes)
 
-    def _cells(self, rows: list[tuple[str, Snapshot]]) -> list[tuple[str, list[str]]]:
+    def _scope_lines(self, ledger: Ledger) -> list[str]:
+        """The tenant's scopes (its own first), one line each: what is left of each
+        ceiling set (money in cents), refusals, open holds."""
+        from ledger.scope_reads import scope_names, scope_usages
+
+        assert self.tenant is not None
+        names = scope_names(ledger, self.tenant)
+        names.sort(key=lambda n: (n != self.tenant, n))
+        lines = []
+        for u in scope_usages(ledger, names[: self.SCOPE_LINES]):
+            left = [
+                f"{q} {u.remaining[q] / 1e6:.2f}/{u.ceilings[q] / 1e6:.2f} cents"
+                if q == "money"
+                else f"{q} {u.remaining[q]}/{u.ceilings[q]}"
+                for q in sorted(u.remaining)
+            ]
+            lines.append(
+                f"{u.scope}: left {', '.join(left) or 'no ceiling'}; refused {u.refused}; "
+                f"holds {u.open_holds}"
+            )
+        if len(names) > self.SCOPE_LINES:
+            lines.append(f"+{len(names) - self.SCOPE_LINES} more scopes: ledger inspect --tenant")
+        if not names:
+            lines.append(f"tenant {self.tenant}: no budget scope set")
+        return lines
+
+    def _cells(
+        self, rows: list[tuple[str, Snapshot]], dead: dict[str, list[int]] | None = None
+    ) -> list[tuple[str, list[str]]]:
         from ledger.views import regime
 
         out: list[tuple[str, list[str]]] = []
@@ -546,10 +719,20 @@ class TopView:
                 ref_rate,
                 f"{snap.drift:+d}" + ("!" if snap.drift_flagged else ""),
                 _age(snap.now_ms - snap.raw.get(schema.INCARNATION, snap.now_ms)),
+                self._dead((dead or {}).get(sid, []), snap.epoch),
             ]
             out.append((sid, row))
         self.prev = seen
         return out
+
+    @staticmethod
+    def _dead(epochs: list[int], epoch: int) -> str:
+        """The dead column: '-', or how many of the session's jobs were dead-lettered,
+        '!' when one is of its current epoch (a compaction of this epoch given up on:
+        ledger inspect shows it HELD BY A DEAD LETTER)."""
+        if not epochs:
+            return "-"
+        return f"{len(epochs)}" + ("!" if epoch in epochs else "")
 
     def _render(
         self,
@@ -560,6 +743,7 @@ class TopView:
         width: int | None,
         live: bool,
         damaged: bool = False,
+        scopes: Sequence[str] = (),
     ) -> Group:
         from rich import box
         from rich.console import Group
@@ -573,10 +757,12 @@ class TopView:
             col: max([len(col)] + [len(row[i]) for _, row in cells])
             for i, col in enumerate(self.COLUMNS)
         }
-        kept = list(self.COLUMNS)
+        flagged = any(row[-1] != "-" for _, row in cells)
+        kept = [c for c in self.COLUMNS if c != "dead" or flagged]  # shown when it flags
         longest = max([len("session")] + [len(sid) for sid, _ in cells])
         legend = (
             "* compaction pending; "
+            + ("dead: letters, ! of its epoch; " if flagged else "")
             + ("DAMAGED: ledger inspect <id> names the field; " if damaged else "")
             + "indicators: "
         )
@@ -585,8 +771,9 @@ class TopView:
         if width is None:  # not a terminal: nothing is cut
             width = longest + sum(widths[c] + 1 for c in kept)
             whole = len(legend) + len(", ".join(indicators)) + len(keys)
-            self.natural = width = max(width, len(header), len(title), whole)
-        for col in self.DROPPED:
+            longest_scope = max([len(line) for line in scopes], default=0)
+            self.natural = width = max(width, len(header), len(title), whole, longest_scope)
+        for col in (c for c in self.DROPPED if c in kept):
             if self.SESSION_MIN + sum(widths[c] + 1 for c in kept) <= width:
                 break
             kept.remove(col)
@@ -603,6 +790,7 @@ class TopView:
         footer = legend + one_line(indicators, width - len(legend) - len(keys))
         return Group(
             Text(cut_end(header, width), no_wrap=True, overflow="crop"),
+            *(Text(cut_end(line, width), no_wrap=True, overflow="crop") for line in scopes),
             t,
             Text(footer + keys, no_wrap=True, overflow="crop"),
         )
@@ -762,34 +950,13 @@ def cmd_scope(args: argparse.Namespace, out: Console) -> int:
     with Ledger.from_settings(_settings(args)) as ledger:
         u = ledger.scope_usage(args.scope)
     if args.json:
-        body = {
-            "scope": u.scope,
-            "now_ms": u.now_ms,
-            "window_ms": u.window_ms,
-            "bucket_ms": u.bucket_ms,
-            "charged": dict(u.charged),
-            "held": dict(u.held),
-            "remaining": dict(u.remaining),
-            "open_holds": u.open_holds,
-            "refused": u.refused,
-            "over": u.over,
-            "over_money": u.over_money,
-            "buckets": {str(b): dict(v) for b, v in u.buckets.items()},
-        }
-        print(json.dumps(body))
+        print(json.dumps(scope_json(u)))
         return EXIT_OK
-    kind = "fixed" if u.window_ms == u.bucket_ms else f"rolling, buckets of {u.bucket_ms} ms"
     out.print(
-        f"[bold]{u.scope}[/]  window {u.window_ms} ms ({kind})  open holds {u.open_holds}  "
+        f"[bold]{u.scope}[/]  {_window(u)}  open holds {u.open_holds}  "
         f"refused {u.refused}  billed past holds {u.over} tokens, {u.over_money} micro-cents"
     )
-    t = Table("quantity", "charged", "of which held", "remaining")
-    for q in ("input", "output", "cached_input", "money"):
-        left = u.remaining.get(q)
-        t.add_row(q, str(u.charged[q]), str(u.held[q]), "-" if left is None else str(left))
-    if "tokens" in u.remaining:
-        t.add_row("tokens (counted)", "", "", str(u.remaining["tokens"]))
-    out.print(t)
+    out.print(scope_table(u))
     b = Table("bucket start (ms)", "input", "output", "cached_input", "money", "billed past holds")
     for start, v in u.buckets.items():
         b.add_row(
@@ -808,7 +975,7 @@ def cmd_top(args: argparse.Namespace, out: Console, keys: IO[str] | None = None)
 
     # Without --limit, as many rows as the terminal has lines, measured again for each
     # frame (a resized terminal gets its rows on the next refresh), as is its width.
-    view = TopView(args.limit, args.sort, args.match)
+    view = TopView(args.limit, args.sort, args.match, args.tenant)
     keys = sys.stdin if keys is None else keys
     with Ledger.from_settings(_settings(args)) as ledger:
         if args.once:
@@ -991,10 +1158,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a.add_argument("--verbose", "-v", action="store_true", help="also list each clean session")
     a.set_defaults(func=cmd_audit)
-    i = add("inspect", help="one session: allocations, items, reservations, journal")
-    i.add_argument("session")
+    i = add(
+        "inspect",
+        help="one session: allocations, items, reservations, journal; or a tenant (--tenant)",
+        description="A session (allocations, items, reservations, outcomes kept, dead "
+        "letters), or with --tenant a tenant: each of its budget scopes' window, ceilings, "
+        "charged, held and remaining per quantity, refusals, its open holds and its sessions.",
+    )
+    i.add_argument("session", nargs="?", help="the session id (or --tenant)")
+    i.add_argument("--tenant", metavar="TENANT", help="inspect a tenant's budget scopes instead")
+    i.add_argument("--json", action="store_true", help="with --tenant: one JSON object")
     i.add_argument(
-        "--items", type=int, default=20, help="newest items shown, newest first (default 20)"
+        "--items",
+        type=int,
+        default=20,
+        help="newest items shown, newest first (default 20); with --tenant, sessions named",
     )
     i.add_argument("--journal", type=int, default=10, help="journal entries shown (default 10)")
     i.add_argument(
@@ -1028,6 +1206,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="rank sessions by utilization (default), least free room, refusals, |drift| or turn",
     )
     tp.add_argument("--match", metavar="GLOB", help="only sessions whose id matches, e.g. 'acme/*'")
+    tp.add_argument(
+        "--tenant",
+        metavar="TENANT",
+        help="only the tenant's sessions (@TENANT/...), its budget scopes' lines above them",
+    )
     tp.set_defaults(func=cmd_top)
     dl = add(
         "dead",

@@ -268,6 +268,21 @@ class KeySpace:
         except InvalidArgument:
             return False
 
+    def scope_name_of(self, key: str) -> str | None:
+        """The scope a budget scope's hash key names (in its tenant's partition), or
+        None for any other key."""
+        m = re.fullmatch(rf"{re.escape(self.prefix)}:\{{p(\d+)\}}:t:(.+)", key)
+        return m.group(2) if m and self.owns_scope(key) else None
+
+    def scope_pattern(self, tenant: str | None = None) -> str:
+        """SCAN pattern matching every budget scope's hash of this prefix, or only those
+        in a tenant's partition whose name starts with the tenant's (its own and its keys',
+        and those of a tenant whose name it starts: filter with ``scope_name_of``)."""
+        if tenant is None:
+            return f"{self.prefix}:{{p*}}:t:*"
+        check_scope(tenant)
+        return f"{self.tag(self.tenant_partition(tenant))}:t:{tenant}*"
+
     def session_pattern(self) -> str:
         """SCAN pattern matching every session hash of this prefix."""
         return f"{self.prefix}:{{p*}}:s:*"

@@ -586,7 +586,8 @@ class ScopeUsage:
     for the token ceiling; never below 0); ``buckets``: bucket start (ms) -> billed usage
     per quantity (and 'over', 'over_money': billed past the holds), for every bucket
     kept; ``open_holds``, ``refused``, and ``over`` /
-    ``over_money``: what settles billed past their holds, ever."""
+    ``over_money``: what settles billed past their holds, ever; ``ceilings``: each
+    ceiling set, by the names of ``remaining``."""
 
     scope: str
     now_ms: int
@@ -600,6 +601,7 @@ class ScopeUsage:
     refused: int
     over: int
     over_money: int
+    ceilings: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -594,13 +594,16 @@ def scope_usage(
                 held[q] += amount
         holds += k not in lapsed
     remaining: dict[str, int] = {}
+    ceilings: dict[str, int] = {}
     names = {"c_i": "input", "c_o": "output", "c_c": "cached_input", "c_$": "money"}
     for field_name, q in names.items():
         if field_name in f:
-            remaining[q] = max(int(f[field_name]) - charged[q], 0)
+            ceilings[q] = int(f[field_name])
+            remaining[q] = max(ceilings[q] - charged[q], 0)
     if "c_t" in f:
         counted = [_QUANTITIES[x] for x in f.get("k", "")]
-        remaining["tokens"] = max(int(f["c_t"]) - sum(charged[q] for q in counted), 0)
+        ceilings["tokens"] = int(f["c_t"])
+        remaining["tokens"] = max(ceilings["tokens"] - sum(charged[q] for q in counted), 0)
     return ScopeUsage(
         scope=name,
         now_ms=now_ms,
@@ -614,6 +617,7 @@ def scope_usage(
         refused=int(f.get("nr", 0)),
         over=int(f.get("ot", 0)),
         over_money=int(f.get("om", 0)),
+        ceilings=ceilings,
     )
 
 

@@ -1,10 +1,11 @@
-"""Read-only views for operators: one session in detail, and the busiest sessions."""
+"""Read-only views for operators: one session in detail, the busiest sessions, dead
+letters, and budget scopes (a tenant in detail; the scopes the worker exports)."""
 
 from __future__ import annotations
 
 import fnmatch
 import heapq
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,9 +14,17 @@ from redis.cluster import RedisCluster
 from ledger import protocol, schema
 from ledger.client import Ledger
 from ledger.core import collect
-from ledger.errors import DamagedSession, InvalidArgument, LedgerError, UnknownSession, translated
-from ledger.models import AuditReport, Consumer, HeldItem, Regime, Snapshot
+from ledger.errors import (
+    DamagedSession,
+    InvalidArgument,
+    LedgerError,
+    UnknownScope,
+    UnknownSession,
+    translated,
+)
+from ledger.models import AuditReport, Consumer, HeldItem, Regime, ScopeUsage, Snapshot
 from ledger.protocol import Call
+from ledger.scope_reads import scope_names, scope_reads
 from ledger.scripts import is_bucket, outcome_buckets, outcome_key, stored_outcomes
 
 
@@ -508,3 +517,95 @@ def purge_dead(ledger: Ledger, refs: Sequence[str] | None) -> int:
                 ledger.client.xdel(ledger.keyspace.dead_letters(letter.partition), letter.entry)
             )
     return n
+
+
+# --- budget scopes (docs/ceilings.md) --------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScopeHold:
+    """An open hold of a scope: a reservation of a session, what it holds per quantity
+    (``ScopeUsage``'s names), until ``deadline_ms`` on Redis's clock (``overdue`` past it:
+    the next reserve in the scope gives it back)."""
+
+    scope: str
+    session_id: str
+    reservation: str
+    deadline_ms: int
+    held: Mapping[str, int]
+    overdue: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TenantView:
+    """A tenant as ``ledger inspect --tenant`` shows it: its scopes' windows (the tenant's
+    own first), their open holds (soonest deadline first) and its sessions' ids."""
+
+    tenant: str
+    now_ms: int
+    scopes: list[ScopeUsage]
+    holds: list[ScopeHold]
+    sessions: list[str]
+
+
+def tenant_view(ledger: Ledger, tenant: str) -> TenantView:
+    names = scope_names(ledger, tenant)
+    now, reads = scope_reads(ledger, names)
+    usages, holds = [], []
+    for name, fields, index in reads:
+        try:
+            usages.append(protocol.scope_usage(name, fields, index, now))
+        except UnknownScope:
+            continue
+        for member, deadline in index:
+            sid, _, rid = member.rpartition("|")
+            raw = fields.get("q:" + member, "")
+            parts = raw.split("|")
+            if len(parts) < 5 or not all(_whole(x) for x in parts[:5]):
+                continue  # given back since the index was read
+            held = dict(
+                zip(("input", "output", "cached_input", "money"), map(int, parts[1:5]), strict=True)
+            )
+            holds.append(
+                ScopeHold(
+                    scope=name,
+                    session_id=sid,
+                    reservation=rid,
+                    deadline_ms=int(deadline),
+                    held=held,
+                    overdue=deadline < now,
+                )
+            )
+    usages.sort(key=lambda u: (u.scope != tenant, u.scope))
+    holds.sort(key=lambda h: (h.deadline_ms, h.scope, h.session_id, h.reservation))
+    mine = f"@{tenant}/"
+    sessions = [sid for sid in listed(ledger) if sid.startswith(mine)]
+    return TenantView(tenant=tenant, now_ms=now, scopes=usages, holds=holds, sessions=sessions)
+
+
+def dead_lettered(ledger: Ledger, scan: int = 1000) -> dict[str, list[int]]:
+    """Each session with a dead letter among the newest ``scan`` of its partition's
+    dead-letter stream, and the epoch of each of its letters, newest first (-1: none
+    written), what ``ledger top`` flags: the partitions' depths and their letters in two
+    pipelined round trips."""
+    ks = ledger.keyspace
+    with translated(), ledger.client.pipeline(transaction=False) as pipe:
+        for p in range(ks.partitions):
+            pipe.xlen(ks.dead_letters(p))
+        depths = pipe.execute(raise_on_error=False)
+    full = [p for p, n in enumerate(depths) if isinstance(n, int) and n > 0]
+    out: dict[str, list[int]] = {}
+    if not full:
+        return out
+    with translated(), ledger.client.pipeline(transaction=False) as pipe:
+        for p in full:
+            pipe.xrevrange(ks.dead_letters(p), count=scan)
+        got = pipe.execute(raise_on_error=False)
+    for entries in got:
+        for _, raw in entries if isinstance(entries, list) else ():
+            fields = {schema.text(k): schema.text(v) for k, v in (raw or {}).items()}
+            sid = fields.get(schema.JOB_SESSION)
+            if sid:
+                epoch = fields.get(schema.JOB_EPOCH, "")
+                out.setdefault(sid, []).append(int(epoch) if epoch.isdigit() else -1)
+    return out

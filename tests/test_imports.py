@@ -44,6 +44,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "ledger._sync.client",
             "ledger.client",
             "ledger.aio",
+            "ledger.scope_reads",
         ],
     ),
     (

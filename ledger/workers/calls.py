@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import redis
 import redis.cluster
 
-from ledger import backends, health, protocol, schema
+from ledger import backends, health, protocol, schema, scope_reads
 from ledger.client import Ledger
 from ledger.errors import translated
 from ledger.keys import KeySpace, SessionKeys
@@ -23,6 +23,7 @@ from ledger.models import (
     Item,
     PartitionCheck,
     ResetDone,
+    ScopeUsage,
     Snapshot,
 )
 from ledger.protocol import Replaced
@@ -170,3 +171,15 @@ class LedgerCalls:
     def check_health(self) -> health.HealthReport:
         """The Redis settings the ledger needs (:mod:`ledger.health`)."""
         return health.check(self.client, self.settings.redis_url)
+
+    # --- the budget scopes, for the metrics pass ------------------------------------------
+
+    def scope_names(self) -> list[str]:
+        """Every scope with ceilings set (one SCAN with a MATCH on their key prefix)."""
+        return scope_reads.scope_names(self.ledger)
+
+    def scope_usages(self, names: Sequence[str]) -> list[ScopeUsage]:
+        return scope_reads.scope_usages(self.ledger, names)
+
+    def scope_refusals(self, names: Sequence[str]) -> int:
+        return scope_reads.scope_refusals(self.ledger, names)

@@ -1,13 +1,14 @@
 """The worker's Prometheus metrics (``Metrics``, in their own registry) and the metrics
 pass that refreshes the gauges read from Redis (``Observer``: lag, pending and dead
 letters per partition, and on the one worker holding the observer lease the fleet's
-indicators, ``FleetIndicators``)."""
+indicators, ``FleetIndicators``, and the budget scopes' ceilings, ``ScopeMetrics``)."""
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from ledger._version import __version__
@@ -20,12 +21,13 @@ from ledger.workers.trouble import kind_of
 
 try:
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
-    from prometheus_client.core import CounterMetricFamily, Metric
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
     from prometheus_client.registry import Collector
 except ImportError as exc:  # the worker's metrics: the `worker` extra
     raise missing("prometheus-client", "worker", "the ledger worker") from exc
 
 if TYPE_CHECKING:  # (streams.py imports this module)
+    from ledger.models import ScopeUsage
     from ledger.workers.streams import JobStreams
 
 log = logging.getLogger("ledger.worker")
@@ -58,6 +60,82 @@ class FleetIndicators(Collector):
             "tallies, kept by the scripts as they count, exported by the observer lease's holder",
             labels=["name"],
         )
+
+
+# ledger_scope_*{quantity}: a ScopeUsage's quantity -> the label, and the divisor to its unit
+SCOPE_QUANTITIES = {
+    "input": ("input", 1),
+    "output": ("output", 1),
+    "cached_input": ("cached_input", 1),
+    "tokens": ("tokens", 1),
+    "money": ("cents", 1_000_000),  # stored in micro-cents, exported in cents
+}
+
+
+class ScopeMetrics(Collector):
+    """The budget scopes (docs/ceilings.md) as the observer lease's holder last read them:
+    ``ledger_scope_remaining{scope,quantity}`` and ``ledger_scope_ceiling{scope,quantity}``
+    for each ceiling set (quantity ``input``, ``output``, ``cached_input``, ``tokens``, or
+    ``cents``), ``ledger_scope_refused_total{scope}`` (the scope's refusals, kept in its
+    hash), and ``ledger_scopes{state}``: how many were ``exported`` by name and how many
+    ``folded``. At most ``scope_metrics_max`` scopes are exported by name, tenants first, then the
+    scopes within them, each set by name; the refusals of the others are summed under
+    ``scope="other"`` (no remaining or ceiling: a sum of those would mean nothing). Every
+    other worker exports no sample (``values`` None)."""
+
+    def __init__(self) -> None:
+        self.values: list[ScopeUsage] | None = None  # the scopes exported by name
+        self.folded = 0  # how many scopes past the limit
+        self.other_refused = 0  # their refusals, summed
+
+    @staticmethod
+    def order(names: Sequence[str]) -> list[str]:
+        """Which scopes are exported first: tenants, then the scopes within them."""
+        return sorted(names, key=lambda n: ("/" in n, n))
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families()
+
+    def _families(self) -> tuple[GaugeMetricFamily, ...]:
+        return (
+            GaugeMetricFamily(
+                "ledger_scope_remaining",
+                "What is left under a budget scope's ceiling in its current window "
+                "(tokens; quantity cents: money), by scope and quantity",
+                labels=["scope", "quantity"],
+            ),
+            GaugeMetricFamily(
+                "ledger_scope_ceiling",
+                "A budget scope's ceiling for its window (tokens; quantity cents: money)",
+                labels=["scope", "quantity"],
+            ),
+            GaugeMetricFamily(
+                "ledger_scopes",
+                "Budget scopes found: exported by name, or folded into scope='other'",
+                labels=["state"],
+            ),
+        )
+
+    def collect(self) -> Iterator[Metric]:
+        remaining, ceiling, count = self._families()
+        refused = CounterMetricFamily(
+            "ledger_scope_refused",
+            "Reservations a budget scope refused (CeilingReached), by scope; those of the "
+            "scopes past the export limit summed under scope='other'",
+            labels=["scope"],
+        )
+        if self.values is not None:
+            for u in self.values:
+                for q, left in sorted(u.remaining.items()):
+                    label, unit = SCOPE_QUANTITIES[q]
+                    remaining.add_metric([u.scope, label], left / unit)
+                    ceiling.add_metric([u.scope, label], u.ceilings.get(q, 0) / unit)
+                refused.add_metric([u.scope], u.refused)
+            if self.folded:
+                refused.add_metric(["other"], self.other_refused)
+            count.add_metric(["exported"], len(self.values))
+            count.add_metric(["folded"], self.folded)
+        yield from (remaining, ceiling, refused, count)
 
 
 class Metrics:
@@ -105,6 +183,8 @@ class Metrics:
         )
         self.indicators = FleetIndicators()
         r.register(self.indicators)
+        self.scopes = ScopeMetrics()
+        r.register(self.scopes)
         self.observer = Gauge(
             "ledger_observer",
             "1 while this worker holds the observer lease (it exports the fleet's indicators)",
@@ -174,6 +254,8 @@ class Observer:
         self, calls: LedgerCalls, streams: JobStreams, settings: WorkerSettings, metrics: Metrics
     ) -> None:
         self.calls, self.streams, self.settings, self.metrics = calls, streams, settings, metrics
+        self.scope_names: list[str] | None = None  # the last search's, on the lease holder
+        self.scanned = 0.0  # when (time.monotonic())
 
     def lease(self) -> bool:
         """Whether this worker keeps the fleet's indicators for the next pass: one worker
@@ -213,3 +295,22 @@ class Observer:
         held = self.lease()
         self.metrics.observer.set(1 if held else 0)
         self.metrics.indicators.values = self.tallies() if held else None
+        if held and self.settings.scope_metrics_max:
+            self.scopes()
+        else:
+            self.metrics.scopes.values = None
+
+    def scopes(self) -> None:
+        """Read the budget scopes for ``ScopeMetrics``: the scopes are searched for (one
+        SCAN with a MATCH on their key prefix) at most every scope_scan_interval; at every
+        pass the first scope_metrics_max of them are read whole (HGETALL and ZRANGE each,
+        pipelined), and of the others only their refusals (one HGET each, pipelined)."""
+        s, now, m = self.settings, time.monotonic(), self.metrics.scopes
+        if self.scope_names is None or now - self.scanned >= s.scope_scan_interval:
+            self.scope_names = m.order(self.calls.scope_names())
+            self.scanned = now
+        cap = s.scope_metrics_max
+        shown, rest = self.scope_names[:cap], self.scope_names[cap:]
+        values = self.calls.scope_usages(shown)
+        other = self.calls.scope_refusals(rest)
+        m.values, m.folded, m.other_refused = values, len(rest), other

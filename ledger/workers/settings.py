@@ -107,6 +107,21 @@ class WorkerSettings(BaseSettings):
         "dead-letter gauges per partition, and, on the one worker holding the observer "
         "lease, the fleet's indicators. The pass runs in its own thread, never in the job loop",
     )
+    scope_metrics_max: int = Field(
+        default=100,
+        ge=0,
+        le=10_000,
+        description="budget scopes exported by name (ledger_scope_*{scope}) by the observer "
+        "lease's holder: tenants first, then the scopes within them, each set by name; the "
+        "refusals of the others are summed under scope='other'. 0: no scope metrics",
+    )
+    scope_scan_interval: float = Field(
+        default=60.0,
+        gt=0,
+        description="seconds between two searches for budget scopes (one SCAN with a MATCH "
+        "on the scope hashes' key prefix, on the observer lease's holder); the scopes found "
+        "are read at every metrics pass",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         default="info", description="the lowest level of the worker's JSON log lines"
     )
