@@ -59,7 +59,9 @@ class Stub(BaseChatModel):
     def bind_tools(self, tools: Any, **kw: Any) -> Any:
         return self
 
-    def _generate(self, messages: list[Any], stop: Any = None, **kw: Any) -> ChatResult:
+    def _generate(
+        self, messages: list[Any], stop: Any = None, run_manager: Any = None, **kw: Any
+    ) -> ChatResult:
         self.calls += 1
         if self.fail:
             raise RuntimeError("the provider is down")
