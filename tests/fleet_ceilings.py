@@ -6,9 +6,10 @@ same kind of file). The conversation is shared the framework's way: every proces
 the same checkpoint file and each turn starts from the checkpoint the last one committed.
 
 Requests on stdin, one JSON object a line: ``{"session": id, "turn": n}`` serves that turn
-and answers with one JSON line: the tokens the stub model was billed (``billed``: input
-plus output, each call), or the refusal (``refused``: the error's type, scope, quantity
-and what was left), with this process's pid."""
+(with ``"crash": 1`` the process kills itself with SIGKILL inside the model call, its hold
+taken, nothing billed) and answers with one JSON line: the tokens the stub model was
+billed (``billed``: input plus output, each call), or the refusal (``refused``: the
+error's type, scope, quantity and what was left), with this process's pid."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sqlite3
 import sys
 import uuid
@@ -43,6 +45,8 @@ from ledger.keys import tenant_of
 TOKENS = TiktokenCounter()
 SYSTEM = "Answer from the conversation."
 OUT = 40  # what the stub bills for each answer (within the output reserve)
+HOLD_MS = 3_000  # a hold's deadline: what a process killed inside its model call holds
+CRASH = {"now": False}
 
 
 class State(TypedDict):
@@ -63,6 +67,8 @@ class Stub(BaseChatModel):
     def _generate(
         self, messages: list[Any], stop: Any = None, run_manager: Any = None, **kw: Any
     ) -> ChatResult:
+        if CRASH["now"]:  # the hold is taken: the process dies before anything is billed
+            os.kill(os.getpid(), signal.SIGKILL)
         n = self.count(messages)
         self.billed.append(n + OUT)
         usage = {"input_tokens": n, "output_tokens": OUT, "total_tokens": n + OUT}
@@ -100,9 +106,8 @@ def serve_sync(settings: LedgerSettings, db: str) -> None:
     govs: dict[str, tuple[Any, Any, Stub]] = {}
 
     def build(sid: str) -> tuple[Any, Any, Stub]:
-        gov = LedgerGraph(
-            Agent(led.session(sid), TOKENS), checkpointer=saver, tenant=tenant_of(sid)
-        )
+        agent = Agent(led.session(sid), TOKENS, tenant=tenant_of(sid), hold_ms=HOLD_MS)
+        gov = LedgerGraph(agent, checkpointer=saver)
         stub = Stub(count=gov.core.prompt_tokens, billed=[])
         model = gov.model(stub)
 
@@ -115,12 +120,13 @@ def serve_sync(settings: LedgerSettings, db: str) -> None:
     for line in sys.stdin:
         req = json.loads(line)
         sid = req["session"]
+        CRASH["now"] = bool(req.get("crash"))
         gov, graph, stub = govs.get(sid) or govs.setdefault(sid, build(sid))
         config = {"configurable": {"thread_id": sid}}
         before = len(stub.billed)
         row: dict[str, Any] = {"pid": os.getpid(), "session": sid, "turn": req["turn"]}
         try:
-            with gov.turn(config=config, wait=5.0) as turn:
+            with gov.turn(config=config, wait=req.get("wait", 5.0)) as turn:
                 graph.invoke({"messages": [question(req["turn"])]}, turn.config)
             row["over"] = sum(s.over for s in turn.state.settled)
         except LedgerError as exc:
@@ -143,8 +149,9 @@ async def serve_async(settings: LedgerSettings, db: str) -> None:
         govs: dict[str, tuple[Any, Any, Stub]] = {}
 
         async def build(sid: str) -> tuple[Any, Any, Stub]:
-            agent = AsyncAgent(await led.session(sid), TOKENS)
-            gov = AsyncLedgerGraph(agent, checkpointer=saver, tenant=tenant_of(sid))
+            tenant = tenant_of(sid)
+            agent = AsyncAgent(await led.session(sid), TOKENS, tenant=tenant, hold_ms=HOLD_MS)
+            gov = AsyncLedgerGraph(agent, checkpointer=saver)
             stub = Stub(count=gov.core.prompt_tokens, billed=[])
             model = gov.model(stub)
 
@@ -158,6 +165,7 @@ async def serve_async(settings: LedgerSettings, db: str) -> None:
         while line := await loop.run_in_executor(None, sys.stdin.readline):
             req = json.loads(line)
             sid = req["session"]
+            CRASH["now"] = bool(req.get("crash"))
             if sid not in govs:
                 govs[sid] = await build(sid)
             gov, graph, stub = govs[sid]
@@ -165,7 +173,7 @@ async def serve_async(settings: LedgerSettings, db: str) -> None:
             before = len(stub.billed)
             row: dict[str, Any] = {"pid": os.getpid(), "session": sid, "turn": req["turn"]}
             try:
-                async with gov.turn(config=config, wait=5.0) as turn:
+                async with gov.turn(config=config, wait=req.get("wait", 5.0)) as turn:
                     await graph.ainvoke({"messages": [question(req["turn"])]}, turn.config)
                 row["over"] = sum(s.over for s in turn.state.settled)
             except LedgerError as exc:

@@ -6,7 +6,9 @@ conversations shared through one SQLite checkpoint file both open, on a real red
 with a real ``ledger worker`` running. A's two sessions grow until A's token ceiling
 refuses them: what the model billed for A never passes the ceiling and equals what A's
 scope charged, every refusal is a ``CeilingReached`` naming A, and tenant B's session,
-served between them, is never refused."""
+served between them, is never refused. One process is killed with SIGKILL inside a model
+call of A (its hold taken, nothing billed): the hold stays in A's scope until its deadline
+on Redis's clock, then lapses, and the turn is served again by the other process."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,7 @@ from tests import servers
 
 ROOT = Path(__file__).resolve().parent.parent
 TURNS, CEILING_A, CEILING_B = 8, 4_000, 1_000_000
+KILL_AT, LEASE_MS, HOLD_S = 2, 1_500, 3.0  # HOLD_S: tests/fleet_ceilings.py's HOLD_MS
 DAY = 86_400_000
 
 
@@ -34,12 +38,13 @@ class Proc:
     """One agent process: JSON requests in, JSON rows out."""
 
     def __init__(self, url: str, prefix: str, db: Path, face: str) -> None:
+        self.args = (url, prefix, db, face)
         self.p = subprocess.Popen(
             [sys.executable, str(ROOT / "tests" / "fleet_ceilings.py"), "--url", url,
              "--prefix", prefix, "--db", str(db), "--face", face],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
-            env={**{k: v for k, v in os.environ.items()
-                    if not k.startswith("LEDGER_")}, "PYTHONPATH": str(ROOT)},
+            env={**{k: v for k, v in os.environ.items() if not k.startswith("LEDGER_")},
+                 "PYTHONPATH": str(ROOT), "LEDGER_TURN_LEASE_MS": str(LEASE_MS)},
         )  # fmt: skip
         assert "ready" in self.read()
 
@@ -101,19 +106,38 @@ def test_two_processes_two_sessions_of_a_tenant_hit_its_ceiling(
             # A's two sessions at once, one on each process (their holds race for the
             # tenant's room); each session's turns alternate processes; then B's
             first, second = procs[n % 2], procs[(n + 1) % 2]
-            first.send({"session": sessions[0], "turn": n})
+            crash = n == KILL_AT
+            first.send({"session": sessions[0], "turn": n, "crash": int(crash)})
             second.send({"session": sessions[1], "turn": n})
-            rows += [first.read(), second.read()]
+            if crash:  # killed inside its model call, the hold taken
+                assert first.read() == {}
+                killed = time.monotonic()
+                with Ledger.from_settings(settings) as led:
+                    dead_hold = led.scope_usage(a).open_holds
+                first.close()
+                rows.append(second.read())
+                # the other process serves the turn again once the dead turn's lease lapsed
+                rows.append(second.ask({"session": sessions[0], "turn": n, "wait": 10}))
+                first = procs[n % 2] = Proc(*first.args)
+            else:
+                rows += [first.read(), second.read()]
             rows.append(first.ask({"session": sessions[2], "turn": n}))
+        time.sleep(max(0.0, HOLD_S + 0.2 - (time.monotonic() - killed)))
+        # a reserve in A after the dead hold's deadline (refused or not) gives it back
+        last = procs[0].ask({"session": sessions[1], "turn": TURNS + 1})
     finally:
         for p in procs:
             p.close()
         worker.stop()
 
     assert len(rows) == TURNS * len(sessions) and all(r.get("pid") for r in rows), rows
+    assert dead_hold == 1  # (A's other session settled its own call: the dead one's hold)
     for sid in sessions:  # each session was served by both processes, turn by turn
         pids = [r["pid"] for r in rows if r["session"] == sid]
-        assert len(set(pids)) == 2 and all(x != y for x, y in itertools.pairwise(pids))
+        assert len(set(pids)) >= 2, pids
+        if sid != sessions[0]:  # (the killed turn was served again by the other process)
+            assert all(x != y for x, y in itertools.pairwise(pids)), pids
+    rows.append(last)
     of_a = [r for r in rows if r["session"].startswith(f"@{a}/")]
     of_b = [r for r in rows if r["session"].startswith(f"@{b}/")]
     refused = [r for r in of_a if "refused" in r]
@@ -133,7 +157,7 @@ def test_two_processes_two_sessions_of_a_tenant_hit_its_ceiling(
             assert led.audit(sid).clean, sid
     # What the model billed for A never passed its ceiling, and A's scope charged exactly it.
     assert 0 < billed_a <= CEILING_A
-    assert ua.charged["input"] + ua.charged["output"] == billed_a
+    assert ua.charged["input"] + ua.charged["output"] == billed_a, (ua, rows)
     assert ua.remaining["tokens"] == CEILING_A - billed_a and ua.open_holds == 0
     assert ua.refused == len(refused)
     assert ub.refused == 0 and ub.charged["input"] + ub.charged["output"] == sum(
