@@ -272,3 +272,35 @@ def test_a_tenant_is_checked_against_the_session() -> None:
     with pytest.raises(InvalidArgument, match="name tenant="):
         Agent(s, tokens, scopes=("acme/key",))
     assert Agent(s, tokens, tenant="acme", scopes=("acme/key",)).core.scopes == ("acme/key",)
+
+
+class NamedStub(Stub):
+    model_name: str = "stub-1"
+
+
+def test_a_call_is_priced_by_the_models_name_and_charged_to_a_key(redis_server: Any) -> None:
+    """The chat model's own name prices the call in the tenant's table (no price for it
+    would be refused before the call), and a key within the tenant is charged with it."""
+    from ledger import Price
+    from ledger.adapters.langgraph import LedgerGraph
+
+    led = Ledger.from_url(redis_server.url)
+    tenant = f"t{uuid.uuid4().hex[:10]}"
+    led.set_scope(tenant, ScopeBudget(window_ms=DAY, cents=10, prices={"stub-1": Price(100, 400)}))
+    led.set_scope(f"{tenant}/key-7", ScopeBudget(window_ms=DAY, output=1_000))
+    session = led.open_session(f"@{tenant}/m", budget())
+    gov = LedgerGraph(Agent(session, tokens), tenant=tenant, scopes=(f"{tenant}/key-7",))
+    stub = NamedStub(count=gov.core.prompt_tokens)
+    q1 = [SystemMessage(SYSTEM), HumanMessage("Is it?", id="q1")]
+    with gov.turn() as turn:
+        gov.model(stub).invoke(q1)
+    (done,) = turn.state.settled
+    n = gov.core.prompt_tokens(q1)
+    assert done.billed_money == n * 100 + OUT * 400  # micro-cents, priced as 'stub-1'
+    assert led.scope_usage(f"{tenant}/key-7").charged["output"] == OUT
+    assert led.scope_usage(tenant).charged["money"] == n * 100 + OUT * 400
+    other = led.open_session(f"@{tenant}/u", budget())
+    gov = LedgerGraph(Agent(other, tokens, tenant=tenant))
+    with pytest.raises(InvalidArgument), gov.turn():  # no price for 'stub' in the table
+        gov.model(Stub(count=gov.core.prompt_tokens)).invoke(q1)
+    assert led.scope_usage(tenant).open_holds == 0
