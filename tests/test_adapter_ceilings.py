@@ -238,28 +238,44 @@ def test_agents_sdk_tenant_ceiling(redis_server: Any) -> None:
 
 
 def test_no_tenant_named_makes_no_extra_call(redis_server: Any) -> None:
-    """The same turn on a session of a tenant, with and without the tenant named: the
-    ledger's calls are those of before, plus a hold and a settle per model call."""
+    """The same turn on a session of a tenant, with and without the tenant named, every
+    round trip counted (the ledger's scripts, batches and other reads and writes): those of
+    before, plus a hold per model call, its settle in place of the answer's admission, and
+    the answer's text stored for the worker's compactor (a worker-owned session)."""
     led, tenant = tenant_ledger(redis_server.url)
     counts = []
     for named in ({}, {"tenant": tenant}):
         gov, graph, _ = langgraph_app(led, f"@{tenant}/n{len(counts)}", **named)
         sent: list[str] = []
-        run = led.run
+        run, run_many, io = led.run, led.run_many, gov.agent._io
 
         def counting(call: Any, run: Any = run, sent: list[str] = sent) -> Any:
             sent.append(call.script)
             return run(call)
 
-        led.run = counting  # type: ignore[method-assign]
+        def batch(
+            calls: Any, *a: Any, run_many: Any = run_many, sent: list[str] = sent, **k: Any
+        ) -> Any:
+            sent.append("batch:" + "+".join(c.script for c in calls))
+            return run_many(calls, *a, **k)
+
+        def effect(e: Any, io: Any = io, sent: list[str] = sent) -> Any:
+            sent.append(type(e).__name__)
+            return io(e)
+
+        led.run, led.run_many, gov.agent._io = counting, batch, effect  # type: ignore[method-assign]
         with gov.turn():
             graph.invoke({"messages": [HumanMessage("Is it?", id="q1")]})
-        led.run = run  # type: ignore[method-assign]
+        led.run, led.run_many = run, run_many  # type: ignore[method-assign]
         counts.append(sent)
     plain, charged = counts
-    assert "reserve" not in plain and "settle" not in plain
-    assert sorted(charged) == sorted([*plain, "reserve", "settle"])
+    assert not any("reserve" in x or "settle" in x for x in plain), plain
+    # the answer's admission is gone: its settle made it the item, in the same step
+    answered = list(plain)
+    answered.remove("admit")
+    assert sorted(charged) == sorted([*answered, "reserve", "settle", "Store"]), charged
     assert led.scope_usage(tenant).open_holds == 0
+    print(f"round trips of a one-call turn: {len(plain)} without a tenant, {len(charged)} with")
 
 
 def test_a_tenant_is_checked_against_the_session() -> None:

@@ -17,6 +17,7 @@ objects it knows (those it admitted, or was shown with :meth:`AgentCore.track`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import math
@@ -394,6 +395,9 @@ class AgentCore:
         self.live_turns: set[int] = set()  # the turns this agent serves now (its faces keep it)
         self.renew_leases = renew
         self.tenant: str | None = None
+        # the answers this turn's settles made items (working memory, by ledger id): their
+        # admission, next, is known to charge nothing and sends no call
+        self.answered: set[str] = set()
         self.scopes: tuple[str, ...] = ()
         self.model: str | None = None
         self.hold_ms = 600_000
@@ -502,6 +506,8 @@ class AgentCore:
         """App objects for ledger (consumer, id) pairs, and the pairs this worker cannot name."""
         objs, unknown = [], []
         for pair in pairs:
+            if pair[0] is Consumer.WORKING_MEMORY:
+                self.answered.discard(pair[1])  # (gone: an admission of it charges again)
             obj = self.known.pop(pair, None)
             if obj is None:
                 unknown.append(pair)
@@ -622,6 +628,7 @@ class AgentCore:
                 "this agent serves it now; one agent (one session handle) serves one turn at "
                 "a time: give each concurrent request its own"
             )
+        self.answered.clear()
         if self.session.turn is not None:
             # a turn of this handle that its process left open (its abort failed): rolled
             # back now, so that beginning again never commits what it half did
@@ -861,14 +868,28 @@ class AgentCore:
     ) -> Op[Admission[Any]]:
         c = Consumer.parse(consumer)
         planned = self.items(objs, priority)
+        answered: tuple[Obj, ...] = ()
+        if c is Consumer.WORKING_MEMORY and self.answered:
+            # an answer a settle made its item already: held, nothing to send for it
+            held = {it.id for it, _ in planned if it.id in self.answered}
+            answered = tuple(o for it, o in planned if it.id in held)
+            for it, o in planned:
+                if it.id in held:
+                    self.known[(c, it.id)] = o
+            self.answered -= held
+            planned = [(it, o) for it, o in planned if it.id not in held]
         if not planned:
-            return Admission(kept=(), refused=(), reason=None, charged=0, free=-1)
+            return Admission(kept=answered, refused=(), reason=None, charged=0, free=-1)
         texts = yield from self._texts(planned)
         try:
             got = yield self._admission(c, planned, texts, turn)
         except AdmissionRefused as exc:
-            return (yield from self._on_refusal(c, planned, exc))
-        return self._admitted(c, planned, got)
+            done = yield from self._on_refusal(c, planned, exc)
+        else:
+            done = self._admitted(c, planned, got)
+        if answered:
+            done = dataclasses.replace(done, kept=(*answered, *done.kept))
+        return done
 
     def _admission(
         self,
@@ -1099,6 +1120,7 @@ class AgentCore:
             yield self.session.release_call(c, [iid], turn=state.turn)
         else:
             self.known[(c, iid)] = answer
+            self.answered.add(iid)
             if (yield from self._storing()):  # the compactor reads the answer's text
                 yield Store(((f"{c.code}:{iid}", self.text_of(answer)),))
         state.settled.append(done)
