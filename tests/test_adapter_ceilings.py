@@ -320,3 +320,45 @@ def test_a_call_is_priced_by_the_models_name_and_charged_to_a_key(redis_server: 
     with pytest.raises(InvalidArgument), gov.turn():  # no price for 'stub' in the table
         gov.model(Stub(count=gov.core.prompt_tokens)).invoke(q1)
     assert led.scope_usage(tenant).open_holds == 0
+
+
+def test_agents_sdk_run_without_its_hooks_is_charged_the_worst_case(redis_server: Any) -> None:
+    """A run not given ``hooks=gov.hooks`` reports no bill to the adapter: the hold is
+    charged as held (the worst case) when the turn ends, never dropped, and the session
+    keeps no item of it."""
+    from agents import Agent as SdkAgent
+    from agents import Model, ModelResponse, Runner, Usage, set_tracing_disabled
+    from agents.testing import assistant_message
+
+    from ledger.adapters.openai_agents import LedgerAgents
+
+    set_tracing_disabled(True)
+
+    class SdkStub(Model):
+        async def get_response(self, *a: Any, **k: Any) -> ModelResponse:
+            usage = Usage(requests=1, input_tokens=1, output_tokens=1, total_tokens=2)
+            out = [assistant_message("Yes", item_id="msg-1")]
+            return ModelResponse(output=out, usage=usage, response_id=None)
+
+        def stream_response(self, *a: Any, **k: Any) -> Any:
+            raise NotImplementedError
+
+    async def main() -> None:
+        tenant = f"t{uuid.uuid4().hex[:10]}"
+        async with AsyncLedger.from_url(redis_server.url) as led:
+            await led.set_scope(tenant, ScopeBudget(window_ms=DAY, tokens=100_000))
+            session = await led.open_session(f"@{tenant}/sdk", budget())
+            gov = LedgerAgents(AsyncAgent(session, tokens), tenant=tenant)
+            agent = SdkAgent(name="a", instructions=SYSTEM, model=SdkStub())
+            async with gov.turn() as turn:
+                await Runner.run(agent, "Is it?", session=gov.session, run_config=gov.run_config())
+                held = gov.last_counted
+            usage = await led.scope_usage(tenant)
+            assert usage.charged["input"] == held and usage.charged["output"] == RESERVE
+            assert usage.open_holds == 0 and turn.state is not None
+            (done,) = turn.state.settled
+            fields = await led.client.hkeys(session.keys.session)
+            assert not any(f.decode().endswith(done.item) for f in fields), fields
+            await session.delete()
+
+    asyncio.run(main())
