@@ -362,3 +362,38 @@ def test_agents_sdk_run_without_its_hooks_is_charged_the_worst_case(redis_server
             await session.delete()
 
     asyncio.run(main())
+
+
+def test_langchain_create_agent_asyncio_tenant_ceiling(redis_server: Any) -> None:
+    """The middleware's asyncio face (``AsyncLedgerMiddleware``, ``ainvoke``): the same."""
+    from langchain.agents import create_agent
+
+    from ledger.adapters.langchain import AsyncLedgerMiddleware
+
+    async def main() -> None:
+        tenant = f"t{uuid.uuid4().hex[:10]}"
+        async with AsyncLedger.from_url(redis_server.url) as led:
+            await led.set_scope(tenant, ScopeBudget(window_ms=DAY, tokens=CEILING))
+            session = await led.open_session(f"@{tenant}/lca", budget())
+            mw = AsyncLedgerMiddleware(AsyncAgent(session, tokens), tenant=tenant)
+            stub = Stub(count=mw.agent.core.prompt_tokens)
+            agent = create_agent(stub, tools=[], system_prompt=SYSTEM, middleware=[mw])
+            q1 = HumanMessage("Is it?", id="q1")
+            async with mw.turn() as turn:
+                await agent.ainvoke({"messages": [q1]})
+            billed = mw.agent.core.prompt_tokens([SystemMessage(SYSTEM), q1])
+            settled_as_billed(await led.scope_usage(tenant), billed)
+            assert [s.item for s in turn.state.settled] == ["ai-1"]
+            with pytest.raises(CeilingReached):
+                async with mw.turn():
+                    await agent.ainvoke({"messages": [HumanMessage(LONG, id="q2")]})
+            stub.fail = True
+            with pytest.raises(RuntimeError, match="provider is down"):
+                async with mw.turn():
+                    await agent.ainvoke({"messages": [HumanMessage("Again?", id="q3")]})
+            assert stub.calls == 2
+            usage = await led.scope_usage(tenant)
+            assert usage.open_holds == 0 and usage.remaining["tokens"] == CEILING - billed - OUT
+            await session.delete()
+
+    asyncio.run(main())
