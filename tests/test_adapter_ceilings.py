@@ -141,6 +141,9 @@ def test_langgraph_tenant_ceiling_holds_settles_refuses_and_voids(redis_server: 
     assert stub.calls == 2
     nothing_held(led, tenant, sid, left)  # the failed call's hold was voided
     assert led.scope_usage(tenant).refused == 1
+    with pytest.raises(InvalidArgument, match="belongs inside"):  # outside a turn: refused
+        gov.model(stub).invoke([HumanMessage("Outside?", id="q4")])
+    assert stub.calls == 2
 
 
 def test_langchain_create_agent_tenant_ceiling(redis_server: Any) -> None:
