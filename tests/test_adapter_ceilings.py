@@ -141,6 +141,9 @@ def test_langgraph_tenant_ceiling_holds_settles_refuses_and_voids(redis_server: 
     assert stub.calls == 2
     nothing_held(led, tenant, sid, left)  # the failed call's hold was voided
     assert led.scope_usage(tenant).refused == 1
+    with pytest.raises(InvalidArgument, match="belongs inside"):  # outside a turn: refused
+        gov.model(stub).invoke([HumanMessage("Outside?", id="q4")])
+    assert stub.calls == 2
 
 
 def test_langchain_create_agent_tenant_ceiling(redis_server: Any) -> None:
@@ -320,3 +323,80 @@ def test_a_call_is_priced_by_the_models_name_and_charged_to_a_key(redis_server: 
     with pytest.raises(InvalidArgument), gov.turn():  # no price for 'stub' in the table
         gov.model(Stub(count=gov.core.prompt_tokens)).invoke(q1)
     assert led.scope_usage(tenant).open_holds == 0
+
+
+def test_agents_sdk_run_without_its_hooks_is_charged_the_worst_case(redis_server: Any) -> None:
+    """A run not given ``hooks=gov.hooks`` reports no bill to the adapter: the hold is
+    charged as held (the worst case) when the turn ends, never dropped, and the session
+    keeps no item of it."""
+    from agents import Agent as SdkAgent
+    from agents import Model, ModelResponse, Runner, Usage, set_tracing_disabled
+    from agents.testing import assistant_message
+
+    from ledger.adapters.openai_agents import LedgerAgents
+
+    set_tracing_disabled(True)
+
+    class SdkStub(Model):
+        async def get_response(self, *a: Any, **k: Any) -> ModelResponse:
+            usage = Usage(requests=1, input_tokens=1, output_tokens=1, total_tokens=2)
+            out = [assistant_message("Yes", item_id="msg-1")]
+            return ModelResponse(output=out, usage=usage, response_id=None)
+
+        def stream_response(self, *a: Any, **k: Any) -> Any:
+            raise NotImplementedError
+
+    async def main() -> None:
+        tenant = f"t{uuid.uuid4().hex[:10]}"
+        async with AsyncLedger.from_url(redis_server.url) as led:
+            await led.set_scope(tenant, ScopeBudget(window_ms=DAY, tokens=100_000))
+            session = await led.open_session(f"@{tenant}/sdk", budget())
+            gov = LedgerAgents(AsyncAgent(session, tokens), tenant=tenant)
+            agent = SdkAgent(name="a", instructions=SYSTEM, model=SdkStub())
+            async with gov.turn() as turn:
+                await Runner.run(agent, "Is it?", session=gov.session, run_config=gov.run_config())
+                held = gov.last_counted
+            usage = await led.scope_usage(tenant)
+            assert usage.charged["input"] == held and usage.charged["output"] == RESERVE
+            assert usage.open_holds == 0 and turn.state is not None
+            (done,) = turn.state.settled
+            fields = await led.client.hkeys(session.keys.session)
+            assert not any(f.decode().endswith(done.item) for f in fields), fields
+            await session.delete()
+
+    asyncio.run(main())
+
+
+def test_langchain_create_agent_asyncio_tenant_ceiling(redis_server: Any) -> None:
+    """The middleware's asyncio face (``AsyncLedgerMiddleware``, ``ainvoke``): the same."""
+    from langchain.agents import create_agent
+
+    from ledger.adapters.langchain import AsyncLedgerMiddleware
+
+    async def main() -> None:
+        tenant = f"t{uuid.uuid4().hex[:10]}"
+        async with AsyncLedger.from_url(redis_server.url) as led:
+            await led.set_scope(tenant, ScopeBudget(window_ms=DAY, tokens=CEILING))
+            session = await led.open_session(f"@{tenant}/lca", budget())
+            mw = AsyncLedgerMiddleware(AsyncAgent(session, tokens), tenant=tenant)
+            stub = Stub(count=mw.agent.core.prompt_tokens)
+            agent = create_agent(stub, tools=[], system_prompt=SYSTEM, middleware=[mw])
+            q1 = HumanMessage("Is it?", id="q1")
+            async with mw.turn() as turn:
+                await agent.ainvoke({"messages": [q1]})
+            billed = mw.agent.core.prompt_tokens([SystemMessage(SYSTEM), q1])
+            settled_as_billed(await led.scope_usage(tenant), billed)
+            assert [s.item for s in turn.state.settled] == ["ai-1"]
+            with pytest.raises(CeilingReached):
+                async with mw.turn():
+                    await agent.ainvoke({"messages": [HumanMessage(LONG, id="q2")]})
+            stub.fail = True
+            with pytest.raises(RuntimeError, match="provider is down"):
+                async with mw.turn():
+                    await agent.ainvoke({"messages": [HumanMessage("Again?", id="q3")]})
+            assert stub.calls == 2
+            usage = await led.scope_usage(tenant)
+            assert usage.open_holds == 0 and usage.remaining["tokens"] == CEILING - billed - OUT
+            await session.delete()
+
+    asyncio.run(main())

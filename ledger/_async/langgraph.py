@@ -108,7 +108,11 @@ class AsyncLedgerGraph(GraphCore):
             msgs, prompt, tally = self._prompt_of(messages)  # a guard acts before the call
             turn = self.current
             hold = None
-            if core.tenant is not None and turn is not None:  # the tenant's ceilings
+            if core.tenant is not None:  # the tenant's ceilings: no call escapes them
+                if turn is None:
+                    raise InvalidArgument(
+                        f"a model call of tenant {core.tenant!r} belongs inside `gov.turn()`"
+                    )
                 hold = await turn.hold(prompt, self._output_reserve(), model_name(chat_model))
             try:
                 answer = await chat_model.ainvoke(msgs, config)

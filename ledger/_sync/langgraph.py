@@ -103,7 +103,11 @@ class LedgerGraph(GraphCore):
             msgs, prompt, tally = self._prompt_of(messages)  # a guard acts before the call
             turn = self.current
             hold = None
-            if core.tenant is not None and turn is not None:  # the tenant's ceilings
+            if core.tenant is not None:  # the tenant's ceilings: no call escapes them
+                if turn is None:
+                    raise InvalidArgument(
+                        f"a model call of tenant {core.tenant!r} belongs inside `gov.turn()`"
+                    )
                 hold = turn.hold(prompt, self._output_reserve(), model_name(chat_model))
             try:
                 answer = chat_model.invoke(msgs, config)
