@@ -3,7 +3,6 @@ letters, and budget scopes (a tenant in detail; the scopes the worker exports)."
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import heapq
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -579,14 +578,24 @@ def _scope_reads(
     return int(secs) * 1000 + int(micros) // 1000, out
 
 
-def scope_usages(ledger: Ledger, names: Sequence[str]) -> list[ScopeUsage]:
+def scope_usages(
+    ledger: Ledger, names: Sequence[str], damaged: dict[str, str] | None = None
+) -> list[ScopeUsage]:
     """Each named scope's window as it stands (``Ledger.scope_usage``), in one pipelined
-    round trip per ``BATCH`` scopes; a scope deleted since it was listed is left out."""
+    round trip per ``BATCH`` scopes; a scope deleted since it was listed is left out, and
+    so is one whose hash does not read as the scripts write it (a field that holds no
+    number), put in ``damaged`` with what is wrong when that is given (else raised)."""
     now, reads = _scope_reads(ledger, names)
     out = []
     for name, fields, holds in reads:
-        with contextlib.suppress(UnknownScope):
+        try:
             out.append(protocol.scope_usage(name, fields, holds, now))
+        except UnknownScope:
+            continue
+        except (ValueError, IndexError, KeyError) as exc:
+            if damaged is None:
+                raise
+            damaged[name] = f"{type(exc).__name__}: {exc}"
     return out
 
 
@@ -611,6 +620,11 @@ def tenant_view(ledger: Ledger, tenant: str) -> TenantView:
             usages.append(protocol.scope_usage(name, fields, index, now))
         except UnknownScope:
             continue
+        except (ValueError, IndexError, KeyError) as exc:  # written by hand or by another program
+            raise LedgerError(
+                f"scope {name}: damaged: its hash does not read as the scripts write it "
+                f"({type(exc).__name__}: {exc})"
+            ) from exc
         for member, deadline in index:
             sid, _, rid = member.rpartition("|")
             raw = fields.get("q:" + member, "")

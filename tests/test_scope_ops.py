@@ -441,3 +441,24 @@ def test_on_a_redis_cluster_scopes_are_found_on_every_primary(
     assert got["scopes"][0]["remaining"] == {"tokens": 900} and got["sessions"] == [
         f"@{tenants[1]}/s"
     ]
+
+
+def test_a_damaged_scope_is_left_out_and_logged_the_others_exported(
+    led: Ledger, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A scope hash written by hand (a counter that holds no number) does not stop the
+    metrics pass: the others are exported, it is named in one warning line."""
+    a, b = spend(led)
+    led.client.hset(led.keyspace.scope(b).hash, "L", "soon")
+    w = new_worker(led, "none")
+    with caplog.at_level("WARNING", logger="ledger.worker"):
+        w.observe()
+        w.observe()
+    reg = w.metrics.registry
+    assert reg.get_sample_value("ledger_scope_refused_total", {"scope": a}) == 2
+    assert reg.get_sample_value("ledger_scope_refused_total", {"scope": b}) is None
+    warned = [r for r in caplog.records if r.getMessage().startswith("budget scopes not")]
+    assert len(warned) == 1 and b in warned[0].damaged  # type: ignore[attr-defined]
+    argv = ["--url", led.settings.redis_url, "--prefix", led.keyspace.prefix, "inspect"]
+    assert cli.main([*argv, "--tenant", b]) == 1
+    assert f"scope {b}: damaged" in capsys.readouterr().err

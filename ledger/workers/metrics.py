@@ -253,6 +253,7 @@ class Observer:
         self.w = worker
         self.scope_names: list[str] | None = None  # the last search's, on the lease holder
         self.scanned = 0.0  # when (time.monotonic())
+        self.damaged: list[str] = []  # scopes whose hash did not read, at the last pass
 
     def lease(self) -> bool:
         """Whether this worker keeps the fleet's indicators for the next pass: one worker
@@ -337,12 +338,20 @@ class Observer:
             self.scanned = now
         cap = s.scope_metrics_max
         shown, rest = self.scope_names[:cap], self.scope_names[cap:]
-        values = scope_usages(self.w.ledger, shown)
+        damaged: dict[str, str] = {}
+        values = scope_usages(self.w.ledger, shown, damaged)
         other = 0
         if rest:
             ks = self.w.ledger.keyspace
             pipe = self.w.ledger.client.pipeline(transaction=False)
             for name in rest:
                 pipe.hget(ks.scope(name).hash, schema.SCOPE_REFUSED)
-            other = sum(int(v or 0) for v in pipe.execute())
+            other = sum(int(v) for v in pipe.execute() if v is not None and v.isdigit())
+        changed = len(rest) != m.folded or sorted(damaged) != self.damaged
+        if changed and (rest or damaged):  # logged once each time the set changes
+            log.warning(
+                "budget scopes not exported by name: folded past scope_metrics_max, or damaged",
+                extra={"folded": len(rest), "scope_metrics_max": cap, "damaged": damaged},
+            )
+        self.damaged = sorted(damaged)
         m.values, m.folded, m.other_refused = values, len(rest), other
