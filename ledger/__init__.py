@@ -3,6 +3,7 @@
 from typing import TYPE_CHECKING, Any
 
 from ledger import models
+from ledger._version import __version__ as __version__
 from ledger.agent import Agent, AsyncAgent, EstimatingCounter, TiktokenCounter
 from ledger.aio import AsyncLedger, AsyncSession
 from ledger.client import Ledger, Session
@@ -92,7 +93,6 @@ __all__ = [
     "LocalAllowance",
 ]
 __all__ += models.__all__
-__version__ = "0.2.0"
 
 
 def __getattr__(name: str) -> Any:

@@ -669,7 +669,7 @@ class TopView:
     def _scope_lines(self, ledger: Ledger) -> list[str]:
         """The tenant's scopes (its own first), one line each: what is left of each
         ceiling set (money in cents), refusals, open holds."""
-        from ledger.views import scope_names, scope_usages
+        from ledger.scope_reads import scope_names, scope_usages
 
         assert self.tenant is not None
         names = scope_names(ledger, self.tenant)

@@ -24,6 +24,7 @@ from ledger.errors import (
 )
 from ledger.models import AuditReport, Consumer, HeldItem, Regime, ScopeUsage, Snapshot
 from ledger.protocol import Call
+from ledger.scope_reads import scope_names, scope_reads
 from ledger.scripts import is_bucket, outcome_buckets, outcome_key, stored_outcomes
 
 
@@ -521,25 +522,6 @@ def purge_dead(ledger: Ledger, refs: Sequence[str] | None) -> int:
 # --- budget scopes (docs/ceilings.md) --------------------------------------------------
 
 
-def scope_names(ledger: Ledger, tenant: str | None = None) -> list[str]:
-    """Every budget scope whose ceilings were set (``set_scope``), found by one SCAN with a
-    MATCH on the scope hashes' key prefix (on a cluster, on every primary), sorted; with
-    ``tenant``, only the tenant's own scope and those within it."""
-    ks = ledger.keyspace
-    if tenant is not None and ks.scope(tenant).tenant != tenant:
-        raise InvalidArgument(f"a tenant is a scope without '/', got {tenant!r}")
-    ledger.check_open()
-    out = set()
-    with translated():
-        for k in ledger.client.scan_iter(match=ks.scope_pattern(tenant), count=1000):
-            name = ks.scope_name_of(schema.text(k))
-            if name is None:
-                continue
-            if tenant is None or name == tenant or name.startswith(tenant + "/"):
-                out.add(name)
-    return sorted(out)
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ScopeHold:
     """An open hold of a scope: a reservation of a session, what it holds per quantity
@@ -552,51 +534,6 @@ class ScopeHold:
     deadline_ms: int
     held: Mapping[str, int]
     overdue: bool
-
-
-def _scope_reads(
-    ledger: Ledger, names: Sequence[str]
-) -> tuple[int, list[tuple[str, dict[str, str], list[tuple[str, float]]]]]:
-    """Redis's clock, and each scope's hash and holds index (HGETALL, ZRANGE WITHSCORES):
-    one pipelined round trip, without MULTI/EXEC (a view, not one atomic read)."""
-    ks = ledger.keyspace
-    ledger.check_open()
-    with translated():
-        secs, micros = ledger.client.time()
-        replies: list[Any] = []
-        for chunk in _batches(names):
-            with ledger.client.pipeline(transaction=False) as pipe:
-                for name in chunk:
-                    sk = ks.scope(name)
-                    pipe.hgetall(sk.hash)
-                    pipe.zrange(sk.holds, 0, -1, withscores=True)
-                replies += pipe.execute()
-    out = []
-    for name, fields, holds in zip(names, replies[::2], replies[1::2], strict=True):
-        f = {schema.text(k): schema.text(v) for k, v in fields.items()}
-        out.append((name, f, [(schema.text(m), float(d)) for m, d in holds]))
-    return int(secs) * 1000 + int(micros) // 1000, out
-
-
-def scope_usages(
-    ledger: Ledger, names: Sequence[str], damaged: dict[str, str] | None = None
-) -> list[ScopeUsage]:
-    """Each named scope's window as it stands (``Ledger.scope_usage``), in one pipelined
-    round trip per ``BATCH`` scopes; a scope deleted since it was listed is left out, and
-    so is one whose hash does not read as the scripts write it (a field that holds no
-    number), put in ``damaged`` with what is wrong when that is given (else raised)."""
-    now, reads = _scope_reads(ledger, names)
-    out = []
-    for name, fields, holds in reads:
-        try:
-            out.append(protocol.scope_usage(name, fields, holds, now))
-        except UnknownScope:
-            continue
-        except (ValueError, IndexError, KeyError) as exc:
-            if damaged is None:
-                raise
-            damaged[name] = f"{type(exc).__name__}: {exc}"
-    return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -613,7 +550,7 @@ class TenantView:
 
 def tenant_view(ledger: Ledger, tenant: str) -> TenantView:
     names = scope_names(ledger, tenant)
-    now, reads = _scope_reads(ledger, names)
+    now, reads = scope_reads(ledger, names)
     usages, holds = [], []
     for name, fields, index in reads:
         try:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +22,7 @@ import pytest
 
 from ledger import (
     AdmissionRefused,
+    Agent,
     AsyncLedger,
     Consumer,
     Item,
@@ -27,8 +30,12 @@ from ledger import (
     LedgerSettings,
     Session,
     SessionBudget,
+    scripts,
 )
+from ledger.workers.compactors import CompactionPlan, CompactionRequest
+from ledger.workers.runner import Metrics, Worker, WorkerSettings
 from tests import servers
+from tests.test_imports import LAYERS, layer_of
 
 ROOT = Path(__file__).resolve().parent.parent
 SKIPPED = {".git", ".venv"}
@@ -174,3 +181,107 @@ def test_one_operation_runs_through_the_files_the_map_names(
         f for f in {*refusal, *on_asyncio, "ledger/lua/admit.lua"} if f"`{f}`" not in paragraph
     )
     assert not unnamed, f"admit runs code of {unnamed}, which the map's walk does not name"
+
+
+# --- a compaction, followed ------------------------------------------------------------------
+
+
+def _words(text: str) -> int:
+    return len(text.split())
+
+
+def _gist(request: CompactionRequest) -> CompactionPlan:
+    """A summarizer's plan: the stored texts of every working-memory item but the newest
+    replaced by one summary with its text."""
+    old = [i for i in request.items if request.text_of(i) is not None][:-1]
+    text = "gist of " + " ".join(i.id for i in old)
+    summary = Item(f"gist-{request.turn}", _words(text), 1000)
+    return CompactionPlan(tuple((i.consumer, i.id) for i in old), summary, text)
+
+
+# The layers whose modules are the walk's own (the scripts too): those above the client's
+# faces. Below them, every call runs through the same call path (docs/contributing.md).
+_OWN_FROM = [name for name, _ in LAYERS].index("agent")
+
+
+@pytest.mark.redis
+def test_a_compaction_runs_through_the_files_the_map_names(
+    redis_server: servers.RedisProcess,
+) -> None:
+    """docs/contributing.md's "A compaction job, followed" stays true: a compaction traced
+    on a real Redis, from the agent's end of turn through the worker (its job threads
+    too) to the agent's next turn, which hands the summary over, runs exactly the files
+    the paragraph names; at most 12 of them are the walk's own (the scripts, and the
+    modules above the client's faces)."""
+    text = (ROOT / "docs" / "contributing.md").read_text()
+    paragraph = text[text.index("**A compaction job, followed.**") : text.index("## The import")]
+    package = str(ROOT / "ledger") + os.sep
+    lua = scripts.lua_dir()
+    entered: set[str] = set()
+
+    def trace(frame: FrameType, event: str, arg: object) -> None:
+        name = frame.f_code.co_filename
+        if event != "call" or not name.startswith(package):
+            return
+        entered.add(Path(name).relative_to(ROOT).as_posix())
+        if frame.f_code.co_name == "_evalsha":  # a script sent: its file, and _common.lua's
+            script = frame.f_locals["call"].script
+            body = (lua / f"{script}.lua").read_text()
+            for used in [f"{script}.lua"] + (["_common.lua"] if scripts.prelude(body) else []):
+                entered.add((lua / used).relative_to(ROOT).as_posix())
+
+    def traced(step: Callable[[], object]) -> object:
+        before = sys.gettrace()
+        sys.settrace(trace)
+        threading.settrace(trace)  # the worker's job threads, started by this step
+        try:
+            return step()
+        finally:
+            threading.settrace(None)  # type: ignore[arg-type]
+            sys.settrace(before)
+
+    system = "You are a helpful assistant."
+    budget = SessionBudget(window=4_000, system_prompt=_words(system), framing_tolerance=0)
+    settings = LedgerSettings(redis_url=redis_server.url, prefix=f"t{uuid.uuid4().hex[:12]}")
+    with Ledger.from_settings(settings) as led:
+        agent = Agent(led.open_session("walked", budget), _words)
+        worker = Worker(led, WorkerSettings(consumer="walk"), Metrics(), compactor=_gist)
+        worker.ensure_groups()
+        prompt: list[dict[str, str]] = []
+        for n in range(20):
+            turn = agent.turn()
+            t = turn.__enter__()
+            message = {"id": f"m{n}", "role": "user", "content": f"turn {n} " + "word " * 600}
+            prompt += list(t.admit("working_memory", [message]).kept)
+            t.prompt([system, *prompt])
+            entered.clear()
+            traced(lambda: turn.__exit__(None, None, None))  # noqa: B023 (called at once)
+            assert t.report is not None
+            if t.report.compaction_due:
+                break
+        assert t.report.compaction_due, "no compaction came due"
+        assert traced(worker.poll_once) == 1
+        turn = agent.turn()
+        t = traced(turn.__enter__)  # type: ignore[assignment]
+        assert t.summaries and t.dropped, "the next turn hands the summary over"
+        gone = {id(o) for o in t.dropped}
+        prompt = [o for o in prompt if id(o) not in gone] + list(t.summaries)
+        t.prompt([system, *prompt])
+        turn.__exit__(None, None, None)
+        worker.close()
+    walked = sorted(entered)
+    own = [f for f in walked if f.endswith(".lua") or rank(f) >= _OWN_FROM]
+    named = set(re.findall(r"`((?:ledger/|lua/)[\w/]+\.(?:py|lua))`", paragraph))
+    assert sorted(named) == walked, f"traced {walked}; the paragraph names {sorted(named)}"
+    assert len(own) <= 12, own
+    print(f"compaction walk: {len(walked)} files, {len(own)} its own: {own}")
+
+
+def rank(path: str) -> int:
+    """The layer (docs/contributing.md, The import layers) of a module given by path."""
+    parts = list(Path(path).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    found = layer_of(".".join(parts), LAYERS)
+    assert found is not None, path
+    return found

@@ -32,8 +32,9 @@ from ledger import (
     Usage,
     cli,
 )
+from ledger.scope_reads import scope_names
 from ledger.testing import free_port, spawn_worker
-from ledger.views import scope_names, tenant_view
+from ledger.views import tenant_view
 from tests import servers
 from tests.jobs import new_worker
 

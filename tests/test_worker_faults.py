@@ -346,7 +346,7 @@ def test_job_failure_recorded_under_oom_does_not_stop_the_loop(
     def broken(job_id: str, fields: Any) -> Any:
         raise RuntimeError("the job's own failure")
 
-    monkeypatch.setattr(worker, "handle", broken)
+    monkeypatch.setattr(worker.jobs, "handle", broken)
     with jobs.out_of_memory(admin), jobs.LoopThread(worker) as loop:
         jobs.wait_until(
             lambda: (
@@ -502,7 +502,7 @@ def test_redis_trouble_uncounts_the_untried_jobs_of_the_batch_too(
         calls.append(job_id)
         raise rex.ConnectionError("Connection refused")
 
-    monkeypatch.setattr(worker, "handle", unavailable)
+    monkeypatch.setattr(worker.jobs, "handle", unavailable)
     with contextlib.suppress(Exception):
         worker.poll_once()
     assert calls and set(calls) == {first}

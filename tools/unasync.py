@@ -129,8 +129,8 @@ TWINS = (
         header="The LangChain middleware's synchronous face: :class:`LedgerMiddleware`.",
         rules=(
             (
-                r"^from collections\.abc import AsyncIterator, Awaitable, Callable$",
-                "from collections.abc import Callable, Iterator",
+                r"^from collections\.abc import AsyncIterator, Awaitable, Callable, Sequence$",
+                "from collections.abc import Callable, Iterator, Sequence",
             ),
             (r"\bAsyncLedgerMiddleware\b", "LedgerMiddleware"),
             (r"\ba(before_model|after_model|wrap_model_call|wrap_tool_call)\b", r"\1"),

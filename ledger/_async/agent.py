@@ -20,6 +20,7 @@ from ledger.agent.core import (
     AgentCore,
     Batch,
     BillingCheck,
+    CallHold,
     Compacted,
     Effect,
     Fetch,
@@ -35,7 +36,7 @@ from ledger.agent.core import (
 from ledger.agent.counters import Tally
 from ledger.agent.lease import AsyncHeartbeat
 from ledger.errors import ContextDrift, InvalidArgument, LedgerError, TurnLost, translated
-from ledger.models import Consumer, Reconciled, TurnAborted, TurnReport
+from ledger.models import Consumer, Reconciled, Settled, TurnAborted, TurnReport, Usage, Voided
 from ledger.protocol import Call
 
 T = TypeVar("T")
@@ -296,6 +297,24 @@ class AsyncTurn:
         return await self.agent.run(
             self.agent.core.billed(self._state, input_tokens, counted, tally)
         )
+
+    async def hold(self, prompt: int, output: int, model: str | None = None) -> CallHold:
+        """Before a model call, with a tenant named: hold its worst case (``prompt``
+        counted plus ``output`` reserve) in the session and the tenant's scopes in one
+        script; refused with ``CeilingReached`` (nothing held) when a ceiling would be
+        passed (docs/ceilings.md#in-an-adapter)."""
+        return await self.agent.run(self.agent.core.hold(prompt, output, model, self._state.turn))
+
+    async def settle_hold(
+        self, hold: CallHold, answer: Obj | None, billed: Usage | None
+    ) -> Settled:
+        """After the call: charge what the provider billed (None: the worst case held);
+        the answer becomes its working-memory item in the same step."""
+        return await self.agent.run(self.agent.core.settle_hold(self._state, hold, answer, billed))
+
+    async def void_hold(self, hold: CallHold) -> Voided:
+        """The call failed: give its hold back everywhere."""
+        return await self.agent.run(self.agent.core.void_hold(hold, self._state.turn))
 
     def apply(self, objs: Sequence[Obj]) -> list[Obj]:
         """The app's objects as this turn must hold them: what the ledger reclaimed and

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from langchain.agents.middleware import AgentMiddleware
@@ -20,10 +20,11 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from langgraph.types import Command
 
 from ledger._async.langgraph import AsyncLedgerGraph
-from ledger.adapters.graph_core import GraphTurn, consumer_of
+from ledger.adapters.graph_core import GraphTurn, billed_usage, consumer_of, model_name
 from ledger.agent import AsyncAgent
 from ledger.agent.core import Obj
 from ledger.agent.counters import count
+from ledger.errors import LedgerError
 from ledger.models import Consumer, Reconciled
 
 
@@ -39,10 +40,19 @@ class AsyncLedgerMiddleware(AgentMiddleware):
         checkpointer: Any = None,
         summarize: Callable[[list[Obj]], str] | None = None,
         keep_messages: int = 4,
+        tenant: str | None = None,
+        scopes: Sequence[str] = (),
+        model: str | None = None,
     ) -> None:
         super().__init__()
         self.graph = AsyncLedgerGraph(
-            agent, checkpointer=checkpointer, summarize=summarize, keep_messages=keep_messages
+            agent,
+            checkpointer=checkpointer,
+            summarize=summarize,
+            keep_messages=keep_messages,
+            tenant=tenant,
+            scopes=scopes,
+            model=model,
         )
         self.agent = agent
         self._held: dict[tuple[Consumer, str], BaseMessage] = {}  # this turn's view
@@ -118,8 +128,22 @@ class AsyncLedgerMiddleware(AgentMiddleware):
         if turn.state is not None:
             turn.state.framing = framing
         gov._guard(prompt, tally)  # a guard acts before the call
-        response = await handler(request)
+        hold = None
+        if core.tenant is not None:  # the tenant's ceilings: the worst case held first
+            name = model_name(getattr(request, "model", None))
+            hold = await turn.hold(prompt, gov._output_reserve(), name)
+        try:
+            response = await handler(request)
+        except BaseException:
+            if hold is not None:  # (else it lapses at its deadline)
+                with contextlib.suppress(LedgerError):
+                    await turn.void_hold(hold)
+            raise
         answers = [m for m in getattr(response, "result", [response]) if isinstance(m, AIMessage)]
+        if hold is not None:
+            first = answers[0] if answers else None
+            named = first if first is not None and first.id else None
+            await turn.settle_hold(hold, named, billed_usage(first))
         gov.last_prompt = prompt + core.prompt_tokens(answers)
         for answer in answers[:1]:
             usage: dict[str, Any] = dict(answer.usage_metadata or {})

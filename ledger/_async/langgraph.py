@@ -22,8 +22,10 @@ from ledger.adapters.graph_core import (
     GraphTurn,
     Removed,
     before_governed,
+    billed_usage,
     checkpoint_id,
     flag_lost,
+    model_name,
     pinned,
     start_after,
     thread_of,
@@ -31,7 +33,7 @@ from ledger.adapters.graph_core import (
 from ledger.agent import AsyncAgent, AsyncTurn
 from ledger.agent.core import Obj
 from ledger.agent.counters import count
-from ledger.errors import AdmissionRefused, InvalidArgument
+from ledger.errors import AdmissionRefused, InvalidArgument, LedgerError
 from ledger.models import Consumer, Reconciled
 
 
@@ -53,9 +55,14 @@ class AsyncLedgerGraph(GraphCore):
         retrieval_keys: Sequence[str] = ("docs",),
         summarize: Callable[[list[Obj]], str] | None = None,
         keep_messages: int = 4,
+        tenant: str | None = None,
+        scopes: Sequence[str] = (),
+        model: str | None = None,
     ) -> None:
         if not isinstance(agent, AsyncAgent):
             raise InvalidArgument(f"{FACES}; got a {type(agent).__name__}")
+        if tenant is not None:  # the tenant's ceilings (else as the agent names them)
+            agent.core.name_tenant(tenant, scopes, model=model)
         super().__init__(
             agent.core, checkpointer, messages_key, retrieval_keys, summarize, keep_messages
         )
@@ -92,12 +99,27 @@ class AsyncLedgerGraph(GraphCore):
     def model(self, chat_model: Any) -> Runnable[Any, Any]:
         """Wrap a chat model: each prompt it is sent is counted (the real prompt), and the
         input tokens its answer reports (``usage_metadata``) are checked against that
-        count (``turn.billed``)."""
+        count (``turn.billed``). With a tenant named (``Agent(..., tenant=)``), each call
+        holds its worst case in the tenant's ceilings before it, settles the billed usage
+        after it and voids the hold when it raises (docs/ceilings.md#in-an-adapter)."""
         core = self.core
 
         async def call(messages: Any, config: RunnableConfig) -> Any:
             msgs, prompt, tally = self._prompt_of(messages)  # a guard acts before the call
-            answer = await chat_model.ainvoke(msgs, config)
+            turn = self.current
+            hold = None
+            if core.tenant is not None and turn is not None:  # the tenant's ceilings
+                hold = await turn.hold(prompt, self._output_reserve(), model_name(chat_model))
+            try:
+                answer = await chat_model.ainvoke(msgs, config)
+            except BaseException:
+                if hold is not None and turn is not None:  # (else it lapses at its deadline)
+                    with contextlib.suppress(LedgerError):
+                        await turn.void_hold(hold)
+                raise
+            if hold is not None and turn is not None:
+                named = answer if getattr(answer, "id", None) else None
+                await turn.settle_hold(hold, named, billed_usage(answer))
             self.last_prompt = prompt + core.prompt_tokens([answer])
             billed = (getattr(answer, "usage_metadata", None) or {}).get("input_tokens")
             if self.current is not None and type(billed) is int and billed > 0:

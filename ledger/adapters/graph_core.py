@@ -21,7 +21,7 @@ from ledger.agent.core import AgentCore, Obj, TurnState, default_summary
 from ledger.agent.counters import Tally
 from ledger.errors import InvalidArgument, LostWriteWarning
 from ledger.extras import missing
-from ledger.models import Consumer
+from ledger.models import Consumer, Usage
 
 try:
     from langchain_core.documents import Document
@@ -63,6 +63,27 @@ def merge_docs(left: Sequence[Any] | None, right: Sequence[Any] | Any | None) ->
 
 def consumer_of(msg: BaseMessage) -> Consumer:
     return Consumer.SCRATCHPAD if isinstance(msg, ToolMessage) else Consumer.WORKING_MEMORY
+
+
+def billed_usage(answer: Any) -> Usage | None:
+    """What a LangChain answer reports billed (``usage_metadata``; its input tokens count
+    the cached reads too), as the ledger settles it; None when it reports none."""
+    meta = getattr(answer, "usage_metadata", None) or {}
+    i, o = meta.get("input_tokens"), meta.get("output_tokens")
+    if type(i) is not int or type(o) is not int or i < 0 or o < 0:
+        return None
+    read = (meta.get("input_token_details") or {}).get("cache_read")
+    cached = min(read, i) if type(read) is int and read > 0 else 0
+    return Usage(input=i - cached, output=o, cached_input=cached)
+
+
+def model_name(model: Any) -> str | None:
+    """The name a chat model calls its model (prices it in the tenant's table), if any."""
+    for attr in ("model_name", "model", "model_id"):
+        v = getattr(model, attr, None)
+        if isinstance(v, str) and v:
+            return v
+    return None
 
 
 def get(state: Any, key: str) -> Any:
@@ -350,6 +371,12 @@ class GraphCore:
             prompt = self.core.prompt_tokens(msgs)
         self._guard(prompt, tally)
         return msgs, prompt, tally
+
+    def _output_reserve(self) -> int:
+        """This turn's output reserve (what a tenant's hold adds to the prompt)."""
+        if self.window is None or self.limit is None:
+            return 0
+        return self.window - self.limit
 
     def _guard(self, prompt: int, tally: Tally) -> None:
         """A prompt over the window minus the output reserve, or whose stated upper bound is

@@ -24,6 +24,7 @@ the final answer.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -36,11 +37,11 @@ from typing import Any
 
 from ledger import schema
 from ledger.agent.aio import AsyncAgent, AsyncTurn
-from ledger.agent.core import Obj, default_summary, ledger_id
+from ledger.agent.core import CallHold, Obj, default_summary, ledger_id
 from ledger.agent.counters import Tally, count
-from ledger.errors import AdmissionRefused, InvalidArgument, translated
+from ledger.errors import AdmissionRefused, InvalidArgument, LedgerError, translated
 from ledger.extras import missing
-from ledger.models import Consumer, Reconciled
+from ledger.models import Consumer, Reconciled, Usage
 
 try:
     from agents import RunConfig, RunHooks
@@ -114,6 +115,17 @@ def pieces(items: Sequence[Any]) -> list[Piece]:
     return out
 
 
+def sdk_usage(usage: Any) -> Usage | None:
+    """What an SDK response reports billed (its input tokens count the cached reads too),
+    as the ledger settles it; None when it reports no request."""
+    i, o = getattr(usage, "input_tokens", None), getattr(usage, "output_tokens", None)
+    if type(i) is not int or type(o) is not int or i < 0 or o < 0 or i + o == 0:
+        return None
+    read = getattr(getattr(usage, "input_tokens_details", None), "cached_tokens", 0)
+    cached = min(read, i) if type(read) is int and read > 0 else 0
+    return Usage(input=i - cached, output=o, cached_input=cached)
+
+
 def _summary_item(sid: str, text: str) -> dict[str, Any]:
     """A worker's summary as an input item (its id is the summary's ledger id)."""
     return {"role": "developer", "content": text, "id": sid}
@@ -134,8 +146,13 @@ class LedgerAgents:
         *,
         summarize: Callable[[list[dict[str, Any]]], str] | None = None,
         keep_items: int = 4,
+        tenant: str | None = None,
+        scopes: Sequence[str] = (),
+        model: str | None = None,
     ) -> None:
         self.agent = agent
+        if tenant is not None:  # the tenant's ceilings (else as the agent names them)
+            agent.core.name_tenant(tenant, scopes, model=model)
         self.summarize = summarize
         self.keep_items = keep_items
         if agent.core.summary_of is default_summary:
@@ -151,6 +168,7 @@ class LedgerAgents:
         self.tally: Tally | None = None  # what the last prompt's count was made of
         self.inserted: list[Piece] = []  # this turn's summaries, first in every later input
         self._fresh = False
+        self.hold: CallHold | None = None  # a tenant's hold of the model call under way
         self.session = LedgerSession(self)
         self.hooks = LedgerHooks(self)
 
@@ -210,13 +228,21 @@ class LedgerAgents:
             self.spilled.clear()
             self.inserted = []
             self.last_input = []
+            self.hold = None
             await self.session._begin(turn)
             try:
                 yield turn
                 if self.last_prompt is None:
                     raise InvalidArgument("the turn made no model call through gov.run_config()")
+                await self._settle_open(turn)
                 mark = await self.session._commit(turn)
                 await turn.end(self.last_prompt, mark=mark)
+            except BaseException:
+                hold, self.hold = self.hold, None
+                if hold is not None:  # the model call failed: its hold given back
+                    with contextlib.suppress(LedgerError):  # (else it lapses at its deadline)
+                        await turn.void_hold(hold)
+                raise
             finally:
                 self.current = None
                 self.session._end()
@@ -307,7 +333,38 @@ class LedgerAgents:
         if turn.state is not None:
             turn.state.framing = framing
         core.guard(self.last_prompt, self.limit, self.window, self.tally)  # before the call
+        if core.tenant is not None:  # the tenant's ceilings: the call's worst case held
+            await self._settle_open(turn)
+            assert self.window is not None and self.limit is not None
+            model = getattr(data.agent, "model", None)
+            name = model if isinstance(model, str) else getattr(model, "model", None)
+            self.hold = await turn.hold(
+                self.last_prompt, self.window - self.limit, name if isinstance(name, str) else None
+            )
         return ModelInputData(input=[p.item for p in kept], instructions=instructions)  # type: ignore[misc]
+
+    async def _settle_open(self, turn: AsyncTurn) -> None:
+        """A hold no response settled (the run was not given ``hooks=gov.hooks``): charged
+        its worst case, so that the tenant's ceilings never miss a call."""
+        hold, self.hold = self.hold, None
+        if hold is not None:
+            await turn.settle_hold(hold, None, None)
+
+    async def settle(self, response: Any) -> None:
+        """After a model call (``gov.hooks``' ``on_llm_end``): its hold becomes the usage
+        the response reports billed, and its first output item the item of the answer."""
+        hold, self.hold = self.hold, None
+        if hold is None or self.current is None:
+            return
+        answer = next(
+            (
+                p
+                for p in pieces(response.to_input_items())
+                if p.consumer is Consumer.WORKING_MEMORY and p.key not in self.dropped
+            ),
+            None,
+        )
+        await self.current.settle_hold(hold, answer, sdk_usage(getattr(response, "usage", None)))
 
     async def _admit(self, turn: AsyncTurn, rows: list[Piece]) -> None:
         by: dict[Consumer, list[Piece]] = {}
@@ -399,6 +456,7 @@ class LedgerHooks(RunHooks[Any]):
         self.gov = gov
 
     async def on_llm_end(self, context: Any, agent: Any, response: Any) -> None:
+        await self.gov.settle(response)  # with a tenant named: its hold settled
         usage = getattr(response, "usage", None)
         billed = getattr(usage, "input_tokens", 0) or 0
         gov = self.gov

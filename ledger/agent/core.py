@@ -17,6 +17,7 @@ objects it knows (those it admitted, or was shown with :meth:`AgentCore.track`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import math
@@ -41,19 +42,24 @@ from ledger.errors import (
     LedgerError,
     TurnInProgress,
 )
+from ledger.keys import check_scope, tenant_of
 from ledger.models import (
     Admitted,
     BegunBy,
+    CallCost,
     CompactionOutcome,
     Consumer,
     Item,
     Reconciled,
+    Settled,
     Snapshot,
     ToolResultOutcome,
     TurnAborted,
     TurnRenewed,
     TurnReport,
     TurnStarted,
+    Usage,
+    Voided,
 )
 from ledger.protocol import ID_RE, Call
 
@@ -258,6 +264,19 @@ class Compacted:
     occupancy: int
 
 
+@dataclass(frozen=True, slots=True)
+class CallHold:
+    """A model call's worst case, held before the call (docs/ceilings.md#in-an-adapter):
+    ``tokens`` (its output reserve) in the session's window, as working memory, and
+    ``cost`` (the prompt counted and the output reserve) in ``scopes``, the tenant first,
+    in the same script. Settled with the billed usage after the call, voided on failure."""
+
+    id: str
+    tokens: int
+    cost: CallCost
+    scopes: tuple[str, ...]
+
+
 @dataclass
 class TurnState:
     """What one turn did; the faces' Turn objects expose it."""
@@ -291,6 +310,9 @@ class TurnState:
     unreconciled: AdmissionRefused | None = None
     # the tokens of the tool schemas the last prompt sent, as the adapter counted them
     framing: int = 0
+    # with a tenant named: each model call's settle (``over``: billed past its hold,
+    # charged all the same)
+    settled: list[Settled] = field(default_factory=list)
 
     @property
     def turn(self) -> int:
@@ -322,6 +344,10 @@ class AgentCore:
         renew: bool = True,
         billing_tolerance: float = 0.02,
         calibrate: bool | None = None,
+        tenant: str | None = None,
+        scopes: Sequence[str] = (),
+        model: str | None = None,
+        hold_ms: int = 600_000,
     ) -> None:
         if not callable(counter):
             raise InvalidArgument(f"counter must be callable text -> int, got {counter!r}")
@@ -368,6 +394,50 @@ class AgentCore:
         self.lease_ms: int = lease_ms
         self.live_turns: set[int] = set()  # the turns this agent serves now (its faces keep it)
         self.renew_leases = renew
+        self.tenant: str | None = None
+        # the answers this turn's settles made items (working memory, by ledger id): their
+        # admission, next, is known to charge nothing and sends no call
+        self.answered: set[str] = set()
+        self.scopes: tuple[str, ...] = ()
+        self.model: str | None = None
+        self.hold_ms = 600_000
+        if tenant is not None:
+            self.name_tenant(tenant, scopes, model=model, hold_ms=hold_ms)
+        elif scopes or model is not None:
+            raise InvalidArgument("scopes= and model= charge a tenant's ceilings: name tenant=")
+
+    def name_tenant(
+        self,
+        tenant: str,
+        scopes: Sequence[str] = (),
+        *,
+        model: str | None = None,
+        hold_ms: int = 600_000,
+    ) -> None:
+        """Charge every model call of this agent's turns to ``tenant``'s ceilings (and to
+        ``scopes`` within it, '<tenant>/<name>'): the adapters hold each call's worst case
+        before it, settle it with the billed usage after it, void it on failure
+        (docs/ceilings.md#in-an-adapter). ``model`` prices the calls when the framework
+        does not name its model; ``hold_ms`` is each hold's deadline on Redis's clock
+        (longer than a model call takes: a settle past it is refused)."""
+        named = tenant_of(self.session.id)
+        if not isinstance(tenant, str) or named != tenant:
+            raise InvalidArgument(
+                f"tenant {tenant!r} needs a session of that tenant: session "
+                f"{self.session.id!r} is to be named '@{tenant}/<id>'"
+            )
+        if isinstance(scopes, str):
+            raise InvalidArgument(f"scopes is a sequence of scope names, got {scopes!r}")
+        for name in scopes:
+            if check_scope(name) != tenant or name == tenant:
+                raise InvalidArgument(f"scope {name!r} is not within tenant {tenant!r}")
+        if len(scopes) > 2:
+            raise InvalidArgument(f"at most 2 scopes within the tenant, got {len(scopes)}")
+        if model is not None and (not isinstance(model, str) or not ID_RE.fullmatch(model)):
+            raise InvalidArgument(f"model must be a name of [A-Za-z0-9._:/@+=#-], got {model!r}")
+        if type(hold_ms) is not int or not 1 <= hold_ms <= 86_400_000:
+            raise InvalidArgument(f"hold_ms must be an int in 1..86400000, got {hold_ms!r}")
+        self.tenant, self.scopes, self.model, self.hold_ms = tenant, tuple(scopes), model, hold_ms
 
     # --- pure helpers ---------------------------------------------------------------
 
@@ -436,6 +506,8 @@ class AgentCore:
         """App objects for ledger (consumer, id) pairs, and the pairs this worker cannot name."""
         objs, unknown = [], []
         for pair in pairs:
+            if pair[0] is Consumer.WORKING_MEMORY:
+                self.answered.discard(pair[1])  # (gone: an admission of it charges again)
             obj = self.known.pop(pair, None)
             if obj is None:
                 unknown.append(pair)
@@ -556,6 +628,7 @@ class AgentCore:
                 "this agent serves it now; one agent (one session handle) serves one turn at "
                 "a time: give each concurrent request its own"
             )
+        self.answered.clear()
         if self.session.turn is not None:
             # a turn of this handle that its process left open (its abort failed): rolled
             # back now, so that beginning again never commits what it half did
@@ -795,14 +868,28 @@ class AgentCore:
     ) -> Op[Admission[Any]]:
         c = Consumer.parse(consumer)
         planned = self.items(objs, priority)
+        answered: tuple[Obj, ...] = ()
+        if c is Consumer.WORKING_MEMORY and self.answered:
+            # an answer a settle made its item already: held, nothing to send for it
+            held = {it.id for it, _ in planned if it.id in self.answered}
+            answered = tuple(o for it, o in planned if it.id in held)
+            for it, o in planned:
+                if it.id in held:
+                    self.known[(c, it.id)] = o
+            self.answered -= held
+            planned = [(it, o) for it, o in planned if it.id not in held]
         if not planned:
-            return Admission(kept=(), refused=(), reason=None, charged=0, free=-1)
+            return Admission(kept=answered, refused=(), reason=None, charged=0, free=-1)
         texts = yield from self._texts(planned)
         try:
             got = yield self._admission(c, planned, texts, turn)
         except AdmissionRefused as exc:
-            return (yield from self._on_refusal(c, planned, exc))
-        return self._admitted(c, planned, got)
+            done = yield from self._on_refusal(c, planned, exc)
+        else:
+            done = self._admitted(c, planned, got)
+        if answered:
+            done = dataclasses.replace(done, kept=(*answered, *done.kept))
+        return done
 
     def _admission(
         self,
@@ -980,6 +1067,69 @@ class AgentCore:
     def renew(self, turn: int) -> Op[TurnRenewed]:
         renewed: TurnRenewed = yield self.session.renew_turn_call(turn, self.lease_ms)
         return renewed
+
+    # --- a tenant's ceilings around each model call (docs/ceilings.md#in-an-adapter) ----
+
+    def hold(self, prompt: int, output: int, model: str | None, turn: int) -> Op[CallHold]:
+        """Before a model call: hold its worst case, ``prompt`` (the tokens the adapter
+        counted and the ledger admitted) plus ``output`` (the turn's output reserve), in the
+        session's window and in the tenant's scopes, in one script. A ceiling that would be
+        passed refuses it (``CeilingReached``), nothing held anywhere: the model is not
+        called. ``model``: the framework's model name (else the agent's ``model``)."""
+        if self.tenant is None:
+            raise InvalidArgument("no tenant named: name_tenant(...) or Agent(tenant=...)")
+        name = self.model if model is None or not ID_RE.fullmatch(model) else model
+        cost = CallCost(
+            model=name or "default",
+            input=max(int(prompt), 0),
+            output=max(int(output), 0),
+            scopes=(self.tenant, *self.scopes),
+        )
+        rid = f"call.{turn}.{uuid.uuid4().hex[:12]}"
+        tokens = max(cost.output, 1)
+        got = yield self.session.reserve_call(
+            Consumer.WORKING_MEMORY, rid, tokens, lease_ms=self.hold_ms, cost=cost, turn=turn
+        )
+        return CallHold(rid, tokens, cost, got.scopes)
+
+    def settle_hold(
+        self, state: TurnState, hold: CallHold, answer: Obj | None, billed: Usage | None
+    ) -> Op[Settled]:
+        """After the call: the hold becomes what the provider billed (``billed``; None: no
+        usage reported, the worst case held is charged) in the tenant's scopes, and the
+        answer's item (working memory, its count) in the session's window, in one script;
+        billed past the hold is charged all the same and reported (``Settled.over``, kept
+        on ``state.settled``). The answer's later admission finds it held (no charge)."""
+        usage = billed or Usage(
+            input=hold.cost.input, output=hold.cost.output, cached_input=hold.cost.cached_input
+        )
+        c = Consumer.WORKING_MEMORY
+        iid, size = (hold.id, 1) if answer is None else (self.item_id(answer), self.tokens(answer))
+        try:
+            done: Settled = yield self.session.settle_call(
+                hold.id, max(size, 1), iid, billed=usage, scopes=hold.scopes, turn=state.turn
+            )
+        except AdmissionRefused:
+            # the answer counts more than its hold and the window has no room for the rest:
+            # its item keeps the hold's size (the drift shows it at end_turn); the billed
+            # usage is charged all the same
+            done = yield self.session.settle_call(
+                hold.id, hold.tokens, iid, billed=usage, scopes=hold.scopes, turn=state.turn
+            )
+        if answer is None:  # nothing to name the tokens after: given back
+            yield self.session.release_call(c, [iid], turn=state.turn)
+        else:
+            self.known[(c, iid)] = answer
+            self.answered.add(iid)
+            if (yield from self._storing()):  # the compactor reads the answer's text
+                yield Store(((f"{c.code}:{iid}", self.text_of(answer)),))
+        state.settled.append(done)
+        return done
+
+    def void_hold(self, hold: CallHold, turn: int) -> Op[Voided]:
+        """The call failed: its hold given back, in the session and in every scope."""
+        done: Voided = yield self.session.void_call(hold.id, scopes=hold.scopes, turn=turn)
+        return done
 
     def reconcile(self, held: Mapping[Consumer | str, Sequence[Obj]]) -> Op[Reconciled]:
         """Set the ledger to the app objects the prompt really holds, per consumer named."""

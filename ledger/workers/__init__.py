@@ -9,11 +9,14 @@ The modules, each named for what it does:
   here (``Worker``, ``WorkerSettings``, ``Metrics``, ``JsonFormatter``, ``mask_url``, ...).
 - ``settings.py``: ``WorkerSettings``, the ``LEDGER_WORKER_*`` options.
 - ``streams.py``: the job streams and their consumer group, the reads of new jobs (a
-  reader thread per partition on a cluster).
-- ``takeover.py``: jobs idle too long elsewhere, claimed (XAUTOCLAIM).
+  reader thread per partition on a cluster), the jobs idle too long elsewhere claimed
+  (``Takeover``, XAUTOCLAIM); the one module that sends stream commands (XREADGROUP,
+  XAUTOCLAIM, XCLAIM, XACK, XDEL, XADD, ...).
 - ``delivery.py``: the job threads beside the loop (at most ``max_in_flight`` jobs in
   hand), each job run, acknowledged, left pending or dead-lettered (a compaction's
   death counted as a failed compaction), and the drain at a stop.
+- ``calls.py``: ``LedgerCalls``, the ledger calls the parts make, each named (a job's
+  scripts, what a compaction reads and marks, the lease sweep, the observer lease).
 - ``jobs.py``: the job kinds, compaction and hard reset, and the compactor's call.
 - ``compactors.py``: the compactors a worker may load (``--compactor module:attr``).
 - ``leases.py``: the lease sweep and, on a cluster, the partition checks.
@@ -25,6 +28,7 @@ The modules, each named for what it does:
 
 The ``Worker`` owns one object of each part (``worker.streams``, ``worker.takeover``,
 ``worker.delivery``, ``worker.jobs``, ``worker.leases``, ``worker.observer``,
-``worker.troubles``); a part reaches the others, and the worker's public steps, through
-the worker.
+``worker.troubles``), each built with what it uses (``worker.calls``, the settings, the
+metrics, the parts it calls) passed to its constructor: no part holds the worker, and no
+module but ``runner.py`` imports ``runner``.
 """

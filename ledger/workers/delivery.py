@@ -18,20 +18,19 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
 import redis.exceptions as rex
 
-from ledger import protocol, schema
+from ledger import schema
 from ledger.errors import OperationIdReused, StaleEpoch, UnknownSession
 from ledger.models import JobKind
-from ledger.workers.jobs import CompactionDeferred, JobEffect
-from ledger.workers.logs import describe
-from ledger.workers.streams import Groups
+from ledger.workers.calls import LedgerCalls
+from ledger.workers.jobs import CompactionDeferred, JobEffect, Jobs
+from ledger.workers.logs import Troubles, describe
+from ledger.workers.metrics import Metrics
+from ledger.workers.settings import WorkerSettings
+from ledger.workers.streams import EntryId, Fields, Groups, JobStreams
 from ledger.workers.trouble import TRANSIENT, kind_of
-
-if TYPE_CHECKING:
-    from ledger.workers.runner import Worker
 
 log = logging.getLogger("ledger.worker")
 
@@ -53,8 +52,8 @@ class Entry:
     """A job read and handed over, not yet started."""
 
     partition: int
-    eid: Any
-    fields: Any
+    eid: EntryId
+    fields: Fields
     claimed: bool
     batch: Batch | None
 
@@ -62,9 +61,22 @@ class Entry:
 class Delivery:
     """A worker's job threads and the life of each job it reads."""
 
-    def __init__(self, worker: Worker) -> None:
-        self.w = worker
-        self.bound = worker.settings.max_in_flight
+    def __init__(
+        self,
+        streams: JobStreams,
+        jobs: Jobs,
+        calls: LedgerCalls,
+        settings: WorkerSettings,
+        metrics: Metrics,
+        troubles: Troubles,
+    ) -> None:
+        self.streams = streams
+        self.jobs = jobs
+        self.calls = calls
+        self.settings = settings
+        self.metrics = metrics
+        self.troubles = troubles
+        self.bound = settings.max_in_flight
         self.lock = threading.Condition()
         # Jobs handed over and not started, by (partition, session); a session here has a
         # job thread on it, or waits in `waiting` for one.
@@ -79,7 +91,6 @@ class Delivery:
         self.held: dict[str, tuple[int, str]] = {}  # every job in hand -> (partition, id)
         self.stopping = False  # the drain deadline passed: no job starts any more
         self.stop_event: threading.Event | None = None  # the loop's stop (set by Worker.run)
-        self.local = threading.local()  # .job: this thread is a job thread
 
     def close(self) -> None:
         """Nothing to wait for: job threads are daemons (a job still running at exit stays
@@ -91,7 +102,7 @@ class Delivery:
         return self.stopping or (self.stop_event is not None and self.stop_event.is_set())
 
     def in_job_thread(self) -> bool:
-        return bool(getattr(self.local, "job", False))
+        return self.troubles.in_job_thread()
 
     def free(self) -> int:
         """How many more jobs the loop may read now (max_in_flight minus those in hand)."""
@@ -158,7 +169,7 @@ class Delivery:
         self.lock.notify_all()
 
     def _work(self) -> None:
-        self.local.job = True
+        self.troubles.job_threads.job = True  # (see Troubles.in_job_thread)
         while True:
             with self.lock:
                 self.lock.wait_for(lambda: bool(self.waiting) and not self.stopping)
@@ -222,14 +233,14 @@ class Delivery:
         try:
             if not isinstance(exc, Exception):
                 raise exc
-            self.w.streams.partition_trouble(entry.partition, exc)
+            self.streams.partition_trouble(entry.partition, exc)
         except BaseException as whole:
             batch = entry.batch
             if batch is not None:
                 with self.lock:
                     batch.error = batch.error or whole
             elif isinstance(whole, Exception):
-                self.w.troubles.survive(whole, "job")
+                self.troubles.survive(whole, "job")
             else:
                 log.error(
                     "job thread interrupted", extra={"job": schema.text(entry.eid)}, exc_info=whole
@@ -241,14 +252,11 @@ class Delivery:
         this worker's takeover nor another's claims a job that is only slow. Called by
         the loop every claim_idle_ms / 4."""
         with self.lock:
-            by: dict[int, list[Any]] = {}
+            by: dict[int, list[str]] = {}
             for p, eid in self.held.values():
                 by.setdefault(p, []).append(eid)
-        s = self.w.settings
         for p, eids in by.items():
-            self.w.ledger.client.xclaim(
-                self.w.streams.stream(p), s.group, s.consumer, 0, eids, justid=True
-            )
+            self.streams.renew(p, eids)
 
     def run_groups(self, groups: Groups) -> int:
         """Run the jobs read and wait for them (``poll_once``, ``take_over``, ``--once``):
@@ -287,40 +295,37 @@ class Delivery:
         deliveries = 1
         if claimed:  # a claim counted one more than the attempts before it
             with contextlib.suppress(rex.RedisError):
-                s, stream = self.w.settings, self.w.streams.stream(p)
-                info = self.w.ledger.client.xpending_range(stream, s.group, eid, eid, 1)
-                deliveries = int(info[0]["times_delivered"]) if info else 1
-        self.uncount(self.w.streams.stream(p), eid, deliveries)
+                deliveries = self.streams.deliveries(p, eid)
+        self.streams.uncount(p, eid, deliveries)
 
     def deliver(
         self,
         partition: int,
-        entry_id: bytes | str,
-        raw: Mapping[bytes | str, bytes | str],
+        entry_id: EntryId,
+        raw: Fields,
         claimed: bool,
     ) -> int:
-        s, client, stream = self.w.settings, self.w.ledger.client, self.w.streams.stream(partition)
+        s, streams = self.settings, self.streams
         eid = schema.text(entry_id)
         fields = {schema.text(k): schema.text(v) for k, v in raw.items()}
         kind = fields.get(schema.JOB_KIND, "?")
         deliveries = 1
         if claimed:
-            info = client.xpending_range(stream, s.group, min=eid, max=eid, count=1)
-            deliveries = int(info[0]["times_delivered"]) if info else 1
-            self.w.metrics.retried.inc()
+            deliveries = streams.deliveries(partition, eid)
+            self.metrics.retried.inc()
             if deliveries > s.max_deliveries:
                 return self.bury(partition, eid, fields, f"delivered {deliveries} times")
         if not claimed:  # from its enqueueing (the entry id's time, Redis's clock) to now
             waited = time.time() - int(eid.split("-", 1)[0]) / 1000
-            self.w.metrics.queue_wait.labels(kind).observe(max(0.0, waited))
+            self.metrics.queue_wait.labels(kind).observe(max(0.0, waited))
         started = time.monotonic()
         try:
-            outcome = self.w.handle(eid, fields)
+            outcome = self.jobs.handle(eid, fields)
         except CompactionDeferred as exc:
             # Not a failure: the session's turn is still running. The job stays pending
             # (its delivery uncounted, so it is never dead-lettered for it) for a claim.
-            self.uncount(stream, eid, deliveries)
-            self.w.metrics.deferred.inc()
+            streams.uncount(partition, eid, deliveries)
+            self.metrics.deferred.inc()
             log.info("job deferred", extra={"job": eid, "kind": kind, "why": str(exc)})
             return 0
         except Exception as exc:
@@ -328,14 +333,14 @@ class Delivery:
             if trouble in TRANSIENT:
                 # Redis could not serve the job now: not a failure of the job. It stays
                 # pending, this delivery uncounted, for a later claim.
-                self.uncount(stream, eid, deliveries)
+                streams.uncount(partition, eid, deliveries)
                 if trouble != "oom":
                     raise  # the partition's pass ends here
                 # Out of memory: the next job may need no memory, or free some.
-                self.w.troubles.met(trouble, exc, partition=partition, job=eid)
+                self.troubles.met(trouble, exc, partition=partition, job=eid)
                 return 0
             # The job's own failure: it stays pending; a later claim retries it.
-            self.w.metrics.failed.labels(kind).inc()
+            self.metrics.failed.labels(kind).inc()
             log.warning(
                 "job failed",
                 extra={"job": eid, "kind": kind, "error": describe(exc)},
@@ -343,24 +348,19 @@ class Delivery:
             )
             error = repr(exc)[:500]  # the job's value in the errors hash (schema.JOB_ERROR)
             try:
-                client.hset(self.w.streams.errors_hash(partition), eid, error)
+                streams.record_error(partition, eid, error)
             except Exception as rec:
                 if kind_of(rec) is None:
                     raise
-                self.w.troubles.met(kind_of(rec) or "redis", rec, partition=partition, job=eid)
+                self.troubles.met(kind_of(rec) or "redis", rec, partition=partition, job=eid)
             return 0
-        # Delete before acknowledging: a crash in between leaves a pending entry whose
-        # body is gone, which the next claim acknowledges (the other order would leave
-        # an acknowledged entry in the stream for ever). compact.lua deleted it already.
-        client.xdel(stream, eid)
-        client.xack(stream, s.group, eid)
-        if claimed:  # an earlier attempt may have recorded an error
-            client.hdel(self.w.streams.errors_hash(partition), eid)
+        # (compact.lua deleted a compaction's entry already)
+        streams.done(partition, eid, claimed)
         took = time.monotonic() - started
-        self.w.metrics.processed.labels(kind).inc()
-        self.w.metrics.duration.labels(kind).observe(took)
+        self.metrics.processed.labels(kind).inc()
+        self.metrics.duration.labels(kind).observe(took)
         if outcome.effect == JobEffect.SKIPPED:
-            self.w.metrics.skipped.labels(kind).inc()
+            self.metrics.skipped.labels(kind).inc()
         log.info(
             "job done",
             extra={
@@ -373,44 +373,19 @@ class Delivery:
         )
         return 1
 
-    def uncount(self, stream: str, eid: str, deliveries: int) -> None:
-        """Give a pending entry back the delivery count it had before this delivery
-        (XCLAIM RETRYCOUNT to itself), so that Redis trouble does not dead-letter it.
-        Best effort: with Redis unreachable the count stays one higher."""
-        with contextlib.suppress(rex.RedisError):
-            self.w.ledger.client.xclaim(
-                stream,
-                self.w.settings.group,
-                self.w.settings.consumer,
-                min_idle_time=0,
-                message_ids=[eid],
-                retrycount=max(0, deliveries - 1),
-                justid=True,
-            )
-
     def bury(self, partition: int, eid: str, fields: dict[str, str], why: str) -> int:
         """Dead-letter a job delivered ``max_deliveries`` times. A compaction's death is
         first committed as a failed compaction (``fail_compaction``): a dead letter never
         leaves its session waiting for a compaction nobody will make. While the session's
         turn is open that commit is staged (``staged``): it is judged, and counted, when the
         session's next turn begins."""
-        client, s = self.w.ledger.client, self.w.settings
         counted = self.fail_compaction(eid, fields)
-        errors = self.w.streams.errors_hash(partition)
-        last = client.hget(errors, eid)
+        last = self.streams.last_error(partition, eid)
         if counted:
             why += f"; counted as a failed compaction ({counted})"
-        entry = schema.DeadLetterEntry(fields, job=eid, why=why, error=schema.text(last or ""))
-        client.xadd(
-            self.w.streams.dead_letter(partition),
-            entry.to_fields(),  # type: ignore[arg-type]
-            maxlen=s.dead_letter_max,
-            approximate=True,
-        )
-        client.xdel(self.w.streams.stream(partition), eid)
-        client.xack(self.w.streams.stream(partition), s.group, eid)
-        client.hdel(errors, eid)
-        self.w.metrics.dead.inc()
+        entry = schema.DeadLetterEntry(fields, job=eid, why=why, error=last)
+        self.streams.bury(partition, eid, entry)
+        self.metrics.dead.inc()
         kind = fields.get(schema.JOB_KIND)
         log.error(
             "job dead-lettered",
@@ -433,16 +408,14 @@ class Delivery:
             return ""
         if job.kind != JobKind.COMPACT:
             return ""
-        keys = self.w.ledger.keyspace.session(job.session)
+        keys = self.calls.session_keys(job.session)
         try:
-            snap = self.w.ledger.run(protocol.snapshot(keys))
-            if not self.w.jobs.same_incarnation(snap, job) or snap.raw.get(schema.AGENT_COMPACTS):
+            snap = self.calls.snapshot(keys)
+            if not self.jobs.same_incarnation(snap, job) or snap.raw.get(schema.AGENT_COMPACTS):
                 return ""
             if snap.epoch != job.epoch:
                 return ""
-            done = self.w.ledger.run(
-                protocol.compact(keys, f"job-{eid}", job.epoch, [], None, job=eid)
-            )
+            done = self.calls.compact(keys, f"job-{eid}", job.epoch, [], None, job=eid)
         except (StaleEpoch, UnknownSession, OperationIdReused):
             return ""
         log.warning(
@@ -458,12 +431,12 @@ class Delivery:
         return str(done.outcome)
 
 
-def ref(partition: int, entry_id: Any) -> str:
+def ref(partition: int, entry_id: EntryId) -> str:
     """A job's reference across partitions, as ``ledger dead`` writes it: 'p<N>:<id>'."""
     return f"p{partition}:{schema.text(entry_id)}"
 
 
-def field_text(fields: Any, name: str) -> str:
+def field_text(fields: Fields | None, name: str) -> str:
     for k, v in (fields or {}).items():
         if schema.text(k) == name:
             return schema.text(v)

@@ -19,15 +19,24 @@ import threading
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-if TYPE_CHECKING:
-    from ledger.workers.runner import Worker
+if TYPE_CHECKING:  # (the probe, python -m ledger.workers.http, imports no more)
+    from ledger.workers.metrics import Metrics
 
 
-def serve(worker: Worker, port: int, stale_s: float, host: str = "") -> ThreadingHTTPServer:
+class Served(Protocol):
+    """What the endpoint reads of a worker: its metrics, and its health."""
+
+    @property
+    def metrics(self) -> Metrics: ...
+
+    def health(self, stale_s: float) -> tuple[bool, bool, str]: ...
+
+
+def serve(worker: Served, port: int, stale_s: float, host: str = "") -> ThreadingHTTPServer:
     """Start the endpoint on ``port`` (0: a free one; see ``server_address``) in a daemon
     thread; ``shutdown()`` then ``server_close()`` stop it."""
 

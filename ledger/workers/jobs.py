@@ -12,21 +12,15 @@ import inspect
 import threading
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TypeVar
 
-from ledger import protocol, schema
-from ledger.errors import (
-    LedgerError,
-    OperationIdReused,
-    StaleEpoch,
-    UnknownSession,
-    translated,
-)
-from ledger.models import Compaction, CompactionOutcome, JobKind
+from ledger import schema
+from ledger.errors import LedgerError, OperationIdReused, StaleEpoch, UnknownSession
+from ledger.keys import SessionKeys
+from ledger.models import CompactionOutcome, HeldItem, JobKind, Snapshot
 from ledger.workers import compactors
-
-if TYPE_CHECKING:
-    from ledger.workers.runner import Worker
+from ledger.workers.calls import LedgerCalls
+from ledger.workers.settings import WorkerSettings
 
 T = TypeVar("T")
 
@@ -53,8 +47,15 @@ class CompactionDeferred(LedgerError):
 class Jobs:
     """A worker's job handlers, and the event loop its async compactors run on."""
 
-    def __init__(self, worker: Worker) -> None:
-        self.w = worker
+    def __init__(
+        self,
+        calls: LedgerCalls,
+        settings: WorkerSettings,
+        compactor: compactors.AnyCompactor | None,
+    ) -> None:
+        self.calls = calls
+        self.settings = settings
+        self.compactor = compactor  # None: compaction jobs are left for another worker
         self._loop: asyncio.AbstractEventLoop | None = None  # for async compactors
         self._loop_thread: threading.Thread | None = None
         self._loop_lock = threading.Lock()
@@ -93,7 +94,7 @@ class Jobs:
             return self._hard_reset(job_id, job)
         return self._compact(job_id, job)
 
-    def same_incarnation(self, snap: Any, job: schema.JobEntry) -> bool:
+    def same_incarnation(self, snap: Snapshot, job: schema.JobEntry) -> bool:
         """A job belongs to the session it was enqueued for, not to a later one that was
         opened under the same id after the first was closed or expired."""
         return job.inc == 0 or snap.raw.get(schema.INCARNATION, 0) == job.inc
@@ -102,25 +103,24 @@ class Jobs:
         # Applied once however late it is delivered again, even after the op retention
         # dropped its stored outcome: the reset moves the session from the job's epoch e
         # to e + 1, and reset.lua refuses a call fenced at e as stale from then on.
-        keys = self.w.ledger.keyspace.session(f.session)
+        keys = self.calls.session_keys(f.session)
         try:
-            snap = self.w.ledger.run(protocol.snapshot(keys))
+            snap = self.calls.snapshot(keys)
         except UnknownSession:
             return JobOutcome(JobKind.HARD_RESET, JobEffect.SKIPPED)
         if not self.same_incarnation(snap, f):
             return JobOutcome(JobKind.HARD_RESET, JobEffect.SKIPPED)
-        call = protocol.reset(keys, f"job-{job_id}", f.epoch, f.reason or "job")
         try:
-            self.w.ledger.run(call)
+            self.calls.reset(keys, f"job-{job_id}", f.epoch, f.reason or "job")
         except (StaleEpoch, UnknownSession, OperationIdReused):
             return JobOutcome(JobKind.HARD_RESET, JobEffect.ALREADY)
         return JobOutcome(JobKind.HARD_RESET, JobEffect.APPLIED)
 
     def _compact(self, job_id: str, f: schema.JobEntry) -> JobOutcome:
         sid, epoch = f.session, f.epoch
-        keys = self.w.ledger.keyspace.session(sid)
+        keys = self.calls.session_keys(sid)
         try:
-            snap = self.w.ledger.run(protocol.snapshot(keys))
+            snap = self.calls.snapshot(keys)
         except UnknownSession:
             return JobOutcome(JobKind.COMPACT, JobEffect.SKIPPED)
         if not self.same_incarnation(snap, f):
@@ -131,7 +131,8 @@ class Jobs:
             # The agent compacts this session inline (a job from before an ownership
             # change, or written by hand): the worker keeps out.
             return JobOutcome(JobKind.COMPACT, JobEffect.SKIPPED)
-        if self.w.compactor is None:
+        compactor = self.compactor
+        if compactor is None:
             # Not this worker's job: it stays pending, its delivery uncounted (never
             # dead-lettered for it), for a worker with a compactor to take over.
             raise CompactionDeferred(
@@ -143,43 +144,33 @@ class Jobs:
             # compaction would replace. Running the compactor again would only count
             # failures past the maximum.
             return JobOutcome(JobKind.COMPACT, JobEffect.SKIPPED)
-        turn, items = self._history(keys.session)
-        contents = self._contents(keys.content, items)
-        compactor = self.w.compactor
-        self._mark_compacting(keys, int(snap.raw.get(schema.IDLE_TTL) or 86_400_000))
+        turn, items = self.calls.history(keys)
+        contents = self.calls.contents(keys, items)
+        self.calls.mark_compacting(
+            keys,
+            self.settings.consumer,
+            self.settings.turn_wait + 60,
+            int(snap.raw.get(schema.IDLE_TTL) or 86_400_000),
+        )
         try:
             return self._compact_with(
                 compactor, keys, job_id, sid, epoch, snap, turn, items, contents
             )
         finally:
             # (if this fails, the mark says so until its time is up)
-            with contextlib.suppress(LedgerError), translated():
-                self.w.ledger.client.hdel(keys.compacted, schema.COMPACTING)
-
-    def _mark_compacting(self, keys: Any, ttl_ms: int) -> None:
-        """Say (field '~' of the session's summaries hash: schema.COMPACTING) that this
-        worker computes the session's compaction, until when on Redis's clock: an agent
-        beginning a turn waits for a compaction a worker is on, not for one nobody picked
-        up."""
-        client = self.w.ledger.client
-        with translated():
-            sec, usec = client.time()
-            until = sec * 1000 + usec // 1000 + int(1000 * (self.w.settings.turn_wait + 60))
-            pipe = client.pipeline(transaction=False)
-            pipe.hset(keys.compacted, schema.COMPACTING, f"{self.w.settings.consumer}|{until}")
-            pipe.pexpire(keys.compacted, ttl_ms)
-            pipe.execute()
+            with contextlib.suppress(LedgerError):
+                self.calls.unmark_compacting(keys)
 
     def _compact_with(
         self,
         compactor: compactors.AnyCompactor,
-        keys: Any,
+        keys: SessionKeys,
         job_id: str,
         sid: str,
         epoch: int,
-        snap: Any,
+        snap: Snapshot,
         turn: int,
-        items: tuple[Any, ...],
+        items: tuple[HeldItem, ...],
         contents: dict[str, str],
     ) -> JobOutcome:
         """Plan (the compactor) and commit: applied now between turns, or staged while a
@@ -209,38 +200,15 @@ class Jobs:
         # summary's text goes with it: stored with the effect, the replaced versions' texts
         # removed with it (an item admitted again since keeps its new text).
         text = plan.summary_text if plan.summary is not None else None
-        call = protocol.compact(
-            keys, f"job-{job_id}", epoch, replaced, plan.summary, job=job_id,
-            summary_text=text, read=max((i.seq for i in items), default=0),
-        )  # fmt: skip
         try:
-            done: Compaction = self.w.ledger.run(call)
+            done = self.calls.compact(
+                keys, f"job-{job_id}", epoch, replaced, plan.summary, job=job_id,
+                summary_text=text, read=max((i.seq for i in items), default=0),
+            )  # fmt: skip
         except (StaleEpoch, UnknownSession, OperationIdReused):
             return JobOutcome(JobKind.COMPACT, JobEffect.ALREADY)
         already = done.outcome == CompactionOutcome.ALREADY
         return JobOutcome(JobKind.COMPACT, JobEffect.ALREADY if already else JobEffect.APPLIED)
-
-    def _history(self, session_key: str) -> tuple[int, tuple[Any, ...]]:
-        """The turn the compaction prepares (the open one, else the next) and the items of
-        the session's committed turns, from one HGETALL: an open turn's own items may yet
-        be rolled back, so no summary may hold them."""
-        with translated():
-            fields = self.w.ledger.client.hgetall(session_key)
-        wanted = (schema.TURN, schema.TURN_OWNER)
-        text = {
-            schema.text(k): schema.text(v) for k, v in fields.items() if schema.text(k) in wanted
-        }
-        tn = int(text.get(schema.TURN) or 0)
-        turn = tn if schema.TURN_OWNER in text else tn + 1
-        return turn, tuple(protocol.committed_items(fields))
-
-    def _contents(self, key: str, items: tuple[Any, ...]) -> dict[str, str]:
-        """The stored texts of the held items ('<c>:<id>' -> text)."""
-        if not items:
-            return {}
-        fields = [f"{i.consumer.code}:{i.id}" for i in items]
-        values = self.w.ledger.client.hmget(key, fields)
-        return {f: schema.text(v) for f, v in zip(fields, values, strict=True) if v is not None}
 
 
 async def _awaited(aw: Awaitable[T]) -> T:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -14,8 +15,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 from ledger.workers.trouble import WHOLE_PASS, kind_of
 
-if TYPE_CHECKING:
-    from ledger.workers.runner import Worker
+if TYPE_CHECKING:  # (metrics.py imports describe from here)
+    from ledger.workers.metrics import Metrics
 
 log = logging.getLogger("ledger.worker")
 
@@ -48,8 +49,10 @@ class Troubles:
     kind, and remembered for the loop (``troubled``: back off before the next pass;
     ``last_kind``: whether Redis still answered)."""
 
-    def __init__(self, worker: Worker) -> None:
-        self.w = worker
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        # .job: this thread is one of delivery's job threads (set by the thread itself)
+        self.job_threads = threading.local()
         self.troubled = False  # this pass met a Redis error: back off before the next
         self.last_kind: str | None = None
         self._said: dict[str, float] = {}  # kind -> when it was last logged
@@ -59,9 +62,9 @@ class Troubles:
         """Count a Redis error the worker survives; log it (each kind at most every 10 s,
         with the number of occurrences not logged in between). Met by the job loop (not
         by a job thread, which leaves its job pending), it makes the loop back off."""
-        if not self.w.delivery.in_job_thread():
+        if not self.in_job_thread():
             self.troubled = True
-        self.w.metrics.errors.labels(kind).inc()
+        self.metrics.errors.labels(kind).inc()
         now = time.monotonic()
         if now - self._said.get(kind, float("-inf")) < 10:
             self._unsaid[kind] = self._unsaid.get(kind, 0) + 1
@@ -77,6 +80,11 @@ class Troubles:
             },
         )
 
+    def in_job_thread(self) -> bool:
+        """A job thread's trouble leaves its job pending; it does not make the loop back
+        off."""
+        return bool(getattr(self.job_threads, "job", False))
+
     def redis_ok_despite_trouble(self) -> bool:
         """After a troubled pass: whether Redis still answered (the trouble was a job's
         or a bug's, not an outage or a refusal)."""
@@ -89,7 +97,7 @@ class Troubles:
         self.last_kind = kind
         if kind is None:
             self.troubled = True
-            self.w.metrics.errors.labels("internal").inc()
+            self.metrics.errors.labels("internal").inc()
             log.error(
                 "unexpected error in the worker loop (a bug?); going on after a backoff",
                 extra={"where": where, "kind": "internal", "error": describe(exc)},

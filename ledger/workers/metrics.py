@@ -11,11 +11,12 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-import redis.exceptions as rex
-
-from ledger import __version__, schema
+from ledger._version import __version__
+from ledger.errors import translated
 from ledger.extras import missing
+from ledger.workers.calls import LedgerCalls
 from ledger.workers.logs import describe
+from ledger.workers.settings import WorkerSettings
 from ledger.workers.trouble import kind_of
 
 try:
@@ -25,9 +26,9 @@ try:
 except ImportError as exc:  # the worker's metrics: the `worker` extra
     raise missing("prometheus-client", "worker", "the ledger worker") from exc
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # (streams.py imports this module)
     from ledger.models import ScopeUsage
-    from ledger.workers.runner import Worker
+    from ledger.workers.streams import JobStreams
 
 log = logging.getLogger("ledger.worker")
 
@@ -249,8 +250,10 @@ class Metrics:
 class Observer:
     """A worker's metrics passes, in a thread of their own (with ``metrics_port``)."""
 
-    def __init__(self, worker: Worker) -> None:
-        self.w = worker
+    def __init__(
+        self, calls: LedgerCalls, streams: JobStreams, settings: WorkerSettings, metrics: Metrics
+    ) -> None:
+        self.calls, self.streams, self.settings, self.metrics = calls, streams, settings, metrics
         self.scope_names: list[str] | None = None  # the last search's, on the lease holder
         self.scanned = 0.0  # when (time.monotonic())
         self.damaged: list[str] = []  # scopes whose hash did not read, at the last pass
@@ -259,94 +262,59 @@ class Observer:
         """Whether this worker keeps the fleet's indicators for the next pass: one worker
         at a time does (SET NX PX, renewed by its holder), so a sum over workers counts
         each change once. A dead holder's lease lapses after three passes."""
-        key, ms = self.w.ledger.keyspace.observer(), int(self.w.settings.observe_interval * 3000)
-        me = self.w.settings.consumer
-        holder = self.w.ledger.client.set(key, me, nx=True, px=ms, get=True)
-        if holder is None:
-            return True
-        if (holder.decode() if isinstance(holder, bytes) else holder) == me:
-            self.w.ledger.client.pexpire(key, ms)
-            return True
-        return False
+        ms = int(self.settings.observe_interval * 3000)
+        return self.calls.observer_lease(self.settings.consumer, ms)
 
     def loop(self, stop: threading.Event) -> None:
         """The metrics passes, every observe_interval, in their own thread: a slow Redis
         never holds up a job, a lease or SIGTERM."""
         while not stop.is_set():
             try:
-                self.w.observe()
+                with translated():
+                    self.observe()
             except Exception as exc:  # counted and logged; the job loop is not disturbed
                 kind = kind_of(exc) or "internal"
-                self.w.metrics.errors.labels(kind).inc()
+                self.metrics.errors.labels(kind).inc()
                 log.warning(
                     "metrics pass failed; the next one runs on schedule",
                     extra={"where": "observe", "kind": kind, "error": describe(exc)},
                 )
-            stop.wait(self.w.settings.observe_interval)
+            stop.wait(self.settings.observe_interval)
 
     def tallies(self) -> dict[str, int]:
-        """The fleet's indicators: every partition's tally (one small hash each, kept by
-        the scripts as they count), summed; one pipeline, whatever the sessions."""
-        client, ks = self.w.ledger.client, self.w.ledger.keyspace
-        pipe = client.pipeline(transaction=False)
-        for p in range(ks.partitions):
-            pipe.hgetall(ks.tally(p))
-        total: dict[str, int] = {}
-        for got in pipe.execute():
-            for k, v in got.items():
-                name = k.decode() if isinstance(k, bytes) else k
-                total[name] = total.get(name, 0) + int(v)
-        return total
+        """The fleet's indicators (see ``LedgerCalls.tallies``)."""
+        return self.calls.tallies()
 
     def observe(self) -> None:
         """Refresh the lag and dead-letter gauges; on the observer lease's holder, read
         the fleet's indicators from the partitions' tallies (no session is read)."""
-        client, s = self.w.ledger.client, self.w.settings
-        for p in self.w.partitions:
-            try:
-                groups = client.xinfo_groups(self.w.streams.stream(p))
-            except rex.ResponseError as exc:
-                if "no such key" not in str(exc).lower():
-                    raise
-                groups = []  # the stream is gone: the next poll reports it and makes it again
-            lag = pending = 0
-            for g in groups:
-                name = g["name"].decode() if isinstance(g["name"], bytes) else g["name"]
-                if name == s.group:
-                    lag, pending = int(g.get("lag") or 0), int(g.get("pending") or 0)
-            self.w.metrics.lag.labels(str(p)).set(lag)
-            self.w.metrics.pending.labels(str(p)).set(pending)
-            self.w.metrics.dead_depth.labels(str(p)).set(client.xlen(self.w.streams.dead_letter(p)))
+        for p in self.streams.partitions:
+            lag, pending = self.streams.lag_and_pending(p)
+            self.metrics.lag.labels(str(p)).set(lag)
+            self.metrics.pending.labels(str(p)).set(pending)
+            self.metrics.dead_depth.labels(str(p)).set(self.streams.dead_letters_depth(p))
         held = self.lease()
-        self.w.metrics.observer.set(1 if held else 0)
-        self.w.metrics.indicators.values = self.tallies() if held else None
-        if held and s.scope_metrics_max:
+        self.metrics.observer.set(1 if held else 0)
+        self.metrics.indicators.values = self.tallies() if held else None
+        if held and self.settings.scope_metrics_max:
             self.scopes()
         else:
-            self.w.metrics.scopes.values = None
+            self.metrics.scopes.values = None
 
     def scopes(self) -> None:
         """Read the budget scopes for ``ScopeMetrics``: the scopes are searched for (one
         SCAN with a MATCH on their key prefix) at most every scope_scan_interval; at every
         pass the first scope_metrics_max of them are read whole (HGETALL and ZRANGE each,
         pipelined), and of the others only their refusals (one HGET each, pipelined)."""
-        from ledger.views import scope_names, scope_usages
-
-        s, now, m = self.w.settings, time.monotonic(), self.w.metrics.scopes
+        s, now, m = self.settings, time.monotonic(), self.metrics.scopes
         if self.scope_names is None or now - self.scanned >= s.scope_scan_interval:
-            self.scope_names = m.order(scope_names(self.w.ledger))
+            self.scope_names = m.order(self.calls.scope_names())
             self.scanned = now
         cap = s.scope_metrics_max
         shown, rest = self.scope_names[:cap], self.scope_names[cap:]
         damaged: dict[str, str] = {}
-        values = scope_usages(self.w.ledger, shown, damaged)
-        other = 0
-        if rest:
-            ks = self.w.ledger.keyspace
-            pipe = self.w.ledger.client.pipeline(transaction=False)
-            for name in rest:
-                pipe.hget(ks.scope(name).hash, schema.SCOPE_REFUSED)
-            other = sum(int(v) for v in pipe.execute() if v is not None and v.isdigit())
+        values = self.calls.scope_usages(shown, damaged)
+        other = self.calls.scope_refusals(rest)
         changed = len(rest) != m.folded or sorted(damaged) != self.damaged
         if changed and (rest or damaged):  # logged once each time the set changes
             log.warning(

@@ -57,23 +57,28 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, ParamSpec, TypeVar
+from typing import ParamSpec, TypeVar
 
-import redis
-import redis.cluster
-
-from ledger import backends, health
+from ledger import health
 from ledger.client import Ledger
 from ledger.errors import ConfigurationError, translated
 from ledger.workers import compactors
+from ledger.workers.calls import LedgerCalls
 from ledger.workers.delivery import Delivery
 from ledger.workers.jobs import CompactionDeferred, JobOutcome, Jobs
 from ledger.workers.leases import Leases, next_round
 from ledger.workers.logs import MESSAGES, JsonFormatter, Troubles, mask_url
 from ledger.workers.metrics import FleetIndicators, Metrics, Observer
 from ledger.workers.settings import WorkerSettings
-from ledger.workers.streams import Groups, JobStreams, Readers, collect
-from ledger.workers.takeover import EVERY_PARTITION, Takeover
+from ledger.workers.streams import (
+    EVERY_PARTITION,
+    Groups,
+    JobStreams,
+    Readers,
+    ReadResult,
+    Takeover,
+    collect,
+)
 from ledger.workers.trouble import WHOLE_PASS, Backoff, kind_of
 
 # The names other modules, the tests and the docs import from here.
@@ -109,11 +114,10 @@ def _ledger_errors(method: Callable[_P, _R]) -> Callable[_P, _R]:
 
 
 class Worker:
-    """The worker loop. Its parts, each owned by the worker and each a module of
-    ``ledger.workers``: ``streams`` (the job streams and their reads), ``takeover``
-    (claims of idle jobs), ``delivery`` (running each job read), ``jobs`` (the job
-    kinds), ``leases`` (lease sweeps and cluster checks), ``observer`` (the metrics
-    passes) and ``troubles`` (the errors it survives)."""
+    """The worker loop. Its parts, each built with what it uses: ``streams`` (the job
+    streams and their reads), ``takeover`` (claims of idle jobs), ``delivery`` (running
+    each job read), ``jobs`` (the job kinds), ``leases`` (lease sweeps and cluster checks),
+    ``observer`` (the metrics passes) and ``troubles`` (the errors it survives)."""
 
     def __init__(
         self,
@@ -135,29 +139,27 @@ class Worker:
         check = getattr(self.compactor, "check", None)
         if callable(check):
             check()
-        self.partitions = range(ledger.keyspace.partitions)
+        self.calls = LedgerCalls(ledger)
+        self.partitions = self.calls.partitions
         self.beat: float | None = None  # monotonic time the job loop last turned
         self.stopping = False  # the loop ended: draining, then gone
         self.signals: list[str] = []  # the signals received (the CLI's handler adds them)
         self.redis_ok = False  # Redis answered the loop's last pass
-        # One command may name every partition's keys only outside a cluster (there a
-        # command stays within one hash slot, and each partition has its own).
-        url = ledger.settings.redis_url
-        self.one_node = url is not None and backends.parse_url(url).kind != "cluster"
-        # Blocking reads on a real server (a reader per partition on a cluster); the
-        # embedded backend polls.
-        self.blocking = self.one_node and type(ledger.client) is redis.Redis
-        self.on_cluster = isinstance(ledger.client, redis.cluster.RedisCluster)
+        self.one_node = self.calls.one_node  # one server: one command names every partition
+        self.blocking = self.calls.blocking  # blocking reads (the embedded backend polls)
+        self.on_cluster = self.calls.on_cluster
         self._last_sweep = 0.0
         self._last_health = float("-inf")
         self._health_said: tuple[str, ...] | None = None
-        self.troubles = Troubles(self)
-        self.streams = JobStreams(self)
-        self.takeover = Takeover(self)
-        self.jobs = Jobs(self)
-        self.delivery = Delivery(self)
-        self.leases = Leases(self)
-        self.observer = Observer(self)
+        # The parts, each built with what it uses (none holds the worker).
+        calls, s, m = self.calls, self.settings, self.metrics
+        self.troubles = Troubles(m)
+        self.streams = JobStreams(calls, s, m, self.troubles)
+        self.takeover = Takeover(self.streams, s, m, self.troubles)
+        self.jobs = Jobs(calls, s, self.compactor)
+        self.delivery = Delivery(self.streams, self.jobs, calls, s, m, self.troubles)
+        self.leases = Leases(calls, s, m, self.troubles)
+        self.observer = Observer(calls, self.streams, s, m)
 
     def close(self) -> None:
         """Stop the job threads and the async compactors' event loop."""
@@ -265,7 +267,7 @@ class Worker:
     def check_redis(self) -> health.HealthReport:
         """Check the Redis settings the ledger needs; log a warning when what is wrong
         changes (and at the first check), set ``ledger_redis_config_ok``."""
-        report = health.check(self.ledger.client, self.ledger.settings.redis_url)
+        report = self.calls.check_health()
         self.metrics.config_ok.set(1 if report.embedded else report.gauge)
         said = tuple(health.describe(report))
         if said != self._health_said:
@@ -354,7 +356,7 @@ class Worker:
         # the partitions to claim from); on a cluster < claim_idle_ms + check_every.
         claim_every = s.claim_idle_ms / 4000
         claims = 0
-        readers = Readers(self) if self.on_cluster and not once else None
+        readers = Readers(self.streams, self.calls, s) if self.on_cluster and not once else None
         slices = self.leases.slices(time.monotonic()) if readers is not None else []
         taken: list[int] = []  # partitions whose readers' results were taken
         down_since: float | None = None  # when the loop last found Redis not answering
@@ -367,7 +369,8 @@ class Worker:
                 self._last_health = now
                 self.troubles.guard(self.check_redis, "health")
             if readers is not None:
-                self.leases.checked(now, slices)
+                take = functools.partial(self.take_over, False)
+                self.leases.checked(now, slices, self.sweep, take)
             elif now - self._last_sweep >= s.sweep_interval:
                 self._last_sweep = now
                 self.troubles.guard(self.sweep, "sweep")
@@ -411,7 +414,7 @@ class Worker:
                     # due goes first: jobs a dead worker left wait longest already.
                     self.delivery.wait_free(wait)
                 elif readers is None:
-                    read = functools.partial(self.streams.read_blocking, wait, free)
+                    read = functools.partial(self._read_blocking, wait, free)
                     worked = self.troubles.guard(functools.partial(self.handed, read, free), "poll")
                 else:
                     got_read = readers.take(wait)
@@ -451,7 +454,13 @@ class Worker:
         left = self.troubles.guard(self.leave_groups, "leave") if not once else 0
         log.info("worker stopped", extra={"consumer": self.settings.consumer, "left": left})
 
-    def _results(self, got: list[tuple[int, Any]]) -> Groups:
+    def _read_blocking(self, block: float, count: int) -> Groups:
+        """New jobs (``JobStreams.read_blocking``); a stream found missing: a read of
+        each partition (``gather``), which reports the loss and makes the group again."""
+        got = self.streams.read_blocking(block, count)
+        return self.gather(count) if got is None else got
+
+    def _results(self, got: list[tuple[int, ReadResult]]) -> Groups:
         groups: Groups = {}
         self.streams.read_results(got, groups)
         return groups
