@@ -293,6 +293,12 @@ def test_ledger_top_tenant_shows_its_scopes_and_only_its_sessions(
     assert lines[2] == f"{a}/key-7: left output 1300/2000; refused 1; holds 0"
     rows = [ln.split()[0] for ln in lines if ln.split()[1:2] == ["ok"]]
     assert rows == ["chat-1"]  # not b's, not the session without a tenant
+    for k in range(4):  # 6 scopes: 4 lines, then how many more
+        led.set_scope(f"{a}/user-{k}", ScopeBudget(window_ms=DAY, input=10))
+    assert cli.main([*base, "--tenant", a]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith(f"{a}: left") and lines[4].startswith(f"{a}/user-1: left input")
+    assert lines[5] == "+2 more scopes: ledger inspect --tenant"
     assert cli.main([*base, "--tenant", f"{a}/key-7"]) == cli.EXIT_USAGE  # not a tenant
     assert "a tenant is a scope without '/'" in capsys.readouterr().err
 
