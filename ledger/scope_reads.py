@@ -4,7 +4,6 @@ Read-only, on the sync face; no script runs."""
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,14 +59,24 @@ def scope_reads(
     return int(secs) * 1000 + int(micros) // 1000, out
 
 
-def scope_usages(ledger: Ledger, names: Sequence[str]) -> list[ScopeUsage]:
+def scope_usages(
+    ledger: Ledger, names: Sequence[str], damaged: dict[str, str] | None = None
+) -> list[ScopeUsage]:
     """Each named scope's window as it stands (``Ledger.scope_usage``), in one pipelined
-    round trip per ``BATCH`` scopes; a scope deleted since it was listed is left out."""
+    round trip per ``BATCH`` scopes; a scope deleted since it was listed is left out, and
+    so is one whose hash does not read as the scripts write it (a field that holds no
+    number), put in ``damaged`` with what is wrong when that is given (else raised)."""
     now, reads = scope_reads(ledger, names)
     out = []
     for name, fields, holds in reads:
-        with contextlib.suppress(UnknownScope):
+        try:
             out.append(protocol.scope_usage(name, fields, holds, now))
+        except UnknownScope:
+            continue
+        except (ValueError, IndexError, KeyError) as exc:
+            if damaged is None:
+                raise
+            damaged[name] = f"{type(exc).__name__}: {exc}"
     return out
 
 
@@ -80,4 +89,4 @@ def scope_refusals(ledger: Ledger, names: Sequence[str]) -> int:
     with translated(), ledger.client.pipeline(transaction=False) as pipe:
         for name in names:
             pipe.hget(ks.scope(name).hash, schema.SCOPE_REFUSED)
-        return sum(int(v or 0) for v in pipe.execute())
+        return sum(int(v) for v in pipe.execute() if v is not None and v.isdigit())

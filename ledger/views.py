@@ -557,6 +557,11 @@ def tenant_view(ledger: Ledger, tenant: str) -> TenantView:
             usages.append(protocol.scope_usage(name, fields, index, now))
         except UnknownScope:
             continue
+        except (ValueError, IndexError, KeyError) as exc:  # written by hand or by another program
+            raise LedgerError(
+                f"scope {name}: damaged: its hash does not read as the scripts write it "
+                f"({type(exc).__name__}: {exc})"
+            ) from exc
         for member, deadline in index:
             sid, _, rid = member.rpartition("|")
             raw = fields.get("q:" + member, "")

@@ -293,6 +293,12 @@ def test_ledger_top_tenant_shows_its_scopes_and_only_its_sessions(
     assert lines[2] == f"{a}/key-7: left output 1300/2000; refused 1; holds 0"
     rows = [ln.split()[0] for ln in lines if ln.split()[1:2] == ["ok"]]
     assert rows == ["chat-1"]  # not b's, not the session without a tenant
+    for k in range(4):  # 6 scopes: 4 lines, then how many more
+        led.set_scope(f"{a}/user-{k}", ScopeBudget(window_ms=DAY, input=10))
+    assert cli.main([*base, "--tenant", a]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith(f"{a}: left") and lines[4].startswith(f"{a}/user-1: left input")
+    assert lines[5] == "+2 more scopes: ledger inspect --tenant"
     assert cli.main([*base, "--tenant", f"{a}/key-7"]) == cli.EXIT_USAGE  # not a tenant
     assert "a tenant is a scope without '/'" in capsys.readouterr().err
 
@@ -442,3 +448,24 @@ def test_on_a_redis_cluster_scopes_are_found_on_every_primary(
     assert got["scopes"][0]["remaining"] == {"tokens": 900} and got["sessions"] == [
         f"@{tenants[1]}/s"
     ]
+
+
+def test_a_damaged_scope_is_left_out_and_logged_the_others_exported(
+    led: Ledger, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A scope hash written by hand (a counter that holds no number) does not stop the
+    metrics pass: the others are exported, it is named in one warning line."""
+    a, b = spend(led)
+    led.client.hset(led.keyspace.scope(b).hash, "L", "soon")
+    w = new_worker(led, "none")
+    with caplog.at_level("WARNING", logger="ledger.worker"):
+        w.observe()
+        w.observe()
+    reg = w.metrics.registry
+    assert reg.get_sample_value("ledger_scope_refused_total", {"scope": a}) == 2
+    assert reg.get_sample_value("ledger_scope_refused_total", {"scope": b}) is None
+    warned = [r for r in caplog.records if r.getMessage().startswith("budget scopes not")]
+    assert len(warned) == 1 and b in warned[0].damaged  # type: ignore[attr-defined]
+    argv = ["--url", led.settings.redis_url, "--prefix", led.keyspace.prefix, "inspect"]
+    assert cli.main([*argv, "--tenant", b]) == 1
+    assert f"scope {b}: damaged" in capsys.readouterr().err

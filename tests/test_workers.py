@@ -827,6 +827,7 @@ def test_the_metrics_pass_reads_the_tallies_not_the_sessions(led: Ledger) -> Non
         stats = r.info("commandstats")
         return sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("hgetall", "scan"))
 
+    w.observe()  # the first pass searches for budget scopes (one SCAN, then every minute)
     assert pass_reads() == PARTITIONS  # one HGETALL a partition, no SCAN
     budget = SessionBudget(window=1_000, system_prompt=100)
     sessions = [led.open_session(f"tally-{i}", budget) for i in range(200)]

@@ -178,8 +178,10 @@ class LedgerCalls:
         """Every scope with ceilings set (one SCAN with a MATCH on their key prefix)."""
         return scope_reads.scope_names(self.ledger)
 
-    def scope_usages(self, names: Sequence[str]) -> list[ScopeUsage]:
-        return scope_reads.scope_usages(self.ledger, names)
+    def scope_usages(
+        self, names: Sequence[str], damaged: dict[str, str] | None = None
+    ) -> list[ScopeUsage]:
+        return scope_reads.scope_usages(self.ledger, names, damaged)
 
     def scope_refusals(self, names: Sequence[str]) -> int:
         return scope_reads.scope_refusals(self.ledger, names)

@@ -256,6 +256,7 @@ class Observer:
         self.calls, self.streams, self.settings, self.metrics = calls, streams, settings, metrics
         self.scope_names: list[str] | None = None  # the last search's, on the lease holder
         self.scanned = 0.0  # when (time.monotonic())
+        self.damaged: list[str] = []  # scopes whose hash did not read, at the last pass
 
     def lease(self) -> bool:
         """Whether this worker keeps the fleet's indicators for the next pass: one worker
@@ -311,6 +312,14 @@ class Observer:
             self.scanned = now
         cap = s.scope_metrics_max
         shown, rest = self.scope_names[:cap], self.scope_names[cap:]
-        values = self.calls.scope_usages(shown)
+        damaged: dict[str, str] = {}
+        values = self.calls.scope_usages(shown, damaged)
         other = self.calls.scope_refusals(rest)
+        changed = len(rest) != m.folded or sorted(damaged) != self.damaged
+        if changed and (rest or damaged):  # logged once each time the set changes
+            log.warning(
+                "budget scopes not exported by name: folded past scope_metrics_max, or damaged",
+                extra={"folded": len(rest), "scope_metrics_max": cap, "damaged": damaged},
+            )
+        self.damaged = sorted(damaged)
         m.values, m.folded, m.other_refused = values, len(rest), other
