@@ -5,7 +5,9 @@ that roll over under load with nothing lost or doubled."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import struct
 import subprocess
 import sys
 import threading
@@ -34,6 +36,8 @@ from ledger import (
     UnknownReservation,
     UnknownScope,
     Usage,
+    VersionMismatch,
+    protocol,
 )
 from ledger.keys import KeySpace
 from tests import servers
@@ -165,6 +169,56 @@ def test_a_dead_processs_hold_expires_on_redis_clock(ledger: Ledger) -> None:
     with pytest.raises(ReservationExpired):
         s.settle("dead", 10, billed=Usage(input=900, output=0), scopes=r.scopes)
     assert ledger.scope_usage(t).open_holds == 1  # the swept hold is gone, "next" is open
+
+
+def _as_layout_2(led: Ledger, name: str) -> None:
+    """Rewrite a scope's hash as protocol 2 stored it: its ceilings in fields c_<q>, its
+    live bucket in wb, w<q>, wn and nd (no packed cf and w)."""
+    h = led.keyspace.scope(name).hash
+    cf, w = led.client.hmget(h, "cf", "w")
+    caps = struct.unpack(protocol.SCOPE_CF, cf)[3:8]
+    wb, wi, wo, wc, wm, wn, nd = struct.unpack(protocol.SCOPE_W, w)
+    old = {f"c_{q}": v for q, v in zip("ioct$", caps, strict=True) if v >= 0}
+    old.update({"wb": wb, "wi": wi, "wo": wo, "wc": wc, "w$": wm, "wn": wn, "nd": nd})
+    led.client.hdel(h, "cf", "w")
+    led.client.hset(h, mapping=old)
+
+
+def test_a_scope_of_protocol_2_is_refused_typed_until_set_again(ledger: Ledger) -> None:
+    """Protocol 3 packs a scope's configuration and live counters (docs/protocol.md,
+    Version 3): a scope written by protocol 2 is refused with VersionMismatch, nothing
+    written, until set_scope runs for it again, which keeps its counters and open holds."""
+    t = tenant()
+    budget = ScopeBudget(window_ms=DAY, tokens=10_000, cents=5, prices=PRICES)
+    ledger.set_scope(t, budget)
+    s = ledger.open_session(f"@{t}/s", BUDGET)
+    big = CallCost(model="big", input=2_000, output=500)
+    r1 = s.reserve(W, "settled", 10, cost=big)
+    s.settle("settled", 10, billed=Usage(input=1_500, output=400), scopes=r1.scopes)
+    r2 = s.reserve(W, "open", 10, cost=big)
+    usage = dataclasses.replace(ledger.scope_usage(t), now_ms=0)
+    _as_layout_2(ledger, t)
+    assert dataclasses.replace(ledger.scope_usage(t), now_ms=0) == usage  # both layouts read
+    before = state(ledger, s, t)
+    for attempt in (
+        lambda: s.reserve(W, "new", 10, cost=big),
+        lambda: s.settle("open", 10, billed=Usage(input=1, output=1), scopes=r2.scopes),
+        lambda: s.void("open", scopes=r2.scopes),
+    ):
+        with pytest.raises(VersionMismatch, match="run set_scope for it again") as err:
+            attempt()
+        assert (err.value.kind, err.value.found, err.value.expected) == ("layout", 2, 3)
+        assert state(ledger, s, t) == before  # nothing written anywhere
+    ledger.set_scope(t, budget)  # the operator sets it again: layout 3, counters kept
+    assert dataclasses.replace(ledger.scope_usage(t), now_ms=0) == usage
+    assert not {b"wb", b"wi", b"nd", b"c_t"} & set(
+        ledger.client.hkeys(ledger.keyspace.scope(t).hash)
+    )
+    done = s.settle("open", 10, billed=Usage(input=1_000, output=100), scopes=r2.scopes)
+    assert done.over == 0
+    after = ledger.scope_usage(t)
+    assert after.charged["input"] == 1_500 + 1_000 and after.open_holds == 0
+    assert after.remaining["tokens"] == 10_000 - 1_900 - 1_100
 
 
 def _fleet(url: str, prefix: str, t: str, stop: float, out: list[int], ident: int) -> None:
