@@ -1283,7 +1283,8 @@ local SCOPE_CF, SCOPE_W = '<i8i8i8i8i8i8i8i8B', '<i8i8i8i8i8i8i8'
 
 -- Each scope's configuration and live counters, one HMGET a scope (KEYS from `first`:
 -- hash, then holds index, per scope), checked against a hold of `lease` ms; with `model`,
--- its price from the tenant's (the first scope's) table 'p:<model>', else 'p:*', as
+-- its price from the tenant's (the first scope's) table 'p:<model>', else 'p:*' (read only
+-- then), as
 -- { i, o, c } cents per million tokens and its text ({ 0, 0, 0 } and '0|0|0' when none:
 -- then no scope may have a money ceiling). The live bucket's counters are w, older
 -- buckets' '<bucket>:<q>'. Fails NOSCOPE for a scope never set, VERSION for one set by
@@ -1294,7 +1295,7 @@ local function scope_config(names, first, lease, model)
   for k, s in ipairs(names) do
     local hk = KEYS[first + 2 * k - 2]
     local v
-    if model and k == 1 then v = redis.call('HMGET', hk, 'cf', 'w', 'p:' .. model, 'p:*')
+    if model and k == 1 then v = redis.call('HMGET', hk, 'cf', 'w', 'p:' .. model)
     else v = redis.call('HMGET', hk, 'cf', 'w') end
     if not v[1] then
       if redis.call('HEXISTS', hk, 'L') == 1 then
@@ -1316,7 +1317,7 @@ local function scope_config(names, first, lease, model)
     else
       sc.w = { i = 0, o = 0, c = 0, ['$'] = 0, n = 0 }
     end
-    if model and k == 1 then sc.price = v[3] or v[4] end
+    if model and k == 1 then sc.price = v[3] or (v[1] and redis.call('HGET', hk, 'p:*')) end
     S[k] = sc
     money = money or cm >= 0
   end
@@ -1422,38 +1423,41 @@ local function scope_room(sc, now, want)
   return nil
 end
 
+-- A new live bucket `cur` for scope sc: the counters of the one before are kept under its
+-- number (in bl, the buckets kept) and buckets past keeping are dropped; sc.w starts at 0.
+local function scope_roll(sc, now, cur)
+  local _, kept = scope_bucket(sc, now)
+  local keep, drop, w = {}, {}, {}
+  local bl = redis.call('HGET', sc.hk, 'bl') or ''
+  if sc.wb then bl = bl .. ',' .. num(sc.wb) end
+  for x in string.gmatch(bl, '%d+') do
+    if tonumber(x) >= kept then keep[#keep + 1] = x else
+      for _, q in ipairs({ 'i', 'o', 'c', '$', 'n', 'ui', 'uo', 'uc', 'u$', 'xt', 'x$' }) do
+        drop[#drop + 1] = x .. ':' .. q
+      end
+    end
+  end
+  if #drop > 0 then redis.call('HDEL', sc.hk, unpack(drop)) end
+  if sc.wb and sc.wb >= kept then
+    for _, q in ipairs({ 'i', 'o', 'c', '$', 'n' }) do w[#w + 1], w[#w + 2] = num(sc.wb) .. ':' .. q, num(sc.w[q]) end
+  end
+  w[#w + 1], w[#w + 2] = 'bl', table.concat(keep, ',')
+  redis.call('HSET', sc.hk, unpack(w))
+  sc.w, sc.wb = { i = 0, o = 0, c = 0, ['$'] = 0, n = 0 }, cur
+end
+
 -- Hold `want` in each scope's current bucket until `deadline` (member m), after every
--- scope said yes: one HSET (the hold and w) and one ZADD a scope. When the bucket is new,
--- the live counters of the one before are kept under its number (and buckets past keeping
--- dropped).
+-- scope said yes: one HSET (the hold and w) and one ZADD a scope (and `scope_roll` when
+-- the bucket is new).
 local function scope_hold(S, now, m, deadline, want, price)
   local rec = '|' .. want.text .. '|' .. num(want['$']) .. '|' .. price[4] .. '|' .. #S
   for _, sc in ipairs(S) do
-    local cur, kept = scope_bucket(sc, now)
-    local w = { 'q:' .. m, num(cur) .. rec }
-    if sc.wb ~= cur then
-      local keep, drop = {}, {}
-      local bl = redis.call('HGET', sc.hk, 'bl') or ''
-      if sc.wb then bl = bl .. ',' .. num(sc.wb) end
-      for x in string.gmatch(bl, '%d+') do
-        if tonumber(x) >= kept then keep[#keep + 1] = x else
-          for _, q in ipairs({ 'i', 'o', 'c', '$', 'n', 'ui', 'uo', 'uc', 'u$', 'xt', 'x$' }) do
-            drop[#drop + 1] = x .. ':' .. q
-          end
-        end
-      end
-      if #drop > 0 then redis.call('HDEL', sc.hk, unpack(drop)) end
-      if sc.wb and sc.wb >= kept then
-        for _, q in ipairs({ 'i', 'o', 'c', '$', 'n' }) do w[#w + 1], w[#w + 2] = num(sc.wb) .. ':' .. q, num(sc.w[q]) end
-      end
-      sc.w, sc.wb = { i = 0, o = 0, c = 0, ['$'] = 0, n = 0 }, cur
-      w[#w + 1], w[#w + 2] = 'bl', table.concat(keep, ',')
-    end
+    local cur = math.floor(now / sc.G)
+    if sc.wb ~= cur then scope_roll(sc, now, cur) end
     local l = sc.w
     l.i, l.o, l.c, l['$'], l.n = l.i + want.i, l.o + want.o, l.c + want.c, l['$'] + want['$'], l.n + 1
     if deadline < sc.nd then sc.nd = deadline end
-    w[#w + 1], w[#w + 2] = 'w', scope_live(sc)
-    redis.call('HSET', sc.hk, unpack(w))
+    redis.call('HSET', sc.hk, 'q:' .. m, num(cur) .. rec, 'w', scope_live(sc))
     redis.call('ZADD', sc.zk, deadline, m)
   end
 end
