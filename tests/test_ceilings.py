@@ -386,6 +386,36 @@ def test_without_floors_one_greedy_child_starves_its_siblings(ledger: Ledger) ->
         s.draw_child(rid, "kid1", 1)
 
 
+def _children(led: Ledger, s: Session) -> dict[bytes, bytes]:
+    return {k: v for k, v in led.client.hgetall(s.keys.session).items() if k.startswith(b"k:")}
+
+
+def test_children_opened_or_drawn_in_an_aborted_turn_are_undone(ledger: Ledger) -> None:
+    """A turn rolled back (abort_turn: its undo log) takes back what it did to children:
+    a child it opened is closed, a draw it made is given back, a child of a reservation
+    the turn made goes with the reservation. Children from before the turn stay as they
+    were, and the pool has its room back: the same child can be opened again."""
+    s, rid = _pool(ledger, 4_000)
+    s.open_child(rid, "kid0", 1_000)
+    s.draw_child(rid, "kid0", 500)
+    before = _children(ledger, s)
+    s.begin_turn(500)
+    s.open_child(rid, "kid1", 2_000)
+    assert s.draw_child(rid, "kid0", 1_000).used == 1_500  # 500 past its floor
+    with pytest.raises(AdmissionRefused):
+        s.open_child(rid, "kid2", 501)  # 500 left: floors 1,000 + 2,000, kid0's 500 past its own
+    inner = s.reserve(W, "inner", 1_000)
+    s.open_child(inner.id, "sub", 600)
+    s.draw_child(inner.id, "sub", 700)
+    assert _children(ledger, s) != before
+    assert s.abort_turn().rolled_back > 0
+    assert _children(ledger, s) == before  # as the turn found them, byte for byte
+    assert s.open_child(rid, "kid1", 2_000).free == 4_000 - 1_000 - 2_000  # room is back
+    assert s.draw_child(rid, "kid0", 500).used == 1_000  # its draws from before the turn
+    again = s.reserve(W, "inner", 1_000)  # the rolled-back reservation's id, new again
+    assert s.open_child(again.id, "sub", 600).free == 400  # no child left on it
+
+
 def test_usage_as_genai_attributes_one_name_a_quantity() -> None:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
