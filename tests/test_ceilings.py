@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
 import struct
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -221,11 +222,14 @@ def test_a_scope_of_protocol_2_is_refused_typed_until_set_again(ledger: Ledger) 
     assert after.remaining["tokens"] == 10_000 - 1_900 - 1_100
 
 
-def _fleet(url: str, prefix: str, t: str, stop: float, out: list[int], ident: int) -> None:
-    """One client: reserve 100 input tokens, settle a billed 1..100, until `stop`."""
+def _fleet(url: str, prefix: str, t: str, seconds: float, step: int, ident: int, done: Any) -> None:
+    """One OS process: reserve 100 input tokens, wait 0-30 ms (the model call; every 4th
+    call until just past its bucket's end), settle a billed 1..100, for
+    `seconds`; puts (ident, billed total, settles, settles after their bucket) on `done`."""
+    billed_total = settles = crossed = n = 0
     with Ledger.from_settings(_settings(url, prefix)) as led:
         s = led.open_session(f"@{t}/w{ident}", SessionBudget(window=10_000_000, system_prompt=10))
-        n = 0
+        stop = time.time() + seconds
         while time.time() < stop:
             n += 1
             try:
@@ -233,9 +237,17 @@ def _fleet(url: str, prefix: str, t: str, stop: float, out: list[int], ident: in
             except CeilingReached:
                 time.sleep(0.01)
                 continue
+            if n % 4 == 0:  # a long call: its settle lands just past its bucket's end
+                sec, usec = led.client.time()
+                time.sleep((step - (sec * 1000 + usec // 1000) % step + 5) / 1000)
+            else:
+                time.sleep((n * 7 + ident) % 31 / 1000)
             billed = 1 + (n * 37 + ident) % 100
             s.settle(r.id, 1, billed=Usage(input=billed, output=0), scopes=r.scopes)
-            out[ident] += billed
+            sec, usec = led.client.time()  # (Redis's clock, after the settle)
+            crossed += (sec * 1000 + usec // 1000) // step > (r.deadline_ms - 30_000) // step
+            billed_total, settles = billed_total + billed, settles + 1
+    done.put((ident, billed_total, settles, crossed))
 
 
 def _settings(url: str, prefix: str) -> LedgerSettings:
@@ -253,23 +265,31 @@ def _settings(url: str, prefix: str) -> LedgerSettings:
 def test_a_window_rolls_over_under_load_nothing_lost_or_doubled(
     ledger: Ledger, bucket_ms: int | None
 ) -> None:
+    """4 OS processes reserve and settle for 5 s against a 2 s window (fixed, or rolling
+    in 1 s buckets): the window rolls over again and again under them, holds settle in
+    the bucket after the one they were made in, and every billed token is counted once,
+    in one bucket, each window under its ceiling."""
     t = tenant()
     ceiling = 3_000
     window = 2_000
     ledger.set_scope(t, ScopeBudget(window_ms=window, bucket_ms=bucket_ms, input=ceiling))
-    billed = [0] * 6
-    stop = time.time() + 5.0
     url, prefix = ledger.settings.redis_url, ledger.settings.prefix
-    threads = [
-        threading.Thread(target=_fleet, args=(url, prefix, t, stop, billed, i)) for i in range(6)
-    ]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    ctx = multiprocessing.get_context("spawn")
+    done = ctx.Queue()
+    step = bucket_ms or window
+    args = [(url, prefix, t, 5.0, step, i, done) for i in range(4)]
+    procs = [ctx.Process(target=_fleet, args=a) for a in args]
+    for p in procs:
+        p.start()
+    results = [done.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    billed = [b for _, b, _, _ in results]
+    assert all(n > 0 for _, _, n, _ in results)  # every process got calls through
+    assert sum(x for _, _, _, x in results) > 0  # holds settled after their bucket ended
     u = ledger.scope_usage(t)
     per_bucket = {b: v["input"] for b, v in u.buckets.items()}
-    step = bucket_ms or window
     starts = sorted(per_bucket)
     assert starts[-1] - starts[0] >= 3_000  # 5 s of load: the window rolled over again and again
     assert sum(per_bucket.values()) == sum(billed)  # nothing lost, nothing doubled
