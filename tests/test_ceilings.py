@@ -355,6 +355,35 @@ def test_redis_unreachable_refuses_or_spends_the_stated_local_allowance() -> Non
             assert [money.admit(cost) for _ in range(3)] == [True, True, False]  # 2.4 c each
 
 
+@pytest.mark.cluster
+def test_a_cluster_unreachable_refuses_typed_and_nothing_is_held() -> None:
+    """Fail closed on a Redis Cluster too: with every node gone, a reservation with a cost
+    raises BackendUnavailable after the bounded retries (nothing admitted), and a
+    LocalAllowance is the only way to keep serving, within its own bound."""
+    with servers.cluster(3) as nodes:
+        settings = LedgerSettings(
+            redis_url=f"redis+cluster://127.0.0.1:{nodes[0].port}",
+            prefix=f"t{uuid.uuid4().hex[:8]}",
+            retry_attempts=2,
+            retry_max_seconds=0.5,
+            connect_timeout=0.5,
+            socket_timeout=0.5,
+        )
+        t = tenant()
+        with Ledger.from_settings(settings) as led:
+            led.set_scope(t, ScopeBudget(window_ms=DAY, tokens=1_000_000))
+            s = led.open_session(f"@{t}/s", BUDGET)
+            cost = CallCost(model="m", input=3_000, output=1_000)
+            s.reserve(W, "up", 1, cost=cost)
+            assert led.scope_usage(t).open_holds == 1
+            for node in nodes:
+                node.kill()
+            with pytest.raises(BackendUnavailable):
+                s.reserve(W, "down", 1, cost=cost)
+            allowance = LocalAllowance(tokens=5_000)
+            assert [allowance.admit(cost) for _ in range(2)] == [True, False]
+
+
 def _pool(ledger: Ledger, pool: int) -> tuple[Session, str]:
     t = tenant()
     ledger.set_scope(t, ScopeBudget(window_ms=DAY, tokens=1_000_000))
