@@ -3,7 +3,7 @@ baseline, in one run, both sides interleaved.
 
     python -m bench.bench_ceiling [--procs 32] [--sessions 200] [--tenants 4]
                                   [--seconds 16] [--window-ms 4000] [--rounds 31]
-                                  [--calls 100] [--json]
+                                  [--calls 100] [--timing-only] [--json]
 
 It starts its own redis-server. Each of ``--procs`` OS processes loops over model calls
 of random sessions of its tenant, alternating the two sides call by call: reserve the
@@ -295,6 +295,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prefix = f"bc{uuid.uuid4().hex[:6]}"
     with standalone() as srv:
         url = srv.url
+        if args.timing_only:  # (the server time alone: to compare releases, one after another)
+            return {"timing": server_time(url, prefix, "timing", args.rounds, args.calls)}
         tenants = [f"tenant{i}" for i in range(args.tenants)]
         per = args.sessions // args.tenants
         with Ledger.from_settings(LedgerSettings(redis_url=url, prefix=prefix)) as led:
@@ -391,8 +393,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def timing_line(t: dict[str, Any]) -> str:
+    return (
+        f"reserve server time: {t['reserve_usec']:.1f} us without the tenant scope, "
+        f"{t['reserve_tenant_usec']:.1f} us with it: ratio {t['ratio']:.2f} (middle half of "
+        f"{len(t['ratios'])} rounds {t['middle_half'][0]:.2f}-{t['middle_half'][1]:.2f}, all "
+        f"{min(t['ratios']):.2f}-{max(t['ratios']):.2f}); with the tenant and a key "
+        f"{t['reserve_tenant_key_usec']:.1f} us"
+    )
+
+
 def show(res: dict[str, Any]) -> None:
-    lo, bo, t = res["ledger"], res["baseline"], res["timing"]
+    t = res["timing"]
+    if "ledger" not in res:
+        print(timing_line(t))
+        return
+    lo, bo = res["ledger"], res["baseline"]
     print(
         f"overshoot tokens: ledger={lo['tokens']} baseline={bo['tokens']}; "
         f"cents: ledger={lo['cents']:.2f} baseline={bo['cents']:.2f}"
@@ -402,13 +418,7 @@ def show(res: dict[str, Any]) -> None:
         f"ledger={lo['billed_past_tokens']} tokens {lo['billed_past_cents']:.2f} cents; "
         f"baseline={bo['billed_past_tokens']} tokens {bo['billed_past_cents']:.2f} cents"
     )
-    print(
-        f"reserve server time: {t['reserve_usec']:.1f} us without the tenant scope, "
-        f"{t['reserve_tenant_usec']:.1f} us with it: ratio {t['ratio']:.2f} (middle half of "
-        f"{len(t['ratios'])} rounds {t['middle_half'][0]:.2f}-{t['middle_half'][1]:.2f}, all "
-        f"{min(t['ratios']):.2f}-{max(t['ratios']):.2f}); with the tenant and a key "
-        f"{t['reserve_tenant_key_usec']:.1f} us"
-    )
+    print(timing_line(t))
     p = res["params"]
     print(
         f"({p['procs']} processes, {p['sessions']} sessions, {p['tenants']} tenants, "
@@ -425,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window-ms", type=int, default=4_000)
     ap.add_argument("--rounds", type=int, default=31)
     ap.add_argument("--calls", type=int, default=100, help="reserves a timing phase")
+    ap.add_argument("--timing-only", action="store_true", help="the reserve's server time alone")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     emit(run(args), args.json, show)
