@@ -2,8 +2,8 @@
 baseline, in one run, both sides interleaved.
 
     python -m bench.bench_ceiling [--procs 32] [--sessions 200] [--tenants 4]
-                                  [--seconds 16] [--window-ms 4000] [--rounds 9]
-                                  [--calls 300] [--json]
+                                  [--seconds 16] [--window-ms 4000] [--rounds 31]
+                                  [--calls 100] [--timing-only] [--json]
 
 It starts its own redis-server. Each of ``--procs`` OS processes loops over model calls
 of random sessions of its tenant, alternating the two sides call by call: reserve the
@@ -31,8 +31,11 @@ written in the MULTI of each baseline settle. Summed over windows and tenants, b
 tokens (input + output) and cents.
 
 Then, the server time of a reserve (INFO commandstats, EVALSHA usec per call) without
-and with the tenant scope, interleaved over ``--rounds`` rounds of 300 calls; the ratio
-of medians is printed.
+and with the tenant scope, interleaved over ``--rounds`` rounds of ``--calls`` calls each
+(the phases of a round back to back, their order rotated from round to round). The ratio
+printed is the median of the rounds' ratios: each round compares phases a few ms apart, so
+a burst of load from elsewhere on the machine moves a round, not the median; the middle
+half of the rounds' ratios is printed with it.
 """
 
 from __future__ import annotations
@@ -273,11 +276,14 @@ def server_time(url: str, prefix: str, tenant: str, rounds: int, calls: int) -> 
     )  # fmt: skip
     res, res_t = got["plain"], got["tenant"]
     led.close()
+    ratios = sorted(a / b for a, b in zip(res_t, res, strict=True))
     return {
         "reserve_usec": statistics.median(res),
         "reserve_tenant_usec": statistics.median(res_t),
-        "ratio": statistics.median(res_t) / statistics.median(res),
-        "ratios": sorted(a / b for a, b in zip(res_t, res, strict=True)),
+        "ratio": statistics.median(ratios),
+        "ratio_of_medians": statistics.median(res_t) / statistics.median(res),
+        "ratios": ratios,
+        "middle_half": (ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]),
         "best_usec": min(res),
         "best_tenant_usec": min(res_t),
         "best_ratio": min(res_t) / min(res),
@@ -289,6 +295,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prefix = f"bc{uuid.uuid4().hex[:6]}"
     with standalone() as srv:
         url = srv.url
+        if args.timing_only:  # (the server time alone: to compare releases, one after another)
+            return {"timing": server_time(url, prefix, "timing", args.rounds, args.calls)}
         tenants = [f"tenant{i}" for i in range(args.tenants)]
         per = args.sessions // args.tenants
         with Ledger.from_settings(LedgerSettings(redis_url=url, prefix=prefix)) as led:
@@ -385,8 +393,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def timing_line(t: dict[str, Any]) -> str:
+    return (
+        f"reserve server time: {t['reserve_usec']:.1f} us without the tenant scope, "
+        f"{t['reserve_tenant_usec']:.1f} us with it: ratio {t['ratio']:.2f} (middle half of "
+        f"{len(t['ratios'])} rounds {t['middle_half'][0]:.2f}-{t['middle_half'][1]:.2f}, all "
+        f"{min(t['ratios']):.2f}-{max(t['ratios']):.2f}); with the tenant and a key "
+        f"{t['reserve_tenant_key_usec']:.1f} us"
+    )
+
+
 def show(res: dict[str, Any]) -> None:
-    lo, bo, t = res["ledger"], res["baseline"], res["timing"]
+    t = res["timing"]
+    if "ledger" not in res:
+        print(timing_line(t))
+        return
+    lo, bo = res["ledger"], res["baseline"]
     print(
         f"overshoot tokens: ledger={lo['tokens']} baseline={bo['tokens']}; "
         f"cents: ledger={lo['cents']:.2f} baseline={bo['cents']:.2f}"
@@ -396,12 +418,7 @@ def show(res: dict[str, Any]) -> None:
         f"ledger={lo['billed_past_tokens']} tokens {lo['billed_past_cents']:.2f} cents; "
         f"baseline={bo['billed_past_tokens']} tokens {bo['billed_past_cents']:.2f} cents"
     )
-    print(
-        f"reserve server time: {t['reserve_usec']:.1f} us without the tenant scope, "
-        f"{t['reserve_tenant_usec']:.1f} us with it: ratio {t['ratio']:.2f} "
-        f"(rounds {min(t['ratios']):.2f}-{max(t['ratios']):.2f}); with the tenant and a key "
-        f"{t['reserve_tenant_key_usec']:.1f} us"
-    )
+    print(timing_line(t))
     p = res["params"]
     print(
         f"({p['procs']} processes, {p['sessions']} sessions, {p['tenants']} tenants, "
@@ -416,8 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tenants", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=16.0)
     ap.add_argument("--window-ms", type=int, default=4_000)
-    ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--calls", type=int, default=300, help="reserves a timing round")
+    ap.add_argument("--rounds", type=int, default=31)
+    ap.add_argument("--calls", type=int, default=100, help="reserves a timing phase")
+    ap.add_argument("--timing-only", action="store_true", help="the reserve's server time alone")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     emit(run(args), args.json, show)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import re
+import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -119,10 +121,44 @@ def _bit_library(runtime: Any) -> Any:
     return runtime.table_from({name.encode(): f for name, f in funcs.items()})
 
 
+_STRUCT_CODES = {"i8": "q", "B": "B"}
+_STRUCT_TOKEN = re.compile(r"i8|B")
+
+
+def _struct_format(fmt: Any) -> str:
+    """A format of Redis's ``struct`` library as Python's: the byte order '<' and the
+    codes the scripts use (``i8`` a signed 64-bit integer, ``B`` an unsigned byte)."""
+    text = fmt.decode() if isinstance(fmt, bytes) else str(fmt)
+    body = text[1:] if text[:1] == "<" else ""
+    tokens = _STRUCT_TOKEN.findall(body)
+    if not text.startswith("<") or "".join(tokens) != body:
+        raise ValueError(f"the embedded struct library reads '<' formats of i8 and B, got {text!r}")
+    return "<" + "".join(_STRUCT_CODES[t] for t in tokens)
+
+
+def _struct_library(runtime: Any) -> Any:
+    """``struct.pack`` and ``struct.unpack`` of Redis's Lua (the scripts pack a scope's
+    configuration and live counters with them), which fakeredis's lacks."""
+
+    def pack(fmt: Any, *xs: float) -> bytes:
+        return struct.pack(_struct_format(fmt), *(int(x) for x in xs))
+
+    def unpack(fmt: Any, data: Any) -> Any:
+        f = _struct_format(fmt)
+        raw = data if isinstance(data, bytes) else str(data).encode("latin-1")
+        return runtime.table_from([*struct.unpack_from(f, raw), struct.calcsize(f) + 1])
+
+    make = runtime.eval(
+        "function(p, u) return { pack = p, unpack = function(f, s) return unpack(u(f, s)) end } end"
+    )
+    return make(pack, unpack)
+
+
 def _add_sha1hex(server: fakeredis.FakeServer) -> None:
     """Give the embedded server's Lua what every real Redis has and fakeredis lacks:
     ``redis.sha1hex`` (the scripts fingerprint their arguments with it) and the ``bit``
-    library (``open`` checks the budget's SHA-256 with it)."""
+    library (``open`` checks the budget's SHA-256 with it), and ``struct`` (a scope's
+    packed fields)."""
     _fakeredis().FakeRedis(server=server).eval("return 1", 0)  # creates the Lua runtime
     runtime = getattr(server, "_lua_runtime", None)
     if runtime is None:
@@ -132,6 +168,7 @@ def _add_sha1hex(server: fakeredis.FakeServer) -> None:
         )
     runtime.globals().redis.sha1hex = _sha1hex
     runtime.globals().bit = _bit_library(runtime)
+    runtime.globals().struct = _struct_library(runtime)
     expected = getattr(server, "_lua_expected_globals", None)  # (fakeredis refuses a
     if isinstance(expected, set):  # script that adds globals: bit is not the script's)
         expected.update(runtime.globals().keys())

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import re
 import secrets
+import struct
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -77,7 +78,7 @@ Reply = dict[str, str]
 # every change a client or script of the previous version would misread (KEYS, ARGV,
 # a reply field's meaning, a stored field's name or meaning); `python tools/legend.py`
 # writes it into _common.lua. 2: the owner token, the version itself, the layout field.
-VERSION = 2
+VERSION = 3
 # The oldest stored layout these scripts read and write (a session without 'lv' is of
 # layout 1): layout 2 only adds fields (lv, lk) that layout 1's scripts never read, so a
 # fleet upgrades from 1 to 2 with both versions running (docs/operations.md#upgrades).
@@ -542,6 +543,12 @@ def draw_child(
 
 
 _QUANTITIES = {"i": "input", "o": "output", "c": "cached_input", "$": "money"}
+# A scope's packed fields cf and w (ledger/lua/_common.lua, SCOPE_CF and SCOPE_W).
+SCOPE_CF, SCOPE_W = "<8qB", "<7q"
+
+
+def _bytes(v: Any) -> bytes:
+    return v if isinstance(v, bytes) else str(v).encode("latin-1")
 
 
 def scope_usage(
@@ -555,15 +562,20 @@ def scope_usage(
         for m, deadline in deadlines
         if deadline < now_ms
     }
-    f = {
-        (k.decode() if isinstance(k, bytes) else str(k)): (
-            v.decode() if isinstance(v, bytes) else str(v)
-        )
-        for k, v in fields.items()
-    }
+    raw = {(k.decode() if isinstance(k, bytes) else str(k)): v for k, v in fields.items()}
+    packed = {k: raw.pop(k) for k in ("cf", "w") if k in raw}
+    f = {k: v.decode() if isinstance(v, bytes) else str(v) for k, v in raw.items()}
     if "L" not in f:
         raise UnknownScope(f"scope {name} has no ceilings set (set_scope)")
     window, bucket = int(f["L"]), int(f["G"])
+    kinds = ("input", "output", "cached_input", "tokens", "money")
+    if "cf" in packed:  # (struct '<8qB', as _common.lua packs it: -1 for no ceiling)
+        caps = dict(zip(kinds, struct.unpack(SCOPE_CF, _bytes(packed["cf"]))[3:8], strict=True))
+    else:  # a scope of layout 2 (set_scope again moves it to layout 3)
+        caps = {q: int(f.get("c_" + x, -1)) for x, q in zip("ioct$", kinds, strict=True)}
+    live = [int(f.get(x, -1 if x == "wb" else 0)) for x in ("wb", "wi", "wo", "wc", "w$")]
+    if "w" in packed:
+        live = list(struct.unpack(SCOPE_W, _bytes(packed["w"]))[:5])
     cur = now_ms // bucket
     first = cur - window // bucket + 1
     charged = dict.fromkeys(_QUANTITIES.values(), 0)
@@ -579,9 +591,9 @@ def scope_usage(
             buckets.setdefault(int(b) * bucket, {})[_QUANTITIES[q[1:]]] = int(v)
         elif q in ("xt", "x$"):
             buckets.setdefault(int(b) * bucket, {})["over" if q == "xt" else "over_money"] = int(v)
-    if "wb" in f and first <= int(f["wb"]) <= cur:
-        for q, quantity in _QUANTITIES.items():
-            charged[quantity] += int(f.get("w" + q, 0))
+    if first <= live[0] <= cur:
+        for q, amount in zip(_QUANTITIES.values(), live[1:5], strict=True):
+            charged[q] += amount
     holds = 0
     for k, v in f.items():
         if not k.startswith("q:"):
@@ -594,15 +606,12 @@ def scope_usage(
                 held[q] += amount
         holds += k not in lapsed
     remaining: dict[str, int] = {}
-    ceilings: dict[str, int] = {}
-    names = {"c_i": "input", "c_o": "output", "c_c": "cached_input", "c_$": "money"}
-    for field_name, q in names.items():
-        if field_name in f:
-            ceilings[q] = int(f[field_name])
-            remaining[q] = max(ceilings[q] - charged[q], 0)
-    if "c_t" in f:
+    ceilings = {q: cap for q, cap in caps.items() if cap >= 0}
+    for q, cap in ceilings.items():
+        if q != "tokens":
+            remaining[q] = max(cap - charged[q], 0)
+    if "tokens" in ceilings:
         counted = [_QUANTITIES[x] for x in f.get("k", "")]
-        ceilings["tokens"] = int(f["c_t"])
         remaining["tokens"] = max(ceilings["tokens"] - sum(charged[q] for q in counted), 0)
     return ScopeUsage(
         scope=name,

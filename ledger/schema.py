@@ -501,13 +501,6 @@ SCOPE_BUCKET = _t(
     "G", "scope_bucket", "ms", "a bucket's length: the window (fixed) or a divisor (rolling)"
 )
 SCOPE_HOLD_LIMIT = _t("hl", "scope_hold_limit", "ms", "the longest lease a hold may have")
-SCOPE_CEILING_INPUT = _t("c_i", "ceiling_input", "tokens", "the input ceiling (absent: none)")
-SCOPE_CEILING_OUTPUT = _t("c_o", "ceiling_output", "tokens", "the output ceiling")
-SCOPE_CEILING_CACHED = _t("c_c", "ceiling_cached_input", "tokens", "the cached input ceiling")
-SCOPE_CEILING_TOKENS = _t(
-    "c_t", "ceiling_tokens", "tokens", "the ceiling on the counted kinds together"
-)
-SCOPE_CEILING_MONEY = _t("c_$", "ceiling_money", "count", "the money ceiling, micro-cents")
 SCOPE_COUNTED = _t("k", "counted", "text", "the kinds c_t counts: letters of 'ioc'")
 SCOPE_OP = _t("op", "scope_set_by", "id", "the op id of the set_scope that set it")
 SCOPE_PRICE = _t(
@@ -517,12 +510,27 @@ SCOPE_PRICE = _t(
     "'<input>|<output>|<cached input>' cents per million tokens ('p:*': any other model)",
 )
 SCOPE_BUCKETS = _t("bl", "buckets", "text", "the buckets kept before the live one ('<bucket>,...')")
-SCOPE_LIVE_BUCKET = _t("wb", "live_bucket", "count", "the live bucket: the one w<q> and wn count")
-SCOPE_LIVE = _t("w<q>", "live_charged", "count", "what the live bucket charged of quantity q")
-SCOPE_LIVE_OPEN = _t("wn", "live_open_holds", "count", "the live bucket's open holds")
-SCOPE_NEXT_DEADLINE = _t(
-    "nd", "next_deadline", "time", "no open hold has an earlier deadline (absent: none open)"
+SCOPE_CONFIG = _t(
+    "cf",
+    "scope_config",
+    "text",
+    "the window, bucket, hold limit and ceilings, one field: '<L>|<G>|<hl>|<input>|<output>|"
+    "<cached input>|<tokens>|<money>|<k>' (tokens; money in micro-cents; tokens counts the "
+    "kinds k names; a ceiling empty: none)",
 )
+SCOPE_LIVE = _t(
+    "w",
+    "live",
+    "text",
+    "the live bucket and its counters: '<bucket>|<i>|<o>|<c>|<$>|<open holds>|<next deadline>': "
+    "what the live bucket charged per quantity, its open holds, and a time no open hold's "
+    "deadline is earlier than",
+)
+# Layout 2 kept the live bucket in fields of their own: set_scope moves them into w.
+SCOPE_LIVE_BUCKET_V2 = _t("wb", "live_bucket", "count", "layout 2's live bucket (into w)")
+SCOPE_LIVE_V2 = _t("w<q>", "live_charged", "count", "layout 2's live counter of q (into w)")
+SCOPE_LIVE_OPEN_V2 = _t("wn", "live_open_holds", "count", "layout 2's live open holds (into w)")
+SCOPE_NEXT_DEADLINE_V2 = _t("nd", "next_deadline", "time", "layout 2's next deadline (into w)")
 SCOPE_CHARGED = _t(
     "<bucket>:<q>",
     "charged",

@@ -36,7 +36,7 @@ def scope_names(ledger: Ledger, tenant: str | None = None) -> list[str]:
 
 def scope_reads(
     ledger: Ledger, names: Sequence[str]
-) -> tuple[int, list[tuple[str, dict[str, str], list[tuple[str, float]]]]]:
+) -> tuple[int, list[tuple[str, dict[str, Any], list[tuple[str, float]]]]]:
     """Redis's clock, and each scope's hash and holds index (HGETALL, ZRANGE WITHSCORES):
     one pipelined round trip, without MULTI/EXEC (a view, not one atomic read)."""
     ks = ledger.keyspace
@@ -54,7 +54,7 @@ def scope_reads(
                 replies += pipe.execute()
     out = []
     for name, fields, holds in zip(names, replies[::2], replies[1::2], strict=True):
-        f = {schema.text(k): schema.text(v) for k, v in fields.items()}
+        f = {schema.text(k): v for k, v in fields.items()}  # values raw: cf and w are packed
         out.append((name, f, [(schema.text(m), float(d)) for m, d in holds]))
     return int(secs) * 1000 + int(micros) // 1000, out
 

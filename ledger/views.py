@@ -564,7 +564,7 @@ def tenant_view(ledger: Ledger, tenant: str) -> TenantView:
             ) from exc
         for member, deadline in index:
             sid, _, rid = member.rpartition("|")
-            raw = fields.get("q:" + member, "")
+            raw = schema.text(fields.get("q:" + member, ""))
             parts = raw.split("|")
             if len(parts) < 5 or not all(_whole(x) for x in parts[:5]):
                 continue  # given back since the index was read

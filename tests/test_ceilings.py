@@ -5,13 +5,16 @@ that roll over under load with nothing lost or doubled."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import multiprocessing
+import struct
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,6 +37,8 @@ from ledger import (
     UnknownReservation,
     UnknownScope,
     Usage,
+    VersionMismatch,
+    protocol,
 )
 from ledger.keys import KeySpace
 from tests import servers
@@ -167,11 +172,64 @@ def test_a_dead_processs_hold_expires_on_redis_clock(ledger: Ledger) -> None:
     assert ledger.scope_usage(t).open_holds == 1  # the swept hold is gone, "next" is open
 
 
-def _fleet(url: str, prefix: str, t: str, stop: float, out: list[int], ident: int) -> None:
-    """One client: reserve 100 input tokens, settle a billed 1..100, until `stop`."""
+def _as_layout_2(led: Ledger, name: str) -> None:
+    """Rewrite a scope's hash as protocol 2 stored it: its ceilings in fields c_<q>, its
+    live bucket in wb, w<q>, wn and nd (no packed cf and w)."""
+    h = led.keyspace.scope(name).hash
+    cf, w = led.client.hmget(h, "cf", "w")
+    caps = struct.unpack(protocol.SCOPE_CF, cf)[3:8]
+    wb, wi, wo, wc, wm, wn, nd = struct.unpack(protocol.SCOPE_W, w)
+    old = {f"c_{q}": v for q, v in zip("ioct$", caps, strict=True) if v >= 0}
+    old.update({"wb": wb, "wi": wi, "wo": wo, "wc": wc, "w$": wm, "wn": wn, "nd": nd})
+    led.client.hdel(h, "cf", "w")
+    led.client.hset(h, mapping=old)
+
+
+def test_a_scope_of_protocol_2_is_refused_typed_until_set_again(ledger: Ledger) -> None:
+    """Protocol 3 packs a scope's configuration and live counters (docs/protocol.md,
+    Version 3): a scope written by protocol 2 is refused with VersionMismatch, nothing
+    written, until set_scope runs for it again, which keeps its counters and open holds."""
+    t = tenant()
+    budget = ScopeBudget(window_ms=DAY, tokens=10_000, cents=5, prices=PRICES)
+    ledger.set_scope(t, budget)
+    s = ledger.open_session(f"@{t}/s", BUDGET)
+    big = CallCost(model="big", input=2_000, output=500)
+    r1 = s.reserve(W, "settled", 10, cost=big)
+    s.settle("settled", 10, billed=Usage(input=1_500, output=400), scopes=r1.scopes)
+    r2 = s.reserve(W, "open", 10, cost=big)
+    usage = dataclasses.replace(ledger.scope_usage(t), now_ms=0)
+    _as_layout_2(ledger, t)
+    assert dataclasses.replace(ledger.scope_usage(t), now_ms=0) == usage  # both layouts read
+    before = state(ledger, s, t)
+    for attempt in (
+        lambda: s.reserve(W, "new", 10, cost=big),
+        lambda: s.settle("open", 10, billed=Usage(input=1, output=1), scopes=r2.scopes),
+        lambda: s.void("open", scopes=r2.scopes),
+    ):
+        with pytest.raises(VersionMismatch, match="run set_scope for it again") as err:
+            attempt()
+        assert (err.value.kind, err.value.found, err.value.expected) == ("layout", 2, 3)
+        assert state(ledger, s, t) == before  # nothing written anywhere
+    ledger.set_scope(t, budget)  # the operator sets it again: layout 3, counters kept
+    assert dataclasses.replace(ledger.scope_usage(t), now_ms=0) == usage
+    assert not {b"wb", b"wi", b"nd", b"c_t"} & set(
+        ledger.client.hkeys(ledger.keyspace.scope(t).hash)
+    )
+    done = s.settle("open", 10, billed=Usage(input=1_000, output=100), scopes=r2.scopes)
+    assert done.over == 0
+    after = ledger.scope_usage(t)
+    assert after.charged["input"] == 1_500 + 1_000 and after.open_holds == 0
+    assert after.remaining["tokens"] == 10_000 - 1_900 - 1_100
+
+
+def _fleet(url: str, prefix: str, t: str, seconds: float, step: int, ident: int, done: Any) -> None:
+    """One OS process: reserve 100 input tokens, wait 0-30 ms (the model call; every 4th
+    call until just past its bucket's end), settle a billed 1..100, for
+    `seconds`; puts (ident, billed total, settles, settles after their bucket) on `done`."""
+    billed_total = settles = crossed = n = 0
     with Ledger.from_settings(_settings(url, prefix)) as led:
         s = led.open_session(f"@{t}/w{ident}", SessionBudget(window=10_000_000, system_prompt=10))
-        n = 0
+        stop = time.time() + seconds
         while time.time() < stop:
             n += 1
             try:
@@ -179,9 +237,17 @@ def _fleet(url: str, prefix: str, t: str, stop: float, out: list[int], ident: in
             except CeilingReached:
                 time.sleep(0.01)
                 continue
+            if n % 4 == 0:  # a long call: its settle lands just past its bucket's end
+                sec, usec = led.client.time()
+                time.sleep((step - (sec * 1000 + usec // 1000) % step + 5) / 1000)
+            else:
+                time.sleep((n * 7 + ident) % 31 / 1000)
             billed = 1 + (n * 37 + ident) % 100
             s.settle(r.id, 1, billed=Usage(input=billed, output=0), scopes=r.scopes)
-            out[ident] += billed
+            sec, usec = led.client.time()  # (Redis's clock, after the settle)
+            crossed += (sec * 1000 + usec // 1000) // step > (r.deadline_ms - 30_000) // step
+            billed_total, settles = billed_total + billed, settles + 1
+    done.put((ident, billed_total, settles, crossed))
 
 
 def _settings(url: str, prefix: str) -> LedgerSettings:
@@ -199,23 +265,31 @@ def _settings(url: str, prefix: str) -> LedgerSettings:
 def test_a_window_rolls_over_under_load_nothing_lost_or_doubled(
     ledger: Ledger, bucket_ms: int | None
 ) -> None:
+    """4 OS processes reserve and settle for 5 s against a 2 s window (fixed, or rolling
+    in 1 s buckets): the window rolls over again and again under them, holds settle in
+    the bucket after the one they were made in, and every billed token is counted once,
+    in one bucket, each window under its ceiling."""
     t = tenant()
     ceiling = 3_000
     window = 2_000
     ledger.set_scope(t, ScopeBudget(window_ms=window, bucket_ms=bucket_ms, input=ceiling))
-    billed = [0] * 6
-    stop = time.time() + 5.0
     url, prefix = ledger.settings.redis_url, ledger.settings.prefix
-    threads = [
-        threading.Thread(target=_fleet, args=(url, prefix, t, stop, billed, i)) for i in range(6)
-    ]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    ctx = multiprocessing.get_context("spawn")
+    done = ctx.Queue()
+    step = bucket_ms or window
+    args = [(url, prefix, t, 5.0, step, i, done) for i in range(4)]
+    procs = [ctx.Process(target=_fleet, args=a) for a in args]
+    for p in procs:
+        p.start()
+    results = [done.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    billed = [b for _, b, _, _ in results]
+    assert all(n > 0 for _, _, n, _ in results)  # every process got calls through
+    assert sum(x for _, _, _, x in results) > 0  # holds settled after their bucket ended
     u = ledger.scope_usage(t)
     per_bucket = {b: v["input"] for b, v in u.buckets.items()}
-    step = bucket_ms or window
     starts = sorted(per_bucket)
     assert starts[-1] - starts[0] >= 3_000  # 5 s of load: the window rolled over again and again
     assert sum(per_bucket.values()) == sum(billed)  # nothing lost, nothing doubled
@@ -281,6 +355,35 @@ def test_redis_unreachable_refuses_or_spends_the_stated_local_allowance() -> Non
             assert [money.admit(cost) for _ in range(3)] == [True, True, False]  # 2.4 c each
 
 
+@pytest.mark.cluster
+def test_a_cluster_unreachable_refuses_typed_and_nothing_is_held() -> None:
+    """Fail closed on a Redis Cluster too: with every node gone, a reservation with a cost
+    raises BackendUnavailable after the bounded retries (nothing admitted), and a
+    LocalAllowance is the only way to keep serving, within its own bound."""
+    with servers.cluster(3) as nodes:
+        settings = LedgerSettings(
+            redis_url=f"redis+cluster://127.0.0.1:{nodes[0].port}",
+            prefix=f"t{uuid.uuid4().hex[:8]}",
+            retry_attempts=2,
+            retry_max_seconds=0.5,
+            connect_timeout=0.5,
+            socket_timeout=0.5,
+        )
+        t = tenant()
+        with Ledger.from_settings(settings) as led:
+            led.set_scope(t, ScopeBudget(window_ms=DAY, tokens=1_000_000))
+            s = led.open_session(f"@{t}/s", BUDGET)
+            cost = CallCost(model="m", input=3_000, output=1_000)
+            s.reserve(W, "up", 1, cost=cost)
+            assert led.scope_usage(t).open_holds == 1
+            for node in nodes:
+                node.kill()
+            with pytest.raises(BackendUnavailable):
+                s.reserve(W, "down", 1, cost=cost)
+            allowance = LocalAllowance(tokens=5_000)
+            assert [allowance.admit(cost) for _ in range(2)] == [True, False]
+
+
 def _pool(ledger: Ledger, pool: int) -> tuple[Session, str]:
     t = tenant()
     ledger.set_scope(t, ScopeBudget(window_ms=DAY, tokens=1_000_000))
@@ -330,6 +433,36 @@ def test_without_floors_one_greedy_child_starves_its_siblings(ledger: Ledger) ->
     assert s.draw_child(rid, "kid0", 4_000).used == 4_000
     with pytest.raises(AdmissionRefused):
         s.draw_child(rid, "kid1", 1)
+
+
+def _children(led: Ledger, s: Session) -> dict[bytes, bytes]:
+    return {k: v for k, v in led.client.hgetall(s.keys.session).items() if k.startswith(b"k:")}
+
+
+def test_children_opened_or_drawn_in_an_aborted_turn_are_undone(ledger: Ledger) -> None:
+    """A turn rolled back (abort_turn: its undo log) takes back what it did to children:
+    a child it opened is closed, a draw it made is given back, a child of a reservation
+    the turn made goes with the reservation. Children from before the turn stay as they
+    were, and the pool has its room back: the same child can be opened again."""
+    s, rid = _pool(ledger, 4_000)
+    s.open_child(rid, "kid0", 1_000)
+    s.draw_child(rid, "kid0", 500)
+    before = _children(ledger, s)
+    s.begin_turn(500)
+    s.open_child(rid, "kid1", 2_000)
+    assert s.draw_child(rid, "kid0", 1_000).used == 1_500  # 500 past its floor
+    with pytest.raises(AdmissionRefused):
+        s.open_child(rid, "kid2", 501)  # 500 left: floors 1,000 + 2,000, kid0's 500 past its own
+    inner = s.reserve(W, "inner", 1_000)
+    s.open_child(inner.id, "sub", 600)
+    s.draw_child(inner.id, "sub", 700)
+    assert _children(ledger, s) != before
+    assert s.abort_turn().rolled_back > 0
+    assert _children(ledger, s) == before  # as the turn found them, byte for byte
+    assert s.open_child(rid, "kid1", 2_000).free == 4_000 - 1_000 - 2_000  # room is back
+    assert s.draw_child(rid, "kid0", 500).used == 1_000  # its draws from before the turn
+    again = s.reserve(W, "inner", 1_000)  # the rolled-back reservation's id, new again
+    assert s.open_child(again.id, "sub", 600).free == 400  # no child left on it
 
 
 def test_usage_as_genai_attributes_one_name_a_quantity() -> None:

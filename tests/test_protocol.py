@@ -33,7 +33,7 @@ def op_fingerprint(script: str, argv: list[str]) -> str:
 
 
 def test_vectors_are_of_this_protocol_version() -> None:
-    assert VECTORS["protocol_version"] == protocol.VERSION == 2
+    assert VECTORS["protocol_version"] == protocol.VERSION == 3
     assert f"protocol version {protocol.VERSION}" in DOC.lower()
     assert all(c["argv"][1].startswith(f"{protocol.VERSION}:") for c in VECTORS["calls"])
     lua = (scripts.lua_dir() / "_common.lua").read_text()
@@ -229,12 +229,12 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
         # A call of protocol 1 (no version: '<epoch>' alone) is refused before anything is
         # written, naming both versions.
         before = r.hgetall(key)
-        mismatch = r"^LEDGER_VERSION .*of protocol {}[ ,].*of protocol 2"
+        mismatch = r"^LEDGER_VERSION .*of protocol {}[ ,].*of protocol 3"
         with pytest.raises(redis.ResponseError, match=mismatch.format(1)):
             r.eval(text["admit"], 6, *adk, admit["argv"][0], epoch, *admit["argv"][2:])
-        with pytest.raises(redis.ResponseError, match=mismatch.format(3)):
-            r.eval(text["snapshot"], 1, key, "3")
-        assert r.hgetall(key) == before and r.hget(key, "lv") == b"2"
+        with pytest.raises(redis.ResponseError, match=mismatch.format(4)):
+            r.eval(text["snapshot"], 1, key, "4")
+        assert r.hgetall(key) == before and r.hget(key, "lv") == b"3"
         # What the server stored: the budget fingerprint as sent, and the outcome under
         # the op id, with the server's own fingerprint of the call, in its bucket of the
         # current generation: the vector's record, whose epoch is 0 as the generation's

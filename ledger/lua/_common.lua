@@ -202,21 +202,23 @@
 --   G              scope_bucket [ms]: a bucket's length: the window (fixed) or a divisor
 --                  (rolling)
 --   hl             scope_hold_limit [ms]: the longest lease a hold may have
---   c_i            ceiling_input [tokens]: the input ceiling (absent: none)
---   c_o            ceiling_output [tokens]: the output ceiling
---   c_c            ceiling_cached_input [tokens]: the cached input ceiling
---   c_t            ceiling_tokens [tokens]: the ceiling on the counted kinds together
---   c_$            ceiling_money [count]: the money ceiling, micro-cents
 --   k              counted [text]: the kinds c_t counts: letters of 'ioc'
 --   op             scope_set_by [id]: the op id of the set_scope that set it
 --   p:<model>      price [text]: '<input>|<output>|<cached input>' cents per million
 --                  tokens ('p:*': any other model)
 --   bl             buckets [text]: the buckets kept before the live one ('<bucket>,...')
---   wb             live_bucket [count]: the live bucket: the one w<q> and wn count
---   w<q>           live_charged [count]: what the live bucket charged of quantity q
---   wn             live_open_holds [count]: the live bucket's open holds
---   nd             next_deadline [time]: no open hold has an earlier deadline (absent:
---                  none open)
+--   cf             scope_config [text]: the window, bucket, hold limit and ceilings, one
+--                  field: '<L>|<G>|<hl>|<input>|<output>|<cached
+--                  input>|<tokens>|<money>|<k>' (tokens; money in micro-cents; tokens
+--                  counts the kinds k names; a ceiling empty: none)
+--   w              live [text]: the live bucket and its counters:
+--                  '<bucket>|<i>|<o>|<c>|<$>|<open holds>|<next deadline>': what the live
+--                  bucket charged per quantity, its open holds, and a time no open hold's
+--                  deadline is earlier than
+--   wb             live_bucket [count]: layout 2's live bucket (into w)
+--   w<q>           live_charged [count]: layout 2's live counter of q (into w)
+--   wn             live_open_holds [count]: layout 2's live open holds (into w)
+--   nd             next_deadline [time]: layout 2's next deadline (into w)
 --   <bucket>:<q>   charged [count]: what bucket <bucket> (now // G), once not live,
 --                  charged of quantity q: open holds and billed usage
 --   <bucket>:u<q>  billed [count]: what bucket <bucket> billed of quantity q
@@ -247,7 +249,7 @@
 -- (docs/protocol.md#versions): written by `python tools/legend.py` from ledger/protocol.py
 -- (VERSION, OLDEST_LAYOUT), never by hand. Every call carries its client's protocol version
 -- (`op_args`, `protocol_arg`); every session stores its layout version in 'lv' (absent: 1).
-local VERSION, OLDEST_LAYOUT = 2, 1
+local VERSION, OLDEST_LAYOUT = 3, 1
 
 -- What `op_args` read from this call's ARGV[2] besides the epoch and the turn: the owner
 -- token (false when the call sends none), which `fence` and begin_turn check against 'lk'.
@@ -1273,38 +1275,66 @@ local function scope_args(at, sid)
   return names, suffixes, at + n
 end
 
+-- The scope fields cf and w are packed with Lua's struct (little-endian signed 64-bit
+-- integers, -1 for none): cf '<L><G><hl><input><output><cached input><tokens><money>' then
+-- one byte, the kinds the token ceiling counts (1 input, 2 output, 4 cached input); w
+-- '<live bucket><i><o><c><$><open holds><next deadline>'. One HMGET and one unpack a scope.
+local SCOPE_CF, SCOPE_W = '<i8i8i8i8i8i8i8i8B', '<i8i8i8i8i8i8i8'
+
 -- Each scope's configuration and live counters, one HMGET a scope (KEYS from `first`:
 -- hash, then holds index, per scope), checked against a hold of `lease` ms; with `model`,
--- its price from the tenant's (the first scope's) table 'p:<model>', else 'p:*', as
--- { i, o, c } cents per million tokens ({ 0, 0, 0 } when none: then no scope may have a
--- money ceiling). The live bucket wb's counters are fields of their own (w<q>, wn),
--- read with the configuration; older buckets' are '<bucket>:<q>'. Fails NOSCOPE for a
--- scope never set, BADARG for a lease above a hold limit or a money ceiling with no price.
+-- its price from the tenant's (the first scope's) table 'p:<model>', else 'p:*' (read only
+-- then), as
+-- { i, o, c } cents per million tokens and its text ({ 0, 0, 0 } and '0|0|0' when none:
+-- then no scope may have a money ceiling). The live bucket's counters are w, older
+-- buckets' '<bucket>:<q>'. Fails NOSCOPE for a scope never set, VERSION for one set by
+-- protocol 2 (no cf: set_scope again moves its counters into w), BADARG for a lease above
+-- a hold limit or a money ceiling with no price.
 local function scope_config(names, first, lease, model)
   local S, money = {}, false
   for k, s in ipairs(names) do
     local hk = KEYS[first + 2 * k - 2]
-    local v = redis.call('HMGET', hk, 'L', 'G', 'hl', 'c_i', 'c_o', 'c_c', 'c_t', 'c_$', 'k', 'bl', 'wb',
-      'wi', 'wo', 'wc', 'w$', 'wn', 'nd', model and k == 1 and 'p:' .. model or 'L', 'p:*')
-    if not v[1] then fail('NOSCOPE', 'scope ' .. s .. ' has no ceilings set (set_scope)') end
-    local hl = tonumber(v[3])
+    local v
+    if model and k == 1 then v = redis.call('HMGET', hk, 'cf', 'w', 'p:' .. model)
+    else v = redis.call('HMGET', hk, 'cf', 'w') end
+    if not v[1] then
+      if redis.call('HEXISTS', hk, 'L') == 1 then
+        fail('VERSION', 'stored layout mismatch: the scope ' .. s .. ' is of layout 2, these scripts are ' ..
+          'of protocol ' .. VERSION .. ' and read scopes of layout 3: run set_scope for it again (its ' ..
+          'counters are kept) (docs/ceilings.md)')
+      end
+      fail('NOSCOPE', 'scope ' .. s .. ' has no ceilings set (set_scope)')
+    end
+    local L, G, hl, ci, co, cc, ct, cm, kf = struct.unpack(SCOPE_CF, v[1])
     if lease and lease > hl then
       fail('BADARG', 'lease ' .. lease .. ' ms is above the hold limit ' .. hl .. ' ms of scope ' .. s)
     end
-    S[k] = { name = s, hk = hk, zk = KEYS[first + 2 * k - 1], L = tonumber(v[1]), G = tonumber(v[2]),
-      hl = hl, cap = { i = tonumber(v[4]), o = tonumber(v[5]), c = tonumber(v[6]), t = tonumber(v[7]),
-      ['$'] = tonumber(v[8]) }, counted = v[9] or '', bl = v[10] or '', wb = tonumber(v[11]),
-      w = { i = tonumber(v[12]) or 0, o = tonumber(v[13]) or 0, c = tonumber(v[14]) or 0,
-      ['$'] = tonumber(v[15]) or 0, n = tonumber(v[16]) or 0 }, nd = tonumber(v[17]) or NEVER,
-      price = model and k == 1 and (v[18] or v[19]) }
-    money = money or S[k].cap['$'] ~= nil
+    local sc = { name = s, hk = hk, zk = KEYS[first + 2 * k - 1], L = L, G = G, hl = hl, ci = ci, co = co,
+      cc = cc, ct = ct, cm = cm, kf = kf, nd = NEVER }
+    if v[2] then
+      local wb, wi, wo, wc, wm, wn, nd = struct.unpack(SCOPE_W, v[2])
+      sc.wb, sc.nd, sc.w = wb >= 0 and wb or nil, nd, { i = wi, o = wo, c = wc, ['$'] = wm, n = wn }
+    else
+      sc.w = { i = 0, o = 0, c = 0, ['$'] = 0, n = 0 }
+    end
+    if model and k == 1 then sc.price = v[3] or (v[1] and redis.call('HGET', hk, 'p:*')) end
+    S[k] = sc
+    money = money or cm >= 0
   end
   if not model then return S end
-  local pi, po, pc = string.match(S[1].price or '', '^(%d+)|(%d+)|(%d+)$')
+  local raw = S[1].price
+  local pi, po, pc = string.match(raw or '', '^(%d+)|(%d+)|(%d+)$')
   if not pi and money then
     fail('BADARG', 'no price for model ' .. show(model) .. ' in the price table of tenant ' .. S[1].name)
   end
-  return S, pi and { tonumber(pi), tonumber(po), tonumber(pc) } or { 0, 0, 0 }
+  if not pi then return S, { 0, 0, 0, '0|0|0' } end
+  return S, { tonumber(pi), tonumber(po), tonumber(pc), raw }
+end
+
+-- A scope's live field w as sc holds it.
+local function scope_live(sc)
+  local w = sc.w
+  return struct.pack(SCOPE_W, sc.wb or -1, w.i, w.o, w.c, w['$'], w.n, sc.nd)
 end
 
 -- A scope's bucket at `now` (a bucket is G ms; a window is L/G buckets: one for a
@@ -1315,14 +1345,13 @@ local function scope_bucket(sc, now)
   return cur, cur - sc.L / sc.G - math.ceil(sc.hl / sc.G) - 1
 end
 
--- Add d (per quantity, n the hold count) to bucket b's counters: the live fields when b
--- is the live bucket (and to sc.w, as read), else the bucket's own fields.
+-- Add d (per quantity, n the hold count) to bucket b's counters: to sc.w when b is the
+-- live bucket (written back with w by the caller: sc.dirty), else to the bucket's own fields.
 local function scope_add(sc, b, d)
   for q, v in pairs(d) do
     if v ~= 0 then
       if b == sc.wb then
-        sc.w[q] = sc.w[q] + v
-        redis.call('HINCRBY', sc.hk, 'w' .. q, num(v))
+        sc.w[q], sc.dirty = sc.w[q] + v, true
       else
         redis.call('HINCRBY', sc.hk, num(b) .. ':' .. q, num(v))
       end
@@ -1353,22 +1382,21 @@ local function scope_sweep(sc, now)
   end
   local first = redis.call('ZRANGE', sc.zk, 0, 0, 'WITHSCORES')
   sc.nd = tonumber(first[2]) or NEVER
-  redis.call('HSET', sc.hk, 'nd', num(sc.nd))
+  redis.call('HSET', sc.hk, 'w', scope_live(sc))
+  sc.dirty = false
 end
 
 -- What a scope has charged in its window (open holds and billed usage), per quantity.
 -- The first ceiling `want` would pass: its quantity's name, its ceiling, what is left
 -- under it and what was asked; nil when all fit. A fixed window reads nothing more; a
 -- rolling one reads its older buckets' counters.
-local QUANTITY = { i = 'input', o = 'output', c = 'cached_input', t = 'tokens', ['$'] = 'money' }
 local function scope_room(sc, now, want)
-  local cur = scope_bucket(sc, now)
-  local sum = { i = 0, o = 0, c = 0, ['$'] = 0 }
+  local cur = math.floor(now / sc.G)
   local lo = cur - sc.L / sc.G + 1
-  if sc.wb and sc.wb >= lo then
-    for _, q in ipairs(SCOPE_Q) do sum[q] = sc.w[q] end
-  end
+  local sum = sc.w
+  if not (sc.wb and sc.wb >= lo) then sum = { i = 0, o = 0, c = 0, ['$'] = 0 } end
   if lo < cur then
+    sum = { i = sum.i, o = sum.o, c = sum.c, ['$'] = sum['$'] }
     local f = {}
     for b = lo, cur do
       if b ~= sc.wb then
@@ -1381,51 +1409,55 @@ local function scope_room(sc, now, want)
       sum[q] = sum[q] + (tonumber(v[j]) or 0)
     end
   end
-  for _, q in ipairs({ 'i', 'o', 'c', 't', '$' }) do
-    local cap = sc.cap[q]
-    if cap then
-      local used, asked = sum[q], want[q]
-      if q == 't' then
-        used, asked = 0, 0
-        for l in string.gmatch(sc.counted, '%a') do used, asked = used + sum[l], asked + want[l] end
-      end
-      if used + asked > cap then return QUANTITY[q], cap, cap - used, asked end
-    end
+  if sc.ci >= 0 and sum.i + want.i > sc.ci then return 'input', sc.ci, sc.ci - sum.i, want.i end
+  if sc.co >= 0 and sum.o + want.o > sc.co then return 'output', sc.co, sc.co - sum.o, want.o end
+  if sc.cc >= 0 and sum.c + want.c > sc.cc then return 'cached_input', sc.cc, sc.cc - sum.c, want.c end
+  if sc.ct >= 0 then
+    local kf, used, asked = sc.kf, 0, 0
+    if kf % 2 == 1 then used, asked = sum.i, want.i end
+    if kf % 4 >= 2 then used, asked = used + sum.o, asked + want.o end
+    if kf >= 4 then used, asked = used + sum.c, asked + want.c end
+    if used + asked > sc.ct then return 'tokens', sc.ct, sc.ct - used, asked end
   end
+  if sc.cm >= 0 and sum['$'] + want['$'] > sc.cm then return 'money', sc.cm, sc.cm - sum['$'], want['$'] end
   return nil
 end
 
--- Hold `want` in each scope's current bucket until `deadline` (member m), after every
--- scope said yes: one HSET and one ZADD a scope. When the bucket is new, the live
--- counters of the one before are kept under its number (and buckets past keeping dropped).
-local function scope_hold(S, now, m, deadline, want, price)
-  for _, sc in ipairs(S) do
-    local cur, kept = scope_bucket(sc, now)
-    local b = num(cur)
-    local w = { 'q:' .. m, b .. '|' .. num(want.i) .. '|' .. num(want.o) .. '|' .. num(want.c) .. '|' ..
-      num(want['$']) .. '|' .. price[1] .. '|' .. price[2] .. '|' .. price[3] .. '|' .. #S }
-    if sc.wb ~= cur then
-      local keep, drop = {}, {}
-      if sc.wb then sc.bl = sc.bl .. ',' .. num(sc.wb) end
-      for x in string.gmatch(sc.bl, '%d+') do
-        if tonumber(x) >= kept then keep[#keep + 1] = x else
-          for _, q in ipairs({ 'i', 'o', 'c', '$', 'n', 'ui', 'uo', 'uc', 'u$', 'xt', 'x$' }) do
-            drop[#drop + 1] = x .. ':' .. q
-          end
-        end
+-- A new live bucket `cur` for scope sc: the counters of the one before are kept under its
+-- number (in bl, the buckets kept) and buckets past keeping are dropped; sc.w starts at 0.
+local function scope_roll(sc, now, cur)
+  local _, kept = scope_bucket(sc, now)
+  local keep, drop, w = {}, {}, {}
+  local bl = redis.call('HGET', sc.hk, 'bl') or ''
+  if sc.wb then bl = bl .. ',' .. num(sc.wb) end
+  for x in string.gmatch(bl, '%d+') do
+    if tonumber(x) >= kept then keep[#keep + 1] = x else
+      for _, q in ipairs({ 'i', 'o', 'c', '$', 'n', 'ui', 'uo', 'uc', 'u$', 'xt', 'x$' }) do
+        drop[#drop + 1] = x .. ':' .. q
       end
-      if #drop > 0 then redis.call('HDEL', sc.hk, unpack(drop)) end
-      if sc.wb and sc.wb >= kept then
-        for _, q in ipairs({ 'i', 'o', 'c', '$', 'n' }) do w[#w + 1], w[#w + 2] = num(sc.wb) .. ':' .. q, num(sc.w[q]) end
-      end
-      for _, q in ipairs({ 'i', 'o', 'c', '$', 'n' }) do sc.w[q] = 0 end
-      w[#w + 1], w[#w + 2], w[#w + 3], w[#w + 4] = 'bl', table.concat(keep, ','), 'wb', b
     end
-    w[#w + 1], w[#w + 2], w[#w + 3], w[#w + 4] = 'wi', num(sc.w.i + want.i), 'wo', num(sc.w.o + want.o)
-    w[#w + 1], w[#w + 2], w[#w + 3], w[#w + 4] = 'wc', num(sc.w.c + want.c), 'w$', num(sc.w['$'] + want['$'])
-    w[#w + 1], w[#w + 2] = 'wn', num(sc.w.n + 1)
-    if deadline < sc.nd then w[#w + 1], w[#w + 2] = 'nd', num(deadline) end
-    redis.call('HSET', sc.hk, unpack(w))
+  end
+  if #drop > 0 then redis.call('HDEL', sc.hk, unpack(drop)) end
+  if sc.wb and sc.wb >= kept then
+    for _, q in ipairs({ 'i', 'o', 'c', '$', 'n' }) do w[#w + 1], w[#w + 2] = num(sc.wb) .. ':' .. q, num(sc.w[q]) end
+  end
+  w[#w + 1], w[#w + 2] = 'bl', table.concat(keep, ',')
+  redis.call('HSET', sc.hk, unpack(w))
+  sc.w, sc.wb = { i = 0, o = 0, c = 0, ['$'] = 0, n = 0 }, cur
+end
+
+-- Hold `want` in each scope's current bucket until `deadline` (member m), after every
+-- scope said yes: one HSET (the hold and w) and one ZADD a scope (and `scope_roll` when
+-- the bucket is new).
+local function scope_hold(S, now, m, deadline, want, price)
+  local rec = '|' .. want.text .. '|' .. num(want['$']) .. '|' .. price[4] .. '|' .. #S
+  for _, sc in ipairs(S) do
+    local cur = math.floor(now / sc.G)
+    if sc.wb ~= cur then scope_roll(sc, now, cur) end
+    local l = sc.w
+    l.i, l.o, l.c, l['$'], l.n = l.i + want.i, l.o + want.o, l.c + want.c, l['$'] + want['$'], l.n + 1
+    if deadline < sc.nd then sc.nd = deadline end
+    redis.call('HSET', sc.hk, 'q:' .. m, num(cur) .. rec, 'w', scope_live(sc))
     redis.call('ZADD', sc.zk, deadline, m)
   end
 end
@@ -1479,6 +1511,10 @@ local function scope_close(S, m, billed)
           redis.call('HINCRBY', sc.hk, b .. ':x$', num(om))
         end
         if k == 1 then over, over_m, cost = ot, om, bm end
+      end
+      if sc.dirty then
+        redis.call('HSET', sc.hk, 'w', scope_live(sc))
+        sc.dirty = false
       end
       redis.call('HDEL', sc.hk, 'q:' .. m)
       redis.call('ZREM', sc.zk, m)

@@ -47,7 +47,10 @@ if extra > room then
     'requested=' .. tokens, 'free=' .. (math.max(f - used, 0) + room), 'epoch=' .. H.ep, 'turn=' .. H.tn }), {}, J)
 end
 used = used + tokens
+local args = { 'k:' .. rid, floors .. '|' .. (beyond + extra) .. '|' .. n, 'k:' .. rid .. '|' .. child,
+  f .. '|' .. used }
+-- (in a turn, the records as they were go into its undo log: a rollback takes the draw back)
+if res.in_turn then args[5], args[6] = 'ul', journal(res.ul, { args[1], args[3] }, { R[1], R[2] }) end
 return commit(key, now, op, fp, reply({ 'status=ok', 'reservation=' .. rid, 'child=' .. child,
   'used=' .. used, 'floor=' .. f, 'free=' .. (math.max(f - used, 0) + room - extra), 'epoch=' .. H.ep,
-  'turn=' .. H.tn }), { 'k:' .. rid, floors .. '|' .. (beyond + extra) .. '|' .. n, 'k:' .. rid .. '|' .. child,
-  f .. '|' .. used }, J)
+  'turn=' .. H.tn }), args, J)

@@ -46,6 +46,9 @@ if floor > left then
   return commit(key, now, op, fp, reply({ 'status=refused', 'reason=child_floor', 'requested=' .. floor,
     'free=' .. left, 'epoch=' .. H.ep, 'turn=' .. H.tn }), {}, J)
 end
+local args = { 'k:' .. rid, (floors + floor) .. '|' .. beyond .. '|' .. (n + 1), 'k:' .. rid .. '|' .. child,
+  floor .. '|0' }
+-- (in a turn, the records as they were go into its undo log: a rollback closes the child)
+if res.in_turn then args[5], args[6] = 'ul', journal(res.ul, { args[1], args[3] }, { R[1], R[2] }) end
 return commit(key, now, op, fp, reply({ 'status=ok', 'reservation=' .. rid, 'child=' .. child,
-  'floor=' .. floor, 'free=' .. (left - floor), 'epoch=' .. H.ep, 'turn=' .. H.tn }),
-  { 'k:' .. rid, (floors + floor) .. '|' .. beyond .. '|' .. (n + 1), 'k:' .. rid .. '|' .. child, floor .. '|0' }, J)
+  'floor=' .. floor, 'free=' .. (left - floor), 'epoch=' .. H.ep, 'turn=' .. H.tn }), args, J)

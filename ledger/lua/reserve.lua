@@ -50,6 +50,7 @@ if #ARGV > 7 then
   model = id_arg(ARGV[8], 'model')
   want = { i = int_arg(ARGV[9], 'input tokens', 0, TOKENS_MAX), o = int_arg(ARGV[10], 'output tokens', 0, TOKENS_MAX),
     c = int_arg(ARGV[11], 'cached input tokens', 0, TOKENS_MAX) }
+  want.text = ARGV[9] .. '|' .. ARGV[10] .. '|' .. ARGV[11]  -- (canonical: int_arg checked them)
   names, suffixes, last = scope_args(12, sid)
 end
 if #ARGV ~= last then fail('BADARG', 'expected ' .. last .. ' arguments, got ' .. #ARGV) end

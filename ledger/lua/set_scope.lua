@@ -26,7 +26,7 @@
 -- Reply: status=ok|prices=<n>
 -- Errors: LEDGER_VERSION, LEDGER_BADARG, LEDGER_CONFIG (window or bucket changed while
 --         counters are kept).
--- Calls: HMGET, HKEYS, HDEL, HSET.
+-- Calls: HMGET, HKEYS, HDEL, HSET (and HDEL of a layout 2 scope's live fields, moved into w).
 
 protocol_arg(ARGV[1])
 local op = id_arg(ARGV[2], 'operation id')
@@ -36,9 +36,9 @@ local hl = int_arg(ARGV[5], 'hold limit ms', 1, 86400000)
 if L % G ~= 0 or L / G > 96 then
   fail('BADARG', 'bucket ms must divide the window into 1..96 buckets, got ' .. L .. ' / ' .. G)
 end
-local caps = {}
-for k, f in ipairs({ 'c_i', 'c_o', 'c_c', 'c_t', 'c_$' }) do
-  if ARGV[5 + k] ~= '-' then caps[#caps + 1], caps[#caps + 2] = f, int_arg(ARGV[5 + k], f, 0, 1e15) end
+local cf = { L, G, hl, -1, -1, -1, -1, -1 }  -- (a ceiling: -1 for none)
+for k, f in ipairs({ 'input', 'output', 'cached input', 'token', 'money' }) do
+  if ARGV[5 + k] ~= '-' then cf[3 + k] = int_arg(ARGV[5 + k], f .. ' ceiling', 0, 1e15) end
 end
 local counted = ARGV[11]
 if type(counted) ~= 'string' or not string.match(counted, '^[ioc-]+$') or #counted > 3 or
@@ -59,7 +59,7 @@ for k = 1, n do
 end
 
 local hk = KEYS[1]
-local was = redis.call('HMGET', hk, 'L', 'G', 'bl')
+local was = redis.call('HMGET', hk, 'L', 'G', 'bl', 'w', 'wb', 'wi', 'wo', 'wc', 'w$', 'wn', 'nd')
 if was[3] and was[3] ~= '' and (tonumber(was[1]) ~= L or tonumber(was[2]) ~= G) then
   fail('CONFIG', 'the window and bucket of a scope with counters cannot change (' .. was[1] .. '/' .. was[2] .. ' ms)')
 end
@@ -68,8 +68,16 @@ for _, f in ipairs(redis.call('HKEYS', hk)) do
   if string.sub(f, 1, 2) == 'p:' or string.sub(f, 1, 2) == 'c_' then old[#old + 1] = f end
 end
 if #old > 0 then redis.call('HDEL', hk, unpack(old)) end
-local w = { 'L', L, 'G', G, 'hl', hl, 'k', counted == '-' and '' or counted, 'op', op }
-for _, v in ipairs(caps) do w[#w + 1] = v end
+local k = counted == '-' and '' or counted
+local w = { 'L', L, 'G', G, 'hl', hl, 'k', k, 'op', op }
+cf[9] = (string.find(k, 'i', 1, true) and 1 or 0) + (string.find(k, 'o', 1, true) and 2 or 0) +
+  (string.find(k, 'c', 1, true) and 4 or 0)
+w[#w + 1], w[#w + 2] = 'cf', struct.pack(SCOPE_CF, unpack(cf))
+if not was[4] and was[5] then  -- a scope of layout 2: its live counters move into w
+  w[#w + 1], w[#w + 2] = 'w', struct.pack(SCOPE_W, tonumber(was[5]), tonumber(was[6]) or 0, tonumber(was[7]) or 0,
+    tonumber(was[8]) or 0, tonumber(was[9]) or 0, tonumber(was[10]) or 0, tonumber(was[11]) or NEVER)
+end
+if not was[4] and (was[5] or was[11]) then redis.call('HDEL', hk, 'wb', 'wi', 'wo', 'wc', 'w$', 'wn', 'nd') end
 for _, v in ipairs(prices) do w[#w + 1] = v end
 redis.call('HSET', hk, unpack(w))
 return reply({ 'status=ok', 'prices=' .. n })
