@@ -73,12 +73,18 @@ Reply = dict[str, str]
 
 # The protocol version (docs/protocol.md#versions), defined here only: every call carries
 # it (ARGV[2] '<version>:...' of a mutating call, ARGV[1] of a read), the scripts refuse a
-# call of another one (LEDGER_VERSION, :class:`~ledger.errors.VersionMismatch`), and a
-# session opened by these scripts stores it as its layout version (field 'lv'). Bumped by
+# call of another one (LEDGER_VERSION, :class:`~ledger.errors.VersionMismatch`). Bumped by
 # every change a client or script of the previous version would misread (KEYS, ARGV,
 # a reply field's meaning, a stored field's name or meaning); `python tools/legend.py`
 # writes it into _common.lua. 2: the owner token, the version itself, the layout field.
+# 3: a budget scope's config and live counters packed (docs/protocol.md#version-3).
 VERSION = 3
+# The stored layout of a session these scripts open (field 'lv'), bumped only when a
+# session's fields change so that the previous release's scripts would misread them: a
+# release whose protocol changes but whose sessions do not keeps it, so the previous
+# release's processes keep serving the sessions this one opens during a rolling upgrade.
+# 2: lv and lk (protocol 2 and 3 write the same session fields).
+LAYOUT = 2
 # The oldest stored layout these scripts read and write (a session without 'lv' is of
 # layout 1): layout 2 only adds fields (lv, lk) that layout 1's scripts never read, so a
 # fleet upgrades from 1 to 2 with both versions running (docs/operations.md#upgrades).
@@ -565,14 +571,18 @@ def scope_usage(
     raw = {(k.decode() if isinstance(k, bytes) else str(k)): v for k, v in fields.items()}
     packed = {k: raw.pop(k) for k in ("cf", "w") if k in raw}
     f = {k: v.decode() if isinstance(v, bytes) else str(v) for k, v in raw.items()}
-    if "L" not in f:
-        raise UnknownScope(f"scope {name} has no ceilings set (set_scope)")
-    window, bucket = int(f["L"]), int(f["G"])
     kinds = ("input", "output", "cached_input", "tokens", "money")
     if "cf" in packed:  # (struct '<8qB', as _common.lua packs it: -1 for no ceiling)
-        caps = dict(zip(kinds, struct.unpack(SCOPE_CF, _bytes(packed["cf"]))[3:8], strict=True))
-    else:  # a scope of layout 2 (set_scope again moves it to layout 3)
+        cf = struct.unpack(SCOPE_CF, _bytes(packed["cf"]))
+        window, bucket = cf[0], cf[1]
+        caps = dict(zip(kinds, cf[3:8], strict=True))
+        counted_kinds = "".join(x for bit, x in ((1, "i"), (2, "o"), (4, "c")) if cf[8] & bit)
+    elif "L" in f:  # a scope of layout 2 (set_scope again moves it to layout 3)
+        window, bucket = int(f["L"]), int(f["G"])
         caps = {q: int(f.get("c_" + x, -1)) for x, q in zip("ioct$", kinds, strict=True)}
+        counted_kinds = f.get("k", "")
+    else:
+        raise UnknownScope(f"scope {name} has no ceilings set (set_scope)")
     live = [int(f.get(x, -1 if x == "wb" else 0)) for x in ("wb", "wi", "wo", "wc", "w$")]
     if "w" in packed:
         live = list(struct.unpack(SCOPE_W, _bytes(packed["w"]))[:5])
@@ -611,7 +621,7 @@ def scope_usage(
         if q != "tokens":
             remaining[q] = max(cap - charged[q], 0)
     if "tokens" in ceilings:
-        counted = [_QUANTITIES[x] for x in f.get("k", "")]
+        counted = [_QUANTITIES[x] for x in counted_kinds]
         remaining["tokens"] = max(ceilings["tokens"] - sum(charged[q] for q in counted), 0)
     return ScopeUsage(
         scope=name,

@@ -496,12 +496,12 @@ def _t(wire: str, name: str, unit: Unit, meaning: str) -> Field:
     return _f(wire, name, unit, "scope", meaning)
 
 
-SCOPE_WINDOW = _t("L", "scope_window", "ms", "the window's length")
-SCOPE_BUCKET = _t(
-    "G", "scope_bucket", "ms", "a bucket's length: the window (fixed) or a divisor (rolling)"
-)
-SCOPE_HOLD_LIMIT = _t("hl", "scope_hold_limit", "ms", "the longest lease a hold may have")
-SCOPE_COUNTED = _t("k", "counted", "text", "the kinds c_t counts: letters of 'ioc'")
+# Layout 2 kept the config in fields of their own: set_scope moves them into cf and removes
+# them (a script of protocol 2, which reads 'L', then finds no scope: LEDGER_NOSCOPE).
+SCOPE_WINDOW = _t("L", "scope_window", "ms", "layout 2's window length (into cf)")
+SCOPE_BUCKET = _t("G", "scope_bucket", "ms", "layout 2's bucket length (into cf)")
+SCOPE_HOLD_LIMIT = _t("hl", "scope_hold_limit", "ms", "layout 2's hold limit (into cf)")
+SCOPE_COUNTED = _t("k", "counted", "text", "layout 2's kinds c_t counts (into cf)")
 SCOPE_OP = _t("op", "scope_set_by", "id", "the op id of the set_scope that set it")
 SCOPE_PRICE = _t(
     "p:<model>",
@@ -513,18 +513,19 @@ SCOPE_BUCKETS = _t("bl", "buckets", "text", "the buckets kept before the live on
 SCOPE_CONFIG = _t(
     "cf",
     "scope_config",
-    "text",
-    "the window, bucket, hold limit and ceilings, one field: '<L>|<G>|<hl>|<input>|<output>|"
-    "<cached input>|<tokens>|<money>|<k>' (tokens; money in micro-cents; tokens counts the "
-    "kinds k names; a ceiling empty: none)",
+    "binary",
+    "the config, packed (struct '<8qB': little-endian 8-byte integers, then one byte): the "
+    "window L and bucket G (ms; a window is L/G buckets: one fixed, more rolling), the hold "
+    "limit (ms), the ceilings input, output, cached input, tokens, money (micro-cents; -1: "
+    "none), and the kinds the tokens ceiling counts as bits (1 input, 2 output, 4 cached)",
 )
 SCOPE_LIVE = _t(
     "w",
     "live",
-    "text",
-    "the live bucket and its counters: '<bucket>|<i>|<o>|<c>|<$>|<open holds>|<next deadline>': "
-    "what the live bucket charged per quantity, its open holds, and a time no open hold's "
-    "deadline is earlier than",
+    "binary",
+    "the live bucket and its counters, packed (struct '<7q'): the bucket (now // G; -1: "
+    "none), what it charged of input, output, cached input and money, its open holds, and a "
+    "time no open hold's deadline is earlier than",
 )
 # Layout 2 kept the live bucket in fields of their own: set_scope moves them into w.
 SCOPE_LIVE_BUCKET_V2 = _t("wb", "live_bucket", "count", "layout 2's live bucket (into w)")

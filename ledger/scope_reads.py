@@ -4,6 +4,7 @@ Read-only, on the sync face; no script runs."""
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -73,7 +74,7 @@ def scope_usages(
             out.append(protocol.scope_usage(name, fields, holds, now))
         except UnknownScope:
             continue
-        except (ValueError, IndexError, KeyError) as exc:
+        except (ValueError, IndexError, KeyError, struct.error) as exc:
             if damaged is None:
                 raise
             damaged[name] = f"{type(exc).__name__}: {exc}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fnmatch
 import heapq
+import struct
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -557,7 +558,12 @@ def tenant_view(ledger: Ledger, tenant: str) -> TenantView:
             usages.append(protocol.scope_usage(name, fields, index, now))
         except UnknownScope:
             continue
-        except (ValueError, IndexError, KeyError) as exc:  # written by hand or by another program
+        except (
+            ValueError,
+            IndexError,
+            KeyError,
+            struct.error,
+        ) as exc:  # written by hand or by another program
             raise LedgerError(
                 f"scope {name}: damaged: its hash does not read as the scripts write it "
                 f"({type(exc).__name__}: {exc})"

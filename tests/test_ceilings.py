@@ -173,13 +173,16 @@ def test_a_dead_processs_hold_expires_on_redis_clock(ledger: Ledger) -> None:
 
 
 def _as_layout_2(led: Ledger, name: str) -> None:
-    """Rewrite a scope's hash as protocol 2 stored it: its ceilings in fields c_<q>, its
-    live bucket in wb, w<q>, wn and nd (no packed cf and w)."""
+    """Rewrite a scope's hash as protocol 2 stored it: its config in fields L, G, hl, k and
+    c_<q>, its live bucket in wb, w<q>, wn and nd (no packed cf and w)."""
     h = led.keyspace.scope(name).hash
     cf, w = led.client.hmget(h, "cf", "w")
-    caps = struct.unpack(protocol.SCOPE_CF, cf)[3:8]
+    config = struct.unpack(protocol.SCOPE_CF, cf)
+    caps, bits = config[3:8], config[8]
     wb, wi, wo, wc, wm, wn, nd = struct.unpack(protocol.SCOPE_W, w)
-    old = {f"c_{q}": v for q, v in zip("ioct$", caps, strict=True) if v >= 0}
+    old: dict[str, int | str] = {f"c_{q}": v for q, v in zip("ioct$", caps, strict=True) if v >= 0}
+    old.update({"L": config[0], "G": config[1], "hl": config[2]})
+    old["k"] = "".join(x for bit, x in ((1, "i"), (2, "o"), (4, "c")) if bits & bit)
     old.update({"wb": wb, "wi": wi, "wo": wo, "wc": wc, "w$": wm, "wn": wn, "nd": nd})
     led.client.hdel(h, "cf", "w")
     led.client.hset(h, mapping=old)
@@ -212,7 +215,7 @@ def test_a_scope_of_protocol_2_is_refused_typed_until_set_again(ledger: Ledger) 
         assert state(ledger, s, t) == before  # nothing written anywhere
     ledger.set_scope(t, budget)  # the operator sets it again: layout 3, counters kept
     assert dataclasses.replace(ledger.scope_usage(t), now_ms=0) == usage
-    assert not {b"wb", b"wi", b"nd", b"c_t"} & set(
+    assert not {b"wb", b"wi", b"nd", b"c_t", b"L", b"k"} & set(
         ledger.client.hkeys(ledger.keyspace.scope(t).hash)
     )
     done = s.settle("open", 10, billed=Usage(input=1_000, output=100), scopes=r2.scopes)

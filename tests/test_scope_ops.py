@@ -456,7 +456,7 @@ def test_a_damaged_scope_is_left_out_and_logged_the_others_exported(
     """A scope hash written by hand (a counter that holds no number) does not stop the
     metrics pass: the others are exported, it is named in one warning line."""
     a, b = spend(led)
-    led.client.hset(led.keyspace.scope(b).hash, "L", "soon")
+    led.client.hset(led.keyspace.scope(b).hash, "cf", "soon")
     w = new_worker(led, "none")
     with caplog.at_level("WARNING", logger="ledger.worker"):
         w.observe()

@@ -1,13 +1,14 @@
 """Versions a fleet can see (issue 40): the upgrade runbook of docs/operations.md#upgrades,
 run from the release deployed today to this one, and the refusals that name both versions.
 
-``OLD`` (033c8b3, ledger 0.1.0, protocol 1) is taken from git history with ``git archive``
-into a temporary directory and run with its own PYTHONPATH: its ``ledger worker`` and its
-agents (tests/upgrade_agent.py) beside this release's, on one real redis-server, turns of
-shared sessions alternating between all of them, as the runbook says (workers one at a
-time, then agents). No turn fails, and ``ledger audit --strict`` is clean.
+Each earlier release (``RELEASES``: 0.1.0 at 033c8b3, protocol 1; 0.2.0 at a8b2daf,
+protocol 2) is taken from git history with ``git archive`` into a temporary directory and
+run with its own PYTHONPATH: its ``ledger worker`` and its agents (tests/upgrade_agent.py)
+beside this release's, on one real redis-server, turns of shared sessions alternating
+between all of them, as the runbook says (workers one at a time, then agents). No turn
+fails, and ``ledger audit --strict`` is clean.
 
-A client of protocol 1 whose calls reach this release's scripts (033c8b3's Python client
+A client of an earlier protocol whose calls reach this release's scripts (its Python client
 with these scripts in place of its own: what a client in another language meets when it
 uses scripts it did not ship) is refused with ``LEDGER_VERSION`` naming both versions, and
 nothing is written. A session of a stored layout these scripts do not read (one a later
@@ -32,6 +33,7 @@ from ledger import (
     Item,
     Ledger,
     LedgerSettings,
+    ScopeBudget,
     SessionBudget,
     VersionMismatch,
     cli,
@@ -43,20 +45,35 @@ from ledger.testing import WorkerProc, spawn_worker, standalone
 from tests import servers
 
 ROOT = Path(__file__).resolve().parent.parent
-OLD = "033c8b3"  # what is deployed today: ledger 0.1.0, protocol 1 (no version carried)
+# The releases a fleet may run when it upgrades to this one: (commit, protocol version).
+RELEASES = {
+    "0.1.0": ("033c8b3", 1),  # protocol 1: no version carried, sessions of layout 1
+    "0.2.0": ("a8b2daf", 2),  # protocol 2: the version carried, sessions of layout 2
+}
 AGENT = ROOT / "tests" / "upgrade_agent.py"
 BUDGET = SessionBudget(window=10_000, system_prompt=500, output_reserve=500)
 
 
+@pytest.fixture(scope="module", params=list(RELEASES))
+def old_release(request: pytest.FixtureRequest) -> str:
+    release: str = request.param
+    return release
+
+
 @pytest.fixture(scope="module")
-def old_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The package ``ledger`` of OLD, alone in a directory (its PYTHONPATH)."""
-    root = tmp_path_factory.mktemp("old-release")
+def old_tree(old_release: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The package ``ledger`` of an earlier release, alone in a directory (its PYTHONPATH)."""
+    return _archive(old_release, tmp_path_factory.mktemp(f"release-{old_release}"))
+
+
+def _archive(release: str, root: Path) -> Path:
+    commit, version = RELEASES[release]
     tar = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", OLD, "ledger"], capture_output=True, check=True
+        ["git", "-C", str(ROOT), "archive", commit, "ledger"], capture_output=True, check=True
     )
     subprocess.run(["tar", "-x", "-C", str(root)], input=tar.stdout, check=True)
-    assert not (root / "ledger" / "errors.py").read_text().count("VERSION")
+    errors = (root / "ledger" / "errors.py").read_text()
+    assert ("VersionMismatch" in errors) == (version > 1)  # the release it says it is
     return root
 
 
@@ -104,13 +121,16 @@ def _worker(tree: Path | None, url: str, prefix: str, name: str, logs: Path) -> 
 @pytest.mark.redis
 @pytest.mark.timeout(180)
 def test_the_runbook_upgrades_a_running_fleet_from_the_deployed_release(
-    old_tree: Path, tmp_path: Path
+    old_release: str, old_tree: Path, tmp_path: Path
 ) -> None:
+    """From each earlier release: sessions opened by the old release and by this one, each
+    served by both side by side (this release's sessions keep the layout the previous one
+    reads, docs/protocol.md#versions), the workers replaced one at a time."""
     with standalone("--appendonly", "yes") as server:  # (as production: audit --strict)
-        _upgrade(server.url, old_tree, tmp_path)
+        _upgrade(server.url, old_release, old_tree, tmp_path)
 
 
-def _upgrade(url: str, old_tree: Path, tmp_path: Path) -> None:
+def _upgrade(url: str, old_release: str, old_tree: Path, tmp_path: Path) -> None:
     prefix = f"up{uuid.uuid4().hex[:8]}"
     sids = [f"up-{uuid.uuid4().hex[:6]}-{i}" for i in range(2)]
     turns = 14  # per agent and session: 4 agents x 14 = 56 turns of each session
@@ -142,7 +162,9 @@ def _upgrade(url: str, old_tree: Path, tmp_path: Path) -> None:
         layouts = [
             led.client.hget(led.keyspace.session(sid).session, schema.LAYOUT) for sid in sids
         ]
-        assert layouts == [None, str(protocol.VERSION).encode()]  # opened by old, by new
+        # opened by the old release (protocol 1 stores no layout), and by this one
+        old_layout = None if RELEASES[old_release][1] == 1 else b"2"
+        assert layouts == [old_layout, str(protocol.LAYOUT).encode()]
         for sid in sids:
             snap = led.session(sid).snapshot()
             assert snap.last_ended_turn == snap.turn == 4 * turns and snap.turn_owner is None
@@ -156,12 +178,13 @@ def _upgrade(url: str, old_tree: Path, tmp_path: Path) -> None:
 @pytest.mark.redis
 @pytest.mark.timeout(120)
 def test_a_client_of_the_previous_protocol_is_refused_naming_both_versions(
-    redis_server: servers.RedisProcess, old_tree: Path, tmp_path: Path
+    redis_server: servers.RedisProcess, old_release: str, old_tree: Path, tmp_path: Path
 ) -> None:
-    """033c8b3's client with this release's scripts in place of its own: its calls carry
-    no version, so every script refuses them (LEDGER_VERSION, both versions named) before
-    it reads or writes anything: a new session is not created, an existing one not
-    changed, a snapshot not answered."""
+    """An earlier release's client with this release's scripts in place of its own: its
+    calls carry another version (protocol 1: none), so every script refuses them
+    (LEDGER_VERSION, both versions named) before it reads or writes anything: a new
+    session is not created, an existing one not changed, a snapshot not answered."""
+    version = RELEASES[old_release][1]
     tree = tmp_path / "old-client"
     shutil.copytree(old_tree, tree)
     shutil.rmtree(tree / "ledger" / "lua")
@@ -204,9 +227,12 @@ print(json.dumps(out))
         got = json.loads(done.stdout.strip().splitlines()[-1])
         assert [name for name, _, _ in got] == ["open", "admit", "snapshot"]
         for name, kind, message in got:
-            # protocol 1 has no VERSION code: its most general error, the message naming both
-            assert kind == "LedgerError", (name, kind, message)
-            assert "is of protocol 1 (it carries no version)" in message, message
+            if version == 1:  # no VERSION code: its most general error, naming both
+                assert kind == "LedgerError", (name, kind, message)
+                assert "is of protocol 1 (it carries no version)" in message, message
+            else:
+                assert kind == "VersionMismatch", (name, kind, message)
+                assert f"is of protocol {version}," in message, message
             assert f"these scripts are of protocol {protocol.VERSION}" in message, message
         assert led.client.exists(led.keyspace.session("fresh").session) == 0
         assert led.client.hgetall(s.keys.session) == before
@@ -217,8 +243,8 @@ def test_a_session_of_a_layout_these_scripts_do_not_read_is_refused(ledger: Ledg
     above VERSION): every call is refused before it writes, naming both versions, instead
     of reading renamed fields as missing (the incident of issue 40)."""
     s = ledger.open_session(f"layout-{uuid.uuid4().hex[:6]}", BUDGET)
-    assert ledger.client.hget(s.keys.session, schema.LAYOUT) == str(protocol.VERSION).encode()
-    newer = protocol.VERSION + 1
+    assert ledger.client.hget(s.keys.session, schema.LAYOUT) == str(protocol.LAYOUT).encode()
+    newer = protocol.LAYOUT + 1
     ledger.client.hset(s.keys.session, schema.LAYOUT, str(newer))
     before = ledger.client.hgetall(s.keys.session)
     calls = {
@@ -263,3 +289,46 @@ def test_a_call_of_another_protocol_is_a_typed_refusal(ledger: Ledger) -> None:
         protocol.VERSION,
     )
     assert ledger.client.hgetall(s.keys.session) == before
+
+
+@pytest.mark.redis
+@pytest.mark.timeout(120)
+def test_a_scope_this_release_set_is_refused_by_the_previous_one_not_read_as_unbounded(
+    redis_server: servers.RedisProcess, tmp_path: Path
+) -> None:
+    """During a rolling upgrade from 0.2.0, a tenant's scope set by this release (its
+    config packed, layout 3) meets 0.2.0's reserve: 0.2.0 finds no config it reads and
+    refuses (UnknownScope) instead of holding with no ceiling; nothing is written."""
+    (tmp_path / "release").mkdir()
+    old_tree = _archive("0.2.0", tmp_path / "release")  # (0.1.0 has no budget scopes)
+    prefix = f"sc{uuid.uuid4().hex[:8]}"
+    url = redis_server.url
+    with Ledger.from_settings(LedgerSettings(redis_url=url, prefix=prefix)) as led:
+        led.set_scope("acme", ScopeBudget(window_ms=86_400_000, tokens=1_000))
+        scope = led.keyspace.scope("acme")
+        before = (led.client.hgetall(scope.hash), led.client.zrange(scope.holds, 0, -1))
+        probe = f"""
+import json
+from ledger import CallCost, Consumer, Ledger, LedgerError, LedgerSettings, SessionBudget
+
+with Ledger.from_settings(LedgerSettings(redis_url={url!r}, prefix={prefix!r})) as led:
+    s = led.open_session("@acme/old", SessionBudget(window=100_000, system_prompt=10))
+    try:
+        cost = CallCost(model="m", input=5_000, output=0)
+        s.reserve(Consumer.WORKING_MEMORY, "r1", 10, cost=cost)
+        print(json.dumps(["accepted", ""]))
+    except LedgerError as exc:
+        print(json.dumps([type(exc).__name__, str(exc)]))
+"""
+        done = subprocess.run(
+            [sys.executable, "-c", probe],
+            env=_env(old_tree),
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        kind, message = json.loads(done.stdout.strip().splitlines()[-1])
+        assert kind == "UnknownScope" and "acme" in message, (kind, message)
+        assert (led.client.hgetall(scope.hash), led.client.zrange(scope.holds, 0, -1)) == before

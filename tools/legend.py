@@ -18,20 +18,20 @@ import re
 import sys
 from pathlib import Path
 
-from ledger.protocol import OLDEST_LAYOUT, VERSION
+from ledger.protocol import LAYOUT, OLDEST_LAYOUT, VERSION
 from ledger.schema import with_legend
 from ledger.scripts import lua_dir
 
-_VERSIONS = re.compile(r"^local VERSION, OLDEST_LAYOUT = .*$", re.M)
+_VERSIONS = re.compile(r"^local VERSION, LAYOUT, OLDEST_LAYOUT = .*$", re.M)
 
 
 def with_versions(source: str) -> str:
     """``source`` with its versions line written from ledger/protocol.py; ValueError when
     it has none."""
-    line = f"local VERSION, OLDEST_LAYOUT = {VERSION}, {OLDEST_LAYOUT}"
+    line = f"local VERSION, LAYOUT, OLDEST_LAYOUT = {VERSION}, {LAYOUT}, {OLDEST_LAYOUT}"
     fresh, n = _VERSIONS.subn(line, source)
     if n != 1:
-        raise ValueError("_common.lua has no line 'local VERSION, OLDEST_LAYOUT = ...'")
+        raise ValueError("_common.lua has no line 'local VERSION, LAYOUT, OLDEST_LAYOUT = ...'")
     return fresh
 
 

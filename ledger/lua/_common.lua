@@ -198,23 +198,24 @@
 -- scope: a budget scope's hash '<tag>:t:<scope>' (docs/ceilings.md): a tenant, or a key
 -- or user within it, in the tenant's partition; quantities <q>: i input, o output, c
 -- cached input tokens, $ micro-cents
---   L              scope_window [ms]: the window's length
---   G              scope_bucket [ms]: a bucket's length: the window (fixed) or a divisor
---                  (rolling)
---   hl             scope_hold_limit [ms]: the longest lease a hold may have
---   k              counted [text]: the kinds c_t counts: letters of 'ioc'
+--   L              scope_window [ms]: layout 2's window length (into cf)
+--   G              scope_bucket [ms]: layout 2's bucket length (into cf)
+--   hl             scope_hold_limit [ms]: layout 2's hold limit (into cf)
+--   k              counted [text]: layout 2's kinds c_t counts (into cf)
 --   op             scope_set_by [id]: the op id of the set_scope that set it
 --   p:<model>      price [text]: '<input>|<output>|<cached input>' cents per million
 --                  tokens ('p:*': any other model)
 --   bl             buckets [text]: the buckets kept before the live one ('<bucket>,...')
---   cf             scope_config [text]: the window, bucket, hold limit and ceilings, one
---                  field: '<L>|<G>|<hl>|<input>|<output>|<cached
---                  input>|<tokens>|<money>|<k>' (tokens; money in micro-cents; tokens
---                  counts the kinds k names; a ceiling empty: none)
---   w              live [text]: the live bucket and its counters:
---                  '<bucket>|<i>|<o>|<c>|<$>|<open holds>|<next deadline>': what the live
---                  bucket charged per quantity, its open holds, and a time no open hold's
---                  deadline is earlier than
+--   cf             scope_config [binary]: the config, packed (struct '<8qB':
+--                  little-endian 8-byte integers, then one byte): the window L and bucket
+--                  G (ms; a window is L/G buckets: one fixed, more rolling), the hold
+--                  limit (ms), the ceilings input, output, cached input, tokens, money
+--                  (micro-cents; -1: none), and the kinds the tokens ceiling counts as
+--                  bits (1 input, 2 output, 4 cached)
+--   w              live [binary]: the live bucket and its counters, packed (struct
+--                  '<7q'): the bucket (now // G; -1: none), what it charged of input,
+--                  output, cached input and money, its open holds, and a time no open
+--                  hold's deadline is earlier than
 --   wb             live_bucket [count]: layout 2's live bucket (into w)
 --   w<q>           live_charged [count]: layout 2's live counter of q (into w)
 --   wn             live_open_holds [count]: layout 2's live open holds (into w)
@@ -247,9 +248,9 @@
 
 -- The protocol version these scripts speak, and the oldest stored layout they read
 -- (docs/protocol.md#versions): written by `python tools/legend.py` from ledger/protocol.py
--- (VERSION, OLDEST_LAYOUT), never by hand. Every call carries its client's protocol version
+-- (VERSION, LAYOUT, OLDEST_LAYOUT), never by hand. Every call carries its client's protocol version
 -- (`op_args`, `protocol_arg`); every session stores its layout version in 'lv' (absent: 1).
-local VERSION, OLDEST_LAYOUT = 3, 1
+local VERSION, LAYOUT, OLDEST_LAYOUT = 3, 2, 1
 
 -- What `op_args` read from this call's ARGV[2] besides the epoch and the turn: the owner
 -- token (false when the call sends none), which `fence` and begin_turn check against 'lk'.
@@ -360,15 +361,15 @@ local function protocol_arg(v)
 end
 
 -- A session's stored layout version (field 'lv' as read; absent: 1, a session written
--- before versions were stored) must be one these scripts read: OLDEST_LAYOUT..VERSION.
+-- before versions were stored) must be one these scripts read: OLDEST_LAYOUT..LAYOUT.
 -- Else LEDGER_VERSION, naming both, before anything is written: a session of a newer
 -- layout is not read with an older one's field names (nor an older one with a newer's).
 local function layout_check(lv)
   local n = tonumber(lv) or 1
-  if n < OLDEST_LAYOUT or n > VERSION then
+  if n < OLDEST_LAYOUT or n > LAYOUT then
     fail('VERSION', 'stored layout mismatch: the session is of layout ' .. n .. ', these ' ..
       'scripts are of protocol ' .. VERSION .. ' and read layouts ' .. OLDEST_LAYOUT .. ' to ' ..
-      VERSION .. (n > VERSION and ': upgrade this client' or ': migrate the session') ..
+      LAYOUT .. (n > LAYOUT and ': upgrade this client' or ': migrate the session') ..
       ' (docs/operations.md#upgrades)')
   end
 end

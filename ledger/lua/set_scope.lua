@@ -59,9 +59,14 @@ for k = 1, n do
 end
 
 local hk = KEYS[1]
-local was = redis.call('HMGET', hk, 'L', 'G', 'bl', 'w', 'wb', 'wi', 'wo', 'wc', 'w$', 'wn', 'nd')
-if was[3] and was[3] ~= '' and (tonumber(was[1]) ~= L or tonumber(was[2]) ~= G) then
-  fail('CONFIG', 'the window and bucket of a scope with counters cannot change (' .. was[1] .. '/' .. was[2] .. ' ms)')
+local was = redis.call('HMGET', hk, 'L', 'G', 'bl', 'w', 'wb', 'wi', 'wo', 'wc', 'w$', 'wn', 'nd', 'cf')
+local wL, wG = was[1], was[2]  -- (layout 2 keeps them as fields, layout 3 in cf)
+if was[12] then
+  local cL, cG = struct.unpack(SCOPE_CF, was[12])
+  wL, wG = tostring(cL), tostring(cG)
+end
+if ((was[3] and was[3] ~= '') or was[4]) and (tonumber(wL) ~= L or tonumber(wG) ~= G) then
+  fail('CONFIG', 'the window and bucket of a scope with counters cannot change (' .. wL .. '/' .. wG .. ' ms)')
 end
 local old = {}
 for _, f in ipairs(redis.call('HKEYS', hk)) do
@@ -69,7 +74,9 @@ for _, f in ipairs(redis.call('HKEYS', hk)) do
 end
 if #old > 0 then redis.call('HDEL', hk, unpack(old)) end
 local k = counted == '-' and '' or counted
-local w = { 'L', L, 'G', G, 'hl', hl, 'k', k, 'op', op }
+-- (no plain 'L': a script of protocol 2 finds no scope here and refuses, LEDGER_NOSCOPE,
+-- rather than read a scope of layout 3 as one without ceilings)
+local w = { 'op', op }
 cf[9] = (string.find(k, 'i', 1, true) and 1 or 0) + (string.find(k, 'o', 1, true) and 2 or 0) +
   (string.find(k, 'c', 1, true) and 4 or 0)
 w[#w + 1], w[#w + 2] = 'cf', struct.pack(SCOPE_CF, unpack(cf))
@@ -78,6 +85,7 @@ if not was[4] and was[5] then  -- a scope of layout 2: its live counters move in
     tonumber(was[8]) or 0, tonumber(was[9]) or 0, tonumber(was[10]) or 0, tonumber(was[11]) or NEVER)
 end
 if not was[4] and (was[5] or was[11]) then redis.call('HDEL', hk, 'wb', 'wi', 'wo', 'wc', 'w$', 'wn', 'nd') end
+if was[1] then redis.call('HDEL', hk, 'L', 'G', 'hl', 'k') end  -- (layout 2's config, now in cf)
 for _, v in ipairs(prices) do w[#w + 1] = v end
 redis.call('HSET', hk, unpack(w))
 return reply({ 'status=ok', 'prices=' .. n })
