@@ -315,12 +315,12 @@ class Client:
         self.p.wait(timeout=60)
 
 
-def commandstats_usec(r: redis.Redis) -> float:
-    """Server usec since CONFIG RESETSTAT, less the bench's own commands and MULTI/EXEC
-    (EXEC's time is the commands it runs, counted apart)."""
-    skip = ("multi", "exec", "config", "info")
-    return sum(float(v["usec"]) for k, v in r.info("commandstats").items()
-               if k.removeprefix("cmdstat_").split("|")[0] not in skip)  # fmt: skip
+def commandstats_usec(r: redis.Redis, names: list[str]) -> float:
+    """Server usec since CONFIG RESETSTAT of the commands a client sent (a script's own
+    commands are in its time); MULTI/EXEC left out (EXEC's time is the commands it runs)."""
+    st = r.info("commandstats")
+    sent = set(names) - {"multi", "exec"}
+    return sum(float(st[f"cmdstat_{n}"]["usec"]) for n in sent if f"cmdstat_{n}" in st)
 
 
 def contend(
@@ -361,7 +361,7 @@ def against(url: str, a: argparse.Namespace) -> list[str]:
                     calls = n if what in ("turn", "floor") else a.calls
                     r.config_resetstat()
                     out = kids[who].ask(cmd=what, n=calls, start=start)
-                    usec = commandstats_usec(r) / calls
+                    usec = commandstats_usec(r, out.pop("names")) / calls
                     f = figures.setdefault(f"{who}.{what}", {})
                     for k, v in {"usec": usec, **out}.items():
                         f.setdefault(k, []).append(float(v))

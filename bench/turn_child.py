@@ -23,18 +23,29 @@ from typing import Any
 import redis
 import redis.connection
 
-SENT = [0]
+SENT = [0]  # requests sent (round trips: a pipeline is one)
+NAMES: set[str] = set()  # the commands sent (a script's own commands are inside its time)
 
 
 def _count_sends() -> None:
     conn = redis.connection.Connection
-    send = conn.send_packed_command
+    send, one, packs = conn.send_packed_command, conn.send_command, conn.pack_commands
 
     def counted(self: Any, command: Any, check_health: bool = True) -> None:
         SENT[0] += 1
         send(self, command, check_health)
 
+    def named(self: Any, *args: Any, **kwargs: Any) -> None:
+        NAMES.add(str(args[0]).lower())
+        one(self, *args, **kwargs)
+
+    def all_named(self: Any, commands: Any) -> Any:
+        NAMES.update(str(c[0]).lower() for c in commands)
+        return packs(self, commands)
+
     conn.send_packed_command = counted  # type: ignore[method-assign]
+    conn.send_command = named  # type: ignore[method-assign]
+    conn.pack_commands = all_named  # type: ignore[method-assign]
 
 
 WORDS = ["the", "ledger", "keeps", "every", "worker", "on", "one", "budget", "of", "tokens"]
@@ -150,6 +161,7 @@ def serve(url: str, prefix: str) -> None:
     for line in sys.stdin:
         cmd = json.loads(line)
         what = cmd["cmd"]
+        NAMES.clear()
         if what == "quit":
             break
         if what in ("turn", "floor"):
@@ -158,7 +170,7 @@ def serve(url: str, prefix: str) -> None:
             out = child.admits(cmd["n"])
         else:
             out = child.reference(cmd["n"])
-        print(json.dumps(out), flush=True)
+        print(json.dumps({**out, "names": sorted(NAMES)}), flush=True)
 
 
 def contend(url: str, prefix: str, mode: str, start: float, seconds: float) -> None:

@@ -554,7 +554,17 @@ EPOCH_FENCED = [*EPOCH_BASE, V + "*"]  # (a newer epoch is well formed: refused 
 EPOCH_OPEN = [*EPOCH_BASE, V + "*"]  # open ignores the value, but it must be a number
 EPOCH_OR_STAR = EPOCH_BASE  # close and expire accept '*'
 # ARGV[2] of another protocol version, or of none (protocol 1): LEDGER_VERSION, not BADARG
-NO_VERSION: list[str | bytes] = ["", "1", "*", "12345", "1:12345", "3:12345", ":1", b"\xff"]
+NO_VERSION: list[str | bytes] = [
+    "",
+    "1",
+    "*",
+    "12345",
+    "1:12345",
+    "2:12345",
+    "4:12345",
+    ":1",
+    b"\xff",
+]
 
 # ARGV position (1-based) -> malformed values, per script (see each script's header).
 COMMON: dict[int, list[str | bytes]] = {1: BAD_ARG_IDS, 2: EPOCH_FENCED}

@@ -33,7 +33,7 @@ def op_fingerprint(script: str, argv: list[str]) -> str:
 
 
 def test_vectors_are_of_this_protocol_version() -> None:
-    assert VECTORS["protocol_version"] == protocol.VERSION == 2
+    assert VECTORS["protocol_version"] == protocol.VERSION == 3
     assert f"protocol version {protocol.VERSION}" in DOC.lower()
     assert all(c["argv"][1].startswith(f"{protocol.VERSION}:") for c in VECTORS["calls"])
     lua = (scripts.lua_dir() / "_common.lua").read_text()
@@ -121,13 +121,19 @@ def test_call_vectors() -> None:
         if v["script"] == "open":
             budget = SessionBudget(**VECTORS["budgets"][v["budget"]]["given"])
             call = protocol.open_session(keys, v["argv"][0], budget, v["op_retention_ms"])
+        elif v["script"] == "finish_turn":
+            epoch = int(v["argv"][1].partition(":")[2].partition("@")[0])
+            tools = [(i, t, c) for i, t, c in v["tools"]]
+            call = protocol.finish_turn(keys, v["argv"][0], epoch, v["turn"],
+                                        v["final_prompt_tokens"], tools, v["owner_token"],
+                                        mark=v["mark"], keep_text=v["keep_text"])  # fmt: skip
         else:
             items = [Item(i, t, priority=p) for i, t, p in v["items"]]
             epoch = int(v["argv"][1].partition(":")[2])
             call = protocol.admit(keys, v["argv"][0], epoch, v["consumer"], items, v["partial"])
         assert call.script == v["script"]
         assert list(call.keys) == v["keys"]
-        assert list(call.args) == v["argv"]
+        assert [a.decode() if isinstance(a, bytes) else a for a in call.args] == v["argv"]
         assert op_fingerprint(v["script"], v["argv"]) == v["op_fingerprint"]
 
 
@@ -198,7 +204,7 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
     r = redis.Redis.from_url(redis_server.url)
     for name, body in text.items():  # EVALSHA digests: what SCRIPT LOAD answers
         assert r.script_load(body) == printed[str(tmp_path / f"{name}.lua")]
-    opened, other, admit = VECTORS["calls"]
+    opened, other, admit = VECTORS["calls"][:3]
     okeys = opened["keys"]  # the session, its five data keys, the tally, the outcome hashes
     key, content, tally, out, old = okeys[0], okeys[1], okeys[-3], okeys[-2], okeys[-1]
     order = VECTORS["keys"]["order"]
@@ -229,12 +235,12 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
         # A call of protocol 1 (no version: '<epoch>' alone) is refused before anything is
         # written, naming both versions.
         before = r.hgetall(key)
-        mismatch = r"^LEDGER_VERSION .*of protocol {}[ ,].*of protocol 2"
+        mismatch = r"^LEDGER_VERSION .*of protocol {}[ ,].*of protocol 3"
         with pytest.raises(redis.ResponseError, match=mismatch.format(1)):
             r.eval(text["admit"], 6, *adk, admit["argv"][0], epoch, *admit["argv"][2:])
-        with pytest.raises(redis.ResponseError, match=mismatch.format(3)):
-            r.eval(text["snapshot"], 1, key, "3")
-        assert r.hgetall(key) == before and r.hget(key, "lv") == b"2"
+        with pytest.raises(redis.ResponseError, match=mismatch.format(2)):
+            r.eval(text["snapshot"], 1, key, "2")
+        assert r.hgetall(key) == before and r.hget(key, "lv") == b"3"
         # What the server stored: the budget fingerprint as sent, and the outcome under
         # the op id, with the server's own fingerprint of the call, in its bucket of the
         # current generation: the vector's record, whose epoch is 0 as the generation's
@@ -491,6 +497,7 @@ def _key_counts() -> dict[str, set[int]]:
         protocol.abort_turn(k, "o", 1, 1),
         protocol.record_span(k, "o", 1, 1, "search", 1, 0),
         protocol.end_turn(k, "o", 1, 1, 10, 0),
+        protocol.finish_turn(k, "o", 1, 1, 10, [("c", 1, "x")], "0" * 32),
         protocol.compact(k, "o", 1, ["a"], Item("s", 1)),
         protocol.admit_tool(k, "o", 1, "c", 1, "x"),
         protocol.reconcile(k, "o", 1, {"retrieval": it}),

@@ -1,7 +1,8 @@
 """Versions a fleet can see (issue 40): the upgrade runbook of docs/operations.md#upgrades,
 run from the release deployed today to this one, and the refusals that name both versions.
 
-``OLD`` (033c8b3, ledger 0.1.0, protocol 1) is taken from git history with ``git archive``
+``OLD`` (033c8b3, ledger 0.1.0, protocol 1) and ``PREVIOUS`` (a8b2daf, ledger 0.2.0,
+protocol 2) are taken from git history with ``git archive``
 into a temporary directory and run with its own PYTHONPATH: its ``ledger worker`` and its
 agents (tests/upgrade_agent.py) beside this release's, on one real redis-server, turns of
 shared sessions alternating between all of them, as the runbook says (workers one at a
@@ -44,6 +45,7 @@ from tests import servers
 
 ROOT = Path(__file__).resolve().parent.parent
 OLD = "033c8b3"  # what is deployed today: ledger 0.1.0, protocol 1 (no version carried)
+PREVIOUS = "a8b2daf"  # the release before this one: ledger 0.2.0, protocol 2
 AGENT = ROOT / "tests" / "upgrade_agent.py"
 BUDGET = SessionBudget(window=10_000, system_prompt=500, output_reserve=500)
 
@@ -57,6 +59,18 @@ def old_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     subprocess.run(["tar", "-x", "-C", str(root)], input=tar.stdout, check=True)
     assert not (root / "ledger" / "errors.py").read_text().count("VERSION")
+    return root
+
+
+@pytest.fixture(scope="module")
+def previous_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The package ``ledger`` of PREVIOUS (protocol 2), alone in a directory."""
+    root = tmp_path_factory.mktemp("previous-release")
+    tar = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", PREVIOUS, "ledger"], capture_output=True, check=True
+    )
+    subprocess.run(["tar", "-x", "-C", str(root)], input=tar.stdout, check=True)
+    assert "VERSION = 2\n" in (root / "ledger" / "protocol.py").read_text()
     return root
 
 
@@ -247,7 +261,7 @@ def test_a_session_of_a_layout_these_scripts_do_not_read_is_refused(ledger: Ledg
 
 def test_a_call_of_another_protocol_is_a_typed_refusal(ledger: Ledger) -> None:
     """The Python face of LEDGER_VERSION: VersionMismatch with both versions, nothing
-    written (a call built for protocol 3 reaching these scripts)."""
+    written (a call built for the next protocol reaching these scripts)."""
     s = ledger.open_session(f"proto-{uuid.uuid4().hex[:6]}", BUDGET)
     call = s.admit_call("working_memory", [Item("x", 10)])
     head = str(call.args[1]).replace(f"{protocol.VERSION}:", f"{protocol.VERSION + 1}:", 1)
@@ -263,3 +277,92 @@ def test_a_call_of_another_protocol_is_a_typed_refusal(ledger: Ledger) -> None:
         protocol.VERSION,
     )
     assert ledger.client.hgetall(s.keys.session) == before
+
+
+_PROBE = """
+import json, sys
+from ledger import Item, Ledger, LedgerError, LedgerSettings, SessionBudget, VersionMismatch
+
+url, prefix, sid = sys.argv[1:4]
+b = SessionBudget(window=10_000, system_prompt=500, output_reserve=500)
+out = []
+with Ledger.from_settings(LedgerSettings(redis_url=url, prefix=prefix)) as led:
+    for name, call in [
+        ("open", lambda: led.open_session("fresh", b)),
+        ("admit", lambda: led.open_session(sid, b).admit("working_memory", [Item("x", 1)])),
+        ("begin_turn", lambda: led.open_session(sid, b).begin_turn(0)),
+    ]:
+        try:
+            call()
+            out.append([name, "accepted", None, None, None])
+        except VersionMismatch as exc:
+            out.append([name, "VersionMismatch", exc.kind, exc.found, exc.expected])
+        except LedgerError as exc:
+            out.append([name, type(exc).__name__, str(exc), None, None])
+print(json.dumps(out))
+"""
+
+
+def _probe(tree: Path, url: str, prefix: str, sid: str, cwd: Path) -> list[list[Any]]:
+    done = subprocess.run([sys.executable, "-c", _PROBE, url, prefix, sid], env=_env(tree),
+                          cwd=cwd, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    got: list[list[Any]] = json.loads(done.stdout.strip().splitlines()[-1])
+    return got
+
+
+@pytest.mark.redis
+@pytest.mark.timeout(120)
+def test_a_client_of_protocol_2_is_refused_with_version_mismatch(
+    redis_server: servers.RedisProcess, previous_tree: Path, tmp_path: Path
+) -> None:
+    """a8b2daf's client (protocol 2) with this release's scripts in place of its own:
+    every call is refused with its own typed VersionMismatch (protocol, found 2, expected
+    3) before anything is read or written."""
+    tree = tmp_path / "previous-client"
+    shutil.copytree(previous_tree, tree)
+    shutil.rmtree(tree / "ledger" / "lua")
+    shutil.copytree(lua_dir(), tree / "ledger" / "lua")
+    prefix = f"v2{uuid.uuid4().hex[:8]}"
+    with Ledger.from_settings(LedgerSettings(redis_url=redis_server.url, prefix=prefix)) as led:
+        s = led.open_session("existing", BUDGET)
+        s.admit("working_memory", [Item("a", 100)])
+        before = led.client.hgetall(s.keys.session)
+        got = _probe(tree, redis_server.url, prefix, "existing", tmp_path)
+        assert got == [
+            [name, "VersionMismatch", "protocol", 2, protocol.VERSION]
+            for name in ("open", "admit", "begin_turn")
+        ]
+        assert led.client.exists(led.keyspace.session("fresh").session) == 0
+        assert led.client.hgetall(s.keys.session) == before
+
+
+@pytest.mark.redis
+@pytest.mark.timeout(120)
+def test_sessions_of_layout_2_keep_working_and_protocol_2_refuses_layout_3(
+    redis_server: servers.RedisProcess, previous_tree: Path, tmp_path: Path
+) -> None:
+    """a8b2daf with its own scripts beside this release on one server: a session it opened
+    (layout 2) is served by this release's two-call turn; a session this release opened
+    (layout 3) is refused to it (VersionMismatch, layout) before it writes."""
+    prefix = f"l2{uuid.uuid4().hex[:8]}"
+    url = redis_server.url
+    got = _probe(previous_tree, url, prefix, "theirs", tmp_path)
+    assert [kind for _, kind, *_ in got] == ["accepted"] * 3  # its own session, its turn open
+    with Ledger.from_settings(LedgerSettings(redis_url=url, prefix=prefix)) as led:
+        theirs = led.session("theirs")
+        assert led.client.hget(theirs.keys.session, schema.LAYOUT) == b"2"
+        st = theirs.begin_turn(0, takeover=True)  # (the probe left its turn open)
+        done = theirs.finish_turn(st.turn, 600, [("call-1", 40, "grep: 3 matches")])
+        assert done.tools == (("call-1", 40),) and done.report.turn == st.turn
+        assert theirs.snapshot().turn_owner is None
+        mine = led.open_session("mine", BUDGET)
+        assert led.client.hget(mine.keys.session, schema.LAYOUT) == str(protocol.VERSION).encode()
+        before = led.client.hgetall(mine.keys.session)
+        got = _probe(previous_tree, url, prefix, "mine", tmp_path)
+        assert got[0][1] == "accepted"  # (a fresh session of its own)
+        assert got[1:] == [
+            [name, "VersionMismatch", "layout", protocol.VERSION, 2]
+            for name in ("admit", "begin_turn")
+        ]
+        assert led.client.hgetall(mine.keys.session) == before

@@ -247,7 +247,7 @@
 -- (docs/protocol.md#versions): written by `python tools/legend.py` from ledger/protocol.py
 -- (VERSION, OLDEST_LAYOUT), never by hand. Every call carries its client's protocol version
 -- (`op_args`, `protocol_arg`); every session stores its layout version in 'lv' (absent: 1).
-local VERSION, OLDEST_LAYOUT = 2, 1
+local VERSION, OLDEST_LAYOUT = 3, 1
 
 -- What `op_args` read from this call's ARGV[2] besides the epoch and the turn: the owner
 -- token (false when the call sends none), which `fence` and begin_turn check against 'lk'.
