@@ -5,7 +5,7 @@ PYTHONPATH holds (this tree's, or an older commit's unpacked with `git archive`)
 It reads one JSON command a line on stdin and answers one JSON line on stdout; the parent
 measures the server's time (INFO commandstats) around each command. Run as
 `python bench/turn_child.py` (the parent sets PYTHONPATH); `contend` runs alone:
-`python bench/turn_child.py contend <url> <prefix> <ledger|watch> <start> <seconds>`.
+`python bench/turn_child.py contend <url> <prefix> <ledger|watch> <seconds>`.
 It uses only what both releases have (`Agent.turn(admit=...)`, `tool_result`, `prompt`), and
 a two-call turn (`tool_result(..., defer=True)`) where the release has it.
 """
@@ -173,9 +173,10 @@ def serve(url: str, prefix: str) -> None:
         print(json.dumps({**out, "names": sorted(NAMES)}), flush=True)
 
 
-def contend(url: str, prefix: str, mode: str, start: float, seconds: float) -> None:
-    """Single-item admits on one shared session (or WATCH/MULTI on one shared hash) from
-    `start` (wall clock) for `seconds`: ops and each call's latency."""
+def contend(url: str, prefix: str, mode: str, seconds: float) -> None:
+    """Single-item admits on one shared session (or WATCH/MULTI on one shared hash) for
+    `seconds` from the start time the parent sends (wall clock) once every process said it
+    is ready: ops and each call's latency."""
     lat: list[float] = []
     tag = uuid.uuid4().hex[:8]
     if mode == "watch":
@@ -196,6 +197,8 @@ def contend(url: str, prefix: str, mode: str, start: float, seconds: float) -> N
             s.admit("retrieval", [Item(f"{tag}.{k}", 1)])
 
     one(-1)
+    print("ready", flush=True)
+    start = float(sys.stdin.readline())
     time.sleep(max(start - time.time(), 0))
     k, end = 0, start + seconds
     while time.time() < end:
@@ -208,6 +211,6 @@ def contend(url: str, prefix: str, mode: str, start: float, seconds: float) -> N
 
 if __name__ == "__main__":
     if sys.argv[1] == "contend":
-        contend(sys.argv[2], sys.argv[3], sys.argv[4], float(sys.argv[5]), float(sys.argv[6]))
+        contend(sys.argv[2], sys.argv[3], sys.argv[4], float(sys.argv[5]))
     else:
         serve(sys.argv[1], sys.argv[2])
