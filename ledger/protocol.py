@@ -83,8 +83,12 @@ VERSION = 3
 # The oldest stored layout these scripts read and write (a session without 'lv' is of
 # layout 1): layout 2 only adds fields (lv, lk) that layout 1's scripts never read, so a
 # fleet upgrades from 1 to 2 with both versions running (docs/operations.md#upgrades);
-# layout 3 stores what layout 2 does (only its 'lv' differs).
+# protocol 3 stores what protocol 2 stores, so it keeps its layout (LAYOUT).
 OLDEST_LAYOUT = 1
+# The stored layout these scripts write ('lv' of a session they open) and the newest they
+# read: raised only by a protocol version that changes what is stored. 2: since protocol 2,
+# so that a fleet of protocol 2 and 3 processes shares every session while it upgrades.
+LAYOUT = 2
 
 ID_RE = re.compile(r"[A-Za-z0-9._:/@+=#-]{1,128}")
 

@@ -156,7 +156,7 @@ def _upgrade(url: str, old_tree: Path, tmp_path: Path) -> None:
         layouts = [
             led.client.hget(led.keyspace.session(sid).session, schema.LAYOUT) for sid in sids
         ]
-        assert layouts == [None, str(protocol.VERSION).encode()]  # opened by old, by new
+        assert layouts == [None, str(protocol.LAYOUT).encode()]  # opened by old, by new
         for sid in sids:
             snap = led.session(sid).snapshot()
             assert snap.last_ended_turn == snap.turn == 4 * turns and snap.turn_owner is None
@@ -228,10 +228,10 @@ print(json.dumps(out))
 
 def test_a_session_of_a_layout_these_scripts_do_not_read_is_refused(ledger: Ledger) -> None:
     """A session a later release wrote with a layout it declared incompatible (field lv
-    above VERSION): every call is refused before it writes, naming both versions, instead
+    above LAYOUT): every call is refused before it writes, naming both versions, instead
     of reading renamed fields as missing (the incident of issue 40)."""
     s = ledger.open_session(f"layout-{uuid.uuid4().hex[:6]}", BUDGET)
-    assert ledger.client.hget(s.keys.session, schema.LAYOUT) == str(protocol.VERSION).encode()
+    assert ledger.client.hget(s.keys.session, schema.LAYOUT) == str(protocol.LAYOUT).encode()
     newer = protocol.VERSION + 1
     ledger.client.hset(s.keys.session, schema.LAYOUT, str(newer))
     before = ledger.client.hgetall(s.keys.session)
@@ -339,12 +339,13 @@ def test_a_client_of_protocol_2_is_refused_with_version_mismatch(
 
 @pytest.mark.redis
 @pytest.mark.timeout(120)
-def test_sessions_of_layout_2_keep_working_and_protocol_2_refuses_layout_3(
+def test_protocol_2_and_3_share_their_sessions_while_a_fleet_upgrades(
     redis_server: servers.RedisProcess, previous_tree: Path, tmp_path: Path
 ) -> None:
-    """a8b2daf with its own scripts beside this release on one server: a session it opened
-    (layout 2) is served by this release's two-call turn; a session this release opened
-    (layout 3) is refused to it (VersionMismatch, layout) before it writes."""
+    """a8b2daf with its own scripts beside this release on one server: protocol 3 keeps
+    layout 2, so a session a8b2daf opened is served by this release's two-call turn, and
+    one this release opened by a8b2daf's calls; a layout above 2 is refused to a8b2daf
+    (VersionMismatch, layout) before it writes."""
     prefix = f"l2{uuid.uuid4().hex[:8]}"
     url = redis_server.url
     got = _probe(previous_tree, url, prefix, "theirs", tmp_path)
@@ -357,12 +358,15 @@ def test_sessions_of_layout_2_keep_working_and_protocol_2_refuses_layout_3(
         assert done.tools == (("call-1", 40),) and done.report.turn == st.turn
         assert theirs.snapshot().turn_owner is None
         mine = led.open_session("mine", BUDGET)
-        assert led.client.hget(mine.keys.session, schema.LAYOUT) == str(protocol.VERSION).encode()
-        before = led.client.hgetall(mine.keys.session)
+        assert led.client.hget(mine.keys.session, schema.LAYOUT) == b"2" == b"%d" % protocol.LAYOUT
         got = _probe(previous_tree, url, prefix, "mine", tmp_path)
-        assert got[0][1] == "accepted"  # (a fresh session of its own)
+        assert [kind for _, kind, *_ in got] == ["accepted"] * 3
+        assert mine.snapshot().items["working_memory"] == 1  # its admit, in this session
+        newer = led.open_session("newer", BUDGET)
+        led.client.hset(newer.keys.session, schema.LAYOUT, "3")  # (a later layout)
+        before = led.client.hgetall(newer.keys.session)
+        got = _probe(previous_tree, url, prefix, "newer", tmp_path)
         assert got[1:] == [
-            [name, "VersionMismatch", "layout", protocol.VERSION, 2]
-            for name in ("admit", "begin_turn")
+            [name, "VersionMismatch", "layout", 3, 2] for name in ("admit", "begin_turn")
         ]
-        assert led.client.hgetall(mine.keys.session) == before
+        assert led.client.hgetall(newer.keys.session) == before

@@ -6,8 +6,8 @@ through :func:`ledger.scripts.lua_dir`); ``--check`` writes nothing and exits 1 
 the block is stale (run by ``.ci/run`` and tests/test_schema.py). Edit a field in
 ledger/schema.py, never in the legend.
 
-It also writes the line ``local VERSION, OLDEST_LAYOUT = ...`` of ``_common.lua`` from
-``ledger/protocol.py`` (``VERSION``, ``OLDEST_LAYOUT``): the protocol version is defined
+It also writes the line ``local VERSION, OLDEST_LAYOUT, LAYOUT = ...`` of ``_common.lua``
+from ``ledger/protocol.py`` (``VERSION``, ``OLDEST_LAYOUT``, ``LAYOUT``): the versions are defined
 there only, and the scripts get it from this line.
 """
 
@@ -18,20 +18,20 @@ import re
 import sys
 from pathlib import Path
 
-from ledger.protocol import OLDEST_LAYOUT, VERSION
+from ledger.protocol import LAYOUT, OLDEST_LAYOUT, VERSION
 from ledger.schema import with_legend
 from ledger.scripts import lua_dir
 
-_VERSIONS = re.compile(r"^local VERSION, OLDEST_LAYOUT = .*$", re.M)
+_VERSIONS = re.compile(r"^local VERSION, OLDEST_LAYOUT(?:, LAYOUT)? = .*$", re.M)
 
 
 def with_versions(source: str) -> str:
     """``source`` with its versions line written from ledger/protocol.py; ValueError when
     it has none."""
-    line = f"local VERSION, OLDEST_LAYOUT = {VERSION}, {OLDEST_LAYOUT}"
+    line = f"local VERSION, OLDEST_LAYOUT, LAYOUT = {VERSION}, {OLDEST_LAYOUT}, {LAYOUT}"
     fresh, n = _VERSIONS.subn(line, source)
     if n != 1:
-        raise ValueError("_common.lua has no line 'local VERSION, OLDEST_LAYOUT = ...'")
+        raise ValueError("_common.lua has no line 'local VERSION, OLDEST_LAYOUT, LAYOUT = ...'")
     return fresh
 
 

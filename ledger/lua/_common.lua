@@ -16,9 +16,9 @@
 -- (docs/protocol.md#versions).
 --
 -- session: the session hash '<tag>:s:<session>' (KEYS[1] of every session script)
---   lv             layout [version]: the session's stored layout version: the protocol
---                  version of the open that created it (absent: 1); scripts refuse a
---                  layout they do not read (LEDGER_VERSION)
+--   lv             layout [version]: the session's stored layout version, written by the
+--                  open that created it (the scripts' LAYOUT; absent: 1); scripts refuse
+--                  a layout they do not read (LEDGER_VERSION)
 --   ep             epoch [epoch]: the fence every call's ARGV[2] is checked against: a
 --                  new incarnation starts at Redis's clock, each hard reset adds 1
 --   tn             turn [turn]: the last turn begun (the open one while lo is set)
@@ -243,11 +243,11 @@
 -- retention as its TTL: an outcome lives at least the op retention, at most about
 -- twice that, with no timestamp or journal per outcome.
 
--- The protocol version these scripts speak, and the oldest stored layout they read
--- (docs/protocol.md#versions): written by `python tools/legend.py` from ledger/protocol.py
--- (VERSION, OLDEST_LAYOUT), never by hand. Every call carries its client's protocol version
+-- The protocol version these scripts speak, the oldest stored layout they read and the one
+-- they write, the newest they read (docs/protocol.md#versions): written by `python
+-- tools/legend.py` from ledger/protocol.py (VERSION, OLDEST_LAYOUT, LAYOUT), never by hand. Every call carries its client's protocol version
 -- (`op_args`, `protocol_arg`); every session stores its layout version in 'lv' (absent: 1).
-local VERSION, OLDEST_LAYOUT = 3, 1
+local VERSION, OLDEST_LAYOUT, LAYOUT = 3, 1, 2
 
 -- What `op_args` read from this call's ARGV[2] besides the epoch and the turn: the owner
 -- token (false when the call sends none), which `fence` and begin_turn check against 'lk'.
@@ -358,15 +358,15 @@ local function protocol_arg(v)
 end
 
 -- A session's stored layout version (field 'lv' as read; absent: 1, a session written
--- before versions were stored) must be one these scripts read: OLDEST_LAYOUT..VERSION.
+-- before versions were stored) must be one these scripts read: OLDEST_LAYOUT..LAYOUT.
 -- Else LEDGER_VERSION, naming both, before anything is written: a session of a newer
 -- layout is not read with an older one's field names (nor an older one with a newer's).
 local function layout_check(lv)
   local n = tonumber(lv) or 1
-  if n < OLDEST_LAYOUT or n > VERSION then
+  if n < OLDEST_LAYOUT or n > LAYOUT then
     fail('VERSION', 'stored layout mismatch: the session is of layout ' .. n .. ', these ' ..
       'scripts are of protocol ' .. VERSION .. ' and read layouts ' .. OLDEST_LAYOUT .. ' to ' ..
-      VERSION .. (n > VERSION and ': upgrade this client' or ': migrate the session') ..
+      LAYOUT .. (n > LAYOUT and ': upgrade this client' or ': migrate the session') ..
       ' (docs/operations.md#upgrades)')
   end
 end

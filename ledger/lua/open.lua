@@ -304,7 +304,7 @@ local fr = free_room(B, out, 0, 0, 0)  -- (nothing is active yet)
 -- or a retry from before the loss is refused as stale instead of acting on the new
 -- session.
 local epoch = math.max((H.pe or 0) + 1, now)
-local args = { 'lv', VERSION, 'cfg', cfp, 'ep', epoch, 'inc', now, 'tn', 0, 'sq', 0, 'ox', 0,
+local args = { 'lv', LAYOUT, 'cfg', cfp, 'ep', epoch, 'inc', now, 'tn', 0, 'sq', 0, 'ox', 0,
   'W', W, 'S', S, 'T', T, 'out', out, 'F_w', Fw, 'F_rm', Fm, 'HW', v[7], 'EV', v[8], 'fr', fr,
   'a_w', 0, 'a_rm', 0, 'a_s', 0, 'nv', 0, 'ttl', v[9], 'ort', v[10],
   'R0', out, 'rel', rel, 'pv', v[11], 'sttl', v[12], 'cx', v[13], 'rut', v[14], 'rup', v[15],
