@@ -387,6 +387,8 @@ def against(url: str, a: argparse.Namespace) -> Iterator[str]:
             row("turn client CPU us (no tokenizer) vs floor", nt["cpu_us"], fl["cpu_us"],
                 "target <= 3.5x"),
             row(f"  {a.against}'s turn vs the floor", ot["cpu_us"], fl["cpu_us"], "before"),
+            row("turn client CPU us vs the old head's", nt["cpu_us"], ot["cpu_us"],
+                f"vs {a.against}, no tokenizer"),
             row("admit server us vs the careful reference", figures["new.admit"]["usec"],
                 figures["new.ref"]["usec"], "1,000 items + outcomes; target <= 2.0x"),
             row(f"  {a.against}'s admit vs the reference", figures["old.admit"]["usec"],
