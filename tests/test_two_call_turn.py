@@ -6,8 +6,13 @@ admit_tool and end_turn; an agent's governed turn is two round trips."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import time
 import uuid
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,7 +36,10 @@ from ledger import (
 )
 from ledger.client import Session
 from ledger.core import new_op_id
+from ledger.testing import spawn_worker
 from tests.servers import RedisProcess
+
+ROOT = Path(__file__).resolve().parent.parent
 
 BUDGET = SessionBudget(
     window=20_000, system_prompt=500, tool_framing=100, output_reserve=1_000,
@@ -238,3 +246,60 @@ async def test_the_asyncio_face_defers_alike(aledger: AsyncLedger) -> None:
     assert t.report is not None and t.report.drift == 0 and t.tools[0].deferred
     snap = await s.snapshot()
     assert snap.turn_owner is None and snap.items["scratchpad"] == 1
+
+
+@pytest.mark.redis
+@pytest.mark.timeout(240)
+def test_two_processes_share_a_session_in_two_call_turns_with_a_worker(
+    redis_server: RedisProcess, tmp_path: Path
+) -> None:
+    """Two agent processes take turns of one session, each turn two round trips, while a
+    real `ledger worker` compacts it between turns: every turn commits once (the turn
+    numbers of both are one sequence without gaps), every deferred tool result goes in
+    whole, the worker compacts, and the audit is clean."""
+    prefix, sid, turns = f"tf{uuid.uuid4().hex[:6]}", "fleet-2call", 12
+    env = {"LEDGER_REDIS_URL": redis_server.url, "LEDGER_PREFIX": prefix,
+           "LEDGER_WORKER_POLL_INTERVAL": "0.02", "LEDGER_WORKER_CLAIM_IDLE_MS": "300"}  # fmt: skip
+    worker = spawn_worker("w-2call", env, tmp_path / "worker.log")
+    worker.wait_started()
+    try:
+        agents = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(ROOT / "tests" / "two_call_agent.py"),
+                    redis_server.url,
+                    prefix,
+                    f"a{i}",
+                    str(turns),
+                    sid,
+                ],
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for i in range(2)
+        ]
+        results = []
+        for p in agents:
+            out, err = p.communicate(timeout=200)
+            assert p.returncode == 0, err[-3000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+        deadline = time.monotonic() + 30
+        while not worker.messages("job done"):  # (its last job may still be running)
+            assert time.monotonic() < deadline, worker.tail()
+            time.sleep(0.05)
+    finally:
+        assert worker.stop() == 0, worker.tail()
+    for r in results:
+        assert r["errors"] == [] and len(r["committed"]) == turns, r
+        assert all(deferred and not spilled for deferred, spilled, _ in r["tools"]), r
+    numbers = sorted(n for r in results for n in r["committed"])
+    assert numbers == list(range(numbers[0], numbers[0] + 2 * turns))
+    settings = LedgerSettings(redis_url=redis_server.url, prefix=prefix)
+    with Ledger.from_settings(settings) as led:
+        snap = led.session(sid).snapshot()
+        assert snap.turn_owner is None and snap.last_ended_turn == numbers[-1]
+        assert snap.raw["kn"] >= 1  # the worker compacted it
+        assert led.audit(sid).clean
