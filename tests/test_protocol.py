@@ -379,6 +379,22 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
         assert fields[b"kind"] == b"compact" and fields[b"session"] == sid.encode()
         assert fields[b"epoch"] == epoch.encode() and fields[b"op"] == b"op-e1"
         assert fields[b"reason"] == b"high_water_mark" and fields[b"inc"] == r.hget(key, "inc")
+        # A turn of two calls (protocol 3): begin_turn, then finish_turn with a tool result
+        # admitted whole and the turn ended in one step, its outcome stored as any call's.
+        begin[6:8] = ["op-b3", f"{v}{epoch}!{'a1' * 16}"]
+        assert _reply(r.eval(text["begin_turn"], 6, *begin))["turn"] == "2"
+        free = int(r.hget(key, "fr") or 0)
+        fin = ["op-f1", f"{v}{epoch}@2!{'a1' * 16}", "2", "6800", "0", sid, "-", "1", "1"]
+        fin += ["call-1", "10", "grep: 3 matches"]
+        fkeys = [key, jobs, dl, content, tally, out, old]
+        finished = _reply(r.eval(text["finish_turn"], 7, *fkeys, *fin))
+        assert (finished["status"], finished["turn"], finished["tools"]) == ("ok", "2", "10;call-1")
+        assert int(finished["free"]) == free - 10 and r.hget(key, "te") == b"2"
+        assert r.hget(key, "i:s:call-1") == f"10|2|0|{int(r.hget(key, 'sq') or 0)}".encode()
+        assert r.hget(content, "s:call-1") == b"grep: 3 matches" and r.hget(key, "lo") is None
+        reply = "|".join(f"{k}={v}" for k, v in finished.items())
+        fp = op_fingerprint("finish_turn", fin)
+        assert encode_outcome(fin[0], fp, reply, int(epoch)) in bucket(out, fin[0])
         # The Python client agrees: the same budget is the same session.
         settings = LedgerSettings(
             redis_url=redis_server.url,
