@@ -121,10 +121,21 @@ def test_the_runbook_upgrades_a_running_fleet_from_the_deployed_release(
     old_tree: Path, tmp_path: Path
 ) -> None:
     with standalone("--appendonly", "yes") as server:  # (as production: audit --strict)
-        _upgrade(server.url, old_tree, tmp_path)
+        _upgrade(server.url, old_tree, tmp_path, None)
 
 
-def _upgrade(url: str, old_tree: Path, tmp_path: Path) -> None:
+@pytest.mark.redis
+@pytest.mark.timeout(180)
+def test_the_runbook_upgrades_a_running_fleet_from_protocol_2(
+    previous_tree: Path, tmp_path: Path
+) -> None:
+    """The same rolling upgrade from a8b2daf (protocol 2): its worker and agents beside
+    this release's on the same sessions, which both read (layout 2 kept)."""
+    with standalone("--appendonly", "yes") as server:
+        _upgrade(server.url, previous_tree, tmp_path, b"2")
+
+
+def _upgrade(url: str, old_tree: Path, tmp_path: Path, old_layout: bytes | None) -> None:
     prefix = f"up{uuid.uuid4().hex[:8]}"
     sids = [f"up-{uuid.uuid4().hex[:6]}-{i}" for i in range(2)]
     turns = 14  # per agent and session: 4 agents x 14 = 56 turns of each session
@@ -156,7 +167,7 @@ def _upgrade(url: str, old_tree: Path, tmp_path: Path) -> None:
         layouts = [
             led.client.hget(led.keyspace.session(sid).session, schema.LAYOUT) for sid in sids
         ]
-        assert layouts == [None, str(protocol.LAYOUT).encode()]  # opened by old, by new
+        assert layouts == [old_layout, str(protocol.LAYOUT).encode()]  # opened by old, by new
         for sid in sids:
             snap = led.session(sid).snapshot()
             assert snap.last_ended_turn == snap.turn == 4 * turns and snap.turn_owner is None
