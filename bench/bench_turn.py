@@ -362,13 +362,17 @@ def against(url: str, a: argparse.Namespace) -> Iterator[str]:
             n = max(a.calls // 20, 5)
             phases = [("new", "turn"), ("old", "turn"), ("new", "floor"),
                       ("new", "admit"), ("new", "ref"), ("old", "admit")]  # fmt: skip
+            if kids["new"].hello["two"]:
+                phases.append(("new", "ends"))
             for rnd in range(a.rounds):
                 for who, what in phases[:: 1 if rnd % 2 == 0 else -1]:
                     start = 1 + rnd * n
-                    calls = n if what in ("turn", "floor") else a.calls
+                    calls = n if what in ("turn", "floor", "ends") else a.calls
                     r.config_resetstat()
                     out = kids[who].ask(cmd=what, n=calls, start=start)
                     usec = commandstats_usec(r, out.pop("names")) / calls
+                    if what == "ends":  # (measured by the child around each end)
+                        usec = out["finish"]
                     f = figures.setdefault(f"{who}.{what}", {})
                     for k, v in {"usec": usec, **out}.items():
                         f.setdefault(k, []).append(float(v))
@@ -396,6 +400,10 @@ def against(url: str, a: argparse.Namespace) -> Iterator[str]:
             f"{'tokenizer calls per turn':<44} {statistics.median(nt['tok_calls']):10.1f} "
             f"{statistics.median(ot['tok_calls']):10.1f}",
         ]  # fmt: skip
+        if "new.ends" in figures:
+            e = figures["new.ends"]
+            rows.append(row("end: finish_turn vs admit_tool+end_turn", e["finish"],
+                            e["two"], "server us, one call at a time"))  # fmt: skip
         yield from rows
         if a.procs:
             from bench import alternatives as alt

@@ -136,6 +136,31 @@ class Child:
         return {"cpu_us": cpu * 1e6 / n, "sent": (SENT[0] - s0) / n,
                 "tok_calls": (self.tok.calls - c0) / n}  # fmt: skip
 
+    def ends(self, n: int, start: int) -> dict[str, float]:
+        """A turn's end both ways, server usec (this client's own INFO commandstats around
+        each end, begun outside it): a tool result and the commit in one finish_turn,
+        against admit_tool then end_turn, on two sessions filled alike."""
+        from ledger import SessionBudget
+
+        if not hasattr(self, "enders"):
+            b = SessionBudget(window=100_000_000, system_prompt=100)
+            self.enders = [self.led.open_session(f"end-{k}", b) for k in range(2)]
+            for s in self.enders:
+                self._fill(s)
+        body = text(start, 200)
+        got = {"finish": 0.0, "two": 0.0}
+        for i in range(n):
+            for name, s in zip(("finish", "two"), self.enders, strict=True):
+                turn = s.begin_turn(0).turn
+                self.r.config_resetstat()
+                if name == "finish":
+                    s.finish_turn(turn, 1_000, [(f"e{start}-{i}", 250, body)])
+                else:
+                    s.admit_tool_result(f"e{start}-{i}", 250, body)
+                    s.end_turn(turn, 1_000)
+                got[name] += float(self.r.info("commandstats")["cmdstat_evalsha"]["usec"]) / n
+        return got
+
     def admits(self, n: int) -> dict[str, float]:
         s = self.adm
         self.led.run_many(
@@ -168,6 +193,8 @@ def serve(url: str, prefix: str) -> None:
             out = child.steps(what, cmd["n"], cmd["start"])
         elif what == "admit":
             out = child.admits(cmd["n"])
+        elif what == "ends":
+            out = child.ends(cmd["n"], cmd["start"])
         else:
             out = child.reference(cmd["n"])
         print(json.dumps({**out, "names": sorted(NAMES)}), flush=True)

@@ -214,7 +214,7 @@ def test_bench_turn_against_the_previous_head_prints_every_figure() -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [r for r in proc.stdout.splitlines()[2:] if not r.startswith("tokenizer")]
-    assert len(rows) == 13, proc.stdout
+    assert len(rows) == 14, proc.stdout
     for line in rows:
         numbers = [float(x.replace(",", "")) for x in line[44:].split()[:2]]
         assert all(n > 0 for n in numbers), line
