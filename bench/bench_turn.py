@@ -22,12 +22,25 @@ time is INFO commandstats usec (CONFIG RESETSTAT before each phase).
    scratchpad, working memory is not), with the index and without it (as a client that
    does not send it), against a `begin_turn` on it that reclaims nothing; and a small
    session's admits right after such a begin_turn against right before it.
+
+With `--against <commit>` (e.g. a8b2daf, protocol 2) it prints instead this tree's governed
+turn beside that commit's, both run in client processes of their own (`bench/turn_child.py`,
+the older `ledger` unpacked with `git archive` onto its PYTHONPATH) on the one redis-server,
+their phases interleaved: turns per Redis core (1e6 / server usec per turn), round trips per
+turn, server time and client CPU (without the tokenizer) against the floor (one pipeline
+writing the same counters and texts), admit against the careful reference, and 32 processes
+admitting on one session against WATCH/MULTI with their p99 (`--procs`, `--seconds`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -266,6 +279,149 @@ def bench_reclaim(led: Ledger, r: redis.Redis, a: argparse.Namespace) -> list[st
     ]  # fmt: skip
 
 
+ROOT = Path(__file__).resolve().parent.parent
+CHILD = Path(__file__).with_name("turn_child.py")
+
+
+class Client:
+    """A `bench/turn_child.py` process on one tree's `ledger`."""
+
+    def __init__(self, tree: Path, url: str, prefix: str) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LEDGER_")}
+        env["PYTHONPATH"] = str(tree)
+        pipe = subprocess.PIPE
+        self.p = subprocess.Popen([sys.executable, str(CHILD), url, prefix], env=env,
+                                  stdin=pipe, stdout=pipe, text=True)  # fmt: skip
+        self.hello = self._read()
+
+    def _read(self) -> dict[str, Any]:
+        assert self.p.stdout is not None
+        line = self.p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{CHILD.name} ended (exit {self.p.wait()})")
+        out: dict[str, Any] = json.loads(line)
+        return out
+
+    def ask(self, **cmd: Any) -> dict[str, Any]:
+        assert self.p.stdin is not None
+        self.p.stdin.write(json.dumps(cmd) + "\n")
+        self.p.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        assert self.p.stdin is not None
+        self.p.stdin.write('{"cmd": "quit"}\n')
+        self.p.stdin.close()
+        self.p.wait(timeout=60)
+
+
+def commandstats_usec(r: redis.Redis, names: list[str]) -> float:
+    """Server usec since CONFIG RESETSTAT of the commands a client sent (a script's own
+    commands are in its time); MULTI/EXEC left out (EXEC's time is the commands it runs)."""
+    st = r.info("commandstats")
+    sent = set(names) - {"multi", "exec"}
+    return sum(float(st[f"cmdstat_{n}"]["usec"]) for n in sent if f"cmdstat_{n}" in st)
+
+
+def contend(
+    url: str, tree: Path, mode: str, procs: int, seconds: float, prefix: str
+) -> tuple[float, float]:
+    """`procs` processes admitting on one session (or WATCH/MULTI on one hash) for
+    `seconds`: (ops/s of all, p99 ms of one call)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LEDGER_")}
+    env["PYTHONPATH"] = str(tree)
+    pipe = subprocess.PIPE
+    ps = [subprocess.Popen([sys.executable, str(CHILD), "contend", url, prefix, mode,
+                            str(seconds)], env=env, stdin=pipe, stdout=pipe, text=True)
+          for _ in range(procs)]  # fmt: skip
+    for p in ps:  # every process connected and warmed up
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    start = time.time() + 0.5
+    for p in ps:
+        assert p.stdin is not None
+        p.stdin.write(f"{start}\n")
+        p.stdin.flush()
+    got = [json.loads(p.communicate(timeout=seconds + 300)[0].strip().splitlines()[-1])
+           for p in ps]  # fmt: skip
+    lat = sorted(x for g in got for x in g["lat"])
+    return sum(g["ops"] for g in got) / seconds, lat[int(0.99 * (len(lat) - 1))] * 1e3
+
+
+def against(url: str, a: argparse.Namespace) -> Iterator[str]:
+    """This tree's turn beside `a.against`'s, in client processes of their own."""
+    r = redis.Redis.from_url(url)
+    with tempfile.TemporaryDirectory(prefix="bench-old-") as d:
+        tar = subprocess.run(["git", "-C", str(ROOT), "archive", a.against, "ledger"],
+                             capture_output=True, check=True)  # fmt: skip
+        subprocess.run(["tar", "-x", "-C", d], input=tar.stdout, check=True)
+        trees = {"new": ROOT, "old": Path(d)}
+        kids = {k: Client(t, url, f"bt{k}") for k, t in trees.items()}
+        try:
+            head = f"this tree: {'two-call' if kids['new'].hello['two'] else 'three-call'} turn"
+            figures: dict[str, dict[str, list[float]]] = {}
+            n = max(a.calls // 20, 5)
+            phases = [("new", "turn"), ("old", "turn"), ("new", "floor"),
+                      ("new", "admit"), ("new", "ref"), ("old", "admit")]  # fmt: skip
+            if kids["new"].hello["two"]:
+                phases.append(("new", "ends"))
+            for rnd in range(a.rounds):
+                for who, what in phases[:: 1 if rnd % 2 == 0 else -1]:
+                    start = 1 + rnd * n
+                    calls = n if what in ("turn", "floor", "ends") else a.calls
+                    r.config_resetstat()
+                    out = kids[who].ask(cmd=what, n=calls, start=start)
+                    usec = commandstats_usec(r, out.pop("names")) / calls
+                    if what == "ends":  # (measured by the child around each end)
+                        usec = out["finish"]
+                    f = figures.setdefault(f"{who}.{what}", {})
+                    for k, v in {"usec": usec, **out}.items():
+                        f.setdefault(k, []).append(float(v))
+        finally:
+            for k in kids.values():
+                k.close()
+        rows = [head]
+        nt, ot, fl = figures["new.turn"], figures["old.turn"], figures["new.floor"]
+        core = {k: [1e6 / u for u in v["usec"]] for k, v in (("new", nt), ("old", ot))}
+        rows += [
+            row("turns per Redis core (1e6 / server us)", core["new"], core["old"],
+                f"vs {a.against}; target >= 3x"),
+            row("round trips per turn", nt["sent"], ot["sent"], "target <= 2 (absolute)"),
+            row("turn server us vs the floor", nt["usec"], fl["usec"], "target <= 8x"),
+            row(f"  {a.against}'s turn vs the floor", ot["usec"], fl["usec"], "before"),
+            row("turn client CPU us (no tokenizer) vs floor", nt["cpu_us"], fl["cpu_us"],
+                "target <= 3.5x"),
+            row(f"  {a.against}'s turn vs the floor", ot["cpu_us"], fl["cpu_us"], "before"),
+            row("turn client CPU us vs the old head's", nt["cpu_us"], ot["cpu_us"],
+                f"vs {a.against}, no tokenizer"),
+            row("admit server us vs the careful reference", figures["new.admit"]["usec"],
+                figures["new.ref"]["usec"], "1,000 items + outcomes; target <= 2.0x"),
+            row(f"  {a.against}'s admit vs the reference", figures["old.admit"]["usec"],
+                figures["new.ref"]["usec"], "before"),
+            f"{'tokenizer calls per turn':<44} {statistics.median(nt['tok_calls']):10.1f} "
+            f"{statistics.median(ot['tok_calls']):10.1f}",
+        ]  # fmt: skip
+        if "new.ends" in figures:
+            e = figures["new.ends"]
+            rows.append(row("end: finish_turn vs admit_tool+end_turn", e["finish"],
+                            e["two"], "server us, one call at a time"))  # fmt: skip
+        yield from rows
+        if a.procs:
+            from bench import alternatives as alt
+
+            alt.open_session(r, "alt:shared", 10**12)
+            got: dict[str, list[tuple[float, float]]] = {"new": [], "old": [], "watch": []}
+            for rnd in range(a.contend_rounds):
+                for who in ("new", "old", "watch")[:: 1 if rnd % 2 == 0 else -1]:
+                    mode, tree = ("watch", ROOT) if who == "watch" else ("ledger", trees[who])
+                    got[who].append(contend(url, tree, mode, a.procs, a.seconds, f"bt32{who}"))
+            for who in ("new", "old"):
+                yield row(f"{a.procs} procs, one session, ops/s vs WATCH ({who})",
+                          [x for x, _ in got[who]], [x for x, _ in got["watch"]],
+                          "target >= 10x")  # fmt: skip
+                yield row(f"  p99 ms ({who}) vs WATCH's", [p for _, p in got[who]],
+                          [p for _, p in got["watch"]], "target <= 10 ms")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rounds", type=int, default=15)
@@ -273,8 +429,18 @@ def main() -> None:
     ap.add_argument("--outcomes", type=int, default=100_000)
     ap.add_argument("--items", type=int, default=10_000)
     ap.add_argument("--held", default="working_memory", choices=["working_memory", "retrieval"])
+    ap.add_argument("--against", help="a commit (e.g. a8b2daf): its turn beside this tree's")
+    ap.add_argument("--procs", type=int, default=32, help="--against: processes, 0 for none")
+    ap.add_argument("--seconds", type=float, default=5.0, help="--against: per contention run")
+    ap.add_argument("--contend-rounds", type=int, default=3)
     a = ap.parse_args()
     _counting_sends()
+    if a.against:
+        with standalone() as srv:
+            print(f"{'figure':<44} {'this tree':>10} {'reference':>10}  ratio (min-max)")
+            for line in against(srv.url, a):
+                print(line, flush=True)
+        return
     with standalone() as srv:
         r = redis.Redis.from_url(srv.url)
         settings = LedgerSettings(redis_url=srv.url, prefix="bt", op_retention_seconds=86_400)

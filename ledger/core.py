@@ -59,6 +59,7 @@ from ledger.models import (
     SpanRecorded,
     ToolResult,
     TurnAborted,
+    TurnFinished,
     TurnRenewed,
     TurnReport,
     TurnStarted,
@@ -748,6 +749,46 @@ class SessionCore:
         return Call(call.script, call.keys, call.args, self._left(turn, call.parse))
 
     end_turn = operation(end_turn_call)
+
+    def finish_turn_call(
+        self,
+        turn: int,
+        final_prompt_tokens: int,
+        tools: Sequence[tuple[str, int, bytes | str]] = (),
+        *,
+        keep_text: bool = False,
+        p99_trend: int = 0,
+        mark: str | None = None,
+        op_id: str | None = None,
+    ) -> Call[TurnFinished]:
+        """End a turn with its tool results in one call (docs/protocol.md#finish_turn):
+        each ``(call id, tokens, content)`` admitted whole, then the turn ended as
+        ``end_turn`` ends it, ``final_prompt_tokens`` counting those results whole. When
+        one does not go in whole (no room without evicting memory, or held as a spilled
+        preview) nothing changes and ``AdmissionRefused`` (reason ``not_whole``) says so:
+        admit them with ``admit_tool_result`` and end the turn with ``end_turn``."""
+        call = protocol.finish_turn(
+            self.keys,
+            _op(op_id),
+            self.epoch,
+            turn,
+            final_prompt_tokens,
+            tools,
+            self._token,
+            p99_trend,
+            self.drift_action,
+            mark,
+            keep_text,
+        )
+
+        def parse(r: protocol.Reply) -> TurnFinished:
+            if r.get("status") == "refused":
+                return call.parse(r)
+            return self._left(turn, call.parse)(r)
+
+        return Call(call.script, call.keys, call.args, parse)
+
+    finish_turn = operation(finish_turn_call)
 
     def abort_turn_call(
         self, turn: int | None = None, *, op_id: str | None = None

@@ -166,6 +166,7 @@ RefusalReason = Literal[
     "fanout_guard",
     "ceiling_reached",
     "child_floor",
+    "not_whole",
 ]
 REFUSAL_REASONS: Final[frozenset[str]] = frozenset(get_args(RefusalReason))
 PendingBound = Literal["pending", "failed"]

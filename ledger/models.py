@@ -64,6 +64,7 @@ __all__ = [
     "TurnRenewed",
     "SpanRecorded",
     "TurnReport",
+    "TurnFinished",
     "Reconciled",
     "Compaction",
     "ToolResult",
@@ -725,6 +726,17 @@ class TurnReport:
     @property
     def flagged(self) -> bool:
         return self.flag != DriftFlag.NONE
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TurnFinished:
+    """A turn ended with its tool results in one call (``finish_turn``,
+    docs/protocol.md#a-turn-in-two-calls): the turn's report, and each tool result's
+    call id with the tokens it was charged (0: held already)."""
+
+    report: TurnReport
+    tools: tuple[tuple[str, int], ...]
+    free: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -61,6 +61,7 @@ from ledger.models import (
     ToolResult,
     ToolResultOutcome,
     TurnAborted,
+    TurnFinished,
     TurnRenewed,
     TurnReport,
     TurnStarted,
@@ -77,18 +78,20 @@ Reply = dict[str, str]
 # every change a client or script of the previous version would misread (KEYS, ARGV,
 # a reply field's meaning, a stored field's name or meaning); `python tools/legend.py`
 # writes it into _common.lua. 2: the owner token, the version itself, the layout field.
-# 3: a budget scope's config and live counters packed (docs/protocol.md#version-3).
+# 3: a budget scope's config and live counters packed, and the two-call turn (finish_turn;
+# begin_turn, end_turn and admit_tool as they were) (docs/protocol.md#version-3).
 VERSION = 3
-# The stored layout of a session these scripts open (field 'lv'), bumped only when a
-# session's fields change so that the previous release's scripts would misread them: a
-# release whose protocol changes but whose sessions do not keeps it, so the previous
-# release's processes keep serving the sessions this one opens during a rolling upgrade.
-# 2: lv and lk (protocol 2 and 3 write the same session fields).
-LAYOUT = 2
 # The oldest stored layout these scripts read and write (a session without 'lv' is of
 # layout 1): layout 2 only adds fields (lv, lk) that layout 1's scripts never read, so a
-# fleet upgrades from 1 to 2 with both versions running (docs/operations.md#upgrades).
+# fleet upgrades from 1 to 2 with both versions running (docs/operations.md#upgrades);
+# protocol 3 stores what protocol 2 stores, so it keeps its layout (LAYOUT).
 OLDEST_LAYOUT = 1
+# The stored layout of a session these scripts open (field 'lv') and the newest they read,
+# bumped only when a session's fields change so that the previous release's scripts would
+# misread them: a release whose protocol changes but whose sessions do not keeps it, so
+# the previous release's processes keep serving the sessions this one opens during a
+# rolling upgrade. 2: lv and lk (protocols 2 and 3 write the same session fields).
+LAYOUT = 2
 
 ID_RE = re.compile(r"[A-Za-z0-9._:/@+=#-]{1,128}")
 
@@ -921,6 +924,69 @@ def end_turn(
         "end_turn",
         keys,
         (keys.jobs, keys.deadlines),
+        op_id,
+        _turn_stamp(epoch, turn, token),
+        body,
+        parse,
+    )
+
+
+def finish_turn(
+    keys: SessionKeys,
+    op_id: str,
+    epoch: int,
+    turn: int,
+    final_prompt_tokens: int,
+    tools: Sequence[tuple[str, int, bytes | str]],
+    token: str,
+    p99_trend: int = 0,
+    drift_action: str = "warn",
+    mark: str | None = None,
+    keep_text: bool = False,
+) -> Call[TurnFinished]:
+    """The end of a two-call turn: its tool results (call id, tokens, content) admitted
+    whole, then the turn ended with the real prompt (counting them whole), in one step.
+    A result that does not go in whole refuses the call (``AdmissionRefused``, reason
+    ``not_whole``): nothing changed, the turn still open."""
+    body: list[str | bytes] = [
+        _num(turn),
+        _num(final_prompt_tokens),
+        _num(p99_trend),
+        keys.session_id,
+        "-" if mark is None else check_id(mark, "commit mark"),
+        "1" if keep_text else "0",
+        _num(len(tools)),
+    ]
+    if isinstance(tools, (str, bytes)) or not isinstance(tools, Sequence):
+        raise InvalidArgument(
+            f"tools must be a list of (call id, tokens, content), got {tools!r:.80}"
+        )
+    for tool in tools:
+        if not isinstance(tool, Sequence) or isinstance(tool, (str, bytes)) or len(tool) != 3:
+            raise InvalidArgument(
+                f"a tool result must be (call id, tokens, content), got {tool!r:.80}"
+            )
+        cid, tokens, content = tool
+        body += [check_id(cid, "tool-call id"), _num(tokens), utf8(content, "a tool result")]
+
+    def parse(r: Reply) -> TurnFinished:
+        _refusal(r)
+        report = _report(r)
+        if report.flagged:
+            msg = drift_message(report, report.occupancy + report.drift)
+            if drift_action == "raise":
+                raise ContextDrift(report, msg)
+            warnings.warn(ContextDriftWarning(report, msg), stacklevel=4)
+        tools_out = []
+        for part in _ids(r["tools"]):
+            charged, _, cid = part.partition(";")
+            tools_out.append((cid, int(charged)))
+        return TurnFinished(report=report, tools=tuple(tools_out), free=int(r["free"]))
+
+    return _mutating(
+        "finish_turn",
+        keys,
+        (keys.jobs, keys.deadlines, keys.content, keys.order),
         op_id,
         _turn_stamp(epoch, turn, token),
         body,

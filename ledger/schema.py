@@ -200,8 +200,8 @@ LAYOUT = _s(
     "lv",
     "layout",
     "version",
-    "the session's stored layout version: the protocol version of the open that created "
-    "it (absent: 1); scripts refuse a layout they do not read (LEDGER_VERSION)",
+    "the session's stored layout version, written by the open that created it (the "
+    "scripts' LAYOUT; absent: 1); scripts refuse a layout they do not read (LEDGER_VERSION)",
 )
 EPOCH = _s(
     "ep",

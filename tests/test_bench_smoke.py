@@ -200,6 +200,29 @@ def test_bench_turn_prints_every_figure_beside_its_reference() -> None:
     assert "retrieval held" in proc.stdout and "without the reclaim-order index" in proc.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.redis
+@pytest.mark.timeout(300)
+def test_bench_turn_against_the_previous_head_prints_every_figure() -> None:
+    """`--against a8b2daf`: this tree's turn beside protocol 2's, each client in its own
+    process on its own tree, with the contention rows."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.bench_turn", "--against", "a8b2daf",
+         *["--rounds", "2", "--calls", "20", "--procs", "2", "--seconds", "0.5"],
+         *["--contend-rounds", "1"]],
+        cwd=ROOT, capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [r for r in proc.stdout.splitlines()[2:] if not r.startswith("tokenizer")]
+    assert len(rows) == 14, proc.stdout
+    for line in rows:
+        numbers = [float(x.replace(",", "")) for x in line[44:].split()[:2]]
+        assert all(n > 0 for n in numbers), line
+    trips = next(r for r in rows if r.startswith("round trips per turn"))
+    new, old = (float(x) for x in trips[44:].split()[:2])
+    assert (new, old) == (2.0, 3.0), trips
+
+
 @pytest.mark.redis
 def test_the_reference_admit_keeps_its_promises(redis_server: object) -> None:
     """bench/admit_reference.lua is a fair reference only if it is careful: bad input

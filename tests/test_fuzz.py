@@ -119,6 +119,9 @@ def good_call(name: str, s: Session, turn: int) -> protocol.Call[Any]:
         "begin_turn": lambda: protocol.begin_turn(k, op, e, 1_000, None, s.owner, 60_000),
         "record_span": lambda: protocol.record_span(k, op, e, turn, "recall", 100, 10),
         "end_turn": lambda: protocol.end_turn(k, op, e, turn, 5_000, 0),
+        "finish_turn": lambda: protocol.finish_turn(
+            k, op, e, turn, 5_000, [("call-2", 100, b"{}"), ("call-3", 50, "x")], s._token
+        ),
         "abort_turn": lambda: protocol.abort_turn(k, op, e, turn),
         "renew_turn": lambda: protocol.renew_turn(k, op, e, turn, 30_000),
         "compact": lambda: protocol.compact(
@@ -276,6 +279,11 @@ METHODS: dict[str, dict[str, st.SearchStrategy[Any]]] = {
         "turn": st.integers(min_value=1, max_value=2),
         "final_prompt_tokens": st.integers(min_value=1, max_value=32_000),
         "p99_trend": st.integers(min_value=-1, max_value=1),
+    },
+    "finish_turn": {
+        "turn": st.integers(min_value=1, max_value=2),
+        "final_prompt_tokens": st.integers(min_value=1, max_value=32_000),
+        "tools": st.lists(st.tuples(ID, TOKENS, st.text(max_size=30)), max_size=2),
     },
     "compact": {
         "replaced": st.lists(st.one_of(rarely(ID), PAIR), max_size=4),

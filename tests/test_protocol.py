@@ -124,13 +124,19 @@ def test_call_vectors() -> None:
         if v["script"] == "open":
             budget = SessionBudget(**VECTORS["budgets"][v["budget"]]["given"])
             call = protocol.open_session(keys, v["argv"][0], budget, v["op_retention_ms"])
+        elif v["script"] == "finish_turn":
+            epoch = int(v["argv"][1].partition(":")[2].partition("@")[0])
+            tools = [(i, t, c) for i, t, c in v["tools"]]
+            call = protocol.finish_turn(keys, v["argv"][0], epoch, v["turn"],
+                                        v["final_prompt_tokens"], tools, v["owner_token"],
+                                        mark=v["mark"], keep_text=v["keep_text"])  # fmt: skip
         else:
             items = [Item(i, t, priority=p) for i, t, p in v["items"]]
             epoch = int(v["argv"][1].partition(":")[2])
             call = protocol.admit(keys, v["argv"][0], epoch, v["consumer"], items, v["partial"])
         assert call.script == v["script"]
         assert list(call.keys) == v["keys"]
-        assert list(call.args) == v["argv"]
+        assert [a.decode() if isinstance(a, bytes) else a for a in call.args] == v["argv"]
         assert op_fingerprint(v["script"], v["argv"]) == v["op_fingerprint"]
 
 
@@ -201,7 +207,7 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
     r = redis.Redis.from_url(redis_server.url)
     for name, body in text.items():  # EVALSHA digests: what SCRIPT LOAD answers
         assert r.script_load(body) == printed[str(tmp_path / f"{name}.lua")]
-    opened, other, admit = VECTORS["calls"]
+    opened, other, admit = VECTORS["calls"][:3]
     okeys = opened["keys"]  # the session, its five data keys, the tally, the outcome hashes
     key, content, tally, out, old = okeys[0], okeys[1], okeys[-3], okeys[-2], okeys[-1]
     order = VECTORS["keys"]["order"]
@@ -235,8 +241,8 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
         mismatch = r"^LEDGER_VERSION .*of protocol {}[ ,].*of protocol 3"
         with pytest.raises(redis.ResponseError, match=mismatch.format(1)):
             r.eval(text["admit"], 6, *adk, admit["argv"][0], epoch, *admit["argv"][2:])
-        with pytest.raises(redis.ResponseError, match=mismatch.format(4)):
-            r.eval(text["snapshot"], 1, key, "4")
+        with pytest.raises(redis.ResponseError, match=mismatch.format(2)):
+            r.eval(text["snapshot"], 1, key, "2")
         assert r.hgetall(key) == before and r.hget(key, "lv") == str(protocol.LAYOUT).encode()
         # What the server stored: the budget fingerprint as sent, and the outcome under
         # the op id, with the server's own fingerprint of the call, in its bucket of the
@@ -375,6 +381,22 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
         assert fields[b"kind"] == b"compact" and fields[b"session"] == sid.encode()
         assert fields[b"epoch"] == epoch.encode() and fields[b"op"] == b"op-e1"
         assert fields[b"reason"] == b"high_water_mark" and fields[b"inc"] == r.hget(key, "inc")
+        # A turn of two calls (protocol 3): begin_turn, then finish_turn with a tool result
+        # admitted whole and the turn ended in one step, its outcome stored as any call's.
+        begin[6:8] = ["op-b3", f"{v}{epoch}!{'a1' * 16}"]
+        assert _reply(r.eval(text["begin_turn"], 6, *begin))["turn"] == "2"
+        free = int(r.hget(key, "fr") or 0)
+        fin = ["op-f1", f"{v}{epoch}@2!{'a1' * 16}", "2", "6800", "0", sid, "-", "1", "1"]
+        fin += ["call-1", "10", "grep: 3 matches"]
+        fkeys = [key, jobs, dl, content, tally, out, old]
+        finished = _reply(r.eval(text["finish_turn"], 7, *fkeys, *fin))
+        assert (finished["status"], finished["turn"], finished["tools"]) == ("ok", "2", "10;call-1")
+        assert int(finished["free"]) == free - 10 and r.hget(key, "te") == b"2"
+        assert r.hget(key, "i:s:call-1") == f"10|2|0|{int(r.hget(key, 'sq') or 0)}".encode()
+        assert r.hget(content, "s:call-1") == b"grep: 3 matches" and r.hget(key, "lo") is None
+        reply = "|".join(f"{k}={v}" for k, v in finished.items())
+        fp = op_fingerprint("finish_turn", fin)
+        assert encode_outcome(fin[0], fp, reply, int(epoch)) in bucket(out, fin[0])
         # The Python client agrees: the same budget is the same session.
         settings = LedgerSettings(
             redis_url=redis_server.url,
@@ -494,6 +516,7 @@ def _key_counts() -> dict[str, set[int]]:
         protocol.abort_turn(k, "o", 1, 1),
         protocol.record_span(k, "o", 1, 1, "search", 1, 0),
         protocol.end_turn(k, "o", 1, 1, 10, 0),
+        protocol.finish_turn(k, "o", 1, 1, 10, [("c", 1, "x")], "0" * 32),
         protocol.compact(k, "o", 1, ["a"], Item("s", 1)),
         protocol.admit_tool(k, "o", 1, "c", 1, "x"),
         protocol.reconcile(k, "o", 1, {"retrieval": it}),

@@ -192,6 +192,9 @@ def exercise_everything(
     assert small.outcome == "admitted" and big.spilled
     assert ledger.read_spill("tenant/a", "call-2") == b"x" * 1000
     done += ["begin_turn", "record_span", "end_turn", "admit_tool_result", "read_spill"]
+    t = s.begin_turn(500)  # the two-call turn's end: a tool result and the commit in one call
+    assert s.finish_turn(t.turn, 1_500, [("call-f", 120, b'{"ok": 1}')]).tools == (("call-f", 120),)
+    done += ["finish_turn"]
 
     # reads
     snap = s.snapshot()

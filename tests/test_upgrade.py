@@ -66,6 +66,12 @@ def old_tree(old_release: str, tmp_path_factory: pytest.TempPathFactory) -> Path
     return _archive(old_release, tmp_path_factory.mktemp(f"release-{old_release}"))
 
 
+@pytest.fixture(scope="module")
+def previous_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The package ``ledger`` of 0.2.0 (protocol 2), the release before this one."""
+    return _archive("0.2.0", tmp_path_factory.mktemp("release-0.2.0-alone"))
+
+
 def _archive(release: str, root: Path) -> Path:
     commit, version = RELEASES[release]
     tar = subprocess.run(
@@ -240,7 +246,7 @@ print(json.dumps(out))
 
 def test_a_session_of_a_layout_these_scripts_do_not_read_is_refused(ledger: Ledger) -> None:
     """A session a later release wrote with a layout it declared incompatible (field lv
-    above VERSION): every call is refused before it writes, naming both versions, instead
+    above LAYOUT): every call is refused before it writes, naming both versions, instead
     of reading renamed fields as missing (the incident of issue 40)."""
     s = ledger.open_session(f"layout-{uuid.uuid4().hex[:6]}", BUDGET)
     assert ledger.client.hget(s.keys.session, schema.LAYOUT) == str(protocol.LAYOUT).encode()
@@ -273,7 +279,7 @@ def test_a_session_of_a_layout_these_scripts_do_not_read_is_refused(ledger: Ledg
 
 def test_a_call_of_another_protocol_is_a_typed_refusal(ledger: Ledger) -> None:
     """The Python face of LEDGER_VERSION: VersionMismatch with both versions, nothing
-    written (a call built for protocol 3 reaching these scripts)."""
+    written (a call built for the next protocol reaching these scripts)."""
     s = ledger.open_session(f"proto-{uuid.uuid4().hex[:6]}", BUDGET)
     call = s.admit_call("working_memory", [Item("x", 10)])
     head = str(call.args[1]).replace(f"{protocol.VERSION}:", f"{protocol.VERSION + 1}:", 1)
@@ -332,3 +338,70 @@ with Ledger.from_settings(LedgerSettings(redis_url={url!r}, prefix={prefix!r})) 
         kind, message = json.loads(done.stdout.strip().splitlines()[-1])
         assert kind == "UnknownScope" and "acme" in message, (kind, message)
         assert (led.client.hgetall(scope.hash), led.client.zrange(scope.holds, 0, -1)) == before
+
+
+_PROBE = """
+import json, sys
+from ledger import Item, Ledger, LedgerError, LedgerSettings, SessionBudget, VersionMismatch
+
+url, prefix, sid = sys.argv[1:4]
+b = SessionBudget(window=10_000, system_prompt=500, output_reserve=500)
+out = []
+with Ledger.from_settings(LedgerSettings(redis_url=url, prefix=prefix)) as led:
+    for name, call in [
+        ("open", lambda: led.open_session("fresh", b)),
+        ("admit", lambda: led.open_session(sid, b).admit("working_memory", [Item("x", 1)])),
+        ("begin_turn", lambda: led.open_session(sid, b).begin_turn(0)),
+    ]:
+        try:
+            call()
+            out.append([name, "accepted", None, None, None])
+        except VersionMismatch as exc:
+            out.append([name, "VersionMismatch", exc.kind, exc.found, exc.expected])
+        except LedgerError as exc:
+            out.append([name, type(exc).__name__, str(exc), None, None])
+print(json.dumps(out))
+"""
+
+
+def _probe(tree: Path, url: str, prefix: str, sid: str, cwd: Path) -> list[list[Any]]:
+    done = subprocess.run([sys.executable, "-c", _PROBE, url, prefix, sid], env=_env(tree),
+                          cwd=cwd, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    got: list[list[Any]] = json.loads(done.stdout.strip().splitlines()[-1])
+    return got
+
+
+@pytest.mark.redis
+@pytest.mark.timeout(120)
+def test_protocol_2_and_3_share_their_sessions_while_a_fleet_upgrades(
+    redis_server: servers.RedisProcess, previous_tree: Path, tmp_path: Path
+) -> None:
+    """a8b2daf with its own scripts beside this release on one server: protocol 3 keeps
+    layout 2, so a session a8b2daf opened is served by this release's two-call turn, and
+    one this release opened by a8b2daf's calls; a layout above 2 is refused to a8b2daf
+    (VersionMismatch, layout) before it writes."""
+    prefix = f"l2{uuid.uuid4().hex[:8]}"
+    url = redis_server.url
+    got = _probe(previous_tree, url, prefix, "theirs", tmp_path)
+    assert [kind for _, kind, *_ in got] == ["accepted"] * 3  # its own session, its turn open
+    with Ledger.from_settings(LedgerSettings(redis_url=url, prefix=prefix)) as led:
+        theirs = led.session("theirs")
+        assert led.client.hget(theirs.keys.session, schema.LAYOUT) == b"2"
+        st = theirs.begin_turn(0, takeover=True)  # (the probe left its turn open)
+        done = theirs.finish_turn(st.turn, 600, [("call-1", 40, "grep: 3 matches")])
+        assert done.tools == (("call-1", 40),) and done.report.turn == st.turn
+        assert theirs.snapshot().turn_owner is None
+        mine = led.open_session("mine", BUDGET)
+        assert led.client.hget(mine.keys.session, schema.LAYOUT) == b"2" == b"%d" % protocol.LAYOUT
+        got = _probe(previous_tree, url, prefix, "mine", tmp_path)
+        assert [kind for _, kind, *_ in got] == ["accepted"] * 3
+        assert mine.snapshot().items["working_memory"] == 1  # its admit, in this session
+        newer = led.open_session("newer", BUDGET)
+        led.client.hset(newer.keys.session, schema.LAYOUT, "3")  # (a later layout)
+        before = led.client.hgetall(newer.keys.session)
+        got = _probe(previous_tree, url, prefix, "newer", tmp_path)
+        assert got[1:] == [
+            [name, "VersionMismatch", "layout", 3, 2] for name in ("admit", "begin_turn")
+        ]
+        assert led.client.hgetall(newer.keys.session) == before

@@ -6,8 +6,8 @@ through :func:`ledger.scripts.lua_dir`); ``--check`` writes nothing and exits 1 
 the block is stale (run by ``.ci/run`` and tests/test_schema.py). Edit a field in
 ledger/schema.py, never in the legend.
 
-It also writes the line ``local VERSION, OLDEST_LAYOUT = ...`` of ``_common.lua`` from
-``ledger/protocol.py`` (``VERSION``, ``OLDEST_LAYOUT``): the protocol version is defined
+It also writes the line ``local VERSION, OLDEST_LAYOUT, LAYOUT = ...`` of ``_common.lua``
+from ``ledger/protocol.py`` (``VERSION``, ``OLDEST_LAYOUT``, ``LAYOUT``): the versions are defined
 there only, and the scripts get it from this line.
 """
 

@@ -261,6 +261,11 @@ class AsyncTurn:
         return self._state.admissions
 
     @property
+    def tools(self) -> list[ToolOutcome[Any]]:
+        """This turn's tool results, in order (a deferred one: what it became at the end)."""
+        return self._state.tools
+
+    @property
     def report(self) -> TurnReport | None:
         return self._state.report
 
@@ -335,10 +340,20 @@ class AsyncTurn:
         self._state.admissions.append(got)
         return got
 
-    async def tool_result(self, result: Obj, text: str | None = None) -> ToolOutcome[Any]:
+    async def tool_result(
+        self, result: Obj, text: str | None = None, *, defer: bool = False
+    ) -> ToolOutcome[Any]:
         """Admit a tool result whole, or spill it: put ``outcome.text`` in the prompt and
-        drop ``outcome.evicted``."""
-        got = await self.agent.run(self.agent.core.tool_result(result, text, self._state.turn))
+        drop ``outcome.evicted``. ``defer``: no round trip now; the result is admitted
+        whole with the turn's end, in the same call (a turn in two round trips,
+        docs/agent.md); if it does not go in whole then, it is admitted as without
+        ``defer`` and :attr:`tools` holds what it became, the prompt counted with that."""
+        core = self.agent.core
+        if defer:
+            got = await self.agent.run(core.defer_tool(self._state, result, text))
+            self._state.tools.append(got)
+            return got
+        got = await self.agent.run(core.tool_result(result, text, self._state.turn))
         self._state.tools.append(got)
         return got
 

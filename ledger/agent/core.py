@@ -55,6 +55,7 @@ from ledger.models import (
     Snapshot,
     ToolResultOutcome,
     TurnAborted,
+    TurnFinished,
     TurnRenewed,
     TurnReport,
     TurnStarted,
@@ -253,6 +254,21 @@ class ToolOutcome(Generic[T]):
     # ledger holds in the result's place (a tool call answered, never a result cut)
     refused: bool = False
     reason: str | None = None
+    # sent with the turn's end (``tool_result(..., defer=True)``): ``text`` is the whole
+    # result; if it did not go in whole then, ``turn.tools`` holds what it became
+    deferred: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Deferred:
+    """A tool result to admit whole with the turn's end (``finish_turn``)."""
+
+    index: int  # its place in ``TurnState.tools``
+    result: Obj
+    item: str
+    tokens: int
+    text: str
+    keep: bool
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -313,6 +329,8 @@ class TurnState:
     # with a tenant named: each model call's settle (``over``: billed past its hold,
     # charged all the same)
     settled: list[Settled] = field(default_factory=list)
+    # tool results sent with the turn's end (two-call turn, docs/agent.md)
+    deferred: list[Deferred] = field(default_factory=list)
 
     @property
     def turn(self) -> int:
@@ -1008,6 +1026,26 @@ class AgentCore:
             unresolved=tuple(unknown),
         )
 
+    def defer_tool(
+        self, state: TurnState, result: Obj, text: str | None = None
+    ) -> Op[ToolOutcome[Any]]:
+        """A tool result sent with the turn's end (no round trip now): counted here, put
+        in the prompt whole, admitted whole by ``finish_turn`` with the turn's end."""
+        app_id = self.app_id(result)
+        iid = ledger_id(app_id)
+        body = self.text_of(result) if text is None else text
+        if not isinstance(body, str):
+            raise InvalidArgument(f"a tool result's text must be str, got {type(body).__name__}")
+        if any(d.item == iid for d in state.deferred):
+            raise InvalidArgument(f"tool result {app_id!s:.60} is deferred twice in this turn")
+        tokens = count(self.counter, body, f"tool result {app_id!s:.60}") + self.item_overhead
+        if tokens == 0:
+            raise InvalidArgument(f"tool result {app_id!s:.60} counts 0 tokens")
+        keep = yield from self._storing()
+        state.deferred.append(Deferred(len(state.tools), result, iid, tokens, body, keep))
+        return ToolOutcome(result=result, text=body, spilled=False, handle=None, tokens=tokens,
+                           charged=tokens, evicted=(), unresolved=(), deferred=True)  # fmt: skip
+
     def release(self, objs: Sequence[Obj], turn: int | None = None) -> Op[list[Obj]]:
         by: dict[Consumer, list[str]] = {}
         for o in objs:
@@ -1046,7 +1084,10 @@ class AgentCore:
             c = state.billing[-1]
             yield Note(((BILLED, f"{turn}|{c.counted}|{c.billed}|{int(c.flagged)}"),))
         try:
-            report: TurnReport = yield self.session.end_turn_call(turn, prompt_tokens, mark=mark)
+            if state is not None and state.deferred:
+                report = yield from self._finish(state, turn, prompt_tokens, mark)
+            else:
+                report = yield self.session.end_turn_call(turn, prompt_tokens, mark=mark)
         except ContextDrift as exc:
             hint = framing_hint(exc.report, state)
             if hint:
@@ -1056,6 +1097,36 @@ class AgentCore:
         hint = framing_hint(report, state)
         if hint:
             warnings.warn(ContextDriftWarning(report, hint), stacklevel=4)
+        return report
+
+    def _finish(
+        self, state: TurnState, turn: int, prompt_tokens: int, mark: str | None
+    ) -> Generator[Any, Any, TurnReport]:
+        """The turn's end with its deferred tool results, in one call; when one does not
+        go in whole, each is admitted as ``tool_result`` admits it (spilled, or refused
+        with a note) and the prompt counted with what it became, then ``end_turn``."""
+        deferred, state.deferred = state.deferred, []
+        tools = [(d.item, d.tokens, d.text) for d in deferred]
+        keep = any(d.keep for d in deferred)
+        try:
+            done: TurnFinished = yield self.session.finish_turn_call(
+                turn, prompt_tokens, tools, keep_text=keep, mark=mark
+            )
+        except AdmissionRefused as exc:
+            if exc.reason != "not_whole":
+                raise
+        else:
+            for d in deferred:
+                self.known[(Consumer.SCRATCHPAD, d.item)] = d.result
+            return done.report
+        for d in deferred:
+            out = yield from self.tool_result(d.result, d.text, turn)
+            state.tools[d.index] = out
+            if out.text != d.text:
+                shown = count(self.counter, out.text, "a tool result's place") + self.item_overhead
+                prompt_tokens += shown - d.tokens
+        state.prompt_tokens = prompt_tokens
+        report: TurnReport = yield self.session.end_turn_call(turn, prompt_tokens, mark=mark)
         return report
 
     def abort(self, turn: int) -> Op[TurnAborted]:

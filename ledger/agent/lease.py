@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import heapq
+import math
 import os
 import threading
 import time
@@ -30,20 +31,28 @@ class _Beats:
         self.due: list[tuple[float, int, Heartbeat]] = []
         self.cond = threading.Condition()
         self.seq = 0
+        # when the thread wakes next by itself (-inf while it runs a beat): a heartbeat
+        # due later needs no wake-up (a turn's own is due a third of a lease after the
+        # last turn's, ended or not), so a turn costs the thread no switch
+        self.until = math.inf
         self.thread = threading.Thread(target=self._run, name="ledger-turn-leases", daemon=True)
         self.thread.start()
 
     def add(self, hb: Heartbeat) -> None:
         with self.cond:
             self.seq += 1
-            heapq.heappush(self.due, (time.monotonic() + hb.interval, self.seq, hb))
-            self.cond.notify()
+            due = time.monotonic() + hb.interval
+            heapq.heappush(self.due, (due, self.seq, hb))
+            if due < self.until:
+                self.cond.notify()
 
     def _run(self) -> None:
         while True:
             with self.cond:
                 while not self.due or self.due[0][0] > time.monotonic():
-                    self.cond.wait(self.due[0][0] - time.monotonic() if self.due else None)
+                    self.until = self.due[0][0] if self.due else math.inf
+                    self.cond.wait(self.until - time.monotonic() if self.due else None)
+                self.until = -math.inf
                 _, _, hb = heapq.heappop(self.due)
                 if hb.stopped:
                     continue

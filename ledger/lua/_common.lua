@@ -16,9 +16,9 @@
 -- (docs/protocol.md#versions).
 --
 -- session: the session hash '<tag>:s:<session>' (KEYS[1] of every session script)
---   lv             layout [version]: the session's stored layout version: the protocol
---                  version of the open that created it (absent: 1); scripts refuse a
---                  layout they do not read (LEDGER_VERSION)
+--   lv             layout [version]: the session's stored layout version, written by the
+--                  open that created it (the scripts' LAYOUT; absent: 1); scripts refuse
+--                  a layout they do not read (LEDGER_VERSION)
 --   ep             epoch [epoch]: the fence every call's ARGV[2] is checked against: a
 --                  new incarnation starts at Redis's clock, each hard reset adds 1
 --   tn             turn [turn]: the last turn begun (the open one while lo is set)
