@@ -948,6 +948,10 @@ def finish_turn(
     whole, then the turn ended with the real prompt (counting them whole), in one step.
     A result that does not go in whole refuses the call (``AdmissionRefused``, reason
     ``not_whole``): nothing changed, the turn still open."""
+    if isinstance(tools, (str, bytes)) or not isinstance(tools, Sequence):
+        raise InvalidArgument(
+            f"tools must be a list of (call id, tokens, content), got {tools!r:.80}"
+        )
     body: list[str | bytes] = [
         _num(turn),
         _num(final_prompt_tokens),
@@ -957,10 +961,6 @@ def finish_turn(
         "1" if keep_text else "0",
         _num(len(tools)),
     ]
-    if isinstance(tools, (str, bytes)) or not isinstance(tools, Sequence):
-        raise InvalidArgument(
-            f"tools must be a list of (call id, tokens, content), got {tools!r:.80}"
-        )
     for tool in tools:
         if not isinstance(tool, Sequence) or isinstance(tool, (str, bytes)) or len(tool) != 3:
             raise InvalidArgument(
