@@ -13,11 +13,13 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /src
-# Only what the wheel is built from: ledger/, with the worker (ledger/workers) and the
-# Lua scripts (ledger/lua) inside it (one import name, `ledger`).
+# Only what the wheel is built from: ledger/, with the worker (ledger/workers) inside it,
+# and lua/, the Lua scripts the wheel maps into the package as ledger/lua (one import
+# name, `ledger`).
 COPY pyproject.toml README.md ./
 COPY deploy/constraints.txt ./
 COPY ledger ./ledger
+COPY lua ./lua
 # The worker's extras: its metrics (worker) and the LLM compactor docker-compose.yml
 # names (summarizer); and the admin commands' output (cli), so that
 # `docker compose exec worker ledger audit` (top, inspect) works. Not the embedded backend.

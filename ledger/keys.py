@@ -5,10 +5,10 @@ partition is the hash tag of the session's keys and of the partition-wide
 structures (the reservation deadline index), so one script can touch all of
 them on Redis Cluster::
 
-    <prefix>:{p<N>}:s:<session_id>     session hash (see ledger/lua/_common.lua)
+    <prefix>:{p<N>}:s:<session_id>     session hash (see lua/_common.lua)
     <prefix>:{p<N>}:out:<session_id>   outcome hash, buckets of stored replies by the
                                        SHA-1 of the op id: the current generation (see
-                                       ledger/lua/_common.lua)
+                                       lua/_common.lua)
     <prefix>:{p<N>}:old:<session_id>   outcome hash of the previous generation
     <prefix>:{p<N>}:deadlines          sorted set of reservation deadlines (ms),
                                        members '<session_id>|<reservation_id>', and
@@ -55,7 +55,7 @@ them on Redis Cluster::
                                        sorted set, the reclaim-order index: member
                                        'i:<c>:<id>' per scratchpad, retrieval and recall
                                        item, scored by consumer then sequence, and '~'
-                                       once built (see ORDER in ledger/lua/_common.lua);
+                                       once built (see ORDER in lua/_common.lua);
                                        the session's idle TTL. Kept by the calls that
                                        send it; a turn builds it again when it is not
                                        complete: it is never the truth, only an order
@@ -194,7 +194,7 @@ class KeySpace:
 
     def tally(self, partition: int) -> str:
         """The partition's indicator counts (a hash the scripts keep, see
-        ledger/lua/_common.lua)."""
+        lua/_common.lua)."""
         return f"{self.tag(partition)}:tally"
 
     def dead_letters(self, partition: int) -> str:

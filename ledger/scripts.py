@@ -1,9 +1,12 @@
 """Loading the Lua scripts that ship in the wheel.
 
-Each operation is one file in the package's ``lua/`` folder (``ledger/lua/``, read
-with ``importlib.resources``: the same files in a checkout, an editable install and a
-wheel). The definitions of ``_common.lua`` that a script uses (directly or
-through another definition) are prepended to it, so every script is one chunk. The
+Each operation is one file of the repository's top-level ``lua/`` folder, which the wheel
+maps into the package as ``ledger/lua/`` (hatchling's ``sources`` mapping): an installed
+package reads them there with ``importlib.resources``; a checkout or an editable install
+(whose package has no ``lua/``: editable installs apply no such mapping) reads the
+checkout's ``lua/`` beside the package (:func:`lua_dir`). The definitions of
+``_common.lua`` that a script uses (directly or through another definition) are
+prepended to it, so every script is one chunk. The
 clients register each through redis-py's ``Script`` and send it with EVALSHA,
 loading it again on NOSCRIPT.
 
@@ -29,11 +32,15 @@ from pathlib import Path
 
 
 def lua_dir() -> Path:
-    """Where the .lua files are: the package's ``ledger/lua/`` folder."""
-    packaged = Path(str(resources.files("ledger"))) / "lua"
-    if not (packaged / "_common.lua").is_file():
-        raise FileNotFoundError(f"ledger Lua scripts not found in {packaged}")
-    return packaged
+    """Where the .lua files are: the package's ``ledger/lua/`` folder (a wheel), else the
+    checkout's ``lua/`` beside the package (a checkout, an editable install)."""
+    package = Path(str(resources.files("ledger")))
+    for folder in (package / "lua", package.parent / "lua"):
+        if (folder / "_common.lua").is_file():
+            return folder
+    raise FileNotFoundError(
+        f"ledger Lua scripts not found in {package / 'lua'} nor {package.parent / 'lua'}"
+    )
 
 
 def script_names(folder: Path | None = None) -> tuple[str, ...]:
@@ -189,7 +196,7 @@ def reply_codes() -> dict[str, str]:
 
 def outcome_key(op_id: str) -> tuple[str, str]:
     """Where an op id's outcome is stored: (bucket, key), the first two and the next
-    fourteen hex digits of the SHA-1 of its UTF-8 bytes (ledger/lua/_common.lua, ``recorded``).
+    fourteen hex digits of the SHA-1 of its UTF-8 bytes (lua/_common.lua, ``recorded``).
     A generation of many outcomes writes the later ones to buckets of the first three or
     four digits (:func:`outcome_buckets`); the key is the same in each."""
     h = hashlib.sha1(op_id.encode()).hexdigest()
@@ -211,7 +218,7 @@ def is_bucket(field: str) -> bool:
 
 def stored_outcomes(bucket: str, base: int = 0) -> list[tuple[str, str, str]]:
     """(key, fingerprint, reply) of each outcome in one bucket of an outcome hash
-    (records '\\x1e<key><fingerprint><coded reply>', see ledger/lua/_common.lua): the key is
+    (records '\\x1e<key><fingerprint><coded reply>', see lua/_common.lua): the key is
     :func:`outcome_key`'s second part for the op id that stored it. A stored epoch is
     relative to the generation's field ``e``, given as ``base``."""
     codes = reply_codes()

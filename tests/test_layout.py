@@ -1,8 +1,9 @@
 """The repository's layout: no symlinks, one import name for the worker.
 
-The Lua scripts and the worker live inside the package (``ledger/lua/``,
-``ledger/workers/``); the top-level ``lua/`` and ``workers/`` hold a README that points
-there (docs/contributing.md, "Why lua/ and workers/ are pointers").
+The Lua scripts live in the top-level ``lua/`` (the wheel ships them as ``ledger/lua/``);
+the worker lives inside the package (``ledger/workers/``), the top-level ``workers/``
+holding a README that points there (docs/contributing.md, "Why lua/ holds the scripts
+and workers/ is a pointer").
 """
 
 from __future__ import annotations
@@ -56,11 +57,17 @@ def test_the_repository_holds_no_symlink() -> None:
     assert not tracked, tracked
 
 
-def test_the_top_level_folders_are_pointers() -> None:
-    for folder in ("lua", "workers"):
-        assert sorted(p.name for p in (ROOT / folder).iterdir()) == ["README.md"], folder
-        assert f"ledger/{folder}/" in (ROOT / folder / "README.md").read_text()
-    assert (ROOT / "ledger" / "lua" / "_common.lua").is_file()
+def test_lua_holds_the_scripts_and_workers_is_a_pointer() -> None:
+    lua = sorted(p.name for p in (ROOT / "lua").iterdir())
+    assert lua == sorted(["README.md", "_common.lua", *(f"{n}.lua" for n in scripts.NAMES)])
+    assert scripts.lua_dir().resolve() == (ROOT / "lua").resolve()  # (the editable install)
+    assert not (ROOT / "ledger" / "lua").exists()
+    assert sorted(p.name for p in (ROOT / "workers").iterdir()) == ["README.md"]
+    readme = (ROOT / "workers" / "README.md").read_text()
+    assert "ledger/workers/" in readme
+    modules = sorted(p.name for p in (ROOT / "ledger" / "workers").glob("*.py"))
+    unnamed = [m for m in modules if m != "__init__.py" and f"`{m}`" not in readme]
+    assert not unnamed, f"workers/README.md does not name {unnamed}"
     assert (ROOT / "ledger" / "workers" / "runner.py").is_file()
 
 
@@ -178,7 +185,7 @@ def test_one_operation_runs_through_the_files_the_map_names(
     assert len(taken) == 6, taken  # the paragraph's six stretches
     assert sorted(set(refusal)) == sorted([*face, "ledger/errors.py"]), refusal
     unnamed = sorted(
-        f for f in {*refusal, *on_asyncio, "ledger/lua/admit.lua"} if f"`{f}`" not in paragraph
+        f for f in {*refusal, *on_asyncio, "lua/admit.lua"} if f"`{f}`" not in paragraph
     )
     assert not unnamed, f"admit runs code of {unnamed}, which the map's walk does not name"
 

@@ -1,7 +1,8 @@
 """The wheel: built from the repo, installed into fresh venvs outside it, and used.
 
 The development venv has the package installed editable, where the scripts are
-found in the repo's ledger/lua/; only a real install proves the wheel ships them. Two venvs
+found in the checkout's lua/; only a real install proves the wheel ships them (mapped
+into the package as ledger/lua/). Two venvs
 in a temporary directory: ``core`` with the package alone (the client's dependencies
 only) and ``demo`` with the ``demo`` extra (embedded, cli, worker). Every command runs
 with its cwd in that directory, so nothing is imported from the repo. Dependencies come
@@ -13,6 +14,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tarfile
 import textwrap
 import zipfile
 from collections.abc import Mapping
@@ -126,25 +128,47 @@ def demo(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Venv:
 
 
 def test_wheel_ships_the_scripts(wheel: Path) -> None:
+    """The repository's lua/*.lua, and nothing else of lua/, in the wheel's ledger/lua/;
+    ledger/workers/ as in the repository."""
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
         expected = {"ledger/lua/_common.lua", "ledger/py.typed"}
         expected |= {f"ledger/lua/{n}.lua" for n in scripts.NAMES}
         assert expected <= names, f"missing from the wheel: {sorted(expected - names)}"
-        # The wheel's files under ledger/lua/ and ledger/workers/ are the repo's, no more, no less.
-        for folder in ("ledger/lua", "ledger/workers"):
+        # The wheel's files under ledger/lua/ and ledger/workers/ are the repo's (lua/ and
+        # ledger/workers/), no more, no less.
+        for folder, repo in (("ledger/lua", "lua"), ("ledger/workers", "ledger/workers")):
             shipped = {n for n in names if n.startswith(folder + "/")}
             in_repo = {
-                p.relative_to(ROOT).as_posix()
-                for p in (ROOT / folder).iterdir()
+                f"{folder}/{p.name}"
+                for p in (ROOT / repo).iterdir()
                 if p.is_file() and p.suffix in (".lua", ".py")
             }
             assert shipped == in_repo, (folder, shipped ^ in_repo)
             for name in sorted(shipped):
-                assert z.read(name) == (ROOT / name).read_bytes(), f"{name} differs from the repo's"
+                source = ROOT / repo / Path(name).name
+                assert z.read(name) == source.read_bytes(), f"{name} differs from {source}"
+        assert len({n for n in names if n.startswith("ledger/lua/")}) == len(scripts.NAMES) + 1
         assert "ledger/workers/runner.py" in names
+        assert not any(n.startswith("lua/") for n in names), "lua/ only as ledger/lua/"
         (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
         assert "ledger = ledger.cli:main" in z.read(entry_points).decode()
+
+
+def test_sdist_holds_lua_and_builds_the_same_wheel(tmp_path: Path) -> None:
+    """The sdist holds the repository's lua/ (the scripts and the README), and a wheel
+    built from it ships the scripts in ledger/lua/."""
+    run([sys.executable, "-m", "build", "--outdir", str(tmp_path), str(ROOT)], cwd=tmp_path)
+    (sdist,) = tmp_path.glob("redis_token_ledger-*.tar.gz")
+    with tarfile.open(sdist) as t:
+        names = {m.name.split("/", 1)[1] for m in t.getmembers() if "/" in m.name}
+    repo = {f"lua/{p.name}" for p in (ROOT / "lua").iterdir() if p.is_file()}
+    assert {n for n in names if n.startswith("lua/")} == repo
+    assert "lua/README.md" in repo and "lua/_common.lua" in repo
+    (built,) = tmp_path.glob("redis_token_ledger-*.whl")  # (build makes it from the sdist)
+    with zipfile.ZipFile(built) as z:
+        shipped = {n for n in z.namelist() if n.startswith("ledger/lua/")}
+    assert shipped == {f"ledger/{n}" for n in repo if n.endswith(".lua")}
 
 
 def test_wheel_has_one_import_name(wheel: Path) -> None:
@@ -334,7 +358,7 @@ def test_installed_wheel_works_outside_the_repo(demo: Venv) -> None:
     lua_dir = Path(out.split("LUA_DIR", 1)[1].strip())
     assert not lua_dir.is_relative_to(ROOT)
     for name in ("_common", *scripts.NAMES):
-        repo_file = ROOT / "ledger" / "lua" / f"{name}.lua"
+        repo_file = ROOT / "lua" / f"{name}.lua"
         assert (lua_dir / f"{name}.lua").read_bytes() == repo_file.read_bytes()
 
     # The console script the Dockerfile and docker-compose.yml run.

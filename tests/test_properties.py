@@ -1,6 +1,6 @@
 """Stateful property test: the ledger against a small in-memory model of its rules.
 
-The model (below) restates the rules of ledger/lua/_common.lua and the operation scripts:
+The model (below) restates the rules of lua/_common.lua and the operation scripts:
 each group claims max(active, floor) of the window, so
 
     free = W - S - T - out - max(a_w, F_w) - max(a_rm, F_rm) - a_s

@@ -1,7 +1,7 @@
 """Stateful property test of the rules (docs/rules.md): the ledger against a model of the scripts.
 
 tests/test_properties.py checks admit / release / reserve / settle / void. This file
-restates, in plain Python, what ledger/lua/begin_turn.lua, admit.lua, admit_tool.lua,
+restates, in plain Python, what lua/begin_turn.lua, admit.lua, admit_tool.lua,
 compact.lua, record_span.lua, end_turn.lua and release.lua do to one session, and has
 hypothesis drive them (plus replays of earlier calls under their op ids) in a small
 window where refusals, reclamation, spills and failed compactions happen often:

@@ -73,7 +73,7 @@ def plant(name: str) -> None:
             text = text.replace(old, new)
         return text
 
-    if old not in (Path(ledger_scripts.__file__).parent / "lua" / target).read_text():
+    if old not in (ledger_scripts.lua_dir() / target).read_text():
         raise RuntimeError(f"plant {name}: {old!r} not in {target}")
     ledger_scripts.source = patched  # type: ignore[assignment]
 
