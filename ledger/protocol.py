@@ -552,7 +552,7 @@ def draw_child(
 
 
 _QUANTITIES = {"i": "input", "o": "output", "c": "cached_input", "$": "money"}
-# A scope's packed fields cf and w (ledger/lua/_common.lua, SCOPE_CF and SCOPE_W).
+# A scope's packed fields cf and w (lua/_common.lua, SCOPE_CF and SCOPE_W).
 SCOPE_CF, SCOPE_W = "<8qB", "<7q"
 
 
