@@ -51,6 +51,19 @@ def _intervals(runs: Sequence[decay.SessionRun]) -> list[tuple[int, int]]:
     return out
 
 
+def _median(xs: Sequence[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def _quantiles(xs: Sequence[float]) -> dict[str, float | int | None]:
+    """p10, median and p90 of xs, with their n."""
+    if not xs:
+        return {"n": 0, "p10": None, "p50": None, "p90": None}
+    ys = sorted(xs)
+    p10, p90 = ys[int(0.1 * len(ys))], ys[min(len(ys) - 1, int(0.9 * len(ys)))]
+    return {"n": len(ys), "p10": p10, "p50": statistics.median(ys), "p90": p90}
+
+
 def _mean(xs: Iterable[float]) -> float | None:
     xs = list(xs)
     return statistics.fmean(xs) if xs else None
@@ -122,7 +135,23 @@ def _decay_summary(runs: Sequence[decay.SessionRun], ledger: bool) -> dict[str, 
                 1 for r in over if not (r.compaction or r.reset or r.waited)
             ),
             "p95_ms": lat[int(0.95 * (len(lat) - 1))] if lat else None,
+            "turns": len(fleet),
+            # the turns that waited for a compaction, and how long (a deployment's ms)
+            "waited_turns": sum(r.waited for r in fleet),
+            "waited_ms_median": _median([r.waited_ms for r in fleet if r.waited]),
         },
+        # what the cure cost: the context the hard resets discarded (tokens), per reset
+        "context_discarded": sum(r.discarded for r in records),
+        "discarded_per_reset_median": _median([r.discarded for r in records if r.discarded]),
+        # the distribution over sessions: each session's share of turns with retrieval
+        # from turn 40 on (the sessions that lived past it)
+        "per_session_retrieval_after_40": _quantiles(
+            [
+                sum(r.retrieval for r in run.records[40:]) / len(run.records[40:])
+                for run in runs
+                if len(run.records) > 40
+            ]
+        ),
         "resets": sum(r.reset for r in fleet),
         "turns": len(fleet),
         "sessions": sum(1 for run in runs if not run.tail),
@@ -314,7 +343,28 @@ def _post(a: dict[str, Any]) -> str:
 
 
 def _slo(a: dict[str, Any]) -> str:
-    return f"{100 * a['slo']['over_share']:.2f}% (p95 {_f(a['slo']['p95_ms'], '.0f')} ms)"
+    slo = a["slo"]
+    return (
+        f"{100 * slo['over_share']:.2f}% of {slo.get('turns', 0)} turns (p95 "
+        f"{_f(slo['p95_ms'], '.0f')} ms)"
+    )
+
+
+def _cost(a: dict[str, Any]) -> str:
+    slo = a["slo"]
+    wait = slo.get("waited_ms_median")
+    per = a.get("discarded_per_reset_median")
+    return (
+        f"{slo.get('waited_turns', 0)} turns waited (median {_f(wait, '.0f')} ms); "
+        f"{a.get('context_discarded', 0)} tokens discarded by resets (median {_f(per, '.0f')})"
+    )
+
+
+def _spread(a: dict[str, Any]) -> str:
+    q = a.get("per_session_retrieval_after_40") or {"n": 0}
+    if not q["n"]:
+        return "n/a"
+    return f"{q['p10']:.2f} / {q['p50']:.2f} / {q['p90']:.2f} ({q['n']} sessions)"
 
 
 def _decay_rows(n: dict[str, Any], lg: dict[str, Any], o: dict[str, Any] | None) -> list[Row]:
@@ -386,9 +436,29 @@ def _decay_rows(n: dict[str, Any], lg: dict[str, Any], o: dict[str, Any] | None)
             "turns over the 900 ms SLO",
             "none (p95 780-860) -> ~1.4%, the reset turns",
             _slo(n),
-            f"{_slo(lg)}; {lg['slo']['over_not_compaction_or_reset']} not a compaction "
-            "or reset turn",
+            f"{_slo(lg)}; {lg['slo']['over_not_compaction_or_reset']} neither a wait nor "
+            "a reset turn",
             off(_slo),
+        )
+    )
+    t.append(
+        (
+            "",
+            "per session, share of turns with retrieval from turn 40: p10 / p50 / p90",
+            "",
+            _spread(n),
+            _spread(lg),
+            off(_spread),
+        )
+    )
+    t.append(
+        (
+            "",
+            "what the cure cost: turns that waited for a compaction; context discarded",
+            "",
+            "",
+            _cost(lg),
+            off(_cost),
         )
     )
     t.append(
