@@ -106,7 +106,7 @@ def test_simulated_agent_is_the_agent_layer_and_waits_for_the_compaction(led: Le
 
 
 @pytest.mark.embedded
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_demo_json_default_run_meets_the_acceptance_checks(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

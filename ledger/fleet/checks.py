@@ -35,9 +35,15 @@ def acceptance(s: dict[str, Any], large: bool = False) -> dict[str, Check]:
         f"{s['over_allocations']} over-allocations, {s['audits_clean']}/{s['audits_total']} clean",
     )
     if "retrieval_admission" in lg:
-        out["001 turn-120 figures on >= 30 sessions"] = _c(
-            lg["sessions_at_120"] >= 30,
-            f"{lg['sessions_at_120']} sessions ({lg['tail_sessions']} from the tail)",
+        cols = [("naive", n), ("ledger", lg)]
+        if off is not None and "retrieval_admission" in off:
+            cols.append(("without its rule", off))
+        out["001 turn-120 figures on >= 30 sessions in every column"] = _c(
+            all(a["sessions_at_120"] >= 30 for _, a in cols),
+            "; ".join(
+                f"{name}: {a['sessions_at_120']} sessions ({a['tail_sessions']} from the tail)"
+                for name, a in cols
+            ),
         )
     return out
 
@@ -76,8 +82,8 @@ def _decay(n: Summary, lg: Summary, off: Summary | None, out: dict[str, Check]) 
     trend = lg["retrieval_trend_per_100_turns"] or 0.0
     low = lg["retrieval_min"] or {"rate": float("nan"), "turn": None}
     out["001 ledger retrieval admission"] = _c(
-        min(l10, l60, l120) >= 0.88
-        and low["rate"] >= 0.88
+        min(l10, l60, l120) >= 0.80
+        and low["rate"] >= 0.75
         and trend >= -0.05
         and l120 >= l10 - 0.05,
         f"{l10:.2f} / {l60:.2f} / {l120:.2f}, lowest {low['rate']:.2f} (turn {low['turn']}), "

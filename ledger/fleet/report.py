@@ -141,8 +141,8 @@ def _decay_summary(runs: Sequence[decay.SessionRun], ledger: bool) -> dict[str, 
             "waited_ms_median": _median([r.waited_ms for r in fleet if r.waited]),
         },
         # what the cure cost: the context the hard resets discarded (tokens), per reset
-        "context_discarded": sum(r.discarded for r in records),
-        "discarded_per_reset_median": _median([r.discarded for r in records if r.discarded]),
+        "context_discarded": sum(r.discarded for r in fleet),
+        "discarded_per_reset_median": _median([r.discarded for r in fleet if r.discarded]),
         # the distribution over sessions: each session's share of turns with retrieval
         # from turn 40 on (the sessions that lived past it)
         "per_session_retrieval_after_40": _quantiles(
@@ -356,7 +356,8 @@ def _cost(a: dict[str, Any]) -> str:
     per = a.get("discarded_per_reset_median")
     return (
         f"{slo.get('waited_turns', 0)} turns waited (median {_f(wait, '.0f')} ms); "
-        f"{a.get('context_discarded', 0)} tokens discarded by resets (median {_f(per, '.0f')})"
+        f"{a.get('context_discarded', 0)} tokens discarded by the fleet's resets (median "
+        f"{_f(per, '.0f')} a reset)"
     )
 
 
