@@ -198,6 +198,8 @@ def _starvation(rows: Sequence[starvation.TurnRow], ledger: bool) -> dict[str, A
         "utilization": [min(r.utilization for r in after), max(r.utilization for r in after)],
         "residual_mean": _mean(r.residual for r in after),
         "working_set_mean": _mean(r.working_set for r in after),
+        # what the short turns did wrong (starvation.failure), of turns_after_5
+        "failures": dict(Counter(r.failure for r in after if r.failure)),
     }
     if ledger:
         reclaimed = [r.reclaimed for r in after if r.reclaimed]
@@ -207,6 +209,9 @@ def _starvation(rows: Sequence[starvation.TurnRow], ledger: bool) -> dict[str, A
             [i[0] for i in x] == sorted((i[0] for i in x), key="sr".index) for x in reclaimed
         )
         out["restored"] = sum(1 for r in after if r.residual >= r.working_set)
+        # what the cure cost: reclaimed items a later turn needed again, fetched again
+        out["fetched_again"] = sum(r.fetched_again for r in after)
+        out["fetched_again_tokens"] = sum(r.fetched_again_tokens for r in after)
     return out
 
 
@@ -501,8 +506,23 @@ def _starvation_rows(
             "(no working set declared)"
             if os_
             else "",
-        )
+        ),
+        (
+            "",
+            "what the short turns did wrong (of the turns after turn 5); the cure's cost",
+            "repetition, re-issued tool calls, unfinished synthesis",
+            _failures(ns),
+            f"{_failures(ls)}; reclaimed items fetched again {ls['fetched_again']} "
+            f"({ls['fetched_again_tokens']} tokens)",
+            _failures(os_) if os_ else "",
+        ),
     ]
+
+
+def _failures(a: dict[str, Any]) -> str:
+    f = a.get("failures") or {}
+    names = ", ".join(f"{k}={v}" for k, v in sorted(f.items())) or "none"
+    return f"{sum(f.values())}/{a['turns_after_5']} failed: {names}"
 
 
 def _truncation_rows(
