@@ -211,3 +211,32 @@ def test_progress_lines_each_tenth_of_a_stage() -> None:
     assert [x.split(" (")[0] for x in lines] == [
         f"ledger demo: 001 sessions {4 * k}/40" for k in range(1, 11)
     ] + ["ledger demo: audits 1/1"]
+
+
+@pytest.mark.embedded
+@pytest.mark.timeout(300)
+def test_per_seed_table_reads_each_run_with_its_n() -> None:
+    """`python -m ledger.fleet.table`: one column per run, each figure from that run's
+    JSON (here scenarios 000 and 004 alone, two seeds: the columns differ)."""
+    from ledger.fleet import table
+    from ledger.fleet.run import run
+
+    runs = [
+        report.summarize(
+            run(
+                make_settings(f"embedded://{uuid.uuid4().hex}"),
+                FleetConfig(seed=seed, only=frozenset({"000", "004"})),
+            )
+        )
+        for seed in (1, 2)
+    ]
+    text = table.table(runs)
+    lines = text.splitlines()
+    assert lines[0] == "| figure | column | default, seed 1 | default, seed 2 |"
+    starv = [x for x in lines if x.startswith("| 000 short turns; failures; fetched again | naive")]
+    assert len(starv) == 1
+    one, two = starv[0].split(" | ")[2:4]
+    assert one != two and "/150 short; failed" in one
+    led = runs[0]["ledger"]["starvation"]
+    assert f"fetched again {led['fetched_again']} " in text and led["fetched_again"] > 0
+    assert "| acceptance checks passed | | " in text
