@@ -5,8 +5,10 @@ a 900 ms per-turn latency SLO, a high-water mark H = 0.72 of the window. Each tu
 adds a user message, a recall lookup, 4-8 retrieved chunks and the model's
 generation to the history: 2-5% of the window a turn. A summarizer compacts the
 history "on average": raw history shrinks to 21.5-43% of its size, but a summary
-summarized again keeps 96-99% of itself and long answers from stale memory keep
-50-70%, so a session's summaries accumulate (the soft post-condition).
+summarized again keeps 100-107% of itself (SUMMARY_KEEP) and long answers from stale
+memory keep 50-70%, so a session's summaries accumulate (the soft post-condition). A
+summary that shrank on average when summarized again would settle below H and leave
+the window's last 28% to retrieval (docs/demo.md, Results): the collapse needs this one.
 
 The naive arbiter has exactly the scenario's conditions: compaction is synchronous,
 on the request path, its latency charged to the turn that triggers it; the latency
