@@ -450,7 +450,7 @@ def _decay_rows(n: dict[str, Any], lg: dict[str, Any], o: dict[str, Any] | None)
     t.append(
         (
             "",
-            "per session, share of turns with retrieval from turn 40: p10 / p50 / p90",
+            "per session, retrieval from turn 40: p10 / p50 / p90",
             "",
             _spread(n),
             _spread(lg),
@@ -460,7 +460,7 @@ def _decay_rows(n: dict[str, Any], lg: dict[str, Any], o: dict[str, Any] | None)
     t.append(
         (
             "",
-            "what the cure cost: turns that waited for a compaction; context discarded",
+            "the cure's cost: turns that waited; context discarded",
             "",
             "",
             _cost(lg),
@@ -509,7 +509,7 @@ def _starvation_rows(
         ),
         (
             "",
-            "what the short turns did wrong (of the turns after turn 5); the cure's cost",
+            "failures of the short turns (after turn 5); the cure's cost",
             "repetition, re-issued tool calls, unfinished synthesis",
             _failures(ns),
             f"{_failures(ls)}; reclaimed items fetched again {ls['fetched_again']} "
