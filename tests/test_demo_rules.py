@@ -2,7 +2,7 @@
 check fails.
 
 The rule is removed from the packaged Lua text itself (the line after its
-``-- rule: <name>`` marker in ledger/lua/), and the demo's agents and workers load
+``-- rule: <name>`` marker in lua/), and the demo's agents and workers load
 that text in place of the packaged script (FleetConfig.scripts): no demo flag, no
 branch in the production script. Each test also runs the scenario with the packaged
 scripts, where the same check passes, so the failure is the rule's absence and
