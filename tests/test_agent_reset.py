@@ -25,10 +25,12 @@ from typing import Any
 
 import pytest
 
-from ledger import Ledger, LedgerSettings
+from ledger import Agent, Ledger, LedgerSettings, SessionBudget
+from ledger.errors import StaleEpoch
 from ledger.testing import WorkerProc, spawn_worker
 from tests import jobs, servers
 from tests.reset_agent import ALWAYS_RAISES
+from tests.test_adapters import load
 
 ROOT = Path(__file__).resolve().parent.parent
 TURNS = 3  # turn 1, then a reset before each of turns 2 and 3 (one on each process)
@@ -137,3 +139,101 @@ def test_the_turn_after_a_hard_reset_runs_on_the_other_process(
     for r in rows:  # the ledger holds exactly the real prompt after each turn
         assert r["drift"] == 0 and r["flag"] == "none" and r["compaction_due"], r
         assert r["occupancy"] == r["counted"], r
+
+
+# --- on the embedded backend: the core's steps, and the adapters' turn after a reset ---
+
+EMBEDDED_BUDGET = SessionBudget(window=4_000, system_prompt=3, output_reserve=200)
+
+
+def words(text: str) -> int:
+    return len(text.split())
+
+
+@pytest.mark.embedded
+def test_the_turn_after_a_reset_forgets_what_the_agent_believed_held() -> None:
+    with Ledger.from_url(f"embedded://{uuid.uuid4().hex}") as led:
+        session = led.open_session("forget", EMBEDDED_BUDGET)
+        agent = Agent(session, words)
+        objs = [{"id": "m1", "content": "one two three"}, {"id": "m2", "content": "four five"}]
+        with agent.turn() as t:
+            assert t.reset_from_epoch is None
+            t.admit("working_memory", objs)
+            t.end(["a b c", *objs])
+        old = session.epoch
+        assert len(agent.core.known) == 2
+        led.session("forget").reset("test")  # another handle: this one's epoch is stale
+        with agent.turn() as t:  # begun at the new epoch, no StaleEpoch
+            assert t.reset_from_epoch == old and t.state is not None and t.state.reset
+            assert agent.core.known == {}  # nothing is believed held
+            again = t.admit("working_memory", objs)
+            assert again.charged == 5  # charged again: the ledger held none of them
+            t.end(["a b c", *objs])
+        assert t.report is not None and t.report.drift == 0
+        assert session.epoch == old + 1 == led.session("forget").snapshot().epoch
+        with agent.turn() as t:  # the next turn: no reset between
+            assert t.reset_from_epoch is None
+            assert t.admit("working_memory", objs).charged == 0
+            t.end(["a b c", *objs])
+
+
+@pytest.mark.embedded
+def test_a_second_stale_epoch_in_a_row_is_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    with Ledger.from_url(f"embedded://{uuid.uuid4().hex}") as led:
+        session = led.open_session("twice", EMBEDDED_BUDGET)
+        agent = Agent(session, words)
+        old = session.epoch
+        led.session("twice").reset("test")
+        begins: list[int] = []
+        real = led.run
+
+        def run(call: Any) -> Any:
+            if call.script == "begin_turn":
+                begins.append(session.epoch)
+                if len(begins) == 2:  # the session reset again while the turn began
+                    raise StaleEpoch("reset again")
+            return real(call)
+
+        monkeypatch.setattr(led, "run", run)
+        with pytest.raises(StaleEpoch, match="reset again"), agent.turn():
+            pass
+        assert begins == [old, old + 1]  # began again once, at the epoch it adopted
+        monkeypatch.undo()
+        with agent.turn() as t:  # and the next turn begins
+            assert t.reset_from_epoch is None
+            t.end(["a b c"])
+
+
+@pytest.mark.embedded
+def test_langchain_middleware_turn_after_a_reset(tmp_path: Path) -> None:
+    mod = load("langchain")
+    sid = "lc-reset"
+    w = mod.Server(f"embedded://{uuid.uuid4().hex}", sid, str(tmp_path / "c.sqlite"))
+    rows = [w.turn(n) for n in (1, 2)]
+    ledger = w.gov.agent.session.ledger
+    old = w.gov.agent.session.epoch
+    ledger.session(sid).reset("test")
+    rows.append(w.turn(3))
+    assert w.gov.agent.session.epoch == old + 1
+    for r in rows:  # the reset turn too: the ledger set to the state it started from
+        assert r["drift"] == 0 and r["flag"] == "none", r
+
+
+@pytest.mark.embedded
+def test_agents_sdk_turn_after_a_reset() -> None:
+    mod = load("openai_agents")
+    sid = "oa-reset"
+    w = mod.Server(f"embedded://{uuid.uuid4().hex}", sid)  # (its own event loop)
+    rows = [w.turn(n) for n in (1, 2)]
+    ledger = w.gov.agent.session.ledger
+    old = w.gov.agent.session.epoch
+
+    async def reset() -> None:
+        other = await ledger.session(sid)
+        await other.reset("test")
+
+    w.loop.run_until_complete(reset())
+    rows.append(w.turn(3))
+    assert w.gov.agent.session.epoch == old + 1
+    for r in rows:  # the reset turn too: the ledger set to the history it sends
+        assert r["drift"] == 0 and r["flag"] == "none", r
