@@ -21,12 +21,6 @@ import uuid
 from pathlib import Path
 from typing import Annotated, Any, TypedDict
 
-from langchain_core.language_models import BaseChatModel
-from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, SystemMessage
-from langchain_core.outputs import ChatGeneration, ChatResult
-from langgraph.graph import END, START, StateGraph
-from langgraph.graph.message import add_messages
-
 from ledger import Agent, AsyncAgent, AsyncLedger, Ledger, LedgerSettings, SessionBudget
 from ledger.workers.compactors import CompactionPlan, CompactionRequest
 
@@ -55,10 +49,6 @@ def question(n: int) -> str:
 
 def answer_text(n: int) -> str:
     return f"answer {n}: north up, south flat"
-
-
-class State(TypedDict):
-    messages: Annotated[list[AnyMessage], add_messages]
 
 
 class PlainServer:
@@ -143,6 +133,14 @@ class GraphServer:
         self.seen: list[list[Any]] = []
 
     def build(self, gov: Any) -> Any:
+        from langchain_core.language_models import BaseChatModel
+        from langchain_core.messages import AIMessage, AnyMessage, SystemMessage
+        from langchain_core.outputs import ChatGeneration, ChatResult
+        from langgraph.graph import END, START, StateGraph
+        from langgraph.graph.message import add_messages
+
+        # (the functional form: its annotations are objects, not strings to resolve)
+        State = TypedDict("State", {"messages": Annotated[list[AnyMessage], add_messages]})  # noqa: UP013
         seen = self.seen
 
         class Stub(BaseChatModel):
@@ -217,12 +215,16 @@ class GraphServer:
         return out
 
     def turn_sync(self, n: int) -> dict[str, Any]:
+        from langchain_core.messages import HumanMessage
+
         q = HumanMessage(content=question(n), id=f"q{n}")
         with self.gov.turn(config=self.config) as t:
             self.graph.invoke({"messages": [q]}, t.config)
         return self._row(n, t)
 
     async def turn_async(self, n: int) -> dict[str, Any]:
+        from langchain_core.messages import HumanMessage
+
         q = HumanMessage(content=question(n), id=f"q{n}")
         async with self.gov.turn(config=self.config) as t:
             await self.graph.ainvoke({"messages": [q]}, t.config)
