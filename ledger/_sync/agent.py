@@ -278,6 +278,13 @@ class Turn:
         return self._state.rolled_back
 
     @property
+    def reset_from_epoch(self) -> int | None:
+        """The epoch this agent's handle had when the session was hard-reset since its
+        last turn (the turn began at the new one, the ledger holding no item), or None
+        (docs/agent.md#after-a-hard-reset)."""
+        return self._state.reset_from_epoch
+
+    @property
     def mark(self) -> str | None:
         """The commit mark the last ended turn left (e.g. the app state's version)."""
         return self._state.started.mark

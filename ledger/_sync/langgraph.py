@@ -227,15 +227,16 @@ class LedgerGraph(GraphCore):
         self._fresh = False  # before any wait: a parallel node does not start it again
         ts = turn.state
         assert ts is not None
-        if self._gone:
+        if self._gone and not ts.reset:  # (after a hard reset the ledger holds none)
             turn.release(self._gone)
-            self._gone = []
+        self._gone = []
         pre, adopt = self._deliveries(ts, state)
         if adopt:
             self._admit_messages(turn, adopt)
-        if ts.recalibrated:
-            # the session's calibration changed: its objects count otherwise now, set to
-            # the state as this turn holds it (its deliveries applied, not before them)
+        if ts.recalibrated or ts.reset:
+            # the session's calibration changed (its objects count otherwise now), or a
+            # hard reset dropped every item (docs/agent.md#after-a-hard-reset): set to the
+            # state as this turn holds it (its deliveries applied, not before them)
             self._recount(turn, self._merged(state, pre))
         if self.summarize is not None and self.core.compaction_pending:
             plan = self._to_compact(ts, self._merged(state, pre))

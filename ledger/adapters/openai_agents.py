@@ -288,7 +288,9 @@ class LedgerAgents:
         if self._fresh:
             self._fresh = False
             assert turn.state is not None
-            if turn.state.recalibrated:  # the session's calibration changed: recount
+            # the session's calibration changed (recount), or a hard reset dropped every
+            # item (docs/agent.md#after-a-hard-reset): the ledger set to what this turn sends
+            if turn.state.recalibrated or turn.state.reset:
                 try:  # (the deliveries applied: rows are what this turn sends)
                     await self.reconcile([p.item for p in rows])
                 except AdmissionRefused as exc:  # kept on the turn, never raised out of the run

@@ -40,6 +40,7 @@ from ledger.errors import (
     ContextOverflow,
     InvalidArgument,
     LedgerError,
+    StaleEpoch,
     TurnInProgress,
 )
 from ledger.keys import check_scope, tenant_of
@@ -331,6 +332,10 @@ class TurnState:
     settled: list[Settled] = field(default_factory=list)
     # tool results sent with the turn's end (two-call turn, docs/agent.md)
     deferred: list[Deferred] = field(default_factory=list)
+    # the epoch this agent's handle had when a hard reset (docs/rules.md) found it: the
+    # turn began at the session's new epoch, the ledger holding no item; None: no reset
+    # (docs/agent.md#after-a-hard-reset)
+    reset_from_epoch: int | None = None
 
     @property
     def turn(self) -> int:
@@ -340,6 +345,13 @@ class TurnState:
     def rolled_back(self) -> int | None:
         """The dead turn that was undone to start this one (a crash, a takeover)."""
         return self.started.rolled_back
+
+    @property
+    def reset(self) -> bool:
+        """The session was hard-reset since this agent's last turn: the ledger held none of
+        the prompt's objects as the turn began (each admission of it charges again; an
+        adapter reconciles the ledger to its state)."""
+        return self.reset_from_epoch is not None
 
 
 class AgentCore:
@@ -667,6 +679,7 @@ class AgentCore:
                 plans.append((c, planned, (yield from self._texts(planned))))
         got: list[Any] = []
         waited_for = waited = 0.0
+        reset_from: int | None = None
         while True:
             op_id = new_op_id()
             call = self.session.begin_turn_call(
@@ -704,6 +717,23 @@ class AgentCore:
                     continue
                 yield Sleep(self.poll_interval)
                 waited_for += self.poll_interval
+            except StaleEpoch:
+                # A hard reset (docs/rules.md) advanced the session's epoch since this
+                # handle last saw it: its items are gone, its open turn ended. Nothing of
+                # this turn was written before begin_turn (the admissions sent with it name
+                # the begin by its op id: refused with it), so it is safe to adopt the
+                # session's epoch and begin again, once; a second StaleEpoch is raised.
+                if reset_from is not None:
+                    raise
+                old = self.session.epoch
+                snap: Snapshot = yield self.session.snapshot_call()
+                if snap.epoch <= old:
+                    raise
+                reset_from = old
+                self.session.epoch = snap.epoch
+                if snap.turn_owner != self.session.owner or snap.turn != self.session.turn:
+                    self.session.turn = None
+                self._forget()
             except TurnInProgress as busy:
                 if waited >= wait:
                     raise TurnInProgress(
@@ -718,7 +748,7 @@ class AgentCore:
                 waited += step
         self.compaction_pending = started.compaction_due
         self.live_turns.add(started.turn)
-        state = TurnState(started, waited_compaction=waited_for)
+        state = TurnState(started, waited_compaction=waited_for, reset_from_epoch=reset_from)
         state.drop_refs = [*started.reclaimed, *started.dropped]
         if started.summaries or self.calibrate:
             yield from self._deliver(state)
@@ -741,6 +771,14 @@ class AgentCore:
             else:
                 state.admissions.append(self._admitted(c, planned, result))
         return state
+
+    def _forget(self) -> None:
+        """After a hard reset: what this agent believed the ledger holds is dropped (the
+        objects it admitted, the answers a settle made items, a pending compaction): the
+        turn's admissions charge again for what the prompt really holds."""
+        self.known.clear()
+        self.answered.clear()
+        self.compaction_pending = False
 
     def _deliver(self, state: TurnState) -> Generator[Fetch, Any, None]:
         """The summaries delivered to this turn, as app objects (``summary_of``), with the
