@@ -73,7 +73,7 @@ REMOVALS = {
         "local ok = fits and judged <= H.HW and not deferred",
         "local ok = fits",
         "001",
-        "001 ledger late compaction interval >= 0.4 x early",
+        "001 ledger late compaction interval >= 0.7 x early",
         fleet=(8, 4),
     ),
     "000 working-set gate": Removal(

@@ -14,7 +14,7 @@ import pytest
 from ledger import Agent, Ledger, cli
 from ledger.fleet import checks, decay, report
 from ledger.fleet.agent import Doc, SimAgent
-from ledger.fleet.run import DEFAULT_SESSIONS, FleetConfig, background_worker, decay_fleet_plan
+from ledger.fleet.run import DEFAULT_SESSIONS, background_worker
 from ledger.models import Consumer
 from tests.conftest import make_settings
 
@@ -26,24 +26,23 @@ def _quiet_worker() -> None:
 
 def test_session_lengths_follow_the_record() -> None:
     """Median 40 and p99 210 turns (the compaction-decay scenario), before the cap."""
-    lengths = decay.session_lengths(7, 4_000, 10_000)
-    assert 37 <= statistics.median(lengths) <= 43
-    assert 180 <= sorted(lengths)[3_959] <= 240
-    # drawn by the seed: each seed is another fleet, not the same lengths reordered
-    assert sorted(decay.session_lengths(7, 48, 130)) != sorted(decay.session_lengths(8, 48, 130))
-    assert decay.session_lengths(7, 48, 130) == decay.session_lengths(7, 48, 130)
-    tail = decay.tail_lengths(7, 30, 120, 130)
-    assert len(tail) == 30 and min(tail) >= 120 and tail != decay.tail_lengths(8, 30, 120, 130)
+    lengths = decay.session_lengths(7, 1_000, 10_000)
+    assert statistics.median(lengths) == 40
+    assert 200 <= sorted(lengths)[989] <= 220
+    assert sorted(decay.session_lengths(7, 330, 130)) == sorted(
+        decay.session_lengths(8, 330, 130)
+    )  # only the order depends on the seed: every fleet has its share of long sessions
+    assert sum(n >= 120 for n in decay.session_lengths(1, 330, 130)) >= 20
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_naive_arbiter_reproduces_record_001(seed: int) -> None:
     """The naive arbiter alone (pure, no I/O): the compaction-decay scenario's decay, its
-    thrash and its green SLO, on the default fleet of each seed (its tail sessions too)."""
-    runs = []
-    for sid, i, n, tail in decay_fleet_plan(FleetConfig(seed=seed)):
-        runs.append(decay.run_naive(sid, decay.plan(seed, i, n)))
-        runs[-1].tail = tail
+    thrash and its green SLO, on the default fleet of each seed."""
+    lengths = decay.session_lengths(seed, DEFAULT_SESSIONS, 130)
+    runs = [
+        decay.run_naive(f"decay-{seed}-{i}", decay.plan(seed, i, n)) for i, n in enumerate(lengths)
+    ]
     s = report._decay_summary(runs, ledger=False)
     rates = [s["retrieval_admission"][str(t)]["rate"] for t in (10, 60, 120)]
     assert rates[0] >= 0.85 and 0.25 <= rates[1] <= 0.45 and rates[2] <= 0.15, rates
@@ -106,7 +105,7 @@ def test_simulated_agent_is_the_agent_layer_and_waits_for_the_compaction(led: Le
 
 
 @pytest.mark.embedded
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(600)
 def test_demo_json_default_run_meets_the_acceptance_checks(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -211,32 +210,3 @@ def test_progress_lines_each_tenth_of_a_stage() -> None:
     assert [x.split(" (")[0] for x in lines] == [
         f"ledger demo: 001 sessions {4 * k}/40" for k in range(1, 11)
     ] + ["ledger demo: audits 1/1"]
-
-
-@pytest.mark.embedded
-@pytest.mark.timeout(300)
-def test_per_seed_table_reads_each_run_with_its_n() -> None:
-    """`python -m ledger.fleet.table`: one column per run, each figure from that run's
-    JSON (here scenarios 000 and 004 alone, two seeds: the columns differ)."""
-    from ledger.fleet import table
-    from ledger.fleet.run import run
-
-    runs = [
-        report.summarize(
-            run(
-                make_settings(f"embedded://{uuid.uuid4().hex}"),
-                FleetConfig(seed=seed, only=frozenset({"000", "004"})),
-            )
-        )
-        for seed in (1, 2)
-    ]
-    text = table.table(runs)
-    lines = text.splitlines()
-    assert lines[0] == "| figure | column | default, seed 1 | default, seed 2 |"
-    starv = [x for x in lines if x.startswith("| 000 short turns; failures; fetched again | naive")]
-    assert len(starv) == 1
-    one, two = starv[0].split(" | ")[2:4]
-    assert one != two and "/150 short; failed" in one
-    led = runs[0]["ledger"]["starvation"]
-    assert f"fetched again {led['fetched_again']} " in text and led["fetched_again"] > 0
-    assert "| acceptance checks passed | | " in text

@@ -93,7 +93,6 @@ class SimAgent:
         self.agent = _CountingAgent(self.session, compaction_wait)
         self.current: Turn | None = None
         self.waited = False  # waited for a compaction (at a begin) since the caller cleared it
-        self.waited_s = 0.0  # seconds waited so (the caller clears it with `waited`)
 
     @property
     def calls(self) -> int:
@@ -117,7 +116,6 @@ class SimAgent:
         self.current = turn.__enter__()
         assert turn.state is not None
         self.waited = self.waited or turn.state.waited_compaction > 0
-        self.waited_s += turn.state.waited_compaction
         return turn.state.started
 
     def admit(self, consumer: Consumer, docs: Sequence[Doc]) -> Admission[Any]:

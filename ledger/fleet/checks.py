@@ -35,15 +35,9 @@ def acceptance(s: dict[str, Any], large: bool = False) -> dict[str, Check]:
         f"{s['over_allocations']} over-allocations, {s['audits_clean']}/{s['audits_total']} clean",
     )
     if "retrieval_admission" in lg:
-        cols = [("naive", n), ("ledger", lg)]
-        if off is not None and "retrieval_admission" in off:
-            cols.append(("without its rule", off))
-        out["001 turn-120 figures on >= 30 sessions in every column"] = _c(
-            all(a["sessions_at_120"] >= 30 for _, a in cols),
-            "; ".join(
-                f"{name}: {a['sessions_at_120']} sessions ({a['tail_sessions']} from the tail)"
-                for name, a in cols
-            ),
+        out["001 turn-120 figures on >= 30 sessions"] = _c(
+            lg["sessions_at_120"] >= 30,
+            f"{lg['sessions_at_120']} sessions ({lg['tail_sessions']} from the tail)",
         )
     return out
 
@@ -82,30 +76,28 @@ def _decay(n: Summary, lg: Summary, off: Summary | None, out: dict[str, Check]) 
     trend = lg["retrieval_trend_per_100_turns"] or 0.0
     low = lg["retrieval_min"] or {"rate": float("nan"), "turn": None}
     out["001 ledger retrieval admission"] = _c(
-        min(l10, l60, l120) >= 0.80
-        and low["rate"] >= 0.75
+        min(l10, l60, l120) >= 0.88
+        and low["rate"] >= 0.88
         and trend >= -0.05
         and l120 >= l10 - 0.05,
         f"{l10:.2f} / {l60:.2f} / {l120:.2f}, lowest {low['rate']:.2f} (turn {low['turn']}), "
         f"trend {trend:+.3f} per 100 turns",
     )
-    refused = lg["retrieval_refusals"]
-    pending = sum(v for k, v in refused.items() if k.startswith("compaction_pending"))
-    out["001 ledger retrieval refusals: some, >= 90% compaction_pending"] = _c(
-        bool(refused) and pending >= 0.9 * sum(refused.values()),
-        f"{pending}/{sum(refused.values())} compaction_pending: {refused or 'none'}",
+    out["001 ledger retrieval refusals: some, all compaction_pending"] = _c(
+        bool(lg["retrieval_refusals"])
+        and all(k.startswith("compaction_pending") for k in lg["retrieval_refusals"]),
+        str(lg["retrieval_refusals"] or "none"),
     )
     le, ll = lg["compaction_interval"]["early"], lg["compaction_interval"]["late"]
-    out["001 ledger late compaction interval >= 0.4 x early"] = _c(
-        le is not None and ll is not None and ll >= 0.4 * le,
+    out["001 ledger late compaction interval >= 0.7 x early"] = _c(
+        le is not None and ll is not None and ll >= 0.7 * le,
         f"early {le:.1f}, after turn 80 {ll:.1f}" if le and ll else f"{le} / {ll}",
     )
     out["001 ledger hard resets present"] = _c(lg["resets"] > 0, f"{lg['resets']} resets")
     slo = lg["slo"]
-    out["001 ledger SLO: every turn over it waited for a compaction or rebuilt after a reset"] = _c(
-        slo["over_not_compaction_or_reset"] == 0,
-        f"{slo['over_turns']}/{slo['turns']} turns over ({100 * slo['over_share']:.2f}%), "
-        f"{slo['over_not_compaction_or_reset']} other",
+    out["001 ledger SLO 1-3%, compaction or reset turns"] = _c(
+        0.01 <= slo["over_share"] <= 0.03 and slo["over_not_compaction_or_reset"] == 0,
+        f"{100 * slo['over_share']:.2f}% over, {slo['over_not_compaction_or_reset']} other",
     )
     if off is not None and "retrieval_admission" in off:
         o60, o120 = _rate(off, 60), _rate(off, 120)

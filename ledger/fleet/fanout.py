@@ -8,12 +8,9 @@ The memory layer compacts: every summarize writes its union back and prunes the
 sources, so each entry keeps a little less of what a later query needs (2-4% a turn,
 drawn by the seed). The spans per turn, the final prompt, the amplification ratio and
 the p99 all follow from that loop: more recalls to cover the same need, a harder
-squeeze by the summarizer of a larger union, a smaller prompt. Turn latency is the
-call graph's as the agent ran it, its calls serialized: each recall span takes a
-lognormal draw (median 0.28 s for 7k tokens, in proportion to its snippet), the
-summarize span 0.2 s + 0.012 ms per token of the union it compresses, and the model
-call 0.9 s + 0.03 ms per token of the final prompt; the p99 trend is that of the last
-ten turns against the ten before. The naive operator watches the utilization gauge (alert
+squeeze by the summarizer of a larger union, a smaller prompt. Turn latency: 1.9 s +
+0.33 s a span (the spans are serialized); the p99 trend is that of the last ten turns
+against the ten before. The naive operator watches the utilization gauge (alert
 above the 0.90 eviction threshold). The ledger's agent accounts every span before
 making the call (``record_span``, whose guard says summarize and proceed past the
 pathological threshold) and closes each turn with its final prompt and the p99
@@ -26,11 +23,9 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
-from statistics import NormalDist
 
 from ledger.client import Ledger
 from ledger.fleet.agent import Doc, SimAgent
-from ledger.fleet.decay import unit
 from ledger.models import Consumer, SessionBudget
 
 WM = Consumer.WORKING_MEMORY
@@ -44,10 +39,7 @@ RELEVANT_0 = 0.55  # share of a snippet that is relevant, before any compaction
 DILUTION = (0.02, 0.04)  # share of relevance each compaction of memory loses
 CONTEXT = (5_100, 5_500)  # the turn's own context besides the summary
 SUMMARY_MAX, UNION_0 = 12_000, 28_000  # the summarizer: 12k of a 28k union, less of more
-# the call graph's latencies: a recall span (lognormal), the summarize span, the model call
-RECALL_S, RECALL_SIGMA, RECALL_PER = 0.28, 0.35, 7_000
-SUMMARIZE_S, SUMMARIZE_S_PER_TOKEN = 0.2, 0.000_012
-MODEL_S, MODEL_S_PER_TOKEN = 0.9, 0.000_03
+BASE_S, SPAN_S = 1.9, 0.33
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,16 +94,8 @@ class Memory:
         return BUDGET.system_prompt + context + summary
 
 
-def latency_ms(key: str, turn: int, recalled: list[int], final: int) -> float:
-    """The turn's call graph, serialized: its recall spans (each drawn per call), the
-    summarize span over their union, the model call on the final prompt."""
-    total = 0.0
-    for k, tokens in enumerate(recalled):
-        u = min(max(unit("span", key, turn, k), 1e-9), 1 - 1e-9)
-        total += RECALL_S * tokens / RECALL_PER * math.exp(RECALL_SIGMA * NormalDist().inv_cdf(u))
-    total += SUMMARIZE_S + SUMMARIZE_S_PER_TOKEN * sum(recalled)
-    total += MODEL_S + MODEL_S_PER_TOKEN * final
-    return 1000 * total
+def _latency_ms(spans: int) -> float:
+    return 1000 * (BASE_S + SPAN_S * spans)
 
 
 def _p99(latencies: list[float]) -> float:
@@ -134,7 +118,7 @@ def run_naive(seed: int, index: int) -> list[TurnRow]:
         while not memory.covers(recalled, len(recalled)):
             recalled.append(memory.snippet())
         final = memory.summarize(recalled, t)
-        lat.append(latency_ms(f"fanout-{seed}-{index}", t, recalled, final))
+        lat.append(_latency_ms(len(recalled)))
         util = final / BUDGET.window
         rows.append(TurnRow(t, len(recalled), sum(recalled) / final, util, _p99(lat), util > ALERT))
     return rows
@@ -163,7 +147,7 @@ def run_ledger(agent: SimAgent, seed: int, index: int, control: bool = False) ->
         agent.release(held)
         agent.admit(WM, [ctx])
         held = [ctx]
-        lat.append(latency_ms(f"fanout-{seed}-{index}", t, recalled, final))
+        lat.append(_latency_ms(len(recalled)))
         report = agent.end(final, _trend(lat))
         rows.append(
             TurnRow(

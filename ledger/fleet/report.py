@@ -51,19 +51,6 @@ def _intervals(runs: Sequence[decay.SessionRun]) -> list[tuple[int, int]]:
     return out
 
 
-def _median(xs: Sequence[float]) -> float | None:
-    return statistics.median(xs) if xs else None
-
-
-def _quantiles(xs: Sequence[float]) -> dict[str, float | int | None]:
-    """p10, median and p90 of xs, with their n."""
-    if not xs:
-        return {"n": 0, "p10": None, "p50": None, "p90": None}
-    ys = sorted(xs)
-    p10, p90 = ys[int(0.1 * len(ys))], ys[min(len(ys) - 1, int(0.9 * len(ys)))]
-    return {"n": len(ys), "p10": p10, "p50": statistics.median(ys), "p90": p90}
-
-
 def _mean(xs: Iterable[float]) -> float | None:
     xs = list(xs)
     return statistics.fmean(xs) if xs else None
@@ -135,23 +122,7 @@ def _decay_summary(runs: Sequence[decay.SessionRun], ledger: bool) -> dict[str, 
                 1 for r in over if not (r.compaction or r.reset or r.waited)
             ),
             "p95_ms": lat[int(0.95 * (len(lat) - 1))] if lat else None,
-            "turns": len(fleet),
-            # the turns that waited for a compaction, and how long (a deployment's ms)
-            "waited_turns": sum(r.waited for r in fleet),
-            "waited_ms_median": _median([r.waited_ms for r in fleet if r.waited]),
         },
-        # what the cure cost: the context the hard resets discarded (tokens), per reset
-        "context_discarded": sum(r.discarded for r in fleet),
-        "discarded_per_reset_median": _median([r.discarded for r in fleet if r.discarded]),
-        # the distribution over sessions: each session's share of turns with retrieval
-        # from turn 40 on (the sessions that lived past it)
-        "per_session_retrieval_after_40": _quantiles(
-            [
-                sum(r.retrieval for r in run.records[40:]) / len(run.records[40:])
-                for run in runs
-                if len(run.records) > 40
-            ]
-        ),
         "resets": sum(r.reset for r in fleet),
         "turns": len(fleet),
         "sessions": sum(1 for run in runs if not run.tail),
@@ -198,8 +169,6 @@ def _starvation(rows: Sequence[starvation.TurnRow], ledger: bool) -> dict[str, A
         "utilization": [min(r.utilization for r in after), max(r.utilization for r in after)],
         "residual_mean": _mean(r.residual for r in after),
         "working_set_mean": _mean(r.working_set for r in after),
-        # what the short turns did wrong (starvation.failure), of turns_after_5
-        "failures": dict(Counter(r.failure for r in after if r.failure)),
     }
     if ledger:
         reclaimed = [r.reclaimed for r in after if r.reclaimed]
@@ -209,9 +178,6 @@ def _starvation(rows: Sequence[starvation.TurnRow], ledger: bool) -> dict[str, A
             [i[0] for i in x] == sorted((i[0] for i in x), key="sr".index) for x in reclaimed
         )
         out["restored"] = sum(1 for r in after if r.residual >= r.working_set)
-        # what the cure cost: reclaimed items a later turn needed again, fetched again
-        out["fetched_again"] = sum(r.fetched_again for r in after)
-        out["fetched_again_tokens"] = sum(r.fetched_again_tokens for r in after)
     return out
 
 
@@ -348,29 +314,7 @@ def _post(a: dict[str, Any]) -> str:
 
 
 def _slo(a: dict[str, Any]) -> str:
-    slo = a["slo"]
-    return (
-        f"{100 * slo['over_share']:.2f}% of {slo.get('turns', 0)} turns (p95 "
-        f"{_f(slo['p95_ms'], '.0f')} ms)"
-    )
-
-
-def _cost(a: dict[str, Any]) -> str:
-    slo = a["slo"]
-    wait = slo.get("waited_ms_median")
-    per = a.get("discarded_per_reset_median")
-    return (
-        f"{slo.get('waited_turns', 0)} turns waited (median {_f(wait, '.0f')} ms); "
-        f"{a.get('context_discarded', 0)} tokens discarded by the fleet's resets (median "
-        f"{_f(per, '.0f')} a reset)"
-    )
-
-
-def _spread(a: dict[str, Any]) -> str:
-    q = a.get("per_session_retrieval_after_40") or {"n": 0}
-    if not q["n"]:
-        return "n/a"
-    return f"{q['p10']:.2f} / {q['p50']:.2f} / {q['p90']:.2f} ({q['n']} sessions)"
+    return f"{100 * a['slo']['over_share']:.2f}% (p95 {_f(a['slo']['p95_ms'], '.0f')} ms)"
 
 
 def _decay_rows(n: dict[str, Any], lg: dict[str, Any], o: dict[str, Any] | None) -> list[Row]:
@@ -442,29 +386,9 @@ def _decay_rows(n: dict[str, Any], lg: dict[str, Any], o: dict[str, Any] | None)
             "turns over the 900 ms SLO",
             "none (p95 780-860) -> ~1.4%, the reset turns",
             _slo(n),
-            f"{_slo(lg)}; {lg['slo']['over_not_compaction_or_reset']} neither a wait nor "
-            "a reset turn",
+            f"{_slo(lg)}; {lg['slo']['over_not_compaction_or_reset']} not a compaction "
+            "or reset turn",
             off(_slo),
-        )
-    )
-    t.append(
-        (
-            "",
-            "per session, retrieval from turn 40: p10 / p50 / p90",
-            "",
-            _spread(n),
-            _spread(lg),
-            off(_spread),
-        )
-    )
-    t.append(
-        (
-            "",
-            "the cure's cost: turns that waited; context discarded",
-            "",
-            "",
-            _cost(lg),
-            off(_cost),
         )
     )
     t.append(
@@ -506,23 +430,8 @@ def _starvation_rows(
             "(no working set declared)"
             if os_
             else "",
-        ),
-        (
-            "",
-            "failures of the short turns (after turn 5); the cure's cost",
-            "repetition, re-issued tool calls, unfinished synthesis",
-            _failures(ns),
-            f"{_failures(ls)}; reclaimed items fetched again {ls['fetched_again']} "
-            f"({ls['fetched_again_tokens']} tokens)",
-            _failures(os_) if os_ else "",
-        ),
+        )
     ]
-
-
-def _failures(a: dict[str, Any]) -> str:
-    f = a.get("failures") or {}
-    names = ", ".join(f"{k}={v}" for k, v in sorted(f.items())) or "none"
-    return f"{sum(f.values())}/{a['turns_after_5']} failed: {names}"
 
 
 def _truncation_rows(

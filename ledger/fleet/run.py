@@ -7,6 +7,7 @@ on embedded the agents are threads, on a Redis URL they are OS processes.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import threading
 import time
@@ -56,9 +57,6 @@ class FleetConfig:
     # the demo makes (its agents and its workers): a rule taken out where it lives (the
     # rule tests, tests/test_demo_rules.py); the rule-off column is then not run
     scripts: Mapping[str, str] = field(default_factory=dict)
-    # scenario 001: a human-paced fleet (a think time after each turn, one turn in ten at
-    # once) instead of autonomous agents that begin each turn as the last one ends
-    paced: bool = False
 
     @property
     def off_column(self) -> bool:
@@ -86,7 +84,7 @@ def stages(config: FleetConfig) -> dict[str, int]:
     }
     out = {
         names[k]: (
-            (config.sessions + config.tail) * (2 if config.off_column else 1) if k == "001" else 1
+            config.sessions * (2 if config.off_column else 1) + config.tail if k == "001" else 1
         )
         for k in SCENARIOS
         if config.runs(k)
@@ -174,7 +172,6 @@ class DecayJob:
     credit: bool = True
     tail: bool = False
     start_s: float = 0.0  # when the session starts, after its job is taken (staggered)
-    paced: bool = False  # FleetConfig.paced
     scripts: Mapping[str, str] = field(default_factory=dict)  # FleetConfig.scripts
 
 
@@ -184,7 +181,7 @@ def _decay_one(job: DecayJob) -> tuple[decay.SessionRun, int]:
         if not job.credit:
             variants.without_credit(led)
         agent = SimAgent(led, job.session_id, decay.BUDGET)
-        run = decay.run_ledger(agent, decay.plan(job.seed, job.index, job.turns), job.paced)
+        run = decay.run_ledger(agent, decay.plan(job.seed, job.index, job.turns))
         run.tail = job.tail
         return run, agent.calls
 
@@ -194,7 +191,7 @@ def decay_fleet_plan(config: FleetConfig) -> list[tuple[str, int, int, bool]]:
     lengths = decay.session_lengths(config.seed, config.sessions, config.max_turns)
     out = [(f"decay-{config.seed}-{i}", i, n, False) for i, n in enumerate(lengths)]
     if config.max_turns >= TAIL_FROM:
-        tail = decay.tail_lengths(config.seed, config.tail, TAIL_FROM, config.max_turns)
+        tail = decay.tail_lengths(config.tail, TAIL_FROM, config.max_turns)
         out += [
             (f"decay-{config.seed}-t{k}", config.sessions + k, n, True) for k, n in enumerate(tail)
         ]
@@ -245,7 +242,6 @@ def _decay_fleet(
                 credit=credit,
                 tail=tail,
                 start_s=STAGGER_S * decay.unit("start", config.seed, i),
-                paced=config.paced,
                 scripts=dict(config.scripts),
             )
             for sid, i, n, tail in decay_fleet_plan(config)
@@ -284,8 +280,10 @@ def run(settings: LedgerSettings, config: FleetConfig, progress: Progress = None
         if config.off_column:
             fleets.append((f"{tag}-off", False))
         for fleet_tag, credit in fleets:
-            # every column runs the same fleet, its tail sessions included
-            runs, n_calls, ids, totals = _decay_fleet(settings, config, fleet_tag, credit, progress)
+            # the rule-off column runs the fleet alone (its late figures name their few
+            # sessions): the tail is there for the ledger's and the naive's turn-120 figures
+            fleet = config if fleet_tag == tag else dataclasses.replace(config, tail=0)
+            runs, n_calls, ids, totals = _decay_fleet(settings, fleet, fleet_tag, credit, progress)
             if fleet_tag == tag:
                 ledger_runs = runs
             else:

@@ -13,14 +13,6 @@ each turn (not sticky): the record's condition 2 gone, starvation should then be
 transient (the big steps only), and whether it is, is measured. The ledger's agent keeps the same
 retention policies; ``begin_turn`` compares the residual against the declared
 working set, classes the turn, and reclaims scratchpad, then stale retrieval.
-
-What a short turn does (both arbiters, the same draws): the agent works with what is
-left of its working set, so each turn short of it fails with the share of the working
-set it lost (drawn per turn by the seed), the way the record describes: a large
-synthesis step is left unfinished, a regular one repeats an earlier step or re-issues
-a tool call whose result it no longer holds. What the cure costs: an item the ledger
-reclaimed is needed again by a later turn with probability AGAIN (drawn per item), and
-is then fetched again (counted, with its tokens).
 """
 
 from __future__ import annotations
@@ -32,7 +24,6 @@ from ledger import schema
 from ledger.client import Ledger
 from ledger.errors import WorkingMemoryStarvation
 from ledger.fleet.agent import Doc, SimAgent
-from ledger.fleet.decay import unit
 from ledger.models import Consumer, SessionBudget
 
 WM, RET, SCR = Consumer.WORKING_MEMORY, Consumer.RETRIEVAL, Consumer.SCRATCHPAD
@@ -47,8 +38,6 @@ BUDGET = SessionBudget(
 )
 FIXED = BUDGET.system_prompt + BUDGET.tool_framing
 LARGE_STEP = 10_000  # a working set above this is one of the large synthesis steps
-AGAIN = 0.3  # chance that a later turn needs a reclaimed item again (it is fetched again)
-FAILURES = ("unfinished_synthesis", "repetition", "reissued_tool_call")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,25 +71,6 @@ class TurnRow:
     utilization: float
     regime: str  # naive: silent | loud | ok; ledger: begin_turn's regime
     reclaimed: tuple[str, ...] = ()  # ledger: 's:<id>' / 'r:<id>', in order
-    failure: str | None = None  # what the turn did wrong, when it was short (FAILURES)
-    fetched_again: int = 0  # ledger: items it reclaimed here that a later turn needs again
-    fetched_again_tokens: int = 0
-
-
-def failure(key: str, p: TurnPlan, residual: int) -> str | None:
-    """What a turn with `residual` tokens of working memory does wrong, if anything: it
-    fails with the share of its working set it lost (drawn per turn)."""
-    lost = max(0, p.working_set - residual) / p.working_set
-    if lost == 0 or unit("fails", key, p.turn) >= lost:
-        return None
-    if p.working_set >= LARGE_STEP:
-        return "unfinished_synthesis"
-    return "repetition" if unit("how", key, p.turn) < 0.5 else "reissued_tool_call"
-
-
-def fetched_again(key: str, reclaimed: tuple[str, ...], sizes: dict[str, int]) -> list[int]:
-    """The tokens of each reclaimed item a later turn needs again (drawn per item)."""
-    return [sizes.get(i, 0) for i in reclaimed if unit("again", key, i) < AGAIN]
 
 
 @dataclass
@@ -123,11 +93,9 @@ def _keep(pool: list[tuple[str, int]], cap: int) -> list[tuple[str, int]]:
     return pool
 
 
-def run_naive(
-    turns: tuple[TurnPlan, ...], released: str | None = None, key: str = ""
-) -> list[TurnRow]:
+def run_naive(turns: tuple[TurnPlan, ...], released: str | None = None) -> list[TurnRow]:
     """`released`: the consumer (retrieval or scratchpad) that is not sticky: it holds
-    only this turn's own tokens. `key`: the session's draws (failures)."""
+    only this turn's own tokens."""
     ret: list[tuple[str, int]] = []
     scr: list[tuple[str, int]] = []
     rows = []
@@ -139,11 +107,7 @@ def run_naive(
         regime = "loud" if util >= BUDGET.eviction_threshold else "ok"
         if regime == "ok" and residual < p.working_set:
             regime = "silent"  # the arbiter watches the ceiling only: nothing is raised
-        rows.append(
-            TurnRow(
-                p.turn, p.working_set, residual, util, regime, failure=failure(key, p, residual)
-            )
-        )
+        rows.append(TurnRow(p.turn, p.working_set, residual, util, regime))
         ret = _keep(ret + [(f"c{p.turn}-{k}", c) for k, c in enumerate(p.chunks)], RETRIEVAL_KEEP)
         scr = _keep([*scr, (f"tool{p.turn}", p.tool)], SCRATCHPAD_KEEP)
         if released == "retrieval":
@@ -153,9 +117,7 @@ def run_naive(
     return rows
 
 
-def run_ledger(
-    agent: SimAgent, turns: tuple[TurnPlan, ...], rule: bool = True, key: str = ""
-) -> list[TurnRow]:
+def run_ledger(agent: SimAgent, turns: tuple[TurnPlan, ...], rule: bool = True) -> list[TurnRow]:
     """The same turns and retention policies; working memory is the turn's declared
     working set, gated by begin_turn (no item of its own). Without the rule the agent
     declares none: begin_turn judges and reclaims nothing."""
@@ -171,29 +133,10 @@ def run_ledger(
         gone = {
             i for _, i in (*t.reclaimed, *t.dropped)
         }  # what the ledger reclaimed leaves the prompt
-        ret0, scr0 = ret, scr
         ret = [d for d in ret if d.id not in gone]
         scr = [d for d in scr if d.id not in gone]
         reclaimed = tuple(schema.content_field(c.code, i) for c, i in t.reclaimed)
-        sizes = {
-            schema.content_field(c.code, d.id): d.tokens
-            for c, pool in ((RET, ret0), (SCR, scr0))
-            for d in pool
-        }
-        again = fetched_again(key, reclaimed, sizes)
-        rows.append(
-            TurnRow(
-                p.turn,
-                p.working_set,
-                t.residual,
-                t.utilization,
-                t.regime,
-                reclaimed,
-                failure(key, p, t.residual),
-                len(again),
-                sum(again),
-            )
-        )
+        rows.append(TurnRow(p.turn, p.working_set, t.residual, t.utilization, t.regime, reclaimed))
         chunks = [Doc(f"c{p.turn}-{k}", c) for k, c in enumerate(p.chunks)]
         kept = _keep_docs(ret + chunks, RETRIEVAL_KEEP)
         agent.release([d for d in ret if d not in kept])
@@ -221,16 +164,15 @@ def run(ledger: Ledger, seed: int, tag: str, rule: bool = True, off: bool = True
     out = Result(off=[] if off else None)
     for i in range(SESSIONS):
         turns = plan(seed, i)
-        key = f"starvation-{seed}-{i}"
-        out.naive += run_naive(turns, key=key)
+        out.naive += run_naive(turns)
         for consumer, loose in out.naive_loose.items():
-            loose += run_naive(turns, released=consumer, key=key)
+            loose += run_naive(turns, released=consumer)
         for with_rule, rows in ((rule, out.ledger), (False, out.off)):
             if rows is None:
                 continue
             sid = f"starvation-{seed}-{i}{'' if with_rule else '-off'}@{tag}"
             agent = SimAgent(ledger, sid, BUDGET)
-            rows += run_ledger(agent, turns, with_rule, key)
+            rows += run_ledger(agent, turns, with_rule)
             out.calls += agent.calls
             out.session_ids.append(sid)
     return out
