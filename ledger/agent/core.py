@@ -416,6 +416,10 @@ class AgentCore:
         self._worker: bool | None = None  # the worker compacts this session (asked once)
         self.summary_of = summary_of or default_summary
         self.await_compaction = await_compaction
+        # Whether a turn's start adopts the new epoch of a hard reset by itself (docs/agent.md,
+        # after a hard reset); False: StaleEpoch is raised to a caller that rebuilds its own
+        # context before it begins again (the demo's simulated agents do).
+        self.adopt_resets = True
         # a pending compaction no worker has picked up this long after it was requested
         # is not waited for (no worker may be running)
         self.compaction_pickup = compaction_pickup
@@ -723,7 +727,7 @@ class AgentCore:
                 # this turn was written before begin_turn (the admissions sent with it name
                 # the begin by its op id: refused with it), so it is safe to adopt the
                 # session's epoch and begin again, once; a second StaleEpoch is raised.
-                if reset_from is not None:
+                if reset_from is not None or not self.adopt_resets:
                     raise
                 old = self.session.epoch
                 snap: Snapshot = yield self.session.snapshot_call()

@@ -91,6 +91,9 @@ class SimAgent:
     ) -> None:
         self.session = ledger.open_session(session_id, budget)
         self.agent = _CountingAgent(self.session, compaction_wait)
+        # A hard reset is raised to the scenario (StaleEpoch), which empties the simulated
+        # context and counts it before the turn begins again (adopt_reset).
+        self.agent.core.adopt_resets = False
         self.current: Turn | None = None
         self.waited = False  # waited for a compaction (at a begin) since the caller cleared it
 
