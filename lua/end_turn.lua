@@ -62,40 +62,6 @@ local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
 fence(key, R[1], H.tn, turn, true)
 local now = now_ms()
-local ratio = math.floor(H.ai * 1000 / final)
-local util = math.floor(final * 1000 / H.W)
-local delta = H.pu < 0 and 0 or util - H.pu
-local class = 'ambiguous'
-if ratio > H.amp and delta < 0 and trend > 0 then
-  class = 'pathological'
-elseif delta > 0 and ratio < H.ams then
-  class = 'saturation'
-elseif ratio > H.amf then
-  class = 'fragmentation'
-end
-local occ = H.S + H.T + H.a_w + H.a_rm + H.a_s
-local due = (occ > H.HW or H.cd == 1) and 1 or 0
-local drift, tol = final - occ, H.dt or -1
-local flag = 'none'
-if final > H.W then
-  flag = 'over_window'
-elseif tol >= 0 and math.abs(drift) > tol then
-  flag = 'drift'
-end
-if flag ~= 'none' then indicate(key, 'drift', 1) end
-local wm_budget = H.F_w > 0 and H.F_w or H.W
-local rollup = (H.tn - H.kt > H.rut or H.a_w * 1000 > H.rup * wm_budget) and 1 or 0
-indicate(key, 'class:' .. class, 1)
-if due == 1 and H.cd ~= 1 and worker_compacts(key) then
-  enqueue(KEYS[2], 'compact', sid, H.ep, op, 'high_water_mark')
-end
--- The turn commits: its lease, undo log and deliveries go.
-redis.call('HDEL', key, 'lo', 'le', 'lb', 'lk', 'ul', 'vs', 'vd', 'uo')
-redis.call('ZREM', KEYS[3], sid .. '|' .. LEASE)
-local args = { 'pu', util, 'cd', due, 'te', turn, 'dp', final, 'dr', drift, 'df', flag == 'none' and 0 or 1 }
-if due == 1 and H.cd ~= 1 then args[#args + 1], args[#args + 2] = 'pm', 0 end
-if mark ~= '-' then args[#args + 1], args[#args + 2] = 'cm', mark end
-return commit(key, now, op, fp, table.concat({ 'status=ok|turn=', H.tn, '|ratio=', ratio, '|class=', class,
-  '|utilization=', util, '|utilization_delta=', delta, '|spans=', H.an, '|span_input=', H.ai,
-  '|compaction_due=', due, '|rollup=', rollup, '|epoch=', H.ep, '|occupancy=', occ, '|drift=', drift,
-  '|tolerance=', tol, '|flag=', flag }), args, { gz = H.gz, xp = H.xp })
+local args = {}
+local out = turn_end(key, H, H.a_s, final, trend, turn, mark, sid, op, args)
+return commit(key, now, op, fp, table.concat(out), args, { gz = H.gz, xp = H.xp })
