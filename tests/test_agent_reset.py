@@ -13,10 +13,7 @@ Before the fix, the turn after the reset raised StaleEpoch.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -29,44 +26,12 @@ from ledger import Agent, Ledger, LedgerSettings, SessionBudget
 from ledger.errors import StaleEpoch
 from ledger.testing import WorkerProc, spawn_worker
 from tests import jobs, servers
+from tests.agent_process import AgentProcess
 from tests.reset_agent import ALWAYS_RAISES
 from tests.test_adapters import load
 
 ROOT = Path(__file__).resolve().parent.parent
 TURNS = 3  # turn 1, then a reset before each of turns 2 and 3 (one on each process)
-
-
-class Proc:
-    """One agent process: JSON requests in, JSON rows out."""
-
-    def __init__(self, args: list[str], env: dict[str, str]) -> None:
-        self.p = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "reset_agent.py"), *args],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT,
-        )  # fmt: skip
-        assert "ready" in self.read()
-
-    def read(self) -> dict[str, Any]:
-        assert self.p.stdout is not None
-        line = self.p.stdout.readline()
-        return json.loads(line) if line else {}
-
-    def ask(self, req: dict[str, Any]) -> dict[str, Any]:
-        assert self.p.stdin is not None
-        self.p.stdin.write(json.dumps(req) + "\n")
-        self.p.stdin.flush()
-        return self.read()
-
-    def close(self) -> None:
-        if self.p.stdin is not None and not self.p.stdin.closed:
-            self.p.stdin.close()
-        try:
-            self.p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            self.p.wait(timeout=10)
-        if self.p.stdout is not None:
-            self.p.stdout.close()
 
 
 @pytest.fixture(scope="module")
@@ -113,11 +78,12 @@ def test_the_turn_after_a_hard_reset_runs_on_the_other_process(
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env = {k: v for k, v in env.items() if not k.startswith("LEDGER_")}
     state = tmp_path / ("history.json" if kind == "agent" else "checkpoints.sqlite")
-    args = [redis_server.url, prefix, sid, kind, face, str(state)]
-    procs: list[Proc] = []
+    args = [str(ROOT / "tests" / "reset_agent.py"), redis_server.url, prefix, sid, kind, face]
+    args.append(str(state))
+    procs: list[AgentProcess] = []
     rows: list[dict[str, Any]] = []
     try:
-        procs = [Proc(args, env) for _ in range(2)]  # both open the session at its first epoch
+        procs = [AgentProcess(args, env) for _ in range(2)]  # both at the session's first epoch
         for n in range(1, TURNS + 1):
             if n > 1:  # the failed compactions of the last turn reach the hard reset
                 deadline = time.monotonic() + 20

@@ -11,10 +11,7 @@ sent (plus its answer)."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -25,44 +22,11 @@ import pytest
 from ledger import Ledger, LedgerSettings
 from ledger.testing import spawn_worker
 from tests import servers
+from tests.agent_process import AgentProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ["langgraph", "langchain"]
 TURNS, KILL_AT, NOTES_AFTER, LEASE_S = 14, 6, (3, 9), 1.5
-
-
-class Proc:
-    """One agent process: JSON requests in, JSON rows out."""
-
-    def __init__(self, script: Path, url: str, sid: str, db: Path, env: dict[str, str]) -> None:
-        self.p = subprocess.Popen(
-            [sys.executable, str(script), "--serve", "--url", url, "--session", sid,
-             "--db", str(db)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT,
-        )  # fmt: skip
-        assert "ready" in self.read()
-
-    def read(self) -> dict[str, Any]:
-        assert self.p.stdout is not None
-        line = self.p.stdout.readline()
-        return json.loads(line) if line else {}
-
-    def ask(self, req: dict[str, Any]) -> dict[str, Any]:
-        assert self.p.stdin is not None
-        self.p.stdin.write(json.dumps(req) + "\n")
-        self.p.stdin.flush()
-        return self.read()
-
-    def close(self) -> None:
-        if self.p.stdin is not None and not self.p.stdin.closed:
-            self.p.stdin.close()
-        try:
-            self.p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            self.p.wait(timeout=10)
-        if self.p.stdout is not None:
-            self.p.stdout.close()
 
 
 @pytest.mark.redis
@@ -90,12 +54,22 @@ def test_two_asyncio_processes_alternate_turns_with_a_crash_and_notes(
         tmp_path / "worker.log",
     )
     db = tmp_path / "checkpoints.sqlite"
-    procs: list[Proc] = []
+    procs: list[AgentProcess] = []
     rows: list[dict[str, Any]] = []
     notes: dict[int, str] = {}
     try:
         worker.wait_started(60)
-        procs = [Proc(script, redis_server.url, sid, db, env) for _ in range(2)]
+        args = [
+            str(script),
+            "--serve",
+            "--url",
+            redis_server.url,
+            "--session",
+            sid,
+            "--db",
+            str(db),
+        ]
+        procs = [AgentProcess(args, env) for _ in range(2)]
         for n in range(1, TURNS + 1):
             i = n % 2
             if n == KILL_AT:
@@ -104,7 +78,7 @@ def test_two_asyncio_processes_alternate_turns_with_a_crash_and_notes(
                 procs[i].close()
                 row = procs[1 - i].ask({"turn": n, "wait": LEASE_S * 8})  # the retry
                 row["retry_s"] = time.monotonic() - died
-                procs[i] = Proc(script, redis_server.url, sid, db, env)
+                procs[i] = procs[i].again()
             else:
                 row = procs[i].ask({"turn": n})
             rows.append(row)

@@ -13,10 +13,7 @@ on Redis's clock, then lapses, and the turn is served again by the other process
 from __future__ import annotations
 
 import itertools
-import json
 import os
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -27,51 +24,12 @@ import pytest
 from ledger import Ledger, LedgerSettings, ScopeBudget, SessionBudget, TiktokenCounter
 from ledger.testing import spawn_worker
 from tests import servers
+from tests.agent_process import AgentProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 TURNS, CEILING_A, CEILING_B = 8, 4_000, 1_000_000
 KILL_AT, LEASE_MS, HOLD_S = 2, 1_500, 3.0  # HOLD_S: tests/fleet_ceilings.py's HOLD_MS
 DAY = 86_400_000
-
-
-class Proc:
-    """One agent process: JSON requests in, JSON rows out."""
-
-    def __init__(self, url: str, prefix: str, db: Path, face: str) -> None:
-        self.args = (url, prefix, db, face)
-        self.p = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "fleet_ceilings.py"), "--url", url,
-             "--prefix", prefix, "--db", str(db), "--face", face],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
-            env={**{k: v for k, v in os.environ.items() if not k.startswith("LEDGER_")},
-                 "PYTHONPATH": str(ROOT), "LEDGER_TURN_LEASE_MS": str(LEASE_MS)},
-        )  # fmt: skip
-        assert "ready" in self.read()
-
-    def read(self) -> dict[str, Any]:
-        assert self.p.stdout is not None
-        line = self.p.stdout.readline()
-        return json.loads(line) if line else {}
-
-    def send(self, req: dict[str, Any]) -> None:
-        assert self.p.stdin is not None
-        self.p.stdin.write(json.dumps(req) + "\n")
-        self.p.stdin.flush()
-
-    def ask(self, req: dict[str, Any]) -> dict[str, Any]:
-        self.send(req)
-        return self.read()
-
-    def close(self) -> None:
-        if self.p.stdin is not None and not self.p.stdin.closed:
-            self.p.stdin.close()
-        try:
-            self.p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            self.p.wait(timeout=10)
-        if self.p.stdout is not None:
-            self.p.stdout.close()
 
 
 @pytest.mark.redis
@@ -97,11 +55,24 @@ def test_two_processes_two_sessions_of_a_tenant_hit_its_ceiling(
         tmp_path / "worker.log",
     )
     db = tmp_path / "checkpoints.sqlite"
-    procs: list[Proc] = []
+    procs: list[AgentProcess] = []
     rows: list[dict[str, Any]] = []
     try:
         worker.wait_started(60)
-        procs = [Proc(redis_server.url, prefix, db, face) for _ in range(2)]
+        args = [
+            str(ROOT / "tests" / "fleet_ceilings.py"),
+            "--url",
+            redis_server.url,
+            "--prefix",
+            prefix,
+            "--db",
+            str(db),
+            "--face",
+            face,
+        ]
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("LEDGER_")},
+               "PYTHONPATH": str(ROOT), "LEDGER_TURN_LEASE_MS": str(LEASE_MS)}  # fmt: skip
+        procs = [AgentProcess(args, env) for _ in range(2)]
         for n in range(1, TURNS + 1):
             # A's two sessions at once, one on each process (their holds race for the
             # tenant's room); each session's turns alternate processes; then B's
@@ -118,7 +89,7 @@ def test_two_processes_two_sessions_of_a_tenant_hit_its_ceiling(
                 rows.append(second.read())
                 # the other process serves the turn again once the dead turn's lease lapsed
                 rows.append(second.ask({"session": sessions[0], "turn": n, "wait": 10}))
-                first = procs[n % 2] = Proc(*first.args)
+                first = procs[n % 2] = first.again()
             else:
                 rows += [first.read(), second.read()]
             rows.append(first.ask({"session": sessions[2], "turn": n}))

@@ -1,0 +1,54 @@
+"""An agent process of a fleet test: a script run with ``sys.executable``, JSON requests
+written to its stdin one a line, JSON rows read from its stdout; it says "ready" first."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class AgentProcess:
+    """One agent process: ``args`` after the interpreter (the script first), ``env`` its
+    whole environment (None: this one's)."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.args, self.env = args, env
+        self.p = subprocess.Popen(
+            [sys.executable, *args],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+        )  # fmt: skip
+        assert "ready" in self.read()
+
+    def again(self) -> AgentProcess:
+        """A new process of the same script and environment (after a crash)."""
+        return AgentProcess(self.args, self.env)
+
+    def read(self) -> dict[str, Any]:
+        assert self.p.stdout is not None
+        line = self.p.stdout.readline()
+        return json.loads(line) if line else {}
+
+    def send(self, req: dict[str, Any]) -> None:
+        assert self.p.stdin is not None
+        self.p.stdin.write(json.dumps(req) + "\n")
+        self.p.stdin.flush()
+
+    def ask(self, req: dict[str, Any]) -> dict[str, Any]:
+        self.send(req)
+        return self.read()
+
+    def close(self) -> None:
+        if self.p.stdin is not None and not self.p.stdin.closed:
+            self.p.stdin.close()
+        try:
+            self.p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait(timeout=10)
+        if self.p.stdout is not None:
+            self.p.stdout.close()
