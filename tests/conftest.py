@@ -82,3 +82,14 @@ def budget() -> SessionBudget:
         tool_framing=150,
         output_reserve=1_024,
     )
+
+
+def _open_many(led: Ledger, ids: list[str]) -> None:
+    budget = SessionBudget(window=100_000, system_prompt=10)
+    for i in range(0, len(ids), 100):
+        led.run_many([led.open_call(sid, budget, None) for sid in ids[i : i + 100]])
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"cli{uuid.uuid4().hex[:10]}"
