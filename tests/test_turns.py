@@ -2,25 +2,23 @@
 owner at a time; a second begin is refused before anything changes; a turn taken over or
 whose lease lapsed is rolled back to exactly what it found; its zombie's calls are
 refused; a worker's compaction never lands under a running turn, and its summary is
-delivered to one committed turn, once."""
+delivered to one committed turn, once. The agent layer's turns are in
+test_turn_agents.py, the regressions found by review in test_turn_regressions.py; the
+helpers in tests/turn_state.py.
+"""
 
 from __future__ import annotations
 
 import random
 import time
-import uuid
-from typing import Any
 
 import pytest
 
 from ledger import (
     BegunBy,
-    Consumer,
     InvalidArgument,
     Item,
     Ledger,
-    SessionBudget,
-    SessionConflict,
     TurnInProgress,
     TurnLost,
     TurnStarted,
@@ -28,86 +26,16 @@ from ledger import (
 )
 from ledger.client import Session
 from ledger.core import new_op_id
-
-W, R, M, S = (
-    Consumer.WORKING_MEMORY,
-    Consumer.RETRIEVAL,
-    Consumer.RECALL,
-    Consumer.SCRATCHPAD,
+from tests.turn_state import (
+    M,
+    R,
+    S,
+    W,
+    loaded,
+    state,
+    whole,
+    worker_compaction,
 )
-BUDGET = SessionBudget(
-    window=20_000,
-    system_prompt=500,
-    tool_framing=100,
-    output_reserve=1_000,
-    working_memory_floor=1_000,
-    spill_preview_tokens=100,
-)
-# The fields a rollback must give back exactly as the turn found them: everything but the
-# turn's own bookkeeping (turn number, lease, undo log, deliveries, telemetry, outcomes).
-BOOKKEEPING = {
-    "tn",
-    "lo",
-    "le",
-    "ul",
-    "vs",
-    "vd",
-    "lb",
-    "qs",
-    "qd",
-    "rb",
-    "ws",
-    "ai",
-    "ao",
-    "an",
-    "xp",
-    "gz",
-}
-BOOKKEEPING |= {"sq", "oq", "ox"}  # item sequences are never reused (the order index follows)
-# What a compaction attempt counted stays (the jobs it enqueued cannot be taken back), and
-# a compaction made due by the turn stays due.
-BOOKKEEPING |= {"cd", "cq", "pm", "kf", "kn", "kt", "rq"}
-BOOKKEEPING |= {"kp"}  # a worker's compaction staged under the turn lands at the next begin
-
-
-def _text(x: Any) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
-
-
-def state(led: Ledger, s: Session) -> tuple[dict[str, str], list[tuple[str, float]]]:
-    """What a rollback restores: the session hash without its bookkeeping, and the
-    reservations' members of the deadline index."""
-    raw = {_text(k): _text(v) for k, v in led.client.hgetall(s.keys.session).items()}
-    kept = {k: v for k, v in raw.items() if k not in BOOKKEEPING and not k.startswith("x:")}
-    members = [
-        (_text(m), score)
-        for m, score in led.client.zrange(s.keys.deadlines, 0, -1, withscores=True)
-        if _text(m).startswith(f"{s.id}|") and not _text(m).endswith("|~")
-    ]
-    return kept, members
-
-
-def whole(led: Ledger, s: Session) -> tuple[dict[bytes, bytes], list[Any]]:
-    return (
-        led.client.hgetall(s.keys.session),
-        led.client.zrange(s.keys.deadlines, 0, -1, withscores=True),
-    )
-
-
-def sid() -> str:
-    return f"turns/{uuid.uuid4().hex[:12]}"
-
-
-def loaded(led: Ledger, owner: str = "A") -> Session:
-    """A session with items of every consumer and an open reservation, between turns."""
-    s = led.open_session(sid(), BUDGET, owner=owner)
-    s.admit(W, [Item("w1", 900), Item("w2", 700, 3)])
-    s.admit(R, [Item("r1", 800), Item("r2", 600, 2)])
-    s.admit(M, [Item("m1", 300)])
-    s.admit_tool_result("s1", 1_200, b"{}")
-    s.reserve(S, "res0", 400, lease_ms=600_000)
-    return s
-
 
 # --- one owner at a time ----------------------------------------------------------------
 
@@ -298,16 +226,6 @@ def test_bad_lease_arguments_are_refused_before_anything_changes(ledger: Ledger)
 # --- deliveries --------------------------------------------------------------------------
 
 
-def worker_compaction(led: Ledger, s: Session, replaced: list[Any], summary: Item) -> Any:
-    """A compaction as the worker commits it: with its job's stream entry."""
-    entry = led.client.xadd(s.keys.jobs, {"kind": "compact", "session": s.id})
-    return led.run(
-        protocol.compact(
-            s.keys, f"job-{_text(entry)}", s.epoch, replaced, summary, job=_text(entry)
-        )
-    )
-
-
 def test_a_worker_compaction_is_staged_under_a_turn_and_delivered_once(ledger: Ledger) -> None:
     a = loaded(ledger, "A")
     t = a.begin_turn(0)
@@ -398,324 +316,3 @@ def test_any_turn_rolls_back_to_what_it_found(ledger: Ledger, backend: str) -> N
         b.abort_turn()
         assert state(ledger, a) == before, f"seed {seed}"
         assert ledger.audit(a.id).clean, f"seed {seed}"
-
-
-# --- the agent layer ---------------------------------------------------------------------
-
-from ledger import AsyncLedger  # noqa: E402
-from ledger.agent import Agent, AsyncAgent  # noqa: E402
-
-
-def words(text: str) -> int:
-    return len(text.split())
-
-
-def msg(i: str, n: int = 50) -> dict[str, str]:
-    return {"id": i, "content": "word " * n}
-
-
-def test_an_agent_turn_that_raises_is_rolled_back(ledger: Ledger) -> None:
-    s = loaded(ledger, "A")
-    before = state(ledger, s)
-    agent = Agent(s, words)
-    with pytest.raises(RuntimeError, match="the model call failed"), agent.turn(200) as turn:
-        turn.admit("retrieval", [msg("doc-1"), msg("doc-2")])
-        turn.tool_result({"id": "call-1", "content": "row " * 300})
-        raise RuntimeError("the model call failed")
-    assert turn.state is not None and turn.state.aborted is not None
-    assert state(ledger, s) == before and ledger.audit(s.id).clean
-    with agent.turn(200) as turn:  # the next turn starts from what was committed
-        assert turn.rolled_back is None
-        turn.prompt(5_000)
-
-
-async def test_the_asyncio_face_rolls_back_and_renews_alike(aledger: AsyncLedger) -> None:
-    s = await aledger.open_session(sid(), BUDGET, owner="A")
-    await s.admit(W, [Item("w1", 900)])
-    agent = AsyncAgent(s, words, lease_ms=300)
-    other = AsyncAgent(await aledger.session(s.id, owner="B"), words)
-    with pytest.raises(RuntimeError):
-        async with agent.turn(0) as turn:
-            await turn.admit("retrieval", [msg("doc-1")])
-            raise RuntimeError("boom")
-    assert [i.id for i in await aledger.items(s.id)] == ["w1"]
-    async with agent.turn(0) as turn:
-        import asyncio
-
-        await asyncio.sleep(1.0)  # three leases long: renewed in the background
-        with pytest.raises(TurnInProgress):
-            async with other.turn(0):
-                pass
-        assert turn.lost is None
-        turn.prompt(1_400)
-    assert (await s.audit()).clean
-
-
-def test_the_agent_renews_its_lease_and_others_wait_or_take_over(ledger: Ledger) -> None:
-    s = loaded(ledger, "A")
-    a = Agent(s, words, lease_ms=300)
-    b = Agent(ledger.session(s.id, owner="B"), words, poll_interval=0.02)
-    with a.turn(0) as turn:
-        time.sleep(1.0)  # three leases long: renewed in the background
-        with pytest.raises(TurnInProgress) as caught:
-            b.turn(0).__enter__()
-        assert caught.value.owner == "A"
-        started = time.monotonic()
-        with pytest.raises(TurnInProgress):  # waiting is bounded
-            b.turn(0, wait=0.2).__enter__()
-        assert 0.15 <= time.monotonic() - started < 1.0
-        turn.prompt(5_100)
-    with b.turn(0, wait=1.0) as theirs:  # free now: no wait
-        theirs.prompt(5_100)
-    with pytest.raises(TurnLost), a.turn(0) as mine:  # its end: the turn is not its own
-        mine.admit("retrieval", [msg("doc-9")])
-        with b.turn(0, takeover=True) as theirs:  # a stuck owner is taken over
-            assert theirs.rolled_back == mine.number
-            theirs.prompt(5_100)
-        with pytest.raises(TurnLost):
-            mine.admit("retrieval", [msg("doc-10")])
-        mine.prompt(5_100)
-    assert mine.state is not None and mine.state.aborted is not None
-    assert mine.state.aborted.rolled_back is None  # nothing of its own left to roll back
-    assert ledger.audit(s.id).clean
-
-
-def test_apply_brings_any_process_state_up_to_the_ledger(ledger: Ledger) -> None:
-    """Objects admitted by one process, a compaction committed between turns, the next
-    turn served by another process that never saw those objects: apply drops what the
-    summary replaced and puts the summary where that history began."""
-    system = "You are brief."
-    s = ledger.open_session(sid(), SessionBudget(window=20_000, system_prompt=words(system)))
-    a = Agent(s, words)
-    history: list[Any] = [system]
-    with a.turn(0) as turn:
-        for i in range(4):
-            history += turn.admit("working_memory", [msg(f"m{i}", 100)]).kept
-        turn.prompt(history)
-    ledger.client.hset(
-        s.keys.compacted,
-        "sum-1",
-        '{"text": "Earlier: four messages.", "replaced": ["w:m0", "w:m1", "w:m2"]}',
-    )
-    worker_compaction(
-        ledger, s, ["m0", "m1", "m2"], Item("sum-1", words("Earlier: four messages."))
-    )
-    b = Agent(ledger.session(s.id, owner="B"), words)  # another process: knows none of them
-    with b.turn(0) as turn:
-        assert turn.dropped == []  # nothing it knows of
-        shown = turn.apply(history)
-        assert [o if isinstance(o, str) else o["id"] for o in shown] == [system, "sum-1", "m3"]
-        assert turn.apply(shown) == shown  # applying twice changes nothing
-        turn.prompt(shown)
-    assert turn.report is not None and turn.report.drift == 0
-
-
-def test_a_reconcile_drops_the_deliveries_the_prompt_contradicts(ledger: Ledger) -> None:
-    """A worker's compaction lands between turns; before the next turn the app sets the
-    ledger to its prompt (a repair), which still holds what the compaction replaced and
-    not its summary: the queued deliveries it contradicts go, so the next turn's prompt
-    is the ledger."""
-    a = loaded(ledger, "A")
-    worker_compaction(ledger, a, ["w1", (R, "r1")], Item("sum-1", 100, 1000))
-    held = {W: [Item("w1", 900), Item("w2", 700, 3)], R: [Item("r1", 800), Item("r2", 600, 2)]}
-    a.reconcile(held)
-    t = a.begin_turn(0)
-    assert t.summaries == () and t.dropped == ()
-    assert {i.id for i in ledger.items(a.id)} >= {"w1", "w2", "r1", "r2"}
-    assert "sum-1" not in {i.id for i in ledger.items(a.id)} and ledger.audit(a.id).clean
-
-
-def test_a_tool_result_with_no_room_is_answered_by_a_note(ledger: Ledger) -> None:
-    """Not even its preview fits: the tool call is answered by a short note that says so,
-    held in the result's place; never a result cut."""
-    s = ledger.open_session(
-        sid(),
-        SessionBudget(
-            window=2_000, system_prompt=100, output_reserve=100, spill_preview_tokens=300
-        ),
-    )
-    agent = Agent(s, words)
-    with agent.turn(0) as turn:
-        turn.admit("working_memory", [msg("m1", 1_750)])
-        out = turn.tool_result({"id": "call-1", "content": "row " * 5_000})
-        assert out.refused and out.reason in ("token_budget_exhausted", "floor_protected")
-        assert "refused by the ledger" in out.text and not out.spilled
-        assert {i.id: i.tokens for i in ledger.items(s.id)}["call-1"] == words(out.text)
-        turn.prompt(100 + 1_750 + words(out.text))
-    assert turn.report is not None and turn.report.drift == 0 and s.audit().clean
-
-
-# --- found by review: each failed before its fix -----------------------------------------
-
-
-def test_a_compaction_never_overwrites_a_summary_id_held_in_another_version(ledger: Ledger) -> None:
-    a = loaded(ledger, "A")
-    a.admit(W, [Item("sum", 700)])
-    seq = next(i.seq for i in ledger.items(a.id) if i.id == "sum")
-    before = whole(ledger, a)
-    with pytest.raises(SessionConflict, match="another version"):
-        a.compact([(W, "sum", seq + 99), (W, "w1")], Item("sum", 50))
-    assert whole(ledger, a) == before and ledger.audit(a.id).clean
-
-
-def test_the_same_owner_after_its_lease_lapsed_rolls_its_dead_turn_back(ledger: Ledger) -> None:
-    """A process restarted under the dead one's owner name: the half-done turn is rolled
-    back (its delivery comes again), not committed."""
-    a = loaded(ledger, "A")
-    worker_compaction(ledger, a, ["w1"], Item("sum-1", 80, 1000))
-    t1 = a.begin_turn(0, lease_ms=100)
-    assert t1.summaries == ("sum-1",)
-    a.admit(R, [Item("half-done", 100)])
-    time.sleep(0.25)
-    again = ledger.session(a.id, owner="A")  # the same name, a new process
-    t2 = again.begin_turn(0)
-    assert t2.rolled_back == t1.turn and t2.summaries == ("sum-1",)
-    assert "half-done" not in {i.id for i in ledger.items(a.id)}
-
-
-def test_a_turn_objects_calls_carry_its_own_turn(ledger: Ledger) -> None:
-    """An old Turn (a leftover task) after the agent moved on: its calls are refused, not
-    made in the later turn; and an agent serves one turn at a time."""
-    s = loaded(ledger, "A")
-    agent = Agent(s, words)
-    with agent.turn(0) as first:
-        first.prompt(5_000)
-    with agent.turn(0) as second:
-        with pytest.raises(TurnLost):
-            first.admit("retrieval", [msg("late-doc")])
-        with pytest.raises(TurnInProgress, match="one turn at a time"):
-            agent.turn(0).__enter__()
-        second.prompt(5_000)
-    assert "late-doc" not in {i.id for i in ledger.items(s.id)}
-
-
-def test_an_op_sent_again_after_its_turn_was_rolled_back_is_judged_anew(ledger: Ledger) -> None:
-    a = loaded(ledger, "A")
-    t = a.begin_turn(0)
-    a.release(R, ["r1"], op_id="req-7:release")
-    a.admit(R, [Item("r9", 600)], op_id="req-7:admit")
-    b = ledger.session(a.id, owner="B")
-    t2 = b.begin_turn(0, takeover=True)
-    assert t2.rolled_back == t.turn
-    with pytest.raises(TurnLost):  # the old turn's retry: its turn is gone
-        a.release(R, ["r1"], op_id="req-7:release")
-    # The request retried in the new turn: done there, once (not answered from the undone one).
-    assert b.release(R, ["r1"], op_id="req-7:release").count == 1
-    assert b.admit(R, [Item("r9", 600)], op_id="req-7:admit").charged == 600
-    assert b.admit(R, [Item("r9", 600)], op_id="req-7:admit").charged == 600  # a replay now
-    held = {i.id for i in ledger.items(a.id)}
-    assert "r1" not in held and "r9" in held and ledger.audit(a.id).clean
-
-
-def test_a_rollback_gives_back_what_the_turn_counted_against_a_pending_compaction(
-    ledger: Ledger,
-) -> None:
-    s = ledger.open_session(
-        sid(), SessionBudget(window=10_000, system_prompt=100, high_water_mark=0.3)
-    )
-    s.admit(W, [Item("w", 3_500)])
-    s.end_turn(0, 3_600)  # a compaction is pending now (agent-free: no worker in this test)
-    assert s.snapshot().compaction_pending
-    pm = s.snapshot().raw["pm"]
-    t = s.begin_turn(0)
-    s.admit(R, [Item("doc", 2_000)])
-    assert s.snapshot().raw["pm"] == pm + 2_000
-    s.abort_turn(t.turn)
-    assert s.snapshot().raw["pm"] == pm
-
-
-def test_a_resized_item_is_a_new_version(ledger: Ledger) -> None:
-    a = loaded(ledger, "A")
-    seq = next(i.seq for i in ledger.items(a.id) if i.id == "w1")
-    a.reconcile({W: [Item("w1", 1_200), Item("w2", 700, 3)]})  # new text, new size
-    done = a.compact([(W, "w1", seq)], Item("sum-x", 50))
-    assert done.missing == ((W, "w1"),)
-    assert {i.id: i.tokens for i in ledger.items(a.id)}["w1"] == 1_200
-
-
-def test_a_turn_a_reset_cut_off_is_over(ledger: Ledger) -> None:
-    a = loaded(ledger, "A")
-    t = a.begin_turn(0)
-    a.reset("operator")
-    a.refresh()
-    with pytest.raises(TurnLost, match="rolled back \\(reset\\)"):
-        a.end_turn(t.turn, 5_000, mark="ckpt-of-dead-turn")
-    assert a.begin_turn(0).mark is None
-
-
-def test_begin_turn_awaiting_a_pending_compaction_refuses_and_changes_nothing(
-    ledger: Ledger,
-) -> None:
-    """With await_compaction, begin_turn says a compaction is pending (and whether a
-    worker computes it, from the summaries hash's '~') instead of beginning: no lease, no
-    turn, nothing changed. Without a pending compaction, or without await, it begins."""
-    from ledger import CompactionPending
-
-    s = ledger.open_session(f"aw-{uuid.uuid4().hex[:8]}", BUDGET)
-    first = s.begin_turn(0, await_compaction=True)  # nothing pending: it begins
-    s.end_turn(first.turn, 1_600)
-    ledger.client.hset(s.keys.session, "cd", 1)  # a compaction becomes pending
-    unstamped = ledger.client.hgetall(s.keys.session)
-    with pytest.raises(CompactionPending, match="not picked up") as no_worker:
-        s.begin_turn(0, await_compaction=True)
-    assert not no_worker.value.computing and no_worker.value.requested_ms_ago is None
-    assert ledger.client.hgetall(s.keys.session) == unstamped  # nothing changed
-    asked = int(ledger.client.time()[0]) * 1000 - 5_000  # the job was requested 5 s ago
-    ledger.client.hset(s.keys.session, "cq", asked)
-    before = ledger.client.hgetall(s.keys.session)
-    with pytest.raises(CompactionPending, match=r"requested [0-9]+ ms ago") as late:
-        s.begin_turn(0, await_compaction=True)
-    assert 4_000 <= (late.value.requested_ms_ago or 0) < 60_000
-    until = int(time.time() * 1000) + 60_000
-    ledger.client.hset(s.keys.compacted, "~", f"worker-7|{until}")
-    with pytest.raises(CompactionPending) as running:
-        s.begin_turn(0, await_compaction=True)
-    assert running.value.computing and running.value.worker == "worker-7"
-    assert running.value.until_ms == until
-    assert ledger.client.hgetall(s.keys.session) == before  # no lease, no turn, nothing
-    ledger.client.hset(s.keys.compacted, "~", f"worker-7|{until - 120_000}")  # lapsed
-    with pytest.raises(CompactionPending, match="not picked up"):
-        s.begin_turn(0, await_compaction=True)
-    assert s.begin_turn(0).turn == first.turn + 1  # without await it begins
-
-
-def test_a_turn_with_no_compaction_pending_is_one_call_to_begin(ledger: Ledger) -> None:
-    """The agent asks begin_turn itself whether to wait for a compaction: a worker-owned
-    session's turn calls no snapshot before it (only the agent's first turn asks, once,
-    who compacts the session)."""
-    from ledger import Agent
-
-    s = ledger.open_session(f"one-{uuid.uuid4().hex[:8]}", BUDGET)
-    agent = Agent(s, len)
-    ran: list[str] = []
-    run = ledger.run
-
-    def counted(call: Any) -> Any:
-        ran.append(call.script)
-        return run(call)
-
-    ledger.run = counted  # type: ignore[method-assign]
-    for i in range(3):
-        with agent.turn(0) as t:
-            t.admit("retrieval", [{"id": f"d{i}", "content": "x" * 50}])
-            t.prompt(100)
-    ledger.run = run  # type: ignore[method-assign]
-    assert ran == ["snapshot", *["begin_turn", "admit", "end_turn"] * 3], ran
-
-
-def test_a_turn_of_thousands_of_items_is_rolled_back_and_reconciled_whole(ledger: Ledger) -> None:
-    """A turn that rotated out 6,000 chunks is rolled back whole (its undo runs to 12,000
-    values, past what Lua unpacks at once), and a reconcile drops 6,000 items in one step."""
-    budget = SessionBudget(
-        window=1_000_000, system_prompt=100, compaction="agent", release_each_turn={R}
-    )
-    s = ledger.open_session(sid(), budget)
-    for k in range(6):
-        s.admit(R, [Item(f"d{k}-{i}", 5) for i in range(1_000)])
-    t = s.begin_turn(0)
-    assert t.rotated == 30_000 and not ledger.items(s.id)
-    assert s.abort_turn().rolled_back == t.turn
-    assert len(ledger.items(s.id)) == 6_000 and ledger.audit(s.id).clean
-    done = s.reconcile({R: [Item("d0-0", 5)]})
-    assert len(done.removed) == 5_999 and [i.id for i in ledger.items(s.id)] == ["d0-0"]
-    assert ledger.audit(s.id).clean
