@@ -14,8 +14,16 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from ledger import AsyncLedger, Ledger, LedgerSettings, SessionBudget
+from ledger import (
+    AsyncLedger,
+    Item,
+    Ledger,
+    LedgerSettings,
+    Session,
+    SessionBudget,
+)
 from tests import servers
+from tests.bad_input import BUDGET, SID, state
 
 BACKENDS = [
     pytest.param("embedded", marks=pytest.mark.embedded, id="embedded"),
@@ -93,3 +101,15 @@ def _open_many(led: Ledger, ids: list[str]) -> None:
 @pytest.fixture
 def prefix() -> str:
     return f"cli{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def session(ledger: Ledger) -> Session:
+    """A session with items for two consumers and one open reservation."""
+    s = ledger.open_session(SID, BUDGET)
+    s.admit("retrieval", [Item("doc1", 400), Item("doc2", 300, priority=5)])
+    s.admit("working_memory", [Item("turn1", 200)])
+    s.reserve("scratchpad", "res1", 500, lease_ms=600_000)
+    h, z = state(ledger, s)
+    assert b"i:r:doc1" in h and b"r:res1" in h and len(z) == 1
+    return s
