@@ -5,6 +5,10 @@ redis     a real redis-server started on a free port for this test run
 cluster   a real 3-primary Redis Cluster started for this test run
 Each test gets a fresh key prefix (and, embedded, a fresh server), so no test
 sees another's keys and nothing is ever flushed.
+
+Below them, the fixtures that the files of one subject share (tests grouped by subject,
+docs/contributing.md): the CLI tests' ``prefix``, the bad-input tests' ``session``, the
+worker tests' ``led``. A test file's own fixture of the same name takes precedence.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from ledger import (
 )
 from tests import servers
 from tests.bad_input import BUDGET, SID, state
+from tests.servers import RedisProcess
+from tests.worker_scenarios import new_ledger
 
 BACKENDS = [
     pytest.param("embedded", marks=pytest.mark.embedded, id="embedded"),
@@ -113,3 +119,9 @@ def session(ledger: Ledger) -> Session:
     h, z = state(ledger, s)
     assert b"i:r:doc1" in h and b"r:res1" in h and len(z) == 1
     return s
+
+
+@pytest.fixture
+def led(redis_server: RedisProcess) -> Iterator[Ledger]:
+    with new_ledger(redis_server) as ledger:
+        yield ledger

@@ -444,7 +444,8 @@ def test_cluster_init_script_creates_the_cluster_once(
 
 def test_the_worker_is_probed_on_its_health_endpoint(services: dict[str, dict[str, Any]]) -> None:
     """The worker's healthcheck asks /healthz on its metrics port (the job loop's
-    heartbeat, tests/test_workers.py), and the default summarizer host resolves on Linux."""
+    heartbeat, tests/test_worker_lifecycle.py), and the default summarizer host resolves on
+    Linux."""
     w = services["worker"]
     # the probe reads the port and address from the worker's settings (its environment)
     assert w["healthcheck"]["test"] == ["CMD", "python", "-m", "ledger.workers.http", "healthz"]

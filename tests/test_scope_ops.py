@@ -314,7 +314,7 @@ def test_ledger_top_flags_a_session_whose_compaction_was_dead_lettered(
 
     open_compaction(led, "held-1")
     led.open_session("calm-1", BUDGET)
-    w = new_worker(led, "tests.test_workers:always_fails", max_deliveries=1)
+    w = new_worker(led, "tests.worker_scenarios:always_fails", max_deliveries=1)
     w.ensure_groups()
     deadline = time.monotonic() + 20
     while not dead_lettered(led) and time.monotonic() < deadline:
