@@ -1,4 +1,5 @@
-"""The repository's layout: no symlinks, one import name for the worker.
+"""The repository's layout: no symlinks, one import name for the worker, no file in
+tests/ over 700 lines.
 
 The Lua scripts live in the top-level ``lua/`` (the wheel ships them as ``ledger/lua/``);
 the worker lives inside the package (``ledger/workers/``), the top-level ``workers/``
@@ -120,6 +121,18 @@ def test_the_contributing_map_names_every_module_and_folder() -> None:
         modules = sorted(p.name for p in (package / folder).glob("*.py") if p.stem != "__init__")
         unnamed = [m for m in modules if f"`{m}`" not in row]
         assert not unnamed, f"ledger/{folder}/ modules the map does not name: {unnamed}"
+
+
+def test_no_file_in_tests_is_over_700_lines() -> None:
+    """Tests are grouped by subject, a file per subject (docs/contributing.md, "Where
+    tests go"): a file past 700 lines is split by subject, its helpers moved to a support
+    module, not copied. Every file counts (support modules, tests/history/ too), its
+    lines as ``wc -l`` counts them."""
+    walked = sorted((ROOT / "tests").rglob("*"))
+    files = [p for p in walked if p.is_file() and "__pycache__" not in p.parts]
+    assert Path(__file__).resolve() in files and len(files) > 50, "the walk missed the tests"
+    long = {str(p.relative_to(ROOT)): n for p in files if (n := p.read_bytes().count(b"\n")) > 700}
+    assert not long, f"files in tests/ over 700 lines: {long}"
 
 
 @pytest.mark.redis
