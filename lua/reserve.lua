@@ -48,15 +48,13 @@ lease = int_arg(ARGV[7], 'lease ms', 1, 86400000)
 local names, suffixes, last, model, want = nil, {}, 7, nil, nil
 if #ARGV > 7 then
   model = id_arg(ARGV[8], 'model')
-  want = { i = int_arg(ARGV[9], 'input tokens', 0, TOKENS_MAX), o = int_arg(ARGV[10], 'output tokens', 0, TOKENS_MAX),
-    c = int_arg(ARGV[11], 'cached input tokens', 0, TOKENS_MAX) }
-  want.text = ARGV[9] .. '|' .. ARGV[10] .. '|' .. ARGV[11]  -- (canonical: int_arg checked them)
+  want = scope_tokens(9, '')
   names, suffixes, last = scope_args(12, sid)
 end
 if #ARGV ~= last then fail('BADARG', 'expected ' .. last .. ' arguments, got ' .. #ARGV) end
 local A, F = ACTIVE[c], FLOOR[c]
 
-key_arg(2, 'deadlines', unpack(suffixes))
+scope_key_arg(2, 'deadlines', suffixes)
 local S, price
 if names then S, price = scope_config(names, 3, lease, model) end
 local key = KEYS[1]
