@@ -1414,6 +1414,48 @@ local function scope_config(names, first, lease, model)
   return S, { tonumber(pi), tonumber(po), tonumber(pc), raw }
 end
 
+-- The common scoped reserve, read without scope_config's tables: the tenant alone (KEYS[3]
+-- its hash), a fixed window, its live counters written, a price of the model itself, a lease
+-- within the hold limit. Returns T = { ceilings input, output, cached, tokens, money, kinds,
+-- G, live bucket, its i, o, c, $, open holds, next deadline, price i, o, c, price text },
+-- or nil: then scope_config reads the scope again and judges all (and refuses what it refuses).
+local function scope_fast(lease, model)
+  local v = redis.call('HMGET', KEYS[3], 'cf', 'w', 'p:' .. model)
+  if not (v[1] and v[2] and v[3]) then return nil end
+  local pi, po, pc = string.match(v[3], '^(%d+)|(%d+)|(%d+)$')
+  local L, G, hl, ci, co, cc, ct, cm, kf = struct.unpack(SCOPE_CF, v[1])
+  if not pi or L ~= G or lease > hl then return nil end
+  local wb, wi, wo, wc, wm, wn, nd = struct.unpack(SCOPE_W, v[2])
+  return { ci, co, cc, ct, cm, kf, G, wb, wi, wo, wc, wm, wn, nd, tonumber(pi), tonumber(po), tonumber(pc), v[3] }
+end
+
+-- Hold `want` in the scope scope_fast read (T) until `deadline` (member m), as scope_sweep,
+-- scope_room and scope_hold would, when the live bucket is `now`'s, no hold is due and every
+-- ceiling fits: one HSET (the hold and w) and one ZADD. Returns false, having written
+-- nothing, in any other case (the general path then judges it).
+local function scope_fast_hold(T, now, m, deadline, want)
+  local cur = math.floor(now / T[7])
+  if T[8] ~= cur or T[14] < now then return false end
+  local i, o, c = T[9] + want.i, T[10] + want.o, T[11] + want.c
+  local ask = want.i * T[15] + want.o * T[16] + want.c * T[17]
+  local money = T[12] + ask
+  if (T[1] >= 0 and i > T[1]) or (T[2] >= 0 and o > T[2]) or (T[3] >= 0 and c > T[3]) or
+      (T[5] >= 0 and money > T[5]) then
+    return false
+  end
+  if T[4] >= 0 then
+    local kf, used = T[6], 0
+    if kf % 2 == 1 then used = i end
+    if kf % 4 >= 2 then used = used + o end
+    if kf >= 4 then used = used + c end
+    if used > T[4] then return false end
+  end
+  redis.call('HSET', KEYS[3], 'q:' .. m, num(cur) .. '|' .. want.text .. '|' .. num(ask) .. '|' ..
+    T[18] .. '|1', 'w', struct.pack(SCOPE_W, cur, i, o, c, money, T[13] + 1, math.min(T[14], deadline)))
+  redis.call('ZADD', KEYS[4], deadline, m)
+  return true
+end
+
 -- A scope's live field w as sc holds it.
 local function scope_live(sc)
   local w = sc.w
