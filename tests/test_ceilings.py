@@ -157,6 +157,39 @@ def test_bad_input_is_refused_typed_and_changes_nothing(ledger: Ledger) -> None:
     assert state(ledger, s)[:2] == before[:2]
 
 
+@pytest.mark.parametrize(
+    ("at", "bad", "what"),
+    [
+        (8, "01", "input tokens"),
+        (9, "-1", "output tokens"),
+        (10, "1e3", "cached input tokens"),
+        (8, "100000001", "input tokens"),
+        (9, "", "output tokens"),
+        (10, " 1", "cached input tokens"),
+        (8, "1|2", "input tokens"),
+        (9, "00", "output tokens"),
+    ],
+)
+def test_a_calls_token_counts_are_checked_as_every_integer_argument(
+    ledger: Ledger, at: int, bad: str, what: str
+) -> None:
+    """The three counts of a scoped call are read with one match (scope_tokens in
+    lua/_common.lua): each is still refused as int_arg refuses it (canonical, 0..1e8),
+    named, before anything is written."""
+    t = tenant()
+    ledger.set_scope(t, ScopeBudget(window_ms=DAY, tokens=1_000))
+    s = ledger.open_session(f"@{t}/s", BUDGET)
+    good = s.reserve_call(W, "a", 10, cost=CallCost(model="m", input=5, output=5))
+    assert good.args[8:11] == ("5", "5", "0")  # (ARGV[9..11])
+    before = state(ledger, s, t)
+    args = list(good.args)
+    args[at] = bad
+    with pytest.raises(InvalidArgument, match=f"^{what} must be"):
+        ledger.run(dataclasses.replace(good, args=tuple(args)))
+    assert state(ledger, s, t) == before
+    assert ledger.run(good).id == "a"
+
+
 def test_a_dead_processs_hold_expires_on_redis_clock(ledger: Ledger) -> None:
     t = tenant()
     ledger.set_scope(t, ScopeBudget(window_ms=DAY, tokens=1_000))
