@@ -1325,6 +1325,43 @@ local function scope_args(at, sid)
   return names, suffixes, at + n
 end
 
+-- ARGV[at], ARGV[at + 1], ARGV[at + 2]: a call's input, output and cached input tokens,
+-- each 0..TOKENS_MAX written canonically (as int_arg checks them; `what` prefixes their
+-- names in a refusal: '' or 'billed '), read with one match of the three joined. Returns
+-- { i = , o = , c = , text = '<i>|<o>|<c>' }.
+local function scope_tokens(at, what)
+  local a, b, c = ARGV[at], ARGV[at + 1], ARGV[at + 2]
+  if c then
+    local text = a .. '|' .. b .. '|' .. c
+    local i, o, cc = string.match(text, '^(%d+)|(%d+)|(%d+)$')
+    -- (no leading zero but on '0' itself: one number, one spelling)
+    if i and not string.find(text, '^0%d') and not string.find(text, '|0%d') then
+      i, o, cc = tonumber(i), tonumber(o), tonumber(cc)
+      if i <= TOKENS_MAX and o <= TOKENS_MAX and cc <= TOKENS_MAX then
+        return { i = i, o = o, c = cc, text = text }
+      end
+    end
+  end
+  local t = { i = int_arg(a, what .. 'input tokens', 0, TOKENS_MAX),
+    o = int_arg(b, what .. 'output tokens', 0, TOKENS_MAX),
+    c = int_arg(c, what .. 'cached input tokens', 0, TOKENS_MAX) }
+  t.text = a .. '|' .. b .. '|' .. c
+  return t
+end
+
+-- key_arg(i, lead, <the scopes' suffixes>) for a scoped call, without formatting each
+-- name (no suffix here holds '%s'); the same check, and key_arg's refusal.
+local function scope_key_arg(i, lead, suffixes)
+  local tag = string.match(KEYS[1] or '', '^([^{]*{p%d+}):s:.')
+  local n = #suffixes
+  local ok = tag ~= nil and #KEYS == i + n + 3 and KEYS[i] == tag .. ':' .. lead
+  for k = 1, n do
+    if not ok then break end
+    ok = KEYS[i + k] == tag .. ':' .. suffixes[k]
+  end
+  if not ok then key_arg(i, lead, unpack(suffixes)) end
+end
+
 -- The scope fields cf and w are packed with Lua's struct (little-endian signed 64-bit
 -- integers, -1 for none): cf '<L><G><hl><input><output><cached input><tokens><money>' then
 -- one byte, the kinds the token ceiling counts (1 input, 2 output, 4 cached input); w
@@ -1342,8 +1379,8 @@ local SCOPE_CF, SCOPE_W = '<i8i8i8i8i8i8i8i8B', '<i8i8i8i8i8i8i8'
 -- a hold limit or a money ceiling with no price.
 local function scope_config(names, first, lease, model)
   local S, money = {}, false
-  for k, s in ipairs(names) do
-    local hk = KEYS[first + 2 * k - 2]
+  for k = 1, #names do
+    local s, hk = names[k], KEYS[first + 2 * k - 2]
     local v
     if model and k == 1 then v = redis.call('HMGET', hk, 'cf', 'w', 'p:' .. model)
     else v = redis.call('HMGET', hk, 'cf', 'w') end
@@ -1359,16 +1396,12 @@ local function scope_config(names, first, lease, model)
     if lease and lease > hl then
       fail('BADARG', 'lease ' .. lease .. ' ms is above the hold limit ' .. hl .. ' ms of scope ' .. s)
     end
-    local sc = { name = s, hk = hk, zk = KEYS[first + 2 * k - 1], L = L, G = G, hl = hl, ci = ci, co = co,
-      cc = cc, ct = ct, cm = cm, kf = kf, nd = NEVER }
-    if v[2] then
-      local wb, wi, wo, wc, wm, wn, nd = struct.unpack(SCOPE_W, v[2])
-      sc.wb, sc.nd, sc.w = wb >= 0 and wb or nil, nd, { i = wi, o = wo, c = wc, ['$'] = wm, n = wn }
-    else
-      sc.w = { i = 0, o = 0, c = 0, ['$'] = 0, n = 0 }
-    end
-    if model and k == 1 then sc.price = v[3] or (v[1] and redis.call('HGET', hk, 'p:*')) end
-    S[k] = sc
+    local wb, wi, wo, wc, wm, wn, nd = -1, 0, 0, 0, 0, 0, NEVER
+    if v[2] then wb, wi, wo, wc, wm, wn, nd = struct.unpack(SCOPE_W, v[2]) end
+    S[k] = { name = s, hk = hk, zk = KEYS[first + 2 * k - 1], L = L, G = G, hl = hl, ci = ci, co = co,
+      cc = cc, ct = ct, cm = cm, kf = kf, nd = nd, wb = wb >= 0 and wb or nil,
+      w = { i = wi, o = wo, c = wc, ['$'] = wm, n = wn }, dirty = false,
+      price = model and k == 1 and (v[3] or redis.call('HGET', hk, 'p:*')) or nil }
     money = money or cm >= 0
   end
   if not model then return S end
@@ -1379,6 +1412,48 @@ local function scope_config(names, first, lease, model)
   end
   if not pi then return S, { 0, 0, 0, '0|0|0' } end
   return S, { tonumber(pi), tonumber(po), tonumber(pc), raw }
+end
+
+-- The common scoped reserve, read without scope_config's tables: the tenant alone (KEYS[3]
+-- its hash), a fixed window, its live counters written, a price of the model itself, a lease
+-- within the hold limit. Returns T = { ceilings input, output, cached, tokens, money, kinds,
+-- G, live bucket, its i, o, c, $, open holds, next deadline, price i, o, c, price text },
+-- or nil: then scope_config reads the scope again and judges all (and refuses what it refuses).
+local function scope_fast(lease, model)
+  local v = redis.call('HMGET', KEYS[3], 'cf', 'w', 'p:' .. model)
+  if not (v[1] and v[2] and v[3]) then return nil end
+  local pi, po, pc = string.match(v[3], '^(%d+)|(%d+)|(%d+)$')
+  local L, G, hl, ci, co, cc, ct, cm, kf = struct.unpack(SCOPE_CF, v[1])
+  if not pi or L ~= G or lease > hl then return nil end
+  local wb, wi, wo, wc, wm, wn, nd = struct.unpack(SCOPE_W, v[2])
+  return { ci, co, cc, ct, cm, kf, G, wb, wi, wo, wc, wm, wn, nd, tonumber(pi), tonumber(po), tonumber(pc), v[3] }
+end
+
+-- Hold `want` in the scope scope_fast read (T) until `deadline` (member m), as scope_sweep,
+-- scope_room and scope_hold would, when the live bucket is `now`'s, no hold is due and every
+-- ceiling fits: one HSET (the hold and w) and one ZADD. Returns false, having written
+-- nothing, in any other case (the general path then judges it).
+local function scope_fast_hold(T, now, m, deadline, want)
+  local cur = math.floor(now / T[7])
+  if T[8] ~= cur or T[14] < now then return false end
+  local i, o, c = T[9] + want.i, T[10] + want.o, T[11] + want.c
+  local ask = want.i * T[15] + want.o * T[16] + want.c * T[17]
+  local money = T[12] + ask
+  if (T[1] >= 0 and i > T[1]) or (T[2] >= 0 and o > T[2]) or (T[3] >= 0 and c > T[3]) or
+      (T[5] >= 0 and money > T[5]) then
+    return false
+  end
+  if T[4] >= 0 then
+    local kf, used = T[6], 0
+    if kf % 2 == 1 then used = i end
+    if kf % 4 >= 2 then used = used + o end
+    if kf >= 4 then used = used + c end
+    if used > T[4] then return false end
+  end
+  redis.call('HSET', KEYS[3], 'q:' .. m, num(cur) .. '|' .. want.text .. '|' .. num(ask) .. '|' ..
+    T[18] .. '|1', 'w', struct.pack(SCOPE_W, cur, i, o, c, money, T[13] + 1, math.min(T[14], deadline)))
+  redis.call('ZADD', KEYS[4], deadline, m)
+  return true
 end
 
 -- A scope's live field w as sc holds it.

@@ -48,17 +48,16 @@ lease = int_arg(ARGV[7], 'lease ms', 1, 86400000)
 local names, suffixes, last, model, want = nil, {}, 7, nil, nil
 if #ARGV > 7 then
   model = id_arg(ARGV[8], 'model')
-  want = { i = int_arg(ARGV[9], 'input tokens', 0, TOKENS_MAX), o = int_arg(ARGV[10], 'output tokens', 0, TOKENS_MAX),
-    c = int_arg(ARGV[11], 'cached input tokens', 0, TOKENS_MAX) }
-  want.text = ARGV[9] .. '|' .. ARGV[10] .. '|' .. ARGV[11]  -- (canonical: int_arg checked them)
+  want = scope_tokens(9, '')
   names, suffixes, last = scope_args(12, sid)
 end
 if #ARGV ~= last then fail('BADARG', 'expected ' .. last .. ' arguments, got ' .. #ARGV) end
 local A, F = ACTIVE[c], FLOOR[c]
 
-key_arg(2, 'deadlines', unpack(suffixes))
-local S, price
-if names then S, price = scope_config(names, 3, lease, model) end
+scope_key_arg(2, 'deadlines', suffixes)
+local S, price, T
+if names and #names == 1 then T = scope_fast(lease, model) end
+if names and not T then S, price = scope_config(names, 3, lease, model) end
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'fr', A, F, 'v_' .. c, 'nv', 'gz', 'xp', 'cd',
   'r:' .. rid, 'i:' .. c .. ':' .. rid, 'lo', 'ul', 'uo' }, 10)
@@ -79,6 +78,9 @@ local J = { gz = H.gz, xp = H.xp, uo = in_turn and (R[5] or '') or nil }
 local refused, pm = refuse_growth(key, A == 'a_rm' and H.cd == 1, tokens, d, H, tokens, now, op, fp, J)
 if refused then return refused end
 local deadline = now + lease
+if T and not scope_fast_hold(T, now, sid .. '|' .. rid, deadline, want) then
+  S, price = scope_config(names, 3, lease, model)  -- (a new bucket, a hold due, or a refusal)
+end
 if S then
   want['$'] = want.i * price[1] + want.o * price[2] + want.c * price[3]
   for _, sc in ipairs(S) do

@@ -48,15 +48,13 @@ item = id_arg(ARGV[6], 'item id')
 prio = int_arg(ARGV[7], 'priority', 0, 1000)
 local names, suffixes, last, billed = nil, {}, 7, nil
 if #ARGV > 7 then
-  billed = { i = int_arg(ARGV[8], 'billed input tokens', 0, TOKENS_MAX),
-    o = int_arg(ARGV[9], 'billed output tokens', 0, TOKENS_MAX),
-    c = int_arg(ARGV[10], 'billed cached input tokens', 0, TOKENS_MAX) }
+  billed = scope_tokens(8, 'billed ')
   names, suffixes, last = scope_args(11, sid)
 end
 if #ARGV ~= last then fail('BADARG', 'expected ' .. last .. ' arguments, got ' .. #ARGV) end
 
 local ORD = is_key(3, 'order:%s') and KEYS[3] or nil
-if ORD then key_arg(2, 'deadlines', 'order:%s', unpack(suffixes)) else key_arg(2, 'deadlines', unpack(suffixes)) end
+if ORD then key_arg(2, 'deadlines', 'order:%s', unpack(suffixes)) else scope_key_arg(2, 'deadlines', suffixes) end
 local S = names and scope_config(names, ORD and 4 or 3)
 local key = KEYS[1]
 local res, again = open_reservation(key, op, fp, epoch, rid, tok)

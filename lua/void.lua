@@ -27,7 +27,7 @@ if #ARGV > 4 then
   rid = id_arg(ARGV[4], 'reservation id')
   local names, suffixes, last = scope_args(5, sid)
   if #ARGV ~= last then fail('BADARG', 'expected ' .. last .. ' arguments, got ' .. #ARGV) end
-  key_arg(2, 'deadlines', unpack(suffixes))
+  scope_key_arg(2, 'deadlines', suffixes)
   S = scope_config(names, 3)
 else
   sid, rid = sid_and_id('reservation id')

@@ -157,6 +157,39 @@ def test_bad_input_is_refused_typed_and_changes_nothing(ledger: Ledger) -> None:
     assert state(ledger, s)[:2] == before[:2]
 
 
+@pytest.mark.parametrize(
+    ("at", "bad", "what"),
+    [
+        (8, "01", "input tokens"),
+        (9, "-1", "output tokens"),
+        (10, "1e3", "cached input tokens"),
+        (8, "100000001", "input tokens"),
+        (9, "", "output tokens"),
+        (10, " 1", "cached input tokens"),
+        (8, "1|2", "input tokens"),
+        (9, "00", "output tokens"),
+    ],
+)
+def test_a_calls_token_counts_are_checked_as_every_integer_argument(
+    ledger: Ledger, at: int, bad: str, what: str
+) -> None:
+    """The three counts of a scoped call are read with one match (scope_tokens in
+    lua/_common.lua): each is still refused as int_arg refuses it (canonical, 0..1e8),
+    named, before anything is written."""
+    t = tenant()
+    ledger.set_scope(t, ScopeBudget(window_ms=DAY, tokens=1_000))
+    s = ledger.open_session(f"@{t}/s", BUDGET)
+    good = s.reserve_call(W, "a", 10, cost=CallCost(model="m", input=5, output=5))
+    assert good.args[8:11] == ("5", "5", "0")  # (ARGV[9..11])
+    before = state(ledger, s, t)
+    args = list(good.args)
+    args[at] = bad
+    with pytest.raises(InvalidArgument, match=f"^{what} must be"):
+        ledger.run(dataclasses.replace(good, args=tuple(args)))
+    assert state(ledger, s, t) == before
+    assert ledger.run(good).id == "a"
+
+
 def test_a_dead_processs_hold_expires_on_redis_clock(ledger: Ledger) -> None:
     t = tenant()
     ledger.set_scope(t, ScopeBudget(window_ms=DAY, tokens=1_000))
@@ -170,6 +203,80 @@ def test_a_dead_processs_hold_expires_on_redis_clock(ledger: Ledger) -> None:
     with pytest.raises(ReservationExpired):
         s.settle("dead", 10, billed=Usage(input=900, output=0), scopes=r.scopes)
     assert ledger.scope_usage(t).open_holds == 1  # the swept hold is gone, "next" is open
+
+
+def _scope_as_stored(led: Ledger, name: str) -> dict[bytes, object]:
+    """A scope's hash as the scripts wrote it, less what two scopes set alike still tell
+    apart: the op id of their set_scope, their price fields, the tenant's name in the holds'
+    fields, and the deadline in w (a hold's deadline is the ms of the call that made it)."""
+    raw = led.client.hgetall(led.keyspace.scope(name).hash)
+    h = {k.replace(name.encode(), b"<tenant>"): v for k, v in raw.items()}  # (in hold names)
+    for k in [k for k in h if k == b"op" or k.startswith(b"p:")]:
+        del h[k]
+    if b"w" in h:
+        h[b"w"] = struct.unpack(protocol.SCOPE_W, h[b"w"])[:6]
+    return h
+
+
+def test_the_tenants_fast_path_writes_what_the_general_one_writes(ledger: Ledger) -> None:
+    """A reserve charged to the tenant alone, in a fixed window, with the model priced by
+    name, is judged without scope_config's tables (scope_fast in lua/_common.lua); a new
+    bucket, a hold due or a ceiling passed go the general way. Two tenants set alike, one
+    pricing the model by name (the fast path), the other by '*' (the general path), are
+    stored alike after the same calls: holds, settles, a refusal, a lapsed hold swept, the
+    window rolled over."""
+    a, b = tenant(), tenant()
+    price = Price(300, 1_500, 30)
+    for t, prices in ((a, {"m": price}), (b, {"*": price})):
+        ledger.set_scope(t, ScopeBudget(window_ms=2_000, tokens=5_000, output=2_000, cents=10,
+                                        counted=("input", "output"), prices=prices))  # fmt: skip
+    sa, sb = (ledger.open_session(f"@{t}/s", BUDGET) for t in (a, b))
+
+    def start_of_a_bucket() -> None:  # (both tenants' calls then fall in one 2 s bucket)
+        while True:
+            sec, usec = ledger.client.time()
+            if (sec % 2) * 1_000 + usec // 1_000 < 300:
+                return
+            time.sleep(0.01)
+
+    def both(f: Any) -> list[Any]:
+        out: list[Any] = []
+        for s in (sa, sb):
+            try:
+                out.append(f(s))
+            except CeilingReached as exc:
+                out.append((exc.scope, exc.quantity, exc.requested, exc.free))
+        return out
+
+    def alike() -> None:
+        assert _scope_as_stored(ledger, a) == _scope_as_stored(ledger, b)
+        ua, ub = ledger.scope_usage(a), ledger.scope_usage(b)
+        assert (ua.held, ua.charged, ua.open_holds, ua.refused, ua.over) == (
+            ub.held, ub.charged, ub.open_holds, ub.refused, ub.over)  # fmt: skip
+
+    call = CallCost(model="m", input=1_000, output=400, cached_input=50)
+    start_of_a_bucket()
+    both(lambda s: s.reserve(W, "r1", 10, cost=call))  # the first: w is new, the general way
+    both(lambda s: s.reserve(W, "r2", 10, lease_ms=300, cost=call))  # fast
+    r3 = both(lambda s: s.reserve(W, "r3", 10, cost=call))  # fast
+    alike()
+    assert ledger.scope_usage(a).open_holds == 3
+    refused = both(lambda s: s.reserve(W, "r4", 10, cost=CallCost(model="m", input=0, output=900)))
+    assert refused == [(a, "output", 900, 800), (b, "output", 900, 800)]  # 3 x 400 held of 2,000
+    alike()
+    scopes = {sa: r3[0].scopes, sb: r3[1].scopes}
+    both(lambda s: s.settle("r1", 10, billed=Usage(input=900, output=500), scopes=scopes[s]))
+    both(lambda s: s.void("r3", scopes=scopes[s]))
+    alike()
+    time.sleep(0.35)  # r2's deadline passes: the next reserve sweeps it (the general way)
+    both(lambda s: s.reserve(W, "r5", 10, cost=call))
+    alike()
+    assert ledger.scope_usage(a).open_holds == 1  # r2 swept, r5 open
+    start_of_a_bucket()  # a new bucket: the window rolled over (the general way)
+    both(lambda s: s.reserve(W, "r6", 10, cost=call))
+    both(lambda s: s.reserve(W, "r7", 10, cost=call))  # fast again
+    alike()
+    assert ledger.scope_usage(a).held["output"] == 800
 
 
 def _as_layout_2(led: Ledger, name: str) -> None:
