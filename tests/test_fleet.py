@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import logging
 import statistics
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -13,8 +15,9 @@ import pytest
 
 from ledger import Agent, Ledger, cli
 from ledger.fleet import checks, decay, report
-from ledger.fleet.agent import Doc, SimAgent
-from ledger.fleet.run import DEFAULT_SESSIONS, background_worker
+from ledger.fleet import run as fleet_run
+from ledger.fleet.agent import Doc, SimAgent, SteppedClock
+from ledger.fleet.run import DEFAULT_SESSIONS, FleetConfig, background_worker, demo_worker
 from ledger.models import Consumer
 from tests.conftest import make_settings
 
@@ -102,6 +105,70 @@ def test_simulated_agent_is_the_agent_layer_and_waits_for_the_compaction(led: Le
         "compaction_pending",
         "pending",
     )
+
+
+@pytest.mark.embedded
+def test_stepped_clock_runs_the_worker_in_the_agents_waits_and_times_its_compactions(
+    led: Ledger,
+) -> None:
+    """On a stepped clock the worker runs only when an agent waits, one pass a wait,
+    then is busy for the simulated time its compactor took: a turn that begins at once
+    is judged against the pending compaction, one that waits finds it landed."""
+    clock = SteppedClock()
+    timed = clock.timed(decay.summarize, lambda request: 0.1)
+    with demo_worker(led.settings, timed, claim_idle_ms=86_400_000) as clock.worker:
+        agent = SimAgent(led, "agent/stepped", decay.BUDGET, clock=clock)
+        agent.begin(1_000)
+        agent.admit(Consumer.WORKING_MEMORY, [Doc(f"h{k}", 10_000) for k in range(10)])
+        assert agent.end(100_000).compaction_due
+        time.sleep(0.3)  # wall-clock time moves nothing on this clock
+        assert agent.snapshot().compaction_pending and clock.passes == 0
+        agent.agent.core.await_compaction = 0.0  # begins at once: no wait, no pass
+        agent.begin(1_000)
+        got = agent.admit(Consumer.RETRIEVAL, [Doc("c", 30_000)])
+        assert not got.kept and clock.passes == 0
+        assert agent.snapshot().compaction_pending
+        agent.end(100_000)
+        agent.agent.core.await_compaction = 0.15  # waits: the first poll is a pass
+        agent.begin(1_000)
+        assert clock.passes == 1 and clock.free_at == pytest.approx(clock.now + 0.1)
+        assert agent.waited and not agent.snapshot().compaction_pending
+        assert agent.admit(Consumer.RETRIEVAL, [Doc("c", 30_000)]).kept
+        agent.end(60_000)
+        before = clock.now
+        clock.sleep(0.02)  # the worker is free only 0.1 s after its pass began
+        assert clock.passes == 1 and clock.now == pytest.approx(before + 0.02)
+    assert led.audit("agent/stepped").clean
+
+
+@pytest.mark.embedded
+@pytest.mark.timeout(300)
+def test_scenario_001_on_embedded_gives_the_same_figures_however_loaded() -> None:
+    """The default run's scenario 001 is on a stepped clock: the same seed gives the
+    same figures, with the machine idle or with a thread spinning on the same core."""
+    config = FleetConfig(sessions=4, tail=0, max_turns=90, seed=3, only=frozenset({"001"}))
+
+    def figures() -> dict[str, object]:
+        url = f"embedded://{uuid.uuid4().hex}"
+        data = report.summarize(fleet_run.run(make_settings(url), config))
+        return {k: data[k] for k in ("naive", "ledger", "off")}
+
+    quiet = figures()
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            sum(range(10_000))
+
+    hog = threading.Thread(target=spin)
+    hog.start()
+    try:
+        loaded = figures()
+    finally:
+        stop.set()
+        hog.join()
+    assert loaded == quiet
+    assert quiet["ledger"]["resets"] > 0 and quiet["ledger"]["retrieval_refusals"]
 
 
 @pytest.mark.embedded

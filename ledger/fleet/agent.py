@@ -13,9 +13,9 @@ the two calls the agent layer leaves to the caller (``record_span``, and
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from ledger import schema
 from ledger._sync.agent import drive
@@ -25,10 +25,93 @@ from ledger.client import Ledger, Session
 from ledger.errors import AdmissionRefused, FanoutRefused
 from ledger.models import Consumer, SessionBudget, Snapshot, TurnReport, TurnStarted
 from ledger.protocol import Call
+from ledger.workers.compactors import CompactionPlan, CompactionRequest
 
 T = TypeVar("T")
 _FAILED = schema.COUNTER.of("failed_compactions")
 POLL_S = 0.02
+
+
+class Clock(Protocol):
+    """The time an agent waits in: while it waits for a compaction (at a begin, or in
+    the user's think time) the background worker does its jobs."""
+
+    # after this many seconds a requested compaction no worker has picked up is not
+    # waited for (the agent layer's compaction_pickup)
+    pickup: float
+
+    def sleep(self, seconds: float) -> None: ...
+
+    def monotonic(self) -> float: ...
+
+
+class RealClock:
+    """Wall-clock time; the worker is a thread beside the agents (or another process)."""
+
+    pickup = 1.0  # the agent layer's default
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+
+class Stepper(Protocol):
+    def poll_once(self) -> int: ...
+
+
+class SteppedClock:
+    """Simulated time, for a run that gives the same figures on any machine: the worker
+    is not a thread but is stepped by the agents' waits. Each wait (the agent layer's
+    poll interval at a begin, or the simulated user's think time in its polls) advances
+    the clock; once the worker is free by then, it makes one pass over its jobs, as a
+    worker polling at that interval would, and is busy for the simulated time its
+    compactions take (:meth:`timed`). A compaction requested at a turn's end thus lands
+    in a wait after it, however loaded the machine is, and never between two turns that
+    do not wait; a job its jobs enqueue (a hard reset after failed compactions) in a
+    later pass. Agents on one stepped clock run one after the other (see
+    ``ledger.fleet.run``); :attr:`worker` is set once the worker is made."""
+
+    # the worker picks a job up at the first wait after its request, however long ago
+    # that was on the wall clock: a begin waits out its bound, never a pickup time
+    pickup = float("inf")
+
+    def __init__(self) -> None:
+        self.worker: Stepper | None = None
+        self.now = 0.0
+        self.free_at = 0.0  # the worker is busy until then
+        self.busy = 0.0  # the simulated seconds of the pass under way
+        self.passes = 0
+
+    def timed(
+        self,
+        compactor: Callable[[CompactionRequest], CompactionPlan],
+        seconds: Callable[[CompactionRequest], float],
+    ) -> Callable[[CompactionRequest], CompactionPlan]:
+        """``compactor`` as a worker on this clock runs it: each call keeps the worker
+        busy for ``seconds(request)`` of simulated time (a summarizer's model call)."""
+
+        def run(request: CompactionRequest) -> CompactionPlan:
+            self.busy += seconds(request)
+            return compactor(request)
+
+        return run
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        if self.worker is None or self.now < self.free_at:
+            return
+        self.busy = 0.0
+        self.worker.poll_once()
+        self.passes += 1
+        self.free_at = self.now + self.busy
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+REAL = RealClock()
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +130,7 @@ def _text(obj: Any) -> str:
 class _CountingAgent(Agent):
     """The agent layer, its ledger calls counted and its refusals kept."""
 
-    def __init__(self, session: Session, compaction_wait: float) -> None:
+    def __init__(self, session: Session, compaction_wait: float, clock: Clock) -> None:
         super().__init__(
             session,
             len,
@@ -59,13 +142,15 @@ class _CountingAgent(Agent):
             # The synthetic texts are not stored for the worker: the demo's summarizers
             # work on sizes alone (and the agents need no summary text back).
             store_content=False,
+            compaction_pickup=clock.pickup,
         )
+        self.clock = clock
         self.calls = 0
         self.snapshots = 0
         self.refusals: list[AdmissionRefused] = []
 
     def run(self, op: Op[T]) -> T:
-        return drive(op, self._send, time.sleep, self._io, self.session.ledger.run_many)
+        return drive(op, self._send, self.clock.sleep, self._io, self.session.ledger.run_many)
 
     def _send(self, call: Call[Any]) -> Any:
         self.calls += 1
@@ -88,9 +173,11 @@ class SimAgent:
         session_id: str,
         budget: SessionBudget,
         compaction_wait: float = 2.0,
+        clock: Clock = REAL,
     ) -> None:
         self.session = ledger.open_session(session_id, budget)
-        self.agent = _CountingAgent(self.session, compaction_wait)
+        self.clock = clock
+        self.agent = _CountingAgent(self.session, compaction_wait, clock)
         # A hard reset is raised to the scenario (StaleEpoch), which empties the simulated
         # context and counts it before the turn begins again (adopt_reset).
         self.agent.core.adopt_resets = False
@@ -167,8 +254,8 @@ class SimAgent:
         compaction, a failed one, or a hard reset (once the failures escalated to one,
         the reset itself), or a compaction staged under the last turn, which the next
         begin_turn lands. True if one arrived in time."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        deadline = self.clock.monotonic() + timeout_s
+        while self.clock.monotonic() < deadline:
             snap = self.snapshot()
             if (
                 not snap.compaction_pending
@@ -182,7 +269,7 @@ class SimAgent:
                 )
             ):
                 return True
-            time.sleep(POLL_S)
+            self.clock.sleep(POLL_S)
         return False
 
     def adopt_reset(self) -> int:

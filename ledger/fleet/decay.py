@@ -74,10 +74,11 @@ RECALL_MS, RETRIEVAL_MS = 50.0, 180.0
 COMPACT_MS, COMPACT_MS_PER_K = 120.0, 0.9
 REBUILD_MS = 700.0
 # Time in the demo runs at 1/50 of a real deployment's: the worker's summarizer call
-# (a model's 1 s + 5 ms per 1k tokens summarized) and the agent's bound on waiting for a
-# pending compaction before it asks for recall or retrieval (7.5 s). A streak of failed
-# compactions outlasts the wait, so the turn is judged against it.
-SUMMARIZE_S, SUMMARIZE_S_PER_K = 0.02, 0.0001
+# (a model's 3 s + 20 ms per 1k tokens summarized: 4.8 s for a 90k-token history) and
+# the agent's bound on waiting for a pending compaction before it asks for recall or
+# retrieval (7.5 s). A streak of failed compactions outlasts the wait, so the turn is
+# judged against it. On a stepped clock (the default run) both are simulated time.
+SUMMARIZE_S, SUMMARIZE_S_PER_K = 0.06, 0.0004
 AMORTIZE_TURNS = 9  # the naive arbiter's estimate of the turns a compaction lasts
 QUICK = 0.1  # share of turns the user answers at once (no think time)
 COMPACTION_WAIT_S = 0.15  # the agent's bound on waiting for a pending compaction
@@ -190,15 +191,27 @@ def summary_tokens(session_id: str, turn: int, items: Sequence[tuple[str, int]])
 
 
 def compactor(request: CompactionRequest) -> CompactionPlan:
-    """The worker's compactor for this scenario: every item from before the turn the
-    compaction prepares becomes one summary (a working-memory item). It takes the time
-    a summarizer's model call would, at the demo's time scale (SUMMARIZE_S...), so a
-    turn that begins at once finds its compaction still pending."""
+    """The worker's compactor for this scenario on the wall clock: :func:`summarize`,
+    taking the time a summarizer's model call would at the demo's time scale
+    (SUMMARIZE_S...), so a turn that begins at once finds its compaction still pending."""
+    time.sleep(summarize_seconds(request))
+    return summarize(request)
+
+
+def summarize_seconds(request: CompactionRequest) -> float:
+    """The time the summarizer's model call takes, at the demo's time scale."""
+    held = sum(i.tokens for i in request.items if i.turn < request.turn)
+    return SUMMARIZE_S + SUMMARIZE_S_PER_K * held / 1000 if held else 0.0
+
+
+def summarize(request: CompactionRequest) -> CompactionPlan:
+    """The scenario's summarizer: every item from before the turn the compaction
+    prepares becomes one summary (a working-memory item). On a stepped clock it is the
+    worker's compactor, timed by :func:`summarize_seconds` in simulated time
+    (``SteppedClock.timed``)."""
     old = [i for i in request.items if i.turn < request.turn]
     if not old:
         return CompactionPlan((), None)
-    held = sum(i.tokens for i in old)
-    time.sleep(SUMMARIZE_S + SUMMARIZE_S_PER_K * held / 1000)
     tokens = summary_tokens(request.session_id, request.turn, [(i.id, i.tokens) for i in old])
     return CompactionPlan(
         tuple((i.consumer, i.id) for i in old),

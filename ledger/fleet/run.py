@@ -1,8 +1,11 @@
 """Run the demo: each scenario under its naive arbiter and under the ledger.
 
-The ledger side of every scenario runs on the configured backend with the
-background worker (a thread of this process) compacting and resetting alongside;
-on embedded the agents are threads, on a Redis URL they are OS processes.
+The ledger side of every scenario runs on the configured backend with the ledger's
+background worker compacting and resetting. Scenario 001 (a fleet of sessions): on a
+Redis URL its agents are OS processes and the worker a thread of this process, on the
+wall clock; on embedded (the default run) its sessions run one after another on a
+stepped clock (``ledger.fleet.agent.SteppedClock``): the worker does its jobs in the
+agents' waits, so a seed gives the same figures on any machine, however loaded.
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -22,8 +24,9 @@ from ledger import schema
 from ledger.backends import parse_url
 from ledger.client import Ledger
 from ledger.fleet import decay, fanout, starvation, truncation, variants
-from ledger.fleet.agent import SimAgent
+from ledger.fleet.agent import REAL, Clock, SimAgent, SteppedClock
 from ledger.settings import LedgerSettings, require_url
+from ledger.workers.compactors import CompactionPlan, CompactionRequest
 from ledger.workers.runner import Worker, WorkerSettings
 
 CHECKPOINTS = (10, 60, 120)
@@ -32,7 +35,8 @@ DEFAULT_SESSIONS = 48
 LARGE_SESSIONS = 330
 TAIL_SESSIONS = 30  # drawn beyond turn 120, so the turn-120 figures rest on 30 or more
 TAIL_FROM = 120
-STAGGER_S = 0.5  # sessions start up to this many seconds apart
+STAGGER_S = 0.5  # sessions start up to this many seconds apart (on the wall clock)
+DAY_MS = 86_400_000
 
 T = TypeVar("T")
 # progress(stage, steps done): every stage of stages(config), each reported as it goes
@@ -123,6 +127,28 @@ def background_worker(
 ) -> Iterator[Worker]:
     """The ledger's worker in a thread; `credit=False`: its scripts without compaction
     credit (ledger/fleet/variants.py); `scripts`: these texts in place of the packaged."""
+    with demo_worker(settings, compactor, credit, scripts) as worker:
+        stop = threading.Event()
+        thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+        thread.start()
+        try:
+            yield worker
+        finally:
+            stop.set()
+            thread.join(10)
+
+
+@contextmanager
+def demo_worker(
+    settings: LedgerSettings,
+    compactor: str | Callable[[CompactionRequest], CompactionPlan],
+    credit: bool = True,
+    scripts: Mapping[str, str] | None = None,
+    claim_idle_ms: int = 2_000,
+) -> Iterator[Worker]:
+    """The ledger's worker as the demo configures it, not running: a thread runs it
+    (:func:`background_worker`) or a stepped clock steps it (``SteppedClock``, with
+    claims of idle jobs out of reach: they are timed on the wall clock)."""
     led = variants.load(Ledger.from_settings(settings), scripts or {})
     if not credit:
         variants.without_credit(led)
@@ -131,20 +157,16 @@ def background_worker(
         WorkerSettings(
             poll_interval=0.005,
             sweep_interval=0.5,
-            claim_idle_ms=2_000,
+            claim_idle_ms=claim_idle_ms,
             consumer=f"demo-{uuid.uuid4().hex[:6]}",
-            compactor=compactor,
+            compactor=compactor if isinstance(compactor, str) else None,
         ),
+        compactor=None if isinstance(compactor, str) else compactor,
     )
     worker.ensure_groups()
-    stop = threading.Event()
-    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
-    thread.start()
     try:
         yield worker
     finally:
-        stop.set()
-        thread.join(10)
         led.close()
 
 
@@ -175,12 +197,13 @@ class DecayJob:
     scripts: Mapping[str, str] = field(default_factory=dict)  # FleetConfig.scripts
 
 
-def _decay_one(job: DecayJob) -> tuple[decay.SessionRun, int]:
-    time.sleep(job.start_s)
+def _decay_one(job: DecayJob, clock: Clock = REAL) -> tuple[decay.SessionRun, int]:
+    if clock is REAL:
+        time.sleep(job.start_s)
     with variants.load(Ledger.from_settings(job.settings), job.scripts) as led:
         if not job.credit:
             variants.without_credit(led)
-        agent = SimAgent(led, job.session_id, decay.BUDGET)
+        agent = SimAgent(led, job.session_id, decay.BUDGET, clock=clock)
         run = decay.run_ledger(agent, decay.plan(job.seed, job.index, job.turns))
         run.tail = job.tail
         return run, agent.calls
@@ -198,27 +221,23 @@ def decay_fleet_plan(config: FleetConfig) -> list[tuple[str, int, int, bool]]:
     return out
 
 
+def stepped(settings: LedgerSettings) -> bool:
+    """Whether scenario 001 runs on a stepped clock: on embedded (one process, the
+    default run and the CI gate), so that a seed gives the same figures on any machine.
+    On a Redis URL its agents are OS processes beside a worker thread, on the wall clock."""
+    return parse_url(require_url(settings)).kind == "embedded"
+
+
 def _pool_map(
-    settings: LedgerSettings,
-    fn: Callable[[Any], T],
-    jobs: Sequence[Any],
-    workers: int,
-    progress: Progress,
+    fn: Callable[[Any], T], jobs: Sequence[Any], workers: int, progress: Progress
 ) -> list[T]:
-    """fn over jobs: threads on embedded, spawned processes on a Redis server."""
+    """fn over jobs in spawned processes (the agents on a Redis server)."""
     out: list[T] = []
-    if parse_url(require_url(settings)).kind == "embedded":
-        with ThreadPoolExecutor(workers) as pool:
-            for r in pool.map(fn, jobs):
-                out.append(r)
-                if progress:
-                    progress("001 compaction-decay sessions", 1)
-    else:
-        with multiprocessing.get_context("spawn").Pool(workers) as pool:
-            for r in pool.imap(fn, jobs):
-                out.append(r)
-                if progress:
-                    progress("001 compaction-decay sessions", 1)
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        for r in pool.imap(fn, jobs):
+            out.append(r)
+            if progress:
+                progress("001 compaction-decay sessions", 1)
     return out
 
 
@@ -248,11 +267,24 @@ def _decay_fleet(
         ),
         key=lambda j: -j.turns,
     )
-    with background_worker(
-        settings, "ledger.fleet.decay:compactor", credit, config.scripts
-    ) as worker:
-        results = _pool_map(settings, _decay_one, jobs, config.workers, progress)
-        totals = _metric_totals(worker)
+    if stepped(settings):
+        # One session after another on a clock their waits step: the same figures on any
+        # machine, however loaded (the worker's jobs land in the agents' waits).
+        clock = SteppedClock()
+        timed = clock.timed(decay.summarize, decay.summarize_seconds)
+        with demo_worker(settings, timed, credit, config.scripts, DAY_MS) as clock.worker:
+            results = []
+            for job in jobs:
+                results.append(_decay_one(job, clock))
+                if progress:
+                    progress("001 compaction-decay sessions", 1)
+            totals = _metric_totals(clock.worker)
+    else:
+        with background_worker(
+            settings, "ledger.fleet.decay:compactor", credit, config.scripts
+        ) as worker:
+            results = _pool_map(_decay_one, jobs, config.workers, progress)
+            totals = _metric_totals(worker)
     by_id = {r.session_id: (r, c) for r, c in results}
     runs = [by_id[j.session_id][0] for j in sorted(jobs, key=lambda j: j.index)]
     return runs, sum(c for _, c in results), [j.session_id for j in jobs], totals
