@@ -28,6 +28,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "ledger.settings",
             "ledger.keys",
             "ledger.models",
+            "ledger.models.*",
             "ledger.schema",
             "ledger.scripts",
             "ledger._version",
