@@ -71,7 +71,17 @@ LAYERS: list[tuple[str, list[str]]] = [
         ],
     ),
     ("fleet", ["ledger.fleet", "ledger.fleet.*"]),
-    ("top", ["ledger", "ledger.views", "ledger.cli", "ledger.cli.*", "ledger.testing"]),
+    (
+        "top",
+        [
+            "ledger",
+            "ledger.views",
+            "ledger.views.*",
+            "ledger.cli",
+            "ledger.cli.*",
+            "ledger.testing",
+        ],
+    ),
 ]
 
 
