@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "ledger.models",
             "ledger.models.*",
             "ledger.schema",
+            "ledger.schema.*",
             "ledger.scripts",
             "ledger._version",
         ],

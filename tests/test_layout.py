@@ -73,7 +73,6 @@ STILL_OVER = {
     "ledger/agent/core.py",
     "ledger/core.py",
     "ledger/fleet/report.py",
-    "ledger/schema.py",
 }
 
 
@@ -147,7 +146,7 @@ def test_the_contributing_map_names_every_module_and_folder() -> None:
     # The subpackages' modules, each named in its folder's row (the worker's in its
     # __init__.py, which the row points to).
     rows = {line.split("`")[1]: line for line in table.splitlines() if line.startswith("| `")}
-    for folder in ("agent", "adapters", "cli", "fleet", "models", "views", "workers"):
+    for folder in ("agent", "adapters", "cli", "fleet", "models", "schema", "views", "workers"):
         row = rows[f"ledger/{folder}/"]
         if folder == "workers":
             row = (package / folder / "__init__.py").read_text()
