@@ -5,7 +5,7 @@
 -- `local` definitions at top level: each is cut with the comment lines above it.
 -- Nothing here builds a key name: keys arrive only through KEYS.
 --
--- BEGIN SCHEMA LEGEND (generated from ledger/schema.py by `python tools/legend.py`)
+-- BEGIN SCHEMA LEGEND (generated from ledger/schema/ by `python tools/legend.py`)
 -- Consumer letters <c> (a letter means a consumer only): w working memory, r retrieval,
 -- m recall, s scratchpad. The claim groups are named by their consumers' letters:
 -- a_w/F_w working memory, a_rm/F_rm the memory group (retrieval r + recall m), a_s

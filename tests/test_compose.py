@@ -335,7 +335,7 @@ def test_dockerfile_copies_enough_to_build_the_wheel(tmp_path: Path) -> None:
     )
     (wheel,) = out.glob("*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"ledger/cli.py", "ledger/workers/runner.py", "ledger/lua/_common.lua"} <= names
+    assert {"ledger/cli/__init__.py", "ledger/workers/runner.py", "ledger/lua/_common.lua"} <= names
 
 
 # --- the commands, run on this machine's redis-server ----------------------------------

@@ -28,7 +28,9 @@ LAYERS: list[tuple[str, list[str]]] = [
             "ledger.settings",
             "ledger.keys",
             "ledger.models",
+            "ledger.models.*",
             "ledger.schema",
+            "ledger.schema.*",
             "ledger.scripts",
             "ledger._version",
         ],
@@ -70,7 +72,17 @@ LAYERS: list[tuple[str, list[str]]] = [
         ],
     ),
     ("fleet", ["ledger.fleet", "ledger.fleet.*"]),
-    ("top", ["ledger", "ledger.views", "ledger.cli", "ledger.testing"]),
+    (
+        "top",
+        [
+            "ledger",
+            "ledger.views",
+            "ledger.views.*",
+            "ledger.cli",
+            "ledger.cli.*",
+            "ledger.testing",
+        ],
+    ),
 ]
 
 

@@ -151,3 +151,24 @@ def test_results_of_four_fields_or_more_are_built_by_name() -> None:
         cls = getattr(ledger, name)
         if dataclasses.is_dataclass(cls) and len(dataclasses.fields(cls)) >= 4:
             assert all(f.kw_only for f in dataclasses.fields(cls)), name
+
+
+def test_every_model_of_the_models_modules_is_exported() -> None:
+    """ledger/models/ is one module a kind of model, and ``ledger.models`` names each
+    class they define (in ``__all__``, exported by ``ledger``): one left out fails here."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    defined = set()
+    for info in pkgutil.iter_modules(ledger.models.__path__):
+        module = importlib.import_module(f"ledger.models.{info.name}")
+        defined |= {
+            name
+            for name, obj in vars(module).items()
+            if inspect.isclass(obj) and obj.__module__ == module.__name__ and name[0] != "_"
+        }
+    assert len(defined) >= 40
+    assert defined == set(ledger.models.__all__)
+    for name in defined:
+        assert getattr(ledger.models, name) is getattr(ledger, name)

@@ -1,5 +1,5 @@
 """Each operation is defined once: its Lua script, its builder and parser (protocol.py),
-its result model (models.py) and one typed method of SessionCore (core.py). The sync
+its result model (ledger/models/) and one typed method of SessionCore (core.py). The sync
 and asyncio faces, the scripts a ledger registers and the package's exports follow
 with no line per operation; one body retries and translates for both faces."""
 
@@ -133,7 +133,7 @@ def test_the_package_exports_every_model() -> None:
 
 
 @dataclass(frozen=True)
-class Probed:  # models.py: the result
+class Probed:  # ledger/models/: the result
     epoch: int
 
 

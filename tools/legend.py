@@ -1,10 +1,10 @@
-"""Write the schema legend of ``_common.lua`` from ``ledger/schema.py``.
+"""Write the schema legend of ``_common.lua`` from ``ledger/schema/``.
 
 ``python tools/legend.py`` (a script of the repository, not shipped in the wheel)
 rewrites the block between the legend markers of the scripts' ``_common.lua`` (the
 checkout's ``lua/_common.lua``, found through :func:`ledger.scripts.lua_dir`); ``--check``
 writes nothing and exits 1 when the block is stale (run by ``.ci/run`` and
-tests/test_schema.py). Edit a field in ledger/schema.py, never in the legend.
+tests/test_schema.py). Edit a field in ledger/schema/, never in the legend.
 
 It also writes the line ``local VERSION, OLDEST_LAYOUT, LAYOUT = ...`` of ``_common.lua``
 from ``ledger/protocol.py`` (``VERSION``, ``OLDEST_LAYOUT``, ``LAYOUT``): the versions are defined
