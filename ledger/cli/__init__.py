@@ -119,7 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--large", action="store_true", help="the large fleet for scenario 001 (330 sessions)"
     )
-    d.add_argument("--workers", type=int, default=4, help="fleet workers (default 4)")
+    d.add_argument(
+        "--workers",
+        type=int,
+        default=4,
+        help="agent processes on a Redis URL (default 4; on embedded, scenario 001's sessions "
+        "run one after another on a stepped clock)",
+    )
     d.add_argument("--max-turns", type=int, default=130, help="cap on session length")
     d.add_argument("--seed", type=int, default=7)
     d.add_argument("--json", action="store_true", help="print the results as JSON")
