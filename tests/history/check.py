@@ -26,8 +26,9 @@ an unknown outcome may be either. From that, each anomaly below is a broken rule
   a summary replaced meanwhile by a later one comes as one of the items that one
   replaced, and so do the items it had replaced); ``lost`` also names a
   delivered summary not held at the end (nor replaced by a later one). What a summary
-  replaced is known from the turn it was delivered to; the run ends with one turn per
-  session of its own, so that every summary made is delivered.
+  replaced is known from the turn it was delivered to; the run ends with turns of its
+  own on each session, until nothing is pending or queued, so that every summary made is
+  delivered.
 - ``reservation``: a reservation ended twice (settled and voided, or settled twice
   under different op ids), or still open at the end (after its lease and a sweep).
 """
