@@ -177,3 +177,45 @@ def test_a_reset_drops_what_came_before_it() -> None:
     assert check(history, after).kinds() == {"phantom"}
     same = {"s": Final(items={}, open_reservations=0, clean=True, free=100, epoch=1)}
     assert check(history, same).kinds() == {"lost"}
+
+
+def plan(n: int, summary: str, *replaced: str, t: float) -> Rec:
+    """A compaction the worker planned (compactor.py): its outcome unknown."""
+    a = {"summary": summary, "turn": 0, "epoch": 1, "replaced": [["w", i] for i in replaced]}
+    return Rec("worker", n, "compact", "s", summary, a, t)
+
+
+def test_a_summary_replaced_while_queued_again_leaves_the_queue() -> None:
+    """CI's seed 12 under load: a summary S was delivered to a turn that was rolled back,
+    so S was queued again; before a turn took the queue (the begins refused, the session
+    full), the worker compacted the session more than once, each time replacing all its
+    working memory but the two newest items, and a later compaction replaced S. A summary
+    not delivered yet that a compaction replaces leaves the queue (docs/compaction.md):
+    the next begin is given the later summary T and what S replaced (x), no begin ever
+    names S again, and S is not held. Legal; the checker reported S 'delivered only to
+    rolled-back turns' and 'delivered, not held at the end' until it read the worker's
+    plans."""
+    history = [
+        *turn("A", 1, 1, 0.0, summaries=["S"], dropped=[["w", "x"]], ended=False),
+        plan(1, "T", "S", "y", t=0.5),
+        *turn("B", 10, 2, 2.0, summaries=["T"], dropped=[["w", "x"], ["w", "y"]]),
+    ]
+    assert check(history, held(T=5)).anomalies == []
+    # without the plan that replaced S: the anomalies CI saw
+    assert check(history[:-3] + history[-2:], held(T=5)).anomalies == [
+        ("summary", "S of s delivered only to rolled-back turns"),
+        ("lost", "summary S of s delivered, not held at the end"),
+    ]
+    # still held at the end (the compaction did not land, say): S never reached a turn
+    assert check(history, held(S=5, T=5)).kinds() == {"summary"}
+    # a plan that replaced another summary does not account for S
+    other = [*history[:1], plan(1, "T", "R", "y", t=0.5), *history[2:]]
+    assert check(other, held(T=5)).kinds() == {"summary", "lost"}
+    # S reached a committed turn first: it was no longer queued when replaced, so the
+    # replacement must name it among the next begin's dropped items
+    committed = [
+        *turn("A", 1, 1, 0.0, summaries=["S"], dropped=[["w", "x"]]),
+        plan(1, "T", "S", "y", t=0.5),
+        *turn("B", 10, 2, 2.0, summaries=["T"], dropped=[["w", "y"]]),
+    ]
+    assert check(committed, held(T=5)).kinds() == {"lost"}

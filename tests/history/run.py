@@ -110,6 +110,10 @@ class Fleet:
             "LEDGER_REDIS_URL": self.direct,
             "LEDGER_PREFIX": self.prefix,
             "LEDGER_WORKER_SWEEP_INTERVAL": "0.2",
+            # the simulated compactor, each plan recorded for the checker (compactor.py)
+            "LEDGER_WORKER_COMPACTOR": "tests.history.compactor:recording",
+            "HISTORY_COMPACTIONS": str(self.dir / "worker.compactions.jsonl"),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         }
         self.worker = spawn_worker(f"hw{self.done['kill_worker']}", env, self.dir / "worker.log")
 
