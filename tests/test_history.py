@@ -219,3 +219,20 @@ def test_a_summary_replaced_while_queued_again_leaves_the_queue() -> None:
         *turn("B", 10, 2, 2.0, summaries=["T"], dropped=[["w", "y"]]),
     ]
     assert check(committed, held(T=5)).kinds() == {"lost"}
+
+
+def test_a_compaction_delivered_to_a_begin_of_unknown_outcome() -> None:
+    """Seed 12 under load: the worker replaced x (a committed turn's) with S, and the next
+    begin, whose reply was lost (Redis killed), was handed S and x; its owner began again,
+    which ended that turn as it stood. No reply names S or x: x is gone and S held,
+    legally. Not so when that begin had given up before the compaction was planned."""
+    history = [
+        *turn("A", 1, 1, 0.0, admit("A", 2, "x", 1, 0.1)),
+        plan(1, "S", "x", t=1.0),
+        call("B", 10, "begin_turn", {}, 1.1, None),
+        *turn("B", 20, 3, 2.0),
+    ]
+    assert check(history, held(S=5)).anomalies == []
+    gave_up = [*history[:4], call("B", 10, "begin_turn", {}, 0.5, None), *history[5:]]
+    assert check(gave_up, held(S=5)).kinds() == {"lost", "phantom"}
+    assert check([*history[:4], *history[5:]], held(S=5)).kinds() == {"lost", "phantom"}

@@ -14,11 +14,13 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 from itertools import count
 
 from ledger.workers.compactors import CompactionPlan, CompactionRequest, simulated
 
 _n = count(1)
+_me = f"worker-{uuid.uuid4().hex[:8]}"  # (a pid may come again: one name a process)
 
 
 def recording(request: CompactionRequest) -> CompactionPlan:
@@ -26,7 +28,7 @@ def recording(request: CompactionRequest) -> CompactionPlan:
     path = os.environ.get("HISTORY_COMPACTIONS")
     if plan.summary is not None and path:
         line = {
-            "k": "inv", "p": f"worker{os.getpid()}", "n": next(_n), "op": "compact",
+            "k": "inv", "p": _me, "n": next(_n), "op": "compact",
             "sid": request.session_id, "id": plan.summary.id,
             "a": {"summary": plan.summary.id, "turn": request.turn, "epoch": request.epoch,
                   "replaced": [[c.code, i] for c, i in plan.replaced]},
