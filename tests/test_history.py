@@ -219,6 +219,19 @@ def test_a_summary_replaced_while_queued_again_leaves_the_queue() -> None:
         *turn("B", 10, 2, 2.0, summaries=["T"], dropped=[["w", "y"]]),
     ]
     assert check(committed, held(T=5)).kinds() == {"lost"}
+    # As a kept run showed it (seed 206, a window of 2,000, slow turns): S and two later
+    # summaries U, V were delivered to a turn of unknown outcome, then, that turn taken
+    # over, to one rolled back; a compaction planned under the second replaced S (older
+    # than U and V): the next begin was given U, V and T.
+    unknown_first = [
+        *turn("A", 1, 1, 0.0, summaries=["S", "U", "V"], ended=None),
+        *turn("B", 10, 2, 1.0, summaries=["S", "U", "V"], ended=False),
+        plan(1, "T", "S", t=1.1),
+        *turn("C", 20, 3, 2.0, summaries=["U", "V", "T"]),
+    ]
+    assert check(unknown_first, held(U=5, V=5, T=5)).anomalies == []
+    without = [r for r in unknown_first if r.op != "compact"]
+    assert check(without, held(U=5, V=5, T=5)).kinds() == {"lost"}
 
 
 def test_a_compaction_delivered_to_a_begin_of_unknown_outcome() -> None:
