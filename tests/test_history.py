@@ -186,15 +186,16 @@ def plan(n: int, summary: str, *replaced: str, t: float) -> Rec:
 
 
 def test_a_summary_replaced_while_queued_again_leaves_the_queue() -> None:
-    """CI's seed 12 under load: a summary S was delivered to a turn that was rolled back,
-    so S was queued again; before a turn took the queue (the begins refused, the session
-    full), the worker compacted the session more than once, each time replacing all its
-    working memory but the two newest items, and a later compaction replaced S. A summary
-    not delivered yet that a compaction replaces leaves the queue (docs/compaction.md):
-    the next begin is given the later summary T and what S replaced (x), no begin ever
-    names S again, and S is not held. Legal; the checker reported S 'delivered only to
-    rolled-back turns' and 'delivered, not held at the end' until it read the worker's
-    plans."""
+    """CI's seed 12 under load (and seed 210 with a window of 2,000 and more slow turns,
+    kept and traced): the worker compacted a session three times between two turns, so
+    S and two later summaries were queued together and delivered to a turn whose lease
+    then lapsed; a compaction planned under that turn replaced S (the simulated
+    compactor keeps the two newest items of working memory), staged, and landed with the
+    begin that rolled the turn back, S queued again by then. A summary not delivered yet
+    that a compaction replaces leaves the queue (docs/compaction.md): the next begin is
+    given the later summaries and what S replaced, no begin ever names S again, and S is
+    not held. Legal; the checker reported S 'delivered only to rolled-back turns' and
+    'delivered, not held at the end' until it read the worker's plans."""
     history = [
         *turn("A", 1, 1, 0.0, summaries=["S"], dropped=[["w", "x"]], ended=False),
         plan(1, "T", "S", "y", t=0.5),
@@ -219,10 +220,9 @@ def test_a_summary_replaced_while_queued_again_leaves_the_queue() -> None:
         *turn("B", 10, 2, 2.0, summaries=["T"], dropped=[["w", "y"]]),
     ]
     assert check(committed, held(T=5)).kinds() == {"lost"}
-    # As a kept run showed it (seed 206, a window of 2,000, slow turns): S and two later
-    # summaries U, V were delivered to a turn of unknown outcome, then, that turn taken
-    # over, to one rolled back; a compaction planned under the second replaced S (older
-    # than U and V): the next begin was given U, V and T.
+    # Seed 206 (a window of 2,000, slow turns): S, U, V delivered to a turn of unknown
+    # outcome, then, that one taken over, to one rolled back; a compaction planned under
+    # the second replaced S: the next begin was given U, V and T.
     unknown_first = [
         *turn("A", 1, 1, 0.0, summaries=["S", "U", "V"], ended=None),
         *turn("B", 10, 2, 1.0, summaries=["S", "U", "V"], ended=False),
