@@ -177,3 +177,75 @@ def test_a_reset_drops_what_came_before_it() -> None:
     assert check(history, after).kinds() == {"phantom"}
     same = {"s": Final(items={}, open_reservations=0, clean=True, free=100, epoch=1)}
     assert check(history, same).kinds() == {"lost"}
+
+
+def plan(n: int, summary: str, *replaced: str, t: float) -> Rec:
+    """A compaction the worker planned (compactor.py): its outcome unknown."""
+    a = {"summary": summary, "turn": 0, "epoch": 1, "replaced": [["w", i] for i in replaced]}
+    return Rec("worker", n, "compact", "s", summary, a, t)
+
+
+def test_a_summary_replaced_while_queued_again_leaves_the_queue() -> None:
+    """CI's seed 12 under load (and seed 210 with a window of 2,000 and more slow turns,
+    kept and traced): the worker compacted a session three times between two turns, so
+    S and two later summaries were queued together and delivered to a turn whose lease
+    then lapsed; a compaction planned under that turn replaced S (the simulated
+    compactor keeps the two newest items of working memory), staged, and landed with the
+    begin that rolled the turn back, S queued again by then. A summary not delivered yet
+    that a compaction replaces leaves the queue (docs/compaction.md): the next begin is
+    given the later summaries and what S replaced, no begin ever names S again, and S is
+    not held. Legal; the checker reported S 'delivered only to rolled-back turns' and
+    'delivered, not held at the end' until it read the worker's plans."""
+    history = [
+        *turn("A", 1, 1, 0.0, summaries=["S"], dropped=[["w", "x"]], ended=False),
+        plan(1, "T", "S", "y", t=0.5),
+        *turn("B", 10, 2, 2.0, summaries=["T"], dropped=[["w", "x"], ["w", "y"]]),
+    ]
+    assert check(history, held(T=5)).anomalies == []
+    # without the plan that replaced S: the anomalies CI saw
+    assert check(history[:-3] + history[-2:], held(T=5)).anomalies == [
+        ("summary", "S of s delivered only to rolled-back turns"),
+        ("lost", "summary S of s delivered, not held at the end"),
+    ]
+    # still held at the end (the compaction did not land, say): S never reached a turn
+    assert check(history, held(S=5, T=5)).kinds() == {"summary"}
+    # a plan that replaced another summary does not account for S
+    other = [*history[:1], plan(1, "T", "R", "y", t=0.5), *history[2:]]
+    assert check(other, held(T=5)).kinds() == {"summary", "lost"}
+    # S reached a committed turn first: it was no longer queued when replaced, so the
+    # replacement must name it among the next begin's dropped items
+    committed = [
+        *turn("A", 1, 1, 0.0, summaries=["S"], dropped=[["w", "x"]]),
+        plan(1, "T", "S", "y", t=0.5),
+        *turn("B", 10, 2, 2.0, summaries=["T"], dropped=[["w", "y"]]),
+    ]
+    assert check(committed, held(T=5)).kinds() == {"lost"}
+    # Seed 206 (a window of 2,000, slow turns): S, U, V delivered to a turn of unknown
+    # outcome, then, that one taken over, to one rolled back; a compaction planned under
+    # the second replaced S: the next begin was given U, V and T.
+    unknown_first = [
+        *turn("A", 1, 1, 0.0, summaries=["S", "U", "V"], ended=None),
+        *turn("B", 10, 2, 1.0, summaries=["S", "U", "V"], ended=False),
+        plan(1, "T", "S", t=1.1),
+        *turn("C", 20, 3, 2.0, summaries=["U", "V", "T"]),
+    ]
+    assert check(unknown_first, held(U=5, V=5, T=5)).anomalies == []
+    without = [r for r in unknown_first if r.op != "compact"]
+    assert check(without, held(U=5, V=5, T=5)).kinds() == {"lost"}
+
+
+def test_a_compaction_delivered_to_a_begin_of_unknown_outcome() -> None:
+    """Seed 12 under load: the worker replaced x (a committed turn's) with S, and the next
+    begin, whose reply was lost (Redis killed), was handed S and x; its owner began again,
+    which ended that turn as it stood. No reply names S or x: x is gone and S held,
+    legally. Not so when that begin had given up before the compaction was planned."""
+    history = [
+        *turn("A", 1, 1, 0.0, admit("A", 2, "x", 1, 0.1)),
+        plan(1, "S", "x", t=1.0),
+        call("B", 10, "begin_turn", {}, 1.1, None),
+        *turn("B", 20, 3, 2.0),
+    ]
+    assert check(history, held(S=5)).anomalies == []
+    gave_up = [*history[:4], call("B", 10, "begin_turn", {}, 0.5, None), *history[5:]]
+    assert check(gave_up, held(S=5)).kinds() == {"lost", "phantom"}
+    assert check([*history[:4], *history[5:]], held(S=5)).kinds() == {"lost", "phantom"}

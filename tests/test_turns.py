@@ -257,6 +257,38 @@ def test_a_worker_compaction_is_staged_under_a_turn_and_delivered_once(ledger: L
     assert ledger.audit(a.id).clean
 
 
+def test_a_summary_given_back_by_a_rollback_and_replaced_while_queued_leaves_the_queue(
+    ledger: Ledger,
+) -> None:
+    """A summary delivered to a turn that is rolled back is queued again; a compaction
+    that replaces it before a turn takes it again (staged under the dying turn and landed
+    by the begin that rolls it back, or committed between turns) takes it out of the
+    queue, as one never delivered: no later turn is given it, nor told to drop it, and
+    what it replaced comes with the later summary (the history checker relies on this)."""
+    a = loaded(ledger, "A")
+    worker_compaction(ledger, a, ["w1", (R, "r1")], Item("sum-1", 100, 1000))
+    t = a.begin_turn(0)
+    assert t.summaries == ("sum-1",) and set(t.dropped) == {(W, "w1"), (R, "r1")}
+    got = worker_compaction(ledger, a, ["sum-1", (M, "m1")], Item("sum-2", 90, 1000))
+    assert got.outcome == "staged"
+    b = ledger.session(a.id, owner="B")
+    t2 = b.begin_turn(0, takeover=True)  # A's turn rolled back, then the plan lands
+    assert t2.rolled_back == t.turn and t2.landed in ("compacted", "deferred", "failed"), t2
+    assert t2.summaries == ("sum-2",)
+    assert set(t2.dropped) == {(W, "w1"), (R, "r1"), (M, "m1")}
+    b.abort_turn()  # once more, now between turns
+    worker_compaction(ledger, a, ["sum-2", "w2"], Item("sum-3", 80, 1000))
+    t3 = a.begin_turn(0)
+    assert t3.summaries == ("sum-3",)
+    assert set(t3.dropped) == {(W, "w1"), (R, "r1"), (M, "m1"), (W, "w2")}
+    a.end_turn(t3.turn, 5_000)
+    held = {i.id for i in ledger.items(a.id)}
+    assert {"sum-1", "sum-2"}.isdisjoint(held) and "sum-3" in held
+    t4 = b.begin_turn(0)
+    assert t4.summaries == () and t4.dropped == ()
+    assert ledger.audit(a.id).clean
+
+
 def test_a_compaction_replaces_only_the_version_it_read(ledger: Ledger) -> None:
     """The compactor read w1 at one sequence number; w1 released and admitted again (new
     text) since: the commit leaves the new version."""

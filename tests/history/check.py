@@ -22,12 +22,22 @@ an unknown outcome may be either. From that, each anomaly below is a broken rule
   took effect (returned) although it was sent after another owner's later turn had
   begun (a turn has one owner at a time: the later begin rolled it back).
 - ``summary``: a worker's summary, or an item it replaced, delivered to two committed
-  turns, or only to turns that were rolled back (it must come again to a later turn:
-  a summary replaced meanwhile by a later one comes as one of the items that one
-  replaced, and so do the items it had replaced); ``lost`` also names a
-  delivered summary not held at the end (nor replaced by a later one). What a summary
-  replaced is known from the turn it was delivered to; the run ends with one turn per
-  session of its own, so that every summary made is delivered.
+  turns, or only to turns that were rolled back (it must come again to a later turn,
+  and so must the items it replaced); ``lost`` also names a delivered summary not held
+  at the end (nor named among the items a later delivery replaced). What a summary
+  replaced is known from the turn it was delivered to; the run ends with turns of its
+  own on each session, until nothing is pending or queued, so that every summary made is
+  delivered. A summary whose every delivery was (or may have been) rolled back is queued
+  again; a compaction that replaces it while it waits takes it out of the queue, and no
+  later begin names it, as a summary or as a replaced item (docs/compaction.md: a
+  summary not delivered yet that a later compaction replaces leaves the queue; what it
+  replaced stays queued, and is delivered with the later summary). No reply shows that
+  compaction: such a summary is no anomaly when it is not held at the end and one of the
+  worker's compactions planned to replace it (the worker's plans are records of op
+  ``compact``, see ``compactor.py``). Likewise a compaction's deliveries (its summary,
+  what it replaced) may go to a begin of unknown outcome, still unanswered when the
+  compaction was planned, whose turn its owner then ended by beginning again: what it
+  replaced may be gone, and its summary held, with no reply naming them.
 - ``reservation``: a reservation ended twice (settled and voided, or settled twice
   under different op ids), or still open at the end (after its lease and a sweep).
 """
@@ -122,6 +132,9 @@ def load(directory: Path) -> list[Rec]:
 
 
 def check(history: list[Rec], final: dict[str, Final]) -> Report:
+    # the worker's compaction plans (compactor.py): no calls of the clients, outcome unknown
+    plans = [r for r in history if r.op == "compact"]
+    history = [r for r in history if r.op != "compact"]
     rep = Report(calls=len(history))
     bad = rep.anomalies.append
     for r in history:
@@ -162,11 +175,13 @@ def check(history: list[Rec], final: dict[str, Final]) -> Report:
             ends[(r.sid, int(r.a["turn"]))].append(r)
     again: dict[str, list[Rec]] = defaultdict(list)  # sid -> begins sent (any outcome)
     hidden: dict[str, list[float]] = defaultdict(list)  # sid -> begins of unknown outcome
+    unresolved: dict[str, list[float | None]] = defaultdict(list)  # -> when they gave up
     for r in history:
         if r.op == "begin_turn":
             again[r.sid].append(r)
             if r.ok is None:
                 hidden[r.sid].append(r.t0)
+                unresolved[r.sid].append(r.t1)
     for key, bs in begins.items():
         if len({b.id for b in bs}) > 1:
             owners = sorted({b.p for b in bs})
@@ -249,6 +264,21 @@ def check(history: list[Rec], final: dict[str, Final]) -> Report:
                 if isinstance(b.r.get("epoch"), int):
                     delivered_ep[(sid, summary)] = b.r["epoch"]
     compacted = set(replaced)
+    # summaries a compaction of the worker's planned to replace (it may have committed)
+    planned = {(r.sid, i) for r in plans for c, i in r.a.get("replaced") or [] if c == "w"}
+    plan_at: dict[tuple[str, str], float] = {}  # what a plan replaced or made -> first plan
+    for r in sorted(plans, key=lambda r: r.t0):
+        for _, i in [*(r.a.get("replaced") or []), ["w", r.a.get("summary")]]:
+            plan_at.setdefault((r.sid, i), r.t0)
+
+    def taken_unseen(sid: str, item: str) -> bool:
+        """Whether a compaction of the worker's planned to replace ``item`` (or made it, a
+        summary) and a begin of unknown outcome, still unanswered when the plan was made,
+        may have been handed its delivery: no reply shows what that begin was given (its
+        owner may then end its turn by beginning again)."""
+        at = plan_at.get((sid, item))
+        return at is not None and any(t1 is None or t1 > at for t1 in unresolved[sid])
+
     seen: dict[str, set[int]] = defaultdict(set)
     for r in sorted(history, key=lambda r: r.t0):
         if r.ok and r.r and isinstance(r.r.get("epoch"), int) and r.p != "last":
@@ -280,8 +310,13 @@ def check(history: list[Rec], final: dict[str, Final]) -> Report:
         if states.count("committed") > 1:
             bad(("summary", f"{summary} of {sid} delivered to {states.count('committed')} "
                  "committed turns"))  # fmt: skip
-        # (a summary given back by a rollback and replaced by a later one before it came
-        # again is delivered as part of that one: named in its begin's replaced items)
+        held = sid in final and summary in final[sid].items
+        if "committed" not in states and not held and (sid, summary) in planned:
+            # every delivery (maybe) rolled back, so queued again, and replaced while it
+            # waited: it left the queue, and no later begin names it
+            continue
+        # (named among a later begin's replaced items: replaced after it reached a turn
+        # whose outcome no reply shows, or one that may have committed)
         if (
             "committed" not in states
             and "unknown" not in states
@@ -290,10 +325,9 @@ def check(history: list[Rec], final: dict[str, Final]) -> Report:
             and not reset(sid, summary)
         ):
             bad(("summary", f"{summary} of {sid} delivered only to rolled-back turns"))
-        held = sid in final and summary in final[sid].items
         if reset(sid, summary):
             continue  # a reset since dropped it
-        if not held and (sid, summary) not in compacted:
+        if not held and (sid, summary) not in compacted and not taken_unseen(sid, summary):
             bad(("lost", f"summary {summary} of {sid} delivered, not held at the end"))
     for (sid, item), recs in adds.items():
         held = final[sid].items.get(item) if sid in final else None
@@ -301,6 +335,8 @@ def check(history: list[Rec], final: dict[str, Final]) -> Report:
         gone = [status(r) for r in removes.get((sid, item), [])]
         if (sid, item) in compacted:
             gone.append("yes")
+        elif taken_unseen(sid, item):
+            gone.append("maybe")  # replaced, and delivered to a begin no reply shows
         epochs = {r.r["epoch"] for r, _ in recs if r.ok and r.r and "epoch" in r.r}
         if sid in final and epochs and max(epochs) < final[sid].epoch:
             # a reset since (the worker's, after failed compactions) dropped everything
@@ -319,6 +355,8 @@ def check(history: list[Rec], final: dict[str, Final]) -> Report:
         if held is not None and held != tokens:
             bad(("lost", f"{item} of {sid} held with {held} tokens, admitted with {tokens}"))
     known = {key for key in adds} | set(delivered)
+    # (a summary made, delivered to a begin no reply shows)
+    known |= {(r.sid, r.a["summary"]) for r in plans if taken_unseen(r.sid, r.a["summary"])}
     for sid, f in final.items():
         for item in f.items:
             if (sid, item) not in known:

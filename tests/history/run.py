@@ -34,7 +34,7 @@ from pathlib import Path
 
 import redis
 
-from ledger import Ledger, LedgerSettings, SessionBudget
+from ledger import Ledger, LedgerSettings, Session, SessionBudget, schema
 from ledger.testing import (
     ClusterNodes,
     RedisProcess,
@@ -110,6 +110,10 @@ class Fleet:
             "LEDGER_REDIS_URL": self.direct,
             "LEDGER_PREFIX": self.prefix,
             "LEDGER_WORKER_SWEEP_INTERVAL": "0.2",
+            # the simulated compactor, each plan recorded for the checker (compactor.py)
+            "LEDGER_WORKER_COMPACTOR": "tests.history.compactor:recording",
+            "HISTORY_COMPACTIONS": str(self.dir / "worker.compactions.jsonl"),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         }
         self.worker = spawn_worker(f"hw{self.done['kill_worker']}", env, self.dir / "worker.log")
 
@@ -249,12 +253,20 @@ def open_sessions(
     raise RuntimeError("no session of the victim's slots")
 
 
+def undelivered(led: Ledger, s: Session) -> bool:
+    """Whether the session has deliveries queued for its next turn, or a staged compaction
+    that lands at it."""
+    fields = (schema.QUEUED_SUMMARIES, schema.QUEUED_DROPS, schema.STAGED_COMPACTION)
+    return any(led.client.hmget(s.keys.session, list(fields)))
+
+
 def final_state(
     url: str, prefix: str, sids: list[str], d: Path, worker: bool = True
 ) -> dict[str, Final]:
-    """Every lease swept, then for each session one last turn of the checker's own
-    (recorded, so the summaries not delivered yet are; with a ``worker``, once it has
-    no compaction pending), then what the session holds."""
+    """Every lease swept, then for each session last turns of the checker's own
+    (recorded, so the summaries not delivered yet are; with a ``worker``, each once it
+    has no compaction pending, until none is pending and nothing is queued after the
+    last), then what the session holds."""
     out = {}
     with Ledger.from_settings(LedgerSettings(redis_url=url, prefix=prefix)) as led:
         for p in range(led.keyspace.partitions):
@@ -263,7 +275,7 @@ def final_state(
         rec = Recorder(d / "last.jsonl", "last")
         for sid in sids:
             s = led.session(sid, owner="last")
-            for _ in range(3):  # until no compaction is pending after the last turn
+            for _ in range(5):
                 deadline = time.monotonic() + (10 if worker else 0)
                 while s.snapshot().compaction_pending and time.monotonic() < deadline:
                     time.sleep(0.1)
@@ -272,7 +284,9 @@ def final_state(
                     rec.call(
                         led, "end_turn", sid, s.end_turn_call(began.turn, 1), {"turn": began.turn}
                     )
-                if not worker or not s.snapshot().compaction_pending:
+                # (a compaction pending at this turn may commit as soon as it ends: not
+                # pending any more, its summary queued for a turn still to come)
+                if not worker or not (s.snapshot().compaction_pending or undelivered(led, s)):
                     break
         os.close(rec.fd)
         for sid in sids:
