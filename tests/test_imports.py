@@ -34,7 +34,20 @@ LAYERS: list[tuple[str, list[str]]] = [
         ],
     ),
     ("wire", ["ledger.protocol", "ledger.backends", "ledger.health"]),
-    ("core", ["ledger.core", "ledger.agent.core", "ledger.agent.counters", "ledger.agent.lease"]),
+    (
+        "core",
+        [
+            "ledger.core",
+            "ledger.handles",
+            "ledger.operations",
+            "ledger.session_calls",
+            "ledger.batches",
+            "ledger.allowance",
+            "ledger.agent.core",
+            "ledger.agent.counters",
+            "ledger.agent.lease",
+        ],
+    ),
     (
         "faces",
         [
