@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from ledger import Agent, EstimatingCounter, Ledger, SessionBudget, TiktokenCounter
-from ledger.agent.core import CALIBRATION, _calibration, _solve
+from ledger.agent.calibration import CALIBRATION, _calibration, _solve
 from ledger.agent.counters import Calibrated, content_kind
 from ledger.errors import BillingDriftWarning, InvalidArgument, TurnInProgress
 

@@ -36,7 +36,27 @@ LAYERS: list[tuple[str, list[str]]] = [
         ],
     ),
     ("wire", ["ledger.protocol", "ledger.backends", "ledger.health"]),
-    ("core", ["ledger.core", "ledger.agent.core", "ledger.agent.counters", "ledger.agent.lease"]),
+    (
+        "core",
+        [
+            "ledger.core",
+            "ledger.handles",
+            "ledger.operations",
+            "ledger.session_calls",
+            "ledger.batches",
+            "ledger.allowance",
+            "ledger.agent.core",
+            "ledger.agent.effects",
+            "ledger.agent.ids",
+            "ledger.agent.turns",
+            "ledger.agent.calibration",
+            "ledger.agent.items",
+            "ledger.agent.billing",
+            "ledger.agent.admission",
+            "ledger.agent.counters",
+            "ledger.agent.lease",
+        ],
+    ),
     (
         "faces",
         [

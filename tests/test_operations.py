@@ -1,6 +1,6 @@
 """Each operation is defined once: its Lua script, its builder and parser (protocol.py),
-its result model (ledger/models/) and one typed method of SessionCore (core.py). The sync
-and asyncio faces, the scripts a ledger registers and the package's exports follow
+its result model (ledger/models/) and one typed method of SessionCore (session_calls.py).
+The sync and asyncio faces, the scripts a ledger registers and the package's exports follow
 with no line per operation; one body retries and translates for both faces."""
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def probe(keys: SessionKeys) -> Call[Probed]:  # protocol.py: builder and parser
     return Call("probe", (keys.session,), (), lambda r: Probed(int(r["epoch"])))
 
 
-def probe_call(self: SessionCore) -> Call[Probed]:  # core.py: the session method
+def probe_call(self: SessionCore) -> Call[Probed]:  # session_calls.py: the session method
     """The session's epoch, read by the probe script."""
     return probe(self.keys)
 
