@@ -1,0 +1,305 @@
+"""The demo's summary (:func:`ledger.fleet.report.summarize`) as rows, one a measure: one
+wide table, or blocks of text for a narrow terminal, and the footer under either."""
+
+from __future__ import annotations
+
+import math
+import textwrap
+from typing import Any
+
+from rich.table import Table
+
+from ledger.fleet.run import CHECKPOINTS, WINDOW_TURNS
+
+
+def _f(x: float | None, fmt: str = ".2f") -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def _rate(a: dict[str, Any], turn: int) -> str:
+    c = a["retrieval_admission"][str(turn)]
+    if c["rate"] is None:
+        return "n/a (no session that long)"
+    return f"{c['rate']:.2f} ({c['sessions']} sessions, {c['turns']} turns)"
+
+
+COLUMNS = (
+    "scenario",
+    "measure",
+    "the record's figures",
+    "naive arbiter",
+    "ledger",
+    "ledger without its rule",
+)
+Row = tuple[str, str, str, str, str, str]
+
+
+def _refusals(a: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(a["retrieval_refusals"].items())) or "none"
+
+
+def _interval(a: dict[str, Any]) -> str:
+    iv = a["compaction_interval"]
+    return f"{_f(iv['early'], '.1f')} / {_f(iv['late'], '.1f')}"
+
+
+def _post(a: dict[str, Any]) -> str:
+    post = a["post_compaction_occupancy"]
+    return f"{_f(post['first'])} / {_f(post['late'])}"
+
+
+def _slo(a: dict[str, Any]) -> str:
+    return f"{100 * a['slo']['over_share']:.2f}% (p95 {_f(a['slo']['p95_ms'], '.0f')} ms)"
+
+
+def _decay_rows(n: dict[str, Any], lg: dict[str, Any], o: dict[str, Any] | None) -> list[Row]:
+    def off(f: Any) -> str:
+        return f(o) if o else ""
+
+    t: list[Row] = []
+    rec_rates = {10: "0.91 -> 0.88-0.94", 60: "0.34 -> 0.88-0.94", 120: "0.07 -> 0.88-0.94"}
+    for turn in CHECKPOINTS:
+        t.append(
+            (
+                "001 compaction-decay" if turn == CHECKPOINTS[0] else "",
+                f"turns with retrieval in the prompt, turn {turn}±{WINDOW_TURNS}",
+                rec_rates[turn],
+                _rate(n, turn),
+                _rate(lg, turn),
+                _rate(o, turn) if o else "",
+            )
+        )
+
+    def lowest(a: dict[str, Any]) -> str:
+        low = a["retrieval_min"]
+        return "n/a" if low is None else f"{low['rate']:.2f} (turn {low['turn']})"
+
+    t.append(
+        (
+            "",
+            "lowest of those, any turn with 10+ sessions alive",
+            "0.07 -> 0.88 (the cure holds throughout)",
+            lowest(n),
+            lowest(lg),
+            off(lowest),
+        )
+    )
+    t.append(
+        (
+            "",
+            "compaction interval, early / after turn 80 (turns)",
+            "~9 / ~3 -> ~18",
+            _interval(n),
+            _interval(lg),
+            off(_interval),
+        )
+    )
+    t.append(
+        (
+            "",
+            "occupancy after compaction, first / late (window)",
+            "creeps upward",
+            _post(n),
+            _post(lg),
+            off(_post),
+        )
+    )
+    head = n["refusal_latency_headroom_ms"]
+    t.append(
+        (
+            "",
+            "retrieval refusals (reason)",
+            "token_budget_exhausted with ~180 ms headroom -> compaction_pending",
+            _refusals(n) + (f"; headroom >= {head['min']:.0f} ms" if head else ""),
+            _refusals(lg),
+            off(_refusals),
+        )
+    )
+    t.append(
+        (
+            "",
+            "turns over the 900 ms SLO",
+            "none (p95 780-860) -> ~1.4%, the reset turns",
+            _slo(n),
+            f"{_slo(lg)}; {lg['slo']['over_not_compaction_or_reset']} not a compaction "
+            "or reset turn",
+            off(_slo),
+        )
+    )
+    t.append(
+        (
+            "",
+            "hard resets / failed compactions",
+            "escalate after 3 failures",
+            f"0 / {n['compactions']} compactions never checked",
+            f"{lg['resets']} / {lg['failed_compactions']}",
+            off(lambda a: f"{a['resets']} / none judged"),
+        )
+    )
+    return t
+
+
+def _starvation_rows(
+    ns: dict[str, Any], ls: dict[str, Any], os_: dict[str, Any] | None
+) -> list[Row]:
+    return [
+        (
+            "000 starvation",
+            "turns after turn 5 short of their working set",
+            "utilization 0.58-0.64, residual 2-3k vs ~6k",
+            f"{ns['short_turns']}/{ns['turns_after_5']} silent (up to "
+            f"{ns['longest_short_run']} in a row), utilization "
+            f"{ns['utilization'][0]:.2f}-{ns['utilization'][1]:.2f}, residual "
+            f"{ns['residual_mean']:.0f} vs {ns['working_set_mean']:.0f}; one consumer "
+            "released each turn: "
+            + ", ".join(
+                f"{c} {x['short_turns']} ({x['short_regular_steps']} not a large step)"
+                for c, x in sorted(ns["released_each_turn"].items())
+            ),
+            f"{ls['regimes'].get('starvation', 0)} classed starvation, "
+            f"{ls['regimes'].get('loud', 0)} loud; reclaimed {ls['reclaimed_scratchpad']} "
+            f"scratchpad then {ls['reclaimed_retrieval']} retrieval; residual >= working set "
+            f"{ls['restored']}/{ls['turns_after_5']}",
+            f"{os_['short_turns']}/{os_['turns_after_5']} short, residual "
+            f"{os_['residual_mean']:.0f} vs {os_['working_set_mean']:.0f}, nothing reclaimed "
+            "(no working set declared)"
+            if os_
+            else "",
+        )
+    ]
+
+
+def _truncation_rows(
+    nt: dict[str, Any], lt: dict[str, Any], ot: dict[str, Any] | None
+) -> list[Row]:
+    return [
+        (
+            "002 truncation-loop",
+            "prompt compressions; truncated results; repeated calls",
+            "a forbidden call gets through, its 20k result is cut, the call repeats",
+            f"{nt['compression_events']}; {nt['truncated']}; {nt['repeated_calls']} "
+            f"({nt['forbidden_calls']} forbidden calls)",
+            f"{lt['compression_events']}; {lt['truncated']}; {lt['repeated_calls']} "
+            f"(spilled {lt['spilled']}, refused {lt['refusals']})",
+            f"{ot['compression_events']}; {ot['truncated']}; {ot['repeated_calls']} "
+            "(truncating, not spilling)"
+            if ot
+            else "",
+        )
+    ]
+
+
+def _fan(a: dict[str, Any]) -> str:
+    return (
+        f"{a['spans_first']} -> {a['spans_last']}; {_f(a['ratio_first'], '.1f')} -> "
+        f"{_f(a['ratio_last'], '.1f')}; {_f(a['utilization_first'])} -> "
+        f"{_f(a['utilization_last'])}; {a['p99_first_ms'] / 1000:.1f} -> "
+        f"{a['p99_last_ms'] / 1000:.1f} s"
+    )
+
+
+def _fanout_rows(nf: dict[str, Any], lf: dict[str, Any], of: dict[str, Any] | None) -> list[Row]:
+    cls = ", ".join(f"{k}={v}" for k, v in sorted(lf["classes"].items()))
+    ctl = ", ".join(f"{k}={v}" for k, v in sorted(lf["control_classes"].items()))
+    return [
+        (
+            "004 fan-out",
+            "spans per turn; ratio; final-prompt utilization; p99 turn latency",
+            "4 -> 23; 1.3 -> 11.8; 0.61 -> 0.44; 3.1 -> 9.4 s",
+            _fan(nf) + f"; gauge alerts {nf['alerts']}",
+            _fan(lf) + f" (guard: {lf['guard_stops']} turns summarized and proceeded)",
+            _fan(of) if of else "",
+        ),
+        (
+            "",
+            "classes (ratio > 3 at turn / classed at turn)",
+            "fragmentation > 3, pathological > 8",
+            "not measured",
+            f"{cls}; fragmentation {lf['first_ratio_over_3']}/{lf['first_fragmentation']}, "
+            f"pathological {lf['first_ratio_over_8']}/{lf['first_pathological']}; control: {ctl}",
+            ", ".join(f"{k}={v}" for k, v in sorted(of["classes"].items())) if of else "",
+        ),
+    ]
+
+
+def rows(s: dict[str, Any]) -> list[Row]:
+    """The demo's figures, one row per measure: the record's own figures (as the incident
+    record gives them: not measured here), then what this run measured: the naive
+    arbiter, the ledger, and the ledger without the scenario's rule."""
+    n, lg, o = s["naive"], s["ledger"], s.get("off") or {}
+    t: list[Row] = []
+    if "retrieval_admission" in lg:
+        t += _decay_rows(n, lg, o if "retrieval_admission" in o else None)
+    for key, make in (
+        ("starvation", _starvation_rows),
+        ("truncation_loop", _truncation_rows),
+        ("fanout", _fanout_rows),
+    ):
+        if key in lg:
+            t += make(n[key], lg[key], o.get(key))
+    t.append(
+        (
+            "all",
+            "over-allocations; audits",
+            "",
+            "",
+            f"{s['over_allocations']}; {s['audits_clean']}/{s['audits_total']} clean",
+            "",
+        )
+    )
+    return t
+
+
+def title(s: dict[str, Any]) -> str:
+    return (
+        f"seed {s['config']['seed']}: each incident's figure, its naive arbiter, the ledger, "
+        "the ledger without its rule"
+    )
+
+
+def table(s: dict[str, Any]) -> Table:
+    """The rows as one wide table (a terminal of about 140 columns or more)."""
+    t = Table(title=title(s))
+    for name in COLUMNS:
+        t.add_column(name, overflow="fold", style="bold" if name == "scenario" else None)
+    for row in rows(s):
+        t.add_row(*row)
+    return t
+
+
+def narrow(s: dict[str, Any], width: int = 80) -> str:
+    """The rows as blocks for a narrow terminal: a heading per measure, then one line per
+    column, wrapped at spaces only, so that no number is ever split across lines."""
+    out = [textwrap.fill(title(s), width, break_long_words=False), ""]
+    scenario = ""
+    for row in rows(s):
+        scenario = row[0] or scenario
+        out.append(f"{scenario}: {row[1]}")
+        for name, value in zip(COLUMNS[2:], row[2:], strict=True):
+            if value:
+                out.append(
+                    textwrap.fill(
+                        value,
+                        width,
+                        initial_indent=f"  {name}: ",
+                        subsequent_indent="    ",
+                        break_long_words=False,
+                        break_on_hyphens=False,
+                    )
+                )
+    return "\n".join(out)
+
+
+def footer(s: dict[str, Any]) -> str:
+    jobs = ", ".join(f"{k}={v:g}" for k, v in sorted(s["worker"].items()) if v)
+    checks = s["acceptance"]
+    missed = [k for k, v in checks.items() if not v["pass"]]
+    misses = "; ".join(f"{k} ({checks[k]['measured']})" for k in missed)
+    verdict = f"{len(checks) - len(missed)}/{len(checks)} checks pass" + (
+        f"; missed: {misses}" if missed else ""
+    )
+    return (
+        f"acceptance (docs/demo.md): {verdict}\n"
+        f"ledger calls {s['ledger_calls']}; background worker: {jobs or 'no jobs'}; "
+        f"{s['elapsed_s']:.1f} s on {s['backend']}"
+    )
