@@ -25,110 +25,27 @@ the final answer.
 from __future__ import annotations
 
 import contextlib
-import copy
-import hashlib
 import json
-import re
-import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
-from ledger import schema
+from ledger.adapters.openai_items import Entry as Entry
+from ledger.adapters.openai_items import Piece, _summary_item, item_text, pieces, sdk_usage
+from ledger.adapters.openai_items import item_consumer as item_consumer
+from ledger.adapters.openai_session import LedgerSession
 from ledger.agent.aio import AsyncAgent, AsyncTurn
 from ledger.agent.core import CallHold, Obj, default_summary, ledger_id
 from ledger.agent.counters import Tally, count
-from ledger.errors import AdmissionRefused, InvalidArgument, LedgerError, translated
+from ledger.errors import AdmissionRefused, InvalidArgument, LedgerError
 from ledger.extras import missing
-from ledger.models import Consumer, Reconciled, Usage
+from ledger.models import Consumer, Reconciled
 
 try:
     from agents import RunConfig, RunHooks
     from agents.run_config import CallModelData, ModelInputData
 except ImportError as exc:  # pragma: no cover - exercised without the extra
     raise missing("openai-agents", "openai-agents", "the OpenAI Agents adapter") from exc
-
-Entry = Mapping[str, Any]
-_DOC = re.compile(r"<document id=\"([^\"]+)\">")
-
-
-def item_text(item: Entry) -> str:
-    """The text a model is sent of one input item."""
-    parts: list[str] = []
-    for key in ("content", "output"):
-        v = item.get(key)
-        if isinstance(v, str):
-            parts.append(v)
-        elif isinstance(v, list):
-            parts += [p.get("text", "") for p in v if isinstance(p, Mapping)]
-    if item.get("type") == "function_call":
-        parts.append(f"{item.get('name', '')}({item.get('arguments', '')})")
-    return "\n".join(parts)
-
-
-def item_consumer(item: Entry) -> Consumer:
-    if item.get("type") == "function_call_output":
-        return Consumer.SCRATCHPAD
-    if isinstance(item.get("content"), str) and _DOC.match(item["content"]):
-        return Consumer.RETRIEVAL
-    return Consumer.WORKING_MEMORY
-
-
-@dataclass(frozen=True, slots=True)
-class Piece:
-    """One input item as the ledger sees it: its consumer, ledger id and text."""
-
-    consumer: Consumer
-    id: str
-    content: str
-    item: dict[str, Any]
-
-    @property
-    def key(self) -> tuple[Consumer, str]:
-        return (self.consumer, self.id)
-
-
-def pieces(items: Sequence[Any]) -> list[Piece]:
-    """Each item with its consumer and ledger id: a call id, a document id, an item id,
-    or (a user message has none) a digest of its role and text with its occurrence."""
-    seen: dict[str, int] = {}
-    out = []
-    for raw in items:
-        if not isinstance(raw, Mapping):
-            raise InvalidArgument(f"an input item must be a mapping, got {type(raw).__name__}")
-        it = dict(raw)
-        c = item_consumer(it)
-        m = _DOC.match(it["content"]) if c is Consumer.RETRIEVAL else None
-        if m is not None:
-            app: object = m.group(1)
-        elif it.get("call_id"):
-            app = it["call_id"]
-        elif it.get("id"):
-            app = it["id"]
-        else:
-            text = f"{it.get('role', '')}\x1f{item_text(it)}"
-            base = "m." + hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
-            seen[base] = seen.get(base, 0) + 1
-            app = f"{base}.{seen[base]}"
-        out.append(Piece(c, ledger_id(app), item_text(it), it))
-    return out
-
-
-def sdk_usage(usage: Any) -> Usage | None:
-    """What an SDK response reports billed (its input tokens count the cached reads too),
-    as the ledger settles it; None when it reports no request."""
-    i, o = getattr(usage, "input_tokens", None), getattr(usage, "output_tokens", None)
-    if type(i) is not int or type(o) is not int or i < 0 or o < 0 or i + o == 0:
-        return None
-    read = getattr(getattr(usage, "input_tokens_details", None), "cached_tokens", 0)
-    cached = min(read, i) if type(read) is int and read > 0 else 0
-    return Usage(input=i - cached, output=o, cached_input=cached)
-
-
-def _summary_item(sid: str, text: str) -> dict[str, Any]:
-    """A worker's summary as an input item (its id is the summary's ledger id)."""
-    return {"role": "developer", "content": text, "id": sid}
 
 
 class LedgerAgents:
@@ -464,101 +381,6 @@ class LedgerHooks(RunHooks[Any]):
         gov = self.gov
         if gov.current is not None and gov.last_counted is not None and billed > 0:
             await gov.current.billed(int(billed), gov.last_counted, gov.tally)
-
-
-class LedgerSession:
-    """The SDK's ``Session`` protocol, governed by the ledger: the conversation's history,
-    kept in Redis beside the ledger's session (``<prefix>:{p<N>}:history:<session>``),
-    shared by every process. Each ended turn commits a new version of it (the turn's
-    commit mark), so a turn whose process died leaves no trace: the next turn, on any
-    process, reads the version the last ended turn committed, with that turn's deliveries
-    applied (what the ledger reclaimed or a summary replaced out, the summary in). Use
-    it inside ``gov.turn()``, where the runner reads and writes it."""
-
-    def __init__(self, gov: LedgerAgents) -> None:
-        self.gov = gov
-        self.session_id = gov.agent.session.id
-        self.session_settings: Any = None
-        self._base: list[dict[str, Any]] | None = None  # the committed version, governed
-        self._added: list[dict[str, Any]] = []  # what the runner added in this turn
-        self._committed: str | None = None
-
-    async def _read(self, version: str | None) -> list[dict[str, Any]]:
-        if version is None:
-            return []
-        s = self.gov.agent.session
-        s.ledger.check_open()
-        with translated():
-            raw = await s.ledger.client.hget(s.keys.history, version)
-        if raw is None:
-            return []
-        items = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
-        return list(items) if isinstance(items, list) else []
-
-    async def _begin(self, turn: AsyncTurn) -> None:
-        self._committed = turn.mark
-        base = await self._read(turn.mark)
-        self._base = [p.item for p in self.gov.governed(base)]
-        self._added = []
-
-    def _end(self) -> None:
-        self._base, self._added = None, []
-
-    async def _commit(self, turn: AsyncTurn) -> str:
-        """Write the history the turn ends with (what the model last saw, and the answer)
-        as a new version; end_turn records it as the turn's mark."""
-        gov = self.gov
-        answer = await gov._answer(self._added)
-        items = [p.item for p in (*gov.last_input, *answer)]
-        version = f"v{turn.number}.{uuid.uuid4().hex[:12]}"
-        s = gov.agent.session
-        with translated():
-            client = s.ledger.client
-            old = [
-                k.decode() if isinstance(k, bytes) else str(k)
-                for k in await client.hkeys(s.keys.history)
-            ]
-            ttl = int(await client.hget(s.keys.session, schema.IDLE_TTL) or 86_400_000)
-            pipe = client.pipeline(transaction=False)
-            pipe.hset(s.keys.history, version, json.dumps(items))
-            stale = [k for k in old if k not in (version, self._committed)]
-            if stale:
-                pipe.hdel(s.keys.history, *stale)
-            pipe.pexpire(s.keys.history, ttl)
-            await pipe.execute()
-        return version
-
-    async def get_items(self, limit: int | None = None) -> list[Any]:
-        if self._base is None:  # outside a turn: the version the last ended turn committed
-            items = await self._read((await self.gov.agent.session.snapshot()).mark)
-        else:
-            items = [*self._base, *self._added]
-        items = copy.deepcopy(items)
-        return items if limit is None else items[-limit:] if limit > 0 else []
-
-    async def add_items(self, items: list[Any]) -> None:
-        if self._base is None:
-            raise InvalidArgument(
-                "the governed session is written inside `async with gov.turn():` (each turn "
-                "commits its history with the turn)"
-            )
-        self._added += [dict(i) for i in items]
-
-    async def pop_item(self) -> Any | None:
-        if self._base is None:
-            raise InvalidArgument("pop_item belongs inside `async with gov.turn():`")
-        if self._added:
-            return self._added.pop()
-        return self._base.pop() if self._base else None
-
-    async def clear_session(self) -> None:
-        """Forget the history: for every process, as the next turn starts afresh. Delete
-        the ledger's session to give its budget back too."""
-        s = self.gov.agent.session
-        with translated():
-            await s.ledger.client.delete(s.keys.history)
-        if self._base is not None:
-            self._base, self._added = [], []
 
 
 __all__ = ["LedgerAgents", "LedgerHooks", "LedgerSession", "Piece", "item_text", "pieces"]
