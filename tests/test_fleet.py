@@ -200,6 +200,23 @@ def test_demo_json_default_run_meets_the_acceptance_checks(
             assert set(value.split()) <= words, value
 
 
+@pytest.mark.embedded
+@pytest.mark.parametrize("seed", [7, 2])
+def test_scenario_002_passes_its_checks_on_the_default_seed(
+    seed: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`ledger demo` runs seed 7: its 002 checks pass (seed 7's naive arbiter makes 21
+    compressions and 20 damaged turns: some compressions are undone at the next turn's
+    start, so the check does not ask for a damaged turn per compression)."""
+    url = f"embedded://{uuid.uuid4().hex}"
+    code = cli.main(["--url", url, "demo", "--json", "--only", "002", "--seed", str(seed)])
+    data = json.loads(capsys.readouterr().out)
+    failed = {k: v["measured"] for k, v in data["acceptance"].items() if not v["pass"]}
+    assert not failed and code == cli.EXIT_OK
+    naive = data["naive"]["truncation_loop"]
+    assert naive["compression_events"] > 0 and naive["forbidden_calls"] > 0
+
+
 def test_variant_without_credit_changes_only_the_rule() -> None:
     """The rule-off variant is the packaged script with the rule's expressions replaced:
     nothing else differs, and the production text has no branch for it."""

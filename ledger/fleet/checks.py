@@ -173,7 +173,9 @@ def _truncation(n: Summary, lg: Summary, off: Summary | None, out: dict[str, Che
         and nt["truncated"] >= ev
         and nt["repeated_calls"] >= ev
         and nt["forbidden_calls"] > 0
-        and nt["damaged_turns"] >= ev,
+        # (not one a compression event: a compression undone at the next turn's start,
+        # when an old result leaves the scratchpad, damages no turn)
+        and nt["damaged_turns"] > 0,
         f"{ev} events, {nt['damaged_turns']} damaged turns, {nt['forbidden_calls']} "
         f"forbidden calls, {nt['truncated']} truncations, {nt['repeated_calls']} repeats",
     )
