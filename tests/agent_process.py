@@ -3,6 +3,7 @@ written to its stdin one a line, JSON rows read from its stdout; it says "ready"
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -44,7 +45,8 @@ class AgentProcess:
 
     def close(self) -> None:
         if self.p.stdin is not None and not self.p.stdin.closed:
-            self.p.stdin.close()
+            with contextlib.suppress(BrokenPipeError):  # gone (it failed, or was killed)
+                self.p.stdin.close()
         try:
             self.p.wait(timeout=30)
         except subprocess.TimeoutExpired:

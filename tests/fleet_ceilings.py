@@ -102,7 +102,8 @@ def serve_sync(settings: LedgerSettings, db: str) -> None:
     from ledger.adapters.langgraph import LedgerGraph
 
     led = Ledger.from_settings(settings)
-    saver = SqliteSaver(sqlite3.connect(db, check_same_thread=False))
+    # (the fleet's processes share the file: each waits up to 30 s for its lock)
+    saver = SqliteSaver(sqlite3.connect(db, check_same_thread=False, timeout=30))
     govs: dict[str, tuple[Any, Any, Stub]] = {}
 
     def build(sid: str) -> tuple[Any, Any, Stub]:
@@ -137,6 +138,7 @@ def serve_sync(settings: LedgerSettings, db: str) -> None:
 
 
 async def serve_async(settings: LedgerSettings, db: str) -> None:
+    import aiosqlite
     from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
 
     from ledger.adapters.langgraph import AsyncLedgerGraph
@@ -144,8 +146,11 @@ async def serve_async(settings: LedgerSettings, db: str) -> None:
     loop = asyncio.get_running_loop()
     async with (
         AsyncLedger.from_settings(settings) as led,
-        AsyncSqliteSaver.from_conn_string(db) as saver,
+        # (the fleet's processes share the file: each waits up to 30 s for its lock; under
+        # load the default 5 s ran out in CI: "database is locked")
+        aiosqlite.connect(db, timeout=30) as conn,
     ):
+        saver = AsyncSqliteSaver(conn)
         govs: dict[str, tuple[Any, Any, Stub]] = {}
 
         async def build(sid: str) -> tuple[Any, Any, Stub]:

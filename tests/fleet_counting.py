@@ -248,7 +248,7 @@ def langchain_server(url: str, session_id: str, db: str) -> Any:
 
     class Server:
         def __init__(self) -> None:
-            saver = SqliteSaver(sqlite3.connect(db, check_same_thread=False))
+            saver = SqliteSaver(sqlite3.connect(db, check_same_thread=False, timeout=30))
             self.config = {"configurable": {"thread_id": session_id}}
             system, _ = bill([SYSTEM])
             framing, _ = bill(schema_texts([sql]))
