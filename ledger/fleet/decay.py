@@ -5,8 +5,8 @@ a 900 ms per-turn latency SLO, a high-water mark H = 0.72 of the window. Each tu
 adds a user message, a recall lookup, 4-8 retrieved chunks and the model's
 generation to the history: 2-5% of the window a turn. A summarizer compacts the
 history "on average": raw history shrinks to 21.5-43% of its size, but a summary
-summarized again keeps 96-99% of itself and long answers from stale memory keep
-50-70%, so a session's summaries accumulate (the soft post-condition).
+summarized again keeps 100-107% of itself (SUMMARY_KEEP) and long answers from stale
+memory keep 50-70%, so a session's summaries accumulate (the soft post-condition).
 
 The naive arbiter has exactly the scenario's conditions: compaction is synchronous,
 on the request path, its latency charged to the turn that triggers it; the latency
@@ -22,7 +22,7 @@ reset after three failures; the agent waits a bounded time for a pending compact
 
 Latency model (both): 100 ms + prefill 2.2 ms per 1k prompt tokens + recall 50 ms +
 retrieval 180 ms + generation 0.055 ms per token; a synchronous compaction 120 ms +
-1.2 ms per 1k tokens summarized; the ledger's agent pays the same for a compaction it
+0.9 ms per 1k tokens summarized; the ledger's agent pays the same for a compaction it
 waited for in a turn, and 700 ms to rebuild its context after a hard reset (re-query,
 re-summarize the durable transcript, prefill).
 """
