@@ -433,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tenants", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=16.0)
     ap.add_argument("--window-ms", type=int, default=4_000)
-    ap.add_argument("--rounds", type=int, default=31)
+    ap.add_argument("--rounds", type=int, default=101)
     ap.add_argument("--calls", type=int, default=100, help="reserves a timing phase")
     ap.add_argument("--timing-only", action="store_true", help="the reserve's server time alone")
     ap.add_argument("--json", action="store_true")
