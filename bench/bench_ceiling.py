@@ -2,7 +2,7 @@
 baseline, in one run, both sides interleaved.
 
     python -m bench.bench_ceiling [--procs 32] [--sessions 200] [--tenants 4]
-                                  [--seconds 16] [--window-ms 4000] [--rounds 31]
+                                  [--seconds 16] [--window-ms 4000] [--rounds 101]
                                   [--calls 100] [--timing-only] [--json]
 
 It starts its own redis-server. Each of ``--procs`` OS processes loops over model calls
