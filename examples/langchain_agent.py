@@ -147,7 +147,7 @@ class Server:
     process shares."""
 
     def __init__(self, url: str, session_id: str, db: str) -> None:
-        saver = SqliteSaver(sqlite3.connect(db, check_same_thread=False))
+        saver = SqliteSaver(sqlite3.connect(db, check_same_thread=False, timeout=30))
         self.config = {"configurable": {"thread_id": session_id}}
         session = Ledger.from_url(url).open_session(session_id, BUDGET)  # ledger
         self.mw = LedgerMiddleware(Agent(session, TiktokenCounter(), item_overhead=4), checkpointer=saver)  # ledger

@@ -29,6 +29,7 @@ import sys
 import uuid
 from typing import Annotated, Any, TypedDict
 
+import aiosqlite
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, SystemMessage
 from langchain_core.outputs import ChatGeneration, ChatResult
@@ -126,7 +127,9 @@ class Server:
 
 
 async def serve(url: str, session_id: str, db: str) -> None:
-    async with AsyncSqliteSaver.from_conn_string(db) as saver:
+    # every process writes the one file: wait up to 30 s for its lock (sqlite's default is 5)
+    async with aiosqlite.connect(db, timeout=30) as conn:
+        saver = AsyncSqliteSaver(conn)
         server = await Server().start(url, session_id, saver)
         loop = asyncio.get_running_loop()
         print(json.dumps({"ready": os.getpid()}), flush=True)
