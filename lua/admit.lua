@@ -98,7 +98,7 @@ if pending then
   local x = redis.call('HMGET', key, 'HW', 'out', 'W', 'kf', 'pm')
   pm = tonumber(x[5]) or 0
   base = tonumber(x[1]) + pm
-  -- rule: pending-credit (the demo's rule tests replace the next line)
+  -- rule: pending-compaction-credit (the demo's rule tests replace the next line)
   cap = tonumber(x[3]) - tonumber(x[2]) - base
   bound = 'pending'
   if (tonumber(x[4]) or 0) > 0 then cap, bound = 0, 'failed' end
