@@ -55,6 +55,12 @@ def _text_part(content: object) -> str:
 def default_id(obj: Obj) -> object:
     """An app object's own id: ``id``, ``tool_call_id`` or ``call_id`` (attribute or
     key), or a Document's ``metadata["id"]``. None when it has none."""
+    if type(obj) is dict:  # a plain message or chunk dict, the common case (fast)
+        for name in ("tool_call_id", "call_id", "id"):
+            v = obj.get(name)
+            if v is not None and v != "":
+                return v
+        return None
     for name in ("tool_call_id", "call_id", "id"):
         v = obj.get(name) if isinstance(obj, Mapping) else getattr(obj, name, None)
         if v not in (None, ""):
@@ -69,11 +75,12 @@ def default_text(obj: Obj) -> str:
     """The text a model sees of an app object: a string itself, or its
     ``page_content`` / ``content`` / ``text`` / ``output`` (attribute or key), plus
     the tool calls a message carries."""
-    if isinstance(obj, str):
+    if type(obj) is dict:  # a plain message or chunk dict, the common case (fast)
+        text = obj.get("content")
+        if type(text) is str and "page_content" not in obj and not obj.get("tool_calls"):
+            return text
+    elif isinstance(obj, str):
         return obj
-    plain = type(obj) is dict and "page_content" not in obj and not obj.get("tool_calls")
-    if plain and isinstance(obj.get("content"), str):
-        return str(obj["content"])  # a plain message or chunk dict, the common case (fast)
     for name in ("page_content", "content", "text", "output"):
         v = obj.get(name) if isinstance(obj, Mapping) else getattr(obj, name, None)
         if v is not None:
