@@ -279,10 +279,8 @@ class AgentBase:
             # counted as the budget counted it, with the counter itself
             counter, text_of = self.counter, self.text_of
             with counter.measure():
-                total = 0
-                for o in prompt:
-                    total += counter.checked(text_of(o), "a prompt part", isinstance(o, str))
-                return total + self.item_overhead * len(prompt)
+                parts = [(text_of(o), isinstance(o, str)) for o in prompt]
+                return counter.total(parts, "a prompt part") + self.item_overhead * len(parts)
         raise InvalidArgument(
             f"prompt must be tokens, text or a list of objects, got {prompt!r:.80}"
         )
