@@ -24,6 +24,13 @@ def ledger_id(app_id: object) -> str:
     """The ledger item id of an app id (a URL, a UUID, a long name, an int...): the app
     id itself when it is a short plain id, else ``h.`` and a 128-bit BLAKE2b digest of
     it. Every worker derives the same id from the same app id."""
+    if (
+        type(app_id) is str
+        and len(app_id) <= _PLAIN_MAX
+        and not app_id.startswith(DIGEST_PREFIX)
+        and ID_RE.fullmatch(app_id)
+    ):
+        return app_id  # a short plain id, the common case (fast)
     if isinstance(app_id, bool) or not isinstance(app_id, (str, int, uuid.UUID)):
         raise InvalidArgument(f"an app id must be a str, int or UUID, got {app_id!r}")
     text = str(app_id)
