@@ -106,6 +106,16 @@ class Call(Generic[T]):
     parse: Callable[[Reply], T]
 
 
+def evalsha_args(call: Call[Any]) -> tuple[Any, ...]:
+    """EVALSHA's numkeys, then the call's KEYS and ARGV each as the bytes sent: what
+    redis-py's encoder makes of them (a str as UTF-8; ids, keys and numbers are ASCII,
+    texts are bytes already), made in one pass instead of argument by argument."""
+    return (
+        len(call.keys),
+        *[a.encode() if isinstance(a, str) else a for a in (*call.keys, *call.args)],
+    )
+
+
 def utf8(text: object, what: str) -> bytes:
     """Text as the UTF-8 bytes a script receives; bytes as they are. A str that is not
     valid Unicode (a lone surrogate) is an InvalidArgument, not a driver error."""

@@ -17,7 +17,7 @@ import pytest
 
 from ledger import Agent, EstimatingCounter, Ledger, SessionBudget, TiktokenCounter
 from ledger.agent.calibration import CALIBRATION, _calibration, _solve
-from ledger.agent.counters import Calibrated, content_kind
+from ledger.agent.counters import Calibrated, content_kind, count
 from ledger.errors import BillingDriftWarning, InvalidArgument, TurnInProgress
 
 WORDS = ["revenue", "margin", "churn", "cohort", "region", "quarter", "pipeline", "forecast"]
@@ -349,3 +349,51 @@ def test_a_drift_of_the_tool_schemas_names_the_missing_tool_framing() -> None:
     assert turn.report.drift == schemas > 0
     hints = [str(w.message) for w in caught if "tool_framing" in str(w.message)]
     assert hints and f"SessionBudget(tool_framing={schemas})" in hints[0], hints
+
+
+def _tallied(c: Calibrated, parts: list[tuple[object, bool]], fast: bool) -> tuple[Any, Any]:
+    """A prompt's parts counted in one measure: through the cache's loop
+    (``Calibrated.total``), or part by part through ``count``."""
+    with c.measure() as tally:
+        if fast:
+            got: Any = c.total(parts, "a part")
+        else:
+            got = sum(count(c.fixed if fixed else c, t, "a part") for t, fixed in parts)
+    return got, tally
+
+
+@pytest.mark.parametrize("case", ["exact", "exact scaled", "estimate"])
+def test_a_prompt_read_from_the_count_cache_counts_and_tallies_as_each_count(case: str) -> None:
+    """Counting a prompt's parts through the count cache (Calibrated.total and .checked,
+    which only look up a text counted before) gives the total and the tally (raw counts
+    by kind, counted, upper bound) that counting each part with ``count`` gives, for an
+    exact counter, one scaled by a factor and an estimate with one kind learned; fixed,
+    non-ASCII and uncounted parts among them; and refuses a bad part the same way."""
+
+    def exact(text: str) -> int:
+        return len(text.split())
+
+    base: Any = EstimatingCounter() if case == "estimate" else exact
+    texts = [prose(1), csv(6), CJK, prose(2) + " ( x ) = [ y ] ;", "", prose(3, 5)]
+    parts: list[tuple[object, bool]] = [(prose(0, 30), True)] + [(t, False) for t in texts]
+    counters = [Calibrated(base, kinds=case == "estimate") for _ in range(2)]
+    for c in counters:
+        if case == "exact scaled":
+            c.factor = 1.37
+        elif case == "estimate":
+            c.factors = {"prose": 1.22}
+        for t in texts[:4]:  # half of the parts counted before, the others new
+            c(t)
+    fast, slow = counters
+    assert _tallied(fast, parts, True) == _tallied(slow, parts, False)
+    assert _tallied(fast, parts, True) == _tallied(slow, parts, False)  # all in the cache now
+    assert fast.calls == slow.calls
+    assert fast.checked(texts[0], "a part") == count(slow, texts[0], "a part")
+    for bad, says in (
+        (b"bytes", "must be a str"),
+        ("half of a pair: \ud800", "is not valid Unicode"),
+    ):
+        with pytest.raises(InvalidArgument, match=f"the text of a part {says}"):
+            fast.total([(texts[0], False), (bad, False)], "a part")
+        with pytest.raises(InvalidArgument, match="the text of an item"):
+            fast.checked(bad, lambda: "an item")

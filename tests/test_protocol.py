@@ -16,7 +16,15 @@ import redis
 
 from ledger import Ledger, LedgerSettings, SessionBudget, cli, protocol, schema, scripts, views
 from ledger.keys import KeySpace
-from ledger.models import CallCost, Consumer, Item, ScopeBudget, Usage, canonical_json
+from ledger.models import (
+    BegunBy,
+    CallCost,
+    Consumer,
+    Item,
+    ScopeBudget,
+    Usage,
+    canonical_json,
+)
 from tests.servers import RedisProcess
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -558,3 +566,35 @@ def test_the_doc_gives_each_scripts_key_count_as_the_client_sends_them() -> None
         doc[name] = {int(n) for n in re.findall(r"\d+", cell)}
     assert doc == _key_counts()
     assert set(doc) == set(scripts.NAMES)
+
+
+def test_a_call_is_handed_to_redis_py_as_the_bytes_it_would_pack() -> None:
+    """The client hands redis-py each call's KEYS and ARGV already encoded
+    (``protocol.evalsha_args``): every argument bytes, and the packed EVALSHA byte for byte
+    the one redis-py packs from the call's own strings (op ids, turn stamps, numbers,
+    texts with non-ASCII characters)."""
+    keys = KeySpace("wire", 8).session("s-1")
+    token = protocol.new_token()
+    stamp = protocol.stamp(3, BegunBy("op-begin"), token)
+    calls = [
+        protocol.begin_turn(keys, "op-begin", 3, 0, None, "host:1:ab", 30_000, False, True, token),
+        protocol.admit(
+            keys,
+            "op-2",
+            stamp,
+            "retrieval",
+            [Item("a", 3), Item("b", 4)],
+            True,
+            ["plain", "é \u4e2d"],
+        ),
+        protocol.finish_turn(keys, "op-3", 3, 7, 1_000, [("t1", 5, "tool é")], token, mark="m1"),
+        protocol.snapshot(keys),
+    ]
+    conn = redis.Connection()  # (packs without connecting)
+    sha = "0" * 40
+    for call in calls:
+        args = protocol.evalsha_args(call)
+        assert args[0] == len(call.keys)
+        assert all(type(a) is bytes for a in args[1:])
+        mine = conn.pack_command("EVALSHA", sha, *args)
+        assert mine == conn.pack_command("EVALSHA", sha, len(call.keys), *call.keys, *call.args)

@@ -163,7 +163,7 @@ class AsyncLedger(LedgerCore):
                     pipe.execute_command("MULTI")
                 for i in todo:
                     c = batch[i]
-                    pipe.evalsha(self._scripts[c.script].sha, len(c.keys), *c.keys, *c.args)
+                    pipe.evalsha(self._scripts[c.script].sha, *protocol.evalsha_args(c))
                 if acked:
                     pipe.execute_command("EXEC")
                     pipe.execute_command("WAIT", *self._wait)
@@ -192,7 +192,7 @@ class AsyncLedger(LedgerCore):
             self._stale = False
             try:
                 async with client.pipeline(transaction=False) as pipe:
-                    pipe.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+                    pipe.evalsha(script.sha, *protocol.evalsha_args(call))
                     pipe.wait(*self._wait)
                     reply, acked = await pipe.execute(raise_on_error=False)
             except (RedisConnectionError, RedisTimeoutError):
@@ -221,11 +221,12 @@ class AsyncLedger(LedgerCore):
         ``AsyncScript`` does, without its per-call import and copy of the arguments."""
         if self._wait[0] and call.script not in scripts.READ_ONLY:
             return await self._evalsha_acked(script, call)
+        args = protocol.evalsha_args(call)
         try:
-            return await self.client.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+            return await self.client.evalsha(script.sha, *args)
         except NoScriptError:
             script.sha = await self.client.script_load(script.script)
-            return await self.client.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+            return await self.client.evalsha(script.sha, *args)
 
     async def open_session(
         self,

@@ -158,7 +158,7 @@ class Ledger(LedgerCore):
                     pipe.execute_command("MULTI")
                 for i in todo:
                     c = batch[i]
-                    pipe.evalsha(self._scripts[c.script].sha, len(c.keys), *c.keys, *c.args)
+                    pipe.evalsha(self._scripts[c.script].sha, *protocol.evalsha_args(c))
                 if acked:
                     pipe.execute_command("EXEC")
                     pipe.execute_command("WAIT", *self._wait)
@@ -187,7 +187,7 @@ class Ledger(LedgerCore):
             self._stale = False
             try:
                 with client.pipeline(transaction=False) as pipe:
-                    pipe.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+                    pipe.evalsha(script.sha, *protocol.evalsha_args(call))
                     pipe.wait(*self._wait)
                     reply, acked = pipe.execute(raise_on_error=False)
             except (RedisConnectionError, RedisTimeoutError):
@@ -216,11 +216,12 @@ class Ledger(LedgerCore):
         ``Script`` does, without its per-call import and copy of the arguments."""
         if self._wait[0] and call.script not in scripts.READ_ONLY:
             return self._evalsha_acked(script, call)
+        args = protocol.evalsha_args(call)
         try:
-            return self.client.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+            return self.client.evalsha(script.sha, *args)
         except NoScriptError:
             script.sha = self.client.script_load(script.script)
-            return self.client.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+            return self.client.evalsha(script.sha, *args)
 
     def open_session(
         self,

@@ -167,7 +167,8 @@ class Admissions(AgentBase):
         body = self.text_of(result) if text is None else text
         if not isinstance(body, str):
             raise InvalidArgument(f"a tool result's text must be str, got {type(body).__name__}")
-        tokens = count(self.counter, body, f"tool result {app_id!s:.60}") + self.item_overhead
+        what = lambda: f"tool result {app_id!s:.60}"  # noqa: E731
+        tokens = self.counter.checked(body, what) + self.item_overhead
         if tokens == 0:
             raise InvalidArgument(f"tool result {app_id!s:.60} counts 0 tokens")
         keep = yield from self._storing()
@@ -239,7 +240,8 @@ class Admissions(AgentBase):
             raise InvalidArgument(f"a tool result's text must be str, got {type(body).__name__}")
         if any(d.item == iid for d in state.deferred):
             raise InvalidArgument(f"tool result {app_id!s:.60} is deferred twice in this turn")
-        tokens = count(self.counter, body, f"tool result {app_id!s:.60}") + self.item_overhead
+        what = lambda: f"tool result {app_id!s:.60}"  # noqa: E731
+        tokens = self.counter.checked(body, what) + self.item_overhead
         if tokens == 0:
             raise InvalidArgument(f"tool result {app_id!s:.60} counts 0 tokens")
         keep = yield from self._storing()

@@ -21,7 +21,7 @@ import importlib.util
 import math
 import re
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -266,13 +266,64 @@ class Calibrated:
                 self._counts.popitem(last=False)
         else:
             self._counts.move_to_end(key)
+        out = self._out(got, fixed)
+        self._tallied(got, out)
+        return out
+
+    def _out(self, got: tuple[int, str], fixed: bool) -> int:
+        """The count of a text whose base count and kind are ``got``."""
         raw, kind = got
-        out = raw if fixed else self.scaled(raw, kind)
-        if self._tally is not None and raw >= 0:
-            t = self._tally
+        if fixed or not (self.factors or self.kinds):
+            return raw  # the base's own (an exact counter that no report scaled)
+        return self.scaled(raw, kind)
+
+    def _tallied(self, got: tuple[int, str], out: int) -> None:
+        """Adds a count to the measure being taken, if any."""
+        t = self._tally
+        raw, kind = got
+        if t is not None and raw >= 0:
             t.raw[kind] = t.raw.get(kind, 0) + raw
             t.counted += out
-            t.upper += self.upper(raw, kind)
+            t.upper += self.upper(raw, kind) if self.factors or self.kinds else raw
+
+    def checked(self, text: object, what: str | Callable[[], str], fixed: bool = False) -> int:
+        """``count(self, text, what)`` (of ``self.fixed`` when ``fixed``): the same count,
+        the same checks. A text counted before (an ASCII str in the cache: a valid str
+        whose base count is a non-negative int) is only looked up, as a prompt names
+        mostly objects counted when they were admitted."""
+        if type(text) is str and len(text) <= self.KEYED and text.isascii():
+            got = self._counts.get(text)
+            if got is not None and got[0] >= 0:
+                out = self._out(got, fixed)
+                if out >= 0:
+                    self._counts.move_to_end(text)
+                    self._tallied(got, out)
+                    return out
+        return count(self.fixed if fixed else self, text, what)
+
+    def total(self, texts: Iterable[tuple[object, bool]], what: str) -> int:
+        """The sum of ``checked(text, what, fixed)`` over ``(text, fixed)`` pairs (a
+        prompt's parts), the texts counted before looked up in one loop."""
+        counts, tally = self._counts, self._tally
+        plain = not (self.factors or self.kinds)  # each count the base's own
+        out = raw_sum = hits = 0
+        try:
+            for text, fixed in texts:
+                got = None
+                if type(text) is str and len(text) <= self.KEYED and text.isascii():
+                    got = counts.get(text)
+                if plain and got is not None and got[0] >= 0:
+                    counts.move_to_end(text)
+                    out += got[0]
+                    raw_sum += got[0]
+                    hits += 1
+                else:
+                    out += self.checked(text, what, fixed)
+        finally:  # (an uncalibrated exact count is of kind prose, its bound itself)
+            if tally is not None and hits:
+                tally.raw["prose"] = tally.raw.get("prose", 0) + raw_sum
+                tally.counted += raw_sum
+                tally.upper += raw_sum
         return out
 
     def scaled(self, raw: int, kind: str) -> int:
@@ -327,30 +378,36 @@ def is_estimate(counter: object) -> bool:
     return bool(getattr(getattr(counter, "base", counter), "estimate", False))
 
 
-def count(counter: Callable[[str], int], text: str, what: str) -> int:
+def _named(what: str | Callable[[], str]) -> str:
+    return what if isinstance(what, str) else what()
+
+
+def count(counter: Callable[[str], int], text: object, what: str | Callable[[], str]) -> int:
     """``counter(text)``, checked: a text that is not a str of valid Unicode (a lone
     surrogate cannot be sent to Redis, nor to a model), a counter that raises, or one that
     returns anything but a non-negative int, is an InvalidArgument naming ``what`` was
-    being counted."""
+    being counted (a str, or a function that names it, called only then)."""
     if not isinstance(text, str):
-        raise InvalidArgument(f"the text of {what} must be a str, got {type(text).__name__}")
+        raise InvalidArgument(
+            f"the text of {_named(what)} must be a str, got {type(text).__name__}"
+        )
     if not text.isascii():
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as exc:
             raise InvalidArgument(
-                f"the text of {what} is not valid Unicode: {exc.reason} at character "
+                f"the text of {_named(what)} is not valid Unicode: {exc.reason} at character "
                 f"{exc.start} ({text[max(exc.start - 20, 0) : exc.start]!r} before it)"
             ) from None
     try:
         n = counter(text)
     except Exception as exc:
         raise InvalidArgument(
-            f"the token counter raised {type(exc).__name__} on {what}: {exc}"
+            f"the token counter raised {type(exc).__name__} on {_named(what)}: {exc}"
         ) from exc
     if type(n) is not int or n < 0:
         raise InvalidArgument(
-            f"the token counter must return a non-negative int, got {n!r} for {what}"
+            f"the token counter must return a non-negative int, got {n!r} for {_named(what)}"
         )
     return n
 

@@ -24,6 +24,13 @@ def ledger_id(app_id: object) -> str:
     """The ledger item id of an app id (a URL, a UUID, a long name, an int...): the app
     id itself when it is a short plain id, else ``h.`` and a 128-bit BLAKE2b digest of
     it. Every worker derives the same id from the same app id."""
+    if (
+        type(app_id) is str
+        and len(app_id) <= _PLAIN_MAX
+        and not app_id.startswith(DIGEST_PREFIX)
+        and ID_RE.fullmatch(app_id)
+    ):
+        return app_id  # a short plain id, the common case (fast)
     if isinstance(app_id, bool) or not isinstance(app_id, (str, int, uuid.UUID)):
         raise InvalidArgument(f"an app id must be a str, int or UUID, got {app_id!r}")
     text = str(app_id)
@@ -55,6 +62,12 @@ def _text_part(content: object) -> str:
 def default_id(obj: Obj) -> object:
     """An app object's own id: ``id``, ``tool_call_id`` or ``call_id`` (attribute or
     key), or a Document's ``metadata["id"]``. None when it has none."""
+    if type(obj) is dict:  # a plain message or chunk dict, the common case (fast)
+        for name in ("tool_call_id", "call_id", "id"):
+            v = obj.get(name)
+            if v is not None and v != "":
+                return v
+        return None
     for name in ("tool_call_id", "call_id", "id"):
         v = obj.get(name) if isinstance(obj, Mapping) else getattr(obj, name, None)
         if v not in (None, ""):
@@ -69,11 +82,12 @@ def default_text(obj: Obj) -> str:
     """The text a model sees of an app object: a string itself, or its
     ``page_content`` / ``content`` / ``text`` / ``output`` (attribute or key), plus
     the tool calls a message carries."""
-    if isinstance(obj, str):
+    if type(obj) is dict:  # a plain message or chunk dict, the common case (fast)
+        text = obj.get("content")
+        if type(text) is str and "page_content" not in obj and not obj.get("tool_calls"):
+            return text
+    elif isinstance(obj, str):
         return obj
-    plain = type(obj) is dict and "page_content" not in obj and not obj.get("tool_calls")
-    if plain and isinstance(obj.get("content"), str):
-        return str(obj["content"])  # a plain message or chunk dict, the common case (fast)
     for name in ("page_content", "content", "text", "output"):
         v = obj.get(name) if isinstance(obj, Mapping) else getattr(obj, name, None)
         if v is not None:

@@ -178,10 +178,8 @@ class AgentBase:
             raise
         except Exception as exc:
             raise InvalidArgument(f"text_of raised {type(exc).__name__}: {exc}") from exc
-        return (
-            count(self.counter, text, f"{type(obj).__name__} {self.app_id(obj)!s:.60}")
-            + self.item_overhead
-        )
+        what = lambda: f"{type(obj).__name__} {self.app_id(obj)!s:.60}"  # noqa: E731
+        return self.counter.checked(text, what) + self.item_overhead
 
     def items(self, objs: Iterable[Obj], priority: int = 0) -> list[tuple[Item, Obj]]:
         """Every object's Item, all checked before anything is sent."""
@@ -279,16 +277,10 @@ class AgentBase:
         if isinstance(prompt, Sequence):
             # a plain string among the parts is the budget's fixed text (the system prompt):
             # counted as the budget counted it, with the counter itself
-            with self.counter.measure():
-                return sum(
-                    count(
-                        self.counter.fixed if isinstance(o, str) else self.counter,
-                        self.text_of(o),
-                        "a prompt part",
-                    )
-                    + self.item_overhead
-                    for o in prompt
-                )
+            counter, text_of = self.counter, self.text_of
+            with counter.measure():
+                parts = [(text_of(o), isinstance(o, str)) for o in prompt]
+                return counter.total(parts, "a prompt part") + self.item_overhead * len(parts)
         raise InvalidArgument(
             f"prompt must be tokens, text or a list of objects, got {prompt!r:.80}"
         )
