@@ -351,7 +351,11 @@ def against(url: str, a: argparse.Namespace) -> Iterator[str]:
     """This tree's turn beside `a.against`'s, in client processes of their own."""
     r = redis.Redis.from_url(url)
     with tempfile.TemporaryDirectory(prefix="bench-old-") as d:
-        tar = subprocess.run(["git", "-C", str(ROOT), "archive", a.against, "ledger"],
+        # (the scripts live in lua/ beside the package since 0a956ef, in ledger/lua/ before)
+        has_lua = subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{a.against}:lua"],
+                                 capture_output=True).returncode == 0  # fmt: skip
+        tar = subprocess.run(["git", "-C", str(ROOT), "archive", a.against, "ledger",
+                              *(["lua"] if has_lua else [])],
                              capture_output=True, check=True)  # fmt: skip
         subprocess.run(["tar", "-x", "-C", d], input=tar.stdout, check=True)
         trees = {"new": ROOT, "old": Path(d)}
