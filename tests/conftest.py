@@ -26,10 +26,10 @@ from ledger import (
     Session,
     SessionBudget,
 )
-from tests import servers
-from tests.bad_input import BUDGET, SID, state
-from tests.servers import RedisProcess
-from tests.worker_scenarios import new_ledger
+from tests.support import servers
+from tests.support.bad_input import BUDGET, SID, state
+from tests.support.servers import RedisProcess
+from tests.support.worker_scenarios import new_ledger
 
 BACKENDS = [
     pytest.param("embedded", marks=pytest.mark.embedded, id="embedded"),

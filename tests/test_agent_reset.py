@@ -1,7 +1,7 @@
 """A hard reset between two turns does not crash the agent (docs/agent.md#after-a-hard-reset).
 
-A real `ledger worker` whose compactor always raises (``tests.reset_agent:always_raises``,
-each job dead after one delivery) and two agent OS processes (tests/reset_agent.py) serving
+A real `ledger worker` whose compactor always raises (``tests.support.reset_agent:always_raises``,
+each job dead after one delivery) and two agent OS processes (tests/support/reset_agent.py) serving
 alternate turns of one session on a real redis-server, the plain agent layer or the
 LangGraph adapter, on the sync or the asyncio face. Every turn ends over the high-water
 mark, so its compaction fails until the worker hard-resets the session (the epoch
@@ -25,9 +25,9 @@ import pytest
 from ledger import Agent, Ledger, LedgerSettings, SessionBudget
 from ledger.errors import StaleEpoch
 from ledger.testing import WorkerProc, spawn_worker
-from tests import jobs, servers
-from tests.agent_process import AgentProcess
-from tests.reset_agent import ALWAYS_RAISES
+from tests.support import jobs, servers
+from tests.support.agent_process import AgentProcess
+from tests.support.reset_agent import ALWAYS_RAISES
 from tests.test_adapters import load
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,7 +78,7 @@ def test_the_turn_after_a_hard_reset_runs_on_the_other_process(
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env = {k: v for k, v in env.items() if not k.startswith("LEDGER_")}
     state = tmp_path / ("history.json" if kind == "agent" else "checkpoints.sqlite")
-    args = [str(ROOT / "tests" / "reset_agent.py"), redis_server.url, prefix, sid, kind, face]
+    args = [str(ROOT / "tests/support/reset_agent.py"), redis_server.url, prefix, sid, kind, face]
     args.append(str(state))
     procs: list[AgentProcess] = []
     rows: list[dict[str, Any]] = []

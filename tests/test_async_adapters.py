@@ -58,8 +58,8 @@ from ledger import (
 from ledger.adapters.langchain import AsyncLedgerMiddleware, LedgerMiddleware
 from ledger.adapters.langgraph import AsyncLedgerGraph, LedgerGraph, merge_docs
 from ledger.errors import LostWriteWarning
-from tests import servers
-from tests.tcp_proxy import TcpProxy
+from tests.support import servers
+from tests.support.tcp_proxy import TcpProxy
 
 ROOT = Path(__file__).resolve().parent.parent
 TOK = TiktokenCounter()

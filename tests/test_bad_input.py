@@ -29,7 +29,7 @@ from ledger import (
     StaleEpoch,
     protocol,
 )
-from tests.bad_input import BUDGET, BUDGET_FIELDS, diff, state
+from tests.support.bad_input import BUDGET, BUDGET_FIELDS, diff, state
 
 
 @pytest.fixture

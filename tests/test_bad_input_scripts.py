@@ -4,7 +4,7 @@ write, and so must keys that are not the session's and budgets whose JSON is not
 canonical. The Python API is attacked in test_bad_input.py.
 
 "State" is HGETALL of the session hash plus ZRANGE WITHSCORES of the deadline
-index, compared byte for byte before and after each bad call (tests/bad_input.py).
+index, compared byte for byte before and after each bad call (tests/support/bad_input.py).
 
 The regression tests at the end pin bugs that were found and fixed.
 """
@@ -28,7 +28,7 @@ from ledger import (
     protocol,
 )
 from ledger.core import new_op_id
-from tests.bad_input import BUDGET, BUDGET_FIELDS, diff, state
+from tests.support.bad_input import BUDGET, BUDGET_FIELDS, diff, state
 
 # --- the scripts, called directly -------------------------------------------------------
 

@@ -22,7 +22,7 @@ from ledger import (
 from ledger.core import SessionCore
 from ledger.keys import KeySpace
 from ledger.models import Admitted, Released, Snapshot
-from tests import servers
+from tests.support import servers
 
 
 def _sid() -> str:

@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from bench import alternatives as alt
-from tests import servers
+from tests.support import servers
 
 ROOT = Path(__file__).resolve().parents[1]
 

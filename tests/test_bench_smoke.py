@@ -93,7 +93,7 @@ def test_lua_costs_measures_every_piece() -> None:
     import redis
 
     from bench import lua_costs
-    from tests.servers import standalone
+    from tests.support.servers import standalone
 
     with standalone() as srv:
         costs = lua_costs.measure(redis.Redis.from_url(srv.url), n=200, reps=1)
@@ -112,7 +112,7 @@ def test_admit_steps_stops_admit_at_every_step() -> None:
     from bench import admit_steps
     from bench.bench_core import BENCH_BUDGET
     from ledger import Item, Ledger, LedgerSettings
-    from tests.servers import standalone
+    from tests.support.servers import standalone
 
     v = admit_steps.variants()
     assert len(v) == 4 + len(admit_steps.STEPS)

@@ -41,7 +41,7 @@ from ledger import (
     protocol,
 )
 from ledger.keys import KeySpace
-from tests import servers
+from tests.support import servers
 
 W = Consumer.WORKING_MEMORY
 BUDGET = SessionBudget(window=200_000, system_prompt=1_000)

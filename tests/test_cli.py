@@ -14,7 +14,7 @@ import pytest
 
 import ledger
 from ledger import Ledger, LedgerSettings, SessionBudget, cli
-from tests.servers import RedisProcess
+from tests.support.servers import RedisProcess
 
 pytestmark = pytest.mark.redis
 

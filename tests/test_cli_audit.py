@@ -11,7 +11,7 @@ import redis
 
 from ledger import Item, Ledger, LedgerSettings, SessionBudget, cli
 from tests.conftest import _open_many
-from tests.servers import RedisProcess
+from tests.support.servers import RedisProcess
 
 pytestmark = pytest.mark.redis
 

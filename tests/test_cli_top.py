@@ -17,7 +17,7 @@ import pytest
 import ledger
 from ledger import Item, Ledger, LedgerSettings, SessionBudget, cli
 from tests.conftest import _open_many
-from tests.servers import RedisProcess
+from tests.support.servers import RedisProcess
 
 pytestmark = pytest.mark.redis
 

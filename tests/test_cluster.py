@@ -23,8 +23,8 @@ from redis.exceptions import RedisClusterException
 from ledger import Consumer, Item, Ledger, LedgerError, LedgerSettings, SessionBudget
 from ledger import cli as ledger_cli
 from ledger.workers.runner import Worker, WorkerSettings
+from tests.support import servers
 
-from . import servers
 from .test_faults import Agent, assert_replays, check_invariants, run_agents
 
 pytestmark = pytest.mark.cluster

@@ -21,7 +21,7 @@ from ledger.adapters.langgraph import LedgerGraph
 from ledger.adapters.summarizer import LLMSummarizer
 from ledger.models import Consumer, HeldItem
 from ledger.workers.compactors import CompactionRequest
-from tests import jobs
+from tests.support import jobs
 
 
 def words(text: str) -> int:

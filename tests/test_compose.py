@@ -28,7 +28,7 @@ import yaml
 
 from ledger import LedgerSettings, cli
 from ledger.backends import parse_url
-from tests import servers
+from tests.support import servers
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER_NODES = ["redis-cluster-1", "redis-cluster-2", "redis-cluster-3"]

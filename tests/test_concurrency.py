@@ -33,9 +33,9 @@ from ledger import (
     Settled,
     Voided,
 )
-from tests import servers
-from tests.concurrency import GROUP, REFUSAL_REASONS, SPAWN, capture, started
 from tests.conftest import make_settings
+from tests.support import servers
+from tests.support.concurrency import GROUP, REFUSAL_REASONS, SPAWN, capture, started
 
 pytestmark = [pytest.mark.redis]
 

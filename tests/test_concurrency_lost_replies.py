@@ -26,8 +26,8 @@ from ledger import (
     Snapshot,
 )
 from ledger import scripts as ledger_scripts
-from tests import servers
 from tests.conftest import make_settings
+from tests.support import servers
 
 pytestmark = [pytest.mark.redis]
 

@@ -6,7 +6,7 @@ and test_contract_model.py (a random sequence against a model).
 Every test takes the parametrized ``ledger`` (or ``aledger``) fixture, so it runs on the
 embedded fakeredis backend, a real redis-server and a real Redis Cluster. Expected
 numbers are computed from the budget, never hard-coded; the helpers are in
-tests/contract.py.
+tests/support/contract.py.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from ledger import (
     UnknownSession,
 )
 from ledger.models import Opened
-from tests.contract import (
+from tests.support.contract import (
     REC,
     RET,
     SCR,

@@ -4,7 +4,7 @@ fencing and expiry.
 Every test takes the parametrized ``ledger`` (or ``aledger``) fixture, so it runs on the
 embedded fakeredis backend, a real redis-server and a real Redis Cluster. Expected
 numbers are computed from the budget, never hard-coded; the helpers are in
-tests/contract.py.
+tests/support/contract.py.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ledger import (
     UnknownReservation,
     UnknownSession,
 )
-from tests.contract import (
+from tests.support.contract import (
     RET,
     SCR,
     assert_new_epoch,

@@ -5,7 +5,7 @@ the handles of the session's earlier epoch.
 Every test takes the parametrized ``ledger`` (or ``aledger``) fixture, so it runs on the
 embedded fakeredis backend, a real redis-server and a real Redis Cluster. Expected
 numbers are computed from the budget, never hard-coded; the helpers are in
-tests/contract.py.
+tests/support/contract.py.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ledger import (
     StaleEpoch,
 )
 from ledger.models import Opened
-from tests.contract import (
+from tests.support.contract import (
     RET,
     SCR,
     WM,

@@ -4,7 +4,7 @@ deadlines and expiry.
 Every test takes the parametrized ``ledger`` (or ``aledger``) fixture, so it runs on the
 embedded fakeredis backend, a real redis-server and a real Redis Cluster. Expected
 numbers are computed from the budget, never hard-coded; the helpers are in
-tests/contract.py.
+tests/support/contract.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ledger import (
     SessionConflict,
     UnknownReservation,
 )
-from tests.contract import (
+from tests.support.contract import (
     REC,
     RET,
     SCR,

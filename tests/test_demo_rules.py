@@ -22,8 +22,8 @@ import pytest
 from ledger import scripts
 from ledger.fleet import report, truncation
 from ledger.fleet.run import FleetConfig, run
-from tests import servers
 from tests.conftest import make_settings
+from tests.support import servers
 
 
 @pytest.fixture(autouse=True)

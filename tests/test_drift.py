@@ -21,8 +21,8 @@ from ledger import (
 )
 from ledger.views import busiest
 from ledger.workers.runner import Metrics, Worker, WorkerSettings
-from tests import servers
 from tests.conftest import make_settings
+from tests.support import servers
 
 B = SessionBudget(
     window=10_000,

@@ -27,7 +27,7 @@ from ledger import (
     SessionBudget,
 )
 from ledger.testing import replicated_cluster
-from tests import servers
+from tests.support import servers
 
 WM = Consumer.WORKING_MEMORY
 BUDGET = SessionBudget(window=10_000, system_prompt=100)

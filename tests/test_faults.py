@@ -37,9 +37,8 @@ from ledger import (
 )
 from ledger import cli as ledger_cli
 from ledger.protocol import Call
-
-from . import servers
-from .tcp_proxy import TcpProxy
+from tests.support import servers
+from tests.support.tcp_proxy import TcpProxy
 
 WM, RET, REC, SCR = (
     Consumer.WORKING_MEMORY,

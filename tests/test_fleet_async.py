@@ -21,8 +21,8 @@ import pytest
 
 from ledger import Ledger, LedgerSettings
 from ledger.testing import spawn_worker
-from tests import servers
-from tests.agent_process import AgentProcess
+from tests.support import servers
+from tests.support.agent_process import AgentProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ["langgraph", "langchain"]
@@ -48,7 +48,7 @@ def test_two_asyncio_processes_alternate_turns_with_a_crash_and_notes(
         {
             "LEDGER_REDIS_URL": redis_server.url,
             "LEDGER_PREFIX": prefix,
-            "LEDGER_WORKER_COMPACTOR": "tests.fleet_compactor:SUMMARIZER",
+            "LEDGER_WORKER_COMPACTOR": "tests.support.fleet_compactor:SUMMARIZER",
             "PYTHONPATH": str(ROOT),
         },
         tmp_path / "worker.log",

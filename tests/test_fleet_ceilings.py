@@ -1,5 +1,5 @@
 """A tenant's ceiling across a fleet, on both faces: two agent OS processes
-(tests/fleet_ceilings.py: the LangGraph adapter with the tenant named, ``--face sync`` or
+(tests/support/fleet_ceilings.py: the LangGraph adapter with the tenant named, ``--face sync`` or
 ``--face asyncio``) serve the turns of three sessions, each session's turns alternating
 between the processes (tenant A's two sessions at the same time, one on each), the
 conversations shared through one SQLite checkpoint file both open, on a real redis-server
@@ -23,12 +23,12 @@ import pytest
 
 from ledger import Ledger, LedgerSettings, ScopeBudget, SessionBudget, TiktokenCounter
 from ledger.testing import spawn_worker
-from tests import servers
-from tests.agent_process import AgentProcess
+from tests.support import servers
+from tests.support.agent_process import AgentProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 TURNS, CEILING_A, CEILING_B = 8, 4_000, 1_000_000
-KILL_AT, LEASE_MS, HOLD_S = 2, 1_500, 3.0  # HOLD_S: tests/fleet_ceilings.py's HOLD_MS
+KILL_AT, LEASE_MS, HOLD_S = 2, 1_500, 3.0  # HOLD_S: tests/support/fleet_ceilings.py's HOLD_MS
 DAY = 86_400_000
 
 
@@ -60,7 +60,7 @@ def test_two_processes_two_sessions_of_a_tenant_hit_its_ceiling(
     try:
         worker.wait_started(60)
         args = [
-            str(ROOT / "tests" / "fleet_ceilings.py"),
+            str(ROOT / "tests" / "support" / "fleet_ceilings.py"),
             "--url",
             redis_server.url,
             "--prefix",

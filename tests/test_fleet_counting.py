@@ -1,7 +1,7 @@
 """A fleet counting with an estimate (docs/agent.md#what-the-model-billed): two agent OS
 processes serve one session's turns alternately on a real redis-server, with a real
 ``ledger worker`` compacting, through the Agents SDK's governed Session and through the
-LangChain middleware (tests/fleet_counting.py). The counter is ``EstimatingCounter``; the
+LangChain middleware (tests/support/fleet_counting.py). The counter is ``EstimatingCounter``; the
 stub model bills prose at 1.22x, CSV/JSON rows at 2.4x and CJK at 3x of chars/4, and every
 fourth turn's tool result is ~20k billed tokens in a 16k window.
 
@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests import servers
+from tests.support import servers
 
 ROOT = Path(__file__).resolve().parent.parent
 TURNS = 20
@@ -36,7 +36,7 @@ def fleet(framework: str, url: str) -> list[dict[str, Any]]:
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
     out = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "fleet_counting.py"), "--json", "--url", url,
+        [sys.executable, str(ROOT / "tests/support/fleet_counting.py"), "--json", "--url", url,
          "--processes", "2", "--turns", str(TURNS), "--session", f"c-{uuid.uuid4().hex[:8]}"],
         capture_output=True, text=True, timeout=120, cwd=ROOT, env=env,
     )  # fmt: skip

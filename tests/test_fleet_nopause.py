@@ -4,14 +4,14 @@ time between turns), one real `ledger worker` with a 1 s summarizer, on a real
 redis-server. Every session's compactions land within the interval the doc states, and
 its retrieval admission stays at least 0.88 in every window of 10 turns. The issue's long
 form (8 x 120), and the same fleet on a checkout from before staging, run by hand:
-``python -m tests.nopause_fleet --processes 8 --turns 120 [--code DIR]``."""
+``python -m tests.support.nopause_fleet --processes 8 --turns 120 [--code DIR]``."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests import servers
-from tests.nopause_fleet import fleet
+from tests.support import servers
+from tests.support.nopause_fleet import fleet
 
 PROCESSES, TURNS = 4, 60
 MAX_LAG = 3  # turns from a compaction becoming due to its summary reaching a turn

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from ledger import Ledger, LedgerSettings
-from tests import servers
+from tests.support import servers
 from tests.test_readme import README, blocks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -170,7 +170,7 @@ def test_the_readme_loop_is_right_in_a_fleet(
     with log.open("wb") as fh:
         worker = subprocess.Popen(
             [sys.executable, "-m", "ledger.cli", "--url", redis_server.url, "worker",
-             "--compactor", "tests.fleet_compactor:SUMMARIZER"],
+             "--compactor", "tests.support.fleet_compactor:SUMMARIZER"],
             cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT,
         )  # fmt: skip
     deadline = time.monotonic() + 60  # a fleet's worker is up before its agents' turns

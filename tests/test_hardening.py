@@ -35,7 +35,7 @@ from ledger import (
 )
 from ledger.workers.compactors import CompactionPlan, CompactionRequest
 from ledger.workers.runner import Worker, WorkerSettings
-from tests import servers
+from tests.support import servers
 
 WM, RET = Consumer.WORKING_MEMORY, Consumer.RETRIEVAL
 SECRET = "SECRET-" + "x" * 40

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from ledger import Ledger, LedgerSettings, cli, health
-from tests import jobs, servers
+from tests.support import jobs, servers
 
 NOEVICTION = {"maxmemory_policy": "noeviction"}
 AOF_ON, AOF_OFF = {"aof_enabled": 1}, {"aof_enabled": 0}

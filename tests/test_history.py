@@ -1,7 +1,7 @@
-"""The history checker (tests/history): client processes record every call while faults
+"""The history checker (tests/support/history): client processes record every call while faults
 are injected, and the checker replays the history against a model of the rules. Short
 runs here, several seeds and every fault kind; the long form is run by hand
-(``python -m tests.history --seed N --long``, figures in docs/reliability.md).
+(``python -m tests.support.history --seed N --long``, figures in docs/reliability.md).
 
 Each run prints its summary: calls checked (ok, refused, unknown), turns (committed,
 rolled back), faults injected, anomalies. The checker is shown to catch a defect planted
@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from tests.history.check import Final, Rec, check
-from tests.history.run import FAULTS, Plan, run
+from tests.support.history.check import Final, Rec, check
+from tests.support.history.run import FAULTS, Plan, run
 
 
 def show(capsys: pytest.CaptureFixture[str], label: str, text: str) -> None:

@@ -36,7 +36,7 @@ from ledger import (
 )
 from ledger.workers.compactors import CompactionPlan, CompactionRequest
 from ledger.workers.runner import Metrics, Worker, WorkerSettings
-from tests import servers
+from tests.support import servers
 from tests.test_imports import LAYERS, layer_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -154,7 +154,7 @@ def test_the_contributing_map_names_every_module_and_folder() -> None:
 def test_no_file_in_tests_is_over_700_lines() -> None:
     """Tests are grouped by subject, a file per subject (docs/contributing.md, "Where
     tests go"): a file past 700 lines is split by subject, its helpers moved to a support
-    module, not copied. Every file counts (support modules, tests/history/ too), its
+    module, not copied. Every file counts (tests/support/ too), its
     lines as ``wc -l`` counts them."""
     walked = sorted((ROOT / "tests").rglob("*"))
     files = [p for p in walked if p.is_file() and "__pycache__" not in p.parts]

@@ -19,7 +19,7 @@ import pytest
 from ledger import Item, Ledger, LedgerError, SessionBudget
 from ledger.client import Session
 from ledger.protocol import Call
-from tests.older import OldClient
+from tests.support.older import OldClient
 
 BUDGET = dict(window=3_000, system_prompt=100, output_reserve=200, compaction="agent")
 CODES = {"scratchpad": "s", "retrieval": "r", "recall": "m"}

@@ -14,7 +14,7 @@ from ledger import Item, Ledger, LedgerSettings, SessionBudget, cli
 from ledger.errors import ConfigurationError
 from ledger.workers.compactors import CompactionPlan, CompactionRequest
 from ledger.workers.runner import Metrics, Worker, WorkerSettings, mask_url
-from tests import jobs
+from tests.support import jobs
 
 AGENT_BUDGET = SessionBudget(
     window=10_000, system_prompt=500, output_reserve=500, compaction="agent"

@@ -44,8 +44,8 @@ from ledger import (
     Settled,
     Voided,
 )
-from tests import servers
-from tests.stateful import ModelMachine, Op, Outcome, run_machine
+from tests.support import servers
+from tests.support.stateful import ModelMachine, Op, Outcome, run_machine
 
 CONSUMERS = tuple(c.value for c in Consumer)
 GROUP = {"working_memory": "w", "retrieval": "m", "recall": "m", "scratchpad": "s"}

@@ -1,9 +1,9 @@
 """Stateful property test of the rules (docs/rules.md): the ledger against a model of the scripts.
 
 tests/test_properties.py checks admit / release / reserve / settle / void. This file's
-model (tests/rules_model.py) restates, in plain Python, what lua/begin_turn.lua, admit.lua,
+model (tests/support/rules_model.py) restates, in plain Python, what lua/begin_turn.lua, admit.lua,
 admit_tool.lua, compact.lua, record_span.lua, end_turn.lua and release.lua do to one
-session, and hypothesis drives them (tests/rules_machine.py; plus replays of earlier calls
+session, and hypothesis drives them (tests/support/rules_machine.py; plus replays of earlier calls
 under their op ids) in a small window where refusals, reclamation, spills and failed
 compactions happen often:
 
@@ -54,10 +54,10 @@ import pytest
 
 from ledger import AdmissionRefused, Consumer, Item, Ledger, Session, SessionBudget
 from ledger.errors import WorkingMemoryStarvation
-from tests import servers
 from tests.conftest import make_settings
-from tests.rules_machine import RulesMachine
-from tests.rules_model import (
+from tests.support import servers
+from tests.support.rules_machine import RulesMachine
+from tests.support.rules_model import (
     F_M,
     F_W,
     MAX_OUT,
@@ -66,7 +66,7 @@ from tests.rules_model import (
     T,
     W,
 )
-from tests.stateful import run_machine
+from tests.support.stateful import run_machine
 
 
 def check(url: str, max_examples: int) -> None:

@@ -25,10 +25,10 @@ from ledger.models import (
     Usage,
     canonical_json,
 )
-from tests.servers import RedisProcess
+from tests.support.servers import RedisProcess
 
 ROOT = Path(__file__).resolve().parent.parent
-VECTORS: dict[str, Any] = json.loads((ROOT / "tests" / "protocol_vectors.json").read_text())
+VECTORS: dict[str, Any] = json.loads((ROOT / "tests/support/protocol_vectors.json").read_text())
 DOC = (ROOT / "docs" / "protocol.md").read_text()
 
 

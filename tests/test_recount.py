@@ -15,7 +15,7 @@ import pytest
 from ledger import Agent, Consumer, Item, Ledger, LedgerSettings, SessionBudget
 from ledger.agent import TiktokenCounter
 from ledger.testing import spawn_worker
-from tests import servers
+from tests.support import servers
 
 ROOT = Path(__file__).resolve().parent.parent
 W = Consumer.WORKING_MEMORY
@@ -64,7 +64,7 @@ def test_agents_with_different_framing_share_one_worker_with_drift_0(
     env = {
         "LEDGER_REDIS_URL": redis_server.url,
         "LEDGER_PREFIX": prefix,
-        "LEDGER_WORKER_COMPACTOR": "tests.fleet_compactor:SUMMARIZER",
+        "LEDGER_WORKER_COMPACTOR": "tests.support.fleet_compactor:SUMMARIZER",
         "PYTHONPATH": str(ROOT),
     }
     worker = spawn_worker("w1", env, tmp_path / "worker.log")

@@ -33,8 +33,8 @@ from ledger import (
 )
 from ledger.keys import KeySpace
 from ledger.views import view
-from tests import jobs
 from tests.conftest import make_settings
+from tests.support import jobs
 
 RET, SCR, WM = Consumer.RETRIEVAL, Consumer.SCRATCHPAD, Consumer.WORKING_MEMORY
 

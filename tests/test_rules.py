@@ -8,7 +8,7 @@ not happening) are in test_rules_starvation.py (000), test_rules_compaction.py (
 003), test_rules_tool_results.py (002) and test_rules_amplification.py (004).
 
 Every test takes the parametrized ``ledger`` fixture (embedded fakeredis, a real
-redis-server, a real Redis Cluster); the helpers are in tests/rules.py. Tests named
+redis-server, a real Redis Cluster); the helpers are in tests/support/rules.py. Tests named
 ``test_bug_*`` are regressions of defects found and fixed.
 """
 
@@ -34,7 +34,7 @@ from ledger import (
     TurnInProgress,
 )
 from ledger.errors import FanoutRefused, WorkingMemoryStarvation
-from tests.rules import (
+from tests.support.rules import (
     REC,
     RET,
     SCR,

@@ -2,7 +2,7 @@
 amplification ratio, its classes, and the fan-out guard.
 
 Every test takes the parametrized ``ledger`` fixture (embedded fakeredis, a real
-redis-server, a real Redis Cluster); the helpers are in tests/rules.py. Tests named
+redis-server, a real Redis Cluster); the helpers are in tests/support/rules.py. Tests named
 ``test_bug_*`` are regressions of defects found and fixed.
 """
 
@@ -19,7 +19,7 @@ from ledger import (
     TurnLost,
 )
 from ledger.errors import ContextDriftWarning, FanoutRefused
-from tests.rules import (
+from tests.support.rules import (
     WINDOW_004,
     WM,
     budget_004,

@@ -3,7 +3,7 @@ retrieval starved behind compactions (compaction_pending, the hard post-conditio
 escalation to a hard reset after three failed compactions), and the roll-up hint.
 
 Every test takes the parametrized ``ledger`` fixture (embedded fakeredis, a real
-redis-server, a real Redis Cluster); the helpers are in tests/rules.py. Tests named
+redis-server, a real Redis Cluster); the helpers are in tests/support/rules.py. Tests named
 ``test_bug_*`` are regressions of defects found and fixed.
 """
 
@@ -19,7 +19,7 @@ from ledger import (
     Session,
     SessionBudget,
 )
-from tests.rules import (
+from tests.support.rules import (
     REC,
     RET,
     WM,

@@ -3,7 +3,7 @@ starving at 0.58-0.64 utilization, and the begin-turn gate that reclaims the old
 scratchpad, reports the loud regime, or refuses and reclaims nothing.
 
 Every test takes the parametrized ``ledger`` fixture (embedded fakeredis, a real
-redis-server, a real Redis Cluster); the helpers are in tests/rules.py. Tests named
+redis-server, a real Redis Cluster); the helpers are in tests/support/rules.py. Tests named
 ``test_bug_*`` are regressions of defects found and fixed.
 """
 
@@ -21,7 +21,7 @@ from ledger import (
     SessionBudget,
 )
 from ledger.errors import WorkingMemoryStarvation
-from tests.rules import (
+from tests.support.rules import (
     REC,
     RET,
     SCR,

@@ -3,7 +3,7 @@ system prompt, half a tool result): tool results are admitted whole, spilled to 
 or refused.
 
 Every test takes the parametrized ``ledger`` fixture (embedded fakeredis, a real
-redis-server, a real Redis Cluster); the helpers are in tests/rules.py. Tests named
+redis-server, a real Redis Cluster); the helpers are in tests/support/rules.py. Tests named
 ``test_bug_*`` are regressions of defects found and fixed.
 """
 
@@ -21,7 +21,7 @@ from ledger import (
     LedgerSettings,
     SessionBudget,
 )
-from tests.rules import (
+from tests.support.rules import (
     REC,
     RET,
     SCR,

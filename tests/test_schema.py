@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ledger import Item, Ledger, schema, scripts
-from tests import jobs, tools
+from tests.support import jobs, tools
 
 # --- the legend -----------------------------------------------------------------------
 

@@ -35,8 +35,8 @@ from ledger import (
 from ledger.scope_reads import scope_names
 from ledger.testing import free_port, spawn_worker
 from ledger.views import tenant_view
-from tests import servers
-from tests.jobs import new_worker
+from tests.support import servers
+from tests.support.jobs import new_worker
 
 pytestmark = pytest.mark.redis
 
@@ -310,11 +310,11 @@ def test_ledger_top_flags_a_session_whose_compaction_was_dead_lettered(
     session's current epoch (`1!`: its compaction is held by it); once the failures
     escalated to a hard reset (a new epoch) its letters are of an older one (`3`)."""
     from ledger.views import dead_lettered
-    from tests.jobs import busy, open_compaction
+    from tests.support.jobs import busy, open_compaction
 
     open_compaction(led, "held-1")
     led.open_session("calm-1", BUDGET)
-    w = new_worker(led, "tests.worker_scenarios:always_fails", max_deliveries=1)
+    w = new_worker(led, "tests.support.worker_scenarios:always_fails", max_deliveries=1)
     w.ensure_groups()
     deadline = time.monotonic() + 20
     while not dead_lettered(led) and time.monotonic() < deadline:

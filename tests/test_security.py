@@ -36,8 +36,7 @@ from ledger import cli as ledger_cli
 from ledger.errors import translated
 from ledger.workers.compactors import CompactionPlan, CompactionRequest
 from ledger.workers.runner import Worker, WorkerSettings
-
-from . import servers
+from tests.support import servers
 
 WM, RET, REC, SCR = (
     Consumer.WORKING_MEMORY,
@@ -286,7 +285,9 @@ def exercise_everything(
     compacting = Worker(
         ledger,
         WorkerSettings(
-            consumer="agent-loop", claim_idle_ms=10, compactor="tests.fleet_compactor:SUMMARIZER"
+            consumer="agent-loop",
+            claim_idle_ms=10,
+            compactor="tests.support.fleet_compactor:SUMMARIZER",
         ),
     )
     prompt: list[object] = [SYSTEM]
@@ -328,7 +329,7 @@ def exercise_everything(
     assert admin.xlen(dead_stream) == 0, "the dead letters were not replayed and purged"
     done += ["cli dead list", "cli dead show", "cli dead replay", "cli dead purge"]
     # the worker runs the replayed job (its compactor now works)
-    cli_ok(*cli, "worker", "--once", "--compactor", "tests.fleet_compactor:SUMMARIZER")
+    cli_ok(*cli, "worker", "--once", "--compactor", "tests.support.fleet_compactor:SUMMARIZER")
     done += ["cli inspect", "cli top", "cli worker"]
 
     # the CLI, fenced reset, close

@@ -36,7 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ledger import Ledger, LedgerSettings
 from ledger.errors import LedgerError
 from ledger.testing import WorkerProc, spawn_worker
-from tests import jobs, servers
+from tests.support import jobs, servers
 
 SOAK_SECONDS = float(os.environ.get("LEDGER_SOAK_SECONDS", "8"))
 PARTITIONS = 8

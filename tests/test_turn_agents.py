@@ -19,7 +19,7 @@ from ledger import (
     TurnLost,
 )
 from ledger.agent import Agent, AsyncAgent
-from tests.turn_state import (
+from tests.support.turn_state import (
     BUDGET,
     R,
     W,

@@ -17,7 +17,7 @@ from ledger import (
     TurnLost,
 )
 from ledger.agent import Agent
-from tests.turn_state import (
+from tests.support.turn_state import (
     BUDGET,
     R,
     W,

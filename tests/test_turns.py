@@ -4,7 +4,7 @@ whose lease lapsed is rolled back to exactly what it found; its zombie's calls a
 refused; a worker's compaction never lands under a running turn, and its summary is
 delivered to one committed turn, once. The agent layer's turns are in
 test_turn_agents.py, the regressions found by review in test_turn_regressions.py; the
-helpers in tests/turn_state.py.
+helpers in tests/support/turn_state.py.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from ledger import (
 )
 from ledger.client import Session
 from ledger.core import new_op_id
-from tests.turn_state import (
+from tests.support.turn_state import (
     M,
     R,
     S,

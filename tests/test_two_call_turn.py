@@ -37,7 +37,7 @@ from ledger import (
 from ledger.client import Session
 from ledger.core import new_op_id
 from ledger.testing import spawn_worker
-from tests.servers import RedisProcess
+from tests.support.servers import RedisProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -267,7 +267,7 @@ def test_two_processes_share_a_session_in_two_call_turns_with_a_worker(
             subprocess.Popen(
                 [
                     sys.executable,
-                    str(ROOT / "tests" / "two_call_agent.py"),
+                    str(ROOT / "tests" / "support" / "two_call_agent.py"),
                     redis_server.url,
                     prefix,
                     f"a{i}",

@@ -23,7 +23,7 @@ from ledger import (
     protocol,
 )
 from ledger.core import collect
-from tests import tools
+from tests.support import tools
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOL = ROOT / "tools" / "unasync.py"

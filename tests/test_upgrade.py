@@ -3,7 +3,7 @@ run from the release deployed today to this one, and the refusals that name both
 
 Each earlier release (``RELEASES``: 0.1.0 at 033c8b3, protocol 1; 0.2.0 at a8b2daf,
 protocol 2) is taken from git history with ``git archive`` into a temporary directory and
-run with its own PYTHONPATH: its ``ledger worker`` and its agents (tests/upgrade_agent.py)
+run with its own PYTHONPATH: its ``ledger worker`` and its agents (tests/support/upgrade_agent.py)
 beside this release's, on one real redis-server, turns of shared sessions alternating
 between all of them, as the runbook says (workers one at a time, then agents). No turn
 fails, and ``ledger audit --strict`` is clean.
@@ -42,7 +42,7 @@ from ledger import (
 )
 from ledger.scripts import lua_dir
 from ledger.testing import WorkerProc, spawn_worker, standalone
-from tests import servers
+from tests.support import servers
 
 ROOT = Path(__file__).resolve().parent.parent
 # The releases a fleet may run when it upgrades to this one: (commit, protocol version).
@@ -50,7 +50,7 @@ RELEASES = {
     "0.1.0": ("033c8b3", 1),  # protocol 1: no version carried, sessions of layout 1
     "0.2.0": ("a8b2daf", 2),  # protocol 2: the version carried, sessions of layout 2
 }
-AGENT = ROOT / "tests" / "upgrade_agent.py"
+AGENT = ROOT / "tests" / "support" / "upgrade_agent.py"
 BUDGET = SessionBudget(window=10_000, system_prompt=500, output_reserve=500)
 
 

@@ -3,7 +3,7 @@ listed, replayed and purged, and named by ``ledger inspect``.
 
 Every test uses its own key prefix on the session's ``redis_server`` and ``PARTITIONS``
 partitions; the helpers (compactors named by import path, job streams, backlogs) are in
-tests/worker_scenarios.py, the ``led`` fixture in tests/conftest.py.
+tests/support/worker_scenarios.py, the ``led`` fixture in tests/conftest.py.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import time
 import pytest
 
 from ledger import Ledger
-from tests import jobs
-from tests.jobs import session_hash
-from tests.worker_scenarios import (
+from tests.support import jobs
+from tests.support.jobs import session_hash
+from tests.support.worker_scenarios import (
     _text,
     drain_in_process,
     in_process_worker,
@@ -40,7 +40,10 @@ def test_dead_letters_listed_replayed_and_purged(
     open_compaction(led, "dl-1")
     open_compaction(led, "dl-2")
     worker = in_process_worker(
-        led, compactor="tests.worker_scenarios:always_fails", max_deliveries=1, claim_idle_ms=10
+        led,
+        compactor="tests.support.worker_scenarios:always_fails",
+        max_deliveries=1,
+        claim_idle_ms=10,
     )
     drain_in_process(led, worker)
     depths, letters = views.dead_letters(led)
@@ -78,7 +81,10 @@ def test_inspect_names_a_session_held_by_a_dead_letter(
 
     open_compaction(led, "dl-held")
     worker = in_process_worker(
-        led, compactor="tests.worker_scenarios:always_fails", max_deliveries=1, claim_idle_ms=10
+        led,
+        compactor="tests.support.worker_scenarios:always_fails",
+        max_deliveries=1,
+        claim_idle_ms=10,
     )
     worker.ensure_groups()
     monkeypatch.setenv("LEDGER_PARTITIONS", str(led.keyspace.partitions))

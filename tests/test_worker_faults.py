@@ -30,7 +30,7 @@ from ledger import Ledger, LedgerSettings
 from ledger.errors import BackendUnavailable, LedgerError, UnknownSession
 from ledger.testing import WorkerProc, spawn_worker
 from ledger.workers.trouble import TRANSIENT, Backoff, kind_of
-from tests import jobs, servers
+from tests.support import jobs, servers
 
 PARTITIONS = 4
 

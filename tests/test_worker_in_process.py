@@ -4,7 +4,7 @@ and the fleet's indicators, and a failing compactor retried.
 
 Every test uses its own key prefix on the session's ``redis_server`` and ``PARTITIONS``
 partitions; the helpers (compactors named by import path, job streams, backlogs) are in
-tests/worker_scenarios.py, the ``led`` fixture in tests/conftest.py.
+tests/support/worker_scenarios.py, the ``led`` fixture in tests/conftest.py.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from ledger.errors import (
     UnknownReservation,
 )
 from ledger.workers.runner import Worker
-from tests.jobs import BUDGET, GROUP, session_hash
-from tests.worker_scenarios import (
+from tests.support.jobs import BUDGET, GROUP, session_hash
+from tests.support.worker_scenarios import (
     PARTITIONS,
     dead_letters,
     drain_in_process,
@@ -252,7 +252,7 @@ def test_the_metrics_pass_reads_the_tallies_not_the_sessions(led: Ledger) -> Non
 
 def test_failing_compactor_is_retried_then_succeeds(led: Ledger) -> None:
     open_compaction(led, "flaky-1")
-    worker = in_process_worker(led, compactor="tests.worker_scenarios:flaky_compactor")
+    worker = in_process_worker(led, compactor="tests.support.worker_scenarios:flaky_compactor")
     drain_in_process(led, worker)
     reg = worker.metrics.registry
     assert reg.get_sample_value("ledger_jobs_failed_total", {"kind": "compact"}) == 1

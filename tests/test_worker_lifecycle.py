@@ -5,7 +5,7 @@ leaves compactions to one with.
 
 Every test uses its own key prefix on the session's ``redis_server`` and ``PARTITIONS``
 partitions; the helpers (compactors named by import path, job streams, backlogs) are in
-tests/worker_scenarios.py, the ``led`` fixture in tests/conftest.py.
+tests/support/worker_scenarios.py, the ``led`` fixture in tests/conftest.py.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import pytest
 
 from ledger import Ledger
 from ledger.workers.runner import Worker, WorkerSettings
-from tests import jobs
-from tests.jobs import GROUP, session_hash
-from tests.worker_scenarios import (
+from tests.support import jobs
+from tests.support.jobs import GROUP, session_hash
+from tests.support.worker_scenarios import (
     drain_in_process,
     in_process_worker,
     open_compaction,

@@ -29,8 +29,8 @@ import pytest
 from ledger import Item, Ledger, LedgerSettings
 from ledger.testing import WorkerProc, free_port, spawn_worker
 from ledger.workers.compactors import CompactionPlan, CompactionRequest
-from tests import jobs
-from tests.servers import RedisProcess
+from tests.support import jobs
+from tests.support.servers import RedisProcess
 
 SLOW_S = float(os.environ.get("SLOW_COMPACT_SECONDS", "20"))
 DRAIN_S = 2.0

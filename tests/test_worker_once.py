@@ -24,8 +24,8 @@ from ledger.core import new_op_id
 from ledger.errors import OperationIdReused
 from ledger.models import Consumer
 from ledger.scripts import stored_outcomes
-from tests import jobs
 from tests.conftest import BACKENDS, backend_url, make_settings
+from tests.support import jobs
 
 FAILS = ("kf", "x:failed_compactions", "x:escalations", "x:resets", "ep", "rq", "cd")
 

@@ -9,7 +9,7 @@ taken over within about ``claim_idle_ms``.
 
 Every test uses its own key prefix on the session's ``redis_server`` and ``PARTITIONS``
 partitions; the helpers (compactors named by import path, job streams, backlogs) are in
-tests/worker_scenarios.py, the ``led`` fixture in tests/conftest.py.
+tests/support/worker_scenarios.py, the ``led`` fixture in tests/conftest.py.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ import pytest
 
 from ledger import Ledger
 from ledger.testing import WorkerProc, spawn_worker
-from tests.jobs import GROUP, session_hash
-from tests.servers import RedisProcess
-from tests.worker_scenarios import (
+from tests.support.jobs import GROUP, session_hash
+from tests.support.servers import RedisProcess
+from tests.support.worker_scenarios import (
     CLAIM_IDLE_MS,
     COMPACTOR,
     PARTITIONS,

@@ -4,7 +4,7 @@ slices, and ``ledger worker --check``.
 
 Every test uses its own key prefix on the session's ``redis_server`` and ``PARTITIONS``
 partitions; the helpers (compactors named by import path, job streams, backlogs) are in
-tests/worker_scenarios.py, the ``led`` fixture in tests/conftest.py.
+tests/support/worker_scenarios.py, the ``led`` fixture in tests/conftest.py.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from ledger.errors import (
 )
 from ledger.models import PartitionCheck
 from ledger.workers.runner import next_round
-from tests import jobs
 from tests.conftest import backend_url, make_settings
-from tests.jobs import BUDGET
-from tests.servers import RedisProcess
-from tests.worker_scenarios import (
+from tests.support import jobs
+from tests.support.jobs import BUDGET
+from tests.support.servers import RedisProcess
+from tests.support.worker_scenarios import (
     wait_until,
 )
 

@@ -3,7 +3,7 @@ found, each pinned.
 
 Every test uses its own key prefix on the session's ``redis_server`` and ``PARTITIONS``
 partitions; the helpers (compactors named by import path, job streams, backlogs) are in
-tests/worker_scenarios.py, the ``led`` fixture in tests/conftest.py.
+tests/support/worker_scenarios.py, the ``led`` fixture in tests/conftest.py.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import time
 import pytest
 
 from ledger import Ledger
-from tests.jobs import BUDGET, session_hash
-from tests.worker_scenarios import (
+from tests.support.jobs import BUDGET, session_hash
+from tests.support.worker_scenarios import (
     backlog,
     dead_letters,
     drain_in_process,
@@ -90,7 +90,7 @@ def test_worker_survives_lost_consumer_group(led: Ledger) -> None:
 def test_errors_hash_cleared_after_success(led: Ledger) -> None:
     sid = "flaky-2"
     open_compaction(led, sid)
-    worker = in_process_worker(led, compactor="tests.worker_scenarios:flaky_compactor")
+    worker = in_process_worker(led, compactor="tests.support.worker_scenarios:flaky_compactor")
     drain_in_process(led, worker)
     assert session_hash(led, sid)["kn"] == "1"
     assert led.client.hlen(f"{led.keyspace.tag(led.keyspace.partition_of(sid))}:errors") == 0

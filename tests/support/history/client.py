@@ -1,6 +1,6 @@
 """One client process of a history run: turns on shared sessions, each call recorded.
 
-``python -m tests.history.client CONFIG NAME`` reads the run's configuration (JSON) and
+``python -m tests.support.history.client CONFIG NAME`` reads the run's configuration (JSON) and
 loops until the run's stop file appears: it picks a session, begins a turn (as owner
 NAME), makes a few calls in it (admit, release, reserve then settle or void or leave it
 to expire), and ends the turn. Every call is written to ``<dir>/<NAME>.jsonl`` twice:

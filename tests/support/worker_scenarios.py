@@ -18,15 +18,15 @@ from ledger import Item, Ledger, LedgerSettings
 from ledger.models import Consumer
 from ledger.workers.compactors import CompactionPlan, CompactionRequest
 from ledger.workers.runner import Worker
-from tests import jobs
-from tests.jobs import BUDGET, GROUP, WM_ITEMS, session_hash
-from tests.servers import RedisProcess
+from tests.support import jobs
+from tests.support.jobs import BUDGET, GROUP, WM_ITEMS, session_hash
+from tests.support.servers import RedisProcess
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PARTITIONS = 4
 CLAIM_IDLE_MS = 500
 POLL = 0.02
-COMPACTOR = "tests.worker_scenarios:fleet_compactor"
+COMPACTOR = "tests.support.worker_scenarios:fleet_compactor"
 
 
 def fleet_compactor(request: CompactionRequest) -> CompactionPlan:

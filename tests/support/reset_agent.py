@@ -5,7 +5,7 @@ agent commits after each turn; a SQLite checkpointer for LangGraph). One JSON re
 line in (``{"turn": n}``), one JSON row out: the turn's drift, the ledger's occupancy
 against the real prompt, the epoch the turn found reset (or None), or the error.
 
-    python tests/reset_agent.py URL PREFIX SID KIND FACE STATE_FILE
+    python tests/support/reset_agent.py URL PREFIX SID KIND FACE STATE_FILE
 
 ``ALWAYS_RAISES`` is the worker's compactor: every compaction attempt fails, so the
 session reaches the hard reset (docs/rules.md) after ``max_failed_compactions``.
@@ -40,7 +40,7 @@ def always_raises(request: CompactionRequest) -> CompactionPlan:
     raise RuntimeError("summarizer down")
 
 
-ALWAYS_RAISES = "tests.reset_agent:always_raises"
+ALWAYS_RAISES = "tests.support.reset_agent:always_raises"
 
 
 def question(n: int) -> str:

@@ -42,7 +42,7 @@ class CountingCompactor:
 
 
 never_enough = CountingCompactor()
-NEVER_ENOUGH = "tests.jobs:never_enough"
+NEVER_ENOUGH = "tests.support.jobs:never_enough"
 
 
 def enough(request: CompactionRequest) -> CompactionPlan:
@@ -57,7 +57,7 @@ def enough(request: CompactionRequest) -> CompactionPlan:
     return CompactionPlan(tuple((i.consumer, i.id) for i in old), summary)
 
 
-ENOUGH = "tests.jobs:enough"
+ENOUGH = "tests.support.jobs:enough"
 
 
 def text(x: Any) -> str:

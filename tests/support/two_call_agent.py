@@ -4,7 +4,7 @@ result with the prompt in its end), waiting while another process holds the turn
 compaction is pending. Prints one JSON line: the turns it committed, the tool results each
 became, and every error.
 
-    python tests/two_call_agent.py URL PREFIX NAME TURNS SID
+    python tests/support/two_call_agent.py URL PREFIX NAME TURNS SID
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-TOOLS = Path(__file__).resolve().parent.parent / "tools"
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
 
 
 def load(name: str) -> ModuleType:

@@ -12,8 +12,8 @@ first of them after three turns of prose. Every
 prompt the model is sent is billed by the stub itself and kept in the turn's row with the
 kinds it held, beside the ledger's count of it.
 
-    python tests/fleet_counting.py --url redis://... --processes 2 --turns 24 --json
-    LEDGER_COUNTING_FRAMEWORK=langchain python tests/fleet_counting.py --turns 40 --summary
+    python tests/support/fleet_counting.py --url redis://... --processes 2 --turns 24 --json
+    LEDGER_COUNTING_FRAMEWORK=langchain python tests/support/fleet_counting.py --turns 40 --summary
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 import fleet
 

@@ -7,7 +7,7 @@ its summary reaching a turn, and the retrieval admission of every window of 10 t
 
 CI runs the short form (tests/test_fleet_nopause.py); the issue's long form by hand:
 
-    python -m tests.nopause_fleet --processes 8 --turns 120
+    python -m tests.support.nopause_fleet --processes 8 --turns 120
 
 ``--code DIR`` runs the worker and the agents on the ``ledger`` package of another
 checkout (e.g. one from before staging, to see the old behaviour)."""
@@ -25,7 +25,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WINDOW = 10  # turns per retrieval-admission window
 
 
@@ -113,7 +113,7 @@ def fleet(
 
     prefix = f"np{uuid.uuid4().hex[:8]}"
     # (the scripts run by path, the compactor from this folder: `code` gives `ledger`)
-    path = os.pathsep.join([*([code] if code else []), str(ROOT / "tests")])
+    path = os.pathsep.join([*([code] if code else []), str(ROOT / "tests" / "support")])
     env = {
         "LEDGER_REDIS_URL": url,
         "LEDGER_PREFIX": prefix,

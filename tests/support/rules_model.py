@@ -25,7 +25,7 @@ from ledger.models import (
     TurnReport,
     TurnStarted,
 )
-from tests.stateful import Op, Outcome
+from tests.support.stateful import Op, Outcome
 
 # The window: small, so that refusals, reclamation and spills happen within a few steps.
 W, S, T, F_W, F_M, OUT = 4_000, 300, 50, 400, 200, 200

@@ -1,6 +1,6 @@
 """The history run's compactor: the simulated one, each plan it makes recorded.
 
-The worker of a history run names ``tests.history.compactor:recording``: every plan
+The worker of a history run names ``tests.support.history.compactor:recording``: every plan
 with a summary is written to the file ``HISTORY_COMPACTIONS`` names (an ``inv`` line
 in the clients' format, op ``compact``, op id the summary's id, its outcome unknown: a
 plan may be committed, staged then landed, found stale, or lost with its worker). The

@@ -19,7 +19,7 @@ from ledger.models import (
     ToolResult,
     TurnStarted,
 )
-from tests.rules_model import (
+from tests.support.rules_model import (
     CALL_IDS,
     CODES,
     F_M,
@@ -36,7 +36,7 @@ from tests.rules_model import (
     W,
     content,
 )
-from tests.stateful import ModelMachine, Op, Outcome
+from tests.support.stateful import ModelMachine, Op, Outcome
 
 TOKENS = st.one_of(st.integers(1, 300), st.integers(1, 1_500))
 BATCH = st.lists(

@@ -43,11 +43,11 @@ from ledger.testing import (
     spawn_worker,
     standalone,
 )
-from tests.history.check import Final, Report, check, load
-from tests.history.client import Recorder
-from tests.tcp_proxy import TcpProxy
+from tests.support.history.check import Final, Report, check, load
+from tests.support.history.client import Recorder
+from tests.support.tcp_proxy import TcpProxy
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 FAULTS = ("kill_client", "pause", "kill_worker", "kill_redis", "lost_replies")
 # Over its high-water mark a session's end_turn asks the worker for a compaction: its
 # summary replaces old working-memory items between turns, and is delivered to the next
@@ -99,7 +99,7 @@ class Fleet:
         self.born += 1
         with (self.dir / f"{name}.log").open("wb") as log:  # (the child keeps its own fd)
             self.clients[name] = subprocess.Popen(
-                [sys.executable, "-m", "tests.history.client", str(self.cfg), name],
+                [sys.executable, "-m", "tests.support.history.client", str(self.cfg), name],
                 cwd=ROOT,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -111,7 +111,7 @@ class Fleet:
             "LEDGER_PREFIX": self.prefix,
             "LEDGER_WORKER_SWEEP_INTERVAL": "0.2",
             # the simulated compactor, each plan recorded for the checker (compactor.py)
-            "LEDGER_WORKER_COMPACTOR": "tests.history.compactor:recording",
+            "LEDGER_WORKER_COMPACTOR": "tests.support.history.compactor:recording",
             "HISTORY_COMPACTIONS": str(self.dir / "worker.compactions.jsonl"),
             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         }
@@ -366,7 +366,7 @@ def run(plan: Plan) -> Report:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m tests.history", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m tests.support.history", description=__doc__)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--long", action="store_true", help="60 s, 4 clients, faults every 6 s")
     ap.add_argument("--failover", action="store_true", help="on a Redis Cluster, kill a primary")

@@ -3,7 +3,7 @@ names (the one deployed before the upgrade, or this one): turns on shared sessio
 begun (waiting while another process holds the turn or a compaction is pending), given a
 working-memory item, ended. Prints one JSON line: the turns it served and every error.
 
-    python tests/upgrade_agent.py URL PREFIX NAME TURNS SID [SID ...]
+    python tests/support/upgrade_agent.py URL PREFIX NAME TURNS SID [SID ...]
 
 Only the API both releases have: Ledger.from_url, open_session, begin_turn, admit,
 end_turn."""

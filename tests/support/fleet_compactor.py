@@ -1,5 +1,5 @@
 """A summarizer compactor for fleet tests' `ledger worker` processes
-(``--compactor tests.fleet_compactor:SUMMARIZER``): the real LLMSummarizer over a stub
+(``--compactor tests.support.fleet_compactor:SUMMARIZER``): the real LLMSummarizer over a stub
 LangChain chat model, counting with the agent layer's tokenizer (no item overhead);
 ``SLOW_SUMMARIZER`` takes a second a summary."""
 
