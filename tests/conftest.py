@@ -9,12 +9,17 @@ sees another's keys and nothing is ever flushed.
 Below them, the fixtures that the files of one subject share (tests grouped by subject,
 docs/contributing.md): the CLI tests' ``prefix``, the bad-input tests' ``session``, the
 worker tests' ``led``. A test file's own fixture of the same name takes precedence.
+
+Last, the qualities: ``QUALITIES`` gives every test file one or more of the markers that
+pyproject.toml declares for what a test checks (``pytest -m fleet``, ``-m "contract and
+not slow"``); tests/test_suite.py fails on a test file the table leaves out.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -125,3 +130,46 @@ def session(ledger: Ledger) -> Session:
 def led(redis_server: RedisProcess) -> Iterator[Ledger]:
     with new_ledger(redis_server) as ledger:
         yield ledger
+
+
+# --- the qualities -----------------------------------------------------------------------
+
+# What each test file checks: a quality (a marker declared in pyproject.toml) and the files
+# (tests/test_<name>.py) whose every test it marks. A file has one quality or more.
+QUALITIES: dict[str, str] = {
+    "contract": """adapter_ceilings agent batch billing ceilings contract contract_async
+        contract_model contract_once contract_reservations counting drift models order_index
+        owner_token protocol recount rules rules_amplification rules_compaction
+        rules_starvation rules_tool_results smoke staging turn_agents turn_regressions turns
+        two_call_turn""",
+    "bad_input": "agent bad_input bad_input_scripts fuzz",
+    "security": "hardening owner_token reliability security",
+    "property": "fuzz properties properties_rules",
+    "fault": """cluster concurrency_lost_replies durability faults history reliability soak
+        worker_faults worker_once worker_processes""",
+    "concurrency": "cluster concurrency concurrency_lost_replies concurrency_race",
+    "fleet": """agent_reset compaction demo_rules fleet fleet_async fleet_ceilings fleet_counting
+        fleet_nopause fleet_turns two_call_turn upgrade""",
+    "adapter": """adapter_ceilings adapters agent_reset async_adapters billing fleet_async
+        fleet_ceilings fleet_counting fleet_turns langgraph_turns""",
+    "worker": """compaction fleet_nopause ownership recount soak staging worker_dead_letters
+        worker_faults worker_in_process worker_lifecycle worker_loop worker_once
+        worker_processes worker_reads worker_regressions""",
+    "ops": "cli cli_audit cli_top compose deploy drift health scope_ops upgrade views",
+    "docs": "demo_rules fleet layout protocol readme",
+    "repo": "imports layout operations packaging schema scripts suite typing unasync",
+    "bench_smoke": "bench_full_smoke bench_smoke",
+}
+
+
+def qualities_of(path: Path) -> list[str]:
+    """The qualities the table gives the test file at `path`."""
+    subject = path.stem.removeprefix("test_")
+    return [q for q, files in QUALITIES.items() if subject in files.split()]
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        for quality in qualities_of(item.path):
+            item.add_marker(quality)
