@@ -104,3 +104,11 @@ def test_a_quality_selects_its_files() -> None:
     selected = {line.split("::")[0] for line in proc.stdout.splitlines() if "::" in line}
     assert selected == {"tests/test_fleet_nopause.py"}, proc.stdout
     assert re.search(r"1/\d+ tests collected \(\d+ deselected\)", proc.stdout), proc.stdout
+
+
+def test_contributing_lists_every_quality() -> None:
+    """docs/contributing.md's table of markers ("Where tests go") has a row per quality."""
+    text = (ROOT / "docs" / "contributing.md").read_text()
+    section = text[text.index("## Where tests go") : text.index("## Why lua/")]
+    rows = re.findall(r"^\| `(\w+)` \|", section, re.M)
+    assert sorted(rows) == sorted(QUALITIES), rows
