@@ -411,6 +411,7 @@ def test_a_window_rolls_over_under_load_nothing_lost_or_doubled(
 
 
 @pytest.mark.slow
+@pytest.mark.bench_smoke
 @pytest.mark.redis
 @pytest.mark.timeout(300)
 def test_bench_ceiling_smoke() -> None:

@@ -84,12 +84,13 @@ def test_every_test_file_has_a_quality_and_the_table_names_real_files() -> None:
 
 def test_every_collected_test_carries_its_files_qualities(request: pytest.FixtureRequest) -> None:
     """The table reaches the tests: every test collected with this one (the whole suite,
-    run as CI runs it) is marked with each quality of its file, and with one at least."""
+    run as CI runs it) is marked with each quality of its file (a test may add one of its
+    own, as the bench smoke tests of other files do)."""
     items = request.session.items
     assert request.node in items, "not the session's items"
     for item in items:
         marks = {m.name for m in item.iter_markers()} & set(QUALITIES)
-        assert marks and marks == set(qualities_of(item.path)), (item.nodeid, marks)
+        assert marks >= set(qualities_of(item.path)) and marks, (item.nodeid, marks)
 
 
 def test_a_quality_selects_its_files() -> None:

@@ -384,6 +384,7 @@ def test_poison_job_is_dead_lettered(led: Ledger, fleets: Callable[..., Fleet]) 
         assert session_hash(led, sid)["ep"] == "2", sid
 
 
+@pytest.mark.bench_smoke
 @pytest.mark.slow
 def test_bench_workers_json() -> None:
     """bench/bench_workers.py runs end to end (its own redis-server); no speed asserted."""
