@@ -6,7 +6,7 @@ The rule is removed from the packaged Lua text itself (the line after its
 that text in place of the packaged script (FleetConfig.scripts): no demo flag, no
 branch in the production script. Each test also runs the scenario with the packaged
 scripts, where the same check passes, so the failure is the rule's absence and
-nothing else. On a real redis-server (tests/servers.py starts it on a free port).
+nothing else. On a real redis-server (tests/support/servers.py starts it on a free port).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import pytest
 from ledger import Ledger, LedgerSettings, ScopeBudget, SessionBudget, TiktokenCounter
 from ledger.testing import spawn_worker
 from tests.support import servers
-from tests.support.agent_process import AgentProcess
+from tests.support.agent_process import AgentProcess, checkpoint_file
 
 ROOT = Path(__file__).resolve().parent.parent
 TURNS, CEILING_A, CEILING_B = 8, 4_000, 1_000_000
@@ -54,7 +54,7 @@ def test_two_processes_two_sessions_of_a_tenant_hit_its_ceiling(
         {"LEDGER_REDIS_URL": redis_server.url, "LEDGER_PREFIX": prefix, "PYTHONPATH": str(ROOT)},
         tmp_path / "worker.log",
     )
-    db = tmp_path / "checkpoints.sqlite"
+    db = checkpoint_file(tmp_path / "checkpoints.sqlite")
     procs: list[AgentProcess] = []
     rows: list[dict[str, Any]] = []
     try:

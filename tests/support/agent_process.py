@@ -13,6 +13,20 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def checkpoint_file(path: Path) -> Path:
+    """A LangGraph SQLite checkpoint file with its tables made, for a fleet's processes to
+    share. Each process's checkpointer makes them at its first use otherwise; two processes
+    doing so at once can get "database is locked" at once (switching the file to WAL takes
+    a lock that SQLite does not wait for), whatever their busy timeout."""
+    import sqlite3
+
+    from langgraph.checkpoint.sqlite import SqliteSaver
+
+    with contextlib.closing(sqlite3.connect(path, check_same_thread=False)) as conn:
+        SqliteSaver(conn).setup()
+    return path
+
+
 class AgentProcess:
     """One agent process: ``args`` after the interpreter (the script first), ``env`` its
     whole environment (None: this one's)."""
