@@ -321,7 +321,8 @@ class Calibrated:
                     out += self.checked(text, what, fixed)
         finally:  # (an uncalibrated exact count is of kind prose, its bound itself)
             if tally is not None and hits:
-                tally.raw["prose"] = tally.raw.get("prose", 0) + raw_sum
+                kind = KINDS[0]  # prose (a tally's kinds, not stored fields)
+                tally.raw[kind] = tally.raw.get(kind, 0) + raw_sum
                 tally.counted += raw_sum
                 tally.upper += raw_sum
         return out
