@@ -15,7 +15,7 @@
 -- ARGV[3]  window W                tokens, 1..1e8
 -- ARGV[4]  system prompt S         tokens
 -- ARGV[5]  tool framing T          tokens
--- ARGV[6]  working-memory floor Fw tokens
+-- ARGV[6]  working-memory floor Fw  tokens
 -- ARGV[7]  minimum memory Fm       tokens (floor of retrieval + recall)
 -- ARGV[8]  output reserve          tokens, the default per turn
 -- ARGV[9]  high-water mark H       tokens (occupancy above it makes a compaction due)
@@ -41,6 +41,7 @@
 --                                  one that frees less is a deferral, a failed compaction
 --                                  (docs/rules.md#compaction-credit); 0..window, 0: no minimum
 --
+-- Mode: mutating
 -- Reply: status=ok|created=<0|1>|epoch=<n>|turn=<n>
 -- Errors: LEDGER_BADARG, LEDGER_CONFIG (reserved floor, high-water mark, eviction threshold
 --         or compaction min gain larger than the window),

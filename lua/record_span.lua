@@ -17,6 +17,7 @@
 -- ARGV[5]  input tokens            0..1e8
 -- ARGV[6]  output tokens           0..1e8
 --
+-- Mode: mutating
 -- Reply: status=ok|turn=<n>|spans=<n>|span_input=<tokens>|ratio=<per mille>|epoch=<n>
 --    or  status=refused|reason=fanout_guard|requested=<input tokens>|ratio=<per mille>
 --          |threshold=<per mille>|advice=summarize_and_proceed|free=<tokens>|epoch=<n>|turn=<n>

@@ -157,7 +157,7 @@ QUALITIES: dict[str, str] = {
         worker_processes worker_reads worker_regressions""",
     "ops": "cli cli_audit cli_top compose deploy drift health scope_ops upgrade views",
     "docs": "demo_rules fleet layout protocol readme",
-    "repo": "imports layout operations packaging schema scripts suite typing unasync",
+    "repo": "imports layout operations packaging schema scripts specs suite typing unasync",
     "bench_smoke": "bench_full_smoke bench_smoke",
 }
 

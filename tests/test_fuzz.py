@@ -144,8 +144,7 @@ def good_call(name: str, s: Session, turn: int) -> protocol.Call[Any]:
     return calls[name]()
 
 
-READ_ONLY = {"snapshot", "audit", "worker_check", "read_spill"}
-MUTATING = [name for name in scripts.NAMES if name not in READ_ONLY]
+MUTATING = [name for name in scripts.NAMES if name not in scripts.READ_ONLY]
 
 ARG_VALUES: st.SearchStrategy[str | bytes] = st.one_of(
     st.just(""),
