@@ -12,9 +12,10 @@ The header is the file's first comment block (every line up to the first that is
   script, which follow its optional keys). A name that starts with ``(optional)`` may be
   left out of a call (with every later argument). An argument's range is the first
   ``<lo>..<hi>`` of what it is (``1..1e8``, ``0..2^31-1``), its unit the first unit word
-  of its name and what it is; an argument is an id when its text names the id syntax
-  ``[A-Za-z0-9._:/@+=#-]{1,128}`` or its name ends in ``id``. An indented line (``--``
-  and three spaces or more) goes on with the entry above it;
+  of its name (else of what it is); an argument is an id when its text names the id
+  syntax ``[A-Za-z0-9._:/@+=#-]{1,128}``, says it is ``an id``, or its name ends in
+  ``id``. An indented line (``--`` and three spaces or more) goes on with the entry above
+  it;
 * ``-- KEYS count: <text>``: how many KEYS a call has, in words, when not simply one per
   KEYS line (optional keys, keys repeated per budget scope);
 * ``-- Mode: read-only`` (changes nothing: no op id, no outcome, a durable write waits for
@@ -98,7 +99,8 @@ class Entry:
 
     @property
     def is_id(self) -> bool:
-        return ID_SYNTAX in self.what or self.name.endswith(" id") or self.name == "id"
+        named = self.name.endswith(" id") or re.search(r"\ban id\b", self.what) is not None
+        return ID_SYNTAX in self.what or named
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@
 -- KEYS[5]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
 -- KEYS[6]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
--- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
+-- ARGV[2]  epoch[@turn]            integer; older than the session's -> LEDGER_STALE; @turn:
+--                                  a call of that turn (see `fence`)
 -- ARGV[3]  turn                    the current turn (as begin_turn returned it)
 -- ARGV[4]  final prompt tokens     the prompt actually sent (the model's own count), 1..1e8
 -- ARGV[5]  p99 trend               -1..1: -1 falling, 0 flat or unknown, 1 rising
