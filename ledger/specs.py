@@ -82,17 +82,24 @@ class Entry:
         return tuple(range(int(first), int(last or first) + 1))
 
     @property
-    def range(self) -> tuple[int, int] | None:
-        """The inclusive bounds of an integer argument at one position, else None."""
+    def range_text(self) -> str | None:
+        """The bounds of an integer argument at one position as its header writes them
+        (``1..1e8``), else None."""
         if self.kind != "ARGV" or len(self.positions) != 1:
             return None
         m = _RANGE.search(self.what)
-        return (_number(m.group(1)), _number(m.group(2))) if m else None
+        return m.group(0) if m else None
+
+    @property
+    def range(self) -> tuple[int, int] | None:
+        """The inclusive bounds of an integer argument at one position, else None."""
+        lo, _, hi = (self.range_text or "").partition("..")
+        return (_number(lo), _number(hi)) if hi else None
 
     @property
     def unit(self) -> str | None:
         """An argument's unit: the first unit word of its name, else of what it is."""
-        if self.kind != "ARGV" or self.is_id:
+        if self.kind != "ARGV" or self.is_id or not self.positions:
             return None
         m = _UNIT.search(self.name) or _UNIT.search(self.what)
         return UNITS[m.group(1)] if m else None
