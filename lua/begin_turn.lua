@@ -24,8 +24,8 @@
 -- ARGV[5]  session id              must name KEYS[1]
 -- ARGV[6]  owner                   who serves the turn, [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[7]  lease                   milliseconds the turn is held without a renewal, 1..86400000
--- ARGV[8]  takeover                1: take a live turn over (roll it back); 0: refuse
--- ARGV[9]  (optional) await         1: refuse the turn while a compaction is pending and
+-- ARGV[8]  takeover                0..1; 1: take a live turn over (roll it back), 0: refuse
+-- ARGV[9]  (optional) await         0..1; 1: refuse the turn while a compaction is pending and
 --                                  none is staged to land with this call (LEDGER_COMPACTING,
 --                                  nothing changed), so that the caller waits for it to land
 --                                  first; needs the summaries hash. 0 or absent: begin

@@ -9,7 +9,7 @@
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch[@turn]            integer; older than the session's -> LEDGER_STALE; @turn:
 --                                  a call of that turn (see `fence`)
--- ARGV[3]  turn                    the current turn (as begin_turn returned it)
+-- ARGV[3]  turn                    the current turn (as begin_turn returned it), 0..1e15
 -- ARGV[4]  final prompt tokens     the prompt actually sent (the model's own count), 1..1e8
 -- ARGV[5]  p99 trend               -1..1: -1 falling, 0 flat or unknown, 1 rising
 -- ARGV[6]  session id              must name KEYS[1]

@@ -19,7 +19,7 @@
 -- KEYS[-1] previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch@turn!token        the open turn's stamp (see `fence`)
--- ARGV[3]  turn                    the open turn (as begin_turn returned it), >= 1
+-- ARGV[3]  turn                    the open turn (as begin_turn returned it), 1..1e15
 -- ARGV[4]  final prompt tokens     the prompt actually sent, counting the tool results
 --                                  whole, 1..1e8
 -- ARGV[5]  p99 trend               -1..1: -1 falling, 0 flat or unknown, 1 rising

@@ -13,7 +13,7 @@
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch[@turn]            integer; older than the session's -> LEDGER_STALE; @turn:
 --                                  a call of that turn (see `fence`)
--- ARGV[3]  turn                    the current turn
+-- ARGV[3]  turn                    the current turn, 0..1e15
 -- ARGV[4]  kind                    recall, rerank, fetch, write, prune, summarize, ... (an id)
 -- ARGV[5]  input tokens            0..1e8
 -- ARGV[6]  output tokens           0..1e8

@@ -109,16 +109,14 @@ def assert_audit_clean(ledger: Ledger, s: Session, label: str) -> None:
 # --- 1. the scripts, called directly with mutated ARGV ---------------------------------
 
 
-# Samples of the scripts whose spec cannot give one (tests/support/spec_calls.py): an argument of
-# its own syntax (a mode, consumer letters, a budget, a job entry id) or keys that are not
-# a session's. Every other mutating script is fuzzed from the sample its spec gives.
+# Samples of the scripts whose spec cannot give one (tests/support/spec_calls.py): an
+# argument of its own syntax (a mode, consumer letters, a budget, a job entry id, tool
+# results) or keys that are not a session's. Every other mutating script is fuzzed from the
+# sample its spec gives.
 TABLE: dict[str, Callable[[Session, int, str], protocol.Call[Any]]] = {
     "open": lambda s, turn, op: s.ledger.open_call(s.id, BUDGET, op),
     "admit": lambda s, turn, op: protocol.admit(
         s.keys, op, s._stamp(turn), Consumer.RETRIEVAL, [Item("new1", 10, 1), Item("new2", 20)]
-    ),
-    "begin_turn": lambda s, turn, op: protocol.begin_turn(
-        s.keys, op, s.epoch, 1_000, None, s.owner, 60_000, token=s._token
     ),
     "finish_turn": lambda s, turn, op: protocol.finish_turn(
         s.keys, op, s.epoch, turn, 5_000, [("call-2", 100, b"{}"), ("call-3", 50, "x")], s._token

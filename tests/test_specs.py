@@ -87,6 +87,37 @@ def test_the_specs_ranges_units_and_ids() -> None:
     assert "TURNLOST" in admit.errors and "BADARG" in admit.errors
 
 
+# A script's own check of an argument at a fixed position with literal bounds.
+INT_ARG = re.compile(r"int_arg\(ARGV\[(\d+)\], *'[^']*', *([-\w.* ]+), *([-\w.* ]+)[,)]")
+LUA_CONSTANTS = {"TOKENS_MAX": 10**8}
+
+
+def _bound(text: str) -> int | None:
+    """A literal bound of the Lua (``1e15``, ``TOKENS_MAX``, ``400 * 86400000``), else None."""
+    factors = [LUA_CONSTANTS.get(f.strip(), f.strip()) for f in text.split("*")]
+    if not all(isinstance(f, int) or re.fullmatch(r"-?\d+(e\d+)?", f) for f in factors):
+        return None
+    out = 1
+    for f in factors:
+        out *= f if isinstance(f, int) else int(float(f))
+    return out
+
+
+def test_the_ranges_the_specs_give_are_the_ones_the_scripts_check() -> None:
+    checked = 0
+    for name in scripts.NAMES:
+        body = scripts.strip_comments((scripts.lua_dir() / f"{name}.lua").read_text())
+        spec = scripts.spec(name)
+        for m in INT_ARG.finditer(body):
+            lo, hi = _bound(m.group(2)), _bound(m.group(3))
+            if lo is None or hi is None:
+                continue  # a bound the script computes (set_scope's bucket: the window)
+            arg = spec.arg(int(m.group(1)))
+            assert arg is not None and arg.range == (lo, hi), (name, m.group(0), arg)
+            checked += 1
+    assert checked >= 30
+
+
 GOOD = """-- probe.lua: a probe.
 --
 -- KEYS[1]  session hash
