@@ -92,7 +92,7 @@ __all__ = [
     "new_op_id",
     "LocalAllowance",
 ]
-__all__ += models.__all__
+__all__ += models.__all__  # type: ignore[attr-defined]  # run time only, see models
 
 
 def __getattr__(name: str) -> Any:

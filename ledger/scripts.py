@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from ledger import specs
+
 
 def lua_dir() -> Path:
     """Where the .lua files are: the package's ``ledger/lua/`` folder (a wheel), else the
@@ -52,8 +54,19 @@ def script_names(folder: Path | None = None) -> tuple[str, ...]:
 
 # Every script a ledger registers: adding an operation's .lua file is enough.
 NAMES = script_names()
+
+
+@functools.cache
+def spec(name: str) -> specs.Spec:
+    """The spec of one script, read from its header (:mod:`ledger.specs`)."""
+    if name not in NAMES:
+        raise KeyError(f"no ledger script named {name!r}")
+    return specs.parse(name, (lua_dir() / f"{name}.lua").read_text())
+
+
 # The scripts that change nothing (no op id, no outcome): a durable write waits for none.
-READ_ONLY = frozenset({"snapshot", "audit", "worker_check", "read_spill"})
+# Their headers say so (``-- Mode: read-only``).
+READ_ONLY = frozenset(name for name in NAMES if spec(name).read_only)
 
 _DEFINES = re.compile(r"^local\s+(?:function\s+(\w+)|([\w\s,]+?)\s*=)", re.M)
 _WORD = re.compile(r"[A-Za-z_]\w*")

@@ -7,7 +7,7 @@
 -- followed by another) is left alone: rolled_back=0.
 --
 -- KEYS[1]  session hash
--- KEYS[2]  partition deadline index the turn lease's member '<session>|~'
+-- KEYS[2]  partition deadline index  the turn lease's member '<session>|~'
 -- KEYS[3]  partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
 -- KEYS[4]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
 -- KEYS[5]  previous outcome hash   previous generation ('<tag>:old:<session>')
@@ -16,6 +16,7 @@
 --                                  token
 -- ARGV[3]  session id              must name KEYS[1]
 --
+-- Mode: mutating
 -- Reply: status=ok|rolled_back=<turn or 0>|turn=<n>|free=<tokens>|epoch=<n>
 -- Errors: LEDGER_BADARG (also: no turn named), LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
 -- Calls: HMGET, TIME, HGETALL, HDEL, HSET, ZREM, ZADD, HINCRBY (HMGET of the op's outcome

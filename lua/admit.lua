@@ -2,11 +2,11 @@
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  content store           '<tag>:content:<session>'
--- KEYS[3]  (optional) reclaim-order index '<tag>:order:<session>': kept when sent (see
+-- KEYS[3]  (optional) reclaim-order index  '<tag>:order:<session>': kept when sent (see
 --          ORDER in _common.lua); without it the next reclaiming turn rebuilds it
--- then     partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
---          outcome hash            current generation of outcomes ('<tag>:out:<session>')
---          previous outcome hash   previous generation ('<tag>:old:<session>')
+-- KEYS[-3] partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
+-- KEYS[-2] outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[-1] previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch[@turn]             integer; older than the session's -> LEDGER_STALE; @turn:
 --                                  a call of that turn (see `fence`)
@@ -21,6 +21,8 @@
 --                                  text in the content store ('<c>:<item id>'), in the same
 --                                  step (a duplicate or a skipped item's text is not written)
 --
+-- KEYS count: 5; 6 with the order index
+-- Mode: mutating
 -- Reply: status=ok|charged=<tokens>|admitted=<n>|duplicates=<n>|skipped=<id,...>
 --          |free=<tokens>|epoch=<n>|turn=<n>
 --    or  status=refused|reason=<reason>|requested=<tokens>|free=<tokens>|epoch=<n>|turn=<n>

@@ -19,11 +19,11 @@
 -- KEYS[3]  spill hash              '<tag>:spill:<session>': call id -> spilled content
 -- KEYS[4]  spill index             '<tag>:spilled:<session>': sorted set of call ids, scored
 --                                  by the end of their spill TTL (ms, Redis's clock)
--- KEYS[5]  (optional) reclaim-order index '<tag>:order:<session>': kept when sent (see
+-- KEYS[5]  (optional) reclaim-order index  '<tag>:order:<session>': kept when sent (see
 --          ORDER in _common.lua)
--- then     partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
---          outcome hash            current generation of outcomes ('<tag>:out:<session>')
---          previous outcome hash   previous generation ('<tag>:old:<session>')
+-- KEYS[-3] partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
+-- KEYS[-2] outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[-1] previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch[@turn]             integer; older than the session's -> LEDGER_STALE; @turn:
 --                                  a call of that turn (see `fence`)
@@ -37,6 +37,8 @@
 -- A spill stores the content in KEYS[3], its TTL's end in KEYS[4], removes the results
 -- whose TTL has ended from both, and gives both keys the spill TTL.
 --
+-- KEYS count: 7; 8 with the order index
+-- Mode: mutating
 -- Reply: status=ok|outcome=<admitted|spilled|duplicate>|item=<id>|charged=<tokens>
 --          (duplicate: already held; preview is the held preview when it was spilled, else 0)
 --          |tokens=<tokens>|preview=<tokens>|evicted=<c:id,...>|free=<tokens>|epoch=<n>|turn=<n>

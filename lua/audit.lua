@@ -4,6 +4,7 @@
 -- ARGV[1]  protocol version         the call's (docs/protocol.md#versions); another one
 --                                  is LEDGER_VERSION
 --
+-- Mode: read-only
 -- Reply: status=clean|overdue=<id,...>|now=<ms>
 --    or  status=violations|problems=<text;text;...>|overdue=<id,...>|now=<ms>
 --   Checks: per consumer, tokens and counts of items equal u_<c> and n_<c>; open

@@ -5,7 +5,7 @@
 -- KEYS[1]  session hash
 -- KEYS[2]  partition job stream    a compaction job is appended when one becomes pending
 --                                  (worker-owned sessions only)
--- KEYS[3]  partition deadline index the turn lease's member '<session>|~' (score: its end)
+-- KEYS[3]  partition deadline index  the turn lease's member '<session>|~' (score: its end)
 -- KEYS[4]  partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
 -- KEYS[5]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
 -- KEYS[6]  previous outcome hash   previous generation ('<tag>:old:<session>')
@@ -24,8 +24,8 @@
 -- ARGV[5]  session id              must name KEYS[1]
 -- ARGV[6]  owner                   who serves the turn, [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[7]  lease                   milliseconds the turn is held without a renewal, 1..86400000
--- ARGV[8]  takeover                1: take a live turn over (roll it back); 0: refuse
--- ARGV[9]  (optional) await         1: refuse the turn while a compaction is pending and
+-- ARGV[8]  takeover                0..1; 1: take a live turn over (roll it back), 0: refuse
+-- ARGV[9]  (optional) await         0..1; 1: refuse the turn while a compaction is pending and
 --                                  none is staged to land with this call (LEDGER_COMPACTING,
 --                                  nothing changed), so that the caller waits for it to land
 --                                  first; needs the summaries hash. 0 or absent: begin
@@ -55,6 +55,8 @@
 -- plan is applied only if it closes the gap; otherwise nothing is reclaimed, a
 -- compaction is requested, and the turn is refused.
 --
+-- KEYS count: 7, 8 or 9: the summaries hash, the content store and the order index are each optional (six keys without them)
+-- Mode: mutating
 -- Reply: status=ok|regime=<ok|starvation|loud>|turn=<n>|residual=<tokens>|need=<tokens>
 --          |utilization=<per mille>|reclaimed=<c:id,...>|rotated=<tokens>|released=<tokens>
 --          |compaction_due=<0|1>|rollup=<0|1>|free=<tokens>|epoch=<n>|summaries=<id,...>

@@ -23,7 +23,7 @@
 -- ARGV[4]  summary item id         the working-memory item that replaces them
 -- ARGV[5]  summary tokens          0..1e8 (0: nothing replaces them)
 -- ARGV[6]  n                       number of items replaced, 0..1000
--- ARGV[7..6+n]                     '<c>:<item id>' with c in w r m s, or '<c>:<item id>|<seq>':
+-- ARGV[7..6+n]  replaced items  '<c>:<item id>' with c in w r m s, or '<c>:<item id>|<seq>':
 --                                  only the version of the item admitted with that sequence
 --                                  number (the one the compactor read) is replaced. Items not
 --                                  held, or held in another version, are reported as missing
@@ -35,7 +35,7 @@
 --                                  its whole life in the stream, whatever the op retention.
 -- ARGV[8+n] summary text           the summary's text, or empty for none (part of the op
 --                                  fingerprint)
--- ARGV[9+n] (optional) history read the newest sequence number of the items the compactor
+-- ARGV[9+n] (optional) history read  the newest sequence number of the items the compactor
 --                                  read, 0..1e15, or '-': the post-condition is judged on the
 --                                  occupancy after the compaction less the items admitted
 --                                  after it (the summary could not replace them)
@@ -54,6 +54,7 @@
 -- compaction judged or counted, logged for the turn's rollback; did_not_fit when the new
 -- count does not fit (nothing changed).
 --
+-- Mode: mutating
 -- Reply: status=ok|outcome=<compacted|failed|deferred|did_not_fit|already|staged|recounted>
 --          |occupancy=<tokens>|high_water=<tokens>|dropped=<tokens>|summary=<tokens>
 --          |missing=<id,...>|failures=<n>|escalated=<0|1>|free=<tokens>|epoch=<n>|turn=<n>

@@ -6,14 +6,16 @@
 -- KEYS[3..7]  the session's data   '<tag>:content:<session>', '<tag>:compacted:<session>',
 --                                  '<tag>:history:<session>', '<tag>:spill:<session>',
 --                                  '<tag>:spilled:<session>' (deleted)
--- KEYS[8]  (optional) the reclaim-order index '<tag>:order:<session>' (deleted)
--- then     partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
---          outcome hash            current generation of outcomes ('<tag>:out:<session>')
---          previous outcome hash   previous generation ('<tag>:old:<session>')
+-- KEYS[8]  (optional) reclaim-order index  '<tag>:order:<session>' (deleted)
+-- KEYS[-3] partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
+-- KEYS[-2] outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[-1] previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch or '*'            '*' deletes whatever the epoch (operators)
 -- ARGV[3]  session id
 --
+-- KEYS count: 10; 11 with the order index
+-- Mode: mutating
 -- Reply: status=ok|deleted=<0|1>
 -- The outcome stays in the outcome hashes and the last epoch in a tombstone (neither holds
 -- any of the session's content), so that a retry gets deleted=1 back and a session opened

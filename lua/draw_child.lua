@@ -14,6 +14,7 @@
 -- ARGV[5]  child id                an open child of it
 -- ARGV[6]  tokens                  1..1e8
 --
+-- Mode: mutating
 -- Reply: status=ok|reservation=<id>|child=<id>|used=<tokens>|floor=<tokens>|free=<tokens>|epoch=<n>|turn=<n>
 --    or  status=refused|reason=token_budget_exhausted|requested=<tokens>|free=<tokens>|epoch=<n>|turn=<n>
 --   free: what this child may still draw (the rest of its floor and the pool's room).

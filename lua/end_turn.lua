@@ -2,15 +2,16 @@
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  partition job stream    a compaction job is appended when one becomes pending
--- KEYS[3]  partition deadline index the turn lease's member '<session>|~' is removed
+-- KEYS[3]  partition deadline index  the turn lease's member '<session>|~' is removed
 -- KEYS[4]  partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
 -- KEYS[5]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
 -- KEYS[6]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
--- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
--- ARGV[3]  turn                    the current turn (as begin_turn returned it)
+-- ARGV[2]  epoch[@turn]            integer; older than the session's -> LEDGER_STALE; @turn:
+--                                  a call of that turn (see `fence`)
+-- ARGV[3]  turn                    the current turn (as begin_turn returned it), 0..1e15
 -- ARGV[4]  final prompt tokens     the prompt actually sent (the model's own count), 1..1e8
--- ARGV[5]  p99 trend               -1 falling, 0 flat or unknown, 1 rising
+-- ARGV[5]  p99 trend               -1..1: -1 falling, 0 flat or unknown, 1 rising
 -- ARGV[6]  session id              must name KEYS[1]
 -- ARGV[7]  commit mark             the app state's version this turn commits (e.g. a
 --                                  checkpoint id), [A-Za-z0-9._:/@+=#-]{1,128}; '-' keeps the last
@@ -32,6 +33,7 @@
 -- ('drift'; a tolerance of -1 judges nothing). A flag stays until the next end_turn
 -- or a reconcile; audit reports it.
 --
+-- Mode: mutating
 -- Reply: status=ok|turn=<n>|ratio=<per mille>|class=<name>|utilization=<per mille>
 --          |utilization_delta=<per mille>|spans=<n>|span_input=<tokens>|compaction_due=<0|1>
 --          |rollup=<0|1>|epoch=<n>|occupancy=<tokens>|drift=<tokens>|tolerance=<tokens or -1>

@@ -14,8 +14,9 @@
 -- ARGV[2]  epoch or '*'            the sweeper sends '*': expiry is not fenced
 -- ARGV[3]  session id
 -- ARGV[4]  n                       number of reservation ids, 1..1000
--- ARGV[5..4+n]                     reservation ids, or '~' for the turn lease
+-- ARGV[5..4+n]  reservation ids  each an open reservation's id, or '~' for the turn lease
 --
+-- Mode: mutating
 -- Reply: status=ok|expired=<n>|released=<tokens>|pending=<id,...>|rolled_back=<turn or 0>
 --   pending: ids whose deadline has not passed (left open). Ids that are no longer
 --   open are dropped from the index. A missing session only cleans the index. A turn

@@ -11,26 +11,28 @@
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  partition job stream    a compaction job is appended when one becomes pending
--- KEYS[3]  partition deadline index the turn lease's member '<session>|~' is removed
+-- KEYS[3]  partition deadline index  the turn lease's member '<session>|~' is removed
 -- KEYS[4]  content store           '<tag>:content:<session>'
--- KEYS[5]  (optional) reclaim-order index '<tag>:order:<session>' (see ORDER in _common.lua)
--- then     partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
---          outcome hash            current generation of outcomes ('<tag>:out:<session>')
---          previous outcome hash   previous generation ('<tag>:old:<session>')
+-- KEYS[5]  (optional) reclaim-order index  '<tag>:order:<session>' (see ORDER in _common.lua)
+-- KEYS[-3] partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
+-- KEYS[-2] outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[-1] previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch@turn!token        the open turn's stamp (see `fence`)
--- ARGV[3]  turn                    the open turn (as begin_turn returned it), >= 1
+-- ARGV[3]  turn                    the open turn (as begin_turn returned it), 1..1e15
 -- ARGV[4]  final prompt tokens     the prompt actually sent, counting the tool results
 --                                  whole, 1..1e8
--- ARGV[5]  p99 trend               -1 falling, 0 flat or unknown, 1 rising
+-- ARGV[5]  p99 trend               -1..1: -1 falling, 0 flat or unknown, 1 rising
 -- ARGV[6]  session id              must name KEYS[1]
 -- ARGV[7]  commit mark             an id, or '-' to keep the last
 -- ARGV[8]  keep text               1: each new result's content goes to the content store
 --                                  ('s:<call id>'), 0: not
 -- ARGV[9]  n                       tool results, 0..64
--- ARGV[10..9+3n]                   n triples: tool-call id, tokens (1..1e8), content (bytes,
+-- ARGV[10..9+3n]  n triples  tool-call id, tokens (1..1e8), content (bytes,
 --                                  at most 64 MiB in all)
 --
+-- KEYS count: 7; 8 with the order index
+-- Mode: mutating
 -- Reply: end_turn's reply, then |tools=<charged>;<id>,...|free=<tokens>
 --    or  status=refused|reason=not_whole|item=<id>|requested=<tokens>|free=<tokens>
 --          |epoch=<n>|turn=<n>

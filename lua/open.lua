@@ -15,7 +15,7 @@
 -- ARGV[3]  window W                tokens, 1..1e8
 -- ARGV[4]  system prompt S         tokens
 -- ARGV[5]  tool framing T          tokens
--- ARGV[6]  working-memory floor Fw tokens
+-- ARGV[6]  working-memory floor Fw  tokens
 -- ARGV[7]  minimum memory Fm       tokens (floor of retrieval + recall)
 -- ARGV[8]  output reserve          tokens, the default per turn
 -- ARGV[9]  high-water mark H       tokens (occupancy above it makes a compaction due)
@@ -33,14 +33,16 @@
 -- ARGV[20] roll-up share           per mille of working memory's budget that raises it, 1..1000
 -- ARGV[21..23] amplification       saturation, fragmentation, pathological thresholds, per mille
 -- ARGV[24] framing tolerance       tokens the real prompt may differ from occupancy at end_turn
---                                  before the drift is flagged, 0..1e8; -1: drift is not judged
+--                                  before the drift is flagged, -1..1e8 (-1: drift is not judged)
 -- ARGV[25] compaction owner        'worker' (the background worker compacts: compaction jobs
 --                                  are enqueued) or 'agent' (the agent compacts inline through
 --                                  compact; only a hard-reset escalation is enqueued)
 -- ARGV[26] compaction min gain     tokens a compaction must free (occupancy before minus after);
 --                                  one that frees less is a deferral, a failed compaction
---                                  (docs/rules.md#compaction-credit); 0..window, 0: no minimum
+--                                  (docs/rules.md#compaction-credit); 0..1e8 and at most the
+--                                  window, 0: no minimum
 --
+-- Mode: mutating
 -- Reply: status=ok|created=<0|1>|epoch=<n>|turn=<n>
 -- Errors: LEDGER_BADARG, LEDGER_CONFIG (reserved floor, high-water mark, eviction threshold
 --         or compaction min gain larger than the window),

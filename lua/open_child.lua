@@ -17,6 +17,7 @@
 -- ARGV[5]  child id                [A-Za-z0-9._:/@+=#-]{1,128}, new on this reservation
 -- ARGV[6]  floor                   tokens held for the child, 0..1e8
 --
+-- Mode: mutating
 -- Reply: status=ok|reservation=<id>|child=<id>|floor=<tokens>|free=<tokens>|epoch=<n>|turn=<n>
 --    or  status=refused|reason=child_floor|requested=<floor>|free=<tokens>|epoch=<n>|turn=<n>
 --   free: what the pool has left past every floor and every draw past a floor.

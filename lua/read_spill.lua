@@ -7,6 +7,7 @@
 -- ARGV[1]  protocol version        the call's (docs/protocol.md#versions)
 -- ARGV[2]  tool-call id            [A-Za-z0-9._:/@+=#-]{1,128}
 --
+-- Mode: read-only
 -- Reply: the content (bytes, as admit_tool stored it), or nil once its TTL has ended or when
 --   nothing was spilled under that id.
 -- Errors: LEDGER_BADARG, LEDGER_VERSION.

@@ -23,6 +23,7 @@
 -- ARGV[5..4+4n]  n quadruples      consumer (one of ARGV[3]), item id, tokens (1..1e8),
 --                                  priority (0..1000)
 --
+-- Mode: mutating
 -- Reply: status=ok|added=<n>|resized=<n>|kept=<n>|removed=<c:id,...>|delta=<tokens>
 --          |free=<tokens>|epoch=<n>|turn=<n>
 --    or  status=refused|reason=token_budget_exhausted|requested=<tokens>|free=<tokens>

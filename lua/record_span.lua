@@ -11,12 +11,14 @@
 -- KEYS[3]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
 -- KEYS[4]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
--- ARGV[2]  epoch                   integer; older than the session's -> LEDGER_STALE
--- ARGV[3]  turn                    the current turn
+-- ARGV[2]  epoch[@turn]            integer; older than the session's -> LEDGER_STALE; @turn:
+--                                  a call of that turn (see `fence`)
+-- ARGV[3]  turn                    the current turn, 0..1e15
 -- ARGV[4]  kind                    recall, rerank, fetch, write, prune, summarize, ... (an id)
 -- ARGV[5]  input tokens            0..1e8
 -- ARGV[6]  output tokens           0..1e8
 --
+-- Mode: mutating
 -- Reply: status=ok|turn=<n>|spans=<n>|span_input=<tokens>|ratio=<per mille>|epoch=<n>
 --    or  status=refused|reason=fanout_guard|requested=<input tokens>|ratio=<per mille>
 --          |threshold=<per mille>|advice=summarize_and_proceed|free=<tokens>|epoch=<n>|turn=<n>

@@ -1,18 +1,20 @@
 -- release.lua: give back items a consumer holds.
 --
 -- KEYS[1]  session hash
--- KEYS[2]  (optional) reclaim-order index '<tag>:order:<session>': the items released
+-- KEYS[2]  (optional) reclaim-order index  '<tag>:order:<session>': the items released
 --          leave it when sent (see ORDER in _common.lua)
--- then     partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
---          outcome hash            current generation of outcomes ('<tag>:out:<session>')
---          previous outcome hash   previous generation ('<tag>:old:<session>')
+-- KEYS[-3] partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
+-- KEYS[-2] outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[-1] previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch[@turn]             integer; older than the session's -> LEDGER_STALE; @turn:
 --                                  a call of that turn (see `fence`)
 -- ARGV[3]  consumer                w | r | m | s
 -- ARGV[4]  n                       number of item ids, 1..1000
--- ARGV[5..4+n]                     item ids
+-- ARGV[5..4+n]  item ids
 --
+-- KEYS count: 4; 5 with the order index
+-- Mode: mutating
 -- Reply: status=ok|released=<tokens>|count=<n>|missing=<id,...>|free=<tokens>|epoch=<n>|turn=<n>
 -- Ids the consumer does not hold are listed as missing; they are not an error.
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED, LEDGER_TURNHELD,

@@ -5,7 +5,7 @@
 -- Redis's clock. A lapsed lease can be renewed while nobody has rolled the turn back.
 --
 -- KEYS[1]  session hash
--- KEYS[2]  partition deadline index the turn lease's member '<session>|~' (score: its end)
+-- KEYS[2]  partition deadline index  the turn lease's member '<session>|~' (score: its end)
 -- KEYS[3]  partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
 -- KEYS[4]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
 -- KEYS[5]  previous outcome hash   previous generation ('<tag>:old:<session>')
@@ -14,6 +14,7 @@
 -- ARGV[3]  session id              must name KEYS[1]
 -- ARGV[4]  lease                   milliseconds from now, 1..86400000
 --
+-- Mode: mutating
 -- Reply: status=ok|turn=<n>|lease=<ms>|epoch=<n>
 -- Errors: LEDGER_BADARG (also: no turn named), LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED,
 --         LEDGER_TURNLOST (the turn is not open: ended, rolled back or followed by another).

@@ -1,7 +1,7 @@
 -- reserve.lua: hold an estimate for a consumer until a deadline (phase one of two).
 --
 -- KEYS[1]  session hash
--- KEYS[2]  partition deadline index (sorted set: score deadline ms, member '<session>|<reservation>')
+-- KEYS[2]  partition deadline index  sorted set: score deadline ms, member '<session>|<reservation>'
 -- KEYS[3]  partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
 -- KEYS[4]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
 -- KEYS[5]  previous outcome hash   previous generation ('<tag>:old:<session>')
@@ -15,13 +15,15 @@
 -- ARGV[7]  lease                   milliseconds until the deadline, 1..86400000, on Redis's clock
 -- (optional, a model call charged to budget scopes, docs/ceilings.md; KEYS[3..] are then
 -- each scope's hash '<tag>:t:<scope>' and holds index '<tag>:th:<scope>', in ARGV's order)
--- ARGV[8]  model                   its price is read from the tenant's price table
--- ARGV[9]  input tokens            the call's worst case, 0..1e8 (uncached prompt)
--- ARGV[10] output tokens           0..1e8 (its output reserve)
--- ARGV[11] cached input tokens     0..1e8
--- ARGV[12] n                       scopes, 1..3: the session's tenant, then scopes within it
--- ARGV[13..12+n]                   the scope names
+-- ARGV[8]  (optional) model                   its price is read from the tenant's price table
+-- ARGV[9]  (optional) input tokens            the call's worst case, 0..1e8 (uncached prompt)
+-- ARGV[10]  (optional) output tokens           0..1e8 (its output reserve)
+-- ARGV[11]  (optional) cached input tokens     0..1e8
+-- ARGV[12]  (optional) n                       scopes, 1..3: the session's tenant, then scopes within it
+-- ARGV[13..12+n]  (optional) scope names  the session's tenant, then scopes within it
 --
+-- KEYS count: 5; 7, 9 or 11 with one, two or three budget scopes (a hash and a holds index each)
+-- Mode: mutating
 -- Reply: status=ok|reservation=<id>|deadline_ms=<ms>|free=<tokens>|epoch=<n>|turn=<n>
 --    or  status=refused|reason=<reason>|requested=<tokens>|free=<tokens>|epoch=<n>|turn=<n>
 --   reason ceiling_reached (a scope's ceiling would be passed) adds |scope=<name>|quantity=

@@ -17,6 +17,7 @@
 -- ARGV[3]  session id
 -- ARGV[4]  reason                  [A-Za-z0-9._:/@+=#-]{1,128}, kept in x:last_reset
 --
+-- Mode: mutating
 -- Reply: status=ok|epoch=<new epoch>|dropped=<items>|released=<tokens>
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED.
 -- Calls: HMGET, HGETALL, TIME, HDEL, ZREM, HSET, HINCRBY, DEL.

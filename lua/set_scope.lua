@@ -9,7 +9,7 @@
 -- ARGV[2]  operation id            [A-Za-z0-9._:/@+=#-]{1,128} (stored as the field op: the
 --                                  call sets the whole configuration, so sending it again
 --                                  changes nothing)
--- ARGV[3]  window                  ms, 1000..400 days
+-- ARGV[3]  window                  ms, 1000..34560000000 (400 days)
 -- ARGV[4]  bucket                  ms, the window itself (a fixed window) or a divisor of it
 --                                  into at most 96 buckets (a rolling window)
 -- ARGV[5]  hold limit              ms, 1..86400000: the longest lease a reservation may hold
@@ -20,9 +20,10 @@
 -- ARGV[10] money ceiling           micro-cents, or '-'
 -- ARGV[11] counted                 the kinds the token ceiling counts: letters of 'ioc', or '-'
 -- ARGV[12] n                       prices, 0..256
--- ARGV[13..12+2n]                  model, '<input>|<output>|<cached input>' cents per million
+-- ARGV[13..12+2n]  prices  model, '<input>|<output>|<cached input>' cents per million
 --                                  tokens, per price ('*': any other model)
 --
+-- Mode: mutating
 -- Reply: status=ok|prices=<n>
 -- Errors: LEDGER_VERSION, LEDGER_BADARG, LEDGER_CONFIG (window or bucket changed while
 --         counters are kept).

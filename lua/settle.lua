@@ -2,11 +2,11 @@
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  partition deadline index
--- KEYS[3]  (optional) reclaim-order index '<tag>:order:<session>': kept when sent (see
+-- KEYS[3]  (optional) reclaim-order index  '<tag>:order:<session>': kept when sent (see
 --          ORDER in _common.lua)
--- then     partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
---          outcome hash            current generation of outcomes ('<tag>:out:<session>')
---          previous outcome hash   previous generation ('<tag>:old:<session>')
+-- KEYS[-3] partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
+-- KEYS[-2] outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[-1] previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch[@turn]             integer; older than the session's -> LEDGER_STALE; @turn:
 --                                  a call of that turn (see `fence`)
@@ -17,12 +17,14 @@
 -- ARGV[7]  priority                0..1000
 -- (optional, a reservation charged to budget scopes, docs/ceilings.md; its scopes' keys
 -- then follow KEYS[2] (and the order index), hash and holds index per scope)
--- ARGV[8]  billed input tokens     0..1e8, what the provider billed (more or less than held)
--- ARGV[9]  billed output tokens    0..1e8
--- ARGV[10] billed cached input     0..1e8
--- ARGV[11] n                       scopes, 1..3, as the reservation named them
--- ARGV[12..11+n]                   the scope names
+-- ARGV[8]  (optional) billed input tokens     0..1e8, what the provider billed (more or less than held)
+-- ARGV[9]  (optional) billed output tokens    0..1e8
+-- ARGV[10]  (optional) billed cached input     0..1e8
+-- ARGV[11]  (optional) n                       scopes, 1..3, as the reservation named them
+-- ARGV[12..11+n]  (optional) scope names  as the reservation named them
 --
+-- KEYS count: 5; 6 with the order index; two more a budget scope, with one, two or three: 7, 8, 9, 10, 11 or 12
+-- Mode: mutating
 -- Reply: status=ok|reservation=<id>|item=<id>|charged=<tokens>|free=<tokens>|epoch=<n>|turn=<n>
 --        with scopes also |billed_money=<micro-cents>|over=<tokens>|over_money=<micro-cents>
 --        (billed past the hold: charged all the same, and counted in each scope's ot and om)

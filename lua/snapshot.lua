@@ -1,11 +1,13 @@
 -- snapshot.lua: read a session's numbers in one consistent step (read-only).
 --
 -- KEYS[1]  session hash
--- KEYS[2]  (optional) the session's summaries hash '<tag>:compacted:<session>': its field
+-- KEYS[2]  (optional) summaries  the session's summaries hash '<tag>:compacted:<session>': its field
 --          '~' is '<worker>|<until ms>' while a worker computes the session's compaction
 -- ARGV[1]  protocol version         the call's (docs/protocol.md#versions); another one
 --                                  is LEDGER_VERSION
 --
+-- KEYS count: 1; 2 with the summaries hash
+-- Mode: read-only
 -- Reply: now=<ms>|<field>=<value>|... for every numeric field of the session hash
 --        (see _common.lua), the last end_turn's drift (dt tolerance, dr drift, dp prompt,
 --        df flagged) and x:<counter> telemetry counters; the client derives

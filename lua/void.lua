@@ -12,9 +12,11 @@
 -- ARGV[4]  reservation id
 -- (optional, a reservation charged to budget scopes, docs/ceilings.md; KEYS[3..] are then
 -- each scope's hash and holds index; a hold already swept, its deadline passed, is skipped)
--- ARGV[5]  n                       scopes, 1..3, as the reservation named them
--- ARGV[6..5+n]                     the scope names
+-- ARGV[5]  (optional) n                       scopes, 1..3, as the reservation named them
+-- ARGV[6..5+n]  (optional) scope names  as the reservation named them
 --
+-- KEYS count: 5; 7, 9 or 11 with one, two or three budget scopes
+-- Mode: mutating
 -- Reply: status=ok|reservation=<id>|released=<tokens>|free=<tokens>|epoch=<n>|turn=<n>
 -- Errors: LEDGER_BADARG, LEDGER_NOSCOPE, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED, LEDGER_NORESERVATION,
 --         LEDGER_TURNHELD, LEDGER_TURNLOST (see `fence` in _common.lua).

@@ -6,6 +6,7 @@
 -- ARGV[2]  consumer group             [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[3]  idle ms                    0..2^31-1: a pending entry idle this long counts
 --
+-- Mode: read-only
 -- Reply: due=<ms>|idle=<0|1>
 --   due: ms until the partition's earliest lease deadline (0: passed), -1 when none;
 --   idle: 1 when the group has an entry pending for at least ARGV[3] ms (to take over),

@@ -156,8 +156,9 @@ QUALITIES: dict[str, str] = {
         worker_faults worker_in_process worker_lifecycle worker_loop worker_once
         worker_processes worker_reads worker_regressions""",
     "ops": "cli cli_audit cli_top compose deploy drift health scope_ops upgrade views",
-    "docs": "demo_rules fleet layout protocol readme",
-    "repo": "imports layout operations packaging schema scripts suite typing unasync",
+    "docs": "demo_rules fleet layout protocol protocol_doc readme",
+    "repo": """imports layout operations packaging protocol_doc schema scripts specs suite
+        typing unasync""",
     "bench_smoke": "bench_full_smoke bench_smoke",
 }
 

@@ -1,10 +1,12 @@
 """Fuzzing the two attack surfaces with hypothesis, on embedded and a real Redis.
 
-* The mutating Lua scripts, called directly: a protocol builder's valid ARGV is
-  spoiled by a few drawn mutations (arguments dropped, duplicated, inserted,
-  truncated, or replaced by text, invalid UTF-8, huge or negative numbers, floats,
-  empty strings). A call either succeeds (a mutation may be harmless) or raises a
-  ``LEDGER_*`` error and leaves the session hash and the deadline index unchanged.
+* The mutating Lua scripts, called directly: a valid call's ARGV (the one the script's
+  spec gives, tests/support/spec_calls.py, or for the few it cannot, a protocol builder's of the
+  table below) is spoiled by a few drawn mutations (arguments dropped, duplicated,
+  inserted, truncated, or replaced by text, invalid UTF-8, huge or negative numbers,
+  floats, empty strings, an integer of the spec at or just past one of its bounds). A
+  call either succeeds (a mutation may be harmless) or raises a ``LEDGER_*`` error and
+  leaves the session hash and the deadline index unchanged.
 * Every public ``Session`` method with drawn Python arguments (valid ones mixed
   with ints, text, bytes, floats, None, bools, lists): a call returns, or raises a
   :class:`LedgerError`; InvalidArgument and ConfigurationError change nothing.
@@ -16,13 +18,15 @@ plus ZRANGE WITHSCORES of the partition's deadline index, byte for byte.
 
 from __future__ import annotations
 
+import shutil
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
 import redis.exceptions
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from ledger import (
@@ -41,7 +45,9 @@ from ledger import (
     scripts,
 )
 from ledger.core import new_op_id
+from ledger.keys import KeySpace
 from tests.conftest import backend_url, make_settings
+from tests.support import spec_calls
 
 pytestmark = pytest.mark.slow
 
@@ -54,6 +60,7 @@ BUDGET = SessionBudget(
     output_reserve=1_024,
 )
 EXAMPLES = {"embedded": 60, "redis": 25}
+KEYS = KeySpace("ledger", 64).session("fuzz/s")
 
 State = tuple[dict[bytes, bytes], list[tuple[bytes, float]]]
 
@@ -102,50 +109,55 @@ def assert_audit_clean(ledger: Ledger, s: Session, label: str) -> None:
 # --- 1. the scripts, called directly with mutated ARGV ---------------------------------
 
 
-def good_call(name: str, s: Session, turn: int) -> protocol.Call[Any]:
-    k, op, e = s.keys, new_op_id(), s.epoch
-    ep = protocol.stamp(e, turn)  # the calls of the open turn (docs/agent.md#turn-leases)
-    calls: dict[str, Callable[[], protocol.Call[Any]]] = {
-        "open": lambda: protocol.open_session(k, op, BUDGET, 300_000),
-        "admit": lambda: protocol.admit(
-            k, op, ep, Consumer.RETRIEVAL, [Item("new1", 10, 1), Item("new2", 20)]
-        ),
-        "release": lambda: protocol.release(k, op, ep, Consumer.RETRIEVAL, ["doc1", "zz"]),
-        "reserve": lambda: protocol.reserve(k, op, ep, Consumer.SCRATCHPAD, "res2", 50, 60_000),
-        "settle": lambda: protocol.settle(k, op, ep, "res1", 450, "out1", 3),
-        "void": lambda: protocol.void(k, op, ep, "res1"),
-        "expire": lambda: protocol.expire(k, op, ["res1"]),
-        "reset": lambda: protocol.reset(k, op, e, "operator"),
-        "begin_turn": lambda: protocol.begin_turn(k, op, e, 1_000, None, s.owner, 60_000),
-        "record_span": lambda: protocol.record_span(k, op, e, turn, "recall", 100, 10),
-        "end_turn": lambda: protocol.end_turn(k, op, e, turn, 5_000, 0),
-        "finish_turn": lambda: protocol.finish_turn(
-            k, op, e, turn, 5_000, [("call-2", 100, b"{}"), ("call-3", 50, "x")], s._token
-        ),
-        "abort_turn": lambda: protocol.abort_turn(k, op, e, turn),
-        "renew_turn": lambda: protocol.renew_turn(k, op, e, turn, 30_000),
-        "compact": lambda: protocol.compact(
-            k, op, ep, ["turn1", (Consumer.RETRIEVAL, "doc2")], Item("sum1", 50)
-        ),
-        "admit_tool": lambda: protocol.admit_tool(k, op, ep, "call-1", 200, b'{"ok": 1}'),
-        "delete": lambda: protocol.delete(k, op, e),
-        "reconcile": lambda: protocol.reconcile(
-            k, op, ep, {"retrieval": [Item("doc1", 300), Item("new3", 40, 2)]}
-        ),
-        "open_child": lambda: protocol.open_child(k, op, ep, "res1", "kid1", 100),
-        "draw_child": lambda: protocol.draw_child(k, op, ep, "res1", "kid0", 50),
-        "set_scope": lambda: protocol.set_scope(
-            s.ledger.keyspace,
-            op,
-            "fuzz",
-            ScopeBudget(window_ms=60_000, tokens=1_000, cents=5, prices={"m": Price(300, 900)}),
-        ),
-    }
-    return calls[name]()
+# Samples of the scripts whose spec cannot give one (tests/support/spec_calls.py): an
+# argument of its own syntax (a mode, consumer letters, a budget, a job entry id, tool
+# results) or keys that are not a session's. Every other mutating script is fuzzed from the
+# sample its spec gives.
+TABLE: dict[str, Callable[[Session, int, str], protocol.Call[Any]]] = {
+    "open": lambda s, turn, op: s.ledger.open_call(s.id, BUDGET, op),
+    "admit": lambda s, turn, op: protocol.admit(
+        s.keys, op, s._stamp(turn), Consumer.RETRIEVAL, [Item("new1", 10, 1), Item("new2", 20)]
+    ),
+    "finish_turn": lambda s, turn, op: protocol.finish_turn(
+        s.keys, op, s.epoch, turn, 5_000, [("call-2", 100, b"{}"), ("call-3", 50, "x")], s._token
+    ),
+    "compact": lambda s, turn, op: protocol.compact(
+        s.keys, op, s._stamp(turn), ["turn1", (Consumer.RETRIEVAL, "doc2")], Item("sum1", 50)
+    ),
+    "admit_tool": lambda s, turn, op: protocol.admit_tool(
+        s.keys, op, s._stamp(turn), "call-1", 200, b'{"ok": 1}'
+    ),
+    "reconcile": lambda s, turn, op: protocol.reconcile(
+        s.keys, op, s._stamp(turn), {"retrieval": [Item("doc1", 300), Item("new3", 40, 2)]}
+    ),
+    "set_scope": lambda s, turn, op: protocol.set_scope(
+        s.ledger.keyspace,
+        op,
+        "fuzz",
+        ScopeBudget(window_ms=60_000, tokens=1_000, cents=5, prices={"m": Price(300, 900)}),
+    ),
+}
 
 
-READ_ONLY = {"snapshot", "audit", "worker_check", "read_spill"}
-MUTATING = [name for name in scripts.NAMES if name not in READ_ONLY]
+def good_call(name: str, s: Session, turn: int) -> tuple[tuple[str, ...], list[str | bytes]]:
+    """(KEYS, ARGV) of a valid call of a mutating script on a fresh session: the one its
+    spec gives, else its table's."""
+    derived = spec_calls.sample(name, spec_calls.Context(s.keys, s.epoch, turn, s._token))
+    if derived is not None:
+        return derived[0], list(derived[1])
+    call = TABLE[name](s, turn, new_op_id())
+    return call.keys, list(call.args)
+
+
+MUTATING = [name for name in scripts.NAMES if name not in scripts.READ_ONLY]
+
+
+def bounds(name: str) -> list[tuple[int, int, int]]:
+    """(index in ARGV, lowest, highest) of each integer argument of a script whose spec
+    gives its range."""
+    spec = scripts.spec(name)
+    return [(a.positions[0] - 1, *a.range) for a in spec.argv if a.range is not None]
+
 
 ARG_VALUES: st.SearchStrategy[str | bytes] = st.one_of(
     st.just(""),
@@ -164,13 +176,24 @@ MUTATION = st.one_of(
     st.tuples(st.just("drop"), INDEX),
     st.tuples(st.just("duplicate"), INDEX),
     st.tuples(st.just("truncate"), INDEX),
+    # an integer argument of the spec at, just past or just inside one of its bounds
+    st.tuples(st.just("bound"), INDEX, st.integers(min_value=0, max_value=3)),
 )
 
 
-def mutate(args: list[str | bytes], mutations: list[tuple[Any, ...]]) -> list[str | bytes]:
+def mutate(
+    args: list[str | bytes],
+    mutations: list[tuple[Any, ...]],
+    ranges: Sequence[tuple[int, int, int]] = (),
+) -> list[str | bytes]:
     out = list(args)
     for kind, i, *value in mutations:
-        if kind == "insert":
+        if kind == "bound":
+            if ranges:
+                at, lo, hi = ranges[i % len(ranges)]
+                if at < len(out):
+                    out[at] = str((lo - 1, hi + 1, lo, hi)[value[0]])
+        elif kind == "insert":
             out.insert(i % (len(out) + 1), value[0])
         elif not out:
             continue
@@ -186,18 +209,42 @@ def mutate(args: list[str | bytes], mutations: list[tuple[Any, ...]]) -> list[st
     return out
 
 
-def test_scripts_survive_mutated_argv(fz: tuple[str, Ledger]) -> None:
-    kind, ledger = fz
+def test_every_mutating_script_has_a_sample_and_the_spec_gives_most() -> None:
+    derived = {
+        n
+        for n in MUTATING
+        if spec_calls.sample(n, spec_calls.Context(KEYS, 1, 1, "0" * 32)) is not None
+    }
+    assert set(TABLE) <= set(MUTATING) and not set(TABLE) & derived  # no hand entry needed
+    assert derived | set(TABLE) == set(MUTATING)
+    assert len(derived) > len(TABLE)
 
+
+def test_the_samples_are_valid_calls() -> None:
+    """Unmutated, each sample is taken: the fuzzing starts from a call that passes every
+    check, so a mutation reaches each of them."""
+    with Ledger.from_url(f"embedded://{uuid.uuid4().hex}") as ledger:
+        for name in MUTATING:
+            s, turn = fresh_session(ledger)
+            keys, args = good_call(name, s, turn)
+            reply = ledger._scripts[name](keys=list(keys), args=args)
+            assert reply.startswith(b"status=ok"), (name, args, reply)
+
+
+def fuzz_scripts(
+    ledger: Ledger, names: list[str], examples: int, phases: Sequence[Phase] = tuple(Phase)
+) -> None:
     @settings(
-        max_examples=EXAMPLES[kind],
+        max_examples=examples,
+        phases=phases,
+        derandomize=len(phases) == 1,  # a search for a known finding: the same every run
         deadline=None,
         suppress_health_check=list(HealthCheck),
         database=None,
     )
     @given(
         calls=st.lists(
-            st.tuples(st.sampled_from(MUTATING), st.lists(MUTATION, min_size=1, max_size=3)),
+            st.tuples(st.sampled_from(names), st.lists(MUTATION, min_size=1, max_size=3)),
             min_size=1,
             max_size=4,
         )
@@ -205,18 +252,53 @@ def test_scripts_survive_mutated_argv(fz: tuple[str, Ledger]) -> None:
     def run(calls: list[tuple[str, list[tuple[Any, ...]]]]) -> None:
         s, turn = fresh_session(ledger)
         for name, mutations in calls:
-            call = good_call(name, s, turn)
-            args = mutate(list(call.args), mutations)
+            keys, good = good_call(name, s, turn)
+            args = mutate(good, mutations, bounds(name))
             label = f"{name} ARGV={args!r}"[:600]
             before = state(ledger, s)
             try:
-                ledger._scripts[name](keys=list(call.keys), args=args)
+                ledger._scripts[name](keys=list(keys), args=args)
             except redis.exceptions.ResponseError as exc:
                 assert str(exc).startswith("LEDGER_"), f"{label}: untyped error {exc}"
                 assert state(ledger, s) == before, f"{label}: raised {exc} but changed state"
             assert_audit_clean(ledger, s, label)
 
     run()
+
+
+def test_scripts_survive_mutated_argv(fz: tuple[str, Ledger]) -> None:
+    kind, ledger = fz
+    fuzz_scripts(ledger, MUTATING, EXAMPLES[kind])
+
+
+# A check moved after a write: renew_turn (a script fuzzed from its spec alone) bumps a
+# counter before it checks how many arguments it got. Only a call whose four arguments
+# pass their checks reaches it: the sample the spec gives, with one argument added.
+WRITES_FIRST = (
+    "if #ARGV ~= 4 then",
+    "redis.call('HINCRBY', KEYS[1], 'x:fz', 1)\nif #ARGV ~= 4 then",
+)
+
+
+def test_the_fuzzing_finds_a_script_that_writes_before_it_checks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lua = tmp_path / "lua"
+    shutil.copytree(scripts.lua_dir(), lua)
+    text = (lua / "renew_turn.lua").read_text()
+    assert WRITES_FIRST[0] in text
+    (lua / "renew_turn.lua").write_text(text.replace(*WRITES_FIRST))
+    monkeypatch.setattr(scripts, "lua_dir", lambda: lua)
+    for cached in (scripts.source, scripts.sha, scripts.definitions, scripts.spec):
+        cached.cache_clear()
+    found = pytest.raises(AssertionError, match=r"renew_turn ARGV=.*changed state")
+    try:
+        with Ledger.from_url(f"embedded://{uuid.uuid4().hex}") as ledger, found:
+            # the first finding ends it (not shrunk)
+            fuzz_scripts(ledger, ["renew_turn"], 500, (Phase.generate,))
+    finally:
+        for cached in (scripts.source, scripts.sha, scripts.definitions, scripts.spec):
+            cached.cache_clear()
 
 
 # --- 2. the Session methods with fuzzed Python arguments -------------------------------

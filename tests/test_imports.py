@@ -32,6 +32,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "ledger.schema",
             "ledger.schema.*",
             "ledger.scripts",
+            "ledger.specs",
             "ledger._version",
         ],
     ),

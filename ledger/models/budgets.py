@@ -22,6 +22,14 @@ from ledger.errors import ConfigurationError, InvalidArgument
 from ledger.models.canonical import canonical_json
 from ledger.models.enums import CompactionMode, Consumer
 
+# What ``ledger.models`` (and so ``ledger``) exports of this module: its classes.
+__all__ = [
+    "SessionBudget",
+    "Price",
+    "ScopeBudget",
+    "ScopeSet",
+]
+
 TOKENS_MAX = 100_000_000
 
 

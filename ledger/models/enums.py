@@ -7,6 +7,18 @@ import enum
 
 from ledger.errors import InvalidArgument
 
+# What ``ledger.models`` (and so ``ledger``) exports of this module: its classes.
+__all__ = [
+    "Consumer",
+    "CompactionMode",
+    "Regime",
+    "Classification",
+    "DriftFlag",
+    "CompactionOutcome",
+    "JobKind",
+    "ToolResultOutcome",
+]
+
 
 class Consumer(enum.StrEnum):
     """The claims on a session's window that hold named items."""

@@ -8,6 +8,26 @@ from dataclasses import dataclass
 
 from ledger.models.enums import Consumer
 
+# What ``ledger.models`` (and so ``ledger``) exports of this module: its classes.
+__all__ = [
+    "Item",
+    "BegunBy",
+    "HeldItem",
+    "Opened",
+    "Admitted",
+    "Released",
+    "Reservation",
+    "Settled",
+    "CallCost",
+    "Usage",
+    "ChildOpened",
+    "ChildDrawn",
+    "Voided",
+    "Expired",
+    "ResetDone",
+    "Deleted",
+]
+
 
 @dataclass(frozen=True, slots=True)
 class Item:

@@ -8,6 +8,14 @@ from dataclasses import dataclass, field
 
 from ledger.models.enums import Consumer
 
+# What ``ledger.models`` (and so ``ledger``) exports of this module: its classes.
+__all__ = [
+    "Snapshot",
+    "AuditReport",
+    "ScopeUsage",
+    "PartitionCheck",
+]
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Snapshot:

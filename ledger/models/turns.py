@@ -14,6 +14,19 @@ from ledger.models.enums import (
     ToolResultOutcome,
 )
 
+# What ``ledger.models`` (and so ``ledger``) exports of this module: its classes.
+__all__ = [
+    "TurnStarted",
+    "TurnAborted",
+    "TurnRenewed",
+    "SpanRecorded",
+    "TurnReport",
+    "TurnFinished",
+    "Reconciled",
+    "Compaction",
+    "ToolResult",
+]
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TurnStarted:

@@ -11,6 +11,7 @@ Imported by the tests (``from tests.support import servers``):
   stateful, rules_model, rules_machine
                             the property tests' models and state machines
   older, tools              a protocol 1 client; the repository's generators as modules
+  spec_calls                a mutating script's valid call, derived from its spec (fuzz)
   agent_process             an agent OS process driven over its stdin and stdout
 
 Run as scripts by path or module (a fleet test's agent and worker processes, or by hand):
