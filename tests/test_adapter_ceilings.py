@@ -293,6 +293,46 @@ def test_a_tenant_is_checked_against_the_session() -> None:
     assert Agent(s, tokens, tenant="acme", scopes=("acme/key",)).core.scopes == ("acme/key",)
 
 
+def test_an_adapters_scopes_need_its_tenant_and_keep_the_agents_hold_ms() -> None:
+    """``scopes=``/``model=`` on an adapter without ``tenant=`` were dropped without a word
+    (the calls then charged the tenant alone, never the key), and an adapter's ``tenant=``
+    put the agent's ``hold_ms`` back to 10 minutes (an adapter has no ``hold_ms`` of its own)."""
+    from agents import set_tracing_disabled
+
+    from ledger.adapters.langchain import AsyncLedgerMiddleware, LedgerMiddleware
+    from ledger.adapters.langgraph import AsyncLedgerGraph, LedgerGraph
+    from ledger.adapters.openai_agents import LedgerAgents
+
+    set_tracing_disabled(True)
+    led = Ledger.from_url(f"embedded://{uuid.uuid4().hex}")
+    aled = AsyncLedger.from_url(f"embedded://{uuid.uuid4().hex}")
+    s = led.open_session("@acme/x", budget())
+    a = asyncio.run(aled.open_session("@acme/y", budget()))
+
+    def sync_agent() -> Any:
+        return Agent(s, tokens, tenant="acme", hold_ms=5_000)
+
+    def async_agent() -> Any:
+        return AsyncAgent(a, tokens, tenant="acme", hold_ms=5_000)
+
+    faces: list[tuple[Any, Any]] = [(LedgerGraph, sync_agent), (LedgerMiddleware, sync_agent)]
+    faces += [(f, async_agent) for f in (AsyncLedgerGraph, AsyncLedgerMiddleware, LedgerAgents)]
+    for face, agent in faces:
+        with pytest.raises(InvalidArgument, match="name tenant="):
+            face(agent(), scopes=("acme/key-7",))
+        with pytest.raises(InvalidArgument, match="name tenant="):
+            face(agent(), model="small")
+        named = agent()
+        face(named, tenant="acme", scopes=("acme/key-7",), model="small")
+        core = named.core
+        assert (core.tenant, core.scopes, core.model, core.hold_ms) == (
+            "acme",
+            ("acme/key-7",),
+            "small",
+            5_000,
+        ), face.__name__
+
+
 class NamedStub(Stub):
     model_name: str = "stub-1"
 

@@ -276,6 +276,23 @@ def test_ledger_inspect_tenant(
     assert "a session id or --tenant" in capsys.readouterr().err
 
 
+def test_ledger_inspect_tenant_says_which_listed_holds_are_overdue(
+    redis_server: servers.RedisProcess, led: Ledger, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A hold past its deadline is still listed (OVERDUE) until the next reserve in its
+    scope gives it back, while its scope's line counts it given back already: the tenant's
+    line said "1 open holds" above a scope's "open holds 0" without saying why."""
+    a = tenant()
+    led.set_scope(a, ScopeBudget(window_ms=DAY, tokens=10_000))
+    s = led.open_session(f"@{a}/chat-1", BUDGET)
+    s.reserve(W, "late", 10, lease_ms=1, cost=CallCost(model="m", input=500, output=0))
+    time.sleep(0.05)  # past the hold's deadline on Redis's clock
+    base = ["--url", redis_server.url, "--prefix", led.keyspace.prefix, "inspect"]
+    assert cli.main([*base, "--tenant", a]) == 0
+    out = capsys.readouterr().out
+    assert "1 open holds (1 overdue)" in out and "open holds 0" in out and "OVERDUE" in out
+
+
 def test_ledger_top_tenant_shows_its_scopes_and_only_its_sessions(
     redis_server: servers.RedisProcess,
     led: Ledger,

@@ -61,8 +61,8 @@ class AsyncLedgerGraph(GraphCore):
     ) -> None:
         if not isinstance(agent, AsyncAgent):
             raise InvalidArgument(f"{FACES}; got a {type(agent).__name__}")
-        if tenant is not None:  # the tenant's ceilings (else as the agent names them)
-            agent.core.name_tenant(tenant, scopes, model=model)
+        # the tenant's ceilings (else as the agent names them)
+        agent.core.adapter_tenant(tenant, scopes, model)
         super().__init__(
             agent.core, checkpointer, messages_key, retrieval_keys, summarize, keep_messages
         )

@@ -56,8 +56,8 @@ class LedgerGraph(GraphCore):
     ) -> None:
         if not isinstance(agent, Agent):
             raise InvalidArgument(f"{FACES}; got a {type(agent).__name__}")
-        if tenant is not None:  # the tenant's ceilings (else as the agent names them)
-            agent.core.name_tenant(tenant, scopes, model=model)
+        # the tenant's ceilings (else as the agent names them)
+        agent.core.adapter_tenant(tenant, scopes, model)
         super().__init__(
             agent.core, checkpointer, messages_key, retrieval_keys, summarize, keep_messages
         )

@@ -68,8 +68,8 @@ class LedgerAgents:
         model: str | None = None,
     ) -> None:
         self.agent = agent
-        if tenant is not None:  # the tenant's ceilings (else as the agent names them)
-            agent.core.name_tenant(tenant, scopes, model=model)
+        # the tenant's ceilings (else as the agent names them)
+        agent.core.adapter_tenant(tenant, scopes, model)
         self.summarize = summarize
         self.keep_items = keep_items
         if agent.core.summary_of is default_summary:

@@ -145,6 +145,17 @@ class AgentBase:
             raise InvalidArgument(f"hold_ms must be an int in 1..86400000, got {hold_ms!r}")
         self.tenant, self.scopes, self.model, self.hold_ms = tenant, tuple(scopes), model, hold_ms
 
+    def adapter_tenant(self, tenant: str | None, scopes: Sequence[str], model: str | None) -> None:
+        """An adapter's ``tenant=``, ``scopes=`` and ``model=``: with ``tenant=``, name it
+        (keeping the agent's ``hold_ms``: an adapter sets none); without, ``scopes=`` or
+        ``model=`` is refused, as ``Agent`` refuses them, rather than dropped."""
+        if tenant is not None:
+            self.name_tenant(tenant, scopes, model=model, hold_ms=self.hold_ms)
+        elif scopes or model is not None:
+            raise InvalidArgument(
+                "scopes= and model= charge a tenant's ceilings: name tenant= with them"
+            )
+
     # --- pure helpers ---------------------------------------------------------------
 
     def app_id(self, obj: Obj) -> object:
