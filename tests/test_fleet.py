@@ -3,13 +3,18 @@ arbiter and the cure under the ledger, with the figures docs/demo.md states."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import re
 import statistics
+import subprocess
+import sys
 import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -294,3 +299,67 @@ def test_progress_lines_each_tenth_of_a_stage() -> None:
     assert [x.split(" (")[0] for x in lines] == [
         f"ledger demo: 001 sessions {4 * k}/40" for k in range(1, 11)
     ] + ["ledger demo: audits 1/1"]
+
+
+@pytest.mark.embedded
+@pytest.mark.timeout(300)
+def test_demo_table_tool_prints_the_figures_of_the_demo_json(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """tools/demo_table.py, docs/demo.md's per-seed table, reads what `ledger demo --json`
+    prints (a small fleet: 4 sessions, no tail, scenarios 001 and 002): each cell's figures
+    are the JSON's, one column per file, and the rows of the scenarios not run are dropped."""
+    monkeypatch.setattr(fleet_run, "FleetConfig", functools.partial(FleetConfig, tail=0))
+    url = f"embedded://{uuid.uuid4().hex}"
+    small = [
+        "--sessions",
+        "4",
+        "--max-turns",
+        "90",
+        "--seed",
+        "1",
+        "--only",
+        "001",
+        "--only",
+        "002",
+    ]
+    cli.main(["--url", url, "demo", "--json", *small])
+    run = tmp_path / "run.json"
+    run.write_text(capsys.readouterr().out)
+    data = json.loads(run.read_text())
+    tool = Path(__file__).parents[1] / "tools" / "demo_table.py"
+    out = subprocess.run(
+        [sys.executable, str(tool), str(run), str(run)], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert out[0] == "| | --sessions 4, seed 1 | --sessions 4, seed 1 |"
+    table = {}
+    for line in out[2:]:
+        label, *cells = line.strip("| ").split(" | ")
+        assert len(cells) == 2 and cells[0] == cells[1], line
+        table[label] = cells[0]
+    assert not [k for k in table if k.startswith(("000", "004"))]  # not run: no row
+
+    def figures(label: str) -> list[float]:
+        return [float(x) for x in re.findall(r"\d+(?:\.\d+)?", table[label])]
+
+    lg, admission = data["ledger"], data["ledger"]["retrieval_admission"]
+    at = [admission[t] for t in ("10", "60", "120") if admission[t]["rate"] is not None]
+    assert at and len(at) < 3  # 90 turns at most: no session reaches turn 120
+    assert figures("001 retrieval @10/60/120 (sessions/turns), ledger") == [
+        pytest.approx(x, abs=0.005) for a in at for x in (a["rate"], a["sessions"], a["turns"])
+    ]
+    assert table["001 retrieval @10/60/120 (sessions/turns), ledger"].endswith(" / n/a")
+    assert figures("001 retrieval refusals, ledger") == list(lg["retrieval_refusals"].values())
+    loop = lg["truncation_loop"]
+    assert figures("002 ... ledger (spilled, refused)") == [
+        loop[k]
+        for k in ("compression_events", "truncated", "repeated_calls", "spilled", "refusals")
+    ]
+    assert figures("audits clean; over-allocations") == [
+        data["audits_clean"],
+        data["audits_total"],
+        data["over_allocations"],
+    ]
+    checks = data["acceptance"].values()
+    assert figures("acceptance checks passed") == [sum(c["pass"] for c in checks), len(checks)]
+    assert figures("wall time (the run's `elapsed_s`)") == [round(data["elapsed_s"])]
