@@ -41,6 +41,7 @@ half of the rounds' ratios is printed with it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import multiprocessing as mp
 import os
 import random
@@ -250,7 +251,7 @@ def server_time(url: str, prefix: str, tenant: str, rounds: int, calls: int) -> 
     big = ScopeBudget(window_ms=86_400_000, tokens=10**12, counted=("input", "output"),
                       cents=10**8, prices={"m": PRICE})  # fmt: skip
     led.set_scope(tenant, big)
-    led.set_scope(f"{tenant}/k0", big)
+    led.set_scope(f"{tenant}/k0", dataclasses.replace(big, prices={}))  # the tenant's prices
     s = led.open_session(f"@{tenant}/timing", SESSION)
     n = [0]
 

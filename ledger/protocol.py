@@ -19,6 +19,7 @@ from ledger import schema
 from ledger.errors import (
     AdmissionRefused,
     CeilingReached,
+    ConfigurationError,
     ContextDrift,
     ContextDriftWarning,
     DamagedSession,
@@ -656,6 +657,14 @@ def scope_usage(
 def set_scope(space: KeySpace, op_id: str, name: str, budget: ScopeBudget) -> Call[ScopeSet]:
     """Set a budget scope's window, ceilings and price table (the operator's call)."""
     sk = space.scope(name)
+    tenant = check_scope(name)
+    if budget.prices and tenant != name:  # the scripts read the tenant's table only
+        raise InvalidArgument(
+            f"scope {name!r} is within tenant {tenant!r}: calls are priced by the tenant's "
+            "price table (set prices= on the tenant)"
+        )
+    if budget.cents is not None and not budget.prices and tenant == name:
+        raise ConfigurationError("a money ceiling (cents) needs a price table")
 
     def parse(r: Reply) -> ScopeSet:
         return ScopeSet(scope=sk.name, prices=int(r["prices"]))

@@ -23,6 +23,7 @@ from ledger import (
     BackendUnavailable,
     CallCost,
     CeilingReached,
+    ConfigurationError,
     Consumer,
     InvalidArgument,
     Item,
@@ -154,7 +155,18 @@ def test_bad_input_is_refused_typed_and_changes_nothing(ledger: Ledger) -> None:
     ledger.set_scope(t, money)
     with pytest.raises(InvalidArgument, match="no price"):
         s.reserve(W, "a", 10, cost=CallCost(model="unpriced", input=1, output=1))
+    # calls are priced by the tenant's table only: a key's own was accepted, never read
+    with pytest.raises(InvalidArgument, match="tenant's price table"):
+        ledger.set_scope(f"{t}/key", money)
+    with pytest.raises(UnknownScope):
+        ledger.scope_usage(f"{t}/key")
     assert state(ledger, s)[:2] == before[:2]
+    with pytest.raises(ConfigurationError, match="needs a price table"):
+        ledger.set_scope(t, ScopeBudget(window_ms=DAY, cents=1))
+    ledger.set_scope(f"{t}/key", ScopeBudget(window_ms=DAY, cents=1))  # the tenant's prices
+    r = s.reserve(W, "k", 10, cost=CallCost(model="m", input=1, output=1, scopes=(f"{t}/key",)))
+    assert ledger.scope_usage(f"{t}/key").held["money"] == 2  # 1 x 1 + 1 x 1 micro-cents
+    s.void("k", scopes=r.scopes)
 
 
 @pytest.mark.parametrize(

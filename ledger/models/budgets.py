@@ -184,8 +184,9 @@ class ScopeBudget:
     aligned on multiples of its length since the epoch) or rolling (the window is
     ``window_ms // bucket_ms`` buckets, the last of them the current one). A ceiling of
     None is no ceiling. ``tokens`` counts the kinds of ``counted`` together; ``cents``
-    is a money ceiling priced by ``prices`` (the tenant's table, model -> Price; '*'
-    prices any other model). ``hold_limit_ms`` is the longest lease a reservation may
+    is a money ceiling priced by the tenant's ``prices`` (model -> Price; '*' prices any
+    other model): a tenant with a money ceiling needs one, a key or user within it has none
+    (``set_scope`` checks both). ``hold_limit_ms`` is the longest lease a reservation may
     hold in the scope."""
 
     window_ms: int
@@ -211,8 +212,6 @@ class ScopeBudget:
             raise ConfigurationError(f"hold_limit_ms must be 1..86400000, got {self.hold_limit_ms}")
         if any(k not in _KINDS for k in self.counted):
             raise ConfigurationError(f"counted must be among {_KINDS}, got {self.counted!r}")
-        if self.cents is not None and not self.prices:
-            raise ConfigurationError("a money ceiling (cents) needs a price table")
 
     def wire(self) -> list[str]:
         """ARGV[2..] of set_scope."""
