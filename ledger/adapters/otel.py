@@ -21,51 +21,24 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from ledger.agent.telemetry import (
+    CACHE_READ,
+    CONVERSATION,
+    INPUT,
+    OPERATION,
+    OUTPUT,
+    SEMCONV,
+    usage_attributes,
+)
 from ledger.client import Session
 from ledger.errors import InvalidArgument, LedgerError
 from ledger.extras import missing
-from ledger.models import Snapshot, Usage
 
 try:
     from opentelemetry.context import Context
     from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 except ImportError as exc:  # pragma: no cover - exercised without the extra
     raise missing("opentelemetry-sdk", "otel", "LedgerSpanProcessor") from exc
-
-INPUT = "gen_ai.usage.input_tokens"
-OUTPUT = "gen_ai.usage.output_tokens"
-OPERATION = "gen_ai.operation.name"
-CACHE_READ = "gen_ai.usage.cache_read.input_tokens"
-CONVERSATION = "gen_ai.conversation.id"
-# The GenAI conventions are at development stage: the names above are pinned to the
-# incubating gen_ai attributes of this release (tests/test_ceilings.py compares them).
-SEMCONV = "opentelemetry-semantic-conventions 0.66b2"
-
-
-def usage_attributes(
-    session_id: str, usage: Usage, snapshot: Snapshot | None = None
-) -> dict[str, str | int]:
-    """A turn's billed usage as GenAI span attributes, each quantity under one name:
-    ``gen_ai.usage.input_tokens`` counts all input, cached included (as the conventions
-    ask), ``gen_ai.usage.cache_read.input_tokens`` the cached part, and
-    ``gen_ai.conversation.id`` the session. With a snapshot, the window's composition
-    under ``ledger.window.``: its size, what is free, and per consumer what items hold
-    and open reservations hold (``ledger.window.<consumer>.used`` / ``.reserved``)."""
-    attrs: dict[str, str | int] = {
-        CONVERSATION: session_id,
-        INPUT: usage.input + usage.cached_input,
-        OUTPUT: usage.output,
-        CACHE_READ: usage.cached_input,
-    }
-    if snapshot is not None:
-        attrs["ledger.window.size"] = snapshot.window
-        attrs["ledger.window.free"] = snapshot.free
-        attrs["ledger.window.system_prompt"] = snapshot.system_prompt
-        attrs["ledger.window.output_reserve"] = snapshot.output_reserve
-        for consumer, used in snapshot.used.items():
-            attrs[f"ledger.window.{consumer.value}.used"] = used
-            attrs[f"ledger.window.{consumer.value}.reserved"] = snapshot.reserved[consumer]
-    return attrs
 
 
 class LedgerSpanProcessor(SpanProcessor):
@@ -110,4 +83,15 @@ class LedgerSpanProcessor(SpanProcessor):
         return True
 
 
-__all__ = ["LedgerSpanProcessor", "usage_attributes"]
+# the attribute names and usage_attributes are the agent layer's (ledger.agent.telemetry),
+# which sets them on the current span at each turn's end with no processor
+__all__ = [
+    "CACHE_READ",
+    "CONVERSATION",
+    "INPUT",
+    "OPERATION",
+    "OUTPUT",
+    "SEMCONV",
+    "LedgerSpanProcessor",
+    "usage_attributes",
+]
