@@ -1,10 +1,10 @@
-"""A turn's billed usage reaches OpenTelemetry with no glue (docs/ceilings.md#on-the-span):
-with a tenant named, the agent layer sums the usage its model calls were billed
-(``turn.usage``) and sets it, with the window's composition, on the span current at the
-turn's end, in every adapter. Checked with the real opentelemetry-sdk (an in-memory
-exporter), the real LangGraph and LangChain packages and a stub model that reports known
-usage, on a real redis-server, on both faces; without a span, without a tenant, and
-without opentelemetry, a turn is as before."""
+"""A turn's billed usage reaches OpenTelemetry with no glue
+(docs/ceilings.md#a-turns-usage-on-its-span): with a tenant named, the agent layer sums
+the usage its model calls were billed (``turn.usage``) and sets it, with the window's
+composition, on the span current at the turn's end, in every adapter. Checked with the
+real opentelemetry-sdk (an in-memory exporter), the real LangGraph and LangChain packages
+and a stub model that reports known usage, on a real redis-server, on both faces;
+without a span, without a tenant, and without opentelemetry, a turn is as before."""
 
 from __future__ import annotations
 
@@ -130,10 +130,12 @@ def summed(billed: list[int]) -> Usage:
     return Usage(input=sum(billed) - n * CACHED, output=n * OUT, cached_input=n * CACHED)
 
 
-def on_span(span: ReadableSpan, sid: str, billed: list[int], snap: Snapshot) -> None:
-    """The span holds the turn's summed usage, each quantity under one name, and the
-    window's composition under ``ledger.window.`` as the ledger reads it after the turn."""
+def on_span(span: ReadableSpan, sid: str, billed: list[int], snap: Snapshot, turn: int = 1) -> None:
+    """The span holds the turn's summed usage, each quantity under one name, the turn's
+    number, and the window's composition under ``ledger.window.`` as the ledger reads it
+    after the turn."""
     got = dict(span.attributes or {})
+    assert got.pop("ledger.turn") == turn
     assert got[semconv.GEN_AI_USAGE_INPUT_TOKENS] == sum(billed)  # cached reads included
     assert got[semconv.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] == CACHED * len(billed)
     assert got[semconv.GEN_AI_USAGE_OUTPUT_TOKENS] == OUT * len(billed)
@@ -302,3 +304,31 @@ def test_without_opentelemetry_a_turn_ends_as_before(
     assert not span.attributes
     with tracer.start_as_current_span("again"):  # importable again: found
         assert telemetry.recording_span() is not None
+
+
+def test_the_span_processor_does_not_record_a_turns_sum_as_a_call(redis_server: Any) -> None:
+    """``LedgerSpanProcessor`` on the same provider records GenAI call spans; the turn's
+    span, carrying its summed usage (``ledger.turn``), is not a call: not recorded again."""
+    from ledger.adapters.langgraph import LedgerGraph
+    from ledger.adapters.otel import LedgerSpanProcessor
+
+    led = Ledger.from_url(redis_server.url)
+    tenant = new_tenant(led)
+    session = led.open_session(f"@{tenant}/proc", budget())
+    gov = LedgerGraph(Agent(session, tokens), tenant=tenant)
+    stub = Stub(count=gov.core.prompt_tokens, billed=[])
+    graph = gov.govern(two_calls(gov.model(stub), asynchronous=False)).compile()
+    exporter = InMemorySpanExporter()
+    processor = LedgerSpanProcessor(session)
+    provider = TracerProvider()
+    provider.add_span_processor(processor)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    with provider.get_tracer("test").start_as_current_span("turn"), gov.turn() as turn:
+        graph.invoke({"messages": [HumanMessage("Is it?", id="q1")]})
+    (span,) = exporter.get_finished_spans()
+    assert turn.report is not None and turn.report.spans == 0
+    on_span(span, session.id, stub.billed, session.snapshot())
+    assert processor.recorded == 0 and not processor.errors
+    with provider.get_tracer("test").start_as_current_span("chat") as call:  # a call's span
+        call.set_attributes({semconv.GEN_AI_USAGE_INPUT_TOKENS: 10})
+    assert processor.recorded + len(processor.errors) == 1  # what it does record

@@ -425,7 +425,7 @@ class AsyncTurn:
         snap = None
         with contextlib.suppress(LedgerError):
             snap = await session.snapshot()
-        span.set_attributes(usage_attributes(session.id, usage, snap))
+        span.set_attributes(usage_attributes(session.id, usage, snap, turn=self._state.turn))
 
     async def abort(self) -> TurnAborted:
         """Roll the turn back (docs/agent.md#a-dead-turn-is-undone): the ledger is as the

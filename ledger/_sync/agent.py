@@ -421,7 +421,7 @@ class Turn:
         snap = None
         with contextlib.suppress(LedgerError):
             snap = session.snapshot()
-        span.set_attributes(usage_attributes(session.id, usage, snap))
+        span.set_attributes(usage_attributes(session.id, usage, snap, turn=self._state.turn))
 
     def abort(self) -> TurnAborted:
         """Roll the turn back (docs/agent.md#a-dead-turn-is-undone): the ledger is as the

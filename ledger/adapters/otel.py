@@ -9,7 +9,8 @@ before each memory-tool call.
     provider.add_span_processor(LedgerSpanProcessor(session))
 
 Every ended span with ``gen_ai.usage.input_tokens`` (OpenTelemetry GenAI semantic
-conventions) is recorded against the session's current turn, its kind being
+conventions) but no ``ledger.turn`` (a turn's billed usage, which the agent layer sets at
+the turn's end: not a call) is recorded against the session's current turn, its kind being
 ``gen_ai.operation.name`` (``chat``, ``embeddings``, ``execute_tool``...). A refusal
 (``FanoutRefused`` past the pathological threshold) or any ledger error is kept in
 ``errors``, never raised into the tracer.
@@ -28,6 +29,7 @@ from ledger.agent.telemetry import (
     OPERATION,
     OUTPUT,
     SEMCONV,
+    TURN,
     usage_attributes,
 )
 from ledger.client import Session
@@ -60,6 +62,8 @@ class LedgerSpanProcessor(SpanProcessor):
 
     def on_end(self, span: ReadableSpan) -> None:
         attrs: Any = span.attributes or {}
+        if TURN in attrs:  # a turn's sum (set at its end): its calls were settled already
+            return
         tokens_in = attrs.get(INPUT)
         if type(tokens_in) is not int or tokens_in < 0:
             return
@@ -92,6 +96,7 @@ __all__ = [
     "OPERATION",
     "OUTPUT",
     "SEMCONV",
+    "TURN",
     "LedgerSpanProcessor",
     "usage_attributes",
 ]

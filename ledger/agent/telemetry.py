@@ -18,26 +18,32 @@ OUTPUT = "gen_ai.usage.output_tokens"
 OPERATION = "gen_ai.operation.name"
 CACHE_READ = "gen_ai.usage.cache_read.input_tokens"
 CONVERSATION = "gen_ai.conversation.id"
+# The turn a span's usage is the sum of (set at the turn's end): a span processor that
+# records GenAI calls (ledger.adapters.otel) skips such a span, its calls settled already.
+TURN = "ledger.turn"
 # The GenAI conventions are at development stage: the names above are pinned to the
 # incubating gen_ai attributes of this release (tests/test_ceilings.py compares them).
 SEMCONV = "opentelemetry-semantic-conventions 0.66b2"
 
 
 def usage_attributes(
-    session_id: str, usage: Usage, snapshot: Snapshot | None = None
+    session_id: str, usage: Usage, snapshot: Snapshot | None = None, *, turn: int | None = None
 ) -> dict[str, str | int]:
     """A turn's billed usage as GenAI span attributes, each quantity under one name:
     ``gen_ai.usage.input_tokens`` counts all input, cached included (as the conventions
     ask), ``gen_ai.usage.cache_read.input_tokens`` the cached part, and
     ``gen_ai.conversation.id`` the session. With a snapshot, the window's composition
     under ``ledger.window.``: its size, what is free, and per consumer what items hold
-    and open reservations hold (``ledger.window.<consumer>.used`` / ``.reserved``)."""
+    and open reservations hold (``ledger.window.<consumer>.used`` / ``.reserved``).
+    With ``turn``, ``ledger.turn``: the usage is that turn's sum."""
     attrs: dict[str, str | int] = {
         CONVERSATION: session_id,
         INPUT: usage.input + usage.cached_input,
         OUTPUT: usage.output,
         CACHE_READ: usage.cached_input,
     }
+    if turn is not None:
+        attrs[TURN] = turn
     if snapshot is not None:
         attrs["ledger.window.size"] = snapshot.window
         attrs["ledger.window.free"] = snapshot.free
@@ -87,6 +93,7 @@ __all__ = [
     "OPERATION",
     "OUTPUT",
     "SEMCONV",
+    "TURN",
     "added",
     "recording_span",
     "usage_attributes",
