@@ -332,3 +332,60 @@ def test_the_span_processor_does_not_record_a_turns_sum_as_a_call(redis_server: 
     with provider.get_tracer("test").start_as_current_span("chat") as call:  # a call's span
         call.set_attributes({semconv.GEN_AI_USAGE_INPUT_TOKENS: 10})
     assert processor.recorded + len(processor.errors) == 1  # what it does record
+
+
+def test_agents_sdk_turn_sets_its_usage_on_the_span(redis_server: Any) -> None:
+    """The Agents SDK adapter (``LedgerAgents``, asyncio) goes through the same turn."""
+    from agents import Agent as SdkAgent
+    from agents import Model, ModelResponse, Runner, set_tracing_disabled
+    from agents import Usage as SdkUsage
+    from agents.testing import assistant_message
+    from openai.types.responses.response_usage import InputTokensDetails
+
+    from ledger.adapters.openai_agents import LedgerAgents
+
+    set_tracing_disabled(True)  # the SDK's own tracing; OpenTelemetry is the test's
+    billed: list[int] = []
+
+    class SdkStub(Model):
+        async def get_response(self, *a: Any, **k: Any) -> ModelResponse:
+            n = gov.last_counted or 0
+            billed.append(n)
+            usage = SdkUsage(
+                requests=1,
+                input_tokens=n,
+                output_tokens=OUT,
+                total_tokens=n + OUT,
+                input_tokens_details=InputTokensDetails(cached_tokens=CACHED, cache_write_tokens=0),
+            )
+            out = [assistant_message("Yes", item_id=f"msg-{len(billed)}")]
+            return ModelResponse(output=out, usage=usage, response_id=None)
+
+        def stream_response(self, *a: Any, **k: Any) -> Any:
+            raise NotImplementedError
+
+    async def main() -> None:
+        nonlocal gov
+        tenant = f"t{uuid.uuid4().hex[:10]}"
+        async with AsyncLedger.from_url(redis_server.url) as led:
+            await led.set_scope(tenant, ScopeBudget(window_ms=DAY, tokens=100_000))
+            session = await led.open_session(f"@{tenant}/sdk", budget())
+            gov = LedgerAgents(AsyncAgent(session, tokens), tenant=tenant)
+            agent = SdkAgent(name="a", instructions=SYSTEM, model=SdkStub())
+            tracer, exporter = tracing()
+            with tracer.start_as_current_span("run"):
+                async with gov.turn() as turn:
+                    await Runner.run(
+                        agent,
+                        "Is it?",
+                        session=gov.session,
+                        run_config=gov.run_config(),
+                        hooks=gov.hooks,
+                    )
+            assert len(billed) == 1 and turn.usage == summed(billed)
+            (span,) = exporter.get_finished_spans()
+            on_span(span, session.id, billed, await session.snapshot())
+            await session.delete()
+
+    gov: Any = None
+    asyncio.run(main())
