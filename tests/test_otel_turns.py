@@ -130,12 +130,14 @@ def summed(billed: list[int]) -> Usage:
     return Usage(input=sum(billed) - n * CACHED, output=n * OUT, cached_input=n * CACHED)
 
 
-def on_span(span: ReadableSpan, sid: str, billed: list[int], snap: Snapshot, turn: int = 1) -> None:
+def on_span(
+    span: ReadableSpan, sid: str, billed: list[int], snap: Snapshot, committed: bool = True
+) -> None:
     """The span holds the turn's summed usage, each quantity under one name, the turn's
     number, and the window's composition under ``ledger.window.`` as the ledger reads it
-    after the turn."""
+    after the turn (rolled back: holding none of the turn's items)."""
     got = dict(span.attributes or {})
-    assert got.pop("ledger.turn") == turn
+    assert got.pop("ledger.turn") == 1  # each test's first turn
     assert got[semconv.GEN_AI_USAGE_INPUT_TOKENS] == sum(billed)  # cached reads included
     assert got[semconv.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] == CACHED * len(billed)
     assert got[semconv.GEN_AI_USAGE_OUTPUT_TOKENS] == OUT * len(billed)
@@ -144,7 +146,8 @@ def on_span(span: ReadableSpan, sid: str, billed: list[int], snap: Snapshot, tur
     assert all(k.startswith(("gen_ai.", "ledger.window.")) for k in got), got
     wm = Consumer.WORKING_MEMORY.value
     assert got["ledger.window.size"] == 8_000 and got["ledger.window.free"] == snap.free
-    assert got[f"ledger.window.{wm}.used"] == snap.used[Consumer.WORKING_MEMORY] > 0
+    used = snap.used[Consumer.WORKING_MEMORY]
+    assert got[f"ledger.window.{wm}.used"] == used and (used > 0) is committed  # rolled back: 0
     assert got[f"ledger.window.{wm}.reserved"] == 0  # every hold settled
     assert got["ledger.window.system_prompt"] == tokens(SYSTEM)
 
@@ -389,3 +392,42 @@ def test_agents_sdk_turn_sets_its_usage_on_the_span(redis_server: Any) -> None:
 
     gov: Any = None
     asyncio.run(main())
+
+
+def test_a_rolled_back_turn_sets_what_its_calls_were_billed(redis_server: Any) -> None:
+    """A turn that raises after a billed call is rolled back, but the tenant keeps the
+    call's charge: its usage is set on the span all the same, as the scope charged it."""
+    from ledger.adapters.langgraph import LedgerGraph
+
+    led = Ledger.from_url(redis_server.url)
+    tenant = new_tenant(led)
+    session = led.open_session(f"@{tenant}/rb", budget())
+    gov = LedgerGraph(Agent(session, tokens), tenant=tenant)
+    stub = Stub(count=gov.core.prompt_tokens, billed=[])
+    model = gov.model(stub)
+
+    def answer(state: State) -> dict[str, Any]:
+        return {"messages": [model.invoke([SystemMessage(SYSTEM), *state["messages"]])]}
+
+    def tool(state: State) -> dict[str, Any]:
+        raise RuntimeError("the tool is down")
+
+    builder = StateGraph(State)
+    builder.add_node("answer", answer)
+    builder.add_node("tool", tool)
+    builder.add_edge(START, "answer")
+    builder.add_edge("answer", "tool")
+    builder.add_edge("tool", END)
+    graph = gov.govern(builder).compile()
+    tracer, exporter = tracing()
+    with (
+        pytest.raises(RuntimeError, match="tool is down"),
+        tracer.start_as_current_span("turn"),
+        gov.turn() as turn,
+    ):
+        graph.invoke({"messages": [HumanMessage("Is it?", id="q1")]})
+    assert turn.state is not None and turn.state.aborted is not None and turn.report is None
+    assert len(stub.billed) == 1 and turn.usage == summed(stub.billed)
+    assert led.scope_usage(tenant).charged["output"] == OUT  # the settle stays charged
+    (span,) = exporter.get_finished_spans()
+    on_span(span, session.id, stub.billed, session.snapshot(), committed=False)

@@ -274,8 +274,9 @@ class AsyncTurn:
     def usage(self) -> Usage | None:
         """With a tenant named: what this turn's model calls were billed, summed (input
         uncached, output, cached input; a call that reported no usage counts the worst case
-        its hold charged); None while no call was settled. At the turn's end it is set on
-        the current OpenTelemetry span, if one is recording (docs/ceilings.md)."""
+        its hold charged); None while no call was settled. When the turn ends or is rolled
+        back it is set on the current OpenTelemetry span, if one is recording
+        (docs/ceilings.md#a-turns-usage-on-its-span)."""
         return self._state.usage
 
     @property
@@ -413,10 +414,11 @@ class AsyncTurn:
         return report
 
     async def _emit(self) -> None:
-        """The ended turn's billed usage (:attr:`usage`) and the window's composition as
-        attributes of the current OpenTelemetry span, when one is recording (one snapshot
-        read more then; without it, the usage alone). Nothing without a settled call, a
-        recording span or opentelemetry-api; never an error out of the ended turn."""
+        """The ended (or rolled back) turn's billed usage (:attr:`usage`) and the window's
+        composition as attributes of the current OpenTelemetry span, when one is recording
+        (one snapshot read more then; without it, the usage alone). Nothing without a
+        settled call, a recording span or opentelemetry-api; never an error out of the
+        ended turn."""
         usage = self._state.usage
         span = None if usage is None else recording_span()
         if span is None or usage is None:
@@ -433,4 +435,5 @@ class AsyncTurn:
         await self._stop()
         done = await self.agent.run(self.agent.core.abort(self._state.turn))
         self._state.aborted = done
+        await self._emit()  # its calls were billed all the same (a scope keeps a settle)
         return done
