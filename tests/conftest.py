@@ -151,7 +151,7 @@ QUALITIES: dict[str, str] = {
     "fleet": """agent_reset compaction demo_rules fleet fleet_async fleet_ceilings fleet_counting
         fleet_nopause fleet_turns two_call_turn upgrade""",
     "adapter": """adapter_ceilings adapters agent_reset async_adapters billing fleet_async
-        fleet_ceilings fleet_counting fleet_turns langgraph_turns""",
+        fleet_ceilings fleet_counting fleet_turns langgraph_turns otel_turns""",
     "worker": """compaction fleet_nopause ownership recount soak staging worker_dead_letters
         worker_faults worker_in_process worker_lifecycle worker_loop worker_once
         worker_processes worker_reads worker_regressions""",

@@ -56,6 +56,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "ledger.agent.admission",
             "ledger.agent.counters",
             "ledger.agent.lease",
+            "ledger.agent.telemetry",
         ],
     ),
     (

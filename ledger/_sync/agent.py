@@ -31,6 +31,7 @@ from ledger.agent.core import (
 )
 from ledger.agent.counters import Tally
 from ledger.agent.lease import Heartbeat
+from ledger.agent.telemetry import recording_span, usage_attributes
 from ledger.errors import ContextDrift, InvalidArgument, LedgerError, TurnLost, translated
 from ledger.models import Consumer, Reconciled, Settled, TurnAborted, TurnReport, Usage, Voided
 from ledger.protocol import Call
@@ -266,6 +267,15 @@ class Turn:
         return self._state.report
 
     @property
+    def usage(self) -> Usage | None:
+        """With a tenant named: what this turn's model calls were billed, summed (input
+        uncached, output, cached input; a call that reported no usage counts the worst case
+        its hold charged); None while no call was settled. When the turn ends or is rolled
+        back it is set on the current OpenTelemetry span, if one is recording
+        (docs/ceilings.md#a-turns-usage-on-its-span)."""
+        return self._state.usage
+
+    @property
     def summaries(self) -> list[Obj]:
         """The worker's summaries delivered to this turn: put them in the prompt (the
         objects they replaced are in ``dropped``). Each is delivered to one turn of the
@@ -393,9 +403,27 @@ class Turn:
             # The turn has ended (drift_action="raise"): keep its report all the same.
             if isinstance(exc.report, TurnReport):
                 self._state.report = exc.report
+                self._emit()
             raise
         self._state.report = report
+        self._emit()
         return report
+
+    def _emit(self) -> None:
+        """The ended (or rolled back) turn's billed usage (:attr:`usage`) and the window's
+        composition as attributes of the current OpenTelemetry span, when one is recording
+        (one snapshot read more then; without it, the usage alone). Nothing without a
+        settled call, a recording span or opentelemetry-api; never an error out of the
+        ended turn."""
+        usage = self._state.usage
+        span = None if usage is None else recording_span()
+        if span is None or usage is None:
+            return
+        session = self.agent.session
+        snap = None
+        with contextlib.suppress(LedgerError):
+            snap = session.snapshot()
+        span.set_attributes(usage_attributes(session.id, usage, snap, turn=self._state.turn))
 
     def abort(self) -> TurnAborted:
         """Roll the turn back (docs/agent.md#a-dead-turn-is-undone): the ledger is as the
@@ -403,4 +431,5 @@ class Turn:
         self._stop()
         done = self.agent.run(self.agent.core.abort(self._state.turn))
         self._state.aborted = done
+        self._emit()  # its calls were billed all the same (a scope keeps a settle)
         return done

@@ -9,7 +9,8 @@ before each memory-tool call.
     provider.add_span_processor(LedgerSpanProcessor(session))
 
 Every ended span with ``gen_ai.usage.input_tokens`` (OpenTelemetry GenAI semantic
-conventions) is recorded against the session's current turn, its kind being
+conventions) but no ``ledger.turn`` (a turn's billed usage, which the agent layer sets at
+the turn's end: not a call) is recorded against the session's current turn, its kind being
 ``gen_ai.operation.name`` (``chat``, ``embeddings``, ``execute_tool``...). A refusal
 (``FanoutRefused`` past the pathological threshold) or any ledger error is kept in
 ``errors``, never raised into the tracer.
@@ -21,51 +22,25 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from ledger.agent.telemetry import (
+    CACHE_READ,
+    CONVERSATION,
+    INPUT,
+    OPERATION,
+    OUTPUT,
+    SEMCONV,
+    TURN,
+    usage_attributes,
+)
 from ledger.client import Session
 from ledger.errors import InvalidArgument, LedgerError
 from ledger.extras import missing
-from ledger.models import Snapshot, Usage
 
 try:
     from opentelemetry.context import Context
     from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 except ImportError as exc:  # pragma: no cover - exercised without the extra
     raise missing("opentelemetry-sdk", "otel", "LedgerSpanProcessor") from exc
-
-INPUT = "gen_ai.usage.input_tokens"
-OUTPUT = "gen_ai.usage.output_tokens"
-OPERATION = "gen_ai.operation.name"
-CACHE_READ = "gen_ai.usage.cache_read.input_tokens"
-CONVERSATION = "gen_ai.conversation.id"
-# The GenAI conventions are at development stage: the names above are pinned to the
-# incubating gen_ai attributes of this release (tests/test_ceilings.py compares them).
-SEMCONV = "opentelemetry-semantic-conventions 0.66b2"
-
-
-def usage_attributes(
-    session_id: str, usage: Usage, snapshot: Snapshot | None = None
-) -> dict[str, str | int]:
-    """A turn's billed usage as GenAI span attributes, each quantity under one name:
-    ``gen_ai.usage.input_tokens`` counts all input, cached included (as the conventions
-    ask), ``gen_ai.usage.cache_read.input_tokens`` the cached part, and
-    ``gen_ai.conversation.id`` the session. With a snapshot, the window's composition
-    under ``ledger.window.``: its size, what is free, and per consumer what items hold
-    and open reservations hold (``ledger.window.<consumer>.used`` / ``.reserved``)."""
-    attrs: dict[str, str | int] = {
-        CONVERSATION: session_id,
-        INPUT: usage.input + usage.cached_input,
-        OUTPUT: usage.output,
-        CACHE_READ: usage.cached_input,
-    }
-    if snapshot is not None:
-        attrs["ledger.window.size"] = snapshot.window
-        attrs["ledger.window.free"] = snapshot.free
-        attrs["ledger.window.system_prompt"] = snapshot.system_prompt
-        attrs["ledger.window.output_reserve"] = snapshot.output_reserve
-        for consumer, used in snapshot.used.items():
-            attrs[f"ledger.window.{consumer.value}.used"] = used
-            attrs[f"ledger.window.{consumer.value}.reserved"] = snapshot.reserved[consumer]
-    return attrs
 
 
 class LedgerSpanProcessor(SpanProcessor):
@@ -87,6 +62,8 @@ class LedgerSpanProcessor(SpanProcessor):
 
     def on_end(self, span: ReadableSpan) -> None:
         attrs: Any = span.attributes or {}
+        if TURN in attrs:  # a turn's sum (set at its end): its calls were settled already
+            return
         tokens_in = attrs.get(INPUT)
         if type(tokens_in) is not int or tokens_in < 0:
             return
@@ -110,4 +87,16 @@ class LedgerSpanProcessor(SpanProcessor):
         return True
 
 
-__all__ = ["LedgerSpanProcessor", "usage_attributes"]
+# the attribute names and usage_attributes are the agent layer's (ledger.agent.telemetry),
+# which sets them on the current span at each turn's end with no processor
+__all__ = [
+    "CACHE_READ",
+    "CONVERSATION",
+    "INPUT",
+    "OPERATION",
+    "OUTPUT",
+    "SEMCONV",
+    "TURN",
+    "LedgerSpanProcessor",
+    "usage_attributes",
+]

@@ -12,6 +12,7 @@ from ledger.agent.calibration import CALIBRATION, REPORTS_KEPT, _solve
 from ledger.agent.counters import PLAUSIBLE, Tally
 from ledger.agent.effects import Note, Obj, Op, Store
 from ledger.agent.items import AgentBase
+from ledger.agent.telemetry import added
 from ledger.agent.turns import BillingCheck, CallHold, TurnState
 from ledger.errors import (
     AdmissionRefused,
@@ -181,6 +182,7 @@ class Billing(AgentBase):
             if (yield from self._storing()):  # the compactor reads the answer's text
                 yield Store(((f"{c.code}:{iid}", self.text_of(answer)),))
         state.settled.append(done)
+        state.usage = added(state.usage, usage)
         return done
 
     def void_hold(self, hold: CallHold, turn: int) -> Op[Voided]:

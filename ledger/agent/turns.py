@@ -19,6 +19,7 @@ from ledger.models import (
     TurnAborted,
     TurnReport,
     TurnStarted,
+    Usage,
 )
 
 T = TypeVar("T")
@@ -150,6 +151,10 @@ class TurnState:
     # with a tenant named: each model call's settle (``over``: billed past its hold,
     # charged all the same)
     settled: list[Settled] = field(default_factory=list)
+    # with a tenant named: the usage this turn's model calls were billed (the sum of their
+    # settles: what each reported, or the worst case held when it reported none); None:
+    # no call was settled
+    usage: Usage | None = None
     # tool results sent with the turn's end (two-call turn, docs/agent.md)
     deferred: list[Deferred] = field(default_factory=list)
     # the epoch this agent's handle had when a hard reset (docs/rules.md) found it: the
