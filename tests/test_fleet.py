@@ -206,6 +206,41 @@ def test_demo_json_default_run_meets_the_acceptance_checks(
 
 
 @pytest.mark.embedded
+@pytest.mark.timeout(300)
+def test_scenario_002_on_embedded_gives_the_same_figures_however_loaded() -> None:
+    """Scenario 002 on embedded: its sessions compact alike in every run (the simulated
+    summarizer is given their ids without the run's tag) and on a stepped clock, so one
+    seed gives the same figures, the ledger's and the rule-off column's included, idle
+    or with a thread spinning on the same core."""
+    config = FleetConfig(seed=1, only=frozenset({"002"}))
+
+    def figures() -> tuple[dict[str, object], dict[str, float]]:
+        url = f"embedded://{uuid.uuid4().hex}"  # and a new run tag in its session ids
+        data = report.summarize(fleet_run.run(make_settings(url), config))
+        return {k: data[k]["truncation_loop"] for k in ("naive", "ledger", "off")}, data["worker"]
+
+    quiet, jobs = figures()
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            sum(range(10_000))
+
+    hog = threading.Thread(target=spin)
+    hog.start()
+    try:
+        loaded = figures()
+    finally:
+        stop.set()
+        hog.join()
+    assert loaded == (quiet, jobs)
+    assert jobs["jobs_processed(compact)"] > 0  # the worker compacted in the agents' waits
+    ledger, off = quiet["ledger"], quiet["off"]
+    assert isinstance(ledger, dict) and isinstance(off, dict)
+    assert ledger["spilled"] > 0 and ledger["refusals"] > 0 and off["truncated"] > 0
+
+
+@pytest.mark.embedded
 @pytest.mark.parametrize("seed", [7, 2])
 def test_scenario_002_passes_its_checks_on_the_default_seed(
     seed: int, capsys: pytest.CaptureFixture[str]

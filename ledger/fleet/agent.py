@@ -12,6 +12,7 @@ the two calls the agent layer leaves to the caller (``record_span``, and
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from ledger.client import Ledger, Session
 from ledger.errors import AdmissionRefused, FanoutRefused
 from ledger.models import Consumer, SessionBudget, Snapshot, TurnReport, TurnStarted
 from ledger.protocol import Call
-from ledger.workers.compactors import CompactionPlan, CompactionRequest
+from ledger.workers.compactors import CompactionPlan, CompactionRequest, simulated
 
 T = TypeVar("T")
 _FAILED = schema.COUNTER.of("failed_compactions")
@@ -112,6 +113,15 @@ class SteppedClock:
 
 
 REAL = RealClock()
+
+
+def untagged(request: CompactionRequest) -> CompactionPlan:
+    """The worker's compactor for scenarios 000, 002 and 004: the package's simulated
+    summarizer (``ledger.workers.compactors:simulated``), which draws a summary's size
+    from a hash of the session's id, given the id without the run's tag (``@<tag>``, new
+    each run so that runs do not share sessions): a seed's sessions compact alike in
+    every run, as scenario 001's summarizer does (``decay.summary_tokens``)."""
+    return simulated(dataclasses.replace(request, session_id=request.session_id.rsplit("@", 1)[0]))
 
 
 @dataclass(frozen=True, slots=True)

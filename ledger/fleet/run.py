@@ -6,6 +6,8 @@ Redis URL its agents are OS processes and the worker a thread of this process, o
 wall clock; on embedded (the default run) its sessions run one after another on a
 stepped clock (``ledger.fleet.agent.SteppedClock``): the worker does its jobs in the
 agents' waits, so a seed gives the same figures on any machine, however loaded.
+Scenario 002's sessions compact too: on embedded they run on a stepped clock of their
+own, on a Redis URL beside a worker thread on the wall clock, as 000 and 004 do.
 """
 
 from __future__ import annotations
@@ -76,18 +78,18 @@ class FleetConfig:
 
 
 SCENARIOS = ("001", "000", "002", "004")
+STAGES = {
+    "001": "001 compaction-decay sessions",
+    "000": "000 starvation",
+    "002": "002 truncation loop",
+    "004": "004 fan-out",
+}
 
 
 def stages(config: FleetConfig) -> dict[str, int]:
     """The demo's stages and their steps, in the order they run (for a progress display)."""
-    names = {
-        "001": "001 compaction-decay sessions",
-        "000": "000 starvation",
-        "002": "002 truncation loop",
-        "004": "004 fan-out",
-    }
     out = {
-        names[k]: (
+        STAGES[k]: (
             config.sessions * (2 if config.off_column else 1) + config.tail if k == "001" else 1
         )
         for k in SCENARIOS
@@ -222,9 +224,10 @@ def decay_fleet_plan(config: FleetConfig) -> list[tuple[str, int, int, bool]]:
 
 
 def stepped(settings: LedgerSettings) -> bool:
-    """Whether scenario 001 runs on a stepped clock: on embedded (one process, the
-    default run and the CI gate), so that a seed gives the same figures on any machine.
-    On a Redis URL its agents are OS processes beside a worker thread, on the wall clock."""
+    """Whether scenarios 001 and 002 run on a stepped clock: on embedded (one process,
+    the default run and the CI gate), so that a seed gives the same figures on any
+    machine. On a Redis URL their agents run beside a worker thread (001's are OS
+    processes), on the wall clock."""
     return parse_url(require_url(settings)).kind == "embedded"
 
 
@@ -290,6 +293,29 @@ def _decay_fleet(
     return runs, sum(c for _, c in results), [j.session_id for j in jobs], totals
 
 
+@contextmanager
+def _scenario_ledger(
+    settings: LedgerSettings, config: FleetConfig, step: bool, worker_jobs: dict[str, float]
+) -> Iterator[tuple[Ledger, Clock]]:
+    """A ledger for scenarios 000, 002 and 004 and the clock their agents wait in, the
+    worker (the simulated compactor) beside them: a thread on the wall clock, or (`step`)
+    stepped by their waits. Its job totals are added to `worker_jobs` at the end."""
+    compactor = "ledger.fleet.agent:untagged"
+    if step:
+        clock = SteppedClock()
+        with demo_worker(settings, compactor, True, config.scripts, DAY_MS) as clock.worker:
+            with variants.load(Ledger.from_settings(settings), config.scripts) as led:
+                yield led, clock
+            totals = _metric_totals(clock.worker)
+    else:
+        with background_worker(settings, compactor, scripts=config.scripts) as worker:
+            with variants.load(Ledger.from_settings(settings), config.scripts) as led:
+                yield led, REAL
+            totals = _metric_totals(worker)
+    for k, v in totals.items():
+        worker_jobs[k] = worker_jobs.get(k, 0) + v
+
+
 def run(settings: LedgerSettings, config: FleetConfig, progress: Progress = None) -> DemoReport:
     if config.without is not None and config.without not in variants.RULES.values():
         raise ValueError(
@@ -327,24 +353,31 @@ def run(settings: LedgerSettings, config: FleetConfig, progress: Progress = None
 
     starv = trunc = fan = None
     off = config.off_column
-    with background_worker(
-        settings, "ledger.workers.compactors:simulated", scripts=config.scripts
-    ) as worker:
-        with variants.load(Ledger.from_settings(settings), config.scripts) as led:
-            if config.runs("000"):
-                starv = starvation.run(led, config.seed, tag, config.rule("000"), off)
+    # 000, 002 and 004 one after another, beside a worker thread on the wall clock; on
+    # embedded, 002 on a stepped clock of its own (as 001): its worker makes a pass in its
+    # agents' waits, so the compactions its turns request land alike however loaded the
+    # machine is. A stepped worker beside a thread would lose its jobs to the thread, so
+    # the thread stops for it and another starts after it.
+    batches: list[tuple[bool, list[str]]] = []
+    for k in ("000", "002", "004"):
+        if not config.runs(k):
+            continue
+        step = k == "002" and stepped(settings)
+        if batches and not step and not batches[-1][0]:
+            batches[-1][1].append(k)
+        else:
+            batches.append((step, [k]))
+    for step, names in batches:
+        with _scenario_ledger(settings, config, step, worker_jobs) as (led, clock):
+            for k in names:
+                if k == "000":
+                    starv = starvation.run(led, config.seed, tag, config.rule("000"), off)
+                elif k == "002":
+                    trunc = truncation.run(led, config.seed, tag, config.rule("002"), off, clock)
+                else:
+                    fan = fanout.run(led, config.seed, tag, config.rule("004"), off)
                 if progress:
-                    progress("000 starvation", 1)
-            if config.runs("002"):
-                trunc = truncation.run(led, config.seed, tag, config.rule("002"), off)
-                if progress:
-                    progress("002 truncation loop", 1)
-            if config.runs("004"):
-                fan = fanout.run(led, config.seed, tag, config.rule("004"), off)
-                if progress:
-                    progress("004 fan-out", 1)
-        for k, v in _metric_totals(worker).items():
-            worker_jobs[k] = worker_jobs.get(k, 0) + v
+                    progress(STAGES[k], 1)
     for part in (starv, trunc, fan):
         if part is not None:
             calls += part.calls

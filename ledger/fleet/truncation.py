@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from ledger.client import Ledger
 from ledger.errors import AdmissionRefused
-from ledger.fleet.agent import Doc, SimAgent
+from ledger.fleet.agent import REAL, Clock, Doc, SimAgent
 from ledger.models import Consumer, SessionBudget
 
 RET = Consumer.RETRIEVAL
@@ -214,9 +214,13 @@ def _truncating(agent: SimAgent, doc: Doc, c: Counts) -> Doc:
     return head
 
 
-def run(ledger: Ledger, seed: int, tag: str, rule: bool = True, off: bool = True) -> Result:
+def run(
+    ledger: Ledger, seed: int, tag: str, rule: bool = True, off: bool = True, clock: Clock = REAL
+) -> Result:
     """Naive and ledger (`rule`: with its rule) on each session; `off`: the ledger
-    without its rule too."""
+    without its rule too. The ledger's agents wait in `clock`: on a stepped clock
+    (``ledger.fleet.run``) a compaction their turns request is done by the next wait
+    after it, however loaded the machine is."""
     out = Result(off=Counts() if off else None)
     for i in range(SESSIONS):
         turns = plan(seed, i)
@@ -225,7 +229,7 @@ def run(ledger: Ledger, seed: int, tag: str, rule: bool = True, off: bool = True
             if counts is None:
                 continue
             sid = f"truncation-{seed}-{i}{'' if with_rule else '-off'}@{tag}"
-            agent = SimAgent(ledger, sid, BUDGET)
+            agent = SimAgent(ledger, sid, BUDGET, clock=clock)
             run_ledger(agent, turns, counts, with_rule)
             out.calls += agent.calls
             out.session_ids.append(sid)
