@@ -39,7 +39,7 @@ BUDGET = SessionBudget(
     working_memory_floor=2_000,
     output_reserve=1_024,
     spill_preview_tokens=300,
-    high_water_mark=0.90,  # this scenario's pipeline compacts nothing
+    high_water_mark=0.90,  # the naive pipeline compacts nothing; the ledger side compacts above it
     eviction_threshold=0.95,
 )
 
