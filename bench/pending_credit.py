@@ -18,7 +18,8 @@ Regimes: ``demo``, the scenario as ``ledger demo`` runs it; ``no-think``, the si
 user never thinks (the agent still waits, bounded, for a pending compaction at a begin);
 ``late``, the agent never pauses at all (no think time, no wait at a begin) and the
 clock moves by each turn's own latency (at the demo's 1/50), so a compaction lands turns
-after it was requested.
+after it was requested; ``late-wait``, the same clock, but the agent keeps the library's
+wait at a begin (``await_compaction``, the demo's share of quick turns that skip it).
 """
 
 from __future__ import annotations
@@ -74,7 +75,13 @@ def probed(stats: Counter[str], margins: list[int]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def regime(name: str) -> Iterator[None]:
+def regime(name: str, wait_s: float | None = None) -> Iterator[None]:
+    """`wait_s`: the agent's bound on waiting at a begin, in a deployment's seconds (the
+    clock's 1/50 applied), in place of the demo's 7.5 s (decay.COMPACTION_WAIT_S)."""
+    if wait_s is not None:
+        with mock.patch.object(decay, "COMPACTION_WAIT_S", wait_s / 50), regime(name):
+            yield
+        return
     if name == "demo":
         yield
         return
@@ -90,13 +97,16 @@ def regime(name: str) -> Iterator[None]:
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(decay, "run_ledger", no_think))
-        if name == "late":
-            stack.enter_context(mock.patch.object(decay, "QUICK", 1.0))  # no wait at a begin
+        if name in ("late", "late-wait"):
+            if name == "late":
+                stack.enter_context(mock.patch.object(decay, "QUICK", 1.0))  # no wait at a begin
             stack.enter_context(mock.patch.object(decay, "_ledger_turn", timed_turn))
         yield
 
 
-def measure(seed: int, fleet: tuple[int, int], admit: str, name: str) -> dict[str, Any]:
+def measure(
+    seed: int, fleet: tuple[int, int], admit: str, name: str, wait_s: float | None = None
+) -> dict[str, Any]:
     stats: Counter[str] = Counter()
     margins: list[int] = []
     config = FleetConfig(
@@ -107,7 +117,7 @@ def measure(seed: int, fleet: tuple[int, int], admit: str, name: str) -> dict[st
         scripts={"admit": admit},
     )
     settings = LedgerSettings(redis_url="embedded://", prefix=f"pc{uuid.uuid4().hex[:8]}")
-    with regime(name), probed(stats, margins):
+    with regime(name, wait_s), probed(stats, margins):
         lg = report.summarize(run(settings, config))["ledger"]
     return {
         "summary": lg,
@@ -119,14 +129,20 @@ def measure(seed: int, fleet: tuple[int, int], admit: str, name: str) -> dict[st
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("seeds", nargs="*", type=int, default=[1, 11, 23])
-    ap.add_argument("--regime", choices=("demo", "no-think", "late"), default="demo")
+    ap.add_argument("--regime", choices=("demo", "no-think", "late", "late-wait"), default="demo")
     ap.add_argument("--fleet", default="8,4", help="sessions,tail sessions (default 8,4)")
+    ap.add_argument(
+        "--wait",
+        type=float,
+        default=None,
+        help="the agent's wait at a begin, a deployment's seconds (default: the demo's 7.5)",
+    )
     a = ap.parse_args(argv)
     logging.getLogger("ledger.worker").setLevel(logging.ERROR)
     sessions, tail = (int(x) for x in a.fleet.split(","))
     for seed in a.seeds:
         got = {
-            label: measure(seed, (sessions, tail), text, a.regime)
+            label: measure(seed, (sessions, tail), text, a.regime, a.wait)
             for label, text in (("packaged", scripts.source("admit")), ("removed", without_bound()))
         }
         same = json.dumps(got["packaged"]["summary"], sort_keys=True) == json.dumps(
