@@ -303,29 +303,8 @@ class Calibrated:
 
     def total(self, texts: Iterable[tuple[object, bool]], what: str) -> int:
         """The sum of ``checked(text, what, fixed)`` over ``(text, fixed)`` pairs (a
-        prompt's parts), the texts counted before looked up in one loop."""
-        counts, tally = self._counts, self._tally
-        plain = not (self.factors or self.kinds)  # each count the base's own
-        out = raw_sum = hits = 0
-        try:
-            for text, fixed in texts:
-                got = None
-                if type(text) is str and len(text) <= self.KEYED and text.isascii():
-                    got = counts.get(text)
-                if plain and got is not None and got[0] >= 0:
-                    counts.move_to_end(text)
-                    out += got[0]
-                    raw_sum += got[0]
-                    hits += 1
-                else:
-                    out += self.checked(text, what, fixed)
-        finally:  # (an uncalibrated exact count is of kind prose, its bound itself)
-            if tally is not None and hits:
-                kind = KINDS[0]  # prose (a tally's kinds, not stored fields)
-                tally.raw[kind] = tally.raw.get(kind, 0) + raw_sum
-                tally.counted += raw_sum
-                tally.upper += raw_sum
-        return out
+        prompt's parts)."""
+        return sum(self.checked(text, what, fixed) for text, fixed in texts)
 
     def scaled(self, raw: int, kind: str) -> int:
         """The count of a text whose base count is ``raw``, of this kind."""
