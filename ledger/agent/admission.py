@@ -203,25 +203,13 @@ class Admissions(AgentBase):
             )
         evicted, unknown = self.resolve(got.evicted)
         self.known[(Consumer.SCRATCHPAD, iid)] = result
-        if (
-            got.outcome == ToolResultOutcome.SPILLED or got.preview_tokens > 0
-        ):  # spilled, now or before
-            shown = self.preview(app_id, body, tokens, got.preview_tokens, iid)
-            return ToolOutcome(
-                result=result,
-                text=shown,
-                spilled=True,
-                handle=iid,
-                tokens=tokens,
-                charged=got.charged,
-                evicted=tuple(evicted),
-                unresolved=tuple(unknown),
-            )
+        spilled = got.outcome == ToolResultOutcome.SPILLED or got.preview_tokens > 0
         return ToolOutcome(
             result=result,
-            text=body,
-            spilled=False,
-            handle=None,
+            # (spilled, now or before: the prompt shows its preview and the handle)
+            text=self.preview(app_id, body, tokens, got.preview_tokens, iid) if spilled else body,
+            spilled=spilled,
+            handle=iid if spilled else None,
             tokens=tokens,
             charged=got.charged,
             evicted=tuple(evicted),
