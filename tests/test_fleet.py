@@ -13,8 +13,9 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -25,6 +26,8 @@ from ledger.fleet.agent import Doc, SimAgent, SteppedClock
 from ledger.fleet.run import DEFAULT_SESSIONS, FleetConfig, background_worker, demo_worker
 from ledger.models import Consumer
 from tests.conftest import make_settings
+
+T = TypeVar("T")
 
 
 @pytest.fixture(autouse=True)
@@ -146,6 +149,23 @@ def test_stepped_clock_runs_the_worker_in_the_agents_waits_and_times_its_compact
     assert led.audit("agent/stepped").clean
 
 
+def loaded_run(f: Callable[[], T]) -> T:
+    """f(), with a thread spinning beside it on the same interpreter the whole time."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            sum(range(10_000))
+
+    hog = threading.Thread(target=spin)
+    hog.start()
+    try:
+        return f()
+    finally:
+        stop.set()
+        hog.join()
+
+
 @pytest.mark.embedded
 @pytest.mark.timeout(300)
 def test_scenario_001_on_embedded_gives_the_same_figures_however_loaded() -> None:
@@ -159,19 +179,7 @@ def test_scenario_001_on_embedded_gives_the_same_figures_however_loaded() -> Non
         return {k: data[k] for k in ("naive", "ledger", "off")}
 
     quiet = figures()
-    stop = threading.Event()
-
-    def spin() -> None:
-        while not stop.is_set():
-            sum(range(10_000))
-
-    hog = threading.Thread(target=spin)
-    hog.start()
-    try:
-        loaded = figures()
-    finally:
-        stop.set()
-        hog.join()
+    loaded = loaded_run(figures)
     assert loaded == quiet
     assert quiet["ledger"]["resets"] > 0 and quiet["ledger"]["retrieval_refusals"]
 
@@ -220,19 +228,7 @@ def test_scenario_002_on_embedded_gives_the_same_figures_however_loaded() -> Non
         return {k: data[k]["truncation_loop"] for k in ("naive", "ledger", "off")}, data["worker"]
 
     quiet, jobs = figures()
-    stop = threading.Event()
-
-    def spin() -> None:
-        while not stop.is_set():
-            sum(range(10_000))
-
-    hog = threading.Thread(target=spin)
-    hog.start()
-    try:
-        loaded = figures()
-    finally:
-        stop.set()
-        hog.join()
+    loaded = loaded_run(figures)
     assert loaded == (quiet, jobs)
     assert jobs["jobs_processed(compact)"] > 0  # the worker compacted in the agents' waits
     ledger, off = quiet["ledger"], quiet["off"]
