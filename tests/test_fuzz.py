@@ -96,14 +96,24 @@ def fresh_session(ledger: Ledger) -> tuple[Session, int]:
     return s, turn
 
 
-def assert_audit_clean(ledger: Ledger, s: Session, label: str) -> None:
+# The calls that record the turn's real prompt: one whose size differs from occupancy past
+# the tolerance, or exceeds the window (the fuzz sends sizes up to 1e8), is accepted and
+# flagged as drift, which the audit reports until a reconcile (docs/agent.md#drift).
+PROMPT_CALLS = frozenset({"end_turn", "finish_turn"})
+
+
+def assert_audit_clean(
+    ledger: Ledger, s: Session, label: str, prompt_recorded: bool = False
+) -> None:
+    """The audit finds no problem; after a call that recorded a prompt, none but its drift."""
     try:
         report = ledger.audit(s.id)
     except UnknownSession:
         # Closed: only a tombstone (no epoch field) may be left.
         assert b"ep" not in ledger.client.hgetall(s.keys.session), label
         return
-    assert report.clean, f"{label}: audit {report.problems}"
+    problems = [p for p in report.problems if not (prompt_recorded and p.startswith("drift: "))]
+    assert not problems, f"{label}: audit {report.problems}"
 
 
 # --- 1. the scripts, called directly with mutated ARGV ---------------------------------
@@ -251,6 +261,7 @@ def fuzz_scripts(
     )
     def run(calls: list[tuple[str, list[tuple[Any, ...]]]]) -> None:
         s, turn = fresh_session(ledger)
+        recorded = False
         for name, mutations in calls:
             keys, good = good_call(name, s, turn)
             args = mutate(good, mutations, bounds(name))
@@ -258,10 +269,11 @@ def fuzz_scripts(
             before = state(ledger, s)
             try:
                 ledger._scripts[name](keys=list(keys), args=args)
+                recorded = recorded or name in PROMPT_CALLS
             except redis.exceptions.ResponseError as exc:
                 assert str(exc).startswith("LEDGER_"), f"{label}: untyped error {exc}"
                 assert state(ledger, s) == before, f"{label}: raised {exc} but changed state"
-            assert_audit_clean(ledger, s, label)
+            assert_audit_clean(ledger, s, label, recorded)
 
     run()
 
