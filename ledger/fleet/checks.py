@@ -143,26 +143,51 @@ def _starvation(n: Summary, lg: Summary, off: Summary | None, out: dict[str, Che
         f"{util[0]:.2f}-{util[1]:.2f}, residual {ns['residual_mean']:.0f} < working set "
         f"{ns['working_set_mean']:.0f}",
     )
+    reclaimed = ls["reclaimed_scratchpad"] + ls["reclaimed_retrieval"]
     out["000 ledger classes starvation, reclaims, restores"] = _c(
         ls["regimes"].get("starvation", 0) > ls["turns_after_5"] / 2
         and ls["regimes"].get("loud", 0) == 0
         and ls["reclaimed_scratchpad"] > 0
         and ls["reclaimed_retrieval"] > 0
         and ls["reclaim_order_ok"]
-        and ls["restored"] == ls["turns_after_5"],
+        and ls["restored"] == ls["turns_after_5"]
+        # the order's cost: items of the turn just before, reclaimed and fetched again
+        and ls["fetched_again"] <= reclaimed / 4,
         f"starvation {ls['regimes'].get('starvation', 0)}, loud {ls['regimes'].get('loud', 0)}"
         f", reclaimed {ls['reclaimed_scratchpad']} scratchpad then "
         f"{ls['reclaimed_retrieval']} retrieval, restored {ls['restored']}/"
-        f"{ls['turns_after_5']}",
+        f"{ls['turns_after_5']}, fetched again {ls['fetched_again']} of {reclaimed}",
+    )
+    out["000 naive short turns repeat, re-issue calls, leave syntheses unfinished"] = _c(
+        ns["repeated"] > 0
+        and ns["reissued"] > 0
+        and ns["syntheses_finished"] <= ns["syntheses"] / 2,
+        _forgot(ns),
+    )
+    out["000 ledger: a tenth of the naive repeats and re-issued calls, 90% syntheses"] = _c(
+        ls["repeated"] + ls["reissued"] <= (ns["repeated"] + ns["reissued"]) / 10
+        and ls["syntheses_finished"] >= 0.9 * ls["syntheses"],
+        _forgot(ls),
     )
     if off is not None and "starvation" in off:
         os_ = off["starvation"]
         out["000 without a declared working set: silent starvation again"] = _c(
             os_["short_turns"] > os_["turns_after_5"] / 2
-            and os_["reclaimed_scratchpad"] + os_["reclaimed_retrieval"] == 0,
+            and os_["reclaimed_scratchpad"] + os_["reclaimed_retrieval"] == 0
+            and os_["repeated"] + os_["reissued"] > (ns["repeated"] + ns["reissued"]) / 2
+            and os_["syntheses_finished"] <= os_["syntheses"] / 2,
             f"{os_['short_turns']}/{os_['turns_after_5']} turns short of their working set, "
-            f"{os_['reclaimed_scratchpad'] + os_['reclaimed_retrieval']} reclaimed",
+            f"{os_['reclaimed_scratchpad'] + os_['reclaimed_retrieval']} reclaimed; "
+            + _forgot(os_),
         )
+
+
+def _forgot(a: Summary) -> str:
+    return (
+        f"{a['repeated']} repeats, {a['reissued']} tool calls again, syntheses finished "
+        f"{a['syntheses_finished']}/{a['syntheses']} ({a['sessions']} sessions, "
+        f"{a['turns']} turns)"
+    )
 
 
 def _truncation(n: Summary, lg: Summary, off: Summary | None, out: dict[str, Check]) -> None:

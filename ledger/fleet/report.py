@@ -178,6 +178,7 @@ def _starvation(rows: Sequence[starvation.TurnRow], ledger: bool) -> dict[str, A
         "residual_mean": _mean(r.residual for r in after),
         "working_set_mean": _mean(r.working_set for r in after),
     }
+    out |= _forgetting(rows)
     if ledger:
         reclaimed = [r.reclaimed for r in after if r.reclaimed]
         out["reclaimed_scratchpad"] = sum(1 for x in reclaimed for i in x if i.startswith("s:"))
@@ -186,7 +187,57 @@ def _starvation(rows: Sequence[starvation.TurnRow], ledger: bool) -> dict[str, A
             [i[0] for i in x] == sorted((i[0] for i in x), key="sr".index) for x in reclaimed
         )
         out["restored"] = sum(1 for r in after if r.residual >= r.working_set)
+        # what the cure cost: items reclaimed from the turn just before, fetched again
+        out["fetched_again"] = sum(r.fetched_again for r in rows)
+        out["fetched_again_tokens"] = sum(r.fetched_again_tokens for r in rows)
+        out["fetched_again_per_session"] = _spread(
+            [sum(r.fetched_again for r in s) for s in _sessions(rows)]
+        )
     return out
+
+
+def _sessions(rows: Sequence[Any]) -> list[list[Any]]:
+    """The rows of each session (a session's rows start at turn 1)."""
+    out: list[list[Any]] = []
+    for r in rows:
+        if r.turn == 1 or not out:
+            out.append([])
+        out[-1].append(r)
+    return out
+
+
+def _spread(xs: Sequence[float]) -> dict[str, Any]:
+    """Median and p90 over sessions (nearest rank), with their number."""
+    if not xs:
+        return {"median": None, "p90": None, "sessions": 0}
+    ys = sorted(xs)
+    return {
+        "median": statistics.median(ys),
+        "p90": ys[max(0, math.ceil(0.9 * len(ys)) - 1)],
+        "sessions": len(ys),
+    }
+
+
+def _forgetting(rows: Sequence[starvation.TurnRow]) -> dict[str, Any]:
+    """What the turns short of their working set did (every turn of every session):
+    repetitions, tool calls issued again, syntheses left unfinished."""
+    sessions = _sessions(rows)
+    synth = [starvation.syntheses(s) for s in sessions]
+    return {
+        "sessions": len(sessions),
+        "turns": len(rows),
+        "repeated": sum(r.repeated for r in rows),
+        "reissued": sum(r.reissued for r in rows),
+        "reissued_tokens": sum(r.reissued_tokens for r in rows),
+        "turns_again": sum(1 for r in rows if r.reissued),
+        "syntheses_finished": sum(d for d, _ in synth),
+        "syntheses": sum(t for _, t in synth),
+        "per_session": {
+            "repeated": _spread([sum(r.repeated for r in s) for s in sessions]),
+            "reissued": _spread([sum(r.reissued for r in s) for s in sessions]),
+            "unfinished_share": _spread([(t - d) / t for d, t in synth if t]),
+        },
+    }
 
 
 def _truncation(c: truncation.Counts) -> dict[str, Any]:

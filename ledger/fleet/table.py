@@ -139,13 +139,30 @@ def _decay_rows(n: dict[str, Any], lg: dict[str, Any], o: dict[str, Any] | None)
     return t
 
 
+def _per(x: dict[str, Any], fmt: str = ".0f") -> str:
+    return f"median {_f(x['median'], fmt)}, p90 {_f(x['p90'], fmt)} a session"
+
+
+def _forgot(a: dict[str, Any]) -> str:
+    """Repetitions; tool calls issued again; syntheses finished, with their spreads."""
+    per = a["per_session"]
+    return (
+        f"{a['repeated']} repeats ({_per(per['repeated'])}); {a['reissued']} tool calls "
+        f"again ({_per(per['reissued'])}; {a['reissued_tokens']} tokens, in "
+        f"{a['turns_again']} turns); syntheses finished {a['syntheses_finished']}/"
+        f"{a['syntheses']} (unfinished share {_per(per['unfinished_share'], '.2f')})"
+    )
+
+
 def _starvation_rows(
     ns: dict[str, Any], ls: dict[str, Any], os_: dict[str, Any] | None
 ) -> list[Row]:
+    loose = ns["released_each_turn"]
     return [
         (
             "000 starvation",
-            "turns after turn 5 short of their working set",
+            f"turns after turn 5 short of their working set ({ns['sessions']} sessions, "
+            f"{ns['turns_after_5']} turns)",
             "utilization 0.58-0.64, residual 2-3k vs ~6k",
             f"{ns['short_turns']}/{ns['turns_after_5']} silent (up to "
             f"{ns['longest_short_run']} in a row), utilization "
@@ -165,7 +182,21 @@ def _starvation_rows(
             "(no working set declared)"
             if os_
             else "",
-        )
+        ),
+        (
+            "",
+            f"what the short turns did: repetitions; tool calls issued again; syntheses "
+            f"finished ({ns['sessions']} sessions, {ns['turns']} turns)",
+            "re-derived facts, identical tool calls re-issued, a multi-step synthesis "
+            "never completed",
+            _forgot(ns)
+            + "; one consumer released each turn: "
+            + "; ".join(f"{c}: {_forgot(x)}" for c, x in sorted(loose.items())),
+            _forgot(ls) + f"; reclaimed items of the turn before fetched again "
+            f"{ls['fetched_again']} ({ls['fetched_again_tokens']} tokens; "
+            f"{_per(ls['fetched_again_per_session'])})",
+            _forgot(os_) if os_ else "",
+        ),
     ]
 
 
