@@ -57,14 +57,35 @@ def passed(d: J) -> str:
 
 
 def fan(column: str, suffix: str = "") -> Callable[[J], str]:
+    """Medians over sessions, turns 1-10 → 51-60 (the ratio's peak: median / p90 over
+    sessions), and the p99 of those turns pooled."""
+
     def cell(d: J) -> str:
         a = d[column]["fanout"]
+        pk = a["ratio_peak"]
         return (
-            f"{a['spans_first']} → {a['spans_last']}; {a['ratio_first']:.1f} → "
-            f"{a['ratio_last']:.1f}; {a['utilization_first']:.2f} → "
-            f"{a['utilization_last']:.2f}; {a['p99_first_ms'] / 1000:.1f} → "
-            f"{a['p99_last_ms'] / 1000:.1f} s"
+            f"{a['spans_first']:.1f} → {a['spans_last']:.1f}; {a['ratio_first']:.1f} → "
+            f"{a['ratio_last']:.1f} (peak {pk['median']:.1f} / {pk['p90']:.1f}); "
+            f"{a['utilization_first']:.2f} → {a['utilization_last']:.2f}; "
+            f"{a['p99_first_ms'] / 1000:.1f} → {a['p99_last_ms'] / 1000:.1f} s"
         ) + suffix.format_map(d)
+
+    return cell
+
+
+def forgot(column: str) -> Callable[[J], str]:
+    """000: repeats / tool calls again / syntheses finished, each count's per-session
+    median and p90."""
+
+    def cell(d: J) -> str:
+        a = d[column]["starvation"]
+        per = a["per_session"]
+        rep, again = per["repeated"], per["reissued"]
+        return (
+            f"{a['repeated']} ({rep['median']:.0f}, {rep['p90']:.0f}) / {a['reissued']} "
+            f"({again['median']:.0f}, {again['p90']:.0f}) / "
+            f"{a['syntheses_finished']} of {a['syntheses']}"
+        )
 
     return cell
 
@@ -120,9 +141,16 @@ ROWS: list[tuple[str, str | Callable[[J], str]]] = [
         "{naive[starvation][residual_mean]:.0f} vs {naive[starvation][working_set_mean]:.0f}",
     ),
     (
-        "000 ledger reclaimed scratchpad, retrieval",
-        "{ledger[starvation][reclaimed_scratchpad]}, {ledger[starvation][reclaimed_retrieval]}",
+        "000 ledger reclaimed scratchpad, retrieval; of the turn before, fetched again (tokens)",
+        "{ledger[starvation][reclaimed_scratchpad]}, {ledger[starvation][reclaimed_retrieval]}; "
+        "{ledger[starvation][fetched_again]} ({ledger[starvation][fetched_again_tokens]})",
     ),
+    (
+        "000 repeats / tool calls again (median, p90 a session) / syntheses finished, naive",
+        forgot("naive"),
+    ),
+    ("000 ... ledger", forgot("ledger")),
+    ("000 ... without a declared working set", forgot("off")),
     (
         "002 compressions / truncations / repeats (forbidden calls): naive",
         of("naive", TRUNC) + " ({naive[truncation_loop][forbidden_calls]})",
@@ -138,13 +166,16 @@ ROWS: list[tuple[str, str | Callable[[J], str]]] = [
         "{naive[truncation_loop][damaged_turns]} ({naive[truncation_loop][forbidden_calls]}) / "
         "{ledger[truncation_loop][damaged_turns]} ({ledger[truncation_loop][forbidden_calls]})",
     ),
-    ("004 spans; ratio; utilization; p99, naive", fan("naive", "; alerts {naive[fanout][alerts]}")),
+    (
+        "004 spans; ratio (peak median / p90); utilization; p99, naive",
+        fan("naive", "; alerts {naive[fanout][alerts]}"),
+    ),
     ("004 ... ledger", fan("ledger", "; guard in {ledger[fanout][guard_stops]} turns")),
     ("004 ... without the guard", fan("off")),
     (
-        "004 ledger: ratio > 3 / classed fragmentation; > 8 / pathological (turn)",
-        "{ledger[fanout][first_ratio_over_3]} / {ledger[fanout][first_fragmentation]}; "
-        "{ledger[fanout][first_ratio_over_8]} / {ledger[fanout][first_pathological]}",
+        "004 ledger: turns from ratio > 3 to fragmentation; sessions pathological / past 8",
+        "{ledger[fanout][fragmentation_lag_min]}-{ledger[fanout][fragmentation_lag_max]}; "
+        "{ledger[fanout][sessions_pathological]} / {ledger[fanout][sessions_over_8]}",
     ),
     ("audits clean; over-allocations", "{audits_clean}/{audits_total}; {over_allocations}"),
     ("acceptance checks passed", passed),

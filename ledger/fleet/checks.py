@@ -231,31 +231,35 @@ def _fanout(n: Summary, lg: Summary, off: Summary | None, out: dict[str, Check])
     nf, lf = n["fanout"], lg["fanout"]
     out["004 naive gauge raises nothing while p99 rises"] = _c(
         nf["alerts"] == 0
-        and nf["ratio_last"] > 8
+        and nf["ratio_peak"]["median"] > 8
         and nf["utilization_last"] < nf["utilization_first"]
         and nf["p99_last_ms"] > 2 * nf["p99_first_ms"],
-        f"alerts {nf['alerts']}, ratio {nf['ratio_first']:.1f} -> {nf['ratio_last']:.1f}, "
-        f"utilization {nf['utilization_first']:.2f} -> {nf['utilization_last']:.2f}, p99 "
-        f"{nf['p99_first_ms'] / 1000:.1f} -> {nf['p99_last_ms'] / 1000:.1f} s",
+        f"alerts {nf['alerts']}, ratio {nf['ratio_first']:.1f} -> {nf['ratio_last']:.1f} "
+        f"(peak median {nf['ratio_peak']['median']:.1f}), utilization "
+        f"{nf['utilization_first']:.2f} -> {nf['utilization_last']:.2f}, p99 "
+        f"{nf['p99_first_ms'] / 1000:.1f} -> {nf['p99_last_ms'] / 1000:.1f} s "
+        f"({nf['sessions']} sessions, {nf['turns']} turns)",
     )
-    frag_lag = (lf["first_fragmentation"] or 999) - (lf["first_ratio_over_3"] or 0)
-    path_ok = lf["first_pathological"] is not None and lf["first_ratio_over_8"] is not None
+    lag_lo, lag_hi = lf["fragmentation_lag_min"], lf["fragmentation_lag_max"]
     ctl = lf["control_classes"]
     out["004 ledger classes fragmentation, pathological, guard ~8"] = _c(
-        0 <= frag_lag <= 3
-        and path_ok
-        and lf["first_pathological"] >= lf["first_ratio_over_8"]
+        lag_lo is not None
+        and lag_lo >= 0
+        and lag_hi <= 3
+        and lf["sessions_over_8"] > 0
+        and lf["sessions_pathological"] == lf["sessions_over_8"]
         and (lf["ratio_max"] or 99) <= 9.0
         and ctl.get("saturation", 0) > sum(ctl.values()) / 2,
-        f"fragmentation {frag_lag} turns after ratio 3; pathological from turn "
-        f"{lf['first_pathological']} (ratio > 8 at {lf['first_ratio_over_8']}); guarded max "
-        f"{lf['ratio_after_guard_max']}, highest ratio {lf['ratio_max']} over {lf['turns']} "
-        f"turns; control {ctl}",
+        f"fragmentation {lag_lo}-{lag_hi} turns after ratio 3; pathological, not before "
+        f"ratio 8, in {lf['sessions_pathological']} of the {lf['sessions_over_8']} sessions "
+        f"past 8; guarded max {lf['ratio_after_guard_max']}, highest ratio {lf['ratio_max']} "
+        f"over {lf['turns']} turns of {lf['sessions']} sessions; control {ctl}",
     )
     if off is not None and "fanout" in off:
         of = off["fanout"]
         out["004 without the guard: amplification past 9 unchecked"] = _c(
-            of["guard_stops"] == 0 and (of["ratio_last"] or 0) > 9.0,
-            f"ratio {of['ratio_first']:.1f} -> {of['ratio_last']:.1f}, "
-            f"{of['guard_stops']} turns stopped, p99 {of['p99_last_ms'] / 1000:.1f} s",
+            of["guard_stops"] == 0 and (of["ratio_peak"]["median"] or 0) > 9.0,
+            f"ratio {of['ratio_first']:.1f} -> {of['ratio_last']:.1f} (peak median "
+            f"{of['ratio_peak']['median']:.1f}), {of['guard_stops']} turns stopped, p99 "
+            f"{of['p99_last_ms'] / 1000:.1f} s",
         )

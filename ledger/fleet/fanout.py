@@ -1,21 +1,24 @@
 """Scenario 004, fan-out: memory-tool fragmentation behind a falling utilization gauge.
 
 The scenario's conditions on a 32k window, 60 turns a session. The agent runs a
-memory-tool call graph each turn: it needs NEED tokens of relevant memory, so it
-recalls (serialized spans, each re-injecting a 6-8k snippet) until what it recalled
-covers that need, then a summarize span compresses the union into the final prompt.
-The memory layer compacts: every summarize writes its union back and prunes the
-sources, so each entry keeps a little less of what a later query needs (2-4% a turn,
-drawn by the seed). The spans per turn, the final prompt, the amplification ratio and
-the p99 all follow from that loop: more recalls to cover the same need, a harder
-squeeze by the summarizer of a larger union, a smaller prompt. Turn latency: 1.9 s +
-0.33 s a span (the spans are serialized); the p99 trend is that of the last ten turns
-against the ten before. The naive operator watches the utilization gauge (alert
-above the 0.90 eviction threshold). The ledger's agent accounts every span before
-making the call (``record_span``, whose guard says summarize and proceed past the
-pathological threshold) and closes each turn with its final prompt and the p99
-trend. A control run keeps 2 recalls of ~5k with a prompt that grows (0.44 to
-0.61, no compaction): saturation.
+memory-tool call graph each turn, its spans one after another (each recall's query
+depends on what the one before returned): it needs NEED tokens of relevant memory, so
+it recalls (each span re-injecting a 6-8k snippet) until what it recalled covers that
+need, then a summarize span compresses the union into the final prompt, and the model
+call answers on it. The memory layer compacts: every summarize writes its union back
+and prunes the sources, and each source folded into a summary costs the memory a share
+of its relevance (0.28-0.45% a source, drawn): the more recalls a turn makes, the more
+the next turn needs. So the spans per turn, the final prompt, the amplification ratio
+(the recall spans' input over the final prompt) and the latency follow from the loop;
+nothing is a function of the turn number. Each span's latency is drawn (per session,
+turn and span, the same draws under every arbiter) from a lognormal around a cost in
+proportion to what it reads; the turn's latency is the sum along the graph. The naive
+operator watches the utilization gauge (alert above the 0.90 eviction threshold). The
+ledger's agent accounts every recall span before making the call (``record_span``,
+whose guard says summarize and proceed past the pathological threshold) and closes
+each turn with its final prompt and its p99 trend (the p99 of its last ten turns
+against the ten before). A control run keeps 2 recalls of ~5k with a prompt that grows
+(0.44 to 0.61, no compaction): saturation.
 """
 
 from __future__ import annotations
@@ -23,32 +26,41 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
+from statistics import NormalDist
 
 from ledger.client import Ledger
 from ledger.fleet.agent import Doc, SimAgent
+from ledger.fleet.decay import unit
 from ledger.models import Consumer, SessionBudget
 
 WM = Consumer.WORKING_MEMORY
-SESSIONS, TURNS = 2, 60
+SESSIONS, TURNS = 6, 60
 ALERT = 0.90
 BUDGET = SessionBudget(window=32_000, system_prompt=2_100, output_reserve=1_024)
 # without the rule: a pathological threshold out of reach, so the guard never says stop
 UNGUARDED = SessionBudget(**{**BUDGET.model_dump(), "amplification_pathological": 1_000.0})
 NEED = 14_000  # relevant memory a turn needs
 RELEVANT_0 = 0.55  # share of a snippet that is relevant, before any compaction
-DILUTION = (0.02, 0.04)  # share of relevance each compaction of memory loses
+DILUTION = (0.0028, 0.0045)  # share of relevance each source folded into a summary costs
+MAX_RECALLS = 40  # the memory returns no more snippets than this in one turn
 CONTEXT = (5_100, 5_500)  # the turn's own context besides the summary
 SUMMARY_MAX, UNION_0 = 12_000, 28_000  # the summarizer: 12k of a 28k union, less of more
-BASE_S, SPAN_S = 1.9, 0.33
+# span latency, seconds: (fixed, per 1k tokens read, lognormal sigma)
+RECALL = (0.18, 0.02, 0.35)  # a recall: the lookup, then the snippet it reads
+SUMMARIZE = (0.10, 0.005, 0.2)  # the summarize span over the union
+MODEL = (1.1, 0.03, 0.08)  # the turn's model call on its final prompt
+EARLY, LATE = (1, 10), (TURNS - 9, TURNS)  # the windows the figures are read over
+_Z = NormalDist()
 
 
 @dataclass(frozen=True, slots=True)
 class TurnRow:
     turn: int
-    spans: int  # recall spans made
-    ratio: float  # span input / final prompt: amplification (docs/rules.md#amplification)
+    spans: int  # spans of the turn's call graph: its recalls and the summarize span
+    ratio: float  # recall span input / final prompt (docs/rules.md#amplification)
     utilization: float
-    p99_ms: float
+    latency_ms: float  # the turn's: the sum of its spans' and its model call's
+    p99_ms: float  # of the session's last ten turns (the trend the agent reports)
     alert: bool = False  # naive: the gauge raised something
     classification: str = ""  # ledger
     guard_stops: int = 0  # ledger: spans the guard turned into summarize-and-proceed
@@ -70,37 +82,49 @@ class Memory:
 
     def __init__(self, seed: int, index: int, control: bool) -> None:
         self.rng = random.Random(seed * 15_485_863 + index * 2 + control)
+        self.key = f"fanout-{seed}-{index}-{int(control)}"  # the latency draws
         self.control = control
         self.relevant = RELEVANT_0
 
     def snippet(self) -> int:
         return self.rng.randint(4_500, 5_500) if self.control else self.rng.randint(6_000, 8_000)
 
-    def covers(self, recalled: list[int], k: int) -> bool:
+    def covers(self, recalled: list[int]) -> bool:
         """Whether `recalled` covers the turn's need (the control turn makes two recalls)."""
         if self.control:
             return len(recalled) >= 2
-        return sum(recalled) * self.relevant >= NEED
+        return sum(recalled) * self.relevant >= NEED or len(recalled) >= MAX_RECALLS
 
     def summarize(self, recalled: list[int], turn: int) -> int:
-        """The final prompt after the summarize span, tokens; memory is compacted."""
+        """The final prompt after the summarize span, tokens; memory is compacted: each
+        source folded into the summary dilutes what the memory holds."""
         context = self.rng.randint(*CONTEXT)
         if self.control:  # no compaction: the conversation grows (0.44 -> 0.61)
             x = (turn - 1) / (TURNS - 1)
             return round(BUDGET.window * (0.44 + 0.17 * x)) + self.rng.randint(0, 40)
         union = max(1, sum(recalled))
         summary = min(NEED, round(SUMMARY_MAX * math.pow(UNION_0 / union, 0.3)))
-        self.relevant *= 1 - self.rng.uniform(*DILUTION)  # written back, sources pruned
+        for _ in recalled:  # written back, sources pruned
+            self.relevant *= 1 - self.rng.uniform(*DILUTION)
         return BUDGET.system_prompt + context + summary
 
+    def seconds(self, cost: tuple[float, float, float], tokens: int, *where: object) -> float:
+        """One span's latency: its cost for `tokens` read, times a lognormal draw."""
+        fixed, per_1k, sigma = cost
+        u = min(max(unit("latency", self.key, *where), 1e-9), 1 - 1e-9)
+        return (fixed + per_1k * tokens / 1000) * math.exp(sigma * _Z.inv_cdf(u))
 
-def _latency_ms(spans: int) -> float:
-    return 1000 * (BASE_S + SPAN_S * spans)
+    def latency_ms(self, turn: int, recalled: list[int], final: int) -> float:
+        """The turn's latency: its spans one after another, then the model call."""
+        s = sum(self.seconds(RECALL, x, turn, k) for k, x in enumerate(recalled))
+        s += self.seconds(SUMMARIZE, sum(recalled), turn, "summarize")
+        return 1000 * (s + self.seconds(MODEL, final, turn, "model"))
 
 
 def _p99(latencies: list[float]) -> float:
+    """Nearest-rank p99 of the last ten turns."""
     last = sorted(latencies[-10:])
-    return last[min(len(last) - 1, round(0.99 * (len(last) - 1)))]
+    return last[math.ceil(0.99 * len(last)) - 1]
 
 
 def _trend(latencies: list[float]) -> int:
@@ -115,12 +139,16 @@ def run_naive(seed: int, index: int) -> list[TurnRow]:
     memory, rows, lat = Memory(seed, index, False), [], []
     for t in range(1, TURNS + 1):
         recalled: list[int] = []
-        while not memory.covers(recalled, len(recalled)):
+        while not memory.covers(recalled):
             recalled.append(memory.snippet())
         final = memory.summarize(recalled, t)
-        lat.append(_latency_ms(len(recalled)))
+        lat.append(memory.latency_ms(t, recalled, final))
         util = final / BUDGET.window
-        rows.append(TurnRow(t, len(recalled), sum(recalled) / final, util, _p99(lat), util > ALERT))
+        rows.append(
+            TurnRow(
+                t, len(recalled) + 1, sum(recalled) / final, util, lat[-1], _p99(lat), util > ALERT
+            )
+        )
     return rows
 
 
@@ -136,7 +164,7 @@ def run_ledger(agent: SimAgent, seed: int, index: int, control: bool = False) ->
             agent.admit(WM, held)
         recalled: list[int] = []
         stopped = False
-        while not memory.covers(recalled, len(recalled)):
+        while not memory.covers(recalled):
             tokens = memory.snippet()
             if not agent.span("recall", tokens, 300):
                 stopped = True  # summarize and proceed with what was recalled
@@ -147,14 +175,15 @@ def run_ledger(agent: SimAgent, seed: int, index: int, control: bool = False) ->
         agent.release(held)
         agent.admit(WM, [ctx])
         held = [ctx]
-        lat.append(_latency_ms(len(recalled)))
+        lat.append(memory.latency_ms(t, recalled, final))
         report = agent.end(final, _trend(lat))
         rows.append(
             TurnRow(
                 t,
-                len(recalled),
+                len(recalled) + 1,
                 report.ratio,
                 report.utilization,
+                lat[-1],
                 _p99(lat),
                 classification=report.classification,
                 guard_stops=int(stopped),

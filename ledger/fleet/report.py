@@ -244,38 +244,90 @@ def _truncation(c: truncation.Counts) -> dict[str, Any]:
     return dict(c.__dict__)
 
 
-def _fanout(rows: Sequence[fanout.TurnRow], ledger: bool) -> dict[str, Any]:
-    def first(cond: Any) -> int | None:
-        return next((r.turn for r in rows if cond(r)), None)
+def _window(sessions: list[list[fanout.TurnRow]], span: tuple[int, int]) -> dict[str, Any]:
+    """Turns `span` (first, last) of every session: each session's mean spans, ratio and
+    utilization, spread over sessions; the p99 of the turns' latencies, pooled."""
+    rows = [[r for r in s if span[0] <= r.turn <= span[1]] for s in sessions]
+    rows = [s for s in rows if s]
+    lat = sorted(r.latency_ms for s in rows for r in s)
 
-    sessions = fanout.SESSIONS
-    per = len(rows) // sessions if sessions else 0
-    first_rows = rows[:per]
+    def per(f: Any) -> dict[str, Any]:
+        return _spread([statistics.fmean(f(r) for r in s) for s in rows])
+
+    return {
+        "turns": list(span),
+        "spans": per(lambda r: r.spans),
+        "ratio": per(lambda r: r.ratio),
+        "utilization": per(lambda r: r.utilization),
+        # nearest rank, over every turn of the window of every session
+        "p99_ms": lat[math.ceil(0.99 * len(lat)) - 1] if lat else None,
+        "latency_turns": len(lat),
+    }
+
+
+def _fanout(rows: Sequence[fanout.TurnRow], ledger: bool) -> dict[str, Any]:
+    sessions = _sessions(rows)
+    early, late = _window(sessions, fanout.EARLY), _window(sessions, fanout.LATE)
     out: dict[str, Any] = {
-        "ratio_first": first_rows[0].ratio if first_rows else None,
-        "ratio_last": first_rows[-1].ratio if first_rows else None,
-        "utilization_first": first_rows[0].utilization if first_rows else None,
-        "utilization_last": first_rows[-1].utilization if first_rows else None,
-        "spans_first": first_rows[0].spans if first_rows else None,
-        "spans_last": first_rows[-1].spans if first_rows else None,
-        # p99 turn latency over ten turns: the first ten, the last ten
-        "p99_first_ms": first_rows[min(9, len(first_rows) - 1)].p99_ms if first_rows else None,
-        "p99_last_ms": first_rows[-1].p99_ms if first_rows else None,
+        "sessions": len(sessions),
+        "turns": len(rows),
+        "early": early,
+        "late": late,
+        # the medians over sessions of the windows' means, and the pooled p99s
+        "ratio_first": early["ratio"]["median"],
+        "ratio_last": late["ratio"]["median"],
+        "utilization_first": early["utilization"]["median"],
+        "utilization_last": late["utilization"]["median"],
+        "spans_first": early["spans"]["median"],
+        "spans_last": late["spans"]["median"],
+        "p99_first_ms": early["p99_ms"],
+        "p99_last_ms": late["p99_ms"],
+        # each session's highest ratio (its peak), spread over sessions
+        "ratio_peak": _spread([max(r.ratio for r in s) for s in sessions]),
         "alerts": sum(r.alert for r in rows),
     }
     if ledger:
+
+        def first(s: list[fanout.TurnRow], cond: Any) -> int | None:
+            return next((r.turn for r in s if cond(r)), None)
+
         classes = Counter(str(r.classification) for r in rows)
+        cross = [
+            {
+                "ratio_over_3": first(s, lambda r: r.ratio > 3.0),
+                "fragmentation": first(s, lambda r: r.classification == "fragmentation"),
+                "ratio_over_8": first(s, lambda r: r.ratio > 8.0),
+                "pathological": first(s, lambda r: r.classification == "pathological"),
+            }
+            for s in sessions
+        ]
+        lags = [
+            (c["fragmentation"] or 999) - (c["ratio_over_3"] or 0)
+            for c in cross
+            if c["ratio_over_3"] is not None
+        ]
         out |= {
             "classes": dict(classes),
-            "first_ratio_over_3": first(lambda r: r.ratio > 3.0),
-            "first_fragmentation": first(lambda r: r.classification == "fragmentation"),
-            "first_ratio_over_8": first(lambda r: r.ratio > 8.0),
-            "first_pathological": first(lambda r: r.classification == "pathological"),
+            "crossings": cross,  # per session: the first turn of each
+            "fragmentation_lag_max": max(lags) if lags else None,
+            "fragmentation_lag_min": min(lags) if lags else None,
+            "sessions_over_8": sum(1 for c in cross if c["ratio_over_8"] is not None),
+            # sessions whose ratio passed 8 and that were classed pathological, not before
+            "sessions_pathological": sum(
+                1
+                for c in cross
+                if c["ratio_over_8"] is not None
+                and c["pathological"] is not None
+                and c["pathological"] >= c["ratio_over_8"]
+            ),
+            "first_ratio_over_3": cross[0]["ratio_over_3"] if cross else None,
+            "first_fragmentation": cross[0]["fragmentation"] if cross else None,
+            "first_ratio_over_8": cross[0]["ratio_over_8"] if cross else None,
+            "first_pathological": cross[0]["pathological"] if cross else None,
             "guard_stops": sum(r.guard_stops for r in rows),
             "ratio_after_guard_max": max((r.ratio for r in rows if r.guard_stops), default=None),
             # every turn of every session: what the guard holds down, not where it acted
             "ratio_max": max((r.ratio for r in rows), default=None),
-            "turns": len(rows),
         }
     return out
 

@@ -221,21 +221,27 @@ def _truncation_rows(
 
 
 def _fan(a: dict[str, Any]) -> str:
+    pk = a["ratio_peak"]
     return (
-        f"{a['spans_first']} -> {a['spans_last']}; {_f(a['ratio_first'], '.1f')} -> "
-        f"{_f(a['ratio_last'], '.1f')}; {_f(a['utilization_first'])} -> "
-        f"{_f(a['utilization_last'])}; {a['p99_first_ms'] / 1000:.1f} -> "
-        f"{a['p99_last_ms'] / 1000:.1f} s"
+        f"{_f(a['spans_first'], '.1f')} -> {_f(a['spans_last'], '.1f')}; "
+        f"{_f(a['ratio_first'], '.1f')} -> {_f(a['ratio_last'], '.1f')} (peak median "
+        f"{_f(pk['median'], '.1f')}, p90 {_f(pk['p90'], '.1f')}); "
+        f"{_f(a['utilization_first'])} -> {_f(a['utilization_last'])}; "
+        f"{a['p99_first_ms'] / 1000:.1f} -> {a['p99_last_ms'] / 1000:.1f} s"
     )
 
 
 def _fanout_rows(nf: dict[str, Any], lf: dict[str, Any], of: dict[str, Any] | None) -> list[Row]:
     cls = ", ".join(f"{k}={v}" for k, v in sorted(lf["classes"].items()))
     ctl = ", ".join(f"{k}={v}" for k, v in sorted(lf["control_classes"].items()))
+    early, late = nf["early"]["turns"], nf["late"]["turns"]
     return [
         (
             "004 fan-out",
-            "spans per turn; ratio; final-prompt utilization; p99 turn latency",
+            f"spans per turn; ratio; final-prompt utilization (medians over sessions of the "
+            f"means of turns {early[0]}-{early[1]} -> {late[0]}-{late[1]}); p99 turn latency "
+            f"(of those turns of every session: {nf['early']['latency_turns']} each); "
+            f"{nf['sessions']} sessions, {nf['turns']} turns",
             "4 -> 23; 1.3 -> 11.8; 0.61 -> 0.44; 3.1 -> 9.4 s",
             _fan(nf) + f"; gauge alerts {nf['alerts']}",
             _fan(lf) + f" (guard: {lf['guard_stops']} turns summarized and proceeded)",
@@ -243,12 +249,17 @@ def _fanout_rows(nf: dict[str, Any], lf: dict[str, Any], of: dict[str, Any] | No
         ),
         (
             "",
-            "classes (ratio > 3 at turn / classed at turn)",
+            f"classes; turns from ratio > 3 to fragmentation; sessions classed pathological "
+            f"of those past ratio 8 ({lf['sessions']} sessions)",
             "fragmentation > 3, pathological > 8",
             "not measured",
-            f"{cls}; fragmentation {lf['first_ratio_over_3']}/{lf['first_fragmentation']}, "
-            f"pathological {lf['first_ratio_over_8']}/{lf['first_pathological']}; control: {ctl}",
-            ", ".join(f"{k}={v}" for k, v in sorted(of["classes"].items())) if of else "",
+            f"{cls}; fragmentation {lf['fragmentation_lag_min']}-"
+            f"{lf['fragmentation_lag_max']} turns after; pathological "
+            f"{lf['sessions_pathological']}/{lf['sessions_over_8']}; control: {ctl}",
+            f"{', '.join(f'{k}={v}' for k, v in sorted(of['classes'].items()))}; pathological "
+            f"{of['sessions_pathological']}/{of['sessions_over_8']}"
+            if of
+            else "",
         ),
     ]
 
