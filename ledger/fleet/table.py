@@ -161,8 +161,8 @@ def _starvation_rows(
     return [
         (
             "000 starvation",
-            f"turns after turn 5 short of their working set ({ns['sessions']} sessions, "
-            f"{ns['turns_after_5']} turns)",
+            f"turns after turn 5 short of their working set ({ns['sessions']} "
+            f"sessions, {ns['turns_after_5']} turns)",
             "utilization 0.58-0.64, residual 2-3k vs ~6k",
             f"{ns['short_turns']}/{ns['turns_after_5']} silent (up to "
             f"{ns['longest_short_run']} in a row), utilization "
@@ -185,8 +185,8 @@ def _starvation_rows(
         ),
         (
             "",
-            f"what the short turns did: repetitions; tool calls issued again; syntheses "
-            f"finished ({ns['sessions']} sessions, {ns['turns']} turns)",
+            f"repeats; tool calls again; syntheses finished ({ns['sessions']} sessions, "
+            f"{ns['turns']} turns)",
             "re-derived facts, identical tool calls re-issued, a multi-step synthesis "
             "never completed",
             _forgot(ns)
@@ -238,10 +238,9 @@ def _fanout_rows(nf: dict[str, Any], lf: dict[str, Any], of: dict[str, Any] | No
     return [
         (
             "004 fan-out",
-            f"spans per turn; ratio; final-prompt utilization (medians over sessions of the "
-            f"means of turns {early[0]}-{early[1]} -> {late[0]}-{late[1]}); p99 turn latency "
-            f"(of those turns of every session: {nf['early']['latency_turns']} each); "
-            f"{nf['sessions']} sessions, {nf['turns']} turns",
+            f"spans; ratio; utilization (medians over sessions); p99 latency (pooled), "
+            f"turns {early[0]}-{early[1]} -> {late[0]}-{late[1]} ({nf['sessions']} sessions, "
+            f"{nf['turns']} turns)",
             "4 -> 23; 1.3 -> 11.8; 0.61 -> 0.44; 3.1 -> 9.4 s",
             _fan(nf) + f"; gauge alerts {nf['alerts']}",
             _fan(lf) + f" (guard: {lf['guard_stops']} turns summarized and proceeded)",
@@ -249,8 +248,7 @@ def _fanout_rows(nf: dict[str, Any], lf: dict[str, Any], of: dict[str, Any] | No
         ),
         (
             "",
-            f"classes; turns from ratio > 3 to fragmentation; sessions classed pathological "
-            f"of those past ratio 8 ({lf['sessions']} sessions)",
+            f"classes; ratio 3 to fragmentation; pathological / past 8 ({lf['sessions']} sessions)",
             "fragmentation > 3, pathological > 8",
             "not measured",
             f"{cls}; fragmentation {lf['fragmentation_lag_min']}-"
@@ -316,7 +314,11 @@ def narrow(s: dict[str, Any], width: int = 80) -> str:
     scenario = ""
     for row in rows(s):
         scenario = row[0] or scenario
-        out.append(f"{scenario}: {row[1]}")
+        out.append(
+            textwrap.fill(
+                f"{scenario}: {row[1]}", width, subsequent_indent="    ", break_long_words=False
+            )
+        )
         for name, value in zip(COLUMNS[2:], row[2:], strict=True):
             if value:
                 out.append(
