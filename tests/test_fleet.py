@@ -20,7 +20,7 @@ from typing import TypeVar
 import pytest
 
 from ledger import Agent, Ledger, cli
-from ledger.fleet import checks, decay, report
+from ledger.fleet import checks, decay, fanout, report, starvation
 from ledger.fleet import run as fleet_run
 from ledger.fleet.agent import Doc, SimAgent, SteppedClock
 from ledger.fleet.run import DEFAULT_SESSIONS, FleetConfig, background_worker, demo_worker
@@ -251,6 +251,57 @@ def test_scenario_002_passes_its_checks_on_the_default_seed(
     assert not failed and code == cli.EXIT_OK
     naive = data["naive"]["truncation_loop"]
     assert naive["compression_events"] > 0 and naive["forbidden_calls"] > 0
+
+
+def test_scenario_000_a_short_turn_forgets_in_proportion_to_its_shortfall() -> None:
+    """What a turn short of its working set does: nothing forgotten when it holds it
+    all; the shorter, the more forgotten (each unit with probability the shortfall);
+    a forgotten plan leaves the synthesis under way unfinished."""
+    turns = starvation.plan(1, 0)
+    regular = next(p for p in turns if p.working_set < starvation.LARGE_STEP and p.turn > 5)
+    key = "starvation-test"
+    whole = starvation.consequences(key, regular, regular.working_set)
+    assert (whole.repeated, whole.reissued, whole.lost_plan) == (0, 0, False)
+
+    def forgotten(share: float) -> int:
+        lost = 0
+        for k in range(200):  # many draws: the share forgotten follows the shortfall
+            f = starvation.consequences(f"{key}-{k}", regular, round(share * regular.working_set))
+            lost += f.repeated + f.reissued + f.lost_plan
+        return lost
+
+    units = 200 * -(-regular.working_set // starvation.UNIT)
+    half, none = forgotten(0.5), forgotten(0.0)
+    assert 0.4 * units < half < 0.6 * units and none == units
+    rows = [
+        starvation.TurnRow(t, ws, 0, 0.6, "silent", lost_plan=lost)
+        for t, ws, lost in [
+            (1, 6_000, False),
+            (2, 13_000, False),
+            (3, 6_000, True),
+            (4, 13_000, False),
+            (5, 6_000, True),
+        ]
+    ]
+    assert starvation.syntheses(rows) == (1, 2)  # turn 5 starts a synthesis not ended
+
+
+def test_scenario_004_turn_latency_is_its_call_graph() -> None:
+    """A turn's latency is its spans' and its model call's, drawn per span: the same
+    turn with one recall more takes longer by that span; the naive agent's spans grow
+    as its memory dilutes, and so do its ratio and latency."""
+    memory = fanout.Memory(1, 0, False)
+    three = memory.latency_ms(7, [7_000] * 3, 19_000)
+    four = memory.latency_ms(7, [7_000] * 4, 19_000)
+    fourth = 1000 * memory.seconds(fanout.RECALL, 7_000, 7, 3)
+    assert fourth > 0 and four > three
+    # the summarize span reads a larger union: the difference is the fourth recall and more
+    assert four - three >= fourth
+    rows = fanout.run_naive(1, 0)
+    first, last = rows[:10], rows[-10:]
+    assert statistics.fmean(r.spans for r in last) > 2 * statistics.fmean(r.spans for r in first)
+    assert max(r.ratio for r in last) > 8 > max(r.ratio for r in first)
+    assert min(r.latency_ms for r in last) > max(r.latency_ms for r in first)
 
 
 def test_variant_without_credit_changes_only_the_rule() -> None:
