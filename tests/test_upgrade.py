@@ -2,11 +2,11 @@
 run from the release deployed today to this one, and the refusals that name both versions.
 
 Each earlier release (``RELEASES``: 0.1.0 at 033c8b3, protocol 1; 0.2.0 at a8b2daf,
-protocol 2) is taken from git history with ``git archive`` into a temporary directory and
-run with its own PYTHONPATH: its ``ledger worker`` and its agents (tests/support/upgrade_agent.py)
-beside this release's, on one real redis-server, turns of shared sessions alternating
-between all of them, as the runbook says (workers one at a time, then agents). No turn
-fails, and ``ledger audit --strict`` is clean.
+protocol 2; 0.3.0 at fc950fe, protocol 3) is taken from git history with ``git archive``
+into a temporary directory and run with its own PYTHONPATH: its ``ledger worker`` and its
+agents (tests/support/upgrade_agent.py) beside this release's, on one real redis-server,
+turns of shared sessions alternating between all of them, as the runbook says (workers one
+at a time, then agents). No turn fails, and ``ledger audit --strict`` is clean.
 
 A client of an earlier protocol whose calls reach this release's scripts (its Python client
 with these scripts in place of its own: what a client in another language meets when it
@@ -49,6 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RELEASES = {
     "0.1.0": ("033c8b3", 1),  # protocol 1: no version carried, sessions of layout 1
     "0.2.0": ("a8b2daf", 2),  # protocol 2: the version carried, sessions of layout 2
+    "0.3.0": ("fc950fe", 3),  # protocol 3: the two-call turn, budget scopes of layout 3
 }
 AGENT = ROOT / "tests" / "support" / "upgrade_agent.py"
 BUDGET = SessionBudget(window=10_000, system_prompt=500, output_reserve=500)
@@ -74,8 +75,21 @@ def previous_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _archive(release: str, root: Path) -> Path:
     commit, version = RELEASES[release]
+    # (0.3.0 keeps its scripts in the top-level lua/, read beside the package)
+    has_lua = (
+        subprocess.run(
+            ["git", "-C", str(ROOT), "cat-file", "-e", f"{commit}:lua"], capture_output=True
+        ).returncode
+        == 0
+        and subprocess.run(
+            ["git", "-C", str(ROOT), "cat-file", "-e", f"{commit}:ledger/lua"], capture_output=True
+        ).returncode
+        != 0
+    )
     tar = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", commit, "ledger"], capture_output=True, check=True
+        ["git", "-C", str(ROOT), "archive", commit, "ledger", *(["lua"] if has_lua else [])],
+        capture_output=True,
+        check=True,
     )
     subprocess.run(["tar", "-x", "-C", str(root)], input=tar.stdout, check=True)
     errors = (root / "ledger" / "errors.py").read_text()
@@ -193,7 +207,8 @@ def test_a_client_of_the_previous_protocol_is_refused_naming_both_versions(
     version = RELEASES[old_release][1]
     tree = tmp_path / "old-client"
     shutil.copytree(old_tree, tree)
-    shutil.rmtree(tree / "ledger" / "lua")
+    for old_scripts in (tree / "ledger" / "lua", tree / "lua"):  # (0.3.0: the latter)
+        shutil.rmtree(old_scripts, ignore_errors=True)
     shutil.copytree(lua_dir(), tree / "ledger" / "lua")
     prefix = f"v1{uuid.uuid4().hex[:8]}"
     with Ledger.from_settings(LedgerSettings(redis_url=redis_server.url, prefix=prefix)) as led:
