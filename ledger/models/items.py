@@ -190,7 +190,7 @@ class Expired:
     rolled_back: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ResetDone:
     """A hard reset (``reset``): applied (the new ``epoch``, what it dropped and released),
     or ``staged`` for the open ``turn``'s end (docs/rules.md#a-reset-waits-for-the-turns-end):

@@ -65,7 +65,7 @@ from ledger.errors import ConfigurationError, translated
 from ledger.workers import compactors
 from ledger.workers.calls import LedgerCalls
 from ledger.workers.delivery import Delivery
-from ledger.workers.jobs import CompactionDeferred, JobDeferred, JobOutcome, Jobs, ResetStaged
+from ledger.workers.jobs import CompactionDeferred, JobOutcome, Jobs
 from ledger.workers.leases import Leases, next_round
 from ledger.workers.logs import MESSAGES, JsonFormatter, Troubles, mask_url
 from ledger.workers.metrics import FleetIndicators, Metrics, Observer
@@ -89,8 +89,6 @@ __all__ = [
     "FleetIndicators",
     "JobOutcome",
     "CompactionDeferred",
-    "JobDeferred",
-    "ResetStaged",
     "MESSAGES",
     "JsonFormatter",
     "mask_url",
