@@ -93,6 +93,7 @@ class SessionHandle:
         self, parse: Callable[[protocol.Reply], TurnStarted]
     ) -> Callable[[protocol.Reply], TurnStarted]:
         def began(r: protocol.Reply) -> TurnStarted:
+            self._adopt_reset(r)  # (before the parse, which raises on a refusal)
             started = parse(r)
             # (a begin_turn sent again answers its first reply: an older turn is not taken up)
             if started.turn > max(self.turn or 0, self._last_left):
@@ -109,9 +110,17 @@ class SessionHandle:
             if self.turn == turn:
                 self.turn = None
             self._last_left = max(self._last_left, turn)
+            self._adopt_reset(r)
             return parse(r)
 
         return left
+
+    def _adopt_reset(self, r: protocol.Reply) -> None:
+        """A staged hard reset applied with the call (reset=<new epoch>,
+        docs/rules.md#a-reset-waits-for-the-turns-end): this handle takes the new epoch."""
+        got = r.get("reset")
+        if got and int(got) > self.epoch:  # (a call sent again answers its first reply)
+            self.epoch = int(got)
 
     @property
     def id(self) -> str:

@@ -81,17 +81,22 @@ Reply = dict[str, str]
 # writes it into _common.lua. 2: the owner token, the version itself, the layout field.
 # 3: a budget scope's config and live counters packed, and the two-call turn (finish_turn;
 # begin_turn, end_turn and admit_tool as they were) (docs/protocol.md#version-3).
-VERSION = 3
+# 4: a hard reset waits for an open turn's end (reset's wait, the staged reset rz, reset=
+# in the replies of the calls that end a turn, whose KEYS name the content store and the
+# summaries) (docs/protocol.md#version-4).
+VERSION = 4
 # The oldest stored layout these scripts read and write (a session without 'lv' is of
 # layout 1): layout 2 only adds fields (lv, lk) that layout 1's scripts never read, so a
 # fleet upgrades from 1 to 2 with both versions running (docs/operations.md#upgrades);
-# protocol 3 stores what protocol 2 stores, so it keeps its layout (LAYOUT).
+# protocol 3 stores what protocol 2 stores, so it keeps its layout (LAYOUT); protocol 4
+# adds one field (rz) that protocols 2 and 3 never read, so it keeps it too.
 OLDEST_LAYOUT = 1
 # The stored layout of a session these scripts open (field 'lv') and the newest they read,
 # bumped only when a session's fields change so that the previous release's scripts would
 # misread them: a release whose protocol changes but whose sessions do not keeps it, so
 # the previous release's processes keep serving the sessions this one opens during a
-# rolling upgrade. 2: lv and lk (protocols 2 and 3 write the same session fields).
+# rolling upgrade. 2: lv and lk (protocols 2 and 3 write the same session fields, and 4
+# only adds rz, which the scripts of 2 and 3 leave alone).
 LAYOUT = 2
 
 ID_RE = re.compile(r"[A-Za-z0-9._:/@+=#-]{1,128}")
@@ -719,13 +724,25 @@ def worker_check(deadlines: str, jobs: str, group: str, idle_ms: int) -> Call[Pa
     )
 
 
-def reset(keys: SessionKeys, op_id: str, epoch: Epoch, reason: str) -> Call[ResetDone]:
+def reset(
+    keys: SessionKeys, op_id: str, epoch: Epoch, reason: str, wait_ms: int = 0
+) -> Call[ResetDone]:
+    """``wait_ms`` 0: applied now, an open turn ending with it; above 0: a live open turn's
+    end is waited for that long (the reset is staged, ``ResetDone.staged``)."""
+
     def parse(r: Reply) -> ResetDone:
+        if r.get("status") == "staged":
+            return ResetDone(
+                epoch=int(r["epoch"]), dropped=0, released=0, staged=True,
+                turn=int(r["turn"]), due_ms=int(r["due"]),
+            )  # fmt: skip
         return ResetDone(
             epoch=int(r["epoch"]), dropped=int(r["dropped"]), released=int(r["released"])
         )
 
-    body = [keys.session_id, check_id(reason, "reason")]
+    if type(wait_ms) is not int or not 0 <= wait_ms <= 86_400_000:
+        raise InvalidArgument(f"reset wait must be 0..86400000 ms, got {wait_ms!r:.40}")
+    body = [keys.session_id, check_id(reason, "reason"), _num(wait_ms)]
     return _mutating(
         "reset", keys, (keys.deadlines, keys.content, keys.compacted), op_id, epoch,
         body, parse,
@@ -757,7 +774,14 @@ def _turn_started(r: Reply) -> TurnStarted:
         rolled_back=rolled or None,
         mark=r.get("mark") or None,
         landed=r.get("landed") or None,
+        reset=_epoch_or_none(r),
     )
+
+
+def _epoch_or_none(r: Reply) -> int | None:
+    """reset=: the new epoch when a staged hard reset applied with the call, else None."""
+    got = r.get("reset")
+    return int(got) if got else None
 
 
 LEASE_MAX_MS = 86_400_000
@@ -813,12 +837,13 @@ def abort_turn(
             turn=int(r["turn"]),
             free=int(r["free"]),
             epoch=int(r["epoch"]),
+            reset=_epoch_or_none(r),
         )
 
     return _mutating(
         "abort_turn",
         keys,
-        (keys.deadlines,),
+        (keys.deadlines, keys.content, keys.compacted),
         op_id,
         stamp(epoch, turn, token),
         [keys.session_id],
@@ -894,6 +919,7 @@ def _report(r: Reply) -> TurnReport:
         drift=int(r["drift"]),
         tolerance=None if int(r["tolerance"]) < 0 else int(r["tolerance"]),
         flag=DriftFlag(r["flag"]),
+        reset=_epoch_or_none(r),
     )
 
 
@@ -942,7 +968,7 @@ def end_turn(
     return _mutating(
         "end_turn",
         keys,
-        (keys.jobs, keys.deadlines),
+        (keys.jobs, keys.deadlines, keys.content, keys.compacted),
         op_id,
         _turn_stamp(epoch, turn, token),
         body,
@@ -1005,7 +1031,7 @@ def finish_turn(
     return _mutating(
         "finish_turn",
         keys,
-        (keys.jobs, keys.deadlines, keys.content, keys.order),
+        (keys.jobs, keys.deadlines, keys.content, keys.compacted, keys.order),
         op_id,
         _turn_stamp(epoch, turn, token),
         body,

@@ -201,13 +201,18 @@ class SessionCore(SessionHandle):
 
     draw_child = operation(draw_child_call)
 
-    def reset_call(self, reason: str, *, op_id: str | None = None) -> Call[ResetDone]:
+    def reset_call(
+        self, reason: str, *, wait_ms: int = 0, op_id: str | None = None
+    ) -> Call[ResetDone]:
         """Hard reset: advance the epoch, drop every item and reservation, keep the budget.
 
         Fenced by this handle's epoch, so a reset delivered twice applies once. This
         handle takes the new epoch (its turn, if any, ended with the reset); every other
-        handle of the session is stale until its ``refresh()``."""
-        call = protocol.reset(self.keys, _op(op_id), self.epoch, reason)
+        handle of the session is stale until its ``refresh()``. With ``wait_ms`` above 0 a
+        turn open with its lease live is not cut off: the reset is staged
+        (``ResetDone.staged``) and applied by the call that ends the turn, or by a reset
+        call ``wait_ms`` after it was staged (docs/rules.md#a-reset-waits-for-the-turns-end)."""
+        call = protocol.reset(self.keys, _op(op_id), self.epoch, reason, wait_ms)
 
         def adopted(r: protocol.Reply) -> ResetDone:
             done = call.parse(r)

@@ -86,6 +86,10 @@
 --   kt             last_compaction_turn [turn]: the turn of the last compaction
 --   rq             reset_requested [flag]: 1 once failed compactions escalated to a hard
 --                  reset, until it is done
+--   rz             staged_reset [text]: a hard reset that found a turn open with its
+--                  lease live, applied by the call that ends the turn, or by a reset call
+--                  once due: '<epoch>|<due ms>|<fingerprint>|<op id>|<reason>'
+--                  (docs/rules.md#a-reset-waits-for-the-turns-end)
 --   pm             memory_since_pending [tokens]: memory-group tokens admitted since the
 --                  pending compaction became pending
 --   ws             working_set [tokens]: this turn's working set
@@ -250,7 +254,7 @@
 -- (docs/protocol.md#versions): written by `python tools/legend.py` from ledger/protocol.py
 -- (VERSION, LAYOUT, OLDEST_LAYOUT), never by hand. Every call carries its client's protocol version
 -- (`op_args`, `protocol_arg`); every session stores its layout version in 'lv' (absent: 1).
-local VERSION, LAYOUT, OLDEST_LAYOUT = 3, 2, 1
+local VERSION, LAYOUT, OLDEST_LAYOUT = 4, 2, 1
 
 -- What `op_args` read from this call's ARGV[2] besides the epoch and the turn: the owner
 -- token (false when the call sends none), which `fence` and begin_turn check against 'lk'.
@@ -1077,6 +1081,75 @@ end
 -- key=value pairs joined by '|': the one reply shape of every script.
 local function reply(kv)
   return table.concat(kv, '|')
+end
+
+-- A hard reset's effect (reset.lua, and a turn's end applying a staged one, see
+-- `reset_staged`): the epoch advances and every item and reservation goes, keeping the
+-- budget (system prompt, framing and floors); the compaction state (pending, consecutive
+-- failures, escalation) starts over; an open turn ends with it (its lease, undo log and
+-- deliveries go, and 'rb' names it: its later calls get TURNLOST), and so does a staged
+-- reset ('rz'). K: { deadlines, content, summaries } keys (the content store and the
+-- summaries are deleted: no item is left, nothing to deliver). Writes everything but the
+-- session fields it appends to `args` (field, value, ...: the caller's HSET or commit).
+-- Returns the new epoch, the items dropped and the tokens released.
+local function reset_effect(key, K, sid, reason, args)
+  local H, R = load(key, { 'ep', 'tn', 'W', 'S', 'T', 'out', 'F_w', 'F_rm', 'lo', 'qs', 'qd', 'rz' }, 8)
+  local fr = free_room(H, H.out, 0, 0, 0)  -- (before the first write: it reads every floor)
+  local all = redis.call('HGETALL', key)
+  local dead, members, dropped, released = {}, {}, 0, 0
+  for i = 1, #all, 2 do
+    local f = all[i]
+    local kind = string.sub(f, 1, 2)
+    if kind == 'i:' then
+      dead[#dead + 1] = f
+      dropped = dropped + 1
+      released = released + tonumber(string.match(all[i + 1], '^(%d+)|'))
+    elseif kind == 'r:' then
+      dead[#dead + 1] = f
+      members[#members + 1] = sid .. '|' .. string.sub(f, 3)
+      released = released + tonumber(string.match(all[i + 1], '^%a|(%d+)|'))
+    end
+  end
+  -- (only fields that exist: a script's first write decides whether it may run on a
+  -- server out of memory, and resetting an empty session must not bypass that check)
+  if R[1] then for _, f in ipairs({ 'lo', 'le', 'lb', 'lk', 'ul', 'vs', 'vd', 'uo' }) do dead[#dead + 1] = f end end
+  if R[2] then dead[#dead + 1] = 'qs' end
+  if R[3] then dead[#dead + 1] = 'qd' end
+  if R[4] then dead[#dead + 1] = 'rz' end
+  call_each('HDEL', key, dead)
+  if R[1] then members[#members + 1] = sid .. '|' .. LEASE end
+  call_each('ZREM', K[1], members)
+  indicate(key, 'resets', 1)
+  redis.call('DEL', K[2], K[3])  -- (after a write that may be refused on a full server)
+  for _, kv in ipairs({ 'ep', H.ep + 1, 'fr', fr, 'nv', 0, 'a_w', 0, 'a_rm', 0, 'a_s', 0,
+      'x:last_reset', reason, 'cd', 0, 'kf', 0, 'rq', 0, 'kt', H.tn, 'ai', 0, 'ao', 0, 'an', 0,
+      'df', 0, 'dr', 0 }) do
+    args[#args + 1] = kv
+  end
+  zero_counters(args)
+  if R[1] then args[#args + 1], args[#args + 2] = 'rb', H.tn .. ' reset' end  -- (its calls: TURNLOST)
+  return H.ep + 1, dropped, released
+end
+
+-- A staged hard reset (field rz as read, `rz`; docs/rules.md#a-reset-waits-for-the-turns-end):
+-- { ep, due, fp, op, reason } when it is one of epoch `ep`, else nil (none, or one an
+-- older release's reset left behind: a reset of another epoch is no reset of this one).
+local function reset_staged(rz, ep)
+  local e, due, fp, op, why = string.match(rz or '', '^(%d+)|(%d+)|(%x+)|([^|]+)|(.+)$')
+  if not e or tonumber(e) ~= ep then return nil end
+  return { ep = ep, due = tonumber(due), fp = fp, op = op, reason = why }
+end
+
+-- At a turn's end (end_turn, finish_turn, abort_turn: after the call's own effects were
+-- committed; begin_turn: after the open turn ended or was rolled back): the staged reset
+-- `st` (from `reset_staged`, nil: none) applies now, when no turn is open any more. K as
+-- for `reset_effect`. Writes it all; returns the new epoch, or nil when none applied.
+local function reset_at_end(key, st, K, sid)
+  if not st or redis.call('HEXISTS', key, 'lo') == 1 then return nil end
+  local args = {}
+  local e = reset_effect(key, K, sid, st.reason, args)
+  call_each('HSET', key, args)
+  return e
 end
 
 -- reserve and settle: judge `grow` more tokens, `d` more of their group's claim on the

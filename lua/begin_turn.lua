@@ -38,6 +38,12 @@
 -- replaced, makes it stale (nothing replaced, a failed compaction, retried by a new job).
 -- A plan of another epoch is dropped. Its deliveries go to this turn.
 --
+-- A staged hard reset (field rz, see reset.lua) applies with the same two keys, once no
+-- turn is open: when none was, or once this call ended the open turn or rolled it back
+-- (not when it refuses the turn for another owner's live one), before a staged compaction
+-- lands (then of another epoch: dropped) and before this turn is gated; the turn begins at
+-- the new epoch (reset=<it>, and epoch=), with nothing held and nothing to deliver.
+--
 -- The turn lease (docs/agent.md#turn-leases). While a turn is open another owner's
 -- begin_turn is refused (LEDGER_TURNHELD, nothing changed) unless it takes over; a
 -- turn whose lease has lapsed, or one taken over, is rolled back first (see `rollback`
@@ -62,14 +68,15 @@
 --          |compaction_due=<0|1>|rollup=<0|1>|free=<tokens>|epoch=<n>|summaries=<id,...>
 --          |dropped=<c:id,...>|lease=<ms>|rolled_back=<turn or 0>|mark=<commit mark>
 --          |landed=<compacted|failed|deferred|did_not_fit|stale, or empty: none landed>
+--          |reset=<new epoch, or empty: no staged reset applied>
 --   summaries, dropped: the deliveries (the app adds the summaries to its state and drops
 --   the items, as it drops those reclaimed); lease: when the lease ends (Redis's clock);
 --   rolled_back: the turn undone to start this one; mark: the last end_turn's mark.
 --    or  status=refused|reason=<starvation|compaction_pending>|requested=<need>|residual=<tokens>
 --          |need=<tokens>|utilization=<per mille>|shortfall=<tokens>|compact=<w:id,...>
---          |free=<tokens>|epoch=<n>|turn=<n>|rolled_back=<turn or 0>
+--          |free=<tokens>|epoch=<n>|turn=<n>|rolled_back=<turn or 0>|reset=<new epoch, or empty>
 --   (no lease is taken; a turn rolled back to try stays rolled back, its deliveries queued,
---   and a staged compaction landed stays landed)
+--   a staged compaction landed stays landed, and a staged reset applied stays applied)
 --   compact: working-memory items to compact, lowest priority then oldest first,
 --   enough to cover the shortfall where compacting working memory can cover it
 --   (docs/rules.md#working-memory-practice); empty when the declared working set
@@ -84,7 +91,8 @@
 --        reclaim-order index, ZSCORE, ZCARD, ZRANGEBYSCORE, HMGET and ZREM instead of HSCAN for
 --        scratchpad, retrieval and recall, and ZADD, ZREMRANGEBYSCORE, HSCAN, HGET and PEXPIRE to build it again; HINCRBY; XADD when a
 --        compaction becomes pending)
---        and HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due.
+--        and HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due;
+--        with a staged reset HGETALL, HDEL, ZREM, HINCRBY, DEL and HSET (see `reset_effect`).
 
 local op, fp, epoch = op_args('begin_turn', false)
 if not CALL.token then
@@ -122,7 +130,7 @@ end
 local key = KEYS[1]
 local FIELDS = { 'ep', 'tn', 'W', 'S', 'T', 'R0', 'F_w', 'F_rm', 'a_w', 'a_rm', 'a_s', 'u_w', 'u_r',
   'u_m', 'u_s', 'n_w', 'n_r', 'n_m', 'n_s', 'EV', 'HW', 'kt', 'rut', 'rup', 'cd', 'gz', 'xp', 'fr',
-  'out', 'le', 'pm', 'rel', 'lo', 'qs', 'qd', 'cm', 'kp' }
+  'out', 'le', 'pm', 'rel', 'lo', 'qs', 'qd', 'cm', 'kp', 'rz' }
 local H, R = load(key, FIELDS, 31)
 local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
@@ -136,9 +144,15 @@ local now = now_ms()
 -- A staged compaction lands with this call (below), when it is sent the summaries hash and
 -- the content store the compaction writes.
 local lands = R[6] and SUMS and CONTENT
+-- A staged reset applies with this call unless it refuses the turn for another owner's
+-- live one (below): the open turn, if any, ends with this call.
+local mine = R[2] == owner and owns(redis.call('HGET', key, 'lk'))
+local implicit = mine and H.le > now and takeover == 0
+local st = SUMS and CONTENT and reset_staged(R[7], H.ep)
+if st and R[2] and not implicit and H.le > now and takeover == 0 then st = nil end
 -- A pending compaction lands only between turns: a caller that waits for it is told so
 -- (and whether a worker computes it now), and nothing changes.
-if await == 1 and H.cd == 1 and not lands then
+if await == 1 and H.cd == 1 and not lands and not st then
   local who, till = string.match(redis.call('HGET', SUMS, '~') or '', '^(.*)|(%d+)$')
   if till and tonumber(till) > now then
     fail('COMPACTING', 'compaction pending, computed by ' .. who .. ' until ' .. till)
@@ -155,8 +169,7 @@ end
 -- (a name is no secret: snapshot() shows it). A lapsed lease, or a takeover, rolls the
 -- open turn back, whoever owned it (a process restarted under the same owner name is not
 -- the one that died); else the call is refused.
-local mine = R[2] == owner and owns(redis.call('HGET', key, 'lk'))
-local rolled, implicit = 0, mine and H.le > now and takeover == 0
+local rolled = 0
 if R[2] and not implicit then
   if H.le > now and takeover == 0 then
     if R[2] == owner then not_owner(key, R[2], H.tn) end
@@ -166,6 +179,14 @@ if R[2] and not implicit then
       ('lease of ' .. R[2] .. ' lapsed'))
     H, R = load(key, FIELDS, 31)
   end
+end
+-- The staged reset applies now, the open turn ended (implicit) or rolled back.
+local reset_to = ''
+if st then
+  local args = {}
+  reset_to = reset_effect(key, { KEYS[3], CONTENT, SUMS }, sid, st.reason, args)
+  call_each('HSET', key, args)
+  H, R = load(key, FIELDS, 31)
 end
 -- The staged compaction (a worker's, committed while the last turn was open) lands now,
 -- at the turn boundary, before this turn is gated: judged as compact.lua judges one, on
@@ -395,7 +416,7 @@ if start_residual < need() then
       regime == 'loud' and 'compaction_pending' or 'starvation', '|requested=', need(),
       '|residual=', start_residual, '|need=', need(), '|utilization=', util, '|shortfall=', short,
       '|compact=', table.concat(compact, ','), '|free=', H.fr, '|epoch=', H.ep, '|turn=', H.tn,
-      '|rolled_back=', rolled }),
+      '|rolled_back=', rolled, '|reset=', reset_to }),
       order_done(H.cd == 1 and { 'cd', 1 } or { 'cd', 1, 'pm', 0 }), { gz = H.gz, xp = H.xp })
   end
   indicate(key, regime, 1)
@@ -447,5 +468,5 @@ return commit(key, now, op, fp, table.concat({ 'status=ok|regime=', regime, '|tu
   table.concat(reclaimed, ','), '|rotated=', rotated, '|released=', released,
   '|compaction_due=', due, '|rollup=', rollup, '|free=', fr, '|epoch=', H.ep, '|summaries=', queued_s,
   '|dropped=', queued_d, '|lease=', le, '|rolled_back=', rolled, '|mark=', R[5] or '',
-  '|landed=', landed }), args,
+  '|landed=', landed, '|reset=', reset_to }), args,
   { gz = H.gz, xp = H.xp, uo = '' })

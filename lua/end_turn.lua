@@ -3,9 +3,11 @@
 -- KEYS[1]  session hash
 -- KEYS[2]  partition job stream    a compaction job is appended when one becomes pending
 -- KEYS[3]  partition deadline index  the turn lease's member '<session>|~' is removed
--- KEYS[4]  partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
--- KEYS[5]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
--- KEYS[6]  previous outcome hash   previous generation ('<tag>:old:<session>')
+-- KEYS[4]  content store           '<tag>:content:<session>' (deleted by a staged reset)
+-- KEYS[5]  summaries               '<tag>:compacted:<session>' (deleted by a staged reset)
+-- KEYS[6]  partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
+-- KEYS[7]  outcome hash            current generation of outcomes ('<tag>:out:<session>')
+-- KEYS[8]  previous outcome hash   previous generation ('<tag>:old:<session>')
 -- ARGV[1]  operation id            [A-Za-z0-9._:/@+=#-]{1,128}
 -- ARGV[2]  epoch[@turn]            integer; older than the session's -> LEDGER_STALE; @turn:
 --                                  a call of that turn (see `fence`)
@@ -18,6 +20,8 @@
 --
 -- Ending the turn commits it: its lease ends, its undo log and its deliveries are
 -- dropped (docs/agent.md#turn-leases), and the mark is kept for the next begin_turn.
+-- A hard reset staged while the turn was open (see reset.lua) applies then, after the
+-- turn's commit: reset=<the new epoch> (empty: none applied).
 -- ratio = sum of this turn's memory-tool span input tokens / final prompt tokens
 -- (per mille). utilization = final prompt / window; its delta is against the
 -- previous end_turn. Class, first match in this order:
@@ -37,14 +41,15 @@
 -- Reply: status=ok|turn=<n>|ratio=<per mille>|class=<name>|utilization=<per mille>
 --          |utilization_delta=<per mille>|spans=<n>|span_input=<tokens>|compaction_due=<0|1>
 --          |rollup=<0|1>|epoch=<n>|occupancy=<tokens>|drift=<tokens>|tolerance=<tokens or -1>
---          |flag=<none|drift|over_window>
+--          |flag=<none|drift|over_window>|reset=<new epoch, or empty>
 -- Errors: LEDGER_BADARG (a final prompt of 0), LEDGER_NOSESSION, LEDGER_STALE,
 --         LEDGER_OPREUSED, LEDGER_TURNLOST (the turn is not open: ended, rolled back or
 --         followed by another).
 -- Calls: HMGET, TIME, HSET, HDEL, ZREM, HINCRBY (class; x:drift when flagged), HGET and XADD when a
 --        compaction becomes pending (worker-owned sessions); HMGET of the op's outcome
 --        bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome
---        generations' RENAME and PEXPIRE, when due.
+--        generations' RENAME and PEXPIRE, when due; with a staged reset HEXISTS, HGETALL,
+--        HDEL, ZREM, HINCRBY, DEL and HSET (see `reset_effect`).
 
 local op, fp, epoch = op_args('end_turn', false)
 local turn, final, trend
@@ -56,14 +61,18 @@ sid = session_arg(ARGV[6])
 mark = ARGV[7] == '-' and '-' or id_arg(ARGV[7], 'commit mark')
 if #ARGV ~= 7 then fail('BADARG', 'expected 7 arguments, got ' .. #ARGV) end
 
-key_arg(2, 'jobs', 'deadlines')
+key_arg(2, 'jobs', 'deadlines', 'content:%s', 'compacted:%s')
 local key = KEYS[1]
 local H, R = load(key, { 'ep', 'tn', 'W', 'S', 'T', 'a_w', 'a_rm', 'a_s', 'F_w', 'HW', 'cd', 'kt', 'rut', 'rup',
-  'ai', 'an', 'pu', 'ams', 'amf', 'amp', 'gz', 'xp', 'te', 'dt', 'lo' }, 24)
+  'ai', 'an', 'pu', 'ams', 'amf', 'amp', 'gz', 'xp', 'te', 'dt', 'lo', 'rz' }, 24)
 local again = gate(recorded(op), H.ep, op, fp, epoch)
 if again then return again end
 fence(key, R[1], H.tn, turn, true)
 local now = now_ms()
 local args = {}
 local out = turn_end(key, H, H.a_s, final, trend, turn, mark, sid, op, args)
-return commit(key, now, op, fp, table.concat(out), args, { gz = H.gz, xp = H.xp })
+local st = reset_staged(R[2], H.ep)
+out[#out + 1] = '|reset=' .. (st and (H.ep + 1) or '')
+commit(key, now, op, fp, table.concat(out), args, { gz = H.gz, xp = H.xp })
+reset_at_end(key, st, { KEYS[3], KEYS[4], KEYS[5] }, sid)
+return table.concat(out)

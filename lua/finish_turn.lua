@@ -7,13 +7,15 @@
 -- together fit in the free room. Otherwise nothing is admitted and the turn is not ended
 -- (status=refused, reason=not_whole, the first result that does not go in whole as item=):
 -- the caller admits them one by one with admit_tool (which may spill them) and ends the
--- turn with end_turn. The prompt given counts every tool result whole.
+-- turn with end_turn. The prompt given counts every tool result whole. A hard reset staged
+-- while the turn was open applies after the turn's commit, as at end_turn (reset=).
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  partition job stream    a compaction job is appended when one becomes pending
 -- KEYS[3]  partition deadline index  the turn lease's member '<session>|~' is removed
 -- KEYS[4]  content store           '<tag>:content:<session>'
--- KEYS[5]  (optional) reclaim-order index  '<tag>:order:<session>' (see ORDER in _common.lua)
+-- KEYS[5]  summaries               '<tag>:compacted:<session>' (deleted by a staged reset)
+-- KEYS[6]  (optional) reclaim-order index  '<tag>:order:<session>' (see ORDER in _common.lua)
 -- KEYS[-3] partition tally         '<tag>:tally': the fleet's indicators (see `indicate`)
 -- KEYS[-2] outcome hash            current generation of outcomes ('<tag>:out:<session>')
 -- KEYS[-1] previous outcome hash   previous generation ('<tag>:old:<session>')
@@ -31,9 +33,9 @@
 -- ARGV[10..9+3n]  n triples  tool-call id, tokens (1..1e8), content (bytes,
 --                                  at most 64 MiB in all)
 --
--- KEYS count: 7; 8 with the order index
+-- KEYS count: 8; 9 with the order index
 -- Mode: mutating
--- Reply: end_turn's reply, then |tools=<charged>;<id>,...|free=<tokens>
+-- Reply: end_turn's reply (its reset= too), then |tools=<charged>;<id>,...|free=<tokens>
 --    or  status=refused|reason=not_whole|item=<id>|requested=<tokens>|free=<tokens>
 --          |epoch=<n>|turn=<n>
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED, LEDGER_TURNHELD,
@@ -41,7 +43,8 @@
 -- Calls: HMGET, TIME, HSET, HDEL, ZREM, HINCRBY (class; x:drift when flagged), HGET and
 --        XADD when a compaction becomes pending; ZADD of the reclaim-order index when
 --        sent, its PEXPIRE when due; HSET and PEXPIRE of the content store with keep text;
---        the outcome store's HMGET and HSET.
+--        the outcome store's HMGET and HSET; with a staged reset HEXISTS, HGETALL, HDEL,
+--        ZREM, HINCRBY, DEL and HSET (see `reset_effect`).
 
 local op, fp, epoch = op_args('finish_turn', false)
 local turn, final, trend
@@ -62,7 +65,7 @@ end
 local ids, toks, seen, bytes = {}, {}, {}, 0
 local fields = { 'ep', 'tn', 'W', 'S', 'T', 'a_w', 'a_rm', 'a_s', 'F_w', 'HW', 'cd', 'kt', 'rut', 'rup',
   'ai', 'an', 'pu', 'ams', 'amf', 'amp', 'gz', 'xp', 'te', 'dt', 'fr', 'sq', 'u_s', 'n_s', 'lo', 'oq',
-  'ox', 'uo' }
+  'ox', 'uo', 'rz' }
 local NNUM = 28
 for k = 1, n do
   local b = 7 + 3 * k
@@ -76,11 +79,11 @@ for k = 1, n do
 end
 if bytes > 67108864 then fail('BADARG', 'the tool results\' content must be at most 64 MiB') end
 
-local ORD = #KEYS == 8 and KEYS[5] or nil
+local ORD = #KEYS == 9 and KEYS[6] or nil
 if ORD then
-  key_arg(2, 'jobs', 'deadlines', 'content:%s', 'order:%s')
+  key_arg(2, 'jobs', 'deadlines', 'content:%s', 'compacted:%s', 'order:%s')
 else
-  key_arg(2, 'jobs', 'deadlines', 'content:%s')
+  key_arg(2, 'jobs', 'deadlines', 'content:%s', 'compacted:%s')
 end
 local key = KEYS[1]
 local H, R = load(key, fields, NNUM)
@@ -92,7 +95,7 @@ local now = now_ms()
 -- The tool results: each held whole already, or new and all of them fitting.
 local add, want, short = {}, 0, nil
 for k = 1, n do
-  local held = R[4 + k]
+  local held = R[5 + k]
   if held then
     if tonumber(string.match(held, '^(%d+)|')) < toks[k] and not short then short = ids[k] end
   else
@@ -114,7 +117,7 @@ if #add > 0 then
   z = ORD and {} or nil
   for _, k in ipairs(add) do
     sq = sq + 1
-    local field = fields[NNUM + 4 + k]
+    local field = fields[NNUM + 5 + k]
     args[#args + 1], args[#args + 2] = field, f('%d|%d|0|%d', toks[k], H.tn, sq)
     if z then z[#z + 1], z[#z + 2] = order_score('s', sq), field end
     if ARGV[8] == '1' then stored[#stored + 1], stored[#stored + 2] = 's:' .. ids[k], ARGV[9 + 3 * k] end
@@ -128,9 +131,15 @@ end
 local J = { gz = H.gz, xp = H.xp }
 put(KEYS[4], stored, J, key)
 local charged = {}
-for k = 1, n do charged[k] = (R[4 + k] and '0;' or toks[k] .. ';') .. ids[k] end
+for k = 1, n do charged[k] = (R[5 + k] and '0;' or toks[k] .. ';') .. ids[k] end
 
 -- The end of the turn, as end_turn.lua judges it.
 local out = turn_end(key, H, a_s, final, trend, turn, mark, sid, op, args)
-for _, v in ipairs({ '|tools=', table.concat(charged, ','), '|free=', fr }) do out[#out + 1] = v end
-return commit(key, now, op, fp, table.concat(out), args, J)
+local st = reset_staged(R[5], H.ep)
+for _, v in ipairs({ '|reset=', st and (H.ep + 1) or '', '|tools=', table.concat(charged, ','),
+    '|free=', fr }) do
+  out[#out + 1] = v
+end
+commit(key, now, op, fp, table.concat(out), args, J)
+reset_at_end(key, st, { KEYS[3], KEYS[4], KEYS[5] }, sid)
+return table.concat(out)

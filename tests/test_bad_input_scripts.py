@@ -89,7 +89,7 @@ EPOCH_OR_STAR = EPOCH_BASE  # close and expire accept '*'
 
 # ARGV[2] of another protocol version, or of none (protocol 1): LEDGER_VERSION, not BADARG
 NO_VERSION: list[str | bytes] = [
-    *("", "1", "*", "12345", "1:12345", "2:12345", "4:12345", ":1", b"\xff")
+    *("", "1", "*", "12345", "1:12345", "2:12345", "3:12345", "5:12345", ":1", b"\xff")
 ]
 
 

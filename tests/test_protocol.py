@@ -41,7 +41,7 @@ def op_fingerprint(script: str, argv: list[str]) -> str:
 
 
 def test_vectors_are_of_this_protocol_version() -> None:
-    assert VECTORS["protocol_version"] == protocol.VERSION == 3
+    assert VECTORS["protocol_version"] == protocol.VERSION == 4
     assert f"protocol version {protocol.VERSION}" in DOC.lower()
     assert all(c["argv"][1].startswith(f"{protocol.VERSION}:") for c in VECTORS["calls"])
     lua = (scripts.lua_dir() / "_common.lua").read_text()
@@ -247,7 +247,7 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
         # A call of protocol 1 (no version: '<epoch>' alone) is refused before anything is
         # written, naming both versions.
         before = r.hgetall(key)
-        mismatch = r"^LEDGER_VERSION .*of protocol {}[ ,].*of protocol 3"
+        mismatch = r"^LEDGER_VERSION .*of protocol {}[ ,].*of protocol " + str(protocol.VERSION)
         with pytest.raises(redis.ResponseError, match=mismatch.format(1)):
             r.eval(text["admit"], 6, *adk, admit["argv"][0], epoch, *admit["argv"][2:])
         with pytest.raises(redis.ResponseError, match=mismatch.format(2)):
@@ -372,9 +372,11 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
                 r.eval(text["admit"], 6, *adk, *w0)
         w1 = ["op-w1", f"{v}{epoch}@1!{'a1' * 16}", "w", "all", "1", "turn-1", "6000", "0"]
         r.eval(text["admit"], 6, *adk, *w1)
-        end = [key, jobs, dl, tally, out, old, "op-e1", f"{v}{epoch}@1!{'a1' * 16}", "1", "6700"]
-        end += ["0", sid, "ck-1"]
-        ended = _reply(r.eval(text["end_turn"], 6, *end))
+        sums = VECTORS["keys"]["compacted"]
+        end = [key, jobs, dl, content, sums, tally, out, old, "op-e1", f"{v}{epoch}@1!{'a1' * 16}"]
+        end += ["1", "6700", "0", sid, "ck-1"]
+        ended = _reply(r.eval(text["end_turn"], 8, *end))
+        assert ended["reset"] == ""  # (no hard reset staged: none applied)
         assert ended["compaction_due"] == "1"
         # The indicator it counted: the session's x:class:<class> and the partition's tally.
         counted = f"class:{ended['class']}"
@@ -397,8 +399,8 @@ def test_raw_eval_of_the_dumped_scripts_speaks_the_protocol(
         free = int(r.hget(key, "fr") or 0)
         fin = ["op-f1", f"{v}{epoch}@2!{'a1' * 16}", "2", "6800", "0", sid, "-", "1", "1"]
         fin += ["call-1", "10", "grep: 3 matches"]
-        fkeys = [key, jobs, dl, content, tally, out, old]
-        finished = _reply(r.eval(text["finish_turn"], 7, *fkeys, *fin))
+        fkeys = [key, jobs, dl, content, sums, tally, out, old]
+        finished = _reply(r.eval(text["finish_turn"], 8, *fkeys, *fin))
         assert (finished["status"], finished["turn"], finished["tools"]) == ("ok", "2", "10;call-1")
         assert int(finished["free"]) == free - 10 and r.hget(key, "te") == b"2"
         assert r.hget(key, "i:s:call-1") == f"10|2|0|{int(r.hget(key, 'sq') or 0)}".encode()
@@ -551,7 +553,9 @@ def _key_counts() -> dict[str, set[int]]:
     for c in calls:
         n = len(c.keys)
         optional = sum(1 for key in c.keys if ":order:" in key or ":compacted:" in key)
-        if c.script in ("delete", "reset", "compact", "open"):
+        # (the summaries hash is no optional key of these: a reset clears it)
+        required = ("delete", "reset", "compact", "open", "end_turn", "abort_turn", "finish_turn")
+        if c.script in required:
             optional = sum(1 for key in c.keys if ":order:" in key)
         counts.setdefault(c.script, set()).update({n, n - optional} if optional else {n})
     counts["begin_turn"].add(8)  # the summaries hash and the order index (checked above)

@@ -2,11 +2,11 @@
 run from the release deployed today to this one, and the refusals that name both versions.
 
 Each earlier release (``RELEASES``: 0.1.0 at 033c8b3, protocol 1; 0.2.0 at a8b2daf,
-protocol 2) is taken from git history with ``git archive`` into a temporary directory and
-run with its own PYTHONPATH: its ``ledger worker`` and its agents (tests/support/upgrade_agent.py)
-beside this release's, on one real redis-server, turns of shared sessions alternating
-between all of them, as the runbook says (workers one at a time, then agents). No turn
-fails, and ``ledger audit --strict`` is clean.
+protocol 2; 0.3.0 at fc950fe, protocol 3) is taken from git history with ``git archive``
+into a temporary directory and run with its own PYTHONPATH: its ``ledger worker`` and its
+agents (tests/support/upgrade_agent.py) beside this release's, on one real redis-server,
+turns of shared sessions alternating between all of them, as the runbook says (workers one
+at a time, then agents). No turn fails, and ``ledger audit --strict`` is clean.
 
 A client of an earlier protocol whose calls reach this release's scripts (its Python client
 with these scripts in place of its own: what a client in another language meets when it
@@ -49,6 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RELEASES = {
     "0.1.0": ("033c8b3", 1),  # protocol 1: no version carried, sessions of layout 1
     "0.2.0": ("a8b2daf", 2),  # protocol 2: the version carried, sessions of layout 2
+    "0.3.0": ("fc950fe", 3),  # protocol 3: the two-call turn, budget scopes of layout 3
 }
 AGENT = ROOT / "tests" / "support" / "upgrade_agent.py"
 BUDGET = SessionBudget(window=10_000, system_prompt=500, output_reserve=500)
@@ -74,8 +75,21 @@ def previous_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _archive(release: str, root: Path) -> Path:
     commit, version = RELEASES[release]
+    # (0.3.0 keeps its scripts in the top-level lua/, read beside the package)
+    has_lua = (
+        subprocess.run(
+            ["git", "-C", str(ROOT), "cat-file", "-e", f"{commit}:lua"], capture_output=True
+        ).returncode
+        == 0
+        and subprocess.run(
+            ["git", "-C", str(ROOT), "cat-file", "-e", f"{commit}:ledger/lua"], capture_output=True
+        ).returncode
+        != 0
+    )
     tar = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", commit, "ledger"], capture_output=True, check=True
+        ["git", "-C", str(ROOT), "archive", commit, "ledger", *(["lua"] if has_lua else [])],
+        capture_output=True,
+        check=True,
     )
     subprocess.run(["tar", "-x", "-C", str(root)], input=tar.stdout, check=True)
     errors = (root / "ledger" / "errors.py").read_text()
@@ -193,7 +207,8 @@ def test_a_client_of_the_previous_protocol_is_refused_naming_both_versions(
     version = RELEASES[old_release][1]
     tree = tmp_path / "old-client"
     shutil.copytree(old_tree, tree)
-    shutil.rmtree(tree / "ledger" / "lua")
+    for old_scripts in (tree / "ledger" / "lua", tree / "lua"):  # (0.3.0: the latter)
+        shutil.rmtree(old_scripts, ignore_errors=True)
     shutil.copytree(lua_dir(), tree / "ledger" / "lua")
     prefix = f"v1{uuid.uuid4().hex[:8]}"
     with Ledger.from_settings(LedgerSettings(redis_url=redis_server.url, prefix=prefix)) as led:
@@ -405,3 +420,78 @@ def test_protocol_2_and_3_share_their_sessions_while_a_fleet_upgrades(
             [name, "VersionMismatch", "layout", 3, 2] for name in ("admit", "begin_turn")
         ]
         assert led.client.hgetall(newer.keys.session) == before
+
+
+_HOLDER = """
+import json, sys
+from ledger import Item, Ledger, LedgerError, LedgerSettings, SessionBudget
+
+url, prefix, sid = sys.argv[1:4]
+b = SessionBudget(window=10_000, system_prompt=500, output_reserve=500)
+out = []
+with Ledger.from_settings(LedgerSettings(redis_url=url, prefix=prefix)) as led:
+    s = led.open_session(sid, b)
+    s.admit("working_memory", [Item("w1", 400)])
+    t = s.begin_turn(0)
+    print("ready", flush=True)
+    sys.stdin.readline()  # (the new release stages its reset meanwhile)
+    try:
+        ended = s.end_turn(t.turn, 1_000)
+        t2 = s.begin_turn(0)
+        s.admit("working_memory", [Item("w2", 100)])
+        ended2 = s.end_turn(t2.turn, 1_000)
+        snap = s.snapshot()
+        out = ["ok", ended.epoch, ended2.epoch, snap.epoch, sorted(snap.raw)]
+    except LedgerError as exc:
+        out = [type(exc).__name__, str(exc)]
+print(json.dumps(out), flush=True)
+"""
+
+
+@pytest.mark.redis
+@pytest.mark.timeout(120)
+def test_a_reset_staged_by_this_release_does_not_trouble_0_3_0(
+    redis_server: servers.RedisProcess, tmp_path: Path
+) -> None:
+    """0.3.0 (protocol 3) beside this release: a reset this release stages while 0.3.0's turn
+    is open leaves a field (rz) 0.3.0 never reads: its turn ends, its next turn runs and its
+    snapshot reads the session, all at the epoch it had (0.3.0 applies no staged reset);
+    the audit is clean; this release's reset sent again (the worker's job claimed again)
+    applies it, the turn over."""
+    (tmp_path / "release").mkdir()
+    tree = _archive("0.3.0", tmp_path / "release")
+    prefix, sid = f"rz{uuid.uuid4().hex[:8]}", "mixed"
+    url = redis_server.url
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, url, prefix, sid],
+        env=_env(tree),
+        cwd=tmp_path,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout is not None and holder.stdin is not None
+    try:
+        assert holder.stdout.readline().strip() == "ready", holder.communicate()[1][-3000:]
+        with Ledger.from_settings(LedgerSettings(redis_url=url, prefix=prefix)) as led:
+            s = led.session(sid)
+            e0 = s.epoch
+            done = s.reset("failed_compactions", wait_ms=60_000, op_id="job-1-0")
+            assert done.staged and done.epoch == e0
+            holder.stdin.write("go\n")
+            holder.stdin.flush()
+            out, err = holder.communicate(timeout=60)
+            assert holder.returncode == 0, err[-3000:]
+            got = json.loads(out.strip().splitlines()[-1])
+            assert got[:4] == ["ok", e0, e0, e0], got  # 0.3.0 went on at its epoch
+            assert "rz" not in got[4]  # (its snapshot names the fields it knows)
+            h = led.client.hgetall(s.keys.session)
+            assert h[b"ep"] == str(e0).encode() and h[b"rz"].startswith(f"{e0}|".encode())
+            assert led.audit(sid).clean
+            again = led.session(sid).reset("failed_compactions", wait_ms=60_000, op_id="job-1-0")
+            assert not again.staged and again.epoch == e0 + 1  # no turn open: applied
+            assert b"rz" not in led.client.hgetall(s.keys.session)
+    finally:
+        if holder.poll() is None:
+            holder.kill()

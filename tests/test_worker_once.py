@@ -4,7 +4,8 @@ A compaction job committed but not acknowledged (its worker died between the two
 taken over later, possibly after the op retention has dropped the outcome stored under
 its op id: ``compact.lua`` deletes the job's stream entry in the same atomic step as
 its effect, and a call naming an entry that is gone changes nothing (outcome
-``already``). A hard-reset job is fenced by its epoch instead. Once a hard reset is
+``already``). A hard-reset job is fenced by its epoch instead (one that finds a live turn
+waits for the turn's end, its delivery uncounted). Once a hard reset is
 requested, queued compaction jobs are skipped and no failure is counted past the
 escalation.
 """
@@ -21,7 +22,7 @@ import redis.exceptions
 
 from ledger import InvalidArgument, Item, Ledger, LedgerSettings, SessionBudget, protocol
 from ledger.core import new_op_id
-from ledger.errors import OperationIdReused
+from ledger.errors import OperationIdReused, TurnLost
 from ledger.models import Consumer
 from ledger.scripts import stored_outcomes
 from tests.conftest import BACKENDS, backend_url, make_settings
@@ -41,6 +42,11 @@ def led(request: pytest.FixtureRequest) -> Iterator[Ledger]:
     )
     with Ledger.from_settings(settings) as ledger:
         yield ledger
+
+
+def redis_ms(led: Ledger) -> int:
+    sec, usec = led.client.time()
+    return int(sec) * 1000 + int(usec) // 1000
 
 
 def deliver(led: Ledger, sid: str, consumer: str = "dying") -> tuple[str, dict[str, str]]:
@@ -109,6 +115,47 @@ def test_hard_reset_job_taken_over_after_the_op_retention_applies_once(led: Ledg
     assert jobs.counters(led, sid, "ep", "x:resets") == ("2", "1")
     jobs.wait_until(lambda: worker.poll_once() >= 0 and jobs.busy(led) == 0, 5, "the takeover")
     assert jobs.counters(led, sid, "ep", "x:resets") == ("2", "1")
+
+
+def test_a_hard_reset_job_that_finds_a_live_turn_waits_for_its_end(led: Ledger) -> None:
+    """docs/rules.md#a-reset-waits-for-the-turns-end: the job stages the reset (ResetStaged:
+    left pending, uncounted), the turn's end applies it, and the job claimed again is done
+    (already), one reset in all. A turn kept open past reset_wait is cut off: the job
+    claimed once the staged reset is due applies it."""
+    from ledger.workers.jobs import ResetStaged
+
+    for wait, ended in ((30.0, True), (0.2, False)):
+        sid = f"reset-waits-{uuid.uuid4().hex[:6]}"
+        s = led.open_session(sid, jobs.BUDGET)
+        s.admit(Consumer.WORKING_MEMORY, [Item("w1", 100)])
+        t = s.begin_turn(0)
+        fields = {
+            "kind": "hard_reset",
+            "session": sid,
+            "epoch": s.epoch,
+            "reason": "test",
+            "op": "x",
+        }
+        led.client.xadd(jobs.jobs_of(led, sid), fields)
+        worker = jobs.new_worker(led, reset_wait=wait)
+        worker.ensure_groups()
+        eid, body = deliver(led, sid)
+        with pytest.raises(ResetStaged):
+            worker.handle(eid, body)
+        with pytest.raises(ResetStaged):  # claimed again before the turn's end: still waits
+            worker.handle(eid, body)
+        assert jobs.counters(led, sid, "x:resets") == ("0",) and "rz" in jobs.session_hash(led, sid)
+        if ended:
+            assert s.end_turn(t.turn, 500).reset == s.epoch
+            assert worker.handle(eid, body).effect == "already"
+        else:
+            due = int(jobs.session_hash(led, sid)["rz"].split("|")[1])
+            jobs.wait_until(lambda d=due: redis_ms(led) > d, 5, "the staged reset's due time")
+            assert worker.handle(eid, body).effect == "applied"
+            with pytest.raises(TurnLost):
+                s.refresh()
+                s.end_turn(t.turn, 500)
+        assert jobs.counters(led, sid, "x:resets") == ("1",) and not led.items(sid)
 
 
 def test_compact_with_a_job_entry_deletes_it_in_the_same_step(led: Ledger) -> None:

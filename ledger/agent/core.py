@@ -146,8 +146,11 @@ class AgentCore(Admissions, Billing):
                 plans.append((c, planned, (yield from self._texts(planned))))
         got: list[Any] = []
         waited_for = waited = 0.0
-        reset_from: int | None = None
+        # (a staged reset that applied as this agent's last turn ended: adopted then)
+        reset_from, self.reset_at_end = self.reset_at_end, None
+        adopted_at_end = reset_from is not None
         while True:
+            before = self.session.epoch
             op_id = new_op_id()
             call = self.session.begin_turn_call(
                 working_set,
@@ -190,13 +193,14 @@ class AgentCore(Admissions, Billing):
                 # this turn was written before begin_turn (the admissions sent with it name
                 # the begin by its op id: refused with it), so it is safe to adopt the
                 # session's epoch and begin again, once; a second StaleEpoch is raised.
-                if reset_from is not None or not self.adopt_resets:
+                if (reset_from is not None and not adopted_at_end) or not self.adopt_resets:
                     raise
+                adopted_at_end = False
                 old = self.session.epoch
                 snap: Snapshot = yield self.session.snapshot_call()
                 if snap.epoch <= old:
                     raise
-                reset_from = old
+                reset_from = old if reset_from is None else reset_from
                 self.session.epoch = snap.epoch
                 if snap.turn_owner != self.session.owner or snap.turn != self.session.turn:
                     self.session.turn = None
@@ -213,6 +217,20 @@ class AgentCore(Admissions, Billing):
                 )
                 yield Sleep(step)
                 waited += step
+        if started.reset is not None:
+            # A hard reset staged while the last turn was open applied with this begin
+            # (that turn ended or was rolled back by it): the turn began at the new epoch,
+            # the ledger holding nothing; the admissions sent with it were of the old
+            # epoch (refused, nothing written), and are sent again in the turn.
+            reset_from = before if reset_from is None else reset_from
+            self._forget()
+            if plans:
+                got = [started]
+                for plan in plans:
+                    try:
+                        got.append((yield self._admission(*plan, started.turn)))
+                    except AdmissionRefused as exc:
+                        got.append(exc)
         self.compaction_pending = started.compaction_due
         self.live_turns.add(started.turn)
         state = TurnState(started, waited_compaction=waited_for, reset_from_epoch=reset_from)
@@ -288,11 +306,14 @@ class AgentCore(Admissions, Billing):
             else:
                 report = yield self.session.end_turn_call(turn, prompt_tokens, mark=mark)
         except ContextDrift as exc:
+            if isinstance(exc.report, TurnReport):
+                self._reset_at_end(exc.report.reset, exc.report.epoch)
             hint = framing_hint(exc.report, state)
             if hint:
                 raise ContextDrift(exc.report, f"{exc}; {hint}") from exc
             raise
         self.compaction_pending = report.compaction_due
+        self._reset_at_end(report.reset, report.epoch)
         hint = framing_hint(report, state)
         if hint:
             warnings.warn(ContextDriftWarning(report, hint), stacklevel=4)
@@ -332,7 +353,22 @@ class AgentCore(Admissions, Billing):
         """Roll the turn back: the ledger is as the turn found it (the objects this process
         keeps of it are a cache: ``turn.apply`` on the committed state is the truth)."""
         done: TurnAborted = yield self.session.abort_turn_call(turn)
+        self._reset_at_end(done.reset, done.epoch)
         return done
+
+    def _reset_at_end(self, reset: int | None, epoch: int) -> None:
+        """A hard reset staged while the turn was open applied as it ended (``reset``: the
+        new epoch; the handle took it): what this agent believed held is dropped now, and
+        the next turn begins at the new epoch as the turn after a reset, no StaleEpoch on
+        the way. A caller that adopts resets itself (``adopt_resets`` False) gets its
+        StaleEpoch at the next begin, as before: the handle keeps the turn's epoch."""
+        if reset is None:
+            return
+        if not self.adopt_resets:
+            self.session.epoch = epoch
+            return
+        self._forget()
+        self.reset_at_end = epoch
 
     def renew(self, turn: int) -> Op[TurnRenewed]:
         renewed: TurnRenewed = yield self.session.renew_turn_call(turn, self.lease_ms)

@@ -92,6 +92,10 @@ class AgentBase:
         # after a hard reset); False: StaleEpoch is raised to a caller that rebuilds its own
         # context before it begins again (the demo's simulated agents do).
         self.adopt_resets = True
+        # the epoch this agent's handle had when a staged hard reset applied as its last
+        # turn ended (docs/rules.md#a-reset-waits-for-the-turns-end): the next turn is the
+        # turn after a reset (its reset_from_epoch), with no StaleEpoch round trip
+        self.reset_at_end: int | None = None
         # a pending compaction no worker has picked up this long after it was requested
         # is not waited for (no worker may be running)
         self.compaction_pickup = compaction_pickup

@@ -190,11 +190,19 @@ class Expired:
     rolled_back: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ResetDone:
+    """A hard reset (``reset``): applied (the new ``epoch``, what it dropped and released),
+    or ``staged`` for the open ``turn``'s end (docs/rules.md#a-reset-waits-for-the-turns-end):
+    ``epoch`` is then the session's still, and from ``due_ms`` (Redis's clock) on a reset
+    call applies it whatever is open."""
+
     epoch: int
     dropped: int
     released: int
+    staged: bool = False
+    turn: int | None = None  # staged: the open turn it waits for
+    due_ms: int | None = None  # staged: when a reset call applies it anyway
 
 
 @dataclass(frozen=True, slots=True)

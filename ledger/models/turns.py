@@ -61,16 +61,22 @@ class TurnStarted:
     # the outcome of a worker's compaction staged while the last turn was open and landed
     # by this begin_turn (a CompactionOutcome, or ``stale``); None when none was staged
     landed: str | None = None
+    # the new epoch when a hard reset staged while the last turn was open applied with this
+    # begin_turn (docs/rules.md#a-reset-waits-for-the-turns-end): the turn begins at it
+    # (``epoch``), nothing held; None when none applied
+    reset: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TurnAborted:
-    """``abort_turn``: the turn rolled back (None when it was no longer open)."""
+    """``abort_turn``: the turn rolled back (None when it was no longer open); ``reset``:
+    the new epoch when a staged hard reset applied with it, else None."""
 
     rolled_back: int | None
     turn: int
     free: int
     epoch: int
+    reset: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +114,9 @@ class TurnReport:
     drift: int = 0  # the real prompt minus occupancy
     tolerance: int | None = None
     flag: DriftFlag = DriftFlag.NONE
+    # the new epoch when a hard reset staged while the turn was open applied as it ended
+    # (docs/rules.md#a-reset-waits-for-the-turns-end), else None: ``epoch`` is the turn's
+    reset: int | None = None
 
     @property
     def flagged(self) -> bool:

@@ -132,6 +132,14 @@ RESET_REQUESTED = _s(
     "flag",
     "1 once failed compactions escalated to a hard reset, until it is done",
 )
+STAGED_RESET = _s(
+    "rz",
+    "staged_reset",
+    "text",
+    "a hard reset that found a turn open with its lease live, applied by the call that "
+    "ends the turn, or by a reset call once due: '<epoch>|<due ms>|<fingerprint>|<op "
+    "id>|<reason>' (docs/rules.md#a-reset-waits-for-the-turns-end)",
+)
 MEMORY_SINCE_PENDING = _s(
     "pm",
     "memory_since_pending",

@@ -56,8 +56,10 @@ class LedgerCalls:
     def snapshot(self, keys: SessionKeys) -> Snapshot:
         return self.ledger.run(protocol.snapshot(keys))
 
-    def reset(self, keys: SessionKeys, op_id: str, epoch: int, reason: str) -> ResetDone:
-        return self.ledger.run(protocol.reset(keys, op_id, epoch, reason))
+    def reset(
+        self, keys: SessionKeys, op_id: str, epoch: int, reason: str, wait_ms: int = 0
+    ) -> ResetDone:
+        return self.ledger.run(protocol.reset(keys, op_id, epoch, reason, wait_ms))
 
     def compact(
         self,

@@ -25,7 +25,7 @@ from ledger import schema
 from ledger.errors import OperationIdReused, StaleEpoch, UnknownSession
 from ledger.models import JobKind
 from ledger.workers.calls import LedgerCalls
-from ledger.workers.jobs import CompactionDeferred, JobEffect, Jobs
+from ledger.workers.jobs import JobDeferred, JobEffect, Jobs
 from ledger.workers.logs import Troubles, describe
 from ledger.workers.metrics import Metrics
 from ledger.workers.settings import WorkerSettings
@@ -321,8 +321,9 @@ class Delivery:
         started = time.monotonic()
         try:
             outcome = self.jobs.handle(eid, fields)
-        except CompactionDeferred as exc:
-            # Not a failure: the session's turn is still running. The job stays pending
+        except JobDeferred as exc:
+            # Not a failure: the session's turn is still running (a compaction waits to
+            # commit, a hard reset is staged for its end). The job stays pending
             # (its delivery uncounted, so it is never dead-lettered for it) for a claim.
             streams.uncount(partition, eid, deliveries)
             self.metrics.deferred.inc()

@@ -39,9 +39,19 @@ class JobOutcome:
     effect: JobEffect
 
 
-class CompactionDeferred(LedgerError):
+class JobDeferred(LedgerError):
+    """A job left pending, its delivery uncounted, for a later claim: not a failure."""
+
+
+class CompactionDeferred(JobDeferred):
     """A compaction job left pending, its delivery uncounted, for a later claim. (A
     compaction that finds a turn open is staged, not deferred: compact.lua.)"""
+
+
+class ResetStaged(JobDeferred):
+    """A hard reset staged for the session's open turn's end (reset.lua): its job is left
+    pending, uncounted; a later claim finds it applied by the turn's end (then the reset
+    call is stale: done already) or applies it once ``reset_wait`` has passed."""
 
 
 class Jobs:
@@ -110,10 +120,22 @@ class Jobs:
             return JobOutcome(JobKind.HARD_RESET, JobEffect.SKIPPED)
         if not self.same_incarnation(snap, f):
             return JobOutcome(JobKind.HARD_RESET, JobEffect.SKIPPED)
+        # A live open turn is not cut off: the reset is staged for the turn's end (the call
+        # that ends it applies it), and this job stays pending until then, or until
+        # reset_wait has passed (the same op id: a staged reply is not stored, so a claim
+        # of the job is judged again, and applies it once it is due).
         try:
-            self.calls.reset(keys, f"job-{job_id}", f.epoch, f.reason or "job")
+            done = self.calls.reset(
+                keys, f"job-{job_id}", f.epoch, f.reason or "job",
+                round(self.settings.reset_wait * 1000),
+            )  # fmt: skip
         except (StaleEpoch, UnknownSession, OperationIdReused):
             return JobOutcome(JobKind.HARD_RESET, JobEffect.ALREADY)
+        if done.staged:
+            raise ResetStaged(
+                f"hard reset of session {f.session!r} staged for the end of its turn "
+                f"{done.turn} (applied anyway from {done.due_ms} ms, Redis's clock)"
+            )
         return JobOutcome(JobKind.HARD_RESET, JobEffect.APPLIED)
 
     def _compact(self, job_id: str, f: schema.JobEntry) -> JobOutcome:

@@ -231,7 +231,8 @@ class Metrics:
         )
         self.deferred = Counter(
             "ledger_jobs_deferred",
-            "Jobs left pending because the session's turn stayed open past turn_wait",
+            "Jobs left pending for a later claim because the session's turn was open: a "
+            "compaction past turn_wait, a hard reset staged for the turn's end",
             registry=r,
         )
         self.rolled_back = Counter(

@@ -125,6 +125,17 @@ class WorkerSettings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         default="info", description="the lowest level of the worker's JSON log lines"
     )
+    reset_wait: float = Field(
+        default=30.0,
+        ge=0,
+        le=86_400,
+        description="seconds a hard reset waits for the session's open turn to end "
+        "(docs/rules.md#a-reset-waits-for-the-turns-end): staged meanwhile and applied by "
+        "the call that ends the turn; the job is left pending, uncounted, and a later claim "
+        "applies it once this long has passed since it was staged, the turn cut off then "
+        "(its calls: TurnLost). 0: applied at once, as before protocol 4. The default is "
+        "the agent's default turn lease",
+    )
     turn_wait: float = Field(
         default=30.0,
         gt=0,

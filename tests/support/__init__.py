@@ -16,7 +16,7 @@ Imported by the tests (``from tests.support import servers``):
 
 Run as scripts by path or module (a fleet test's agent and worker processes, or by hand):
   reset_agent.py, two_call_agent.py, upgrade_agent.py, fleet_ceilings.py,
-  fleet_counting.py, nopause_fleet.py; fleet_compactor (a worker's
+  fleet_counting.py, nopause_fleet.py, nopause_reset.py; fleet_compactor (a worker's
   ``--compactor tests.support.fleet_compactor:SUMMARIZER``); history/
   (``python -m tests.support.history``, docs/reliability.md).
 
