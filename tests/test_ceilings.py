@@ -330,7 +330,12 @@ def test_a_scope_of_protocol_2_is_refused_typed_until_set_again(ledger: Ledger) 
     ):
         with pytest.raises(VersionMismatch, match="run set_scope for it again") as err:
             attempt()
-        assert (err.value.kind, err.value.found, err.value.expected) == ("layout", 2, 3)
+        # expected: the protocol of the scripts that refused (they read scopes of layout 3)
+        assert (err.value.kind, err.value.found, err.value.expected) == (
+            "layout",
+            2,
+            protocol.VERSION,
+        )
         assert state(ledger, s, t) == before  # nothing written anywhere
     ledger.set_scope(t, budget)  # the operator sets it again: layout 3, counters kept
     assert dataclasses.replace(ledger.scope_usage(t), now_ms=0) == usage
