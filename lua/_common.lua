@@ -940,11 +940,14 @@ end
 -- which go when it closes (settle, void, expire; a reset drops every one): its pool
 -- 'k:<id>' (its value as read: `pool`, false or nil when it has none, then nothing is
 -- read) and one 'k:<id>|<child>' per child, found with HSCAN MATCH (ids hold no glob
--- character). Returns the fields and their values, for the caller's HDEL and undo log.
+-- character), which stops once it found as many as the pool counts: a scan walks the
+-- whole hash at worst. Returns the fields and their values, for the caller's HDEL and
+-- undo log.
 local function child_fields(key, rid, pool)
   local fields, values = {}, {}
   if not pool then return fields, values end
   fields[1], values[1] = 'k:' .. rid, pool
+  local n = tonumber(string.match(pool, '|(%d+)$')) or math.huge
   local seen, cursor = {}, '0'
   repeat
     local page = redis.call('HSCAN', key, cursor, 'MATCH', 'k:' .. rid .. '|*', 'COUNT', 1000)
@@ -956,7 +959,7 @@ local function child_fields(key, rid, pool)
         fields[#fields + 1], values[#values + 1] = f, page[2][i + 1]
       end
     end
-  until cursor == '0'
+  until cursor == '0' or #fields > n
   return fields, values
 end
 
