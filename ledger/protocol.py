@@ -59,6 +59,7 @@ from ledger.models import (
     Settled,
     Snapshot,
     SpanRecorded,
+    StagedReset,
     ToolResult,
     ToolResultOutcome,
     TurnAborted,
@@ -1264,6 +1265,7 @@ def _is_int(v: str) -> bool:
 def _snapshot(r: Reply) -> Snapshot:
     owner = r.pop(schema.TURN_OWNER, "") or None
     mark = r.pop(schema.COMMIT_MARK, "") or None
+    reason = r.pop(schema.SNAPSHOT_RESET_REASON, "")
     try:
         n = {k: int(v) for k, v in r.items()}
     except ValueError:
@@ -1301,6 +1303,9 @@ def _snapshot(r: Reply) -> Snapshot:
         last_ended_turn=n.get(schema.LAST_ENDED_TURN, 0),
         compacting=n.get(schema.SNAPSHOT_COMPACTING, 0) == 1,
         mark=mark,
+        reset_staged=StagedReset(reason=reason, due_ms=n[schema.SNAPSHOT_RESET_DUE])
+        if reason
+        else None,
     )
 
 

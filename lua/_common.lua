@@ -875,6 +875,20 @@ local function rollback(key, dl, sid, why)
       end
     end
   end
+  -- (children's fields whose reservation is not open, closed meanwhile by expiry, while
+  -- the log kept them from before the turn: they go with it, and are not put back)
+  local orphan = {}
+  for name in pairs(f) do
+    local rid = string.match(name, '^k:([^|]+)')
+    if rid and not f['r:' .. rid] then orphan[name], dead[#dead + 1], f[name] = true, name, nil end
+  end
+  if next(orphan) then
+    local kept = {}
+    for i = 1, #set, 2 do
+      if not orphan[set[i]] then kept[#kept + 1], kept[#kept + 2] = set[i], set[i + 1] end
+    end
+    set = kept
+  end
   if unordered then dead[#dead + 1] = 'oq' end
   local u, n, v = { w = 0, r = 0, m = 0, s = 0 }, { w = 0, r = 0, m = 0, s = 0 }, { w = 0, r = 0, m = 0, s = 0 }
   local nv = 0
@@ -906,20 +920,47 @@ local function rollback(key, dl, sid, why)
   return tn
 end
 
--- settle and void: the open reservation { c, est, deadline, rec, in_turn, ul }, or nil
--- and the stored reply to send again; fails on a missing session, a stale epoch (checked
+-- settle and void: the open reservation { c, est, deadline, rec, in_turn, ul, pool }, or
+-- nil and the stored reply to send again; fails on a missing session, a stale epoch (checked
 -- before the reservation, which a reset drops), a call of a turn that is not open or of
 -- no turn while one is (`fence`), or no such reservation. in_turn: the call is of the
--- open turn; ul: that turn's undo log.
+-- open turn; ul: that turn's undo log; pool: its children's pool 'k:<id>' (false: none).
 local function open_reservation(key, op, fp, epoch, rid, tok)
-  local v = redis.call('HMGET', key, 'ep', 'r:' .. rid, 'lo', 'tn', 'ul', 'uo')
+  local v = redis.call('HMGET', key, 'ep', 'r:' .. rid, 'lo', 'tn', 'ul', 'uo', 'k:' .. rid)
   local again = gate(recorded(op), tonumber(v[1]), op, fp, epoch)
   if again then return nil, again end
   local in_turn = fence(key, v[3], tonumber(v[4]), tok)
   if not v[2] then fail('NORESERVATION', 'reservation ' .. rid .. ' is not open') end
   local c, est, deadline = string.match(v[2], '^(%a)|(%d+)|(%d+)$')
   return { c = c, est = tonumber(est), deadline = tonumber(deadline), rec = v[2], in_turn = in_turn,
-    ul = v[5], uo = in_turn and (v[6] or '') or nil }
+    ul = v[5], uo = in_turn and (v[6] or '') or nil, pool = v[7] }
+end
+
+-- The fields a reservation's children hold (docs/ceilings.md#parent-and-child-sessions),
+-- which go when it closes (settle, void, expire; a reset drops every one): its pool
+-- 'k:<id>' (its value as read: `pool`, false or nil when it has none, then nothing is
+-- read) and one 'k:<id>|<child>' per child, found with HSCAN MATCH (ids hold no glob
+-- character), which stops once it found as many as the pool counts: a scan walks the
+-- whole hash at worst. Returns the fields and their values, for the caller's HDEL and
+-- undo log.
+local function child_fields(key, rid, pool)
+  local fields, values = {}, {}
+  if not pool then return fields, values end
+  fields[1], values[1] = 'k:' .. rid, pool
+  local n = tonumber(string.match(pool, '|(%d+)$')) or math.huge
+  local seen, cursor = {}, '0'
+  repeat
+    local page = redis.call('HSCAN', key, cursor, 'MATCH', 'k:' .. rid .. '|*', 'COUNT', 1000)
+    cursor = page[1]
+    for i = 1, #page[2], 2 do
+      local f = page[2][i]
+      if not seen[f] then  -- (a scan may return a field twice)
+        seen[f] = true
+        fields[#fields + 1], values[#values + 1] = f, page[2][i + 1]
+      end
+    end
+  until cursor == '0' or #fields > n
+  return fields, values
 end
 
 -- Append 'u_<c>', 0, 'n_<c>', 0, 'v_<c>', 0 for every consumer (open, reset).
@@ -1084,11 +1125,11 @@ local function reply(kv)
 end
 
 -- A hard reset's effect (reset.lua, and a turn's end applying a staged one, see
--- `reset_staged`): the epoch advances and every item and reservation goes, keeping the
--- budget (system prompt, framing and floors); the compaction state (pending, consecutive
--- failures, escalation) starts over; an open turn ends with it (its lease, undo log and
--- deliveries go, and 'rb' names it: its later calls get TURNLOST), and so does a staged
--- reset ('rz'). K: { deadlines, content, summaries } keys (the content store and the
+-- `reset_staged`): the epoch advances and every item and reservation goes (a reservation's
+-- children's fields 'k:' too), keeping the budget (system prompt, framing and floors); the
+-- compaction state (pending, consecutive failures, escalation) starts over; an open turn
+-- ends with it (its lease, undo log and deliveries go, and 'rb' names it: its later calls
+-- get TURNLOST), and so does a staged reset ('rz'). K: { deadlines, content, summaries } keys (the content store and the
 -- summaries are deleted: no item is left, nothing to deliver). Writes everything but the
 -- session fields it appends to `args` (field, value, ...: the caller's HSET or commit).
 -- Returns the new epoch, the items dropped and the tokens released.
@@ -1108,6 +1149,8 @@ local function reset_effect(key, K, sid, reason, args)
       dead[#dead + 1] = f
       members[#members + 1] = sid .. '|' .. string.sub(f, 3)
       released = released + tonumber(string.match(all[i + 1], '^%a|(%d+)|'))
+    elseif kind == 'k:' then
+      dead[#dead + 1] = f  -- (a reservation's children go with it)
     end
   end
   -- (only fields that exist: a script's first write decides whether it may run on a

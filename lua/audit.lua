@@ -13,6 +13,8 @@
 --   The last end_turn's drift, when flagged (df = 1: the real prompt differed from
 --   occupancy beyond the framing tolerance, or was larger than the window) and not
 --   reconciled since, is a problem too: the counters no longer describe the prompt.
+--   So is an orphan: a child's field 'k:<id>|<child>' or a pool 'k:<id>' whose
+--   reservation <id> is not open (a closed reservation's children go with it).
 --   overdue lists open reservations whose deadline has passed; the caller judges
 --   them against its sweep interval.
 --    or  status=damaged|problems=<text;text;...>|overdue=|now=<ms>
@@ -56,8 +58,11 @@ local function whole(name)
 end
 local KNOWN = { w = true, r = true, m = true, s = true }
 local u, n, v = { w = 0, r = 0, m = 0, s = 0 }, { w = 0, r = 0, m = 0, s = 0 }, { w = 0, r = 0, m = 0, s = 0 }
-local nv, overdue = 0, {}
+local nv, overdue, orphans = 0, {}, {}
 for name, val in pairs(f) do
+  -- a child's field or a pool 'k:<id>' whose reservation <id> is not open: an orphan
+  local kid = string.match(name, '^k:([^|]+)')
+  if kid and not f['r:' .. kid] then orphans[kid] = (orphans[kid] or 0) + 1 end
   if string.sub(name, 1, 2) == 'i:' then
     local c = string.match(name, '^i:(%a):.')
     local tokens = string.match(val, '^(%d+)|%-?%d+|%-?%d+|%d+$')
@@ -114,6 +119,13 @@ local B = { W = stored.W, S = stored.S, T = stored.T, F_w = stored.F_w, F_rm = s
 local free = free_room(B, stored.out, u.w + v.w, u.r + v.r + u.m + v.m, u.s + v.s)
 check('free', f.fr, free, 'items and reservations')
 if free < 0 then problems[#problems + 1] = 'over-allocated by ' .. (-free) .. ' tokens' end
+local closed = {}
+for kid in pairs(orphans) do closed[#closed + 1] = kid end
+table.sort(closed)  -- (the same problems in the same order, whatever the hash's order)
+for _, kid in ipairs(closed) do
+  problems[#problems + 1] = 'orphan: ' .. orphans[kid] .. ' child field(s) k:' .. shown(kid) ..
+    '* of reservation ' .. shown(kid) .. ', which is not open'
+end
 if f.df == '1' then
   problems[#problems + 1] = 'drift: the last prompt (' .. f.dp .. ' tokens) differs from occupancy by ' ..
     f.dr .. ' tokens (tolerance ' .. f.dt .. ', window ' .. f.W .. '), reconcile the ledger to the prompt'

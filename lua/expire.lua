@@ -22,7 +22,8 @@
 --   open are dropped from the index. A missing session only cleans the index. A turn
 --   rolled back is done first: its reservations are then judged as the rollback left them.
 -- Errors: LEDGER_BADARG, LEDGER_STALE, LEDGER_OPREUSED.
--- Calls: HMGET, TIME, HSET, HDEL, ZREM (HGETALL, ZADD and HINCRBY to roll a turn back) (HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due).
+-- Calls: HMGET, TIME, HSET, HDEL, ZREM (HGETALL, ZADD and HINCRBY to roll a turn back; HSCAN of
+--        an expired reservation's children when it has any) (HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due).
 
 local op, fp, epoch = op_args('expire', true)
 local sid, n
@@ -43,6 +44,7 @@ for k = 1, n do
     rid = id_arg(rid, 'reservation id')
   end
   raws[k + 16] = 'r:' .. rid
+  raws[n + k + 16] = 'k:' .. rid  -- (its children's pool; '~' has none)
 end
 
 key_arg(2, 'deadlines')
@@ -84,6 +86,8 @@ for k = 1, n do
       H.nv = H.nv - 1
       released, expired = released + est, expired + 1
       dead[#dead + 1] = raws[k + 16]
+      -- (its children go with it: their pool and each child's field)
+      for _, f in ipairs((child_fields(key, ARGV[4 + k], R[n + k + 1]))) do dead[#dead + 1] = f end
       gone[#gone + 1] = sid .. '|' .. ARGV[4 + k]
     else
       pending[#pending + 1] = ARGV[4 + k]
@@ -93,7 +97,7 @@ end
 if #gone > 0 then redis.call('ZREM', KEYS[2], unpack(gone)) end
 local args = {}
 if expired > 0 then
-  redis.call('HDEL', key, unpack(dead))
+  call_each('HDEL', key, dead)
   indicate(key, 'expired', expired)
   args = { 'fr', H.fr, 'a_w', H.a_w, 'a_rm', H.a_rm, 'a_s', H.a_s, 'v_w', H.v_w, 'v_r', H.v_r,
     'v_m', H.v_m, 'v_s', H.v_s, 'nv', H.nv }

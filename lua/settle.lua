@@ -38,7 +38,7 @@
 --         LEDGER_EXPIRED (its deadline has passed on Redis's clock),
 --         LEDGER_CONFLICT (the consumer already holds the item id), LEDGER_TURNHELD,
 --         LEDGER_TURNLOST (see `fence` in _common.lua).
--- Calls: HMGET, TIME, HSET, HDEL, ZREM (ZADD of the reclaim-order index when sent, HGET of ttl and its PEXPIRE when due; HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due; HINCRBY and
+-- Calls: HMGET, TIME, HSET, HDEL, ZREM (HSCAN of the reservation's children when it has any; ZADD of the reclaim-order index when sent, HGET of ttl and its PEXPIRE when due; HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due; HINCRBY and
 --        HMGET of HW, out, W, kf, pm on refusal or while a compaction is pending).
 
 local op, fp, epoch, tok = op_args('settle', false)
@@ -79,7 +79,11 @@ local J = { gz = H.gz, xp = H.xp, uo = res.uo }
 local refused, pm = refuse_growth(key, A == 'a_rm' and H.cd == 1 and actual > est, actual - est, d, H, actual,
   now, op, fp, J)
 if refused then return refused end
-redis.call('HDEL', key, 'r:' .. rid)
+-- (the reservation goes, and its children with it: their pool and each child's field)
+local gone, was = child_fields(key, rid, res.pool)
+table.insert(gone, 1, 'r:' .. rid)
+table.insert(was, 1, res.rec)
+call_each('HDEL', key, gone)
 redis.call('ZREM', KEYS[2], sid .. '|' .. rid)
 local fr = H.fr - d
 local scoped = {}
@@ -91,7 +95,7 @@ local args = { 'i:' .. c .. ':' .. item, actual .. '|' .. H.tn .. '|' .. prio ..
   'sq', H.sq + 1, 'fr', fr, A, a - est + actual, 'u_' .. c, H['u_' .. c] + actual,
   'n_' .. c, H['n_' .. c] + 1, 'v_' .. c, H['v_' .. c] - est, 'nv', H.nv - 1 }
 if pm then args[#args + 1], args[#args + 2] = 'pm', pm + actual - est end
-if res.in_turn then args[#args + 1], args[#args + 2] = 'ul', journal(res.ul, { 'r:' .. rid }, { res.rec }) end
+if res.in_turn then args[#args + 1], args[#args + 2] = 'ul', journal(res.ul, gone, was) end
 order_keep(ORD, c, H.oq, H.sq, H.sq + 1, ORDER[c] and { order_score(c, H.sq + 1), args[1] },
   H.ox, now, key, args)
 return commit(key, now, op, fp, reply({ 'status=ok', 'reservation=' .. rid, 'item=' .. item,

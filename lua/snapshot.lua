@@ -12,13 +12,15 @@
 --        (see _common.lua), the last end_turn's drift (dt tolerance, dr drift, dp prompt,
 --        df flagged) and x:<counter> telemetry counters; the client derives
 --        utilization, residual working memory and regime from them. Then the open
---        turn: le its lease's end (0: no turn open), te the last turn ended, and last
+--        turn: le its lease's end (0: no turn open), te the last turn ended, then
+--        rzd=<ms, Redis's clock> and rzr=<reason> of a staged hard reset (rz: when it is
+--        due and why; 0 and empty when none is staged for this epoch), and last
 --        cm=<the last ended turn's commit mark> and lo=<owner> (each empty when there is
---        none), the two fields that are not numbers;
---        with KEYS[2], before it kw=<1|0>: whether a worker is computing a compaction now.
+--        none): rzr, cm and lo are the fields that are not numbers;
+--        with KEYS[2], before rzd, kw=<1|0>: whether a worker is computing a compaction now.
 -- Errors: LEDGER_NOSESSION, LEDGER_VERSION (another protocol, or a session of a layout
 --         these scripts do not read: its fields would be read as zeros).
--- Calls: HMGET, TIME (HGET of KEYS[2] when given).
+-- Calls: HMGET, TIME, HGET (of rz; of KEYS[2] when given).
 
 protocol_arg(ARGV[1])
 if #ARGV ~= 1 then fail('BADARG', 'expected 1 argument, got ' .. #ARGV) end
@@ -38,6 +40,10 @@ if KEYS[2] then
   local w = string.match(redis.call('HGET', KEYS[2], '~') or '', '|(%d+)$')
   out[#out + 1] = 'kw=' .. ((w and tonumber(w) > tonumber(string.sub(out[1], 5))) and '1' or '0')
 end
+-- A staged hard reset (rz, see `reset_staged`): when it is due and why (0 and empty: none).
+local st = reset_staged(redis.call('HGET', KEYS[1], 'rz'), tonumber(v[1]))
+out[#out + 1] = 'rzd=' .. (st and string.format('%d', st.due) or '0')
+out[#out + 1] = 'rzr=' .. (st and st.reason or '')
 out[#out + 1] = 'cm=' .. (v[#FIELDS - 1] or '')
 out[#out + 1] = 'lo=' .. (v[#FIELDS] or '')
 return reply(out)

@@ -20,7 +20,7 @@
 -- Reply: status=ok|reservation=<id>|released=<tokens>|free=<tokens>|epoch=<n>|turn=<n>
 -- Errors: LEDGER_BADARG, LEDGER_NOSCOPE, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED, LEDGER_NORESERVATION,
 --         LEDGER_TURNHELD, LEDGER_TURNLOST (see `fence` in _common.lua).
--- Calls: HMGET, TIME, HSET, HDEL, ZREM (HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due).
+-- Calls: HMGET, TIME, HSET, HDEL, ZREM (HSCAN of the reservation's children when it has any; HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due).
 
 local op, fp, epoch, tok = op_args('void', false)
 local sid, rid, S
@@ -44,10 +44,14 @@ local H, R = load(key, { 'ep', 'tn', 'fr', A, F, 'v_' .. c, 'nv', 'gz', 'xp' }, 
 local now = now_ms()
 local a = H[A]
 local fr = H.fr - claim_delta(a, -est, H[F] or 0)
-redis.call('HDEL', key, 'r:' .. rid)
+-- (the reservation goes, and its children with it: their pool and each child's field)
+local gone, was = child_fields(key, rid, res.pool)
+table.insert(gone, 1, 'r:' .. rid)
+table.insert(was, 1, res.rec)
+call_each('HDEL', key, gone)
 redis.call('ZREM', KEYS[2], sid .. '|' .. rid)
 if S then scope_close(S, sid .. '|' .. rid, nil) end
 local args = { 'fr', fr, A, a - est, 'v_' .. c, H['v_' .. c] - est, 'nv', H.nv - 1 }
-if res.in_turn then args[#args + 1], args[#args + 2] = 'ul', journal(res.ul, { 'r:' .. rid }, { res.rec }) end
+if res.in_turn then args[#args + 1], args[#args + 2] = 'ul', journal(res.ul, gone, was) end
 return commit(key, now, op, fp, reply({ 'status=ok', 'reservation=' .. rid, 'released=' .. est,
   'free=' .. fr, 'epoch=' .. H.ep, 'turn=' .. H.tn }), args, { gz = H.gz, xp = H.xp, uo = res.uo })

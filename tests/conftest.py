@@ -137,11 +137,11 @@ def led(redis_server: RedisProcess) -> Iterator[Ledger]:
 # What each test file checks: a quality (a marker declared in pyproject.toml) and the files
 # (tests/test_<name>.py) whose every test it marks. A file has one quality or more.
 QUALITIES: dict[str, str] = {
-    "contract": """adapter_ceilings agent batch billing ceilings contract contract_async
-        contract_model contract_once contract_reservations counting drift models order_index
-        owner_token protocol recount reset_staged rules rules_amplification rules_compaction
-        rules_starvation rules_tool_results smoke staging turn_agents turn_regressions turns
-        two_call_turn""",
+    "contract": """adapter_ceilings agent batch billing ceilings child_pools contract
+        contract_async contract_model contract_once contract_reservations counting drift models
+        order_index owner_token protocol recount reset_staged rules rules_amplification
+        rules_compaction rules_starvation rules_tool_results smoke staging turn_agents
+        turn_regressions turns two_call_turn""",
     "bad_input": "agent bad_input bad_input_scripts fuzz reset_staged",
     "security": "hardening owner_token reliability security",
     "property": "fuzz properties properties_rules",

@@ -226,3 +226,23 @@ def test_inspect_items_newest_first(
     shown = re.findall(r"\bdoc-\d\b", out)
     assert shown == ["doc-4", "doc-3"], out
     assert "items (5; the newest 2, newest first)" in " ".join(out.split())
+
+
+def test_inspect_shows_a_staged_reset(
+    redis_server: RedisProcess, prefix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A hard reset waiting for the open turn's end is shown, with its reason and when it
+    is due; none is shown without one."""
+    with Ledger.from_settings(LedgerSettings(redis_url=redis_server.url, prefix=prefix)) as led:
+        s = led.open_session("rz", SessionBudget(window=10_000, system_prompt=10))
+        t = s.begin_turn(0)
+        argv = ["--url", redis_server.url, "--prefix", prefix, "inspect", "rz"]
+        assert cli.main(argv) == cli.EXIT_OK
+        assert "RESET STAGED" not in capsys.readouterr().out
+        done = led.session("rz").reset("ops_asked", wait_ms=600_000)
+        assert cli.main(argv) == cli.EXIT_OK
+        out = " ".join(capsys.readouterr().out.split())
+        assert (
+            f"RESET STAGED (ops_asked): applied when turn {t.turn} ends, or by a reset call "
+            f"from {done.due_ms} ms (in "
+        ) in out, out

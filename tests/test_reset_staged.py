@@ -22,6 +22,7 @@ from ledger import (
     Item,
     Ledger,
     SessionBudget,
+    StagedReset,
     protocol,
 )
 from ledger.client import Session
@@ -83,6 +84,22 @@ def test_a_live_turn_stages_the_reset_and_nothing_else_changes(ledger: Ledger) -
     # the turn goes on: its calls are of the epoch it began at
     assert s.admit(W, [Item("w4", 200)]).admitted == 1
     assert {i.id for i in ledger.items(s.id)} == {"w1", "w2", "w3", "w4", "r1"}
+
+
+def test_the_snapshot_shows_a_staged_reset_until_it_is_applied(ledger: Ledger) -> None:
+    s, turn = in_turn(ledger)
+    assert s.snapshot().reset_staged is None
+    done = staged(ledger, s, "ops_asked")
+    snap = s.snapshot()
+    assert snap.reset_staged == StagedReset(reason="ops_asked", due_ms=done.due_ms)
+    assert snap.reset_staged.due_ms > snap.now_ms  # waiting for the turn's end
+    # one of an older epoch is no reset of this one: not shown
+    h = raw(ledger, s)
+    ledger.client.hset(s.keys.session, "rz", h["rz"].replace(f"{s.epoch}|", f"{s.epoch - 1}|", 1))
+    assert s.snapshot().reset_staged is None
+    ledger.client.hset(s.keys.session, "rz", h["rz"])
+    assert s.end_turn(turn, 3_100).reset == s.epoch  # applied: nothing staged any more
+    assert s.snapshot().reset_staged is None
 
 
 def test_end_turn_commits_the_turn_then_applies_the_reset(ledger: Ledger) -> None:

@@ -59,6 +59,14 @@ def cmd_inspect(args: argparse.Namespace, out: Console) -> int:
             + (f"; last error {escape(d.fields.get('error', ''))}" if d.fields.get("error") else "")
             + ("  (ledger dead list / replay / purge)" if held else "")
         )
+    if snap.reset_staged is not None:  # a hard reset waits for the open turn's end
+        rz = snap.reset_staged
+        left = rz.due_ms - snap.now_ms
+        out.print(
+            f"[yellow]RESET STAGED[/] ({escape(rz.reason)}): applied when turn {snap.turn} "
+            f"ends, or by a reset call from {rz.due_ms} ms "
+            + (f"(in {left} ms)" if left > 0 else f"(due {-left} ms ago)")
+        )
     tol = "not judged" if snap.framing_tolerance is None else str(snap.framing_tolerance)
     out.print(
         f"last real prompt {snap.last_prompt}  drift {snap.drift:+d} (prompt - occupancy; "

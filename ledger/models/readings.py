@@ -11,10 +11,21 @@ from ledger.models.enums import Consumer
 # What ``ledger.models`` (and so ``ledger``) exports of this module: its classes.
 __all__ = [
     "Snapshot",
+    "StagedReset",
     "AuditReport",
     "ScopeUsage",
     "PartitionCheck",
 ]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StagedReset:
+    """A hard reset waiting for the open turn's end (docs/rules.md#a-reset-waits-for-the-turns-end):
+    its reason, and when it is due (Redis's clock): from then on a reset call applies it
+    whatever is open."""
+
+    reason: str
+    due_ms: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,6 +62,7 @@ class Snapshot:
     last_ended_turn: int = 0
     compacting: bool = False  # a worker is computing this session's compaction now
     mark: str | None = None  # the commit mark of the last ended turn
+    reset_staged: StagedReset | None = None  # a hard reset waiting for the turn's end
 
     @property
     def turn_open(self) -> bool:

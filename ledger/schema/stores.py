@@ -184,4 +184,8 @@ SCOPE_HOLD_DEADLINE = _f(
 # The names snapshot answers that no hash stores (docs/protocol.md#snapshot).
 SNAPSHOT_NOW = "now"
 SNAPSHOT_COMPACTING = "kw"
-REPLY_ONLY = frozenset({SNAPSHOT_NOW, SNAPSHOT_COMPACTING})
+SNAPSHOT_RESET_DUE = "rzd"  # a staged reset (rz): when it is due (0: none)
+SNAPSHOT_RESET_REASON = "rzr"  # and why (empty: none)
+REPLY_ONLY = frozenset(
+    {SNAPSHOT_NOW, SNAPSHOT_COMPACTING, SNAPSHOT_RESET_DUE, SNAPSHOT_RESET_REASON}
+)
