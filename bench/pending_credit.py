@@ -4,7 +4,7 @@
 
 Runs scenario 001's ledger column on embedded (the stepped clock: the same figures on
 any machine) twice per seed: with the packaged ``admit.lua``, and with the bound taken
-out where it lives (the line after ``-- rule: pending-compaction-credit``: no cap while
+out where it lives (the line after ``-- rule: pending-compaction-bound``: no cap while
 a compaction is pending, the bound of a failed compaction kept), as
 tests/test_demo_rules.py takes rules out. Before each retrieval or recall admission it
 reads the session (a snapshot: no call that moves the clock) and, when the admission is
@@ -41,7 +41,7 @@ from ledger.fleet.agent import Doc, SimAgent
 from ledger.fleet.run import FleetConfig, run
 from ledger.models import Consumer
 
-MARKER = "pending-compaction-credit"
+MARKER = "pending-compaction-bound"
 BOUND = "cap = tonumber(x[3]) - tonumber(x[2]) - base"
 
 

@@ -94,13 +94,17 @@ local charged, admitted, dups, skipped, items, stored = 0, 0, 0, {}, {}, {}
 -- Compaction credit (docs/rules.md#compaction-credit): while a compaction is pending,
 -- memory is judged on the post-compaction baseline: the high-water mark plus the
 -- memory admitted since the compaction became pending (pm); at most W - out - HW - pm
--- more tokens. None while the last one failed.
+-- more tokens. None while the last one failed. The bound is the tighter of the two only
+-- where memory was released since the compaction became pending (a consumer released
+-- each turn), memory has a floor (min_memory), or the compaction was made due below H
+-- (a starvation refusal): with memory kept (sticky) occupancy stays above H while a
+-- compaction is pending, so the free room refuses first.
 local cap, pending, bound, pm, base = nil, A == 'a_rm' and v[11] == '1', nil, 0, 0
 if pending then
   local x = redis.call('HMGET', key, 'HW', 'out', 'W', 'kf', 'pm')
   pm = tonumber(x[5]) or 0
   base = tonumber(x[1]) + pm
-  -- rule: pending-compaction-credit (the demo's rule tests replace the next line)
+  -- rule: pending-compaction-bound (the demo's rule tests replace the next line)
   cap = tonumber(x[3]) - tonumber(x[2]) - base
   bound = 'pending'
   if (tonumber(x[4]) or 0) > 0 then cap, bound = 0, 'failed' end

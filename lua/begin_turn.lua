@@ -137,7 +137,10 @@ local now = now_ms()
 -- the content store the compaction writes.
 local lands = R[6] and SUMS and CONTENT
 -- A pending compaction lands only between turns: a caller that waits for it is told so
--- (and whether a worker computes it now), and nothing changes.
+-- (and whether a worker computes it now), and nothing changes. This is the compaction
+-- charged before the turn's admissions (docs/rules.md#compaction-credit): the turn whose
+-- retrieval it makes room for begins after it, not against it.
+-- rule: pending-compaction-credit (the demo's rule tests replace the next line)
 if await == 1 and H.cd == 1 and not lands then
   local who, till = string.match(redis.call('HGET', SUMS, '~') or '', '^(.*)|(%d+)$')
   if till and tonumber(till) > now then
