@@ -56,7 +56,7 @@ call_each('ZREM', KEYS[2], members)
 indicate(key, 'resets', 1)
 redis.call('DEL', KEYS[3], KEYS[4])  -- (after a write that may be refused on a full server)
 local args = { 'ep', H.ep + 1, 'fr', fr, 'nv', 0,
-  'a_w', 0, 'a_rm', 0, 'a_s', 0, 'x:last_reset', reason, 'cd', 0, 'kf', 0, 'rq', 0, 'kt', H.tn,
+  'a_w', 0, 'a_rm', 0, 'a_s', 0, 'x:last_reset', reason, 'cd', 0, 'kf', 0, 'kr', 0, 'rq', 0, 'kt', H.tn,
   'ai', 0, 'ao', 0, 'an', 0, 'df', 0, 'dr', 0 }
 zero_counters(args)
 if R[1] then args[#args + 1], args[#args + 2] = 'rb', H.tn .. ' reset' end  -- (its calls: TURNLOST)
