@@ -1086,8 +1086,9 @@ end
 -- window (H: the caller's load, with fr, ep and tn; `requested`: what the reply names).
 -- `pending`: the tokens are memory's and a compaction is pending; they are then judged
 -- as admit.lua judges memory (the compaction credit): refused while the last compaction
--- failed to reach H (failed, did_not_fit, stale; not a deferral), else while HW + pm + grow + the output reserve > W, a refusal counted as
--- refused_pending with |bound=|baseline=.
+-- failed to reach H (failed, did_not_fit, stale; not a deferral), else while HW + pm +
+-- grow + the output reserve > W, a refusal counted as refused_pending with
+-- |bound=|baseline=.
 -- Else it is refused when d is more than the free room (the reason `refusal_reason`
 -- gives). A refusal is counted and committed as the call's outcome: returns that reply.
 -- Else returns nil and pm (the memory admitted since the compaction became pending, for

@@ -30,8 +30,8 @@
 --   another consumer's floor); compaction_pending (retrieval or recall while a
 --   compaction is pending, docs/rules.md#compaction-credit: refused outright while
 --   the last compaction failed to reach H (failed, did_not_fit, stale: kf > 0 and kr
---   not 1), bound=failed; else (after a deferral too) judged on the post-compaction baseline,
---   bound=pending: H + memory admitted since the compaction became pending + the
+--   not 1), bound=failed; else (after a deferral too) judged on the post-compaction
+--   baseline, bound=pending: H + memory admitted since the compaction became pending + the
 --   request + the turn's output reserve must not exceed the window). A request that
 --   passes that bound but not the free room gets the free-room reason
 --   (token_budget_exhausted or floor_protected), never compaction_pending.
@@ -95,9 +95,9 @@ local charged, admitted, dups, skipped, items, stored = 0, 0, 0, {}, {}, {}
 -- Compaction credit (docs/rules.md#compaction-credit): while a compaction is pending,
 -- memory is judged on the post-compaction baseline: the high-water mark plus the
 -- memory admitted since the compaction became pending (pm); at most W - out - HW - pm
--- more tokens. None while the last one failed to reach H (failed, did_not_fit, stale); after
--- a deferral (it reached H, but freed less than the minimum gain) the bound. The bound is the tighter of the two only
--- where memory was released since the compaction became pending (a consumer released
+-- more tokens. None while the last one failed to reach H (failed, did_not_fit, stale);
+-- after a deferral (it reached H, but freed less than the minimum gain) the bound. The
+-- bound is the tighter of the two only where memory was released since the compaction became pending (a consumer released
 -- each turn), memory has a floor (min_memory), or the compaction was made due below H
 -- (a starvation refusal): with memory kept (sticky) occupancy stays above H while a
 -- compaction is pending, so the free room refuses first.
