@@ -1,10 +1,10 @@
 """Does scenario 001 depend on the pending-compaction bound? (issue 43)
 
-    python -m bench.pending_credit [--regime demo|no-think|late] [--fleet 8,4] [SEED ...]
+    python -m bench.pending_credit [--regime demo|late|paced|no-think] [--fleet 8,4] [SEED ...]
 
 Runs scenario 001's ledger column on embedded (the stepped clock: the same figures on
 any machine) twice per seed: with the packaged ``admit.lua``, and with the bound taken
-out where it lives (the line after ``-- rule: pending-compaction-credit``: no cap while
+out where it lives (the line after ``-- rule: pending-compaction-bound``: no cap while
 a compaction is pending, the bound of a failed compaction kept), as
 tests/test_demo_rules.py takes rules out. Before each retrieval or recall admission it
 reads the session (a snapshot: no call that moves the clock) and, when the admission is
@@ -14,12 +14,16 @@ its room is the smaller. Prints per seed both columns' refusals and retrieval ad
 the count of admissions under the bound, the least (bound room - free room) among them,
 and whether the ledger column's summary is the same without the bound.
 
-Regimes: ``demo``, the scenario as ``ledger demo`` runs it; ``no-think``, the simulated
-user never thinks (the agent still waits, bounded, for a pending compaction at a begin);
-``late``, the agent never pauses at all (no think time, no wait at a begin) and the
-clock moves by each turn's own latency (at the demo's 1/50), so a compaction lands turns
-after it was requested; ``late-wait``, the same clock, but the agent keeps the library's
-wait at a begin (``await_compaction``, the demo's share of quick turns that skip it).
+Regimes: ``demo``, the scenario as ``ledger demo`` runs it: autonomous agents (no think
+time, the clock moved by each turn's own latency at the demo's 1/50, so a compaction may
+land turns after it was requested) that wait at a begin for a pending compaction,
+bounded by the agent layer's defaults; ``late``, the same, but the agent never waits at
+a begin (the other half of the credit, begin_turn.lua's ``pending-compaction-credit``
+refusal, then never holds a turn); ``paced``, ``ledger demo --paced``: a simulated
+user's think time between turns (the worker compacts meanwhile); ``no-think``, the paced
+agent whose user never thinks (it still waits, bounded, at a begin). ``--wait S``: the
+agent's bound on waiting at a begin, in a deployment's seconds (at 1/50), in place of
+the regime's.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from ledger.fleet.agent import Doc, SimAgent
 from ledger.fleet.run import FleetConfig, run
 from ledger.models import Consumer
 
-MARKER = "pending-compaction-credit"
+MARKER = "pending-compaction-bound"
 BOUND = "cap = tonumber(x[3]) - tonumber(x[2]) - base"
 
 
@@ -75,33 +79,25 @@ def probed(stats: Counter[str], margins: list[int]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def regime(name: str, wait_s: float | None = None) -> Iterator[None]:
-    """`wait_s`: the agent's bound on waiting at a begin, in a deployment's seconds (the
-    clock's 1/50 applied), in place of the demo's 7.5 s (decay.COMPACTION_WAIT_S)."""
-    if wait_s is not None:
-        with mock.patch.object(decay, "COMPACTION_WAIT_S", wait_s / 50), regime(name):
-            yield
-        return
-    if name == "demo":
-        yield
-        return
-    run_ledger, ledger_turn = decay.run_ledger, decay._ledger_turn
-
-    def no_think(agent: SimAgent, turns: Sequence[decay.TurnPlan], think_s: float = 0.0) -> Any:
-        return run_ledger(agent, turns, 0.0)
-
-    def timed_turn(agent: SimAgent, *args: Any) -> Any:
-        out = ledger_turn(agent, *args)
-        agent.clock.sleep(out[0].latency_ms / 1000 / 50)  # the turn's own time, at 1/50
-        return out
-
+def regime(name: str, wait_s: float | None = None) -> Iterator[bool]:
+    """The regime's patches; yields whether the fleet is human-paced (FleetConfig.paced).
+    `wait_s`: the agent's bound on waiting at a begin, in a deployment's seconds (the
+    clock's 1/50 applied), in place of the regime's."""
+    paced = name in ("paced", "no-think")
     with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.object(decay, "run_ledger", no_think))
-        if name in ("late", "late-wait"):
-            if name == "late":
-                stack.enter_context(mock.patch.object(decay, "QUICK", 1.0))  # no wait at a begin
-            stack.enter_context(mock.patch.object(decay, "_ledger_turn", timed_turn))
-        yield
+        if wait_s is not None:
+            limit = "COMPACTION_WAIT_S" if paced else "AUTONOMOUS_WAIT_S"
+            stack.enter_context(mock.patch.object(decay, limit, wait_s / decay.TIME_SCALE))
+        if name == "late":
+            stack.enter_context(mock.patch.object(decay, "AUTONOMOUS_WAIT_S", 0.0))
+        if name == "no-think":
+            run_ledger = decay.run_ledger
+
+            def no_think(agent: SimAgent, turns: Sequence[decay.TurnPlan], paced: bool) -> Any:
+                return run_ledger(agent, turns, paced, think_s=0.0)
+
+            stack.enter_context(mock.patch.object(decay, "run_ledger", no_think))
+        yield paced
 
 
 def measure(
@@ -109,15 +105,16 @@ def measure(
 ) -> dict[str, Any]:
     stats: Counter[str] = Counter()
     margins: list[int] = []
-    config = FleetConfig(
-        seed=seed,
-        only=frozenset({"001"}),
-        sessions=fleet[0],
-        tail=fleet[1],
-        scripts={"admit": admit},
-    )
     settings = LedgerSettings(redis_url="embedded://", prefix=f"pc{uuid.uuid4().hex[:8]}")
-    with regime(name, wait_s), probed(stats, margins):
+    with regime(name, wait_s) as paced, probed(stats, margins):
+        config = FleetConfig(
+            seed=seed,
+            only=frozenset({"001"}),
+            sessions=fleet[0],
+            tail=fleet[1],
+            scripts={"admit": admit},
+            paced=paced,
+        )
         lg = report.summarize(run(settings, config))["ledger"]
     return {
         "summary": lg,
@@ -129,13 +126,14 @@ def measure(
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("seeds", nargs="*", type=int, default=[1, 11, 23])
-    ap.add_argument("--regime", choices=("demo", "no-think", "late", "late-wait"), default="demo")
+    ap.add_argument("--regime", choices=("demo", "late", "paced", "no-think"), default="demo")
     ap.add_argument("--fleet", default="8,4", help="sessions,tail sessions (default 8,4)")
     ap.add_argument(
         "--wait",
         type=float,
         default=None,
-        help="the agent's wait at a begin, a deployment's seconds (default: the demo's 7.5)",
+        help="the agent's wait at a begin, a deployment's seconds (default: the regime's: "
+        "2 autonomous, the agent layer's default; 7.5 paced)",
     )
     a = ap.parse_args(argv)
     logging.getLogger("ledger.worker").setLevel(logging.ERROR)

@@ -82,6 +82,10 @@
 --                  was open, landed by the next begin_turn (JSON: op, ep, id, t, items,
 --                  text, read)
 --   kf             failed_compactions [count]: consecutive failed compactions
+--   kr             last_compaction_deferred [count]: the failed-compaction count (kf) a
+--                  deferral left (applied, occupancy at or under the high-water mark,
+--                  less than the minimum gain): equal to kf while that deferral is the
+--                  last compaction judged; 0 after any other outcome or a reset
 --   kn             compactions_done [count]: compactions done
 --   kt             last_compaction_turn [turn]: the turn of the last compaction
 --   rq             reset_requested [flag]: 1 once failed compactions escalated to a hard
@@ -1165,7 +1169,7 @@ local function reset_effect(key, K, sid, reason, args)
   indicate(key, 'resets', 1)
   redis.call('DEL', K[2], K[3])  -- (after a write that may be refused on a full server)
   for _, kv in ipairs({ 'ep', H.ep + 1, 'fr', fr, 'nv', 0, 'a_w', 0, 'a_rm', 0, 'a_s', 0,
-      'x:last_reset', reason, 'cd', 0, 'kf', 0, 'rq', 0, 'kt', H.tn, 'ai', 0, 'ao', 0, 'an', 0,
+      'x:last_reset', reason, 'cd', 0, 'kf', 0, 'kr', 0, 'rq', 0, 'kt', H.tn, 'ai', 0, 'ao', 0, 'an', 0,
       'df', 0, 'dr', 0 }) do
     args[#args + 1] = kv
   end
@@ -1199,8 +1203,9 @@ end
 -- window (H: the caller's load, with fr, ep and tn; `requested`: what the reply names).
 -- `pending`: the tokens are memory's and a compaction is pending; they are then judged
 -- as admit.lua judges memory (the compaction credit): refused while the last compaction
--- failed, else while HW + pm + grow + the output reserve > W, a refusal counted as
--- refused_pending with |bound=|baseline=.
+-- failed to reach H (failed, did_not_fit, stale; not a deferral), else while HW + pm +
+-- grow + the output reserve > W, a refusal counted as refused_pending with
+-- |bound=|baseline=.
 -- Else it is refused when d is more than the free room (the reason `refusal_reason`
 -- gives). A refusal is counted and committed as the call's outcome: returns that reply.
 -- Else returns nil and pm (the memory admitted since the compaction became pending, for
@@ -1208,9 +1213,10 @@ end
 local function refuse_growth(key, pending, grow, d, H, requested, now, op, fp, J)
   local reason, extra, pm
   if pending then
-    local x = load(key, { 'HW', 'out', 'W', 'kf', 'pm' }, 5)
+    local x = load(key, { 'HW', 'out', 'W', 'kf', 'pm', 'kr' }, 6)
     pm = x.pm or 0
-    local bound = (x.kf or 0) > 0 and 'failed' or 'pending'
+    -- (after a deferral the compaction reached H: the post-compaction bound, not 'failed')
+    local bound = ((x.kf or 0) > 0 and x.kr ~= x.kf) and 'failed' or 'pending'
     if bound == 'failed' or grow > x.W - x.out - x.HW - pm then
       reason, extra = 'compaction_pending', { 'bound=' .. bound, 'baseline=' .. (x.HW + pm) }
       indicate(key, 'refused_pending', 1)
@@ -1336,6 +1342,11 @@ local function compaction_effect(key, H, recs, matched, P, K)
   -- no failure counts past an escalation, until the reset
   local kf = ok and 0 or (H.rq == 0 and H.kf + 1 or H.kf)
   local escalate = (not ok) and kf >= H.cx and H.rq == 0
+  -- A deferral landed at or under H: it counts toward the escalation (kf) like a failure,
+  -- but its baseline holds. Memory is judged on the post-compaction bound after it (kr = kf,
+  -- not the `failed` bound), and no compaction is pending after it, nor retried: the next
+  -- end_turn above H makes the next one due (docs/rules.md#compaction-credit).
+  local landed = deferred and not ok
   if #dead > 0 then redis.call('HDEL', key, unpack(dead)) end
   local sq, args = H.sq, {}
   if sum_t > 0 then
@@ -1345,7 +1356,8 @@ local function compaction_effect(key, H, recs, matched, P, K)
     -- (a working-memory item has no entry in the reclaim-order index: it stays complete)
     if H.oq == H.sq then args[#args + 1], args[#args + 2] = 'oq', sq end
   end
-  local upd = { 'sq', sq, 'a_w', A.a_w, 'a_rm', A.a_rm, 'a_s', A.a_s, 'fr', fr, 'kf', kf, 'cd', ok and 0 or 1 }
+  local upd = { 'sq', sq, 'a_w', A.a_w, 'a_rm', A.a_rm, 'a_s', A.a_s, 'fr', fr, 'kf', kf,
+    'cd', (ok or landed) and 0 or 1, 'kr', landed and kf or 0 }
   for _, c in ipairs({ 'w', 'r', 'm', 's' }) do
     upd[#upd + 1], upd[#upd + 2], upd[#upd + 3], upd[#upd + 4] = 'u_' .. c, U[c], 'n_' .. c, N[c]
   end
@@ -1391,7 +1403,7 @@ local function compaction_effect(key, H, recs, matched, P, K)
     enqueue(K.jobs, 'hard_reset', P.sid, H.ep, P.op, 'failed_compactions')
     indicate(key, 'escalations', 1)
     args[#args + 1], args[#args + 2] = 'rq', 1
-  elseif not ok and H.rq == 0 and worker_compacts(key) and (P.job or H.cd ~= 1) then
+  elseif not ok and not landed and H.rq == 0 and worker_compacts(key) and (P.job or H.cd ~= 1) then
     -- (an agent's own failed compaction while a job is queued already adds no second one)
     enqueue(K.jobs, 'compact', P.sid, H.ep, P.op, 'failed_compaction')
   end

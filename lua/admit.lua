@@ -29,8 +29,9 @@
 --   reason: token_budget_exhausted; floor_protected (the room exists but lies inside
 --   another consumer's floor); compaction_pending (retrieval or recall while a
 --   compaction is pending, docs/rules.md#compaction-credit: refused outright while
---   the last compaction failed, bound=failed; else judged on the post-compaction baseline,
---   bound=pending: H + memory admitted since the compaction became pending + the
+--   the last compaction failed to reach H (failed, did_not_fit, stale: kf > 0 and kr
+--   not kf), bound=failed; else (after a deferral too) judged on the post-compaction
+--   baseline, bound=pending: H + memory admitted since the compaction became pending + the
 --   request + the turn's output reserve must not exceed the window). A request that
 --   passes that bound but not the free room gets the free-room reason
 --   (token_budget_exhausted or floor_protected), never compaction_pending.
@@ -42,7 +43,7 @@
 -- Errors: LEDGER_BADARG, LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED, LEDGER_TURNHELD,
 --         LEDGER_TURNLOST (see `fence` in _common.lua).
 -- Calls: HMGET, TIME, HSET (ZADD of the reclaim-order index when sent, HGET of ttl and its PEXPIRE when due; HSET and PEXPIRE of the content store when texts are sent; HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due; HINCRBY on refusal;
---        HMGET of HW, out, W, kf, pm for retrieval and recall while a compaction is pending).
+--        HMGET of HW, out, W, kf, pm, kr for retrieval and recall while a compaction is pending).
 
 local op, fp, epoch, tok = op_args('admit', false)
 local c
@@ -94,16 +95,23 @@ local charged, admitted, dups, skipped, items, stored = 0, 0, 0, {}, {}, {}
 -- Compaction credit (docs/rules.md#compaction-credit): while a compaction is pending,
 -- memory is judged on the post-compaction baseline: the high-water mark plus the
 -- memory admitted since the compaction became pending (pm); at most W - out - HW - pm
--- more tokens. None while the last one failed.
+-- more tokens. None while the last one failed to reach H (failed, did_not_fit, stale);
+-- after a deferral (it reached H, but freed less than the minimum gain) the bound. The
+-- bound is the tighter of the two only where memory was released since the compaction became pending (a consumer released
+-- each turn), memory has a floor (min_memory), or the compaction was made due below H
+-- (a starvation refusal): with memory kept (sticky) occupancy stays above H while a
+-- compaction is pending, so the free room refuses first.
 local cap, pending, bound, pm, base = nil, A == 'a_rm' and v[11] == '1', nil, 0, 0
 if pending then
-  local x = redis.call('HMGET', key, 'HW', 'out', 'W', 'kf', 'pm')
+  local x = redis.call('HMGET', key, 'HW', 'out', 'W', 'kf', 'pm', 'kr')
   pm = tonumber(x[5]) or 0
   base = tonumber(x[1]) + pm
-  -- rule: pending-compaction-credit (the demo's rule tests replace the next line)
+  -- rule: pending-compaction-bound (the demo's rule tests replace the next line)
   cap = tonumber(x[3]) - tonumber(x[2]) - base
   bound = 'pending'
-  if (tonumber(x[4]) or 0) > 0 then cap, bound = 0, 'failed' end
+  -- (a deferral reached H: it counts in kf, but its baseline holds; kr = kf while it is
+  -- the last compaction judged, so a failure after it, even one an older release judged, ends that)
+  if (tonumber(x[4]) or 0) > 0 and x[6] ~= x[4] then cap, bound = 0, 'failed' end
 end
 local first_skip, by_bound = nil, false
 -- z: the members of the items admitted, when the reclaim-order index is kept here (see

@@ -151,7 +151,10 @@ local implicit = mine and H.le > now and takeover == 0
 local st = SUMS and CONTENT and reset_staged(R[7], H.ep)
 if st and R[2] and not implicit and H.le > now and takeover == 0 then st = nil end
 -- A pending compaction lands only between turns: a caller that waits for it is told so
--- (and whether a worker computes it now), and nothing changes.
+-- (and whether a worker computes it now), and nothing changes. This is the compaction
+-- charged before the turn's admissions (docs/rules.md#compaction-credit): the turn whose
+-- retrieval it makes room for begins after it, not against it.
+-- rule: pending-compaction-credit (the demo's rule tests replace the next line)
 if await == 1 and H.cd == 1 and not lands and not st then
   local who, till = string.match(redis.call('HGET', SUMS, '~') or '', '^(.*)|(%d+)$')
   if till and tonumber(till) > now then

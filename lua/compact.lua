@@ -4,10 +4,14 @@
 -- The compactor replaced some items (old working-memory turns, and stale retrieval
 -- chunks or tool results, which are history too) by one working-memory summary. The post-
 -- condition occupancy <= high-water mark is hard: a compaction that misses it is
--- a failed compaction (a deferral). Its effect is still applied (the tokens are
--- real), the compaction stays pending, and after the configured number of
--- consecutive failures a hard-reset job is appended to the partition's job stream
--- in this same step, so no crash can lose the escalation.
+-- a failed compaction. Its effect is still applied (the tokens are real), the
+-- compaction stays pending, and after the configured number of consecutive failures
+-- a hard-reset job is appended to the partition's job stream in this same step, so no
+-- crash can lose the escalation. One that meets it but frees less than the session's
+-- minimum gain is a deferral: counted toward the escalation as a failure, but it landed
+-- under the mark: nothing is pending after it nor retried (the next end_turn above the
+-- mark makes the next compaction due), and memory is judged on the post-compaction
+-- bound, not refused, while the next one is pending (the session's kr, admit.lua).
 --
 -- KEYS[1]  session hash
 -- KEYS[2]  partition job stream
@@ -62,7 +66,12 @@
 --   outcome did_not_fit: the summary does not fit once the items are gone; nothing is
 --   replaced, and it counts as a failed compaction. deferred: occupancy is at or under
 --   the mark but the compaction freed (gain: occupancy before minus after) less than the
---   session's compaction min gain (kg); applied, and counted as a failed compaction.
+--   session's compaction min gain (kg); applied, and counted as a failed compaction
+--   (failures, x:failed_compactions, the escalation), but no compaction is left pending
+--   (cd = 0) and none is retried; the session's kr is set to the failure count it left
+--   (kr = kf), so that while a compaction is pending and no failure followed it memory is
+--   judged on the post-compaction bound, not refused (admit.lua).
+--   Every other outcome judged here (compacted, failed, did_not_fit) sets kr to 0.
 --   outcome already: the job entry named by ARGV[7+n] is no longer in the stream (its
 --   compaction was committed before, or the entry was lost with its stream): nothing is
 --   changed or stored; dropped=0, summary=0, missing empty, escalated=0, the other fields
@@ -83,7 +92,7 @@
 --   escalation's count until the reset.
 -- Stream entries (see `enqueue`): on escalation kind=hard_reset session=<id> epoch=<n>
 --   reason=failed_compactions op=<op id> inc=<the session's inc>; on a failure that does
---   not escalate, kind=compact (the compaction is retried: a new compaction request, a new
+--   not escalate (not a deferral), kind=compact (the compaction is retried: a new compaction request, a new
 --   attempt) with reason=failed_compaction and the same other fields (the session's cq is
 --   stamped), for worker-owned sessions only, none once a hard reset is requested, and none
 --   for an agent's own compaction while one is pending already (cd = 1).

@@ -312,7 +312,7 @@ local args = { 'lv', LAYOUT, 'cfg', cfp, 'ep', epoch, 'inc', now, 'tn', 0, 'sq',
   'R0', out, 'rel', rel, 'pv', v[11], 'sttl', v[12], 'cx', v[13], 'rut', v[14], 'rup', v[15],
   'ams', v[16], 'amf', v[17], 'amp', v[18], 'dt', tol, 'ca', owner == 'agent' and 1 or 0,
   'kg', gain, 'pm', 0,
-  'cd', 0, 'kf', 0, 'kn', 0, 'kt', 0, 'rq', 0, 'ws', 0, 'ai', 0, 'ao', 0, 'an', 0, 'pu', -1 }
+  'cd', 0, 'kf', 0, 'kr', 0, 'kn', 0, 'kt', 0, 'rq', 0, 'ws', 0, 'ai', 0, 'ao', 0, 'an', 0, 'pu', -1 }
 zero_counters(args)
 -- xp = 0: this commit refreshes the idle TTL; the outcome generation (which may hold
 -- a deleted incarnation's outcomes) is rotated one op retention from now.

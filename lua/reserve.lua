@@ -31,8 +31,9 @@
 --   that quantity's unit (money: micro-cents); nothing is held anywhere
 --   reason: token_budget_exhausted, floor_protected, or compaction_pending (retrieval and
 --   recall while a compaction is pending, judged as admit.lua judges them: refused while
---   the last compaction failed, else H + pm + tokens + output reserve <= window; a
---   compaction_pending refusal adds |bound=<pending|failed>|baseline=<tokens>; a request
+--   the last compaction failed to reach H (not a deferral), else H + pm + tokens +
+--   output reserve <= window; a compaction_pending refusal adds
+--   |bound=<pending|failed>|baseline=<tokens>; a request
 --   within that bound but above the free room gets the free-room reason)
 -- Errors: LEDGER_BADARG, LEDGER_NOSCOPE (a scope named has no ceilings set), LEDGER_NOSESSION, LEDGER_STALE, LEDGER_OPREUSED,
 --         LEDGER_CONFLICT (the reservation id is open already, or the consumer holds an

@@ -39,7 +39,7 @@
 --         LEDGER_CONFLICT (the consumer already holds the item id), LEDGER_TURNHELD,
 --         LEDGER_TURNLOST (see `fence` in _common.lua).
 -- Calls: HMGET, TIME, HSET, HDEL, ZREM (HSCAN of the reservation's children when it has any; ZADD of the reclaim-order index when sent, HGET of ttl and its PEXPIRE when due; HMGET of the op's outcome bucket and the epoch base e, HSET of the bucket; a PEXPIRE, or the outcome generations' RENAME and PEXPIRE, when due; HINCRBY and
---        HMGET of HW, out, W, kf, pm on refusal or while a compaction is pending).
+--        HMGET of HW, out, W, kf, pm, kr on refusal or while a compaction is pending).
 
 local op, fp, epoch, tok = op_args('settle', false)
 local sid, rid, actual, item, prio

@@ -27,7 +27,7 @@ if #ARGV ~= 1 then fail('BADARG', 'expected 1 argument, got ' .. #ARGV) end
 local FIELDS = { 'ep', 'tn', 'sq', 'W', 'S', 'T', 'out', 'F_w', 'F_rm', 'HW', 'EV', 'fr',
   'a_w', 'a_rm', 'a_s', 'u_w', 'u_r', 'u_m', 'u_s', 'n_w', 'n_r', 'n_m', 'n_s',
   'v_w', 'v_r', 'v_m', 'v_s', 'nv', 'ttl', 'ort', 'cd', 'kf', 'kn', 'rq', 'ai', 'an', 'ws',
-  'inc', 'ca', 'dt', 'dr', 'dp', 'df', 'kg', 'pm', 'x:drift', 'x:reconciled', 'x:refused',
+  'inc', 'ca', 'dt', 'dr', 'dp', 'df', 'kg', 'pm', 'kr', 'x:drift', 'x:reconciled', 'x:refused',
   'x:refused_pending', 'x:expired', 'x:spilled', 'x:starvation', 'x:failed_compactions', 'x:resets',
   'x:rolled_back', 'le', 'te', 'cm', 'lo' }
 local v = redis.call('HMGET', KEYS[1], unpack(FIELDS))

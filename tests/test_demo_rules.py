@@ -6,7 +6,12 @@ The rule is removed from the packaged Lua text itself (the line after its
 that text in place of the packaged script (FleetConfig.scripts): no demo flag, no
 branch in the production script. Each test also runs the scenario with the packaged
 scripts, where the same check passes, so the failure is the rule's absence and
-nothing else. On a real redis-server (tests/support/servers.py starts it on a free port).
+nothing else. On a real redis-server (tests/support/servers.py starts it on a free port),
+but scenario 001 on embedded: its agents loop without pausing, so on a Redis URL (OS
+processes beside a worker thread, on the wall clock) whether a compaction lands before a
+turn's begin gives up waiting for it depends on the machine's load; on embedded its
+sessions run on the stepped clock (docs/demo.md#time-in-the-demo), the same figures
+however loaded.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -76,6 +82,19 @@ REMOVALS = {
         "001 ledger late compaction interval >= 0.7 x early",
         fleet=(8, 4),
     ),
+    # The compaction charged before the turn's admissions: a begin that waits for a
+    # pending compaction is refused until it lands (the agent waits, bounded). Without it
+    # an autonomous agent's turns begin against the pending compaction, which its own
+    # admissions then make fail: no retrieval while the last one failed.
+    "001 pending-compaction credit": Removal(
+        "begin_turn",
+        "pending-compaction-credit",
+        "if await == 1 and H.cd == 1 and not lands then",
+        "if false then",
+        "001",
+        "001 ledger retrieval admission",
+        fleet=(8, 4),
+    ),
     "000 working-set gate": Removal(
         "begin_turn",
         "working-set-gate",
@@ -128,6 +147,8 @@ def redis_url() -> Iterator[str]:
 
 
 def _checks(url: str, config: FleetConfig) -> dict[str, dict[str, object]]:
+    if config.only == frozenset({"001"}):
+        url = f"embedded://{uuid.uuid4().hex}"  # the stepped clock (the module's docstring)
     summary = report.summarize(run(make_settings(url), config))
     assert summary["off"] is None  # no rule-off column: the ledger column is the point
     return summary["acceptance"]  # type: ignore[no-any-return]

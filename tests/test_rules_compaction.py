@@ -152,7 +152,8 @@ def test_record001_no_memory_while_the_last_compaction_failed(ledger: Ledger) ->
     clean(ledger, s)
 
 
-def test_record001_a_compaction_below_the_min_gain_is_a_deferral(ledger: Ledger) -> None:
+def deferral_001(ledger: Ledger) -> tuple[Session, SessionBudget]:
+    """pending_001 with the demo's compaction_min_gain 0.25 (32k of the window)."""
     b = SessionBudget(
         window=WINDOW_001,
         system_prompt=4_000,
@@ -165,19 +166,120 @@ def test_record001_a_compaction_below_the_min_gain_is_a_deferral(ledger: Ledger)
     t = s.begin_turn(4_000)
     s.admit(WM, HISTORY)
     assert s.end_turn(t.turn, 40_000).compaction_due
-    # Under the mark, but it frees only 20k - 1k = 19k: a deferral, a failed compaction.
+    return s, b
+
+
+def test_record001_a_compaction_below_the_min_gain_is_a_deferral(ledger: Ledger) -> None:
+    s, b = deferral_001(ledger)
+    # Under the mark, but it frees only 20k - 1k = 19k: a deferral, counted as a failure.
     small = s.compact(["h1", "h2"], Item("sum1", 1_000))
     assert (small.compacted, small.outcome, small.gain) == (False, "deferred", 19_000)
     assert small.occupancy <= b.high_water_tokens and small.failures == 1
-    assert s.snapshot().compaction_pending
-    # the pending job stays the one job: an agent's own failure while it is queued adds none
+    snap = s.snapshot()
+    # It landed under the mark: counted toward the escalation, but nothing is pending any
+    # more and no retry is enqueued (the job still queued finds nothing due).
+    assert not snap.compaction_pending and snap.failed_compactions == 1
+    assert snap.raw["kr"] == 1  # it reached the mark
     assert [j["reason"] for j in jobs(ledger, s, "compact")] == ["high_water_mark"]
-    with pytest.raises(AdmissionRefused) as info:  # retrieval waits for a real one
-        s.admit(RET, [Item("doc", 100)])
-    assert info.value.bound == "failed"
     big = s.compact(["h3", "h4", "h5", "h6", "sum1"], Item("sum2", 2_000))
     assert (big.compacted, big.outcome, big.gain, big.failures) == (True, "compacted", 39_000, 0)
-    assert not s.snapshot().compaction_pending
+    snap = clean(ledger, s)
+    assert not snap.compaction_pending and snap.raw["kr"] == 0
+
+
+def test_record001_memory_after_a_deferral_is_judged_on_the_post_compaction_bound(
+    ledger: Ledger,
+) -> None:
+    """A deferral landed at or under H: its baseline holds, so retrieval and recall within
+    the free room are admitted (the `failed` bound refused them all, kf > 0), up to the
+    post-compaction bound once the next compaction is due."""
+    s, b = deferral_001(ledger)
+    assert s.compact(["h1", "h2"], Item("sum1", 1_000)).outcome == "deferred"
+    assert s.admit(RET, [Item("now", 100)]).charged == 100  # nothing pending: the free room
+    # The next turn passes H again: the next compaction is due, the deferral still counted.
+    t = s.begin_turn(4_000)
+    assert not t.compaction_due
+    s.admit(WM, [Item("h10", 20_000)])
+    assert s.end_turn(t.turn, 40_000).compaction_due
+    snap = s.snapshot()
+    assert snap.compaction_pending and snap.failed_compactions == 1 and snap.raw["kr"] == 1
+    s.release(WM, ["h10"])  # under the mark again, still pending: the bound is the tighter
+    s.release(RET, ["now"])
+    cap = b.window - b.output_reserve - b.high_water_tokens
+    assert s.snapshot().free > cap
+    for consumer in (RET, REC):
+        assert s.admit(consumer, [Item("doc", 100)]).charged == 100
+    assert s.snapshot().raw["pm"] == 200  # counted from the deferral on
+    with pytest.raises(AdmissionRefused) as info:  # within the free room, past the bound
+        s.admit(RET, [Item("big", cap - 200 + 1)])
+    assert (info.value.reason, info.value.bound) == ("compaction_pending", "pending")
+    assert info.value.baseline == b.high_water_tokens + 200
+    with pytest.raises(AdmissionRefused) as info:  # a reservation is judged alike
+        s.reserve(REC, "res-big", cap - 200 + 1)
+    assert info.value.bound == "pending"
+    s.reserve(REC, "res-1", 300)
+    with pytest.raises(AdmissionRefused) as info:  # and so is a settle that grows past it
+        s.settle("res-1", 300 + cap - 500 + 1)
+    assert (info.value.reason, info.value.bound) == ("compaction_pending", "pending")
+    assert s.settle("res-1", 400).charged == 400
+    assert s.admit(RET, [Item("rest", cap - 600)]).charged == cap - 600  # exactly the rest
+    clean(ledger, s)
+
+
+def test_record001_a_failure_after_a_deferral_refuses_memory_again(ledger: Ledger) -> None:
+    s, b = deferral_001(ledger)
+    assert s.compact(["h1", "h2"], Item("sum1", 1_000)).outcome == "deferred"
+    # A summary that leaves occupancy above H: a failed compaction, the baseline unproven.
+    failed = s.compact(["h3"], Item("sum2", 28_000))
+    assert failed.outcome == "failed" and failed.occupancy > b.high_water_tokens
+    assert failed.failures == 2 and s.snapshot().raw["kr"] == 0
+    for consumer in (RET, REC):
+        with pytest.raises(AdmissionRefused) as info:
+            s.admit(consumer, [Item("doc", 100)])
+        assert (info.value.reason, info.value.bound) == ("compaction_pending", "failed")
+    with pytest.raises(AdmissionRefused) as info:
+        s.reserve(RET, "res-1", 100)
+    assert info.value.bound == "failed"
+    # A summary that does not fit is no deferral either.
+    assert s.compact(["h4"], Item("huge", 100_000)).outcome == "did_not_fit"
+    with pytest.raises(AdmissionRefused) as info:
+        s.admit(RET, [Item("doc", 100)])
+    assert info.value.bound == "failed"
+    clean(ledger, s)
+
+
+def test_record001_consecutive_deferrals_escalate_to_a_hard_reset(ledger: Ledger) -> None:
+    """Deferrals count toward the escalation as failures do (a failure and deferrals
+    together too); the hard reset is enqueued in the step of the third."""
+    s, b = deferral_001(ledger)
+    outcomes = []
+    for k, (items, size) in enumerate(
+        ((["h1"], 9_990), (["h2", "h3"], 1_000), (["h4"], 1_000)), start=1
+    ):
+        c = s.compact(items, Item(f"sum{k}", size), op_id=f"compact-{k}")
+        outcomes.append(c.outcome)
+        assert c.failures == k and c.escalated == (k == 3)
+        assert len(jobs(ledger, s, "hard_reset")) == (k == 3)
+    assert outcomes == ["failed", "deferred", "deferred"]
+    (reset,) = jobs(ledger, s, "hard_reset")
+    assert (reset["op"], reset["reason"]) == ("compact-3", "failed_compactions")
+    snap = s.snapshot()
+    assert snap.raw["rq"] == 1 and snap.raw["kr"] == 3  # kf as the deferral left it
+    # Three deferrals alone escalate the same, under the reset's new epoch.
+    s.reset("failed_compactions")
+    assert s.snapshot().raw["kr"] == 0
+    s.admit(WM, HISTORY)
+    assert s.begin_turn(0).compaction_due
+    for k in (1, 2, 3):
+        c = s.compact([f"h{k}"], Item(f"s{k}", 1_000))
+        assert (c.outcome, c.failures, c.escalated) == ("deferred", k, k == 3)
+        assert c.occupancy <= b.high_water_tokens
+    # a deferral is not retried: one compaction job an epoch, the one that made it due
+    assert len(jobs(ledger, s, "compact")) == 2
+    assert [j["epoch"] for j in jobs(ledger, s, "hard_reset")] == [
+        str(s.epoch - 1),
+        str(s.epoch),
+    ]
     clean(ledger, s)
 
 

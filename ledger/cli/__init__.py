@@ -127,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
         "run one after another on a stepped clock)",
     )
     d.add_argument("--max-turns", type=int, default=130, help="cap on session length")
+    d.add_argument(
+        "--paced",
+        action="store_true",
+        help="scenario 001's agents human-paced (a user's think time between turns) instead "
+        "of autonomous (each turn begins as the last one ends)",
+    )
     d.add_argument("--seed", type=int, default=7)
     d.add_argument("--json", action="store_true", help="print the results as JSON")
     d.add_argument(

@@ -46,6 +46,7 @@ def cmd_demo(args: argparse.Namespace, out: Console) -> int:
         seed=args.seed,
         only=frozenset(args.only) if args.only else None,
         without=args.without,
+        paced=args.paced,
     )
     if not args.json:
         out.print(
@@ -57,7 +58,8 @@ def cmd_demo(args: argparse.Namespace, out: Console) -> int:
             )
             + f", against [cyan]{settings.redis_url}[/], seed {config.seed}; scenario 001 on "
             f"{config.sessions} agent sessions (median 40 turns, capped at {config.max_turns}; "
-            f"and {config.tail} more beyond turn 120) and {config.workers} workers"
+            f"and {config.tail} more beyond turn 120"
+            f"{', human-paced' if config.paced else ', autonomous'}) and {config.workers} workers"
         )
     # progress on stderr for every stage, --json included (stdout holds the JSON alone):
     # a bar on a terminal, else a line each tenth of a stage (a log, a CI job)

@@ -95,8 +95,10 @@ def _decay(n: Summary, lg: Summary, off: Summary | None, out: dict[str, Check]) 
     )
     out["001 ledger hard resets present"] = _c(lg["resets"] > 0, f"{lg['resets']} resets")
     slo = lg["slo"]
-    out["001 ledger SLO 1-3%, compaction or reset turns"] = _c(
-        0.01 <= slo["over_share"] <= 0.03 and slo["over_not_compaction_or_reset"] == 0,
+    # The breach the rule trades for retrieval: visible (some turns over), bounded (at most
+    # 3%), and only where a compaction was waited for or a hard reset rebuilt the context.
+    out["001 ledger SLO: some turns over, at most 3%, only compaction or reset turns"] = _c(
+        0 < slo["over_share"] <= 0.03 and slo["over_not_compaction_or_reset"] == 0,
         f"{100 * slo['over_share']:.2f}% over, {slo['over_not_compaction_or_reset']} other",
     )
     if off is not None and "retrieval_admission" in off:

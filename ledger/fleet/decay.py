@@ -18,7 +18,11 @@ retrieval answers from stale parametric memory, with generations four times long
 
 The ledger runs the same turns: compaction is asynchronous (the background worker,
 the same summarizer), judged against H and the minimum gain, escalated to a hard
-reset after three failures; the agent waits a bounded time for a pending compaction.
+reset after three failures. By default its agents are autonomous: each turn begins as
+the last one ends (no user think time), the clock moves by each turn's own latency,
+and the agent waits, bounded by the agent layer's defaults, for a pending compaction
+before it begins a turn. A human-paced fleet (``paced``) is the variant: a simulated
+user's think time between turns, in which the worker compacts.
 
 Latency model (both): 100 ms + prefill 2.2 ms per 1k prompt tokens + recall 50 ms +
 retrieval 180 ms + generation 0.055 ms per token; a synchronous compaction 120 ms +
@@ -30,6 +34,7 @@ re-summarize the durable transcript, prefill).
 from __future__ import annotations
 
 import hashlib
+import inspect
 import math
 import random
 import time
@@ -38,6 +43,7 @@ from dataclasses import dataclass, field
 from statistics import NormalDist
 
 from ledger import schema
+from ledger.agent.core import AgentCore
 from ledger.errors import AdmissionRefused, StaleEpoch, WorkingMemoryStarvation
 from ledger.fleet.agent import Doc, SimAgent
 from ledger.models import Consumer, Item, SessionBudget, Snapshot
@@ -73,15 +79,28 @@ BASE_MS, PREFILL_MS_PER_K, GEN_MS_PER_TOKEN = 100.0, 2.2, 0.055
 RECALL_MS, RETRIEVAL_MS = 50.0, 180.0
 COMPACT_MS, COMPACT_MS_PER_K = 120.0, 0.9
 REBUILD_MS = 700.0
-# Time in the demo runs at 1/50 of a real deployment's: the worker's summarizer call
-# (a model's 3 s + 20 ms per 1k tokens summarized: 4.8 s for a 90k-token history) and
-# the agent's bound on waiting for a pending compaction before it asks for recall or
-# retrieval (7.5 s). A streak of failed compactions outlasts the wait, so the turn is
-# judged against it. On a stepped clock (the default run) both are simulated time.
+# Time in the demo runs at 1/50 of a real deployment's (TIME_SCALE): the worker's
+# summarizer call (a model's 3 s + 20 ms per 1k tokens summarized: 4.8 s for a 90k-token
+# history), an autonomous agent's turn (its simulated latency), and the agent's bounds on
+# waiting for a pending compaction before it begins a turn. A streak of failed
+# compactions outlasts the wait, so the turn is judged against it. On a stepped clock
+# (the default run) all of them are simulated time.
+TIME_SCALE = 50
 SUMMARIZE_S, SUMMARIZE_S_PER_K = 0.06, 0.0004
 AMORTIZE_TURNS = 9  # the naive arbiter's estimate of the turns a compaction lasts
+# An autonomous agent's bound on waiting for a pending compaction at a begin: the agent
+# layer's default (Agent(await_compaction=...), 2 s), at the demo's time scale; the
+# bound on waiting for one no worker picked up (compaction_pickup) likewise, where the
+# clock has one (the wall clock; on a stepped clock the worker always picks it up).
+AWAIT_DEFAULT_S = inspect.signature(AgentCore.__init__).parameters["await_compaction"].default
+AUTONOMOUS_WAIT_S = AWAIT_DEFAULT_S / TIME_SCALE
+# The human-paced variant (FleetConfig.paced): the simulated user thinks between turns
+# (THINK_S, during which the agent waits for the worker's verdict on a pending
+# compaction), but answers at once on a share of turns (QUICK: the agent then does not
+# wait at the begin either); on the others the agent waits COMPACTION_WAIT_S at a begin.
+THINK_S = 5.0
 QUICK = 0.1  # share of turns the user answers at once (no think time)
-COMPACTION_WAIT_S = 0.15  # the agent's bound on waiting for a pending compaction
+COMPACTION_WAIT_S = 0.15  # the paced agent's bound on waiting for a pending compaction
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,8 +110,8 @@ class TurnPlan:
     recall: int
     chunks: tuple[int, ...]
     generation: int  # tokens of the answer when retrieval is in the prompt
-    quick: bool = False  # the user answered at once: no think time, and the agent does
-    # not wait for a pending compaction (the turn is judged against it instead)
+    quick: bool = False  # paced only: the user answered at once: no think time, and the
+    # agent does not wait for a pending compaction (the turn is judged against it instead)
 
 
 @dataclass
@@ -332,19 +351,31 @@ def run_naive(session_id: str, turns: Sequence[TurnPlan]) -> SessionRun:
 # --- the ledger ---------------------------------------------------------------------
 
 
-def run_ledger(agent: SimAgent, turns: Sequence[TurnPlan], think_s: float = 5.0) -> SessionRun:
+def run_ledger(
+    agent: SimAgent, turns: Sequence[TurnPlan], paced: bool = False, think_s: float = THINK_S
+) -> SessionRun:
+    """The session's turns through the agent layer. Autonomous (the default): each turn
+    begins as the last one ends, the clock moved by the turn's own latency (at the demo's
+    time scale), and every begin waits for a pending compaction, bounded by the agent
+    layer's defaults (AUTONOMOUS_WAIT_S; the pickup bound likewise). `paced`: the
+    human-paced variant (THINK_S, QUICK, COMPACTION_WAIT_S)."""
     run = SessionRun(agent.session.id)
     shed_before = False
     last_kn = 0
     due: Snapshot | None = None  # the snapshot at the end of a turn that made a compaction due
     state = {"rebuild": False}
+    core = agent.agent.core
+    if not paced:
+        core.await_compaction = AUTONOMOUS_WAIT_S
+        core.compaction_pickup = agent.clock.pickup / TIME_SCALE
     for p in turns:
-        if due is not None and not p.quick:
-            # The user's think time: the worker compacts off the request path meanwhile.
-            agent.wait_attempt(due, think_s)
-        # A quick turn begins at once and does not wait: a pending compaction is still
-        # pending, and the turn's admissions are judged against it (compaction_pending).
-        agent.agent.core.await_compaction = 0.0 if p.quick else COMPACTION_WAIT_S
+        if paced:
+            if due is not None and not p.quick:
+                # The user's think time: the worker compacts off the request path meanwhile.
+                agent.wait_attempt(due, think_s)
+            # A quick turn begins at once and does not wait: a pending compaction is still
+            # pending, and the turn's admissions are judged against it (compaction_pending).
+            core.await_compaction = 0.0 if p.quick else COMPACTION_WAIT_S
         refused = len(agent.refusals)
         agent.waited = False  # across the attempts of one turn
         for _attempt in range(64):
@@ -367,6 +398,11 @@ def run_ledger(agent: SimAgent, turns: Sequence[TurnPlan], think_s: float = 5.0)
         else:  # pragma: no cover - a turn starts after a few resets or cuts
             raise RuntimeError(f"turn {p.turn} of {run.session_id} could not run")
         state["rebuild"] = False
+        if not paced:
+            # An autonomous agent's next turn begins as this one ends: the clock moves by
+            # the turn's own latency (a wait at its begin moved it already), at the demo's
+            # time scale; the worker compacts meanwhile, or turns later.
+            agent.clock.sleep(rec.latency_ms / 1000 / TIME_SCALE)
         for exc in agent.refusals[refused:]:
             run.count(f"refused_{exc.reason}" + (f"_{exc.bound}" if exc.bound else ""))
         if agent.waited:  # waited for a compaction, in this attempt or one a reset cut short

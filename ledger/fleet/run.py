@@ -63,6 +63,9 @@ class FleetConfig:
     # the demo makes (its agents and its workers): a rule taken out where it lives (the
     # rule tests, tests/test_demo_rules.py); the rule-off column is then not run
     scripts: Mapping[str, str] = field(default_factory=dict)
+    # scenario 001's ledger agents human-paced (a simulated user's think time between
+    # turns, docs/demo.md) instead of autonomous (each turn begins as the last one ends)
+    paced: bool = False
 
     @property
     def off_column(self) -> bool:
@@ -197,6 +200,7 @@ class DecayJob:
     tail: bool = False
     start_s: float = 0.0  # when the session starts, after its job is taken (staggered)
     scripts: Mapping[str, str] = field(default_factory=dict)  # FleetConfig.scripts
+    paced: bool = False  # FleetConfig.paced
 
 
 def _decay_one(job: DecayJob, clock: Clock = REAL) -> tuple[decay.SessionRun, int]:
@@ -206,7 +210,7 @@ def _decay_one(job: DecayJob, clock: Clock = REAL) -> tuple[decay.SessionRun, in
         if not job.credit:
             variants.without_credit(led)
         agent = SimAgent(led, job.session_id, decay.BUDGET, clock=clock)
-        run = decay.run_ledger(agent, decay.plan(job.seed, job.index, job.turns))
+        run = decay.run_ledger(agent, decay.plan(job.seed, job.index, job.turns), job.paced)
         run.tail = job.tail
         return run, agent.calls
 
@@ -265,6 +269,7 @@ def _decay_fleet(
                 tail=tail,
                 start_s=STAGGER_S * decay.unit("start", config.seed, i),
                 scripts=dict(config.scripts),
+                paced=config.paced,
             )
             for sid, i, n, tail in decay_fleet_plan(config)
         ),

@@ -7,6 +7,9 @@ Each scenario names the rule it shows (docs/rules.md) and how the demo takes it 
   retrieval and recall on the current free room even while a compaction is pending (no
   post-compaction bound), and ``compact.lua`` takes whatever the summarizer produced as
   a compaction (no hard post-condition) and never escalates to a hard reset.
+  ``begin_turn.lua`` still refuses to begin a turn while a compaction is pending (the
+  agent waits for it, bounded, as with the rule), and lands a staged one as
+  ``compact.lua`` does without the rule.
   The variants are the packaged texts with those two expressions replaced; a packaged
   script that no longer has one is an error, never a silent no-op.
 - 000 ``working-memory``: the agent declares no working set, so ``begin_turn`` judges

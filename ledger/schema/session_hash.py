@@ -124,6 +124,14 @@ STAGED_COMPACTION = _s(
     "(JSON: op, ep, id, t, items, text, read)",
 )
 FAILED_COMPACTIONS = _s("kf", "failed_compactions", "count", "consecutive failed compactions")
+DEFERRED_COMPACTION = _s(
+    "kr",
+    "last_compaction_deferred",
+    "count",
+    "the failed-compaction count (kf) a deferral left (applied, occupancy at or under the "
+    "high-water mark, less than the minimum gain): equal to kf while that deferral is the "
+    "last compaction judged; 0 after any other outcome or a reset",
+)
 COMPACTIONS_DONE = _s("kn", "compactions_done", "count", "compactions done")
 LAST_COMPACTION_TURN = _s("kt", "last_compaction_turn", "turn", "the turn of the last compaction")
 RESET_REQUESTED = _s(

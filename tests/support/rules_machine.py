@@ -445,6 +445,7 @@ class RulesMachine(ModelMachine):
             "an": m.an,
             "nv": 0,
             "pm": m.pm,
+            "kr": m.kr,
             "x:refused": m.x["refused"],
             "x:spilled": m.x["spilled"],
             "x:starvation": m.x["starvation"],

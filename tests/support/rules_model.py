@@ -72,6 +72,7 @@ class Model:
     items: dict[str, dict[str, Rec]] = field(default_factory=lambda: {c: {} for c in CODES})
     cd: int = 0  # compaction pending
     kf: int = 0  # consecutive failed compactions
+    kr: int = 0  # kf as the last deferral left it (== kf: the last one judged reached H)
     pm: int = 0  # memory admitted since the pending compaction became pending
     kn: int = 0  # compactions done
     kt: int = 0  # turn of the last one
@@ -202,7 +203,8 @@ class Model:
         a, floor = self.active()[g], {"w": F_W, "m": F_M, "s": 0}[g]
         fr = self.free()
         pending = g == "m" and self.cd == 1
-        cap = (0 if self.kf > 0 else W - self.out - self.HW - self.pm) if pending else None
+        failed = self.kf > 0 and self.kr != self.kf  # the last compaction did not reach H
+        cap = (0 if failed else W - self.out - self.HW - self.pm) if pending else None
         charged, dups, skipped, taken = 0, 0, [], []
         first_skip, by_cap = None, False
         for i, t, p in batch:
@@ -457,8 +459,12 @@ class Model:
         # no failure counts past an escalation, until the reset
         self.kf = 0 if ok else (self.kf + 1 if self.rq == 0 else self.kf)
         escalate = not ok and self.kf >= self.b.max_failed_compactions and self.rq == 0
+        # a deferral reached H: counted, but nothing pending after it, nor retried; memory
+        # is judged on the post-compaction bound after it, not refused
+        landed = deferred and not ok
+        self.kr = self.kf if landed else 0
         queued = self.cd == 1  # a compaction job is queued already
-        self.cd = 0 if ok else 1
+        self.cd = 0 if ok or landed else 1
         if ok:
             self.kn += 1
             self.kt = self.tn
@@ -468,7 +474,7 @@ class Model:
             self.enqueue("hard_reset", op_id, "failed_compactions")
             self.x["escalations"] += 1
             self.rq = 1
-        elif not ok and self.rq == 0 and not queued:
+        elif not ok and not landed and self.rq == 0 and not queued:
             self.enqueue("compact", op_id, "failed_compaction")
         outcome = (
             "compacted" if ok else "deferred" if deferred else ("failed" if fits else "did_not_fit")

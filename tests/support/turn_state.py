@@ -60,7 +60,7 @@ BOOKKEEPING |= {"sq", "oq", "ox"}  # item sequences are never reused (the order 
 
 # What a compaction attempt counted stays (the jobs it enqueued cannot be taken back), and
 # a compaction made due by the turn stays due.
-BOOKKEEPING |= {"cd", "cq", "pm", "kf", "kn", "kt", "rq"}
+BOOKKEEPING |= {"cd", "cq", "pm", "kf", "kr", "kn", "kt", "rq"}
 
 BOOKKEEPING |= {"kp"}  # a worker's compaction staged under the turn lands at the next begin
 
