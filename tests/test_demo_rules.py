@@ -89,7 +89,7 @@ REMOVALS = {
     "001 pending-compaction credit": Removal(
         "begin_turn",
         "pending-compaction-credit",
-        "if await == 1 and H.cd == 1 and not lands then",
+        "if await == 1 and H.cd == 1 and not lands and not st then",
         "if false then",
         "001",
         "001 ledger retrieval admission",

@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 
@@ -181,7 +181,10 @@ def test_scenario_001_on_embedded_gives_the_same_figures_however_loaded() -> Non
     quiet = figures()
     loaded = loaded_run(figures)
     assert loaded == quiet
-    assert quiet["ledger"]["resets"] > 0 and quiet["ledger"]["retrieval_refusals"]
+    # the worker's paths ran (compactions judged, a hard reset), so equality means something
+    # (a deferral lands now: a fleet this small may see no retrieval refused at all)
+    lg: Any = quiet["ledger"]
+    assert lg["resets"] > 0 and lg["compaction_interval"]["early"] is not None
 
 
 @pytest.mark.embedded
