@@ -8,13 +8,13 @@ reservation is not open (an orphan)."""
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import pytest
 
 from ledger import Consumer, Ledger, SessionBudget
 from ledger.client import Session
+from tests.support.redis_clock import until_past
 
 W = Consumer.WORKING_MEMORY
 BUDGET = SessionBudget(window=200_000, system_prompt=1_000)
@@ -23,19 +23,6 @@ BUDGET = SessionBudget(window=200_000, system_prompt=1_000)
 def children(led: Ledger, s: Session) -> dict[bytes, bytes]:
     """The session's child-pool fields ('k:...'), byte for byte."""
     return {k: v for k, v in led.client.hgetall(s.keys.session).items() if k.startswith(b"k:")}
-
-
-def redis_ms(led: Ledger) -> int:
-    sec, usec = led.client.time()
-    return int(sec) * 1000 + int(usec) // 1000
-
-
-def until_past(led: Ledger, ms: int) -> None:
-    """Wait (polling Redis's clock, at most 10 s) until Redis's clock is past ``ms``."""
-    deadline = time.monotonic() + 10
-    while redis_ms(led) <= ms:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
 
 
 def pool(led: Ledger, rid: str = "fan", lease_ms: int = 60_000) -> tuple[Session, int]:

@@ -9,7 +9,6 @@ due); the agent layer begins the next turn with no StaleEpoch; bad input changes
 
 from __future__ import annotations
 
-import time
 import uuid
 from typing import Any
 
@@ -27,6 +26,7 @@ from ledger import (
 )
 from ledger.client import Session
 from ledger.errors import LedgerError, OperationIdReused, StaleEpoch, TurnInProgress, TurnLost
+from tests.support.redis_clock import until_past
 
 W, R = Consumer.WORKING_MEMORY, Consumer.RETRIEVAL
 BUDGET = SessionBudget(window=20_000, system_prompt=500, output_reserve=1_000)
@@ -39,19 +39,6 @@ def _text(x: Any) -> str:
 
 def raw(led: Ledger, s: Session) -> dict[str, str]:
     return {_text(k): _text(v) for k, v in led.client.hgetall(s.keys.session).items()}
-
-
-def redis_ms(led: Ledger) -> int:
-    sec, usec = led.client.time()
-    return int(sec) * 1000 + int(usec) // 1000
-
-
-def until_past(led: Ledger, ms: int) -> None:
-    """Wait (polling Redis's clock, at most 10 s) until Redis's clock is past ``ms``."""
-    deadline = time.monotonic() + 10
-    while redis_ms(led) <= ms:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
 
 
 def in_turn(led: Ledger, owner: str = "A", lease_ms: int = 30_000) -> tuple[Session, int]:

@@ -27,6 +27,7 @@ from ledger.models import Consumer
 from ledger.scripts import stored_outcomes
 from tests.conftest import BACKENDS, backend_url, make_settings
 from tests.support import jobs
+from tests.support.redis_clock import redis_ms
 
 FAILS = ("kf", "x:failed_compactions", "x:escalations", "x:resets", "ep", "rq", "cd")
 
@@ -42,11 +43,6 @@ def led(request: pytest.FixtureRequest) -> Iterator[Ledger]:
     )
     with Ledger.from_settings(settings) as ledger:
         yield ledger
-
-
-def redis_ms(led: Ledger) -> int:
-    sec, usec = led.client.time()
-    return int(sec) * 1000 + int(usec) // 1000
 
 
 def deliver(led: Ledger, sid: str, consumer: str = "dying") -> tuple[str, dict[str, str]]:

@@ -13,6 +13,7 @@ Imported by the tests (``from tests.support import servers``):
   older, tools              a protocol 1 client; the repository's generators as modules
   spec_calls                a mutating script's valid call, derived from its spec (fuzz)
   agent_process             an agent OS process driven over its stdin and stdout
+  redis_clock               Redis's clock (TIME), and a wait until it passes a deadline
 
 Run as scripts by path or module (a fleet test's agent and worker processes, or by hand):
   reset_agent.py, two_call_agent.py, upgrade_agent.py, fleet_ceilings.py,
