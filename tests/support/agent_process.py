@@ -7,6 +7,7 @@ import contextlib
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -68,3 +69,29 @@ class AgentProcess:
             self.p.wait(timeout=10)
         if self.p.stdout is not None:
             self.p.stdout.close()
+
+
+def run_together(
+    commands: list[list[str]], env: dict[str, str], timeout: float
+) -> tuple[list[str], float]:
+    """Start every command (a script and its arguments, run with ``sys.executable`` in the
+    checkout) at once and wait for them all: their stdouts, and the seconds they took
+    together. A process that exits non-zero raises with the end of its stderr."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, *args],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for args in commands
+    ]
+    t0 = time.monotonic()
+    out = [p.communicate(timeout=timeout) for p in procs]
+    elapsed = time.monotonic() - t0
+    for p, (_, err) in zip(procs, out, strict=True):
+        if p.returncode != 0:
+            raise RuntimeError(err[-3000:])
+    return [o for o, _ in out], elapsed

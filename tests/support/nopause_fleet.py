@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -110,6 +109,7 @@ def fleet(
 ) -> dict[str, Any]:  # fmt: skip
     """The fleet on the Redis at `url`: one worker, `processes` agents started at once."""
     from ledger.testing import spawn_worker
+    from tests.support.agent_process import run_together
 
     prefix = f"np{uuid.uuid4().hex[:8]}"
     # (the scripts run by path, the compactor from this folder: `code` gives `ledger`)
@@ -125,34 +125,17 @@ def fleet(
         worker = spawn_worker("w1", env, Path(tmp) / "worker.log")
         try:
             worker.wait_started(60)
-            full = {**os.environ, **env}
-            procs = [
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        __file__,
-                        "--agent",
-                        url,
-                        f"np-{k}",
-                        str(turns),
-                        str(model_ms),
-                    ],
-                    cwd=ROOT,
-                    env=full,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                )
-                for k in range(processes)
-            ]
-            t0 = time.monotonic()
-            out = [p.communicate(timeout=900) for p in procs]
-            elapsed = time.monotonic() - t0
+            outs, elapsed = run_together(
+                [
+                    [__file__, "--agent", url, f"np-{k}", str(turns), str(model_ms)]
+                    for k in range(processes)
+                ],
+                {**os.environ, **env},
+                timeout=900,
+            )
         finally:
             worker.stop()
-    for p, (_, err) in zip(procs, out, strict=True):
-        if p.returncode != 0:
-            raise RuntimeError(err.decode()[-3000:])
-    sessions = [figures(json.loads(o)) for o, _ in out]
+    sessions = [figures(json.loads(o)) for o in outs]
     return {"elapsed_s": round(elapsed, 1), "sessions": sessions}
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -105,6 +104,7 @@ def fleet(
 ) -> dict[str, Any]:
     """The fleet on the Redis at `url`: one worker, `processes` agents started at once."""
     from ledger.testing import spawn_worker
+    from tests.support.agent_process import run_together
 
     prefix = f"nr{uuid.uuid4().hex[:8]}"
     env = {
@@ -121,35 +121,18 @@ def fleet(
         worker = spawn_worker("w1", env, Path(tmp) / "worker.log")
         try:
             worker.wait_started(60)
-            full = {**os.environ, **env}
-            procs = [
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        __file__,
-                        "--agent",
-                        url,
-                        f"nr-{k}",
-                        str(turns),
-                        str(model_ms),
-                    ],
-                    cwd=ROOT,
-                    env=full,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                )
-                for k in range(processes)
-            ]
-            t0 = time.monotonic()
-            out = [p.communicate(timeout=600) for p in procs]
-            elapsed = time.monotonic() - t0
+            outs, elapsed = run_together(
+                [
+                    [__file__, "--agent", url, f"nr-{k}", str(turns), str(model_ms)]
+                    for k in range(processes)
+                ],
+                {**os.environ, **env},
+                timeout=600,
+            )
             staged = sum(m.get("kind") == "hard_reset" for m in worker.messages("job deferred"))
         finally:
             worker.stop()
-    for p, (_, err) in zip(procs, out, strict=True):
-        if p.returncode != 0:
-            raise RuntimeError(err.decode()[-3000:])
-    sessions = [figures(json.loads(o)) for o, _ in out]
+    sessions = [figures(json.loads(o)) for o in outs]
     return {"elapsed_s": round(elapsed, 1), "deferred_jobs": staged, "sessions": sessions}
 
 
