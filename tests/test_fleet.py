@@ -74,6 +74,59 @@ def test_summarizer_is_soft_and_deterministic() -> None:
     assert 215 <= raw <= 430 and summary >= 10_000  # a summary summarized again does not shrink
 
 
+def _naive_001(seed: int = 1) -> dict[str, Any]:
+    """Scenario 001's naive column alone (pure, no I/O): the default fleet and its tail."""
+    lengths = decay.session_lengths(seed, DEFAULT_SESSIONS, 130)
+    runs = [decay.run_naive(f"d-{i}", decay.plan(seed, i, n)) for i, n in enumerate(lengths)]
+    for k, n in enumerate(decay.tail_lengths(fleet_run.TAIL_SESSIONS, fleet_run.TAIL_FROM, 130)):
+        runs.append(decay.run_naive(f"d-t{k}", decay.plan(seed, len(lengths) + k, n)))
+        runs[-1].tail = True
+    return report._decay_summary(runs, ledger=False)
+
+
+def _rates(s: dict[str, Any]) -> list[float]:
+    return [s["retrieval_admission"][str(t)]["rate"] for t in (10, 60, 120)]
+
+
+def test_naive_001_collapse_is_the_summary_that_never_shrinks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 43's audit, pinned: under the default summarizer (a summary re-summarized
+    keeps 100-107% of itself) the naive column collapses with or without the stale-answer
+    feedback (answers as long without retrieval: the same collapse), so the feedback is
+    not its mechanism. With a summarizer whose summaries shrink on average and sometimes
+    grow (lognormal keep, mean 0.99), the baseline creeps (post-compaction occupancy
+    rises, compactions come every turn late) but the window check refuses nothing by turn
+    60: the record's turn-60 band needs occupancy near the window, out of a shrinking
+    summary's reach. A keep mean of 0.7 does not even creep to every-turn compactions."""
+    default = _rates(_naive_001())
+    monkeypatch.setattr(decay, "STALE", 1)
+    assert _rates(_naive_001()) == pytest.approx(default, abs=0.02)
+    assert default[1] <= 0.45 and default[2] <= 0.15
+    monkeypatch.setattr(decay, "STALE", 4)
+
+    drawn: list[float] = []
+    keep = decay.keep_ratio
+
+    def recorded(session_id: str, turn: int, iid: str) -> float:
+        k = keep(session_id, turn, iid)
+        if iid.startswith("sum-"):
+            drawn.append(k)
+        return k
+
+    monkeypatch.setattr(decay, "keep_ratio", recorded)
+    monkeypatch.setattr(decay, "SUMMARY_KEEP_LOGNORMAL", (0.99, 0.05))
+    s = _naive_001()
+    assert len(drawn) > 1_000 and statistics.fmean(drawn) < 1 and max(drawn) > 1.05
+    post = s["post_compaction_occupancy"]
+    assert post["late"] - post["first"] >= 0.2 and s["compaction_interval"]["late"] <= 4
+    rates = _rates(s)
+    assert rates[1] >= 0.85 and rates[2] > 0.45, rates  # no decline by 60, none to 0.15
+    monkeypatch.setattr(decay, "SUMMARY_KEEP_LOGNORMAL", (0.7, 0.05))
+    s = _naive_001()
+    assert s["compaction_interval"]["late"] > 4 and min(_rates(s)) >= 0.99
+
+
 @pytest.fixture
 def led() -> Iterator[Ledger]:
     with Ledger.from_settings(make_settings(f"embedded://{uuid.uuid4().hex}")) as ledger:
