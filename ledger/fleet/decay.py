@@ -19,8 +19,9 @@ on the request path, its latency charged to the turn that triggers it; the laten
 check is per turn; nothing checks what the summarizer produced; operations are
 ranked by estimated latency per token, with compaction's latency amortized over
 the turns it is expected to last; feasibility is judged on the current occupancy
-(the summary is written before the history it replaces is dropped); a turn without
-retrieval answers from stale parametric memory, with generations four times longer.
+(a compaction of the turn applied first: its summary in place of the history it
+replaced); a turn without retrieval answers from stale parametric memory, with
+generations four times longer.
 
 The ledger runs the same turns: compaction is asynchronous (the background worker,
 the same summarizer), judged against H and the minimum gain, escalated to a hard
