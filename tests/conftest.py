@@ -17,6 +17,7 @@ not slow"``); tests/test_suite.py fails on a test file the table leaves out.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -41,6 +42,19 @@ BACKENDS = [
     pytest.param("redis", marks=pytest.mark.redis, id="redis"),
     pytest.param("cluster", marks=pytest.mark.cluster, id="cluster"),
 ]
+
+
+@pytest.fixture(autouse=True)
+def _root_logging() -> Iterator[None]:
+    """The root logger as each test found it: `ledger worker` run in-process configures
+    logging (``basicConfig(force=True)``, a JSON handler on the stderr pytest captured
+    for that test), which would otherwise format every later test's log lines in that
+    process, and write them to a closed stream."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")
