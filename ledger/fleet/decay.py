@@ -164,24 +164,37 @@ class SessionRun:
 # --- workload ---------------------------------------------------------------------
 
 
+SIGMA = math.log(P99_TURNS / MEDIAN_TURNS) / NormalDist().inv_cdf(0.99)
+
+
 def session_lengths(seed: int, n: int, cap: int) -> list[int]:
-    """Session lengths at evenly spaced quantiles of a lognormal of median 40 and p99
-    210 turns (so a fleet of n sessions has its share of long ones), capped, shuffled."""
-    sigma = math.log(P99_TURNS / MEDIAN_TURNS) / NormalDist().inv_cdf(0.99)
-    q = [NormalDist().inv_cdf((i + 0.5) / n) for i in range(n)]
-    out = [max(3, min(cap, round(MEDIAN_TURNS * math.exp(sigma * z)))) for z in q]
-    random.Random(seed).shuffle(out)
+    """n session lengths drawn from a lognormal of median 40 and p99 210 turns with the
+    seed's own random draws, capped at `cap` (and at least 3 turns): two seeds give two
+    fleets (other lengths, another total of turns); one seed gives the same fleet."""
+    rng = random.Random(f"lengths|{seed}")
+    return [
+        max(3, min(cap, round(rng.lognormvariate(math.log(MEDIAN_TURNS), SIGMA)))) for _ in range(n)
+    ]
+
+
+def tail_probability(beyond: int) -> float:
+    """The share of sessions of the length distribution that outlive `beyond` turns."""
+    return 1 - NormalDist().cdf(math.log(beyond / MEDIAN_TURNS) / SIGMA)
+
+
+def tail_lengths(seed: int, n: int, beyond: int, cap: int) -> list[int]:
+    """n session lengths drawn, with the seed's own random draws, from the same
+    lognormal's tail beyond `beyond` turns (the distribution conditioned on outliving
+    it), capped: the sessions that let a late checkpoint rest on n samples (about 6% of
+    a fleet outlives turn 120). Most of them outlive the cap too, and sit at it
+    (:func:`tail_probability`: of the sessions past 120 turns, 80% pass 130)."""
+    rng = random.Random(f"tail|{seed}")
+    p0 = 1 - tail_probability(beyond)
+    out = []
+    for _ in range(n):
+        z = NormalDist().inv_cdf(p0 + (1 - p0) * rng.random())
+        out.append(max(beyond, min(cap, round(MEDIAN_TURNS * math.exp(SIGMA * z)))))
     return out
-
-
-def tail_lengths(n: int, beyond: int, cap: int) -> list[int]:
-    """n session lengths at evenly spaced quantiles of the same lognormal's tail beyond
-    `beyond` turns, capped: the sessions that let a late checkpoint rest on n samples
-    (about 6% of a fleet outlives turn 120)."""
-    sigma = math.log(P99_TURNS / MEDIAN_TURNS) / NormalDist().inv_cdf(0.99)
-    p0 = NormalDist().cdf(math.log(beyond / MEDIAN_TURNS) / sigma)
-    q = [NormalDist().inv_cdf(p0 + (1 - p0) * (i + 0.5) / n) for i in range(n)]
-    return [max(beyond, min(cap, round(MEDIAN_TURNS * math.exp(sigma * z)))) for z in q]
 
 
 def plan(seed: int, index: int, turns: int) -> tuple[TurnPlan, ...]:
