@@ -289,7 +289,8 @@ def loaded_run(f: Callable[[], T]) -> T:
 def test_scenario_001_on_embedded_gives_the_same_figures_however_loaded() -> None:
     """The default run's scenario 001 is on a stepped clock: the same seed gives the
     same figures, with the machine idle or with a thread spinning on the same core."""
-    config = FleetConfig(sessions=4, tail=0, max_turns=90, seed=3, only=frozenset({"001"}))
+    # seed 9 draws sessions of 34, 90, 57 and 54 turns: the 90-turn one reaches a hard reset
+    config = FleetConfig(sessions=4, tail=0, max_turns=90, seed=9, only=frozenset({"001"}))
 
     def figures() -> dict[str, object]:
         url = f"embedded://{uuid.uuid4().hex}"
