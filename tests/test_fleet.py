@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import pytest
 
 from ledger import Agent, Ledger, cli
-from ledger.fleet import checks, decay, fanout, report, starvation
+from ledger.fleet import checks, decay, fanout, lengths, report, starvation
 from ledger.fleet import run as fleet_run
 from ledger.fleet.agent import Doc, SimAgent, SteppedClock
 from ledger.fleet.run import DEFAULT_SESSIONS, FleetConfig, background_worker, demo_worker
@@ -39,14 +39,16 @@ def _quiet_worker() -> None:
 def test_session_lengths_follow_the_record() -> None:
     """Median 40 and p99 210 turns (the compaction-decay scenario), before the cap; the
     tail beyond turn 120 drawn from the same distribution."""
-    lengths = sorted(decay.session_lengths(7, 20_000, 10_000))
-    assert 38 <= statistics.median(lengths) <= 42
-    assert 195 <= lengths[19_800] <= 225
-    tail = decay.tail_lengths(7, 2_000, 120, 10_000)
+    drawn = sorted(lengths.session_lengths(7, 20_000, 10_000))
+    assert 38 <= statistics.median(drawn) <= 42
+    assert 195 <= drawn[19_800] <= 225
+    tail = lengths.tail_lengths(7, 2_000, 120, 10_000)
     assert min(tail) >= 120
     # the tail's median: the distribution's quantile halfway through its share past 120
-    half = 1 - decay.tail_probability(120) / 2
-    expected = decay.MEDIAN_TURNS * math.exp(decay.SIGMA * statistics.NormalDist().inv_cdf(half))
+    half = 1 - lengths.tail_probability(120) / 2
+    expected = lengths.MEDIAN_TURNS * math.exp(
+        lengths.SIGMA * statistics.NormalDist().inv_cdf(half)
+    )
     assert abs(statistics.median(tail) - expected) <= 0.05 * expected
 
 
@@ -141,12 +143,7 @@ def test_summarizer_is_soft_and_deterministic() -> None:
 
 def _naive_001(seed: int = 1) -> dict[str, Any]:
     """Scenario 001's naive column alone (pure, no I/O): the default fleet and its tail."""
-    lengths = decay.session_lengths(seed, DEFAULT_SESSIONS, 130)
-    runs = [decay.run_naive(f"d-{i}", decay.plan(seed, i, n)) for i, n in enumerate(lengths)]
-    for k, n in enumerate(decay.tail_lengths(fleet_run.TAIL_SESSIONS, fleet_run.TAIL_FROM, 130)):
-        runs.append(decay.run_naive(f"d-t{k}", decay.plan(seed, len(lengths) + k, n)))
-        runs[-1].tail = True
-    return report._decay_summary(runs, ledger=False)
+    return report._decay_summary(_naive_fleet(FleetConfig(seed=seed)), ledger=False)
 
 
 def _rates(s: dict[str, Any]) -> list[float]:

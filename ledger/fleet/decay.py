@@ -61,7 +61,6 @@ WM, RET, REC = Consumer.WORKING_MEMORY, Consumer.RETRIEVAL, Consumer.RECALL
 WINDOW = 128_000
 SYSTEM = 3_000
 SLO_MS = 900.0
-MEDIAN_TURNS, P99_TURNS = 40, 210
 STALE = 4  # generations without retrieval are this many times longer
 OUTPUT_MARGIN = 1.25  # the output reserve: the expected generation and a margin
 
@@ -152,7 +151,7 @@ class SessionRun:
     session_id: str
     records: list[TurnRecord] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
-    tail: bool = False  # drawn from the length distribution's tail (tail_lengths)
+    tail: bool = False  # drawn from the length distribution's tail (lengths.py)
 
     def count(self, name: str, n: int = 1) -> None:
         self.counts[name] = self.counts.get(name, 0) + n
@@ -162,39 +161,6 @@ class SessionRun:
 
 
 # --- workload ---------------------------------------------------------------------
-
-
-SIGMA = math.log(P99_TURNS / MEDIAN_TURNS) / NormalDist().inv_cdf(0.99)
-
-
-def session_lengths(seed: int, n: int, cap: int) -> list[int]:
-    """n session lengths drawn from a lognormal of median 40 and p99 210 turns with the
-    seed's own random draws, capped at `cap` (and at least 3 turns): two seeds give two
-    fleets (other lengths, another total of turns); one seed gives the same fleet."""
-    rng = random.Random(f"lengths|{seed}")
-    return [
-        max(3, min(cap, round(rng.lognormvariate(math.log(MEDIAN_TURNS), SIGMA)))) for _ in range(n)
-    ]
-
-
-def tail_probability(beyond: int) -> float:
-    """The share of sessions of the length distribution that outlive `beyond` turns."""
-    return 1 - NormalDist().cdf(math.log(beyond / MEDIAN_TURNS) / SIGMA)
-
-
-def tail_lengths(seed: int, n: int, beyond: int, cap: int) -> list[int]:
-    """n session lengths drawn, with the seed's own random draws, from the same
-    lognormal's tail beyond `beyond` turns (the distribution conditioned on outliving
-    it), capped: the sessions that let a late checkpoint rest on n samples (about 6% of
-    a fleet outlives turn 120). Most of them outlive the cap too, and sit at it
-    (:func:`tail_probability`: of the sessions past 120 turns, 80% pass 130)."""
-    rng = random.Random(f"tail|{seed}")
-    p0 = 1 - tail_probability(beyond)
-    out = []
-    for _ in range(n):
-        z = NormalDist().inv_cdf(p0 + (1 - p0) * rng.random())
-        out.append(max(beyond, min(cap, round(MEDIAN_TURNS * math.exp(SIGMA * z)))))
-    return out
 
 
 def plan(seed: int, index: int, turns: int) -> tuple[TurnPlan, ...]:

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 from ledger import schema
 from ledger.backends import parse_url
 from ledger.client import Ledger
-from ledger.fleet import decay, fanout, starvation, truncation, variants
+from ledger.fleet import decay, fanout, lengths, starvation, truncation, variants
 from ledger.fleet.agent import REAL, Clock, SimAgent, SteppedClock
 from ledger.settings import LedgerSettings, require_url
 from ledger.workers.compactors import CompactionPlan, CompactionRequest
@@ -216,10 +216,10 @@ def _decay_one(job: DecayJob, clock: Clock = REAL) -> tuple[decay.SessionRun, in
 
 def decay_fleet_plan(config: FleetConfig) -> list[tuple[str, int, int, bool]]:
     """Scenario 001's sessions: (id, plan index, turns, from the tail), the fleet first."""
-    lengths = decay.session_lengths(config.seed, config.sessions, config.max_turns)
-    out = [(f"decay-{config.seed}-{i}", i, n, False) for i, n in enumerate(lengths)]
+    fleet = lengths.session_lengths(config.seed, config.sessions, config.max_turns)
+    out = [(f"decay-{config.seed}-{i}", i, n, False) for i, n in enumerate(fleet)]
     if config.max_turns >= TAIL_FROM:
-        tail = decay.tail_lengths(config.seed, config.tail, TAIL_FROM, config.max_turns)
+        tail = lengths.tail_lengths(config.seed, config.tail, TAIL_FROM, config.max_turns)
         out += [
             (f"decay-{config.seed}-t{k}", config.sessions + k, n, True) for k, n in enumerate(tail)
         ]
