@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import re
 import statistics
 import subprocess
@@ -20,7 +21,7 @@ from typing import Any, TypeVar
 import pytest
 
 from ledger import Agent, Ledger, cli
-from ledger.fleet import checks, decay, fanout, report, starvation
+from ledger.fleet import checks, decay, fanout, lengths, report, starvation
 from ledger.fleet import run as fleet_run
 from ledger.fleet.agent import Doc, SimAgent, SteppedClock
 from ledger.fleet.run import DEFAULT_SESSIONS, FleetConfig, background_worker, demo_worker
@@ -36,24 +37,49 @@ def _quiet_worker() -> None:
 
 
 def test_session_lengths_follow_the_record() -> None:
-    """Median 40 and p99 210 turns (the compaction-decay scenario), before the cap."""
-    lengths = decay.session_lengths(7, 1_000, 10_000)
-    assert statistics.median(lengths) == 40
-    assert 200 <= sorted(lengths)[989] <= 220
-    assert sorted(decay.session_lengths(7, 330, 130)) == sorted(
-        decay.session_lengths(8, 330, 130)
-    )  # only the order depends on the seed: every fleet has its share of long sessions
-    assert sum(n >= 120 for n in decay.session_lengths(1, 330, 130)) >= 20
+    """Median 40 and p99 210 turns (the compaction-decay scenario), before the cap; the
+    tail beyond turn 120 drawn from the same distribution."""
+    drawn = sorted(lengths.session_lengths(7, 20_000, 10_000))
+    assert 38 <= statistics.median(drawn) <= 42
+    assert 195 <= drawn[19_800] <= 225
+    tail = lengths.tail_lengths(7, 2_000, 120, 10_000)
+    assert min(tail) >= 120
+    # the tail's median: the distribution's quantile halfway through its share past 120
+    half = 1 - lengths.tail_probability(120) / 2
+    expected = lengths.MEDIAN_TURNS * math.exp(
+        lengths.SIGMA * statistics.NormalDist().inv_cdf(half)
+    )
+    assert abs(statistics.median(tail) - expected) <= 0.05 * expected
+
+
+def test_decay_fleet_plan_is_the_seeds_own_draw() -> None:
+    """Each seed draws its own fleet and tail (other lengths, another total of turns);
+    the same seed draws the same; the tail sessions outlive turn 120, capped."""
+    plans = {
+        seed: fleet_run.decay_fleet_plan(FleetConfig(seed=seed, only=frozenset({"001"})))
+        for seed in (1, 2, 3, 4)
+    }
+    assert plans[1] == fleet_run.decay_fleet_plan(FleetConfig(seed=1))
+    for plan in plans.values():
+        fleet = [n for _, _, n, tail in plan if not tail]
+        tail = [n for _, _, n, t in plan if t]
+        assert len(fleet) == DEFAULT_SESSIONS and len(tail) == fleet_run.TAIL_SESSIONS
+        assert all(120 <= n <= 130 for n in tail) and all(3 <= n <= 130 for n in fleet)
+        assert sum(n >= 120 for _, _, n, _ in plan) >= 30
+        assert [i for _, i, _, _ in plan] == list(range(len(plan)))  # each its own turns
+    totals = {seed: sum(n for _, _, n, _ in plan) for seed, plan in plans.items()}
+    assert len(set(totals.values())) == len(totals), totals
+    fleets = [tuple(n for _, _, n, t in plan if not t) for plan in plans.values()]
+    tails = [tuple(n for _, _, n, t in plan if t) for plan in plans.values()]
+    assert len({tuple(sorted(f)) for f in fleets}) == len(fleets)  # not a reshuffle
+    assert len({tuple(sorted(t)) for t in tails}) == len(tails)
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_naive_arbiter_reproduces_record_001(seed: int) -> None:
     """The naive arbiter alone (pure, no I/O): the compaction-decay scenario's decay, its
     thrash and its green SLO, on the default fleet of each seed."""
-    lengths = decay.session_lengths(seed, DEFAULT_SESSIONS, 130)
-    runs = [
-        decay.run_naive(f"decay-{seed}-{i}", decay.plan(seed, i, n)) for i, n in enumerate(lengths)
-    ]
+    runs = _naive_fleet(FleetConfig(seed=seed))
     s = report._decay_summary(runs, ledger=False)
     rates = [s["retrieval_admission"][str(t)]["rate"] for t in (10, 60, 120)]
     assert rates[0] >= 0.85 and 0.25 <= rates[1] <= 0.45 and rates[2] <= 0.15, rates
@@ -63,6 +89,47 @@ def test_naive_arbiter_reproduces_record_001(seed: int) -> None:
     assert set(s["retrieval_refusals"]) == {"token_budget_exhausted"}
     assert s["refusal_latency_headroom_ms"]["min"] > 0
     assert s["slo"]["over_share"] <= 0.001
+
+
+def _naive_fleet(config: FleetConfig) -> list[decay.SessionRun]:
+    """Scenario 001's naive column as the demo runs it (pure, no I/O)."""
+    runs = []
+    for sid, i, n, tail in fleet_run.decay_fleet_plan(config):
+        runs.append(decay.run_naive(sid, decay.plan(config.seed, i, n)))
+        runs[-1].tail = tail
+    return runs
+
+
+def test_turn_120_check_counts_every_column() -> None:
+    """The check "001 turn-120 figures on >= 30 sessions" reads each column's own count:
+    a column run without the tail fails it, and the figures carry their n."""
+    with_tail = report._decay_summary(_naive_fleet(FleetConfig(seed=2)), ledger=False)
+    alone = report._decay_summary(_naive_fleet(FleetConfig(seed=2, tail=0)), ledger=False)
+    assert alone["sessions_at_120"] < 30 <= with_tail["sessions_at_120"]
+    name = "001 turn-120 figures on >= 30 sessions"
+    for off, ok in ((with_tail, True), (alone, False)):
+        s = {
+            "naive": with_tail,
+            "ledger": with_tail | {"failed_compactions": 0},
+            "off": off,
+            "over_allocations": 0,
+            "audits_clean": 1,
+            "audits_total": 1,
+        }
+        got = checks.acceptance(s)[name]
+        assert got["pass"] is ok, got
+        assert f"without its rule {off['sessions_at_120']} " in got["measured"]
+    iv = with_tail["compaction_interval"]
+    assert iv["early_compactions"] + iv["late_compactions"] <= with_tail["compactions"]
+    assert iv["late_sessions"] <= iv["early_sessions"] + with_tail["tail_sessions"]
+    assert iv["same_sessions"]["late"]["sessions"] <= with_tail["sessions_at_120"]
+    post = with_tail["post_compaction_occupancy"]
+    # the sessions that compacted at all (a short one never does), the tail's every one
+    sessions = with_tail["sessions"] + with_tail["tail_sessions"]
+    assert with_tail["tail_sessions"] < post["first_sessions"]["sessions"] < sessions
+    assert post["late_sessions"]["sessions"] <= post["late_compactions"]
+    assert with_tail["slo"]["turns"] == with_tail["turns"]
+    assert with_tail["retrieval_min"]["sessions"] >= 10
 
 
 def test_summarizer_is_soft_and_deterministic() -> None:
@@ -76,12 +143,7 @@ def test_summarizer_is_soft_and_deterministic() -> None:
 
 def _naive_001(seed: int = 1) -> dict[str, Any]:
     """Scenario 001's naive column alone (pure, no I/O): the default fleet and its tail."""
-    lengths = decay.session_lengths(seed, DEFAULT_SESSIONS, 130)
-    runs = [decay.run_naive(f"d-{i}", decay.plan(seed, i, n)) for i, n in enumerate(lengths)]
-    for k, n in enumerate(decay.tail_lengths(fleet_run.TAIL_SESSIONS, fleet_run.TAIL_FROM, 130)):
-        runs.append(decay.run_naive(f"d-t{k}", decay.plan(seed, len(lengths) + k, n)))
-        runs[-1].tail = True
-    return report._decay_summary(runs, ledger=False)
+    return report._decay_summary(_naive_fleet(FleetConfig(seed=seed)), ledger=False)
 
 
 def _rates(s: dict[str, Any]) -> list[float]:
@@ -224,7 +286,8 @@ def loaded_run(f: Callable[[], T]) -> T:
 def test_scenario_001_on_embedded_gives_the_same_figures_however_loaded() -> None:
     """The default run's scenario 001 is on a stepped clock: the same seed gives the
     same figures, with the machine idle or with a thread spinning on the same core."""
-    config = FleetConfig(sessions=4, tail=0, max_turns=90, seed=3, only=frozenset({"001"}))
+    # seed 9 draws sessions of 34, 90, 57 and 54 turns: the 90-turn one reaches a hard reset
+    config = FleetConfig(sessions=4, tail=0, max_turns=90, seed=9, only=frozenset({"001"}))
 
     def figures() -> dict[str, object]:
         url = f"embedded://{uuid.uuid4().hex}"

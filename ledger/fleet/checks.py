@@ -35,9 +35,16 @@ def acceptance(s: dict[str, Any], large: bool = False) -> dict[str, Check]:
         f"{s['over_allocations']} over-allocations, {s['audits_clean']}/{s['audits_total']} clean",
     )
     if "retrieval_admission" in lg:
+        # every column of 001 that ran: its own sessions alive at turn 120, each counted
+        cols = [("naive", n), ("ledger", lg)]
+        if off is not None and "retrieval_admission" in off:
+            cols.append(("without its rule", off))
         out["001 turn-120 figures on >= 30 sessions"] = _c(
-            lg["sessions_at_120"] >= 30,
-            f"{lg['sessions_at_120']} sessions ({lg['tail_sessions']} from the tail)",
+            all(a["sessions_at_120"] >= 30 for _, a in cols),
+            ", ".join(
+                f"{name} {a['sessions_at_120']} ({a['tail_sessions']} from the tail)"
+                for name, a in cols
+            ),
         )
     return out
 

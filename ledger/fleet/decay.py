@@ -61,7 +61,6 @@ WM, RET, REC = Consumer.WORKING_MEMORY, Consumer.RETRIEVAL, Consumer.RECALL
 WINDOW = 128_000
 SYSTEM = 3_000
 SLO_MS = 900.0
-MEDIAN_TURNS, P99_TURNS = 40, 210
 STALE = 4  # generations without retrieval are this many times longer
 OUTPUT_MARGIN = 1.25  # the output reserve: the expected generation and a margin
 
@@ -152,7 +151,7 @@ class SessionRun:
     session_id: str
     records: list[TurnRecord] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
-    tail: bool = False  # drawn from the length distribution's tail (tail_lengths)
+    tail: bool = False  # drawn from the length distribution's tail (lengths.py)
 
     def count(self, name: str, n: int = 1) -> None:
         self.counts[name] = self.counts.get(name, 0) + n
@@ -162,26 +161,6 @@ class SessionRun:
 
 
 # --- workload ---------------------------------------------------------------------
-
-
-def session_lengths(seed: int, n: int, cap: int) -> list[int]:
-    """Session lengths at evenly spaced quantiles of a lognormal of median 40 and p99
-    210 turns (so a fleet of n sessions has its share of long ones), capped, shuffled."""
-    sigma = math.log(P99_TURNS / MEDIAN_TURNS) / NormalDist().inv_cdf(0.99)
-    q = [NormalDist().inv_cdf((i + 0.5) / n) for i in range(n)]
-    out = [max(3, min(cap, round(MEDIAN_TURNS * math.exp(sigma * z)))) for z in q]
-    random.Random(seed).shuffle(out)
-    return out
-
-
-def tail_lengths(n: int, beyond: int, cap: int) -> list[int]:
-    """n session lengths at evenly spaced quantiles of the same lognormal's tail beyond
-    `beyond` turns, capped: the sessions that let a late checkpoint rest on n samples
-    (about 6% of a fleet outlives turn 120)."""
-    sigma = math.log(P99_TURNS / MEDIAN_TURNS) / NormalDist().inv_cdf(0.99)
-    p0 = NormalDist().cdf(math.log(beyond / MEDIAN_TURNS) / sigma)
-    q = [NormalDist().inv_cdf(p0 + (1 - p0) * (i + 0.5) / n) for i in range(n)]
-    return [max(beyond, min(cap, round(MEDIAN_TURNS * math.exp(sigma * z)))) for z in q]
 
 
 def plan(seed: int, index: int, turns: int) -> tuple[TurnPlan, ...]:

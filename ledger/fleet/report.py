@@ -69,12 +69,20 @@ def _decay_summary(runs: Sequence[decay.SessionRun], ledger: bool) -> dict[str, 
     max_turn = max((r.turn for r in records), default=0)
     curve, alive = _admission(runs, max_turn)
     iv = _intervals(runs)
+    w = decay.WINDOW
+    # each session's first post-compaction occupancy, and the mean of its own from turn
+    # LATE: distributions over sessions, as shares of the window
     firsts = [
-        next(r.post_compaction for r in run.records if r.post_compaction is not None)
+        next(r.post_compaction for r in run.records if r.post_compaction is not None) / w
         for run in runs
         if any(r.post_compaction is not None for r in run.records)
     ]
     late_posts = [r.post_compaction for r in records if r.post_compaction and r.turn >= LATE]
+    late_by_session = [
+        statistics.fmean(ps) / w
+        for run in runs
+        if (ps := [r.post_compaction for r in run.records if r.post_compaction and r.turn >= LATE])
+    ]
     # shares of the fleet's turns: the fleet alone (the tail sessions would weigh late
     # turns too much); per-turn figures: every session alive at that turn
     fleet = [r for run in runs if not run.tail for r in run.records]
@@ -103,27 +111,42 @@ def _decay_summary(runs: Sequence[decay.SessionRun], ledger: bool) -> dict[str, 
         for t, c in enumerate(smooth)
         if CHECKPOINTS[0] <= t <= max_turn - WINDOW_TURNS and alive[t] >= 10  # whole windows
     ]
-    early = _mean(d for t, d in iv if t < EARLY)
-    late = _mean(d for t, d in iv if t >= LATE)
-    w = decay.WINDOW
     first_post = _mean(firsts)
     late_post = _mean(late_posts)
     return {
         "retrieval_admission": {str(c): _checkpoint(runs, c) for c in CHECKPOINTS},
         "retrieval_trend_per_100_turns": slope,
-        "retrieval_min": {"rate": min(low)[0], "turn": min(low)[1]} if low else None,
+        "retrieval_trend_turns": len(pts),  # the turns (curve points) the slope is fit on
+        "retrieval_min": {
+            "rate": min(low)[0],
+            "turn": min(low)[1],
+            "sessions": alive[min(low)[1]],  # alive at that turn
+        }
+        if low
+        else None,
         "retrieval_refusals": dict(refusals),
         "refusals": dict(every),
-        "refusal_latency_headroom_ms": {"min": min(headroom), "median": statistics.median(headroom)}
+        "refusal_latency_headroom_ms": {
+            "min": min(headroom),
+            "median": statistics.median(headroom),
+            "refusals": len(headroom),
+        }
         if headroom
         else None,
         "compactions": len(iv),
-        "compaction_interval": {"early": early, "late": late},
+        "compaction_interval": _interval_summary(runs, iv),
         "post_compaction_occupancy": {
-            "first": first_post / w if first_post else None,
+            # the mean over sessions of each one's first; the mean of every compaction
+            # from turn LATE (the checks' figures), each with its spread over sessions
+            "first": first_post,
             "late": late_post / w if late_post else None,
+            "first_sessions": _spread(firsts),
+            "late_compactions": len(late_posts),
+            "late_sessions": _spread(late_by_session),
         },
         "slo": {
+            "turns": len(fleet),
+            "sessions": sum(1 for run in runs if not run.tail),
             "over_share": len(over) / len(fleet) if fleet else 0.0,
             "over_turns": len(over),
             "over_not_compaction_or_reset": sum(
@@ -132,11 +155,39 @@ def _decay_summary(runs: Sequence[decay.SessionRun], ledger: bool) -> dict[str, 
             "p95_ms": lat[int(0.95 * (len(lat) - 1))] if lat else None,
         },
         "resets": sum(r.reset for r in fleet),
+        "reset_sessions": sum(
+            1 for run in runs if not run.tail and any(r.reset for r in run.records)
+        ),
         "turns": len(fleet),
         "sessions": sum(1 for run in runs if not run.tail),
         "tail_sessions": sum(1 for run in runs if run.tail),
         "sessions_at_120": sum(1 for run in runs if len(run.records) >= 120),
         "curve": {"retrieval": curve, "alive": alive, "interval": _interval_curve(iv, max_turn)},
+    }
+
+
+def _interval_summary(
+    runs: Sequence[decay.SessionRun], iv: Sequence[tuple[int, int]]
+) -> dict[str, Any]:
+    """The mean interval of the compactions before turn EARLY and from turn LATE (the
+    checks' figures), each with the compactions and sessions it rests on; and the same
+    two on comparable samples: only the sessions alive at turn 120 (the last checkpoint),
+    each one's mean early and late interval, spread over those sessions."""
+    early = [d for t, d in iv if t < EARLY]
+    late = [d for t, d in iv if t >= LATE]
+    per_run = [_intervals([run]) for run in runs]
+    long = [p for run, p in zip(runs, per_run, strict=True) if len(run.records) >= CHECKPOINTS[-1]]
+    return {
+        "early": _mean(early),
+        "late": _mean(late),
+        "early_compactions": len(early),
+        "late_compactions": len(late),
+        "early_sessions": sum(1 for p in per_run if any(t < EARLY for t, _ in p)),
+        "late_sessions": sum(1 for p in per_run if any(t >= LATE for t, _ in p)),
+        "same_sessions": {
+            "early": _spread([m for p in long if (m := _mean(d for t, d in p if t < EARLY))]),
+            "late": _spread([m for p in long if (m := _mean(d for t, d in p if t >= LATE))]),
+        },
     }
 
 
@@ -241,7 +292,9 @@ def _forgetting(rows: Sequence[starvation.TurnRow]) -> dict[str, Any]:
 
 
 def _truncation(c: truncation.Counts) -> dict[str, Any]:
-    return dict(c.__dict__)
+    """The counts, over every turn of the scenario's sessions (their number with them)."""
+    n = truncation.SESSIONS
+    return dict(c.__dict__) | {"sessions": n, "turns": n * truncation.TURNS}
 
 
 def _window(sessions: list[list[fanout.TurnRow]], span: tuple[int, int]) -> dict[str, Any]:
@@ -320,10 +373,11 @@ def _fanout(rows: Sequence[fanout.TurnRow], ledger: bool) -> dict[str, Any]:
                 and c["pathological"] is not None
                 and c["pathological"] >= c["ratio_over_8"]
             ),
-            "first_ratio_over_3": cross[0]["ratio_over_3"] if cross else None,
-            "first_fragmentation": cross[0]["fragmentation"] if cross else None,
-            "first_ratio_over_8": cross[0]["ratio_over_8"] if cross else None,
-            "first_pathological": cross[0]["pathological"] if cross else None,
+            # the turn of each crossing, spread over the sessions that made it
+            "crossing_turns": {
+                k: _spread([t for c in cross if (t := c[k]) is not None])
+                for k in ("ratio_over_3", "fragmentation", "ratio_over_8", "pathological")
+            },
             "guard_stops": sum(r.guard_stops for r in rows),
             "ratio_after_guard_max": max((r.ratio for r in rows if r.guard_stops), default=None),
             # every turn of every session: what the guard holds down, not where it acted

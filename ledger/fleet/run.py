@@ -12,7 +12,6 @@ own, on a Redis URL beside a worker thread on the wall clock, as 000 and 004 do.
 
 from __future__ import annotations
 
-import dataclasses
 import multiprocessing
 import threading
 import time
@@ -25,7 +24,7 @@ from typing import Any, TypeVar
 from ledger import schema
 from ledger.backends import parse_url
 from ledger.client import Ledger
-from ledger.fleet import decay, fanout, starvation, truncation, variants
+from ledger.fleet import decay, fanout, lengths, starvation, truncation, variants
 from ledger.fleet.agent import REAL, Clock, SimAgent, SteppedClock
 from ledger.settings import LedgerSettings, require_url
 from ledger.workers.compactors import CompactionPlan, CompactionRequest
@@ -93,7 +92,7 @@ def stages(config: FleetConfig) -> dict[str, int]:
     """The demo's stages and their steps, in the order they run (for a progress display)."""
     out = {
         STAGES[k]: (
-            config.sessions * (2 if config.off_column else 1) + config.tail if k == "001" else 1
+            (config.sessions + config.tail) * (2 if config.off_column else 1) if k == "001" else 1
         )
         for k in SCENARIOS
         if config.runs(k)
@@ -217,10 +216,10 @@ def _decay_one(job: DecayJob, clock: Clock = REAL) -> tuple[decay.SessionRun, in
 
 def decay_fleet_plan(config: FleetConfig) -> list[tuple[str, int, int, bool]]:
     """Scenario 001's sessions: (id, plan index, turns, from the tail), the fleet first."""
-    lengths = decay.session_lengths(config.seed, config.sessions, config.max_turns)
-    out = [(f"decay-{config.seed}-{i}", i, n, False) for i, n in enumerate(lengths)]
+    fleet = lengths.session_lengths(config.seed, config.sessions, config.max_turns)
+    out = [(f"decay-{config.seed}-{i}", i, n, False) for i, n in enumerate(fleet)]
     if config.max_turns >= TAIL_FROM:
-        tail = decay.tail_lengths(config.tail, TAIL_FROM, config.max_turns)
+        tail = lengths.tail_lengths(config.seed, config.tail, TAIL_FROM, config.max_turns)
         out += [
             (f"decay-{config.seed}-t{k}", config.sessions + k, n, True) for k, n in enumerate(tail)
         ]
@@ -343,10 +342,9 @@ def run(settings: LedgerSettings, config: FleetConfig, progress: Progress = None
         if config.off_column:
             fleets.append((f"{tag}-off", False))
         for fleet_tag, credit in fleets:
-            # the rule-off column runs the fleet alone (its late figures name their few
-            # sessions): the tail is there for the ledger's and the naive's turn-120 figures
-            fleet = config if fleet_tag == tag else dataclasses.replace(config, tail=0)
-            runs, n_calls, ids, totals = _decay_fleet(settings, fleet, fleet_tag, credit, progress)
+            # every column runs the same sessions, the tail too: each column's turn-120
+            # figures rest on the same 30 or more sessions
+            runs, n_calls, ids, totals = _decay_fleet(settings, config, fleet_tag, credit, progress)
             if fleet_tag == tag:
                 ledger_runs = runs
             else:

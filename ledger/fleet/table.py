@@ -40,16 +40,33 @@ def _refusals(a: dict[str, Any]) -> str:
 
 def _interval(a: dict[str, Any]) -> str:
     iv = a["compaction_interval"]
-    return f"{_f(iv['early'], '.1f')} / {_f(iv['late'], '.1f')}"
+    same = iv["same_sessions"]
+    return (
+        f"{_f(iv['early'], '.1f')} ({iv['early_compactions']} compactions, "
+        f"{iv['early_sessions']} sessions) / {_f(iv['late'], '.1f')} "
+        f"({iv['late_compactions']} compactions, {iv['late_sessions']} sessions); the "
+        f"{same['early']['sessions']} sessions alive at turn 120, median of each one's: "
+        f"{_f(same['early']['median'], '.1f')} / {_f(same['late']['median'], '.1f')}"
+    )
 
 
 def _post(a: dict[str, Any]) -> str:
     post = a["post_compaction_occupancy"]
-    return f"{_f(post['first'])} / {_f(post['late'])}"
+    first, late = post["first_sessions"], post["late_sessions"]
+    return (
+        f"{_f(post['first'])} (mean of {first['sessions']} sessions' first; median "
+        f"{_f(first['median'])}, p90 {_f(first['p90'])}) / {_f(post['late'])} "
+        f"({post['late_compactions']} compactions of {late['sessions']} sessions; median "
+        f"{_f(late['median'])}, p90 {_f(late['p90'])} a session)"
+    )
 
 
 def _slo(a: dict[str, Any]) -> str:
-    return f"{100 * a['slo']['over_share']:.2f}% (p95 {_f(a['slo']['p95_ms'], '.0f')} ms)"
+    slo = a["slo"]
+    return (
+        f"{100 * slo['over_share']:.2f}% (p95 {_f(slo['p95_ms'], '.0f')} ms; "
+        f"{slo['turns']} turns of {slo['sessions']} sessions)"
+    )
 
 
 def _decay_rows(n: dict[str, Any], lg: dict[str, Any], o: dict[str, Any] | None) -> list[Row]:
@@ -72,7 +89,9 @@ def _decay_rows(n: dict[str, Any], lg: dict[str, Any], o: dict[str, Any] | None)
 
     def lowest(a: dict[str, Any]) -> str:
         low = a["retrieval_min"]
-        return "n/a" if low is None else f"{low['rate']:.2f} (turn {low['turn']})"
+        if low is None:
+            return "n/a"
+        return f"{low['rate']:.2f} (turn {low['turn']}, {low['sessions']} sessions alive)"
 
     t.append(
         (
@@ -110,7 +129,8 @@ def _decay_rows(n: dict[str, Any], lg: dict[str, Any], o: dict[str, Any] | None)
             "",
             "retrieval refusals (reason)",
             "token_budget_exhausted with ~180 ms headroom -> compaction_pending",
-            _refusals(n) + (f"; headroom >= {head['min']:.0f} ms" if head else ""),
+            _refusals(n)
+            + (f"; headroom >= {head['min']:.0f} ms ({head['refusals']} refusals)" if head else ""),
             _refusals(lg),
             off(_refusals),
         )
@@ -132,8 +152,9 @@ def _decay_rows(n: dict[str, Any], lg: dict[str, Any], o: dict[str, Any] | None)
             "hard resets / failed compactions",
             "escalate after 3 failures",
             f"0 / {n['compactions']} compactions never checked",
-            f"{lg['resets']} / {lg['failed_compactions']}",
-            off(lambda a: f"{a['resets']} / none judged"),
+            f"{lg['resets']} (in {lg['reset_sessions']} of {lg['sessions']} sessions) / "
+            f"{lg['failed_compactions']}",
+            off(lambda a: f"{a['resets']} (in {a['reset_sessions']} sessions) / none judged"),
         )
     )
     return t
@@ -206,7 +227,8 @@ def _truncation_rows(
     return [
         (
             "002 truncation-loop",
-            "prompt compressions; truncated results; repeated calls",
+            f"prompt compressions; truncated results; repeated calls ({nt['sessions']} "
+            f"sessions, {nt['turns']} turns each column)",
             "a forbidden call gets through, its 20k result is cut, the call repeats",
             f"{nt['compression_events']}; {nt['truncated']}; {nt['repeated_calls']} "
             f"({nt['forbidden_calls']} forbidden calls)",
@@ -253,7 +275,14 @@ def _fanout_rows(nf: dict[str, Any], lf: dict[str, Any], of: dict[str, Any] | No
             "not measured",
             f"{cls}; fragmentation {lf['fragmentation_lag_min']}-"
             f"{lf['fragmentation_lag_max']} turns after; pathological "
-            f"{lf['sessions_pathological']}/{lf['sessions_over_8']}; control: {ctl}",
+            f"{lf['sessions_pathological']}/{lf['sessions_over_8']}; turn of ratio 3 / "
+            "fragmentation / ratio 8 / pathological, median over the sessions that "
+            "crossed: "
+            + " / ".join(
+                f"{_f(x['median'], '.0f')} (n={x['sessions']})"
+                for x in lf["crossing_turns"].values()
+            )
+            + f"; control: {ctl}",
             f"{', '.join(f'{k}={v}' for k, v in sorted(of['classes'].items()))}; pathological "
             f"{of['sessions_pathological']}/{of['sessions_over_8']}"
             if of
