@@ -408,7 +408,7 @@ def run_ledger(
             raise RuntimeError(f"turn {p.turn} of {run.session_id} could not run")
         state["rebuild"] = False
         rec.discarded, discarded = discarded, []
-        rec.wait_ms = (agent.waited_s - waited_s) * TIME_SCALE * 1000  # in a deployment
+        rec.wait_ms = round((agent.waited_s - waited_s) * TIME_SCALE * 1000, 1)  # deployed
         if not paced:
             # An autonomous agent's next turn begins as this one ends: the clock moves by
             # the turn's own latency (a wait at its begin moved it already), at the demo's
