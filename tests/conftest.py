@@ -162,8 +162,8 @@ QUALITIES: dict[str, str] = {
     "fault": """cluster concurrency_lost_replies durability faults history reliability soak
         worker_faults worker_once worker_processes""",
     "concurrency": "cluster concurrency concurrency_lost_replies concurrency_race",
-    "fleet": """agent_reset compaction demo_rules fleet fleet_async fleet_ceilings fleet_counting
-        fleet_nopause fleet_turns two_call_turn upgrade""",
+    "fleet": """agent_reset compaction demo_rules fleet fleet_async fleet_ceilings fleet_costs
+        fleet_counting fleet_nopause fleet_turns two_call_turn upgrade""",
     "adapter": """adapter_ceilings adapters agent_reset async_adapters billing fleet_async
         fleet_ceilings fleet_counting fleet_turns langgraph_turns otel_turns""",
     "worker": """compaction fleet_nopause ownership recount soak staging worker_dead_letters

@@ -95,6 +95,16 @@ def of(column: str, fmt: str) -> str:
     return fmt.replace("{c[", "{" + column + "[")
 
 
+RESET = (
+    "{c[cure_costs][resets]} ({c[cure_costs][reset_sessions]}); "
+    "{c[cure_costs][discarded_tokens][median]:.0f} / {c[cure_costs][discarded_tokens][p90]:.0f}"
+)
+WAIT = "{c[cure_costs][waited_turns]} ({c[cure_costs][waited_ms_total]:.0f} ms)"
+MEM = (
+    "{c[truncation_loop][memory_evicted]} / {c[truncation_loop][memory_refused]} / "
+    "{c[truncation_loop][read_back]} ({c[truncation_loop][read_back_tokens]}) / "
+    "{c[truncation_loop][results_refused]}"
+)
 IV = "{c[compaction_interval][early]:.1f} / {c[compaction_interval][late]:.1f}"
 SLO = "{c[slo][over_share]:.2%} of {c[turns]} (p95 {c[slo][p95_ms]:.0f} ms)"
 TRUNC = "{c[truncation_loop][compression_events]} / {c[truncation_loop][truncated]} / "
@@ -130,6 +140,22 @@ ROWS: list[tuple[str, str | Callable[[J], str]]] = [
     ),
     ("001 hard resets: ledger / without credit", "{ledger[resets]} / {off[resets]}"),
     (
+        "001 ledger: resets (sessions); tokens each discarded, median / p90 (tail included)",
+        of("ledger", RESET),
+    ),
+    ("001 turns waiting for a compaction at a begin (in all), ledger", of("ledger", WAIT)),
+    ("001 ... without credit", of("off", WAIT)),
+    (
+        "001 retrieval tokens refused: ledger / without credit",
+        "{ledger[cure_costs][retrieval_refused_tokens]} / "
+        "{off[cure_costs][retrieval_refused_tokens]}",
+    ),
+    (
+        "001 naive synchronous compactions: turns (share of latency)",
+        "{naive[cure_costs][sync_compaction_turns]} "
+        "({naive[cure_costs][sync_compaction_latency_share]:.1%})",
+    ),
+    (
         "000 short of the working set after turn 5: naive (silent) / ledger / without",
         "{naive[starvation][short_turns]} / {ledger[starvation][short_turns]} / "
         "{off[starvation][short_turns]} of {ledger[starvation][turns_after_5]}",
@@ -162,6 +188,12 @@ ROWS: list[tuple[str, str | Callable[[J], str]]] = [
     ),
     ("002 ... without spill", of("off", TRUNC)),
     (
+        "002 memory chunks evicted / not admitted / read back (tokens) / refused, naive",
+        of("naive", MEM),
+    ),
+    ("002 ... ledger", of("ledger", MEM)),
+    ("002 ... without spill", of("off", MEM)),
+    (
         "002 damaged turns (forbidden calls): naive / ledger",
         "{naive[truncation_loop][damaged_turns]} ({naive[truncation_loop][forbidden_calls]}) / "
         "{ledger[truncation_loop][damaged_turns]} ({ledger[truncation_loop][forbidden_calls]})",
@@ -171,6 +203,12 @@ ROWS: list[tuple[str, str | Callable[[J], str]]] = [
         fan("naive", "; alerts {naive[fanout][alerts]}"),
     ),
     ("004 ... ledger", fan("ledger", "; guard in {ledger[fanout][guard_stops]} turns")),
+    (
+        "004 ledger: the guard's summarize spans, median ms, share of those turns' latency",
+        "{ledger[fanout][cure_costs][guard_summarize][spans]}, "
+        "{ledger[fanout][cure_costs][guard_summarize][ms][median]:.0f} ms, "
+        "{ledger[fanout][cure_costs][guard_summarize][latency_share]:.1%}",
+    ),
     ("004 ... without the guard", fan("off")),
     (
         "004 ledger: turns from ratio > 3 to fragmentation; sessions pathological / past 8",

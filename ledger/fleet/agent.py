@@ -193,6 +193,7 @@ class SimAgent:
         self.agent.core.adopt_resets = False
         self.current: Turn | None = None
         self.waited = False  # waited for a compaction (at a begin) since the caller cleared it
+        self.waited_s = 0.0  # seconds begins waited for a compaction (the agent's clock)
 
     @property
     def calls(self) -> int:
@@ -216,6 +217,7 @@ class SimAgent:
         self.current = turn.__enter__()
         assert turn.state is not None
         self.waited = self.waited or turn.state.waited_compaction > 0
+        self.waited_s += turn.state.waited_compaction
         return turn.state.started
 
     def admit(self, consumer: Consumer, docs: Sequence[Doc]) -> Admission[Any]:

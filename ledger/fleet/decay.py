@@ -140,6 +140,13 @@ class TurnRecord:
     headroom_ms: float | None = None  # latency headroom the arbiter saw at a refusal
     waited: bool = False  # the agent waited for a compaction in this turn
     reset: bool = False  # the turn rebuilt its context after a hard reset
+    # the cures' costs: (tokens, items) each hard reset before it discarded (as of the
+    # agent's last reading), deployment ms its begins waited for a compaction, retrieval
+    # tokens not admitted; naive: the ms its synchronous compaction charged to it
+    discarded: list[tuple[int, int]] = field(default_factory=list)
+    wait_ms: float = 0.0
+    refused_tokens: int = 0
+    compaction_ms: float = 0.0
 
     @property
     def over_slo(self) -> bool:
@@ -297,6 +304,7 @@ def run_naive(session_id: str, turns: Sequence[TurnPlan]) -> SessionRun:
                 used = SYSTEM + sum(i.tokens for i in items)
                 est += lat / AMORTIZE_TURNS
                 real_ms += lat
+                rec.compaction_ms = lat
                 rec.compaction = True
                 rec.post_compaction = used
                 run.count("compactions")
@@ -362,7 +370,8 @@ def run_ledger(
     shed_before = False
     last_kn = 0
     due: Snapshot | None = None  # the snapshot at the end of a turn that made a compaction due
-    state = {"rebuild": False}
+    state = {"rebuild": False, "tokens": 0, "items": 0}  # held at the last reading
+    discarded: list[tuple[int, int]] = []
     core = agent.agent.core
     if not paced:
         core.await_compaction = AUTONOMOUS_WAIT_S
@@ -377,6 +386,7 @@ def run_ledger(
             core.await_compaction = 0.0 if p.quick else COMPACTION_WAIT_S
         refused = len(agent.refusals)
         agent.waited = False  # across the attempts of one turn
+        waited_s = agent.waited_s
         for _attempt in range(64):
             try:
                 rec, kn, due = _ledger_turn(agent, run, p, shed_before, last_kn, state)
@@ -384,7 +394,7 @@ def run_ledger(
             except StaleEpoch:  # a hard reset by the worker: new epoch, empty context
                 agent.adopt_reset()
                 run.count("resets_seen")
-                state["rebuild"] = True
+                _discard(state, discarded)
             except WorkingMemoryStarvation as full:
                 # The window is full and the turn cannot start (only without compaction
                 # credit: with it, the hard reset comes first).
@@ -393,10 +403,12 @@ def run_ledger(
                 except StaleEpoch:  # the worker's hard reset came first
                     agent.adopt_reset()
                     run.count("resets_seen")
-                    state["rebuild"] = True
+                    _discard(state, discarded)
         else:  # pragma: no cover - a turn starts after a few resets or cuts
             raise RuntimeError(f"turn {p.turn} of {run.session_id} could not run")
         state["rebuild"] = False
+        rec.discarded, discarded = discarded, []
+        rec.wait_ms = round((agent.waited_s - waited_s) * TIME_SCALE * 1000, 1)  # deployed
         if not paced:
             # An autonomous agent's next turn begins as this one ends: the clock moves by
             # the turn's own latency (a wait at its begin moved it already), at the demo's
@@ -411,6 +423,12 @@ def run_ledger(
         shed_before = not rec.retrieval
         run.records.append(rec)
     return run
+
+
+def _discard(state: dict[str, int], discarded: list[tuple[int, int]]) -> None:
+    """A hard reset: the items the session held at the agent's last reading are gone."""
+    discarded.append((state["tokens"], state["items"]))
+    state["rebuild"], state["tokens"], state["items"] = True, 0, 0
 
 
 def _make_room(agent: SimAgent, full: WorkingMemoryStarvation, run: SessionRun) -> None:
@@ -444,17 +462,18 @@ def _ledger_turn(
     p: TurnPlan,
     shed_before: bool,
     last_kn: int,
-    state: dict[str, bool],
+    state: dict[str, int],
 ) -> tuple[TurnRecord, int, Snapshot | None]:
     expected = p.generation * (STALE if shed_before else 1)
     t = agent.begin(1_000, int(expected * OUTPUT_MARGIN))
-    rec = TurnRecord(p.turn, retrieval=False, reset=state["rebuild"])
+    rec = TurnRecord(p.turn, retrieval=False, reset=bool(state["rebuild"]))
     start = round(t.utilization * WINDOW)
     agent.admit(WM, [Doc(f"m{p.turn}", p.message)])
     recall = agent.admit(REC, [Doc(f"r{p.turn}", p.recall)])
     chunks = [Doc(f"c{p.turn}-{k}", c) for k, c in enumerate(p.chunks)]
     ret = agent.admit(RET, chunks)
     rec.retrieval = bool(ret.kept)
+    rec.refused_tokens = sum(d.tokens for d in ret.refused)
     if not ret.kept:
         rec.refusal = ret.reason
         if agent.refusals and agent.refusals[-1].reason == ret.reason:
@@ -464,6 +483,7 @@ def _ledger_turn(
         run.count("generation_refused")  # the reserve covered it; counted if it ever does not
     snap = agent.snapshot()
     kn = snap.raw.get(schema.COMPACTIONS_DONE, 0)
+    state["tokens"], state["items"] = sum(snap.used.values()), sum(snap.items.values())
     if kn > last_kn:
         rec.compaction, rec.post_compaction = True, start
     prompt = max(1, snap.occupancy - gen)

@@ -64,6 +64,7 @@ class TurnRow:
     alert: bool = False  # naive: the gauge raised something
     classification: str = ""  # ledger
     guard_stops: int = 0  # ledger: spans the guard turned into summarize-and-proceed
+    summarize_ms: float = 0.0  # the turn's summarize span (in latency_ms)
 
 
 @dataclass
@@ -120,6 +121,10 @@ class Memory:
         s += self.seconds(SUMMARIZE, sum(recalled), turn, "summarize")
         return 1000 * (s + self.seconds(MODEL, final, turn, "model"))
 
+    def summarize_ms(self, turn: int, recalled: list[int]) -> float:
+        """The turn's summarize span's latency (a part of :meth:`latency_ms`)."""
+        return 1000 * self.seconds(SUMMARIZE, sum(recalled), turn, "summarize")
+
 
 def _p99(latencies: list[float]) -> float:
     """Nearest-rank p99 of the last ten turns."""
@@ -146,7 +151,14 @@ def run_naive(seed: int, index: int) -> list[TurnRow]:
         util = final / BUDGET.window
         rows.append(
             TurnRow(
-                t, len(recalled) + 1, sum(recalled) / final, util, lat[-1], _p99(lat), util > ALERT
+                t,
+                len(recalled) + 1,
+                sum(recalled) / final,
+                util,
+                lat[-1],
+                _p99(lat),
+                util > ALERT,
+                summarize_ms=memory.summarize_ms(t, recalled),
             )
         )
     return rows
@@ -187,6 +199,7 @@ def run_ledger(agent: SimAgent, seed: int, index: int, control: bool = False) ->
                 _p99(lat),
                 classification=report.classification,
                 guard_stops=int(stopped),
+                summarize_ms=memory.summarize_ms(t, recalled),
             )
         )
     return rows

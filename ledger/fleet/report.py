@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ledger.extras import need
-from ledger.fleet import decay, fanout, starvation, truncation
+from ledger.fleet import costs, decay, fanout, starvation, truncation
 from ledger.fleet.checks import acceptance
 from ledger.fleet.run import CHECKPOINTS, LARGE_SESSIONS, WINDOW_TURNS, DemoReport
 from ledger.fleet.table import COLUMNS as COLUMNS
@@ -162,6 +162,7 @@ def _decay_summary(runs: Sequence[decay.SessionRun], ledger: bool) -> dict[str, 
         "sessions": sum(1 for run in runs if not run.tail),
         "tail_sessions": sum(1 for run in runs if run.tail),
         "sessions_at_120": sum(1 for run in runs if len(run.records) >= 120),
+        "cure_costs": costs.decay_costs(runs),  # every session's, the tail's too
         "curve": {"retrieval": curve, "alive": alive, "interval": _interval_curve(iv, max_turn)},
     }
 
@@ -338,6 +339,7 @@ def _fanout(rows: Sequence[fanout.TurnRow], ledger: bool) -> dict[str, Any]:
         # each session's highest ratio (its peak), spread over sessions
         "ratio_peak": _spread([max(r.ratio for r in s) for s in sessions]),
         "alerts": sum(r.alert for r in rows),
+        "cure_costs": costs.fanout_costs(rows),
     }
     if ledger:
 

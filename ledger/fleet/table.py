@@ -157,7 +157,45 @@ def _decay_rows(n: dict[str, Any], lg: dict[str, Any], o: dict[str, Any] | None)
             off(lambda a: f"{a['resets']} (in {a['reset_sessions']} sessions) / none judged"),
         )
     )
+    if "cure_costs" in lg:
+        t.append(
+            (
+                "",
+                "what the cure cost: context hard resets discarded; turns that waited for "
+                "a compaction; retrieval refused (naive: its synchronous compactions)",
+                "",
+                _sync(n),
+                _cure(lg),
+                off(_cure),
+            )
+        )
     return t
+
+
+def _cure(a: dict[str, Any]) -> str:
+    """Scenario 001's costs of the cure (every session's, the tail's too)."""
+    c = a["cure_costs"]
+    tok, items, w = c["discarded_tokens"], c["discarded_items"], c["waited_ms"]
+    return (
+        f"{c['resets']} resets (in {c['reset_sessions']} of {c['sessions']} sessions) "
+        f"discarded median {_f(tok['median'], '.0f')}, p90 {_f(tok['p90'], '.0f')} tokens, "
+        f"{_f(items['median'], '.0f')} / {_f(items['p90'], '.0f')} items; "
+        f"{c['waited_turns']} of {c['turns']} turns waited at their begin, "
+        f"{c['waited_ms_total'] / 1000:.1f} s in all (p90 {_f(w['p90'], '.0f')} ms); "
+        f"retrieval refused {c['retrieval_refused_tokens']} tokens in "
+        f"{c['retrieval_refused_turns']} turns"
+    )
+
+
+def _sync(a: dict[str, Any]) -> str:
+    c = a["cure_costs"]
+    ms = c["sync_compaction_ms"]
+    return (
+        f"{c['sync_compaction_turns']} of {c['turns']} turns ran a compaction, "
+        f"{c['sync_compaction_ms_total'] / 1000:.1f} s in all (median "
+        f"{_f(ms['median'], '.0f')}, p90 {_f(ms['p90'], '.0f')} ms), "
+        f"{100 * (c['sync_compaction_latency_share'] or 0):.1f}% of their latency"
+    )
 
 
 def _per(x: dict[str, Any], fmt: str = ".0f") -> str:
@@ -238,8 +276,25 @@ def _truncation_rows(
             "(truncating, not spilling)"
             if ot
             else "",
-        )
+        ),
+        (
+            "",
+            "what the cure cost: memory chunks evicted for a result; not admitted; "
+            "spilled results read back; results refused (tokens)",
+            "",
+            _memory(nt),
+            _memory(lt),
+            _memory(ot) if ot else "",
+        ),
     ]
+
+
+def _memory(a: dict[str, Any]) -> str:
+    return (
+        f"{a['memory_evicted']} ({a['memory_evicted_tokens']}); {a['memory_refused']} "
+        f"({a['memory_refused_tokens']}); {a['read_back']} ({a['read_back_tokens']}); "
+        f"{a['results_refused']} ({a['results_refused_tokens']})"
+    )
 
 
 def _fan(a: dict[str, Any]) -> str:
@@ -250,6 +305,15 @@ def _fan(a: dict[str, Any]) -> str:
         f"{_f(pk['median'], '.1f')}, p90 {_f(pk['p90'], '.1f')}); "
         f"{_f(a['utilization_first'])} -> {_f(a['utilization_last'])}; "
         f"{a['p99_first_ms'] / 1000:.1f} -> {a['p99_last_ms'] / 1000:.1f} s"
+    )
+
+
+def _summarize(a: dict[str, Any]) -> str:
+    """What summarize-and-proceed cost: the summarize spans of the guard's turns."""
+    g = a["cure_costs"]["guard_summarize"]
+    return (
+        f"their summarize spans {g['spans']}, {_f(g['ms']['median'], '.0f')} ms median, "
+        f"{100 * (g['latency_share'] or 0):.1f}% of their latency"
     )
 
 
@@ -265,7 +329,10 @@ def _fanout_rows(nf: dict[str, Any], lf: dict[str, Any], of: dict[str, Any] | No
             f"{nf['turns']} turns)",
             "4 -> 23; 1.3 -> 11.8; 0.61 -> 0.44; 3.1 -> 9.4 s",
             _fan(nf) + f"; gauge alerts {nf['alerts']}",
-            _fan(lf) + f" (guard: {lf['guard_stops']} turns summarized and proceeded)",
+            _fan(lf)
+            + f" (guard: {lf['guard_stops']} turns summarized and proceeded; "
+            + _summarize(lf)
+            + ")",
             _fan(of) if of else "",
         ),
         (

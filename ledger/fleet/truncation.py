@@ -28,6 +28,7 @@ from ledger.models import Consumer, SessionBudget
 
 RET = Consumer.RETRIEVAL
 SESSIONS, TURNS = 6, 30
+CHUNK = 300  # tokens of a memory chunk
 CLAUSE = 600  # the permission paragraph a naive allocator drops
 FORBIDDEN = 20_000  # what the forbidden read returns
 REPEATS = 2  # the agent re-issues a truncated call at most this many times
@@ -76,6 +77,20 @@ class Counts:
     spilled: int = 0
     refusals: int = 0
     admitted_whole: int = 0
+    # what the cures cost. Memory cut short: chunks (of CHUNK tokens) a result took the
+    # room of (evicted for it; naive: memory emptied for it), and chunks not admitted at
+    # a turn's begin (the room held by the results kept).
+    memory_evicted: int = 0
+    memory_evicted_tokens: int = 0
+    memory_refused: int = 0
+    memory_refused_tokens: int = 0
+    # spilled results read back (the agent reads the whole result back by its handle,
+    # read_spill, in the turn it spilled: the tokens that came back); results refused
+    # (the ledger's note in their place: the agent does not ask again), their tokens
+    read_back: int = 0
+    read_back_tokens: int = 0
+    results_refused: int = 0
+    results_refused_tokens: int = 0
 
 
 @dataclass
@@ -130,6 +145,8 @@ def run_naive(turns: tuple[TurnPlan, ...], c: Counts) -> None:
         """Admit a result; False when it had to be truncated."""
         nonlocal memory, system
         if tokens > room():
+            c.memory_evicted += -(-memory // CHUNK)  # a chunk cut counts
+            c.memory_evicted_tokens += memory
             memory = 0  # memory goes first
         if tokens > room() and system == b.system_prompt:
             system -= CLAUSE  # "redundant boilerplate": the permission paragraph
@@ -143,7 +160,9 @@ def run_naive(turns: tuple[TurnPlan, ...], c: Counts) -> None:
         return False
 
     for p in turns:
-        memory = min(p.chunks * 300, max(0, room()))  # memory is slack: what fits
+        memory = min(p.chunks * CHUNK, max(0, room()))  # memory is slack: what fits
+        c.memory_refused += p.chunks - memory // CHUNK  # chunks not admitted whole
+        c.memory_refused_tokens += p.chunks * CHUNK - memory
         if system < b.system_prompt and room() >= CLAUSE:
             system = b.system_prompt  # room to spare: the full prompt is back
         clause = system == b.system_prompt
@@ -166,10 +185,12 @@ def run_ledger(agent: SimAgent, turns: tuple[TurnPlan, ...], c: Counts, rule: bo
         gone = {i for _, i in (*t.reclaimed, *t.dropped)}
         results = [r for r in results if r.id not in gone]
         agent.release([m for m in memory if m.id not in gone])
-        got = agent.admit(RET, [Doc(f"m{p.turn}-{k}", 300) for k in range(p.chunks)])
+        got = agent.admit(RET, [Doc(f"m{p.turn}-{k}", CHUNK) for k in range(p.chunks)])
         memory = list(got.kept)
         if got.refused:
             c.refusals += 1  # memory, the only elastic source, is what gives way
+            c.memory_refused += len(got.refused)
+            c.memory_refused_tokens += sum(d.tokens for d in got.refused)
         # read back from the ledger: the system prompt is a reserved floor, so it holds its
         # permission paragraph on every turn, unless that rule is gone (the rule tests)
         clause = agent.snapshot().system_prompt >= BUDGET.system_prompt
@@ -186,9 +207,16 @@ def run_ledger(agent: SimAgent, turns: tuple[TurnPlan, ...], c: Counts, rule: bo
                 res = agent.tool_result(Doc(f"tool{p.turn}", tokens))
             except AdmissionRefused:
                 c.refusals += 1
+                c.results_refused += 1
+                c.results_refused_tokens += tokens
             else:
+                c.results_refused += res.refused
+                c.results_refused_tokens += tokens if res.refused else 0
+                c.memory_evicted += len(res.evicted)
+                c.memory_evicted_tokens += sum(d.tokens for d in res.evicted)
                 if res.spilled:
                     c.spilled += 1
+                    _read_back(agent, res.handle, c)
                 elif res.charged == tokens:
                     c.admitted_whole += 1
                 cut = res.charged < tokens and not res.spilled and not res.refused
@@ -200,6 +228,15 @@ def run_ledger(agent: SimAgent, turns: tuple[TurnPlan, ...], c: Counts, rule: bo
         agent.release(drop)
         results = results[len(drop) :]
         agent.end(max(1, agent.snapshot().occupancy))
+
+
+def _read_back(agent: SimAgent, handle: str | None, c: Counts) -> None:
+    """The agent works from a spilled result: it reads the whole of it back by its
+    handle (outside the prompt), once; counted by the tokens that came back."""
+    text = agent.agent.read_spill(handle) if handle else None
+    if text is not None:
+        c.read_back += 1
+        c.read_back_tokens += len(text)  # one token a character (the demo's counter)
 
 
 def _truncating(agent: SimAgent, doc: Doc, c: Counts) -> Doc:
