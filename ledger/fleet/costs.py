@@ -14,15 +14,16 @@ from typing import Any
 from ledger.fleet import decay, fanout
 
 
-def spread(xs: Sequence[float]) -> dict[str, Any]:
-    """Median and p90 (nearest rank) of `xs`, with their number."""
+def spread(xs: Sequence[float], count: str = "n") -> dict[str, Any]:
+    """Median and p90 (nearest rank) of `xs`, with their number under the key `count`
+    ("sessions" where each x is a session's)."""
     if not xs:
-        return {"median": None, "p90": None, "n": 0}
+        return {"median": None, "p90": None, count: 0}
     ys = sorted(xs)
     return {
         "median": statistics.median(ys),
         "p90": ys[max(0, math.ceil(0.9 * len(ys)) - 1)],
-        "n": len(ys),
+        count: len(ys),
     }
 
 

@@ -260,14 +260,7 @@ def _sessions(rows: Sequence[Any]) -> list[list[Any]]:
 
 def _spread(xs: Sequence[float]) -> dict[str, Any]:
     """Median and p90 over sessions (nearest rank), with their number."""
-    if not xs:
-        return {"median": None, "p90": None, "sessions": 0}
-    ys = sorted(xs)
-    return {
-        "median": statistics.median(ys),
-        "p90": ys[max(0, math.ceil(0.9 * len(ys)) - 1)],
-        "sessions": len(ys),
-    }
+    return costs.spread(xs, "sessions")
 
 
 def _forgetting(rows: Sequence[starvation.TurnRow]) -> dict[str, Any]:
