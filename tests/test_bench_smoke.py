@@ -257,3 +257,24 @@ def test_the_reference_admit_keeps_its_promises(redis_server: object) -> None:
             call("op-1", "b", 500)
         assert call("op-2", "big", 50_000).startswith(b"status=refused")
         assert not r.hexists(key, "i:r:big")
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+@pytest.mark.timeout(300)
+def test_fused_begin_replays_the_turn_start_and_prints_every_ratio() -> None:
+    """bench/fused_begin.py: the turn's first round trip as sent (MULTI/EXEC of three
+    script calls), fused into one EVALSHA and one FCALL, replies checked equal (the
+    bench asserts it), each row a positive figure beside its reference."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.fused_begin", "--rounds", "2", "--n", "3"],
+        cwd=ROOT, capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = proc.stdout.splitlines()[1:]
+    assert len(rows) == 7, proc.stdout
+    for line in rows:
+        numbers = [float(x) for x in line[44:].split()[:2]]
+        assert all(n > 0 for n in numbers), line
+    assert rows[0].startswith("B: turn start in one EVALSHA vs A"), rows[0]
+    assert rows[1].startswith("C: B as FCALL vs A"), rows[1]
