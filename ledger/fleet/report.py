@@ -172,12 +172,19 @@ def _interval_summary(
 ) -> dict[str, Any]:
     """The mean interval of the compactions before turn EARLY and from turn LATE (the
     checks' figures), each with the compactions and sessions it rests on; and the same
-    two on comparable samples: only the sessions alive at turn 120 (the last checkpoint),
-    each one's mean early and late interval, spread over those sessions."""
+    two on one sample: the sessions alive at turn 120 (the last checkpoint) with
+    compactions both before EARLY and from LATE, each one's mean early and late
+    interval, spread over those sessions."""
     early = [d for t, d in iv if t < EARLY]
     late = [d for t, d in iv if t >= LATE]
     per_run = [_intervals([run]) for run in runs]
-    long = [p for run, p in zip(runs, per_run, strict=True) if len(run.records) >= CHECKPOINTS[-1]]
+    pairs = [
+        (e, lt)
+        for run, p in zip(runs, per_run, strict=True)
+        if len(run.records) >= CHECKPOINTS[-1]
+        and (e := _mean(d for t, d in p if t < EARLY)) is not None
+        and (lt := _mean(d for t, d in p if t >= LATE)) is not None
+    ]
     return {
         "early": _mean(early),
         "late": _mean(late),
@@ -186,8 +193,8 @@ def _interval_summary(
         "early_sessions": sum(1 for p in per_run if any(t < EARLY for t, _ in p)),
         "late_sessions": sum(1 for p in per_run if any(t >= LATE for t, _ in p)),
         "same_sessions": {
-            "early": _spread([m for p in long if (m := _mean(d for t, d in p if t < EARLY))]),
-            "late": _spread([m for p in long if (m := _mean(d for t, d in p if t >= LATE))]),
+            "early": _spread([e for e, _ in pairs]),
+            "late": _spread([lt for _, lt in pairs]),
         },
     }
 
