@@ -347,9 +347,27 @@ def contend(
     return sum(g["ops"] for g in got) / seconds, lat[int(0.99 * (len(lat) - 1))] * 1e3
 
 
-def against(url: str, a: argparse.Namespace) -> Iterator[str]:
+class Meter:
+    """A phase's server cost: INFO commandstats usec of the commands the client sent
+    (`bench.turn_instructions` counts instructions instead)."""
+
+    unit = "us"
+
+    def __init__(self, r: redis.Redis) -> None:
+        self.r = r
+
+    def start(self) -> None:
+        self.r.config_resetstat()
+
+    def stop(self, names: list[str]) -> float:
+        return commandstats_usec(self.r, names)
+
+
+def against(url: str, a: argparse.Namespace, meter: Meter | None = None) -> Iterator[str]:
     """This tree's turn beside `a.against`'s, in client processes of their own."""
     r = redis.Redis.from_url(url)
+    m = meter or Meter(r)
+    u = m.unit
     with tempfile.TemporaryDirectory(prefix="bench-old-") as d:
         # (the scripts live in lua/ beside the package since 0a956ef, in ledger/lua/ before)
         has_lua = subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{a.against}:lua"],
@@ -364,19 +382,24 @@ def against(url: str, a: argparse.Namespace) -> Iterator[str]:
             head = f"this tree: {'two-call' if kids['new'].hello['two'] else 'three-call'} turn"
             figures: dict[str, dict[str, list[float]]] = {}
             n = max(a.calls // 20, 5)
-            phases = [("new", "turn"), ("old", "turn"), ("new", "floor"),
-                      ("new", "admit"), ("new", "ref"), ("old", "admit")]  # fmt: skip
-            if kids["new"].hello["two"]:
+            phases = [("new", "turn"), ("old", "turn"), ("new", "floor"), ("new", "refturn"),
+                      ("new", "bareturn"), ("new", "admit"), ("new", "ref"),
+                      ("old", "admit")]  # fmt: skip
+            if kids["new"].hello["two"] and meter is None:  # (the child meters its ends)
                 phases.append(("new", "ends"))
-            for rnd in range(a.rounds):
+            for rnd in range(a.warmup + a.rounds):
                 for who, what in phases[:: 1 if rnd % 2 == 0 else -1]:
                     start = 1 + rnd * n
-                    calls = n if what in ("turn", "floor", "ends") else a.calls
-                    r.config_resetstat()
+                    calls = (
+                        n if what in ("turn", "floor", "ends", "refturn", "bareturn") else a.calls
+                    )
+                    m.start()
                     out = kids[who].ask(cmd=what, n=calls, start=start)
-                    usec = commandstats_usec(r, out.pop("names")) / calls
+                    usec = m.stop(out.pop("names")) / calls
                     if what == "ends":  # (measured by the child around each end)
                         usec = out["finish"]
+                    if rnd < a.warmup:  # (rounds that warm the server up, not counted)
+                        continue
                     f = figures.setdefault(f"{who}.{what}", {})
                     for k, v in {"usec": usec, **out}.items():
                         f.setdefault(k, []).append(float(v))
@@ -385,19 +408,27 @@ def against(url: str, a: argparse.Namespace) -> Iterator[str]:
                 k.close()
         rows = [head]
         nt, ot, fl = figures["new.turn"], figures["old.turn"], figures["new.floor"]
-        core = {k: [1e6 / u for u in v["usec"]] for k, v in (("new", nt), ("old", ot))}
+        rt, bt = figures["new.refturn"], figures["new.bareturn"]
+        core = {k: [1e6 / u for u in v["usec"]] for k, v in (("new", nt), ("old", ot), ("ref", rt))}
         rows += [
-            row("turns per Redis core (1e6 / server us)", core["new"], core["old"],
+            row(f"turns per Redis core (1e6 / server {u})", core["new"], core["old"],
                 f"vs {a.against}; target >= 3x"),
+            row("  the careful turn's, the same", core["ref"], core["old"],
+                "bench/turn_reference.lua: what a careful design reaches"),
             row("round trips per turn", nt["sent"], ot["sent"], "target <= 2 (absolute)"),
-            row("turn server us vs the floor", nt["usec"], fl["usec"], "target <= 8x"),
+            row(f"turn server {u} vs the floor", nt["usec"], fl["usec"], "target <= 8x"),
             row(f"  {a.against}'s turn vs the floor", ot["usec"], fl["usec"], "before"),
+            row("  the careful two-call turn vs the floor", rt["usec"], fl["usec"],
+                "same promises, none of the rules"),
+            row("  its commands alone vs the floor", bt["usec"], fl["usec"],
+                "the same Redis commands, nothing checked"),
+            row(f"turn server {u} vs the careful turn", nt["usec"], rt["usec"], "this tree"),
             row("turn client CPU us (no tokenizer) vs floor", nt["cpu_us"], fl["cpu_us"],
                 "target <= 3.5x"),
             row(f"  {a.against}'s turn vs the floor", ot["cpu_us"], fl["cpu_us"], "before"),
             row("turn client CPU us vs the old head's", nt["cpu_us"], ot["cpu_us"],
                 f"vs {a.against}, no tokenizer"),
-            row("admit server us vs the careful reference", figures["new.admit"]["usec"],
+            row(f"admit server {u} vs the careful reference", figures["new.admit"]["usec"],
                 figures["new.ref"]["usec"], "1,000 items + outcomes; target <= 2.0x"),
             row(f"  {a.against}'s admit vs the reference", figures["old.admit"]["usec"],
                 figures["new.ref"]["usec"], "before"),
@@ -437,6 +468,7 @@ def main() -> None:
     ap.add_argument("--procs", type=int, default=32, help="--against: processes, 0 for none")
     ap.add_argument("--seconds", type=float, default=5.0, help="--against: per contention run")
     ap.add_argument("--contend-rounds", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=0, help="--against: rounds not counted")
     a = ap.parse_args()
     _counting_sends()
     if a.against:

@@ -100,6 +100,7 @@ class Child:
         self.ref = self.r.register_script(ref)
         self.tag = self.mine.keys.session.rsplit(":s:", 1)[0]
         self.turn(0, inputs(0))  # the first turn asks once whether a worker compacts it
+        self.ref_turns(1, -1, bare=False)  # (its script loaded, its session opened)
 
     def _fill(self, s: Any) -> None:
         """1,000 held retrieval items and 1,000 outcomes."""
@@ -161,6 +162,41 @@ class Child:
                 got[name] += float(self.r.info("commandstats")["cmdstat_evalsha"]["usec"]) / n
         return got
 
+    def ref_turns(self, n: int, start: int, bare: bool) -> dict[str, float]:
+        """The careful two-call turn of `bench/turn_reference.lua` (`bare`: its commands
+        alone, nothing checked) on a session of its own, with the same objects: two
+        round trips, the first admitting the user message and the chunks with their texts,
+        the second the tool result with the prompt's tokens (a cheap count: only the
+        server's time is compared)."""
+        from ledger import SessionBudget
+
+        if not hasattr(self, "rs"):
+            budget = SessionBudget(window=10_000_000, system_prompt=100)
+            self.rs = self.led.open_session("refturn", budget)
+            src = Path(__file__).with_name("turn_reference.lua").read_text()
+            self.turn_ref, self.owner = self.r.register_script(src), uuid.uuid4().hex
+        s, ref, tag = self.rs, self.turn_ref, self.rs.keys.session.rsplit(":s:", 1)[0]
+        keys = [s.keys.session, s.keys.content, s.keys.order, s.keys.deadlines]
+        mode = ("start!", "finish!") if bare else ("start", "finish")
+        for i in range(start, start + n):
+            user, chunks, tool = inputs(i)
+            items = [("w", user), *(("r", c) for c in chunks)]
+            quads = [x for c, o in items for x in (c, o["id"], len(o["content"]) // 4, 0)]
+            op = uuid.uuid4().hex
+            got = ref(keys=[*keys, f"{tag}:op:{s.id}:{op}"],
+                      args=[mode[0], op, s.epoch, self.owner, 30_000, 3_600_000, len(items),
+                            *quads, *(o["content"] for _, o in items)])  # fmt: skip
+            turn = got.split(b"|")[1].removeprefix(b"turn=").decode()
+            parts = [self.system, *(h["content"] for h in self.history), user["content"],
+                     *(c["content"] for c in chunks), tool["content"]]  # fmt: skip
+            op = uuid.uuid4().hex
+            end = ref(keys=[*keys, f"{tag}:op:{s.id}:{op}"],
+                      args=[mode[1], op, s.epoch, self.owner, turn, 3_600_000,
+                            sum(len(x) // 4 for x in parts), tool["id"],
+                            len(tool["content"]) // 4, 0, tool["content"]])  # fmt: skip
+            assert got.startswith(b"status=ok") and end.startswith(b"status=ok"), (got, end)
+        return {}
+
     def admits(self, n: int) -> dict[str, float]:
         s = self.adm
         self.led.run_many(
@@ -195,6 +231,8 @@ def serve(url: str, prefix: str) -> None:
             out = child.admits(cmd["n"])
         elif what == "ends":
             out = child.ends(cmd["n"], cmd["start"])
+        elif what in ("refturn", "bareturn"):
+            out = child.ref_turns(cmd["n"], cmd["start"], what == "bareturn")
         else:
             out = child.reference(cmd["n"])
         print(json.dumps({**out, "names": sorted(NAMES)}), flush=True)

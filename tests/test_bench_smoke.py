@@ -214,13 +214,34 @@ def test_bench_turn_against_the_previous_head_prints_every_figure() -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [r for r in proc.stdout.splitlines()[2:] if not r.startswith("tokenizer")]
-    assert len(rows) == 14, proc.stdout
+    assert len(rows) == 18, proc.stdout
     for line in rows:
         numbers = [float(x.replace(",", "")) for x in line[44:].split()[:2]]
         assert all(n > 0 for n in numbers), line
     trips = next(r for r in rows if r.startswith("round trips per turn"))
     new, old = (float(x) for x in trips[44:].split()[:2])
     assert (new, old) == (2.0, 3.0), trips
+    assert any(r.startswith("  the careful two-call turn vs the floor") for r in rows), rows
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+@pytest.mark.timeout(300)
+def test_turn_instructions_counts_every_phase_under_callgrind() -> None:
+    """bench/turn_instructions.py: the same phases on a redis-server under callgrind,
+    each figure a positive count of instructions (not a time)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.turn_instructions", "--against", "a8b2daf",
+         *["--rounds", "1", "--calls", "20", "--warmup", "0"]],
+        cwd=ROOT, capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [r for r in proc.stdout.splitlines()[2:] if not r.startswith("tokenizer")]
+    assert len(rows) == 13, proc.stdout  # (no ends: its child meters them in time)
+    for line in rows:
+        numbers = [float(x.replace(",", "")) for x in line[44:].split()[:2]]
+        assert all(n > 0 for n in numbers), line
+    assert any(r.startswith("turn server kinstr vs the floor") for r in rows), rows
 
 
 @pytest.mark.redis
@@ -257,6 +278,57 @@ def test_the_reference_admit_keeps_its_promises(redis_server: object) -> None:
             call("op-1", "b", 500)
         assert call("op-2", "big", 50_000).startswith(b"status=refused")
         assert not r.hexists(key, "i:r:big")
+
+
+@pytest.mark.redis
+def test_the_reference_turn_keeps_its_promises(redis_server: object) -> None:
+    """bench/turn_reference.lua is a fair reference only if it is careful: bad input is
+    refused before any write, a retry gets the first reply and is not applied again,
+    another call under the same op id is refused, a start that does not fit writes
+    nothing, another owner's running lease refuses a start, and a finish by another owner
+    or of another turn is refused."""
+    import redis
+
+    from ledger import Ledger, LedgerSettings, SessionBudget
+
+    url = redis_server.url  # type: ignore[attr-defined]
+    r = redis.Redis.from_url(url)
+    ref = r.register_script((ROOT / "bench" / "turn_reference.lua").read_text())
+    with Ledger.from_settings(LedgerSettings(redis_url=url, prefix="refturn")) as led:
+        s = led.open_session("s", SessionBudget(window=10_000, system_prompt=100))
+        k = s.keys
+        op = k.session.rsplit(":s:", 1)[0] + ":op:s:"
+        me, other = "a" * 32, "b" * 32
+
+        def start(op_id: str, owner: str, tokens: object, item: str = "c1") -> bytes:
+            args = ["start", op_id, s.epoch, owner, 30_000, 60_000, 1, "r", item, tokens, 0, "t"]
+            return ref(keys=[k.session, k.content, k.order, k.deadlines, op + op_id], args=args)  # type: ignore[no-any-return]
+
+        def finish(op_id: str, owner: str, turn: object) -> bytes:
+            args = ["finish", op_id, s.epoch, owner, turn, 60_000, 900, "tool", 300, 0, "x"]
+            return ref(keys=[k.session, k.content, k.order, k.deadlines, op + op_id], args=args)  # type: ignore[no-any-return]
+
+        before = r.hgetall(k.session)
+        for bad in ("0", "-5", "x", "05"):
+            with pytest.raises(redis.ResponseError, match="BADARG"):
+                start("op-bad", me, bad)
+        assert r.hgetall(k.session) == before and not r.exists(op + "op-bad")
+        assert start("op-big", me, 50_000).startswith(b"status=refused")
+        assert r.hgetall(k.session) == before and not r.exists(k.content)
+        first = start("op-1", me, 500)
+        assert first.startswith(b"status=ok|turn=1|charged=500"), first
+        assert start("op-1", me, 500) == first and s.snapshot().free == 10_000 - 100 - 500
+        with pytest.raises(redis.ResponseError, match="OPREUSED"):
+            start("op-1", me, 600)
+        with pytest.raises(redis.ResponseError, match="TURNHELD"):
+            start("op-2", other, 10, "c2")
+        for who, turn in ((other, 1), (me, 2)):
+            with pytest.raises(redis.ResponseError, match="TURNLOST"):
+                finish(f"op-f{who[0]}{turn}", who, turn)
+        done = finish("op-3", me, 1)
+        assert done.startswith(b"status=ok|turn=1|charged=300"), done
+        assert not r.hexists(k.session, "lo") and r.hget(k.content, "s:tool") == b"x"
+        assert s.snapshot().free == 10_000 - 100 - 800
 
 
 @pytest.mark.slow
