@@ -383,7 +383,7 @@ def against(url: str, a: argparse.Namespace, meter: Meter | None = None) -> Iter
             figures: dict[str, dict[str, list[float]]] = {}
             n = max(a.calls // 20, 5)
             phases = [("new", "turn"), ("old", "turn"), ("new", "floor"), ("new", "refturn"),
-                      ("new", "bareturn"), ("new", "admit"), ("new", "ref"),
+                      ("new", "digestturn"), ("new", "bareturn"), ("new", "admit"), ("new", "ref"),
                       ("old", "admit")]  # fmt: skip
             if kids["new"].hello["two"] and meter is None:  # (the child meters its ends)
                 phases.append(("new", "ends"))
@@ -391,7 +391,7 @@ def against(url: str, a: argparse.Namespace, meter: Meter | None = None) -> Iter
                 for who, what in phases[:: 1 if rnd % 2 == 0 else -1]:
                     start = 1 + rnd * n
                     calls = (
-                        n if what in ("turn", "floor", "ends", "refturn", "bareturn") else a.calls
+                        n if what in ("turn", "floor", "ends") or what.endswith("turn") else a.calls
                     )
                     m.start()
                     out = kids[who].ask(cmd=what, n=calls, start=start)
@@ -408,18 +408,21 @@ def against(url: str, a: argparse.Namespace, meter: Meter | None = None) -> Iter
                 k.close()
         rows = [head]
         nt, ot, fl = figures["new.turn"], figures["old.turn"], figures["new.floor"]
-        rt, bt = figures["new.refturn"], figures["new.bareturn"]
-        core = {k: [1e6 / u for u in v["usec"]] for k, v in (("new", nt), ("old", ot), ("ref", rt))}
+        rt, dt, bt = (figures[f"new.{k}turn"] for k in ("ref", "digest", "bare"))
+        core = {k: [1e6 / u for u in v["usec"]] for k, v in
+                (("new", nt), ("old", ot), ("ref", rt), ("digest", dt))}  # fmt: skip
         rows += [
             row(f"turns per Redis core (1e6 / server {u})", core["new"], core["old"],
                 f"vs {a.against}; target >= 3x"),
             row("  the careful turn's, the same", core["ref"], core["old"],
                 "bench/turn_reference.lua: what a careful design reaches"),
+            row("  the same, texts' digest from the client", core["digest"], core["old"], "~"),
             row("round trips per turn", nt["sent"], ot["sent"], "target <= 2 (absolute)"),
             row(f"turn server {u} vs the floor", nt["usec"], fl["usec"], "target <= 8x"),
             row(f"  {a.against}'s turn vs the floor", ot["usec"], fl["usec"], "before"),
             row("  the careful two-call turn vs the floor", rt["usec"], fl["usec"],
                 "same promises, none of the rules"),
+            row("  the same, texts' digest from the client", dt["usec"], fl["usec"], "~"),
             row("  its commands alone vs the floor", bt["usec"], fl["usec"],
                 "the same Redis commands, nothing checked"),
             row(f"turn server {u} vs the careful turn", nt["usec"], rt["usec"], "this tree"),

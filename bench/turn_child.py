@@ -48,6 +48,7 @@ def _count_sends() -> None:
     conn.pack_commands = all_named  # type: ignore[method-assign]
 
 
+FORMS = {"refturn": "", "digestturn": "~", "bareturn": "!"}  # bench/turn_reference.lua's
 WORDS = ["the", "ledger", "keeps", "every", "worker", "on", "one", "budget", "of", "tokens"]
 
 
@@ -100,7 +101,7 @@ class Child:
         self.ref = self.r.register_script(ref)
         self.tag = self.mine.keys.session.rsplit(":s:", 1)[0]
         self.turn(0, inputs(0))  # the first turn asks once whether a worker compacts it
-        self.ref_turns(1, -1, bare=False)  # (its script loaded, its session opened)
+        self.ref_turns(1, -1, "")  # (its script loaded, its session opened)
 
     def _fill(self, s: Any) -> None:
         """1,000 held retrieval items and 1,000 outcomes."""
@@ -162,12 +163,12 @@ class Child:
                 got[name] += float(self.r.info("commandstats")["cmdstat_evalsha"]["usec"]) / n
         return got
 
-    def ref_turns(self, n: int, start: int, bare: bool) -> dict[str, float]:
-        """The careful two-call turn of `bench/turn_reference.lua` (`bare`: its commands
-        alone, nothing checked) on a session of its own, with the same objects: two
-        round trips, the first admitting the user message and the chunks with their texts,
-        the second the tool result with the prompt's tokens (a cheap count: only the
-        server's time is compared)."""
+    def ref_turns(self, n: int, start: int, form: str) -> dict[str, float]:
+        """The careful two-call turn of `bench/turn_reference.lua` (form '!': its commands
+        alone, nothing checked; '~': the texts left out of its fingerprint) on a session
+        of its own, with the same objects: two round trips, the first admitting the user
+        message and the chunks with their texts, the second the tool result with the
+        prompt's tokens (a cheap count: only the server's time is compared)."""
         from ledger import SessionBudget
 
         if not hasattr(self, "rs"):
@@ -177,7 +178,7 @@ class Child:
             self.turn_ref, self.owner = self.r.register_script(src), uuid.uuid4().hex
         s, ref, tag = self.rs, self.turn_ref, self.rs.keys.session.rsplit(":s:", 1)[0]
         keys = [s.keys.session, s.keys.content, s.keys.order, s.keys.deadlines]
-        mode = ("start!", "finish!") if bare else ("start", "finish")
+        mode = ("start" + form, "finish" + form)
         for i in range(start, start + n):
             user, chunks, tool = inputs(i)
             items = [("w", user), *(("r", c) for c in chunks)]
@@ -231,8 +232,8 @@ def serve(url: str, prefix: str) -> None:
             out = child.admits(cmd["n"])
         elif what == "ends":
             out = child.ends(cmd["n"], cmd["start"])
-        elif what in ("refturn", "bareturn"):
-            out = child.ref_turns(cmd["n"], cmd["start"], what == "bareturn")
+        elif what in FORMS:
+            out = child.ref_turns(cmd["n"], cmd["start"], FORMS[what])
         else:
             out = child.reference(cmd["n"])
         print(json.dumps({**out, "names": sorted(NAMES)}), flush=True)

@@ -8,12 +8,13 @@ phases and rows as `python -m bench.bench_turn --against <commit> --procs 0` on 
 redis-server started under valgrind's callgrind (about fifty times slower), counting only
 inside Redis's `processCommand` (every command a client sends, a script's own commands
 inside its script's count), zeroed before each phase and dumped after it
-(`callgrind_control`). The unit, kinstr, is thousands of instructions. The first rounds count
-several times what the later ones do (the server warming up), so `--warmup` rounds run
-uncounted. Needs valgrind (Debian's package `valgrind`). Instructions are not time: a
-floor that copies 9 KB of texts costs few instructions and many cache misses, so a ratio
-to the floor is far higher here than in time; compare scripts with scripts, and read the
-time figures of `bench.bench_turn` beside these.
+(`callgrind_control`). The unit, kinstr, is thousands of instructions. The first rounds
+count several times what the later ones do (seen on every run here; the cause was not
+looked into), so `--warmup` rounds run uncounted. Needs valgrind (Debian's package
+`valgrind`). Instructions are not time: a floor that copies 9 KB of texts costs few
+instructions and many cache misses, so a ratio to the floor is far higher here than in
+time; compare scripts with scripts, and read the time figures of `bench.bench_turn`
+beside these.
 """
 
 from __future__ import annotations

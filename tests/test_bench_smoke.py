@@ -214,7 +214,7 @@ def test_bench_turn_against_the_previous_head_prints_every_figure() -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [r for r in proc.stdout.splitlines()[2:] if not r.startswith("tokenizer")]
-    assert len(rows) == 18, proc.stdout
+    assert len(rows) == 20, proc.stdout
     for line in rows:
         numbers = [float(x.replace(",", "")) for x in line[44:].split()[:2]]
         assert all(n > 0 for n in numbers), line
@@ -237,7 +237,7 @@ def test_turn_instructions_counts_every_phase_under_callgrind() -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [r for r in proc.stdout.splitlines()[2:] if not r.startswith("tokenizer")]
-    assert len(rows) == 13, proc.stdout  # (no ends: its child meters them in time)
+    assert len(rows) == 15, proc.stdout  # (no ends: its child meters them in time)
     for line in rows:
         numbers = [float(x.replace(",", "")) for x in line[44:].split()[:2]]
         assert all(n > 0 for n in numbers), line
