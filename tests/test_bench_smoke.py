@@ -203,45 +203,37 @@ def test_bench_turn_prints_every_figure_beside_its_reference() -> None:
 @pytest.mark.slow
 @pytest.mark.redis
 @pytest.mark.timeout(300)
-def test_bench_turn_against_the_previous_head_prints_every_figure() -> None:
+@pytest.mark.parametrize(
+    ("module", "args", "count", "unit"),
+    [
+        ("bench.bench_turn", ["--rounds", "2", "--procs", "2", "--seconds", "0.5",
+                              "--contend-rounds", "1"], 20, "us"),
+        # (no `ends` row: its child meters the ends in time)
+        ("bench.turn_instructions", ["--rounds", "1", "--warmup", "0"], 15, "kinstr"),
+    ],
+    ids=["time", "instructions"],
+)  # fmt: skip
+def test_bench_turn_against_the_previous_head_prints_every_figure(
+    module: str, args: list[str], count: int, unit: str
+) -> None:
     """`--against a8b2daf`: this tree's turn beside protocol 2's, each client in its own
-    process on its own tree, with the contention rows."""
+    process on its own tree, and beside the careful reference turn's three forms: in
+    server time with the contention rows, or in instructions under callgrind."""
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.bench_turn", "--against", "a8b2daf",
-         *["--rounds", "2", "--calls", "20", "--procs", "2", "--seconds", "0.5"],
-         *["--contend-rounds", "1"]],
+        [sys.executable, "-m", module, "--against", "a8b2daf", "--calls", "20", *args],
         cwd=ROOT, capture_output=True, text=True, timeout=280,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [r for r in proc.stdout.splitlines()[2:] if not r.startswith("tokenizer")]
-    assert len(rows) == 20, proc.stdout
+    assert len(rows) == count, proc.stdout
     for line in rows:
         numbers = [float(x.replace(",", "")) for x in line[44:].split()[:2]]
         assert all(n > 0 for n in numbers), line
     trips = next(r for r in rows if r.startswith("round trips per turn"))
     new, old = (float(x) for x in trips[44:].split()[:2])
     assert (new, old) == (2.0, 3.0), trips
+    assert any(r.startswith(f"turn server {unit} vs the floor") for r in rows), rows
     assert any(r.startswith("  the careful two-call turn vs the floor") for r in rows), rows
-
-
-@pytest.mark.slow
-@pytest.mark.redis
-@pytest.mark.timeout(300)
-def test_turn_instructions_counts_every_phase_under_callgrind() -> None:
-    """bench/turn_instructions.py: the same phases on a redis-server under callgrind,
-    each figure a positive count of instructions (not a time)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.turn_instructions", "--against", "a8b2daf",
-         *["--rounds", "1", "--calls", "20", "--warmup", "0"]],
-        cwd=ROOT, capture_output=True, text=True, timeout=280,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [r for r in proc.stdout.splitlines()[2:] if not r.startswith("tokenizer")]
-    assert len(rows) == 15, proc.stdout  # (no ends: its child meters them in time)
-    for line in rows:
-        numbers = [float(x.replace(",", "")) for x in line[44:].split()[:2]]
-        assert all(n > 0 for n in numbers), line
-    assert any(r.startswith("turn server kinstr vs the floor") for r in rows), rows
 
 
 @pytest.mark.redis
