@@ -169,7 +169,8 @@ QUALITIES: dict[str, str] = {
     "worker": """compaction fleet_nopause ownership recount soak staging worker_dead_letters
         worker_faults worker_in_process worker_lifecycle worker_loop worker_once
         worker_processes worker_reads worker_regressions""",
-    "ops": "cli cli_audit cli_top compose deploy drift health scope_ops upgrade views",
+    "ops": """cli cli_audit cli_top compose deploy drift health replay_across_releases scope_ops
+        upgrade views""",
     "docs": "demo_rules fleet layout protocol protocol_doc readme",
     "repo": """imports layout operations packaging protocol_doc schema scripts specs suite
         typing unasync""",
