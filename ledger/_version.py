@@ -2,4 +2,4 @@
 layer may read it without importing the package's public names (``ledger/__init__.py``,
 the top layer)."""
 
-__version__ = "0.4.0"
+__version__ = "0.4.1"

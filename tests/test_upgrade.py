@@ -2,17 +2,18 @@
 run from the release deployed today to this one, and the refusals that name both versions.
 
 Each earlier release (``RELEASES``: 0.1.0 at 033c8b3, protocol 1; 0.2.0 at a8b2daf,
-protocol 2; 0.3.0 at fc950fe, protocol 3) is taken from git history with ``git archive``
-into a temporary directory and run with its own PYTHONPATH: its ``ledger worker`` and its
-agents (tests/support/upgrade_agent.py) beside this release's, on one real redis-server,
-turns of shared sessions alternating between all of them, as the runbook says (workers one
-at a time, then agents). No turn fails, and ``ledger audit --strict`` is clean.
+protocol 2; 0.3.0 at fc950fe, protocol 3; 0.4.0 at 3a5ac54, protocol 4) is taken from git
+history with ``git archive`` into a temporary directory and run with its own PYTHONPATH:
+its ``ledger worker`` and its agents (tests/support/upgrade_agent.py) beside this
+release's, on one real redis-server, turns of shared sessions alternating between all of
+them, as the runbook says (workers one at a time, then agents). No turn fails, and
+``ledger audit --strict`` is clean.
 
-A client of an earlier protocol whose calls reach this release's scripts (its Python client
-with these scripts in place of its own: what a client in another language meets when it
-uses scripts it did not ship) is refused with ``LEDGER_VERSION`` naming both versions, and
-nothing is written. A session of a stored layout these scripts do not read (one a later
-release wrote) is refused the same way (``VersionMismatch``), on every backend.
+A client of an earlier protocol (``OLDER``) whose calls reach this release's scripts (its
+Python client with these scripts in place of its own: what a client in another language
+meets when it uses scripts it did not ship) is refused with ``LEDGER_VERSION`` naming both
+versions, and nothing is written. A session of a stored layout these scripts do not read
+(one a later release wrote) is refused the same way (``VersionMismatch``), on every backend.
 """
 
 from __future__ import annotations
@@ -50,7 +51,10 @@ RELEASES = {
     "0.1.0": ("033c8b3", 1),  # protocol 1: no version carried, sessions of layout 1
     "0.2.0": ("a8b2daf", 2),  # protocol 2: the version carried, sessions of layout 2
     "0.3.0": ("fc950fe", 3),  # protocol 3: the two-call turn, budget scopes of layout 3
+    "0.4.0": ("3a5ac54", 4),  # protocol 4: this one's (its scripts compute the same another way)
 }
+# The releases of an older protocol than this one's: their calls are refused by these scripts.
+OLDER = [r for r, (_, version) in RELEASES.items() if version < protocol.VERSION]
 AGENT = ROOT / "tests" / "support" / "upgrade_agent.py"
 BUDGET = SessionBudget(window=10_000, system_prompt=500, output_reserve=500)
 
@@ -197,16 +201,16 @@ def _upgrade(url: str, old_release: str, old_tree: Path, tmp_path: Path) -> None
 
 @pytest.mark.redis
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("old_release", OLDER)
 def test_a_client_of_the_previous_protocol_is_refused_naming_both_versions(
-    redis_server: servers.RedisProcess, old_release: str, old_tree: Path, tmp_path: Path
+    redis_server: servers.RedisProcess, old_release: str, tmp_path: Path
 ) -> None:
-    """An earlier release's client with this release's scripts in place of its own: its
+    """An earlier protocol's client with this release's scripts in place of its own: its
     calls carry another version (protocol 1: none), so every script refuses them
     (LEDGER_VERSION, both versions named) before it reads or writes anything: a new
     session is not created, an existing one not changed, a snapshot not answered."""
     version = RELEASES[old_release][1]
-    tree = tmp_path / "old-client"
-    shutil.copytree(old_tree, tree)
+    tree = _archive(old_release, tmp_path)
     for old_scripts in (tree / "ledger" / "lua", tree / "lua"):  # (0.3.0: the latter)
         shutil.rmtree(old_scripts, ignore_errors=True)
     shutil.copytree(lua_dir(), tree / "ledger" / "lua")
