@@ -542,17 +542,21 @@ local function now_ms()
 end
 
 -- Reply keys as stored in an outcome: '|<key>=' is one control character (a key not
--- listed stays as it is; replies hold no control characters).
-local PACK = {
-  ['|status='] = '\1', ['|reason='] = '\2', ['|requested='] = '\3', ['|free='] = '\4',
-  ['|epoch='] = '\5', ['|turn='] = '\6', ['|charged='] = '\7', ['|admitted='] = '\8',
-  ['|duplicates='] = '\9', ['|skipped='] = '\10', ['|released='] = '\11', ['|count='] = '\12',
-  ['|missing='] = '\13', ['|reservation='] = '\14', ['|deadline_ms='] = '\15',
-  ['|item='] = '\16', ['|expired='] = '\17', ['|pending='] = '\18', ['|dropped='] = '\19',
-  ['|created='] = '\20', ['|deleted='] = '\21', ['|regime='] = '\22', ['|residual='] = '\23',
-  ['|need='] = '\24', ['|utilization='] = '\25', ['|reclaimed='] = '\26', ['|rotated='] = '\27',
-  ['|compaction_due='] = '\28', ['|rollup='] = '\29'
-}
+-- listed stays as it is; replies hold no control characters). A function: the table is
+-- built only by a call that codes a reply with it (`pack`) or decodes one (`replay`), not
+-- by every call (admit codes its own reply, see `store`).
+local function pack_codes()
+  return {
+    ['|status='] = '\1', ['|reason='] = '\2', ['|requested='] = '\3', ['|free='] = '\4',
+    ['|epoch='] = '\5', ['|turn='] = '\6', ['|charged='] = '\7', ['|admitted='] = '\8',
+    ['|duplicates='] = '\9', ['|skipped='] = '\10', ['|released='] = '\11', ['|count='] = '\12',
+    ['|missing='] = '\13', ['|reservation='] = '\14', ['|deadline_ms='] = '\15',
+    ['|item='] = '\16', ['|expired='] = '\17', ['|pending='] = '\18', ['|dropped='] = '\19',
+    ['|created='] = '\20', ['|deleted='] = '\21', ['|regime='] = '\22', ['|residual='] = '\23',
+    ['|need='] = '\24', ['|utilization='] = '\25', ['|reclaimed='] = '\26', ['|rotated='] = '\27',
+    ['|compaction_due='] = '\28', ['|rollup='] = '\29'
+  }
+end
 
 -- The stored form of an outcome: the fingerprint (12 characters), then '|' .. reply
 -- with its keys coded and its epoch, if it has one, written as its difference to
@@ -566,7 +570,7 @@ local function pack(fp, out, base)
     out = string.sub(out, 1, j) .. (e == base and '0' or string.format('%d', e - base)) ..
       string.sub(out, k)
   end
-  return fp .. string.gsub('|' .. out, '|[%w_]+=', PACK)
+  return fp .. string.gsub('|' .. out, '|[%w_]+=', pack_codes())
 end
 
 -- The current generation's bucket of this call's op id, as `recorded` read it, for
@@ -623,28 +627,38 @@ local function recorded(op)
   return find_record(got, at)
 end
 
+-- The stored form of a reply its script coded itself (`coded`: { the coded reply up to
+-- and including its epoch's code '\5', its epoch as in the reply, the coded rest }):
+-- exactly what `pack` makes of the reply, without coding it again.
+local function pack_coded(fp, coded, base)
+  local e = coded[2]
+  return fp .. coded[1] .. (e == base and '0' or string.format('%d', e - base)) .. coded[3]
+end
+
 -- Append the outcome of the op `recorded` looked up to its bucket in the current
 -- generation (fresh: the generation was just rotated, it starts empty). The first
 -- outcome of a generation sets its epoch base 'e': its own epoch, or, for a reply
 -- without one (the worker's `expire`), the session's (KEYS[1]), else its last one; and
--- 'g': 0 when no previous generation exists.
-local function store(fp, out, fresh)
+-- 'g': 0 when no previous generation exists. `coded`, when given: the reply as its
+-- script coded it (see `pack_coded`; a reply with an epoch).
+local function store(fp, out, fresh, coded)
   local cur, base, k = BUCKET.cur, BUCKET.e, BUCKET.k
   if fresh then cur, base, k = '', nil, 0 end
   local b = string.sub(BUCKET.h, 1, bucket_width(k))
   if b ~= BUCKET.b then cur = '' end  -- (the generation just widened, or was rotated)
   BUCKET.b = b
   if base then
-    redis.call('HSET', OUT, b, cur .. BUCKET.at .. pack(fp, out, base),
-      'k', string.format('%d', k + 1))
+    redis.call('HSET', OUT, b, cur .. BUCKET.at ..
+      (coded and pack_coded(fp, coded, base) or pack(fp, out, base)), 'k', string.format('%d', k + 1))
     return
   end
-  base = string.match(out, '|epoch=(%d+)')
+  base = coded and coded[2] or string.match(out, '|epoch=(%d+)')
   if not base then
     local h = redis.call('HMGET', KEYS[1], 'ep', 'pe')
     base = h[1] or h[2] or '0'
   end
-  redis.call('HSET', OUT, b, cur .. BUCKET.at .. pack(fp, out, base), 'e', base,
+  redis.call('HSET', OUT, b, cur .. BUCKET.at ..
+    (coded and pack_coded(fp, coded, base) or pack(fp, out, base)), 'e', base,
     'k', string.format('%d', k + 1), 'g', fresh and '1' or redis.call('EXISTS', OLD))
 end
 
@@ -656,7 +670,7 @@ local function replay(rec, op, fp)
     fail('OPREUSED', 'operation id ' .. op .. ' was already used with other arguments')
   end
   local key = {}
-  for k, c in pairs(PACK) do key[c] = k end
+  for k, c in pairs(pack_codes()) do key[c] = k end
   local base = tonumber(BUCKET.found) or 0
   local text = string.sub(string.gsub(string.sub(rec, 13), '%c', key), 2)
   return (string.gsub(text, '|epoch=(%-?%d+)', function(d)
@@ -682,13 +696,16 @@ end
 -- The checks every mutating call makes once its fields are read, given the outcome
 -- stored for its op id (rec, from `recorded`) and the session's epoch (ep, a number or nil), in this order: a
 -- stored outcome is replayed, a missing session, a session of a stored layout these
--- scripts do not read (`layout_check`) and a stale epoch are refused.
+-- scripts do not read (`layout_check`) and a stale epoch are refused. `lv`: the
+-- session's field 'lv' where the caller read it with its own fields (false when absent),
+-- else nil (read here).
 -- Returns the stored reply to send again, or nil to go on (else it fails).
-local function gate(rec, ep, op, fp, epoch)
+local function gate(rec, ep, op, fp, epoch, lv)
   local again = replay(rec, op, fp)
   if again then return again end
   if not ep then fail('NOSESSION', NOSESSION) end
-  layout_check(redis.call('HGET', KEYS[1], 'lv'))
+  if lv == nil then lv = redis.call('HGET', KEYS[1], 'lv') end
+  layout_check(lv)
   stale(ep, epoch)
 end
 
@@ -1030,8 +1047,9 @@ end
 -- 1/256 of the outcomes of the last op retention.
 -- J: { gz = number, xp = number } and, where the caller knows them already, ttl, ort;
 -- J.uo, for a call of the open turn: the turn's op keys (field uo) as read, to which
--- this call's is added, so that a rollback drops the outcomes it undoes.
-local function commit(key, now, op, fp, out, args, J)
+-- this call's is added, so that a rollback drops the outcomes it undoes. `coded`: see
+-- `store`.
+local function commit(key, now, op, fp, out, args, J, coded)
   local refresh, rotate = now >= J.xp, now >= J.gz
   if refresh or rotate then
     if not J.ttl then
@@ -1051,7 +1069,7 @@ local function commit(key, now, op, fp, out, args, J)
       args[#args + 1] = string.format('%d', now + math.floor(J.ttl / 10))
     end
   end
-  store(fp, out, rotate)
+  store(fp, out, rotate, coded)
   if J.uo then
     args[#args + 1], args[#args + 2] = 'uo', J.uo .. string.sub(BUCKET.h, 1, 16)
   end

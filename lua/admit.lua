@@ -64,7 +64,7 @@ local ORD = #KEYS == 6 and KEYS[3] or nil
 if ORD then key_arg(2, 'content:%s', 'order:%s') else key_arg(2, 'content:%s') end
 -- This is the hot path: fields are read by position, not through load()'s tables.
 local A, F, U, N = ACTIVE[c], FLOOR[c], 'u_' .. c, 'n_' .. c
-local fields = { 'ep', 'tn', 'sq', 'fr', A, F, U, N, 'gz', 'xp', 'cd', 'lo', 'uo', 'oq', 'ox' }
+local fields = { 'ep', 'tn', 'sq', 'fr', A, F, U, N, 'gz', 'xp', 'cd', 'lo', 'uo', 'oq', 'ox', 'lv' }
 local toks, seen = {}, n > 1 and {} or nil
 for k = 1, n do
   local b = 3 + 3 * k
@@ -76,14 +76,14 @@ for k = 1, n do
   end
   toks[k] = int_arg(ARGV[b + 1], 'tokens', 1, TOKENS_MAX, id)
   int_arg(ARGV[b + 2], 'priority', 0, 1000, id)
-  fields[k + 15] = 'i:' .. c .. ':' .. id
+  fields[k + 16] = 'i:' .. c .. ':' .. id
 end
 
 local key = KEYS[1]
 local v = redis.call('HMGET', key, unpack(fields))
 -- v: 1 ep, 2 tn, 3 sq, 4 fr, 5 a, 6 floor, 7 u, 8 n, 9 gz, 10 xp, 11 cd, 12 lo, 13 uo,
--- 14 oq, 15 ox, 15 + k: item k when already held.
-local again = gate(recorded(op), tonumber(v[1]), op, fp, epoch)
+-- 14 oq, 15 ox, 16 lv, 16 + k: item k when already held.
+local again = gate(recorded(op), tonumber(v[1]), op, fp, epoch, v[16])
 if again then return again end
 local in_turn = fence(key, v[12], v[2], tok)
 local ep, tn = v[1], v[2]  -- kept as text: the reply and the items repeat them
@@ -92,6 +92,7 @@ local now = now_ms()
 local a, floor, sq, fr = tonumber(v[5]), tonumber(v[6]) or 0, tonumber(v[3]), tonumber(v[4])
 local fr0 = fr
 local charged, admitted, dups, skipped, items, stored = 0, 0, 0, {}, {}, {}
+local sqs  -- the last admitted item's sequence number, as text
 -- Compaction credit (docs/rules.md#compaction-credit): while a compaction is pending,
 -- memory is judged on the post-compaction baseline: the high-water mark plus the
 -- memory admitted since the compaction became pending (pm); at most W - out - HW - pm
@@ -119,7 +120,7 @@ local first_skip, by_bound = nil, false
 local z, zb = v[14] == v[3] and ORD and ORDER[c] and {} or nil, ORDER_SPAN * (ORDER[c] or 0)
 for k = 1, n do
   local t = toks[k]
-  if v[k + 15] then
+  if v[k + 16] then
     dups = dups + 1
   else
     local d = claim_delta(a + charged, t, floor)
@@ -133,13 +134,14 @@ for k = 1, n do
       admitted = admitted + 1
       sq = sq + 1
       -- tokens and priority as sent: int_arg took them only written canonically, as %d
-      -- would write them
+      -- would write them; the turn as read
       local b = 3 + 3 * k
-      items[#items + 1] = fields[k + 15]
-      items[#items + 1] = string.format('%s|%s|%s|%d', ARGV[b + 1], tn, ARGV[b + 2], sq)
-      if z then z[#z + 1], z[#z + 2] = string.format('%d', zb + sq), fields[k + 15] end
+      sqs = string.format('%d', sq)
+      items[#items + 1] = fields[k + 16]
+      items[#items + 1] = ARGV[b + 1] .. '|' .. tn .. '|' .. ARGV[b + 2] .. '|' .. sqs
+      if z then z[#z + 1], z[#z + 2] = string.format('%d', zb + sq), fields[k + 16] end
       if texts then
-        stored[#stored + 1] = string.sub(fields[k + 15], 3)  -- '<c>:<id>'
+        stored[#stored + 1] = string.sub(fields[k + 16], 3)  -- '<c>:<id>'
         stored[#stored + 1] = ARGV[5 + 3 * n + k]
       end
     end
@@ -165,17 +167,23 @@ if refused then
   return commit(key, now, op, fp, table.concat({ 'status=refused|reason=', reason, '|requested=', asked,
     '|free=', fr0, '|epoch=', ep, '|turn=', tn, extra }), {}, J)
 end
--- string.format: one C call, and %d formats a number faster than a concatenation or
--- redis.call does; each number is formatted once (free: the field and the reply).
+-- Each number is formatted once, with string.format's %d (one C call, faster than a
+-- concatenation or redis.call turning a number into text): free for the field and the
+-- reply. The reply is built, and coded as its outcome is stored (`store`), from the
+-- same parts: no second pass over it.
 local f, args = string.format, {}
 local free = f('%d', fr)
 if admitted > 0 then
-  args = { 'sq', f('%d', sq), 'fr', free, A, f('%d', a + charged), U, f('%d', tonumber(v[7]) + charged),
+  args = { 'sq', sqs, 'fr', free, A, f('%d', a + charged), U, f('%d', tonumber(v[7]) + charged),
     N, f('%d', tonumber(v[8]) + admitted), unpack(items) }
   if pending then args[#args + 1], args[#args + 2] = 'pm', f('%d', pm + charged) end
-  order_keep(ORD, c, v[14], v[3], args[2], z, v[15], now, key, args)
+  order_keep(ORD, c, v[14], v[3], sqs, z, v[15], now, key, args)
 end
 put(KEYS[2], stored, J, key)
-return commit(key, now, op, fp, f(
-  'status=ok|charged=%d|admitted=%d|duplicates=%d|skipped=%s|free=%s|epoch=%s|turn=%s',
-  charged, admitted, dups, table.concat(skipped, ','), free, ep, tn), args, J)
+local cs, as, ds, sk = f('%d', charged), f('%d', admitted), f('%d', dups), table.concat(skipped, ',')
+-- (the codes of pack_codes: \1 status, \7 charged, \8 admitted, \9 duplicates,
+-- \10 skipped, \4 free, \5 epoch, \6 turn)
+return commit(key, now, op, fp, 'status=ok|charged=' .. cs .. '|admitted=' .. as ..
+  '|duplicates=' .. ds .. '|skipped=' .. sk .. '|free=' .. free .. '|epoch=' .. ep .. '|turn=' .. tn,
+  args, J, { '\1ok\7' .. cs .. '\8' .. as .. '\9' .. ds .. '\10' .. sk .. '\4' .. free .. '\5', ep,
+  '\6' .. tn })
