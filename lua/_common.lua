@@ -387,8 +387,10 @@ end
 -- n, or fails with BADARG. `of`, when given, names the item the number belongs to
 -- (joined only on error).
 local function int_arg(v, name, lo, hi, of)
+  -- (v + 0, not tonumber(v): tonumber converts a string twice; the pattern has made sure
+  -- that v is a decimal integer)
   local n = type(v) == 'string' and #v <= 16 and
-    (v == '0' or string.match(v, '^%-?[1-9]%d*$')) and tonumber(v)
+    (v == '0' or string.find(v, '^%-?[1-9]%d*$')) and v + 0
   if n and n >= lo and n <= hi then return n end
   if of then name = name .. ' of ' .. of end
   if not n then
@@ -501,7 +503,7 @@ end
 -- of the session in KEYS[1].
 local function op_args(name, unfenced_ok)
   local v, head = string.match(type(ARGV[2]) == 'string' and ARGV[2] or '', '^([1-9]%d?):(.*)$')
-  if v ~= tostring(VERSION) then version_mismatch(v) end
+  if not v or v + 0 ~= VERSION then version_mismatch(v) end  -- (v: digits; v + 0, no text of VERSION)
   local tag, sid = string.match(KEYS[1] or '', '^([^{]*{p%d+}):s:(.+)$')
   if not tag or #KEYS < 4 or TALLY ~= tag .. ':tally' or OUT ~= tag .. ':out:' .. sid or
       OLD ~= tag .. ':old:' .. sid then
@@ -536,9 +538,10 @@ local function op_args(name, unfenced_ok)
   return op, fp, int_arg(e, 'epoch', 0, 1e15), t
 end
 
+-- (TIME's two numbers as text, converted by the arithmetic: tonumber converts twice)
 local function now_ms()
   local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  return t[1] * 1000 + math.floor(t[2] / 1000)
 end
 
 -- Reply keys as stored in an outcome: '|<key>=' is one control character (a key not
@@ -616,7 +619,7 @@ local function recorded(op)
   local b2, b3, b4 = string.sub(h, 1, 2), string.sub(h, 1, 3), string.sub(h, 1, 4)
   local at = '\30' .. string.sub(h, 3, 16)
   local got = redis.call('HMGET', OUT, b2, b3, b4, 'e', 'k', 'g')
-  local k = tonumber(got[5]) or 0
+  local k = got[5] and got[5] + 0 or 0  -- (a count as stored: + 0 converts it once, tonumber twice)
   local w = bucket_width(k)
   BUCKET.h, BUCKET.at, BUCKET.k, BUCKET.e, BUCKET.found = h, at, k, got[4], got[4]
   BUCKET.b, BUCKET.cur = string.sub(h, 1, w), got[w - 1] or ''

@@ -83,16 +83,17 @@ local key = KEYS[1]
 local v = redis.call('HMGET', key, unpack(fields))
 -- v: 1 ep, 2 tn, 3 sq, 4 fr, 5 a, 6 floor, 7 u, 8 n, 9 gz, 10 xp, 11 cd, 12 lo, 13 uo,
 -- 14 oq, 15 ox, 16 lv, 16 + k: item k when already held.
-local again = gate(recorded(op), tonumber(v[1]), op, fp, epoch, v[16])
+-- (numbers as stored, converted by arithmetic: + 0 converts once, tonumber twice)
+local again = gate(recorded(op), v[1] and v[1] + 0, op, fp, epoch, v[16])
 if again then return again end
 local in_turn = fence(key, v[12], v[2], tok)
 local ep, tn = v[1], v[2]  -- kept as text: the reply and the items repeat them
 local now = now_ms()
 
-local a, floor, sq, fr = tonumber(v[5]), tonumber(v[6]) or 0, tonumber(v[3]), tonumber(v[4])
+local a, floor, sq, fr = v[5] + 0, v[6] and v[6] + 0 or 0, v[3] + 0, v[4] + 0
 local fr0 = fr
 local charged, admitted, dups, skipped, items, stored = 0, 0, 0, {}, {}, {}
-local sqs  -- the last admitted item's sequence number, as text
+local sqs, ts  -- the last admitted item's sequence number and tokens, as text
 -- Compaction credit (docs/rules.md#compaction-credit): while a compaction is pending,
 -- memory is judged on the post-compaction baseline: the high-water mark plus the
 -- memory admitted since the compaction became pending (pm); at most W - out - HW - pm
@@ -136,7 +137,7 @@ for k = 1, n do
       -- tokens and priority as sent: int_arg took them only written canonically, as %d
       -- would write them; the turn as read
       local b = 3 + 3 * k
-      sqs = string.format('%d', sq)
+      sqs, ts = string.format('%d', sq), ARGV[b + 1]
       items[#items + 1] = fields[k + 16]
       items[#items + 1] = ARGV[b + 1] .. '|' .. tn .. '|' .. ARGV[b + 2] .. '|' .. sqs
       if z then z[#z + 1], z[#z + 2] = string.format('%d', zb + sq), fields[k + 16] end
@@ -147,7 +148,7 @@ for k = 1, n do
     end
   end
 end
-local J = { gz = tonumber(v[9]), xp = tonumber(v[10]), uo = in_turn and (v[13] or '') or nil }
+local J = { gz = v[9] + 0, xp = v[10] + 0, uo = in_turn and (v[13] or '') or nil }
 -- Refused: 'all' mode that does not fit whole; 'prefix' mode that fits nothing.
 if mode == 'all' then by_bound = cap ~= nil and charged > 0 and charged > cap end
 local refused = (mode == 'all' and (fr < 0 or by_bound)) or
@@ -174,13 +175,17 @@ end
 local f, args = string.format, {}
 local free = f('%d', fr)
 if admitted > 0 then
-  args = { 'sq', sqs, 'fr', free, A, f('%d', a + charged), U, f('%d', tonumber(v[7]) + charged),
-    N, f('%d', tonumber(v[8]) + admitted), unpack(items) }
+  args = { 'sq', sqs, 'fr', free, A, f('%d', a + charged), U, f('%d', v[7] + charged),
+    N, f('%d', v[8] + admitted), unpack(items) }
   if pending then args[#args + 1], args[#args + 2] = 'pm', f('%d', pm + charged) end
   order_keep(ORD, c, v[14], v[3], sqs, z, v[15], now, key, args)
 end
 put(KEYS[2], stored, J, key)
-local cs, as, ds, sk = f('%d', charged), f('%d', admitted), f('%d', dups), table.concat(skipped, ',')
+-- (a count of 0 or 1, and the charge of one item, its tokens as sent, need no formatting)
+local cs = admitted == 1 and ts or f('%d', charged)
+local as = admitted == 1 and '1' or admitted == 0 and '0' or f('%d', admitted)
+local ds = dups == 0 and '0' or dups == 1 and '1' or f('%d', dups)
+local sk = #skipped == 0 and '' or table.concat(skipped, ',')
 -- (the codes of pack_codes: \1 status, \7 charged, \8 admitted, \9 duplicates,
 -- \10 skipped, \4 free, \5 epoch, \6 turn)
 return commit(key, now, op, fp, 'status=ok|charged=' .. cs .. '|admitted=' .. as ..
