@@ -262,7 +262,8 @@ local VERSION, LAYOUT, OLDEST_LAYOUT = 4, 2, 1
 
 -- What `op_args` read from this call's ARGV[2] besides the epoch and the turn: the owner
 -- token (false when the call sends none), which `fence` and begin_turn check against 'lk'.
-local CALL = { token = false }
+-- (A variable, not a table's field: a table is built again on every call.)
+local CALL_TOKEN = false
 
 -- Each consumer's claim group, its fields spelled with the letters of the consumers it
 -- holds: ACTIVE[c] holds the group's active tokens, FLOOR[c] its floor. The memory group
@@ -326,10 +327,11 @@ end
 -- sq0; both strings or both numbers, as the caller read them) and either the items need
 -- no member (working memory) or the index `ord` was sent, their members z (score, member,
 -- ...) then added (see order_add). Returns whether it stayed complete.
+-- (c ~= 'w': ORDER[c], without the table, which a call would build again)
 local function order_keep(ord, c, oq, sq0, sq1, z, ox, now, key, args)
-  if oq ~= sq0 or (ORDER[c] and not ord) then return false end
+  if oq ~= sq0 or (c ~= 'w' and not ord) then return false end
   args[#args + 1], args[#args + 2] = 'oq', sq1
-  if ORDER[c] then order_add(ord, z, ox, now, key, args) end
+  if c ~= 'w' then order_add(ord, z, ox, now, key, args) end
   return true
 end
 
@@ -389,8 +391,8 @@ end
 local function int_arg(v, name, lo, hi, of)
   -- (v + 0, not tonumber(v): tonumber converts a string twice; the pattern has made sure
   -- that v is a decimal integer)
-  local n = type(v) == 'string' and #v <= 16 and
-    (v == '0' or string.find(v, '^%-?[1-9]%d*$')) and v + 0
+  -- (`v and`, not type(v) == 'string': every caller passes a string or nil)
+  local n = v and #v <= 16 and (v == '0' or string.find(v, '^%-?[1-9]%d*$')) and v + 0
   if n and n >= lo and n <= hi then return n end
   if of then name = name .. ' of ' .. of end
   if not n then
@@ -401,8 +403,9 @@ local function int_arg(v, name, lo, hi, of)
 end
 
 -- An identifier: 1..128 characters of [A-Za-z0-9._:/@+=#-]: no braces, no separators.
+-- (`v and`, not type(v) == 'string': every caller passes a string or nil)
 local function id_arg(v, name)
-  if type(v) == 'string' and #v <= ID_MAX and string.find(v, '^[%w%._:/@%+=#%-]+$') then return v end
+  if v and #v <= ID_MAX and string.find(v, '^[%w%._:/@%+=#%-]+$') then return v end
   fail('BADARG', name .. ' must be 1-' .. ID_MAX .. ' characters of [A-Za-z0-9._:/@+=#-], got ' .. show(v))
 end
 
@@ -460,8 +463,9 @@ local function sid_and_id(what, ...)
   return sid, id
 end
 
+-- (compared, not looked up in ACTIVE: a script that needs no ACTIVE does not build it)
 local function consumer_arg(v)
-  if type(v) ~= 'string' or not ACTIVE[v] then
+  if v ~= 'w' and v ~= 'r' and v ~= 'm' and v ~= 's' then
     fail('BADARG', 'consumer must be one of w (working_memory), r (retrieval), m (recall), ' ..
       's (scratchpad), got ' .. show(v))
   end
@@ -492,7 +496,7 @@ end
 -- made in that turn, or '@~<op id>' for a call made in the turn that the begin_turn of that
 -- op id opened (sent with it, its number not known yet; see `fence`), and last, for a call
 -- of a turn and for begin_turn, '!<owner token>' (16-64 hex digits: the secret of the
--- handle that begins or serves the turn, kept in CALL.token; see `fence`). Returns op,
+-- handle that begins or serves the turn, kept in CALL_TOKEN; see `fence`). Returns op,
 -- the call's fingerprint, epoch (nil for '*') and turn (nil for a
 -- call of no turn; the string '~<op id>' for a turn named by its begin), or fails with
 -- BADARG. The fingerprint is computed here, by the server, over the script's name and
@@ -522,7 +526,7 @@ local function op_args(name, unfenced_ok)
     if #token < 16 or #token > 64 or not string.match(token, '^%x+$') then
       fail('BADARG', 'owner token must be 16-64 hex digits, got ' .. show(token))
     end
-    e, CALL.token = string.sub(e, 1, bang - 1), token
+    e, CALL_TOKEN = string.sub(e, 1, bang - 1), token
   end
   local at = type(e) == 'string' and string.find(e, '@', 1, true)  -- (the first '@')
   if at and string.sub(e, at + 1, at + 1) == '~' then
@@ -595,25 +599,14 @@ local function bucket_width(k)
   return k < 8192 + 131072 and 3 or 4
 end
 
--- The record of this op in one generation's buckets (got: the HMGET of its 2-, 3- and
--- 4-digit buckets), or false.
-local function find_record(got, at)
-  for i = 1, 3 do
-    local src = got[i]
-    if src then
-      local _, j = string.find(src, at, 1, true)
-      if j then return string.sub(src, j + 1, (string.find(src, '\30', j + 1, true) or 0) - 1) end
-    end
-  end
-  return false
-end
-
 -- The outcome stored for this op id in either generation ('<fingerprint><coded
 -- reply>'), or false. Every mutating script calls it before `store`. An op id is kept
 -- as 16 hex digits of its SHA-1: the first two to four name its bucket, digits 3 to 16
 -- (56 bits) mark its record, so a record's size does not depend on the op id's length.
 -- The previous generation is read only when there may be one (field 'g' of the current
 -- one: 0 when it began with none; absent in a generation an older version began).
+-- A generation's record of this op is looked up in its buckets of each width (got: the
+-- HMGET of its 2-, 3- and 4-digit buckets).
 local function recorded(op)
   local h = redis.sha1hex(op)
   local b2, b3, b4 = string.sub(h, 1, 2), string.sub(h, 1, 3), string.sub(h, 1, 4)
@@ -622,46 +615,53 @@ local function recorded(op)
   local k = got[5] and got[5] + 0 or 0  -- (a count as stored: + 0 converts it once, tonumber twice)
   local w = bucket_width(k)
   BUCKET.h, BUCKET.at, BUCKET.k, BUCKET.e, BUCKET.found = h, at, k, got[4], got[4]
-  BUCKET.b, BUCKET.cur = string.sub(h, 1, w), got[w - 1] or ''
-  local rec = find_record(got, at)
-  if rec or got[6] == '0' then return rec end
-  got = redis.call('HMGET', OLD, b2, b3, b4, 'e')
-  BUCKET.found = got[4]
-  return find_record(got, at)
-end
-
--- The stored form of a reply its script coded itself (`coded`: { the coded reply up to
--- and including its epoch's code '\5', its epoch as in the reply, the coded rest }):
--- exactly what `pack` makes of the reply, without coding it again.
-local function pack_coded(fp, coded, base)
-  local e = coded[2]
-  return fp .. coded[1] .. (e == base and '0' or string.format('%d', e - base)) .. coded[3]
+  BUCKET.b, BUCKET.cur = w == 2 and b2 or w == 3 and b3 or b4, got[w - 1] or ''
+  for gen = 1, 2 do
+    for i = 1, 3 do
+      local src = got[i]
+      if src then
+        local _, j = string.find(src, at, 1, true)
+        if j then return string.sub(src, j + 1, (string.find(src, '\30', j + 1, true) or 0) - 1) end
+      end
+    end
+    if gen == 2 or got[6] == '0' then return false end
+    got = redis.call('HMGET', OLD, b2, b3, b4, 'e')
+    BUCKET.found = got[4]
+  end
 end
 
 -- Append the outcome of the op `recorded` looked up to its bucket in the current
 -- generation (fresh: the generation was just rotated, it starts empty). The first
 -- outcome of a generation sets its epoch base 'e': its own epoch, or, for a reply
 -- without one (the worker's `expire`), the session's (KEYS[1]), else its last one; and
--- 'g': 0 when no previous generation exists. `coded`, when given: the reply as its
--- script coded it (see `pack_coded`; a reply with an epoch).
-local function store(fp, out, fresh, coded)
+-- 'g': 0 when no previous generation exists. c1, ce, c3, when given: the reply as its
+-- script coded it (admit), so that it is not coded again: the coded reply up to and
+-- including its epoch's code ('\5'), its epoch as in the reply, the coded rest; stored
+-- exactly as `pack` stores the reply.
+local function store(fp, out, fresh, c1, ce, c3)
   local cur, base, k = BUCKET.cur, BUCKET.e, BUCKET.k
   if fresh then cur, base, k = '', nil, 0 end
   local b = string.sub(BUCKET.h, 1, bucket_width(k))
   if b ~= BUCKET.b then cur = '' end  -- (the generation just widened, or was rotated)
   BUCKET.b = b
-  if base then
-    redis.call('HSET', OUT, b, cur .. BUCKET.at ..
-      (coded and pack_coded(fp, coded, base) or pack(fp, out, base)), 'k', string.format('%d', k + 1))
+  local rec
+  if not base then
+    base = ce or string.match(out, '|epoch=(%d+)')
+    if not base then
+      local h = redis.call('HMGET', KEYS[1], 'ep', 'pe')
+      base = h[1] or h[2] or '0'
+    end
+  end
+  if c1 then  -- (the epoch as pack writes it: its difference to the base)
+    rec = cur .. BUCKET.at .. fp .. c1 .. (ce == base and '0' or string.format('%d', ce - base)) .. c3
+  else
+    rec = cur .. BUCKET.at .. pack(fp, out, base)
+  end
+  if BUCKET.e and not fresh then
+    redis.call('HSET', OUT, b, rec, 'k', string.format('%d', k + 1))
     return
   end
-  base = coded and coded[2] or string.match(out, '|epoch=(%d+)')
-  if not base then
-    local h = redis.call('HMGET', KEYS[1], 'ep', 'pe')
-    base = h[1] or h[2] or '0'
-  end
-  redis.call('HSET', OUT, b, cur .. BUCKET.at ..
-    (coded and pack_coded(fp, coded, base) or pack(fp, out, base)), 'e', base,
+  redis.call('HSET', OUT, b, rec, 'e', base,
     'k', string.format('%d', k + 1), 'g', fresh and '1' or redis.call('EXISTS', OLD))
 end
 
@@ -726,11 +726,11 @@ local function turn_held(key, lo, tn, why)
     ' ms left): ' .. (why or 'only its calls are accepted; wait for it, or begin_turn with takeover'))
 end
 
--- Whether this call carries the open turn's owner token: the SHA-1 of CALL.token (from
+-- Whether this call carries the open turn's owner token: the SHA-1 of CALL_TOKEN (from
 -- ARGV[2], see `op_args`) is the session's 'lk' (`lk` as read, false when absent: a
 -- turn begun by a client of protocol 1, which no call of protocol 2 can prove).
 local function owns(lk)
-  return lk and CALL.token and redis.sha1hex(CALL.token) == lk or false
+  return lk and CALL_TOKEN and redis.sha1hex(CALL_TOKEN) == lk or false
 end
 
 -- A call of the open turn that does not carry the turn's owner token (a handle naming
@@ -1050,9 +1050,9 @@ end
 -- 1/256 of the outcomes of the last op retention.
 -- J: { gz = number, xp = number } and, where the caller knows them already, ttl, ort;
 -- J.uo, for a call of the open turn: the turn's op keys (field uo) as read, to which
--- this call's is added, so that a rollback drops the outcomes it undoes. `coded`: see
--- `store`.
-local function commit(key, now, op, fp, out, args, J, coded)
+-- this call's is added, so that a rollback drops the outcomes it undoes. c1, ce, c3: a
+-- reply its script coded itself (see `store`).
+local function commit(key, now, op, fp, out, args, J, c1, ce, c3)
   local refresh, rotate = now >= J.xp, now >= J.gz
   if refresh or rotate then
     if not J.ttl then
@@ -1072,7 +1072,7 @@ local function commit(key, now, op, fp, out, args, J, coded)
       args[#args + 1] = string.format('%d', now + math.floor(J.ttl / 10))
     end
   end
-  store(fp, out, rotate, coded)
+  store(fp, out, rotate, c1, ce, c3)
   if J.uo then
     args[#args + 1], args[#args + 2] = 'uo', J.uo .. string.sub(BUCKET.h, 1, 16)
   end

@@ -62,8 +62,10 @@ if #ARGV ~= want then
 end
 local ORD = #KEYS == 6 and KEYS[3] or nil
 if ORD then key_arg(2, 'content:%s', 'order:%s') else key_arg(2, 'content:%s') end
--- This is the hot path: fields are read by position, not through load()'s tables.
-local A, F, U, N = ACTIVE[c], FLOOR[c], 'u_' .. c, 'n_' .. c
+-- This is the hot path: fields are read by position, not through load()'s tables; the
+-- claim group's fields are ACTIVE[c] and FLOOR[c], spelled out (those tables are not built).
+local A, F, U, N = 'a_rm', 'F_rm', 'u_' .. c, 'n_' .. c
+if c == 'w' then A, F = 'a_w', 'F_w' elseif c == 's' then A, F = 'a_s', 'F_s' end
 local fields = { 'ep', 'tn', 'sq', 'fr', A, F, U, N, 'gz', 'xp', 'cd', 'lo', 'uo', 'oq', 'ox', 'lv' }
 local toks, seen = {}, n > 1 and {} or nil
 for k = 1, n do
@@ -92,7 +94,8 @@ local now = now_ms()
 
 local a, floor, sq, fr = v[5] + 0, v[6] and v[6] + 0 or 0, v[3] + 0, v[4] + 0
 local fr0 = fr
-local charged, admitted, dups, skipped, items, stored = 0, 0, 0, {}, {}, {}
+-- (skipped: made at the first item skipped; stored: only with texts)
+local charged, admitted, dups, skipped, items, stored = 0, 0, 0, nil, {}, texts and {} or nil
 local sqs, ts  -- the last admitted item's sequence number and tokens, as text
 -- Compaction credit (docs/rules.md#compaction-credit): while a compaction is pending,
 -- memory is judged on the post-compaction baseline: the high-water mark plus the
@@ -117,17 +120,21 @@ if pending then
 end
 local first_skip, by_bound = nil, false
 -- z: the members of the items admitted, when the reclaim-order index is kept here (see
--- order_keep; zb: the score's consumer part)
-local z, zb = v[14] == v[3] and ORD and ORDER[c] and {} or nil, ORDER_SPAN * (ORDER[c] or 0)
+-- order_keep; zb: the score's consumer part, ORDER[c] * ORDER_SPAN, spelled out: c is not
+-- working memory, whose items the index does not hold)
+local z = v[14] == v[3] and ORD and c ~= 'w' and {} or nil
+local zb = z and ORDER_SPAN * (c == 'r' and 1 or c == 'm' and 2 or 0)
 for k = 1, n do
   local t = toks[k]
   if v[k + 16] then
     dups = dups + 1
   else
-    local d = claim_delta(a + charged, t, floor)
+    -- (claim_delta(x, t, floor), inline: max(x + t, floor) - max(x, floor))
+    local x = a + charged
+    local d = (x + t > floor and x + t or floor) - (x > floor and x or floor)
     local over = cap and charged + t > cap
-    if mode == 'prefix' and (#skipped > 0 or d > fr or over) then
-      if not first_skip then first_skip, by_bound = t, over end
+    if mode == 'prefix' and (skipped or d > fr or over) then
+      if not first_skip then first_skip, by_bound, skipped = t, over, {} end
       skipped[#skipped + 1] = ARGV[3 + 3 * k]
     else
       fr = fr - d
@@ -152,7 +159,7 @@ local J = { gz = v[9] + 0, xp = v[10] + 0, uo = in_turn and (v[13] or '') or nil
 -- Refused: 'all' mode that does not fit whole; 'prefix' mode that fits nothing.
 if mode == 'all' then by_bound = cap ~= nil and charged > 0 and charged > cap end
 local refused = (mode == 'all' and (fr < 0 or by_bound)) or
-  (mode == 'prefix' and admitted == 0 and #skipped > 0)
+  (mode == 'prefix' and admitted == 0 and skipped ~= nil)
 if refused then
   local asked = mode == 'all' and charged or first_skip
   local extra = ''
@@ -180,15 +187,14 @@ if admitted > 0 then
   if pending then args[#args + 1], args[#args + 2] = 'pm', f('%d', pm + charged) end
   order_keep(ORD, c, v[14], v[3], sqs, z, v[15], now, key, args)
 end
-put(KEYS[2], stored, J, key)
+if stored then put(KEYS[2], stored, J, key) end
 -- (a count of 0 or 1, and the charge of one item, its tokens as sent, need no formatting)
 local cs = admitted == 1 and ts or f('%d', charged)
 local as = admitted == 1 and '1' or admitted == 0 and '0' or f('%d', admitted)
 local ds = dups == 0 and '0' or dups == 1 and '1' or f('%d', dups)
-local sk = #skipped == 0 and '' or table.concat(skipped, ',')
+local sk = skipped and table.concat(skipped, ',') or ''
 -- (the codes of pack_codes: \1 status, \7 charged, \8 admitted, \9 duplicates,
 -- \10 skipped, \4 free, \5 epoch, \6 turn)
 return commit(key, now, op, fp, 'status=ok|charged=' .. cs .. '|admitted=' .. as ..
   '|duplicates=' .. ds .. '|skipped=' .. sk .. '|free=' .. free .. '|epoch=' .. ep .. '|turn=' .. tn,
-  args, J, { '\1ok\7' .. cs .. '\8' .. as .. '\9' .. ds .. '\10' .. sk .. '\4' .. free .. '\5', ep,
-  '\6' .. tn })
+  args, J, '\1ok\7' .. cs .. '\8' .. as .. '\9' .. ds .. '\10' .. sk .. '\4' .. free .. '\5', ep, '\6' .. tn)
