@@ -420,18 +420,24 @@ local function session_arg(v)
   return sid
 end
 
+-- The hash tag and session id of KEYS[1] ('<prefix>:{p<N>}' and '<session>'), once
+-- `op_args` has read and checked them (false before), for `key_arg`.
+local KEY_TAG, KEY_SID = false, false
+
 -- KEYS[i], KEYS[i + 1], ... must be the keys that the suffixes given name for the
 -- session in KEYS[1] ('<prefix>:{p<N>}:s:<session>': '<prefix>:{p<N>}:<suffix>'), in that
 -- order, followed only by the partition's tally and the two outcome hashes; '%s' in a suffix stands for the
 -- session id. The names are only compared, never used to reach a key: the scripts use
 -- KEYS as given.
 local function key_arg(i, ...)
-  local tag, sid = string.match(KEYS[1] or '', '^([^{]*{p%d+}):s:(.+)$')
+  local tag, sid = KEY_TAG, KEY_SID
+  if not tag then tag, sid = string.match(KEYS[1] or '', '^([^{]*{p%d+}):s:(.+)$') end
   local n = select('#', ...)
   local ok = tag ~= nil and #KEYS == i + n + 2
+  local pre = ok and tag .. ':'
   for k = 1, n do
     if not ok then break end
-    ok = KEYS[i + k - 1] == tag .. ':' .. string.format((select(k, ...)), sid)
+    ok = KEYS[i + k - 1] == pre .. string.format((select(k, ...)), sid)
   end
   if not ok then  -- (the names wanted are built only for the message)
     local shown = {}
@@ -514,6 +520,7 @@ local function op_args(name, unfenced_ok)
     fail('BADARG', 'KEYS must end with the partition\'s tally and the outcome keys of the ' ..
       'session key ' .. show(KEYS[1]) .. ', got ' .. #KEYS .. ' keys')
   end
+  KEY_TAG, KEY_SID = tag, sid
   local op = id_arg(ARGV[1], 'operation id')
   if unfenced_ok and head == '*' then
     local rest = #ARGV > 2 and ('\31' .. table.concat(ARGV, '\31', 3)) or ''
@@ -588,32 +595,25 @@ end
 -- of the right size rather than growing one field by field.
 local BUCKET = { h = false, at = false, b = false, cur = false, k = false, e = false, found = false }
 
--- A generation's outcomes go to buckets named by the first 2 hex digits of the op id's
--- SHA-1 until it holds 8,192 outcomes, then by the first 3 (4,096 buckets) until
--- 8,192 + 131,072, then by 4: a bucket a call rewrites keeps about 32 outcomes however
--- many the generation holds, and a field costs little next to the outcomes in it. Records
--- already written stay where they are; a lookup reads the op's bucket of each width.
--- (Numbers, not a table of them: a table would be built again on every call.)
-local function bucket_width(k)
-  if k < 8192 then return 2 end
-  return k < 8192 + 131072 and 3 or 4
-end
-
 -- The outcome stored for this op id in either generation ('<fingerprint><coded
 -- reply>'), or false. Every mutating script calls it before `store`. An op id is kept
 -- as 16 hex digits of its SHA-1: the first two to four name its bucket, digits 3 to 16
 -- (56 bits) mark its record, so a record's size does not depend on the op id's length.
 -- The previous generation is read only when there may be one (field 'g' of the current
 -- one: 0 when it began with none; absent in a generation an older version began).
--- A generation's record of this op is looked up in its buckets of each width (got: the
--- HMGET of its 2-, 3- and 4-digit buckets).
+-- A generation's outcomes go to buckets named by the first 2 hex digits of the op id's
+-- SHA-1 until it holds 8,192 outcomes, then by the first 3 (4,096 buckets) until
+-- 8,192 + 131,072, then by 4: a bucket a call rewrites keeps about 32 outcomes however
+-- many the generation holds, and a field costs little next to the outcomes in it. Records
+-- already written stay where they are; a lookup reads the op's bucket of each width (got:
+-- the HMGET of its 2-, 3- and 4-digit buckets).
 local function recorded(op)
   local h = redis.sha1hex(op)
   local b2, b3, b4 = string.sub(h, 1, 2), string.sub(h, 1, 3), string.sub(h, 1, 4)
   local at = '\30' .. string.sub(h, 3, 16)
   local got = redis.call('HMGET', OUT, b2, b3, b4, 'e', 'k', 'g')
   local k = got[5] and got[5] + 0 or 0  -- (a count as stored: + 0 converts it once, tonumber twice)
-  local w = bucket_width(k)
+  local w = k < 8192 and 2 or k < 8192 + 131072 and 3 or 4  -- (the width this generation writes)
   BUCKET.h, BUCKET.at, BUCKET.k, BUCKET.e, BUCKET.found = h, at, k, got[4], got[4]
   BUCKET.b, BUCKET.cur = w == 2 and b2 or w == 3 and b3 or b4, got[w - 1] or ''
   for gen = 1, 2 do
@@ -638,11 +638,11 @@ end
 -- script coded it (admit), so that it is not coded again: the coded reply up to and
 -- including its epoch's code ('\5'), its epoch as in the reply, the coded rest; stored
 -- exactly as `pack` stores the reply.
+-- (The bucket is the one `recorded` named, of the width of the generation's count as it
+-- read it; a generation just rotated starts empty, at width 2.)
 local function store(fp, out, fresh, c1, ce, c3)
-  local cur, base, k = BUCKET.cur, BUCKET.e, BUCKET.k
-  if fresh then cur, base, k = '', nil, 0 end
-  local b = string.sub(BUCKET.h, 1, bucket_width(k))
-  if b ~= BUCKET.b then cur = '' end  -- (the generation just widened, or was rotated)
+  local cur, base, k, b = BUCKET.cur, BUCKET.e, BUCKET.k, BUCKET.b
+  if fresh then cur, base, k, b = '', nil, 0, string.sub(BUCKET.h, 1, 2) end
   BUCKET.b = b
   local rec
   if not base then
@@ -704,8 +704,7 @@ end
 -- else nil (read here).
 -- Returns the stored reply to send again, or nil to go on (else it fails).
 local function gate(rec, ep, op, fp, epoch, lv)
-  local again = replay(rec, op, fp)
-  if again then return again end
+  if rec then return replay(rec, op, fp) end
   if not ep then fail('NOSESSION', NOSESSION) end
   if lv == nil then lv = redis.call('HGET', KEYS[1], 'lv') end
   layout_check(lv)
