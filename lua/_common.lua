@@ -543,16 +543,25 @@ local function op_args(name, unfenced_ok)
   end
   -- The turn a call is stamped with is a fence, not an argument: the same call sent
   -- again from another turn has the same fingerprint (and gets its first outcome back).
-  local signed = #ARGV > 2 and (name .. '\31' .. e .. '\31' .. table.concat(ARGV, '\31', 3)) or
-    (name .. '\31' .. tostring(e))
+  -- (A call of many arguments, texts among them, is joined in one table.concat: joining
+  -- ARGV and then the name and epoch before it copies its texts twice.)
+  local signed
+  if #ARGV > 24 then
+    signed = table.concat({ name, e, unpack(ARGV, 3) }, '\31')
+  else
+    signed = #ARGV > 2 and (name .. '\31' .. e .. '\31' .. table.concat(ARGV, '\31', 3)) or
+      (name .. '\31' .. tostring(e))
+  end
   local fp = string.sub(redis.sha1hex(signed), 1, 12)
   return op, fp, int_arg(e, 'epoch', 0, 1e15), t
 end
 
--- (TIME's two numbers as text, converted by the arithmetic: tonumber converts twice)
+-- (TIME's two numbers as text, converted by the arithmetic: tonumber converts twice; the
+-- microseconds' whole milliseconds without math.floor's call)
 local function now_ms()
   local t = redis.call('TIME')
-  return t[1] * 1000 + math.floor(t[2] / 1000)
+  local us = t[2] + 0
+  return t[1] * 1000 + (us - us % 1000) / 1000
 end
 
 -- Reply keys as stored in an outcome: '|<key>=' is one control character (a key not

@@ -149,7 +149,7 @@ for k = 1, n do
       items[#items + 1] = ARGV[b + 1] .. '|' .. tn .. '|' .. ARGV[b + 2] .. '|' .. sqs
       if z then z[#z + 1], z[#z + 2] = string.format('%d', zb + sq), fields[k + 16] end
       if texts then
-        stored[#stored + 1] = string.sub(fields[k + 16], 3)  -- '<c>:<id>'
+        stored[#stored + 1] = c .. ':' .. ARGV[b]  -- '<c>:<id>'
         stored[#stored + 1] = ARGV[5 + 3 * n + k]
       end
     end
