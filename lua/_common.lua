@@ -312,26 +312,22 @@ local function order_ttl(ord, key, now, args)
   args[#args + 1], args[#args + 2] = 'ox', string.format('%d', now + math.floor(ttl / 10))
 end
 
--- Add members to the reclaim-order index `ord` (z: score, member, ...). Its TTL is set
--- again once the session's 'ox' (`ox`, nil if absent) has passed; an index that expired
--- has always passed it (it expires a whole TTL after it was set, ox a tenth of one), and
--- one that a removal emptied set 'ox' to 0 (order_remove), so no call leaves an index
--- without a TTL.
-local function order_add(ord, z, ox, now, key, args)
-  redis.call('ZADD', ord, unpack(z))
-  if not ox or now >= tonumber(ox) then order_ttl(ord, key, now, args) end
-end
-
 -- After a call added items of consumer c, the session's sequence moving from sq0 to sq1:
 -- the reclaim-order index stays complete (its 'oq' follows to sq1) when it was (oq equals
 -- sq0; both strings or both numbers, as the caller read them) and either the items need
 -- no member (working memory) or the index `ord` was sent, their members z (score, member,
--- ...) then added (see order_add). Returns whether it stayed complete.
+-- ...) then added. Returns whether it stayed complete. The index's TTL is set again once
+-- the session's 'ox' (`ox`, nil if absent) has passed; an index that expired has always
+-- passed it (it expires a whole TTL after it was set, ox a tenth of one), and one that a
+-- removal emptied set 'ox' to 0 (order_remove), so no call leaves an index without a TTL.
 -- (c ~= 'w': ORDER[c], without the table, which a call would build again)
 local function order_keep(ord, c, oq, sq0, sq1, z, ox, now, key, args)
   if oq ~= sq0 or (c ~= 'w' and not ord) then return false end
   args[#args + 1], args[#args + 2] = 'oq', sq1
-  if c ~= 'w' then order_add(ord, z, ox, now, key, args) end
+  if c ~= 'w' then
+    redis.call('ZADD', ord, unpack(z))
+    if not ox or now >= tonumber(ox) then order_ttl(ord, key, now, args) end
+  end
   return true
 end
 
@@ -512,7 +508,7 @@ end
 -- checks that the last three KEYS are the tally of the partition and the outcome hashes
 -- of the session in KEYS[1].
 local function op_args(name, unfenced_ok)
-  local v, head = string.match(type(ARGV[2]) == 'string' and ARGV[2] or '', '^([1-9]%d?):(.*)$')
+  local v, head = string.match(ARGV[2] or '', '^([1-9]%d?):(.*)$')  -- (ARGV holds strings)
   if not v or v + 0 ~= VERSION then version_mismatch(v) end  -- (v: digits; v + 0, no text of VERSION)
   local tag, sid = string.match(KEYS[1] or '', '^([^{]*{p%d+}):s:(.+)$')
   if not tag or #KEYS < 4 or TALLY ~= tag .. ':tally' or OUT ~= tag .. ':out:' .. sid or
@@ -717,7 +713,7 @@ local function gate(rec, ep, op, fp, epoch, lv)
   if not ep then fail('NOSESSION', NOSESSION) end
   if lv == nil then lv = redis.call('HGET', KEYS[1], 'lv') end
   layout_check(lv)
-  stale(ep, epoch)
+  if epoch ~= nil and epoch ~= ep then stale(ep, epoch) end  -- (stale's own test, without its call)
 end
 
 -- The member of the deadline index that stands for a session's turn lease: '~' is no
@@ -741,13 +737,11 @@ local function owns(lk)
   return lk and CALL_TOKEN and redis.sha1hex(CALL_TOKEN) == lk or false
 end
 
--- A call of the open turn that does not carry the turn's owner token (a handle naming
--- another's turn by its number): refused as a call of no turn is (TURNHELD), nothing
--- changed.
-local function not_owner(key, lo, tn)
-  turn_held(key, lo, tn, 'this call names that turn but does not carry its owner ' ..
-    'token (only the handle that began the turn can call into it)')
-end
+-- Why a call of the open turn that does not carry the turn's owner token (a handle naming
+-- another's turn by its number) is refused as a call of no turn is (TURNHELD, nothing
+-- changed): `turn_held`'s `why` (one text, not a function nor a concatenation: nothing
+-- made per call).
+local NOT_OWNER = 'this call names that turn but does not carry its owner token (only the handle that began the turn can call into it)'
 
 -- Whether a call belongs to the open turn, given the session's lease owner (lo, nil
 -- when no turn is open), its turn (tn: a number, or field tn as read) and the turn the
@@ -765,14 +759,14 @@ local function fence(key, lo, tn, tok, unleased)
   end
   tn = tonumber(tn)  -- (the caller may pass the field as read: a call of no turn needs no number)
   if lo and tok == tn then
-    if not owns(redis.call('HGET', key, 'lk')) then not_owner(key, lo, tn) end
+    if not owns(redis.call('HGET', key, 'lk')) then turn_held(key, lo, tn, NOT_OWNER) end
     return true
   end
   if type(tok) == 'string' then
     local by = string.sub(tok, 2)
     local b = lo and redis.call('HMGET', key, 'lb', 'lk')
     if b and b[1] == by then
-      if not owns(b[2]) then not_owner(key, lo, tn) end
+      if not owns(b[2]) then turn_held(key, lo, tn, NOT_OWNER) end
       return true
     end
     fail('TURNLOST', 'the turn begun by op ' .. by .. ' is not open' ..
@@ -1006,12 +1000,16 @@ local function zero_counters(args)
   return args
 end
 
--- HMGET fields: the first nnum are numbers (into H, by name), the rest raw values
--- (into R, in order; false where absent).
+-- HMGET fields: the first nnum are numbers (into H, by name; absent: nil), the rest raw
+-- values (into R, in order; false where absent). (A number field holds a number written
+-- by a script: + 0 converts it once, where tonumber converts a string twice.)
 local function load(key, fields, nnum)
   local v = redis.call('HMGET', key, unpack(fields))
   local H, R = {}, {}
-  for i = 1, nnum do H[fields[i]] = tonumber(v[i]) end
+  for i = 1, nnum do
+    local x = v[i]
+    if x then H[fields[i]] = x + 0 end
+  end
   for i = nnum + 1, #fields do R[i - nnum] = v[i] end
   return H, R
 end

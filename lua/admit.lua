@@ -88,7 +88,7 @@ local v = redis.call('HMGET', key, unpack(fields))
 -- (numbers as stored, converted by arithmetic: + 0 converts once, tonumber twice)
 local again = gate(recorded(op), v[1] and v[1] + 0, op, fp, epoch, v[16])
 if again then return again end
-local in_turn = fence(key, v[12], v[2], tok)
+local in_turn = (tok or v[12]) and fence(key, v[12], v[2], tok) or false  -- (no turn, none open: no call)
 local ep, tn = v[1], v[2]  -- kept as text: the reply and the items repeat them
 local now = now_ms()
 
@@ -185,7 +185,7 @@ if admitted > 0 then
   args = { 'sq', sqs, 'fr', free, A, f('%d', a + charged), U, f('%d', v[7] + charged),
     N, f('%d', v[8] + admitted), unpack(items) }
   if pending then args[#args + 1], args[#args + 2] = 'pm', f('%d', pm + charged) end
-  order_keep(ORD, c, v[14], v[3], sqs, z, v[15], now, key, args)
+  if v[14] == v[3] then order_keep(ORD, c, v[14], v[3], sqs, z, v[15], now, key, args) end
 end
 if stored then put(KEYS[2], stored, J, key) end
 -- (a count of 0 or 1, and the charge of one item, its tokens as sent, need no formatting)

@@ -175,7 +175,7 @@ end
 local rolled = 0
 if R[2] and not implicit then
   if H.le > now and takeover == 0 then
-    if R[2] == owner then not_owner(key, R[2], H.tn) end
+    if R[2] == owner then turn_held(key, R[2], H.tn, NOT_OWNER) end
     turn_held(key, R[2], H.tn)
   else
     rolled = rollback(key, KEYS[3], sid, H.le > now and ('taken over by ' .. owner) or

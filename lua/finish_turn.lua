@@ -140,6 +140,7 @@ for _, v in ipairs({ '|reset=', st and (H.ep + 1) or '', '|tools=', table.concat
     '|free=', fr }) do
   out[#out + 1] = v
 end
-commit(key, now, op, fp, table.concat(out), args, J)
+local reply = table.concat(out)
+commit(key, now, op, fp, reply, args, J)
 reset_at_end(key, st, { KEYS[3], KEYS[4], KEYS[5] }, sid)
-return table.concat(out)
+return reply
