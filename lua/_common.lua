@@ -614,7 +614,7 @@ local BUCKET = { h = false, at = false, b = false, cur = false, k = false, e = f
 -- the HMGET of its 2-, 3- and 4-digit buckets).
 local function recorded(op)
   local h = redis.sha1hex(op)
-  local b2, b3, b4 = string.sub(h, 1, 2), string.sub(h, 1, 3), string.sub(h, 1, 4)
+  local b4, b3, b2 = string.match(h, '^(((..).).)')  -- (its first 4, 3 and 2 digits)
   local at = '\30' .. string.sub(h, 3, 16)
   local got = redis.call('HMGET', OUT, b2, b3, b4, 'e', 'k', 'g')
   local k = got[5] and got[5] + 0 or 0  -- (a count as stored: + 0 converts it once, tonumber twice)

@@ -61,7 +61,14 @@ if #ARGV ~= want then
     (texts and ' and their texts' or '') .. ', got ' .. #ARGV)
 end
 local ORD = #KEYS == 6 and KEYS[3] or nil
-if ORD then key_arg(2, 'content:%s', 'order:%s') else key_arg(2, 'content:%s') end
+-- key_arg(2, 'content:%s'[, 'order:%s']), its test spelled out on the tag and session id
+-- op_args checked (two joins, not a match and a format per key); key_arg, which fails the
+-- same way, gives the message.
+local pre = KEY_TAG .. ':'
+if #KEYS ~= (ORD and 6 or 5) or KEYS[2] ~= pre .. 'content:' .. KEY_SID or
+    (ORD and ORD ~= pre .. 'order:' .. KEY_SID) then
+  if ORD then key_arg(2, 'content:%s', 'order:%s') else key_arg(2, 'content:%s') end
+end
 -- This is the hot path: fields are read by position, not through load()'s tables; the
 -- claim group's fields are ACTIVE[c] and FLOOR[c], spelled out (those tables are not built).
 local A, F, U, N = 'a_rm', 'F_rm', 'u_' .. c, 'n_' .. c
