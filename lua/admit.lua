@@ -87,6 +87,9 @@ for k = 1, n do
   int_arg(ARGV[b + 2], 'priority', 0, 1000, id)
   fields[k + 16] = 'i:' .. c .. ':' .. id
 end
+-- (with texts, the session's idle TTL and op retention too, for the content store's TTL:
+-- read here, not by put's own HMGET)
+if texts then fields[n + 17], fields[n + 18] = 'ttl', 'ort' end
 
 local key = KEYS[1]
 local v = redis.call('HMGET', key, unpack(fields))
@@ -163,6 +166,7 @@ for k = 1, n do
   end
 end
 local J = { gz = v[9] + 0, xp = v[10] + 0, uo = in_turn and (v[13] or '') or nil }
+if texts then J.ttl, J.ort = tonumber(v[n + 17]), tonumber(v[n + 18]) end
 -- Refused: 'all' mode that does not fit whole; 'prefix' mode that fits nothing.
 if mode == 'all' then by_bound = cap ~= nil and charged > 0 and charged > cap end
 local refused = (mode == 'all' and (fr < 0 or by_bound)) or
