@@ -49,7 +49,7 @@ def recording() -> Callable[[], None]:
 def fused(names: list[str]) -> str:
     """One chunk running the scripts `names` in order: ARGV[1..2n] the key and argument
     counts of each, then each one's keys and arguments. The prelude's per-call state
-    (TALLY, OUT, OLD from KEYS; the CALL and BUCKET tables) is set again before each."""
+    (TALLY, OUT, OLD from KEYS; CALL_TOKEN and the BUCKET table) is set again before each."""
     bodies = [(scripts.lua_dir() / f"{n}.lua").read_text() for n in names]
     pre = scripts.prelude("\n".join(bodies))
     table = ", ".join(f"op{k}" for k in range(len(names)))
@@ -64,7 +64,7 @@ for i = 1, #ops do
   for j = 1, tonumber(GA[2 * i]) do ARGV[j] = GA[ai + j] end
   ki, ai = ki + #KEYS, ai + #ARGV
   TALLY, OUT, OLD = KEYS[#KEYS - 2], KEYS[#KEYS - 1], KEYS[#KEYS]
-  CALL.token = false
+  CALL_TOKEN = false
   for f in pairs(BUCKET) do BUCKET[f] = false end
   out[i] = ops[i]()
 end

@@ -262,7 +262,8 @@ local VERSION, LAYOUT, OLDEST_LAYOUT = 4, 2, 1
 
 -- What `op_args` read from this call's ARGV[2] besides the epoch and the turn: the owner
 -- token (false when the call sends none), which `fence` and begin_turn check against 'lk'.
-local CALL = { token = false }
+-- (A variable, not a table's field: a table is built again on every call.)
+local CALL_TOKEN = false
 
 -- Each consumer's claim group, its fields spelled with the letters of the consumers it
 -- holds: ACTIVE[c] holds the group's active tokens, FLOOR[c] its floor. The memory group
@@ -311,25 +312,22 @@ local function order_ttl(ord, key, now, args)
   args[#args + 1], args[#args + 2] = 'ox', string.format('%d', now + math.floor(ttl / 10))
 end
 
--- Add members to the reclaim-order index `ord` (z: score, member, ...). Its TTL is set
--- again once the session's 'ox' (`ox`, nil if absent) has passed; an index that expired
--- has always passed it (it expires a whole TTL after it was set, ox a tenth of one), and
--- one that a removal emptied set 'ox' to 0 (order_remove), so no call leaves an index
--- without a TTL.
-local function order_add(ord, z, ox, now, key, args)
-  redis.call('ZADD', ord, unpack(z))
-  if not ox or now >= tonumber(ox) then order_ttl(ord, key, now, args) end
-end
-
 -- After a call added items of consumer c, the session's sequence moving from sq0 to sq1:
 -- the reclaim-order index stays complete (its 'oq' follows to sq1) when it was (oq equals
 -- sq0; both strings or both numbers, as the caller read them) and either the items need
 -- no member (working memory) or the index `ord` was sent, their members z (score, member,
--- ...) then added (see order_add). Returns whether it stayed complete.
+-- ...) then added. Returns whether it stayed complete. The index's TTL is set again once
+-- the session's 'ox' (`ox`, nil if absent) has passed; an index that expired has always
+-- passed it (it expires a whole TTL after it was set, ox a tenth of one), and one that a
+-- removal emptied set 'ox' to 0 (order_remove), so no call leaves an index without a TTL.
+-- (c ~= 'w': ORDER[c], without the table, which a call would build again)
 local function order_keep(ord, c, oq, sq0, sq1, z, ox, now, key, args)
-  if oq ~= sq0 or (ORDER[c] and not ord) then return false end
+  if oq ~= sq0 or (c ~= 'w' and not ord) then return false end
   args[#args + 1], args[#args + 2] = 'oq', sq1
-  if ORDER[c] then order_add(ord, z, ox, now, key, args) end
+  if c ~= 'w' then
+    redis.call('ZADD', ord, unpack(z))
+    if not ox or now >= tonumber(ox) then order_ttl(ord, key, now, args) end
+  end
   return true
 end
 
@@ -387,8 +385,10 @@ end
 -- n, or fails with BADARG. `of`, when given, names the item the number belongs to
 -- (joined only on error).
 local function int_arg(v, name, lo, hi, of)
-  local n = type(v) == 'string' and #v <= 16 and
-    (v == '0' or string.match(v, '^%-?[1-9]%d*$')) and tonumber(v)
+  -- (v + 0, not tonumber(v): tonumber converts a string twice; the pattern has made sure
+  -- that v is a decimal integer)
+  -- (`v and`, not type(v) == 'string': every caller passes a string or nil)
+  local n = v and #v <= 16 and (v == '0' or string.find(v, '^%-?[1-9]%d*$')) and v + 0
   if n and n >= lo and n <= hi then return n end
   if of then name = name .. ' of ' .. of end
   if not n then
@@ -399,8 +399,9 @@ local function int_arg(v, name, lo, hi, of)
 end
 
 -- An identifier: 1..128 characters of [A-Za-z0-9._:/@+=#-]: no braces, no separators.
+-- (`v and`, not type(v) == 'string': every caller passes a string or nil)
 local function id_arg(v, name)
-  if type(v) == 'string' and #v <= ID_MAX and string.find(v, '^[%w%._:/@%+=#%-]+$') then return v end
+  if v and #v <= ID_MAX and string.find(v, '^[%w%._:/@%+=#%-]+$') then return v end
   fail('BADARG', name .. ' must be 1-' .. ID_MAX .. ' characters of [A-Za-z0-9._:/@+=#-], got ' .. show(v))
 end
 
@@ -415,18 +416,24 @@ local function session_arg(v)
   return sid
 end
 
+-- The hash tag and session id of KEYS[1] ('<prefix>:{p<N>}' and '<session>'), once
+-- `op_args` has read and checked them (false before), for `key_arg`.
+local KEY_TAG, KEY_SID = false, false
+
 -- KEYS[i], KEYS[i + 1], ... must be the keys that the suffixes given name for the
 -- session in KEYS[1] ('<prefix>:{p<N>}:s:<session>': '<prefix>:{p<N>}:<suffix>'), in that
 -- order, followed only by the partition's tally and the two outcome hashes; '%s' in a suffix stands for the
 -- session id. The names are only compared, never used to reach a key: the scripts use
 -- KEYS as given.
 local function key_arg(i, ...)
-  local tag, sid = string.match(KEYS[1] or '', '^([^{]*{p%d+}):s:(.+)$')
+  local tag, sid = KEY_TAG, KEY_SID
+  if not tag then tag, sid = string.match(KEYS[1] or '', '^([^{]*{p%d+}):s:(.+)$') end
   local n = select('#', ...)
   local ok = tag ~= nil and #KEYS == i + n + 2
+  local pre = ok and tag .. ':'
   for k = 1, n do
     if not ok then break end
-    ok = KEYS[i + k - 1] == tag .. ':' .. string.format((select(k, ...)), sid)
+    ok = KEYS[i + k - 1] == pre .. string.format((select(k, ...)), sid)
   end
   if not ok then  -- (the names wanted are built only for the message)
     local shown = {}
@@ -458,8 +465,9 @@ local function sid_and_id(what, ...)
   return sid, id
 end
 
+-- (compared, not looked up in ACTIVE: a script that needs no ACTIVE does not build it)
 local function consumer_arg(v)
-  if type(v) ~= 'string' or not ACTIVE[v] then
+  if v ~= 'w' and v ~= 'r' and v ~= 'm' and v ~= 's' then
     fail('BADARG', 'consumer must be one of w (working_memory), r (retrieval), m (recall), ' ..
       's (scratchpad), got ' .. show(v))
   end
@@ -490,7 +498,7 @@ end
 -- made in that turn, or '@~<op id>' for a call made in the turn that the begin_turn of that
 -- op id opened (sent with it, its number not known yet; see `fence`), and last, for a call
 -- of a turn and for begin_turn, '!<owner token>' (16-64 hex digits: the secret of the
--- handle that begins or serves the turn, kept in CALL.token; see `fence`). Returns op,
+-- handle that begins or serves the turn, kept in CALL_TOKEN; see `fence`). Returns op,
 -- the call's fingerprint, epoch (nil for '*') and turn (nil for a
 -- call of no turn; the string '~<op id>' for a turn named by its begin), or fails with
 -- BADARG. The fingerprint is computed here, by the server, over the script's name and
@@ -500,14 +508,15 @@ end
 -- checks that the last three KEYS are the tally of the partition and the outcome hashes
 -- of the session in KEYS[1].
 local function op_args(name, unfenced_ok)
-  local v, head = string.match(type(ARGV[2]) == 'string' and ARGV[2] or '', '^([1-9]%d?):(.*)$')
-  if v ~= tostring(VERSION) then version_mismatch(v) end
+  local v, head = string.match(ARGV[2] or '', '^([1-9]%d?):(.*)$')  -- (ARGV holds strings)
+  if not v or v + 0 ~= VERSION then version_mismatch(v) end  -- (v: digits; v + 0, no text of VERSION)
   local tag, sid = string.match(KEYS[1] or '', '^([^{]*{p%d+}):s:(.+)$')
   if not tag or #KEYS < 4 or TALLY ~= tag .. ':tally' or OUT ~= tag .. ':out:' .. sid or
       OLD ~= tag .. ':old:' .. sid then
     fail('BADARG', 'KEYS must end with the partition\'s tally and the outcome keys of the ' ..
       'session key ' .. show(KEYS[1]) .. ', got ' .. #KEYS .. ' keys')
   end
+  KEY_TAG, KEY_SID = tag, sid
   local op = id_arg(ARGV[1], 'operation id')
   if unfenced_ok and head == '*' then
     local rest = #ARGV > 2 and ('\31' .. table.concat(ARGV, '\31', 3)) or ''
@@ -520,7 +529,7 @@ local function op_args(name, unfenced_ok)
     if #token < 16 or #token > 64 or not string.match(token, '^%x+$') then
       fail('BADARG', 'owner token must be 16-64 hex digits, got ' .. show(token))
     end
-    e, CALL.token = string.sub(e, 1, bang - 1), token
+    e, CALL_TOKEN = string.sub(e, 1, bang - 1), token
   end
   local at = type(e) == 'string' and string.find(e, '@', 1, true)  -- (the first '@')
   if at and string.sub(e, at + 1, at + 1) == '~' then
@@ -530,29 +539,43 @@ local function op_args(name, unfenced_ok)
   end
   -- The turn a call is stamped with is a fence, not an argument: the same call sent
   -- again from another turn has the same fingerprint (and gets its first outcome back).
-  local signed = #ARGV > 2 and (name .. '\31' .. e .. '\31' .. table.concat(ARGV, '\31', 3)) or
-    (name .. '\31' .. tostring(e))
+  -- (A call of many arguments, texts among them, is joined in one table.concat: joining
+  -- ARGV and then the name and epoch before it copies its texts twice.)
+  local signed
+  if #ARGV > 24 then
+    signed = table.concat({ name, e, unpack(ARGV, 3) }, '\31')
+  else
+    signed = #ARGV > 2 and (name .. '\31' .. e .. '\31' .. table.concat(ARGV, '\31', 3)) or
+      (name .. '\31' .. tostring(e))
+  end
   local fp = string.sub(redis.sha1hex(signed), 1, 12)
   return op, fp, int_arg(e, 'epoch', 0, 1e15), t
 end
 
+-- (TIME's two numbers as text, converted by the arithmetic: tonumber converts twice; the
+-- microseconds' whole milliseconds without math.floor's call)
 local function now_ms()
   local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local us = t[2] + 0
+  return t[1] * 1000 + (us - us % 1000) / 1000
 end
 
 -- Reply keys as stored in an outcome: '|<key>=' is one control character (a key not
--- listed stays as it is; replies hold no control characters).
-local PACK = {
-  ['|status='] = '\1', ['|reason='] = '\2', ['|requested='] = '\3', ['|free='] = '\4',
-  ['|epoch='] = '\5', ['|turn='] = '\6', ['|charged='] = '\7', ['|admitted='] = '\8',
-  ['|duplicates='] = '\9', ['|skipped='] = '\10', ['|released='] = '\11', ['|count='] = '\12',
-  ['|missing='] = '\13', ['|reservation='] = '\14', ['|deadline_ms='] = '\15',
-  ['|item='] = '\16', ['|expired='] = '\17', ['|pending='] = '\18', ['|dropped='] = '\19',
-  ['|created='] = '\20', ['|deleted='] = '\21', ['|regime='] = '\22', ['|residual='] = '\23',
-  ['|need='] = '\24', ['|utilization='] = '\25', ['|reclaimed='] = '\26', ['|rotated='] = '\27',
-  ['|compaction_due='] = '\28', ['|rollup='] = '\29'
-}
+-- listed stays as it is; replies hold no control characters). A function: the table is
+-- built only by a call that codes a reply with it (`pack`) or decodes one (`replay`), not
+-- by every call (admit codes its own reply, see `store`).
+local function pack_codes()
+  return {
+    ['|status='] = '\1', ['|reason='] = '\2', ['|requested='] = '\3', ['|free='] = '\4',
+    ['|epoch='] = '\5', ['|turn='] = '\6', ['|charged='] = '\7', ['|admitted='] = '\8',
+    ['|duplicates='] = '\9', ['|skipped='] = '\10', ['|released='] = '\11', ['|count='] = '\12',
+    ['|missing='] = '\13', ['|reservation='] = '\14', ['|deadline_ms='] = '\15',
+    ['|item='] = '\16', ['|expired='] = '\17', ['|pending='] = '\18', ['|dropped='] = '\19',
+    ['|created='] = '\20', ['|deleted='] = '\21', ['|regime='] = '\22', ['|residual='] = '\23',
+    ['|need='] = '\24', ['|utilization='] = '\25', ['|reclaimed='] = '\26', ['|rotated='] = '\27',
+    ['|compaction_due='] = '\28', ['|rollup='] = '\29'
+  }
+end
 
 -- The stored form of an outcome: the fingerprint (12 characters), then '|' .. reply
 -- with its keys coded and its epoch, if it has one, written as its difference to
@@ -566,7 +589,7 @@ local function pack(fp, out, base)
     out = string.sub(out, 1, j) .. (e == base and '0' or string.format('%d', e - base)) ..
       string.sub(out, k)
   end
-  return fp .. string.gsub('|' .. out, '|[%w_]+=', PACK)
+  return fp .. string.gsub('|' .. out, '|[%w_]+=', pack_codes())
 end
 
 -- The current generation's bucket of this call's op id, as `recorded` read it, for
@@ -577,74 +600,73 @@ end
 -- of the right size rather than growing one field by field.
 local BUCKET = { h = false, at = false, b = false, cur = false, k = false, e = false, found = false }
 
--- A generation's outcomes go to buckets named by the first 2 hex digits of the op id's
--- SHA-1 until it holds 8,192 outcomes, then by the first 3 (4,096 buckets) until
--- 8,192 + 131,072, then by 4: a bucket a call rewrites keeps about 32 outcomes however
--- many the generation holds, and a field costs little next to the outcomes in it. Records
--- already written stay where they are; a lookup reads the op's bucket of each width.
--- (Numbers, not a table of them: a table would be built again on every call.)
-local function bucket_width(k)
-  if k < 8192 then return 2 end
-  return k < 8192 + 131072 and 3 or 4
-end
-
--- The record of this op in one generation's buckets (got: the HMGET of its 2-, 3- and
--- 4-digit buckets), or false.
-local function find_record(got, at)
-  for i = 1, 3 do
-    local src = got[i]
-    if src then
-      local _, j = string.find(src, at, 1, true)
-      if j then return string.sub(src, j + 1, (string.find(src, '\30', j + 1, true) or 0) - 1) end
-    end
-  end
-  return false
-end
-
 -- The outcome stored for this op id in either generation ('<fingerprint><coded
 -- reply>'), or false. Every mutating script calls it before `store`. An op id is kept
 -- as 16 hex digits of its SHA-1: the first two to four name its bucket, digits 3 to 16
 -- (56 bits) mark its record, so a record's size does not depend on the op id's length.
 -- The previous generation is read only when there may be one (field 'g' of the current
 -- one: 0 when it began with none; absent in a generation an older version began).
+-- A generation's outcomes go to buckets named by the first 2 hex digits of the op id's
+-- SHA-1 until it holds 8,192 outcomes, then by the first 3 (4,096 buckets) until
+-- 8,192 + 131,072, then by 4: a bucket a call rewrites keeps about 32 outcomes however
+-- many the generation holds, and a field costs little next to the outcomes in it. Records
+-- already written stay where they are; a lookup reads the op's bucket of each width (got:
+-- the HMGET of its 2-, 3- and 4-digit buckets).
 local function recorded(op)
   local h = redis.sha1hex(op)
-  local b2, b3, b4 = string.sub(h, 1, 2), string.sub(h, 1, 3), string.sub(h, 1, 4)
+  local b4, b3, b2 = string.match(h, '^(((..).).)')  -- (its first 4, 3 and 2 digits)
   local at = '\30' .. string.sub(h, 3, 16)
   local got = redis.call('HMGET', OUT, b2, b3, b4, 'e', 'k', 'g')
-  local k = tonumber(got[5]) or 0
-  local w = bucket_width(k)
+  local k = got[5] and got[5] + 0 or 0  -- (a count as stored: + 0 converts it once, tonumber twice)
+  local w = k < 8192 and 2 or k < 8192 + 131072 and 3 or 4  -- (the width this generation writes)
   BUCKET.h, BUCKET.at, BUCKET.k, BUCKET.e, BUCKET.found = h, at, k, got[4], got[4]
-  BUCKET.b, BUCKET.cur = string.sub(h, 1, w), got[w - 1] or ''
-  local rec = find_record(got, at)
-  if rec or got[6] == '0' then return rec end
-  got = redis.call('HMGET', OLD, b2, b3, b4, 'e')
-  BUCKET.found = got[4]
-  return find_record(got, at)
+  BUCKET.b, BUCKET.cur = w == 2 and b2 or w == 3 and b3 or b4, got[w - 1] or ''
+  for gen = 1, 2 do
+    for i = 1, 3 do
+      local src = got[i]
+      if src then
+        local _, j = string.find(src, at, 1, true)
+        if j then return string.sub(src, j + 1, (string.find(src, '\30', j + 1, true) or 0) - 1) end
+      end
+    end
+    if gen == 2 or got[6] == '0' then return false end
+    got = redis.call('HMGET', OLD, b2, b3, b4, 'e')
+    BUCKET.found = got[4]
+  end
 end
 
 -- Append the outcome of the op `recorded` looked up to its bucket in the current
 -- generation (fresh: the generation was just rotated, it starts empty). The first
 -- outcome of a generation sets its epoch base 'e': its own epoch, or, for a reply
 -- without one (the worker's `expire`), the session's (KEYS[1]), else its last one; and
--- 'g': 0 when no previous generation exists.
-local function store(fp, out, fresh)
-  local cur, base, k = BUCKET.cur, BUCKET.e, BUCKET.k
-  if fresh then cur, base, k = '', nil, 0 end
-  local b = string.sub(BUCKET.h, 1, bucket_width(k))
-  if b ~= BUCKET.b then cur = '' end  -- (the generation just widened, or was rotated)
+-- 'g': 0 when no previous generation exists. c1, ce, c3, when given: the reply as its
+-- script coded it (admit), so that it is not coded again: the coded reply up to and
+-- including its epoch's code ('\5'), its epoch as in the reply, the coded rest; stored
+-- exactly as `pack` stores the reply.
+-- (The bucket is the one `recorded` named, of the width of the generation's count as it
+-- read it; a generation just rotated starts empty, at width 2.)
+local function store(fp, out, fresh, c1, ce, c3)
+  local cur, base, k, b = BUCKET.cur, BUCKET.e, BUCKET.k, BUCKET.b
+  if fresh then cur, base, k, b = '', nil, 0, string.sub(BUCKET.h, 1, 2) end
   BUCKET.b = b
-  if base then
-    redis.call('HSET', OUT, b, cur .. BUCKET.at .. pack(fp, out, base),
-      'k', string.format('%d', k + 1))
+  local rec
+  if not base then
+    base = ce or string.match(out, '|epoch=(%d+)')
+    if not base then
+      local h = redis.call('HMGET', KEYS[1], 'ep', 'pe')
+      base = h[1] or h[2] or '0'
+    end
+  end
+  if c1 then  -- (the epoch as pack writes it: its difference to the base)
+    rec = cur .. BUCKET.at .. fp .. c1 .. (ce == base and '0' or string.format('%d', ce - base)) .. c3
+  else
+    rec = cur .. BUCKET.at .. pack(fp, out, base)
+  end
+  if BUCKET.e and not fresh then
+    redis.call('HSET', OUT, b, rec, 'k', string.format('%d', k + 1))
     return
   end
-  base = string.match(out, '|epoch=(%d+)')
-  if not base then
-    local h = redis.call('HMGET', KEYS[1], 'ep', 'pe')
-    base = h[1] or h[2] or '0'
-  end
-  redis.call('HSET', OUT, b, cur .. BUCKET.at .. pack(fp, out, base), 'e', base,
+  redis.call('HSET', OUT, b, rec, 'e', base,
     'k', string.format('%d', k + 1), 'g', fresh and '1' or redis.call('EXISTS', OLD))
 end
 
@@ -656,7 +678,7 @@ local function replay(rec, op, fp)
     fail('OPREUSED', 'operation id ' .. op .. ' was already used with other arguments')
   end
   local key = {}
-  for k, c in pairs(PACK) do key[c] = k end
+  for k, c in pairs(pack_codes()) do key[c] = k end
   local base = tonumber(BUCKET.found) or 0
   local text = string.sub(string.gsub(string.sub(rec, 13), '%c', key), 2)
   return (string.gsub(text, '|epoch=(%-?%d+)', function(d)
@@ -682,14 +704,16 @@ end
 -- The checks every mutating call makes once its fields are read, given the outcome
 -- stored for its op id (rec, from `recorded`) and the session's epoch (ep, a number or nil), in this order: a
 -- stored outcome is replayed, a missing session, a session of a stored layout these
--- scripts do not read (`layout_check`) and a stale epoch are refused.
+-- scripts do not read (`layout_check`) and a stale epoch are refused. `lv`: the
+-- session's field 'lv' where the caller read it with its own fields (false when absent),
+-- else nil (read here).
 -- Returns the stored reply to send again, or nil to go on (else it fails).
-local function gate(rec, ep, op, fp, epoch)
-  local again = replay(rec, op, fp)
-  if again then return again end
+local function gate(rec, ep, op, fp, epoch, lv)
+  if rec then return replay(rec, op, fp) end
   if not ep then fail('NOSESSION', NOSESSION) end
-  layout_check(redis.call('HGET', KEYS[1], 'lv'))
-  stale(ep, epoch)
+  if lv == nil then lv = redis.call('HGET', KEYS[1], 'lv') end
+  layout_check(lv)
+  if epoch ~= nil and epoch ~= ep then stale(ep, epoch) end  -- (stale's own test, without its call)
 end
 
 -- The member of the deadline index that stands for a session's turn lease: '~' is no
@@ -706,20 +730,18 @@ local function turn_held(key, lo, tn, why)
     ' ms left): ' .. (why or 'only its calls are accepted; wait for it, or begin_turn with takeover'))
 end
 
--- Whether this call carries the open turn's owner token: the SHA-1 of CALL.token (from
+-- Whether this call carries the open turn's owner token: the SHA-1 of CALL_TOKEN (from
 -- ARGV[2], see `op_args`) is the session's 'lk' (`lk` as read, false when absent: a
 -- turn begun by a client of protocol 1, which no call of protocol 2 can prove).
 local function owns(lk)
-  return lk and CALL.token and redis.sha1hex(CALL.token) == lk or false
+  return lk and CALL_TOKEN and redis.sha1hex(CALL_TOKEN) == lk or false
 end
 
--- A call of the open turn that does not carry the turn's owner token (a handle naming
--- another's turn by its number): refused as a call of no turn is (TURNHELD), nothing
--- changed.
-local function not_owner(key, lo, tn)
-  turn_held(key, lo, tn, 'this call names that turn but does not carry its owner ' ..
-    'token (only the handle that began the turn can call into it)')
-end
+-- Why a call of the open turn that does not carry the turn's owner token (a handle naming
+-- another's turn by its number) is refused as a call of no turn is (TURNHELD, nothing
+-- changed): `turn_held`'s `why` (one text, not a function nor a concatenation: nothing
+-- made per call).
+local NOT_OWNER = 'this call names that turn but does not carry its owner token (only the handle that began the turn can call into it)'
 
 -- Whether a call belongs to the open turn, given the session's lease owner (lo, nil
 -- when no turn is open), its turn (tn: a number, or field tn as read) and the turn the
@@ -737,14 +759,14 @@ local function fence(key, lo, tn, tok, unleased)
   end
   tn = tonumber(tn)  -- (the caller may pass the field as read: a call of no turn needs no number)
   if lo and tok == tn then
-    if not owns(redis.call('HGET', key, 'lk')) then not_owner(key, lo, tn) end
+    if not owns(redis.call('HGET', key, 'lk')) then turn_held(key, lo, tn, NOT_OWNER) end
     return true
   end
   if type(tok) == 'string' then
     local by = string.sub(tok, 2)
     local b = lo and redis.call('HMGET', key, 'lb', 'lk')
     if b and b[1] == by then
-      if not owns(b[2]) then not_owner(key, lo, tn) end
+      if not owns(b[2]) then turn_held(key, lo, tn, NOT_OWNER) end
       return true
     end
     fail('TURNLOST', 'the turn begun by op ' .. by .. ' is not open' ..
@@ -978,12 +1000,16 @@ local function zero_counters(args)
   return args
 end
 
--- HMGET fields: the first nnum are numbers (into H, by name), the rest raw values
--- (into R, in order; false where absent).
+-- HMGET fields: the first nnum are numbers (into H, by name; absent: nil), the rest raw
+-- values (into R, in order; false where absent). (A number field holds a number written
+-- by a script: + 0 converts it once, where tonumber converts a string twice.)
 local function load(key, fields, nnum)
   local v = redis.call('HMGET', key, unpack(fields))
   local H, R = {}, {}
-  for i = 1, nnum do H[fields[i]] = tonumber(v[i]) end
+  for i = 1, nnum do
+    local x = v[i]
+    if x then H[fields[i]] = x + 0 end
+  end
   for i = nnum + 1, #fields do R[i - nnum] = v[i] end
   return H, R
 end
@@ -1030,8 +1056,9 @@ end
 -- 1/256 of the outcomes of the last op retention.
 -- J: { gz = number, xp = number } and, where the caller knows them already, ttl, ort;
 -- J.uo, for a call of the open turn: the turn's op keys (field uo) as read, to which
--- this call's is added, so that a rollback drops the outcomes it undoes.
-local function commit(key, now, op, fp, out, args, J)
+-- this call's is added, so that a rollback drops the outcomes it undoes. c1, ce, c3: a
+-- reply its script coded itself (see `store`).
+local function commit(key, now, op, fp, out, args, J, c1, ce, c3)
   local refresh, rotate = now >= J.xp, now >= J.gz
   if refresh or rotate then
     if not J.ttl then
@@ -1051,7 +1078,7 @@ local function commit(key, now, op, fp, out, args, J)
       args[#args + 1] = string.format('%d', now + math.floor(J.ttl / 10))
     end
   end
-  store(fp, out, rotate)
+  store(fp, out, rotate, c1, ce, c3)
   if J.uo then
     args[#args + 1], args[#args + 2] = 'uo', J.uo .. string.sub(BUCKET.h, 1, 16)
   end

@@ -45,7 +45,7 @@ local now = now_ms()
 local rolled = 0
 if R[1] and H.tn == tok then
   -- (only the handle that began the turn rolls it back by name: it carries the owner token)
-  if not owns(redis.call('HGET', key, 'lk')) then not_owner(key, R[1], H.tn) end
+  if not owns(redis.call('HGET', key, 'lk')) then turn_held(key, R[1], H.tn, NOT_OWNER) end
   rolled = rollback(key, KEYS[2], sid, 'aborted by ' .. R[1])
 end
 local fr = redis.call('HGET', key, 'fr')

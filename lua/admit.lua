@@ -61,10 +61,19 @@ if #ARGV ~= want then
     (texts and ' and their texts' or '') .. ', got ' .. #ARGV)
 end
 local ORD = #KEYS == 6 and KEYS[3] or nil
-if ORD then key_arg(2, 'content:%s', 'order:%s') else key_arg(2, 'content:%s') end
--- This is the hot path: fields are read by position, not through load()'s tables.
-local A, F, U, N = ACTIVE[c], FLOOR[c], 'u_' .. c, 'n_' .. c
-local fields = { 'ep', 'tn', 'sq', 'fr', A, F, U, N, 'gz', 'xp', 'cd', 'lo', 'uo', 'oq', 'ox' }
+-- key_arg(2, 'content:%s'[, 'order:%s']), its test spelled out on the tag and session id
+-- op_args checked (two joins, not a match and a format per key); key_arg, which fails the
+-- same way, gives the message.
+local pre = KEY_TAG .. ':'
+if #KEYS ~= (ORD and 6 or 5) or KEYS[2] ~= pre .. 'content:' .. KEY_SID or
+    (ORD and ORD ~= pre .. 'order:' .. KEY_SID) then
+  if ORD then key_arg(2, 'content:%s', 'order:%s') else key_arg(2, 'content:%s') end
+end
+-- This is the hot path: fields are read by position, not through load()'s tables; the
+-- claim group's fields are ACTIVE[c] and FLOOR[c], spelled out (those tables are not built).
+local A, F, U, N = 'a_rm', 'F_rm', 'u_' .. c, 'n_' .. c
+if c == 'w' then A, F = 'a_w', 'F_w' elseif c == 's' then A, F = 'a_s', 'F_s' end
+local fields = { 'ep', 'tn', 'sq', 'fr', A, F, U, N, 'gz', 'xp', 'cd', 'lo', 'uo', 'oq', 'ox', 'lv' }
 local toks, seen = {}, n > 1 and {} or nil
 for k = 1, n do
   local b = 3 + 3 * k
@@ -76,22 +85,28 @@ for k = 1, n do
   end
   toks[k] = int_arg(ARGV[b + 1], 'tokens', 1, TOKENS_MAX, id)
   int_arg(ARGV[b + 2], 'priority', 0, 1000, id)
-  fields[k + 15] = 'i:' .. c .. ':' .. id
+  fields[k + 16] = 'i:' .. c .. ':' .. id
 end
+-- (with texts, the session's idle TTL and op retention too, for the content store's TTL:
+-- read here, not by put's own HMGET)
+if texts then fields[n + 17], fields[n + 18] = 'ttl', 'ort' end
 
 local key = KEYS[1]
 local v = redis.call('HMGET', key, unpack(fields))
 -- v: 1 ep, 2 tn, 3 sq, 4 fr, 5 a, 6 floor, 7 u, 8 n, 9 gz, 10 xp, 11 cd, 12 lo, 13 uo,
--- 14 oq, 15 ox, 15 + k: item k when already held.
-local again = gate(recorded(op), tonumber(v[1]), op, fp, epoch)
+-- 14 oq, 15 ox, 16 lv, 16 + k: item k when already held.
+-- (numbers as stored, converted by arithmetic: + 0 converts once, tonumber twice)
+local again = gate(recorded(op), v[1] and v[1] + 0, op, fp, epoch, v[16])
 if again then return again end
-local in_turn = fence(key, v[12], v[2], tok)
+local in_turn = (tok or v[12]) and fence(key, v[12], v[2], tok) or false  -- (no turn, none open: no call)
 local ep, tn = v[1], v[2]  -- kept as text: the reply and the items repeat them
 local now = now_ms()
 
-local a, floor, sq, fr = tonumber(v[5]), tonumber(v[6]) or 0, tonumber(v[3]), tonumber(v[4])
+local a, floor, sq, fr = v[5] + 0, v[6] and v[6] + 0 or 0, v[3] + 0, v[4] + 0
 local fr0 = fr
-local charged, admitted, dups, skipped, items, stored = 0, 0, 0, {}, {}, {}
+-- (skipped: made at the first item skipped; stored: only with texts)
+local charged, admitted, dups, skipped, items, stored = 0, 0, 0, nil, {}, texts and {} or nil
+local sqs, ts  -- the last admitted item's sequence number and tokens, as text
 -- Compaction credit (docs/rules.md#compaction-credit): while a compaction is pending,
 -- memory is judged on the post-compaction baseline: the high-water mark plus the
 -- memory admitted since the compaction became pending (pm); at most W - out - HW - pm
@@ -115,17 +130,21 @@ if pending then
 end
 local first_skip, by_bound = nil, false
 -- z: the members of the items admitted, when the reclaim-order index is kept here (see
--- order_keep; zb: the score's consumer part)
-local z, zb = v[14] == v[3] and ORD and ORDER[c] and {} or nil, ORDER_SPAN * (ORDER[c] or 0)
+-- order_keep; zb: the score's consumer part, ORDER[c] * ORDER_SPAN, spelled out: c is not
+-- working memory, whose items the index does not hold)
+local z = v[14] == v[3] and ORD and c ~= 'w' and {} or nil
+local zb = z and ORDER_SPAN * (c == 'r' and 1 or c == 'm' and 2 or 0)
 for k = 1, n do
   local t = toks[k]
-  if v[k + 15] then
+  if v[k + 16] then
     dups = dups + 1
   else
-    local d = claim_delta(a + charged, t, floor)
+    -- (claim_delta(x, t, floor), inline: max(x + t, floor) - max(x, floor))
+    local x = a + charged
+    local d = (x + t > floor and x + t or floor) - (x > floor and x or floor)
     local over = cap and charged + t > cap
-    if mode == 'prefix' and (#skipped > 0 or d > fr or over) then
-      if not first_skip then first_skip, by_bound = t, over end
+    if mode == 'prefix' and (skipped or d > fr or over) then
+      if not first_skip then first_skip, by_bound, skipped = t, over, {} end
       skipped[#skipped + 1] = ARGV[3 + 3 * k]
     else
       fr = fr - d
@@ -133,23 +152,25 @@ for k = 1, n do
       admitted = admitted + 1
       sq = sq + 1
       -- tokens and priority as sent: int_arg took them only written canonically, as %d
-      -- would write them
+      -- would write them; the turn as read
       local b = 3 + 3 * k
-      items[#items + 1] = fields[k + 15]
-      items[#items + 1] = string.format('%s|%s|%s|%d', ARGV[b + 1], tn, ARGV[b + 2], sq)
-      if z then z[#z + 1], z[#z + 2] = string.format('%d', zb + sq), fields[k + 15] end
+      sqs, ts = string.format('%d', sq), ARGV[b + 1]
+      items[#items + 1] = fields[k + 16]
+      items[#items + 1] = ARGV[b + 1] .. '|' .. tn .. '|' .. ARGV[b + 2] .. '|' .. sqs
+      if z then z[#z + 1], z[#z + 2] = string.format('%d', zb + sq), fields[k + 16] end
       if texts then
-        stored[#stored + 1] = string.sub(fields[k + 15], 3)  -- '<c>:<id>'
+        stored[#stored + 1] = c .. ':' .. ARGV[b]  -- '<c>:<id>'
         stored[#stored + 1] = ARGV[5 + 3 * n + k]
       end
     end
   end
 end
-local J = { gz = tonumber(v[9]), xp = tonumber(v[10]), uo = in_turn and (v[13] or '') or nil }
+local J = { gz = v[9] + 0, xp = v[10] + 0, uo = in_turn and (v[13] or '') or nil }
+if texts then J.ttl, J.ort = tonumber(v[n + 17]), tonumber(v[n + 18]) end
 -- Refused: 'all' mode that does not fit whole; 'prefix' mode that fits nothing.
 if mode == 'all' then by_bound = cap ~= nil and charged > 0 and charged > cap end
 local refused = (mode == 'all' and (fr < 0 or by_bound)) or
-  (mode == 'prefix' and admitted == 0 and #skipped > 0)
+  (mode == 'prefix' and admitted == 0 and skipped ~= nil)
 if refused then
   local asked = mode == 'all' and charged or first_skip
   local extra = ''
@@ -165,17 +186,26 @@ if refused then
   return commit(key, now, op, fp, table.concat({ 'status=refused|reason=', reason, '|requested=', asked,
     '|free=', fr0, '|epoch=', ep, '|turn=', tn, extra }), {}, J)
 end
--- string.format: one C call, and %d formats a number faster than a concatenation or
--- redis.call does; each number is formatted once (free: the field and the reply).
+-- Each number is formatted once, with string.format's %d (one C call, faster than a
+-- concatenation or redis.call turning a number into text): free for the field and the
+-- reply. The reply is built, and coded as its outcome is stored (`store`), from the
+-- same parts: no second pass over it.
 local f, args = string.format, {}
 local free = f('%d', fr)
 if admitted > 0 then
-  args = { 'sq', f('%d', sq), 'fr', free, A, f('%d', a + charged), U, f('%d', tonumber(v[7]) + charged),
-    N, f('%d', tonumber(v[8]) + admitted), unpack(items) }
+  args = { 'sq', sqs, 'fr', free, A, f('%d', a + charged), U, f('%d', v[7] + charged),
+    N, f('%d', v[8] + admitted), unpack(items) }
   if pending then args[#args + 1], args[#args + 2] = 'pm', f('%d', pm + charged) end
-  order_keep(ORD, c, v[14], v[3], args[2], z, v[15], now, key, args)
+  if v[14] == v[3] then order_keep(ORD, c, v[14], v[3], sqs, z, v[15], now, key, args) end
 end
-put(KEYS[2], stored, J, key)
-return commit(key, now, op, fp, f(
-  'status=ok|charged=%d|admitted=%d|duplicates=%d|skipped=%s|free=%s|epoch=%s|turn=%s',
-  charged, admitted, dups, table.concat(skipped, ','), free, ep, tn), args, J)
+if stored then put(KEYS[2], stored, J, key) end
+-- (a count of 0 or 1, and the charge of one item, its tokens as sent, need no formatting)
+local cs = admitted == 1 and ts or f('%d', charged)
+local as = admitted == 1 and '1' or admitted == 0 and '0' or f('%d', admitted)
+local ds = dups == 0 and '0' or dups == 1 and '1' or f('%d', dups)
+local sk = skipped and table.concat(skipped, ',') or ''
+-- (the codes of pack_codes: \1 status, \7 charged, \8 admitted, \9 duplicates,
+-- \10 skipped, \4 free, \5 epoch, \6 turn)
+return commit(key, now, op, fp, 'status=ok|charged=' .. cs .. '|admitted=' .. as ..
+  '|duplicates=' .. ds .. '|skipped=' .. sk .. '|free=' .. free .. '|epoch=' .. ep .. '|turn=' .. tn,
+  args, J, '\1ok\7' .. cs .. '\8' .. as .. '\9' .. ds .. '\10' .. sk .. '\4' .. free .. '\5', ep, '\6' .. tn)

@@ -95,7 +95,7 @@
 --        with a staged reset HGETALL, HDEL, ZREM, HINCRBY, DEL and HSET (see `reset_effect`).
 
 local op, fp, epoch = op_args('begin_turn', false)
-if not CALL.token then
+if not CALL_TOKEN then
   fail('BADARG', 'begin_turn needs the owner token of the turn: ARGV[2] <version>:<epoch>!<token>')
 end
 local ws, out2
@@ -175,7 +175,7 @@ end
 local rolled = 0
 if R[2] and not implicit then
   if H.le > now and takeover == 0 then
-    if R[2] == owner then not_owner(key, R[2], H.tn) end
+    if R[2] == owner then turn_held(key, R[2], H.tn, NOT_OWNER) end
     turn_held(key, R[2], H.tn)
   else
     rolled = rollback(key, KEYS[3], sid, H.le > now and ('taken over by ' .. owner) or
@@ -447,7 +447,7 @@ local logged, was = { 'out', 'pm' }, { H.out, H.cd == 1 and (H.pm or 0) or 0 }
 for i = 1, #dead do logged[i + 2], was[i + 2] = dead[i], dead_rec[i] end
 local args = { 'tn', turn, 'out', out2, 'ws', ws, 'fr', fr, 'ai', 0, 'ao', 0, 'an', 0,
   'a_w', A.a_w, 'a_rm', A.a_rm, 'a_s', A.a_s, 'lo', owner, 'le', le, 'lb', op,
-  'lk', redis.sha1hex(CALL.token),
+  'lk', redis.sha1hex(CALL_TOKEN),
   'ul', journal(nil, logged, was, true) }
 if queued_s ~= '' then args[#args + 1], args[#args + 2] = 'vs', queued_s end
 if queued_d ~= '' then args[#args + 1], args[#args + 2] = 'vd', queued_d end

@@ -73,6 +73,7 @@ local args = {}
 local out = turn_end(key, H, H.a_s, final, trend, turn, mark, sid, op, args)
 local st = reset_staged(R[2], H.ep)
 out[#out + 1] = '|reset=' .. (st and (H.ep + 1) or '')
-commit(key, now, op, fp, table.concat(out), args, { gz = H.gz, xp = H.xp })
+local reply = table.concat(out)
+commit(key, now, op, fp, reply, args, { gz = H.gz, xp = H.xp })
 reset_at_end(key, st, { KEYS[3], KEYS[4], KEYS[5] }, sid)
-return table.concat(out)
+return reply

@@ -64,9 +64,9 @@ if #ARGV ~= 9 + 3 * n then
 end
 local ids, toks, seen, bytes = {}, {}, {}, 0
 local fields = { 'ep', 'tn', 'W', 'S', 'T', 'a_w', 'a_rm', 'a_s', 'F_w', 'HW', 'cd', 'kt', 'rut', 'rup',
-  'ai', 'an', 'pu', 'ams', 'amf', 'amp', 'gz', 'xp', 'te', 'dt', 'fr', 'sq', 'u_s', 'n_s', 'lo', 'oq',
-  'ox', 'uo', 'rz' }
-local NNUM = 28
+  'ai', 'an', 'pu', 'ams', 'amf', 'amp', 'gz', 'xp', 'te', 'dt', 'fr', 'sq', 'u_s', 'n_s', 'ttl', 'ort',
+  'lo', 'oq', 'ox', 'uo', 'rz' }
+local NNUM = 30  -- (ttl and ort: for the content store's TTL and the commit, not read again)
 for k = 1, n do
   local b = 7 + 3 * k
   local id
@@ -128,7 +128,7 @@ if #add > 0 then
   end
   order_keep(ORD, 's', R[2], f('%d', H.sq), f('%d', sq), z, R[3], now, key, args)
 end
-local J = { gz = H.gz, xp = H.xp }
+local J = { gz = H.gz, xp = H.xp, ttl = H.ttl, ort = H.ort }
 put(KEYS[4], stored, J, key)
 local charged = {}
 for k = 1, n do charged[k] = (R[5 + k] and '0;' or toks[k] .. ';') .. ids[k] end
@@ -140,6 +140,7 @@ for _, v in ipairs({ '|reset=', st and (H.ep + 1) or '', '|tools=', table.concat
     '|free=', fr }) do
   out[#out + 1] = v
 end
-commit(key, now, op, fp, table.concat(out), args, J)
+local reply = table.concat(out)
+commit(key, now, op, fp, reply, args, J)
 reset_at_end(key, st, { KEYS[3], KEYS[4], KEYS[5] }, sid)
-return table.concat(out)
+return reply

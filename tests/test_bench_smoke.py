@@ -6,6 +6,7 @@ No speed assertions: the numbers only have to exist and be positive.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -342,3 +343,27 @@ def test_fused_begin_replays_the_turn_start_and_prints_every_ratio() -> None:
         assert all(n > 0 for n in numbers), line
     assert rows[0].startswith("B: turn start in one EVALSHA vs A"), rows[0]
     assert rows[1].startswith("C: B as FCALL vs A"), rows[1]
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(
+    not (shutil.which("valgrind") and shutil.which("callgrind_control")),
+    reason="bench.instructions counts with valgrind's callgrind",
+)
+def test_instructions_counts_every_phase_of_both_trees() -> None:
+    """bench/instructions.py: each phase a positive count, for the working tree and a
+    revision, and admit's ratio to the careful reference printed for both."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.instructions", "--against", "HEAD", "--calls", "20",
+         "--turns", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("│")]
+    assert len(rows) == 5, proc.stdout
+    for row in rows[:4]:
+        cells = [c.strip() for c in row.strip("│").split("│")]
+        assert float(cells[1].replace(",", "")) > 0 and float(cells[2].replace(",", "")) > 0, row
+    assert rows[4].count("x") >= 2, rows[4]

@@ -48,7 +48,7 @@ WM = Consumer.WORKING_MEMORY
 # Defects the tests plant, each a replacement in one script's text (script, old, new).
 PLANTS: dict[str, tuple[str, str, str]] = {
     # an op id's stored outcome is never found: a call sent again is applied again
-    "replay": ("_common.lua", "local again = replay(rec, op, fp)", "local again = nil"),
+    "replay": ("_common.lua", "if rec then return replay(rec, op, fp) end", "if false then end"),
     # admission ignores the free room: the window can be over-allocated
     "overallocate": ("admit.lua", "(mode == 'all' and (fr < 0 or by_bound))", "(false)"),
     # a call of a turn that is no longer open is accepted (a second owner of a turn)
