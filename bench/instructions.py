@@ -52,9 +52,18 @@ def text(i: int, n: int) -> str:
 
 
 @contextmanager
-def callgrind_server() -> Iterator[tuple[redis.Redis, Callable[[], float]]]:
+def callgrind_server(
+    inside: str = "evalShaCommand",
+) -> Iterator[tuple[redis.Redis, Callable[[], float]]]:
     """A redis-server under callgrind: (client, count) where count() returns the
-    instructions inside EVALSHA since the previous count() (the first: since the start)."""
+    instructions inside the server's function `inside` (EVALSHA's by default;
+    `processCommand` for every command a client sends) since the previous count() (the
+    first: since the start)."""
+    for tool in ("valgrind", "callgrind_control", "redis-server"):
+        if not shutil.which(tool):
+            raise SystemExit(
+                f"counting instructions needs {tool} on the PATH (apt-get install valgrind)"
+            )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -62,7 +71,7 @@ def callgrind_server() -> Iterator[tuple[redis.Redis, Callable[[], float]]]:
         out = Path(d) / "cg.out"
         proc = subprocess.Popen(
             ["valgrind", "--tool=callgrind", "--collect-atstart=no",
-             "--toggle-collect=evalShaCommand", f"--callgrind-out-file={out}",
+             f"--toggle-collect={inside}", f"--callgrind-out-file={out}",
              "redis-server", "--port", str(port), "--save", "", "--appendonly", "no"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
@@ -181,9 +190,6 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=200, help="single admits per phase")
     ap.add_argument("--turns", type=int, default=20, help="agent turns counted")
     a = ap.parse_args()
-    for tool in ("valgrind", "callgrind_control", "redis-server"):
-        if not shutil.which(tool):
-            raise SystemExit(f"bench.instructions needs {tool} on the PATH")
     tree = {n: scripts.source(n) for n in scripts.NAMES}
     runs = {"working tree": measure(tree, a.calls, a.turns)}
     if a.against:

@@ -6,7 +6,6 @@ No speed assertions: the numbers only have to exist and be positive.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -348,10 +347,6 @@ def test_fused_begin_replays_the_turn_start_and_prints_every_ratio() -> None:
 @pytest.mark.slow
 @pytest.mark.redis
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(
-    not (shutil.which("valgrind") and shutil.which("callgrind_control")),
-    reason="bench.instructions counts with valgrind's callgrind",
-)
 def test_instructions_counts_every_phase_of_both_trees() -> None:
     """bench/instructions.py: each phase a positive count, for the working tree and a
     revision, and admit's ratio to the careful reference printed for both."""
