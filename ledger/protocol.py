@@ -349,14 +349,25 @@ def admit(
         raise InvalidArgument("items must be a list or tuple of Item")
     mode = ("prefix" if partial else "all") + ("+text" if texts is not None else "")
     body: list[str | bytes] = [_code(consumer), mode, str(len(items))]
+    valid = ID_RE.fullmatch
     for it in items:
-        if not isinstance(it, Item):
+        if type(it) is not Item and not isinstance(it, Item):
             raise InvalidArgument("items must be a list or tuple of Item")
-        body += (check_id(it.id, "item id"), _num(it.tokens), _num(it.priority))
+        iid, tokens, priority = it.id, it.tokens, it.priority
+        body += (
+            iid if type(iid) is str and valid(iid) else check_id(iid, "item id"),
+            str(tokens) if type(tokens) is int else repr(tokens),  # (_num, inline)
+            str(priority) if type(priority) is int else repr(priority),
+        )
     if texts is not None:
         if len(texts) != len(items):
             raise InvalidArgument(f"{len(texts)} texts for {len(items)} items")
-        body += [utf8(t, f"the text of item {it.id}") for t, it in zip(texts, items, strict=True)]
+        try:  # a str's UTF-8 (utf8, inline), else utf8 says what is wrong
+            body += [t.encode() if type(t) is str else utf8(t, "") for t in texts]
+        except (UnicodeEncodeError, InvalidArgument):
+            body += [
+                utf8(t, f"the text of item {it.id}") for t, it in zip(texts, items, strict=True)
+            ]
     return _mutating("admit", keys, (keys.content, keys.order), op_id, epoch, body, _admitted)
 
 

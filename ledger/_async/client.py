@@ -73,7 +73,16 @@ class AsyncLedger(LedgerCore):
 
     async def run(self, call: Call[T]) -> T:
         """Send one script call, retrying transient failures with the same op id."""
-        return call.parse(protocol.decode(await self._send(self.check_call(call))))
+        call = self.check_call(call)
+        script = self._scripts[call.script]
+        try:  # (the first try as _sent makes it, without its partial)
+            raw = await self._evalsha(script, call)
+        except Exception as exc:
+            first = exc
+        else:
+            return call.parse(protocol.decode(raw))
+        raw = await self._retry(first, functools.partial(self._evalsha, script, call))
+        return call.parse(protocol.decode(raw))
 
     async def _send(self, call: Call[Any]) -> object:
         """The raw reply of one call; transient failures retried, errors translated."""
@@ -84,8 +93,13 @@ class AsyncLedger(LedgerCore):
         waiting with ``asyncio.sleep``; errors translated."""
         try:
             return await send()
-        except Exception as first:
-            tries = self.retried(first, send)
+        except Exception as exc:
+            first = exc
+        return await self._retry(first, send)
+
+    async def _retry(self, first: Exception, send: Callable[[], Awaitable[Any]]) -> Any:
+        """After ``send()`` failed with ``first``: the tries ``retried`` asks for."""
+        tries = self.retried(first, send)
         try:
             step = next(tries)
             while True:
@@ -130,7 +144,13 @@ class AsyncLedger(LedgerCore):
         if self._wait[0] and any(c.script not in scripts.READ_ONLY for c in batch):
             raws = await self._sent(functools.partial(self._send_batch, batch, True, True))
             return collect(batch, raws, return_exceptions)
-        raws = await self._sent(functools.partial(self._send_batch, batch))
+        try:  # (the first try as _sent makes it, without its partial)
+            raws = await self._send_batch(batch)
+        except Exception as exc:
+            first = exc
+        else:
+            return collect(batch, raws, return_exceptions)
+        raws = await self._retry(first, functools.partial(self._send_batch, batch))
         return collect(batch, raws, return_exceptions)
 
     async def _try(self, call: Call[Any]) -> object:

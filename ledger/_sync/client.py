@@ -68,7 +68,16 @@ class Ledger(LedgerCore):
 
     def run(self, call: Call[T]) -> T:
         """Send one script call, retrying transient failures with the same op id."""
-        return call.parse(protocol.decode(self._send(self.check_call(call))))
+        call = self.check_call(call)
+        script = self._scripts[call.script]
+        try:  # (the first try as _sent makes it, without its partial)
+            raw = self._evalsha(script, call)
+        except Exception as exc:
+            first = exc
+        else:
+            return call.parse(protocol.decode(raw))
+        raw = self._retry(first, functools.partial(self._evalsha, script, call))
+        return call.parse(protocol.decode(raw))
 
     def _send(self, call: Call[Any]) -> object:
         """The raw reply of one call; transient failures retried, errors translated."""
@@ -79,8 +88,13 @@ class Ledger(LedgerCore):
         waiting with ``time.sleep``; errors translated."""
         try:
             return send()
-        except Exception as first:
-            tries = self.retried(first, send)
+        except Exception as exc:
+            first = exc
+        return self._retry(first, send)
+
+    def _retry(self, first: Exception, send: Callable[[], Any]) -> Any:
+        """After ``send()`` failed with ``first``: the tries ``retried`` asks for."""
+        tries = self.retried(first, send)
         try:
             step = next(tries)
             while True:
@@ -125,7 +139,13 @@ class Ledger(LedgerCore):
         if self._wait[0] and any(c.script not in scripts.READ_ONLY for c in batch):
             raws = self._sent(functools.partial(self._send_batch, batch, True, True))
             return collect(batch, raws, return_exceptions)
-        raws = self._sent(functools.partial(self._send_batch, batch))
+        try:  # (the first try as _sent makes it, without its partial)
+            raws = self._send_batch(batch)
+        except Exception as exc:
+            first = exc
+        else:
+            return collect(batch, raws, return_exceptions)
+        raws = self._retry(first, functools.partial(self._send_batch, batch))
         return collect(batch, raws, return_exceptions)
 
     def _try(self, call: Call[Any]) -> object:

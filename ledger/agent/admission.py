@@ -133,12 +133,20 @@ class Admissions(AgentBase):
     ) -> Admission[Any]:
         """Which planned objects made it in, from an admission's result."""
         memory = c in (Consumer.RETRIEVAL, Consumer.RECALL)
+        known = self.known
+        if not got.skipped:  # all of them (the common case: one pass)
+            for it, o in planned:
+                known[(c, it.id)] = o
+            return Admission(
+                kept=tuple([o for _, o in planned]), refused=(), reason=None,
+                charged=got.charged, free=got.free,
+            )  # fmt: skip
         skipped = set(got.skipped)
         kept = tuple(o for it, o in planned if it.id not in skipped)
         refused = tuple(o for it, o in planned if it.id in skipped)
         for it, o in planned:
             if it.id not in skipped:
-                self.known[(c, it.id)] = o
+                known[(c, it.id)] = o
         reason = None
         if refused:
             reason = (

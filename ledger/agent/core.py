@@ -140,10 +140,11 @@ class AgentCore(Admissions, Billing):
         awaiting = worker and self.await_compaction > 0
         plans: list[tuple[Consumer, list[tuple[Item, Obj]], list[str] | None]] = []
         for consumer, objs in (admit or {}).items():
-            planned = self.items(objs)
+            texts: list[str] = []  # (each item's text, read once: counted, then sent)
+            planned = self.items(objs, texts=texts)
             if planned:
                 c = Consumer.parse(consumer)
-                plans.append((c, planned, (yield from self._texts(planned))))
+                plans.append((c, planned, texts if (yield from self._storing()) else None))
         got: list[Any] = []
         waited_for = waited = 0.0
         # (a staged reset that applied as this agent's last turn ended: adopted then)

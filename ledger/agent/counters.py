@@ -21,7 +21,7 @@ import importlib.util
 import math
 import re
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -256,16 +256,23 @@ class Calibrated:
         key: object = text if len(text) <= self.KEYED else (len(text), _digest(text))
         got = self._counts.get(key)
         if got is None:
-            self.calls += 1
-            n = self.base(text)
-            if type(n) is not int:
-                return n  # not a count: count() says what is wrong, nothing is kept
-            got = (n, content_kind(text) if self.kinds else "prose")
-            self._counts[key] = got
-            if len(self._counts) > self.CACHED:
-                self._counts.popitem(last=False)
-        else:
-            self._counts.move_to_end(key)
+            return self._kept(key, text, fixed)
+        self._counts.move_to_end(key)
+        out = self._out(got, fixed)
+        self._tallied(got, out)
+        return out
+
+    def _kept(self, key: object, text: str, fixed: bool) -> int:
+        """A text not in the cache: counted by the base, kept under ``key``, tallied."""
+        self.calls += 1
+        n = self.base(text)
+        if type(n) is not int:
+            return n  # not a count: count() says what is wrong, nothing is kept
+        got = (n, content_kind(text) if self.kinds else "prose")
+        counts = self._counts
+        counts[key] = got
+        if len(counts) > self.CACHED:
+            counts.popitem(last=False)
         out = self._out(got, fixed)
         self._tallied(got, out)
         return out
@@ -290,10 +297,24 @@ class Calibrated:
         """``count(self, text, what)`` (of ``self.fixed`` when ``fixed``): the same count,
         the same checks. A text counted before (an ASCII str in the cache: a valid str
         whose base count is a non-negative int) is only looked up, as a prompt names
-        mostly objects counted when they were admitted."""
+        mostly objects counted when they were admitted; a new ASCII str (valid Unicode)
+        goes to the base without count()'s other checks, its result checked alike."""
         if type(text) is str and len(text) <= self.KEYED and text.isascii():
             got = self._counts.get(text)
-            if got is not None and got[0] >= 0:
+            if got is None:
+                try:
+                    n = self._kept(text, text, fixed)
+                except Exception as exc:
+                    raise InvalidArgument(
+                        f"the token counter raised {type(exc).__name__} on {_named(what)}: {exc}"
+                    ) from exc
+                if type(n) is not int or n < 0:
+                    raise InvalidArgument(
+                        "the token counter must return a non-negative int, got "
+                        f"{n!r} for {_named(what)}"
+                    )
+                return n
+            if got[0] >= 0:
                 out = self._out(got, fixed)
                 if out >= 0:
                     self._counts.move_to_end(text)
@@ -305,6 +326,35 @@ class Calibrated:
         """The sum of ``checked(text, what, fixed)`` over ``(text, fixed)`` pairs (a
         prompt's parts)."""
         return sum(self.checked(text, what, fixed) for text, fixed in texts)
+
+    def parts(self, objs: Sequence[object], texts: Sequence[object], what: str) -> int:
+        """``total`` of a prompt's parts: ``texts[i]`` is the text of ``objs[i]``, fixed
+        when that is a plain string. With an exact counter no report scaled, a part counted
+        before (an ASCII str in the cache) is summed in this loop and the sum tallied once
+        (the same tally as ``checked`` makes of each); any other goes through ``checked``."""
+        if self.factors or self.kinds:
+            pairs = zip(objs, texts, strict=True)
+            return self.total(((t, isinstance(o, str)) for o, t in pairs), what)
+        counts, keyed, tally = self._counts, self.KEYED, self._tally
+        n = prose = 0
+        try:
+            for o, text in zip(objs, texts, strict=True):
+                if type(text) is str and len(text) <= keyed and text.isascii():
+                    got = counts.get(text)
+                    if got is not None and got[0] >= 0 and got[1] == "prose":
+                        if tally is not None and not prose:  # (its key where checked puts it)
+                            tally.raw.setdefault("prose", 0)
+                        counts.move_to_end(text)
+                        n += got[0]
+                        prose += got[0]
+                        continue
+                n += self.checked(text, what, isinstance(o, str))
+        finally:
+            if tally is not None and prose:
+                tally.raw["prose"] += prose
+                tally.counted += prose
+                tally.upper += prose
+        return n
 
     def scaled(self, raw: int, kind: str) -> int:
         """The count of a text whose base count is ``raw``, of this kind."""

@@ -3,6 +3,7 @@ token counts, consumers), the tenant and scopes it names, and the checks of a pr
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -183,6 +184,10 @@ class AgentBase:
             )
         return v
 
+    def _named(self, obj: Obj) -> str:
+        """An object as an error names it."""
+        return f"{type(obj).__name__} {self.app_id(obj)!s:.60}"
+
     def item_id(self, obj: Obj) -> str:
         return ledger_id(self.app_id(obj))
 
@@ -196,20 +201,32 @@ class AgentBase:
         what = lambda: f"{type(obj).__name__} {self.app_id(obj)!s:.60}"  # noqa: E731
         return self.counter.checked(text, what) + self.item_overhead
 
-    def items(self, objs: Iterable[Obj], priority: int = 0) -> list[tuple[Item, Obj]]:
-        """Every object's Item, all checked before anything is sent."""
+    def items(
+        self, objs: Iterable[Obj], priority: int = 0, texts: list[str] | None = None
+    ) -> list[tuple[Item, Obj]]:
+        """Every object's Item, all checked before anything is sent (``item_id`` and
+        ``tokens`` of each, in one loop); ``texts``, when given, gets each item's text."""
         out, seen = [], set()
+        text_of, checked, overhead = self.text_of, self.counter.checked, self.item_overhead
         for obj in objs:
-            iid = self.item_id(obj)
+            iid = ledger_id(self.app_id(obj))
             if iid in seen:
                 continue  # the same object twice: one item
             seen.add(iid)
-            n = self.tokens(obj)
+            try:
+                text = text_of(obj)
+            except InvalidArgument:
+                raise
+            except Exception as exc:
+                raise InvalidArgument(f"text_of raised {type(exc).__name__}: {exc}") from exc
+            n = checked(text, functools.partial(self._named, obj)) + overhead
             if n == 0:
                 raise InvalidArgument(
                     f"{type(obj).__name__} {self.app_id(obj)!s:.60} counts 0 tokens"
                 )
             out.append((Item(iid, n, priority), obj))
+            if texts is not None:
+                texts.append(text)
         return out
 
     def track(self, consumer: Consumer | str, objs: Iterable[Obj]) -> None:
@@ -294,8 +311,10 @@ class AgentBase:
             # counted as the budget counted it, with the counter itself
             counter, text_of = self.counter, self.text_of
             with counter.measure():
-                parts = [(text_of(o), isinstance(o, str)) for o in prompt]
-                return counter.total(parts, "a prompt part") + self.item_overhead * len(parts)
+                texts = [text_of(o) for o in prompt]  # (every part's text, then the counts)
+                return counter.parts(prompt, texts, "a prompt part") + self.item_overhead * len(
+                    texts
+                )
         raise InvalidArgument(
             f"prompt must be tokens, text or a list of objects, got {prompt!r:.80}"
         )
