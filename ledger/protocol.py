@@ -764,11 +764,17 @@ def reset(
 # --- turns and the rules (docs/rules.md) --------------------------------------------
 
 
+# The members of a reply's enums by their wire string (an unknown one: the enum raises).
+_REGIMES: dict[str, Regime] = {m.value: m for m in Regime}
+_CLASSES: dict[str, Classification] = {m.value: m for m in Classification}
+_FLAGS: dict[str, DriftFlag] = {m.value: m for m in DriftFlag}
+
+
 def _turn_started(r: Reply) -> TurnStarted:
     _refusal(r)
     rolled = int(r.get("rolled_back") or 0)
     return TurnStarted(
-        regime=Regime(r["regime"]),
+        regime=_REGIMES.get(r["regime"]) or Regime(r["regime"]),
         turn=int(r["turn"]),
         residual=int(r["residual"]),
         need=int(r["need"]),
@@ -919,7 +925,7 @@ def _report(r: Reply) -> TurnReport:
     return TurnReport(
         turn=int(r["turn"]),
         ratio=int(r["ratio"]) / 1000,
-        classification=Classification(r["class"]),
+        classification=_CLASSES.get(r["class"]) or Classification(r["class"]),
         utilization=int(r["utilization"]) / 1000,
         utilization_delta=int(r["utilization_delta"]) / 1000,
         spans=int(r["spans"]),
@@ -930,7 +936,7 @@ def _report(r: Reply) -> TurnReport:
         occupancy=int(r["occupancy"]),
         drift=int(r["drift"]),
         tolerance=None if int(r["tolerance"]) < 0 else int(r["tolerance"]),
-        flag=DriftFlag(r["flag"]),
+        flag=_FLAGS.get(r["flag"]) or DriftFlag(r["flag"]),
         reset=_epoch_or_none(r),
     )
 
@@ -1005,7 +1011,9 @@ def finish_turn(
     whole, then the turn ended with the real prompt (counting them whole), in one step.
     A result that does not go in whole refuses the call (``AdmissionRefused``, reason
     ``not_whole``): nothing changed, the turn still open."""
-    if isinstance(tools, (str, bytes)) or not isinstance(tools, Sequence):
+    if type(tools) not in (list, tuple) and (
+        isinstance(tools, (str, bytes)) or not isinstance(tools, Sequence)
+    ):
         raise InvalidArgument(
             f"tools must be a list of (call id, tokens, content), got {tools!r:.80}"
         )
@@ -1019,7 +1027,10 @@ def finish_turn(
         _num(len(tools)),
     ]
     for tool in tools:
-        if not isinstance(tool, Sequence) or isinstance(tool, (str, bytes)) or len(tool) != 3:
+        if (
+            type(tool) not in (list, tuple)
+            and (not isinstance(tool, Sequence) or isinstance(tool, (str, bytes)))
+        ) or len(tool) != 3:
             raise InvalidArgument(
                 f"a tool result must be (call id, tokens, content), got {tool!r:.80}"
             )

@@ -61,6 +61,7 @@ class Ledger(LedgerCore):
         self._wait = (self.settings.replica_acks, self.settings.replica_ack_timeout_ms)
         self._nodes: dict[str, Any] = {}  # on a cluster: a plain client per primary
         self._stale = False  # a primary did not answer: read the slot map before the next write
+        self._cluster: tuple[object, bool] = (None, False)  # (the client, on a cluster)
 
     @classmethod
     def from_settings(cls, settings: LedgerSettings) -> Self:
@@ -133,7 +134,7 @@ class Ledger(LedgerCore):
         batch = self.check_batch(calls)
         if not batch:
             return []
-        if isinstance(self.client, RedisCluster):
+        if self._on_cluster():
             # redis-py pipelines no EVALSHA on a cluster: one call after the other.
             return collect(batch, [self._try(c) for c in batch], return_exceptions)
         if self._wait[0] and any(c.script not in scripts.READ_ONLY for c in batch):
@@ -147,6 +148,14 @@ class Ledger(LedgerCore):
             return collect(batch, raws, return_exceptions)
         raws = self._retry(first, functools.partial(self._send_batch, batch))
         return collect(batch, raws, return_exceptions)
+
+    def _on_cluster(self) -> bool:
+        """Whether the client is a Redis Cluster's (asked once per client: redis-py's
+        cluster class is a Protocol, whose isinstance check is slow)."""
+        client = self.client
+        if client is not self._cluster[0]:
+            self._cluster = (client, isinstance(client, RedisCluster))
+        return self._cluster[1]
 
     def _try(self, call: Call[Any]) -> object:
         """The raw reply of one call of a batch, or its refusal; an outage stops the batch."""

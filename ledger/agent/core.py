@@ -131,7 +131,9 @@ class AgentCore(Admissions, Billing):
             # back now, so that beginning again never commits what it half did
             with contextlib.suppress(LedgerError):
                 yield self.session.abort_turn_call(self.session.turn)
-        worker = yield from self._worker_owned()
+        worker = self._worker
+        if worker is None:  # (asked of the session once)
+            worker = yield from self._worker_owned()
         # The credit ordering, seen from the caller: a worker's compaction commits only
         # between turns, so a pending one is waited for (bounded) before the turn whose
         # retrieval it would make room for. begin_turn itself says whether one is pending
@@ -144,7 +146,8 @@ class AgentCore(Admissions, Billing):
             planned = self.items(objs, texts=texts)
             if planned:
                 c = Consumer.parse(consumer)
-                plans.append((c, planned, texts if (yield from self._storing()) else None))
+                keep = self.store_content if self.store_content is not None else worker
+                plans.append((c, planned, texts if keep else None))
         got: list[Any] = []
         waited_for = waited = 0.0
         # (a staged reset that applied as this agent's last turn ended: adopted then)

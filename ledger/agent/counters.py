@@ -21,7 +21,7 @@ import importlib.util
 import math
 import re
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -376,19 +376,10 @@ class Calibrated:
             return self.bound(raw, kind) if self.kinds else raw
         return math.ceil(raw * f * (1 + self.tolerance))
 
-    @contextlib.contextmanager
-    def measure(self) -> Iterator[Tally]:
+    def measure(self) -> contextlib.AbstractContextManager[Tally]:
         """Tally what is counted inside: the base's counts by kind and the total (the
         learning of a report needs both)."""
-        outer, tally = self._tally, Tally()
-        self._tally = tally
-        try:
-            yield tally
-        finally:
-            self._tally = outer
-            if outer is not None:
-                outer.add(tally)
-            self.last = tally
+        return _Measure(self)
 
     def truncate(self, text: str, tokens: int) -> str:
         trunc = getattr(self.base, "truncate", None)
@@ -397,6 +388,29 @@ class Calibrated:
         kind = content_kind(text) if self.kinds else "prose"
         per = self.scaled(1_000_000, kind) / 1_000_000  # this kind's tokens per base token
         return str(trunc(text, math.floor(tokens / per) if per > 0 else tokens))
+
+
+class _Measure:
+    """``Calibrated.measure()``: a tally taken while the block runs, added to the outer
+    one (a class, not a generator: a prompt is measured every turn)."""
+
+    __slots__ = ("counter", "outer", "tally")
+
+    def __init__(self, counter: Calibrated) -> None:
+        self.counter = counter
+
+    def __enter__(self) -> Tally:
+        c = self.counter
+        self.outer, self.tally = c._tally, Tally()
+        c._tally = self.tally
+        return self.tally
+
+    def __exit__(self, *exc: object) -> None:
+        c, outer, tally = self.counter, self.outer, self.tally
+        c._tally = outer
+        if outer is not None:
+            outer.add(tally)
+        c.last = tally
 
 
 def _digest(text: str) -> bytes:

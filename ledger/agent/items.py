@@ -306,7 +306,7 @@ class AgentBase:
         if isinstance(prompt, str):
             with self.counter.measure():
                 return count(self.counter, prompt, "the prompt")
-        if isinstance(prompt, Sequence):
+        if type(prompt) is list or isinstance(prompt, Sequence):
             # a plain string among the parts is the budget's fixed text (the system prompt):
             # counted as the budget counted it, with the counter itself
             counter, text_of = self.counter, self.text_of
