@@ -194,6 +194,9 @@ class Tally:
         self.upper += other.upper
 
 
+_NAMED = object()  # (checked's ``of`` when not given)
+
+
 class Calibrated:
     """A counter scaled by what the provider billed, per kind of content.
 
@@ -293,12 +296,19 @@ class Calibrated:
             t.counted += out
             t.upper += self.upper(raw, kind) if self.factors or self.kinds else raw
 
-    def checked(self, text: object, what: str | Callable[[], str], fixed: bool = False) -> int:
+    def checked(
+        self,
+        text: object,
+        what: str | Callable[..., str],
+        fixed: bool = False,
+        of: object = _NAMED,
+    ) -> int:
         """``count(self, text, what)`` (of ``self.fixed`` when ``fixed``): the same count,
         the same checks. A text counted before (an ASCII str in the cache: a valid str
         whose base count is a non-negative int) is only looked up, as a prompt names
         mostly objects counted when they were admitted; a new ASCII str (valid Unicode)
-        goes to the base without count()'s other checks, its result checked alike."""
+        goes to the base without count()'s other checks, its result checked alike.
+        ``of``: ``what(of)`` names what is counted (no function made for it per text)."""
         if type(text) is str and len(text) <= self.KEYED and text.isascii():
             got = self._counts.get(text)
             if got is None:
@@ -306,12 +316,13 @@ class Calibrated:
                     n = self._kept(text, text, fixed)
                 except Exception as exc:
                     raise InvalidArgument(
-                        f"the token counter raised {type(exc).__name__} on {_named(what)}: {exc}"
+                        f"the token counter raised {type(exc).__name__} on "
+                        f"{_named(what, of)}: {exc}"
                     ) from exc
                 if type(n) is not int or n < 0:
                     raise InvalidArgument(
                         "the token counter must return a non-negative int, got "
-                        f"{n!r} for {_named(what)}"
+                        f"{n!r} for {_named(what, of)}"
                     )
                 return n
             if got[0] >= 0:
@@ -320,6 +331,8 @@ class Calibrated:
                     self._counts.move_to_end(text)
                     self._tallied(got, out)
                     return out
+        if of is not _NAMED and not isinstance(what, str):
+            what = functools.partial(what, of)
         return count(self.fixed if fixed else self, text, what)
 
     def total(self, texts: Iterable[tuple[object, bool]], what: str) -> int:
@@ -422,8 +435,10 @@ def is_estimate(counter: object) -> bool:
     return bool(getattr(getattr(counter, "base", counter), "estimate", False))
 
 
-def _named(what: str | Callable[[], str]) -> str:
-    return what if isinstance(what, str) else what()
+def _named(what: str | Callable[..., str], of: object = _NAMED) -> str:
+    if isinstance(what, str):
+        return what
+    return what() if of is _NAMED else what(of)
 
 
 def count(counter: Callable[[str], int], text: object, what: str | Callable[[], str]) -> int:

@@ -3,14 +3,13 @@ token counts, consumers), the tenant and scopes it names, and the checks of a pr
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from typing import Any
 
 from ledger import schema
 from ledger.agent.counters import Calibrated, Tally, count, cut_to, is_estimate
 from ledger.agent.effects import Obj
-from ledger.agent.ids import default_id, default_text, ledger_id
+from ledger.agent.ids import _PLAIN_MAX, DIGEST_PREFIX, default_id, default_text, ledger_id
 from ledger.agent.turns import default_summary
 from ledger.core import SessionCore
 from ledger.errors import (
@@ -208,18 +207,44 @@ class AgentBase:
         ``tokens`` of each, in one loop); ``texts``, when given, gets each item's text."""
         out, seen = [], set()
         text_of, checked, overhead = self.text_of, self.counter.checked, self.item_overhead
+        # a plain dict read by the default readers: default_id, default_text and ledger_id
+        # of a short plain id inline (the common case), else the functions themselves
+        plain = self.id_of is default_id and text_of is default_text
+        valid, named = ID_RE.fullmatch, self._named
         for obj in objs:
-            iid = ledger_id(self.app_id(obj))
+            text = None
+            if plain and type(obj) is dict:
+                for key in ("tool_call_id", "call_id", "id"):
+                    v = obj.get(key)
+                    if v is not None and v != "":
+                        break
+                else:
+                    v = self.app_id(obj)  # (raises: no usable id)
+                if (
+                    type(v) is str
+                    and len(v) <= _PLAIN_MAX
+                    and not v.startswith(DIGEST_PREFIX)
+                    and valid(v)
+                ):
+                    iid = v
+                else:
+                    iid = ledger_id(v)
+                got = obj.get("content")
+                if type(got) is str and "page_content" not in obj and not obj.get("tool_calls"):
+                    text = got
+            else:
+                iid = ledger_id(self.app_id(obj))
             if iid in seen:
                 continue  # the same object twice: one item
             seen.add(iid)
-            try:
-                text = text_of(obj)
-            except InvalidArgument:
-                raise
-            except Exception as exc:
-                raise InvalidArgument(f"text_of raised {type(exc).__name__}: {exc}") from exc
-            n = checked(text, functools.partial(self._named, obj)) + overhead
+            if text is None:
+                try:
+                    text = text_of(obj)
+                except InvalidArgument:
+                    raise
+                except Exception as exc:
+                    raise InvalidArgument(f"text_of raised {type(exc).__name__}: {exc}") from exc
+            n = checked(text, named, of=obj) + overhead
             if n == 0:
                 raise InvalidArgument(
                     f"{type(obj).__name__} {self.app_id(obj)!s:.60} counts 0 tokens"
