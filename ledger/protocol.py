@@ -117,10 +117,16 @@ def evalsha_args(call: Call[Any]) -> tuple[Any, ...]:
     """EVALSHA's numkeys, then the call's KEYS and ARGV each as the bytes sent: what
     redis-py's encoder makes of them (a str as UTF-8; ids, keys and numbers are ASCII,
     texts are bytes already), made in one pass instead of argument by argument."""
-    return (
-        len(call.keys),
-        *[a.encode() if isinstance(a, str) else a for a in (*call.keys, *call.args)],
-    )
+    keys = call.keys
+    sent = _KEYS.get(keys)
+    if sent is None:  # (a session's KEYS recur call after call: encoded once)
+        if len(_KEYS) >= 4096:
+            _KEYS.clear()
+        sent = _KEYS[keys] = [k.encode() if isinstance(k, str) else k for k in keys]
+    return (len(keys), *sent, *[a.encode() if isinstance(a, str) else a for a in call.args])
+
+
+_KEYS: dict[tuple[str, ...], list[Any]] = {}  # KEYS as evalsha_args sends them
 
 
 def utf8(text: object, what: str) -> bytes:
