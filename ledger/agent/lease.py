@@ -79,6 +79,10 @@ def _beats() -> _Beats:
         return _BEATS
 
 
+def _stopped() -> None:
+    """The beat of a stopped heartbeat (never called: the lease thread skips it)."""
+
+
 class Heartbeat:
     """Calls ``beat()`` every ``interval`` seconds, on the process's lease thread, until
     :meth:`stop` or until a beat raises :class:`TurnLost` (kept in ``lost``). Other errors
@@ -120,6 +124,10 @@ class Heartbeat:
             if self.running and threading.current_thread() is not beats.thread:
                 self.waited = True
                 beats.cond.wait_for(lambda: not self.running, timeout=30)
+            if not self.running:
+                # the heap keeps a stopped heartbeat until it is due: not its turn too
+                # (every object of the turn would live that long, and the GC walk them)
+                self.beat = _stopped
 
 
 class AsyncHeartbeat:
