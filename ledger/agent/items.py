@@ -334,15 +334,34 @@ class AgentBase:
         if type(prompt) is list or isinstance(prompt, Sequence):
             # a plain string among the parts is the budget's fixed text (the system prompt):
             # counted as the budget counted it, with the counter itself
-            counter, text_of = self.counter, self.text_of
+            counter = self.counter
             with counter.measure():
-                texts = [text_of(o) for o in prompt]  # (every part's text, then the counts)
+                texts = self._texts_of(prompt)  # (every part's text, then the counts)
                 return counter.parts(prompt, texts, "a prompt part") + self.item_overhead * len(
                     texts
                 )
         raise InvalidArgument(
             f"prompt must be tokens, text or a list of objects, got {prompt!r:.80}"
         )
+
+    def _texts_of(self, objs: Iterable[Obj]) -> list[Any]:
+        """``[text_of(o) for o in objs]``; with the default reader, a str and a plain
+        dict's plain ``content`` are read inline (default_text's own fast cases)."""
+        text_of = self.text_of
+        if text_of is not default_text:
+            return [text_of(o) for o in objs]
+        out = []
+        for o in objs:
+            if type(o) is str:
+                out.append(o)
+                continue
+            if type(o) is dict:
+                got = o.get("content")
+                if type(got) is str and "page_content" not in o and not o.get("tool_calls"):
+                    out.append(got)
+                    continue
+            out.append(default_text(o))
+        return out
 
     # --- operations (generators: yield calls, return results) ---------------------------
 
