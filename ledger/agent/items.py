@@ -203,47 +203,58 @@ class AgentBase:
     def items(
         self, objs: Iterable[Obj], priority: int = 0, texts: list[str] | None = None
     ) -> list[tuple[Item, Obj]]:
-        """Every object's Item, all checked before anything is sent (``item_id`` and
-        ``tokens`` of each, in one loop); ``texts``, when given, gets each item's text."""
+        """Every object's Item, all checked before anything is sent; ``texts``, when given,
+        gets each item's text. Every id and text is read first, then every text counted
+        (the counter's calls back to back: a tokenizer's tables stay in the caches, and so
+        does this loop); an error is raised in the objects' order, as one loop raises it."""
         out, seen = [], set()
         text_of, checked, overhead = self.text_of, self.counter.checked, self.item_overhead
         # a plain dict read by the default readers: default_id, default_text and ledger_id
         # of a short plain id inline (the common case), else the functions themselves
         plain = self.id_of is default_id and text_of is default_text
         valid, named = ID_RE.fullmatch, self._named
-        for obj in objs:
-            text = None
-            if plain and type(obj) is dict:
-                for key in ("tool_call_id", "call_id", "id"):
-                    v = obj.get(key)
-                    if v is not None and v != "":
-                        break
+        read: list[tuple[Obj, str, Any]] = []  # (object, item id, text)
+        failed: Exception | None = None
+        try:
+            for obj in objs:
+                text = None
+                if plain and type(obj) is dict:
+                    for key in ("tool_call_id", "call_id", "id"):
+                        v = obj.get(key)
+                        if v is not None and v != "":
+                            break
+                    else:
+                        v = self.app_id(obj)  # (raises: no usable id)
+                    if (
+                        type(v) is str
+                        and len(v) <= _PLAIN_MAX
+                        and not v.startswith(DIGEST_PREFIX)
+                        and valid(v)
+                    ):
+                        iid = v
+                    else:
+                        iid = ledger_id(v)
+                    got = obj.get("content")
+                    if type(got) is str and "page_content" not in obj and not obj.get("tool_calls"):
+                        text = got
                 else:
-                    v = self.app_id(obj)  # (raises: no usable id)
-                if (
-                    type(v) is str
-                    and len(v) <= _PLAIN_MAX
-                    and not v.startswith(DIGEST_PREFIX)
-                    and valid(v)
-                ):
-                    iid = v
-                else:
-                    iid = ledger_id(v)
-                got = obj.get("content")
-                if type(got) is str and "page_content" not in obj and not obj.get("tool_calls"):
-                    text = got
-            else:
-                iid = ledger_id(self.app_id(obj))
-            if iid in seen:
-                continue  # the same object twice: one item
-            seen.add(iid)
-            if text is None:
-                try:
-                    text = text_of(obj)
-                except InvalidArgument:
-                    raise
-                except Exception as exc:
-                    raise InvalidArgument(f"text_of raised {type(exc).__name__}: {exc}") from exc
+                    iid = ledger_id(self.app_id(obj))
+                if iid in seen:
+                    continue  # the same object twice: one item
+                seen.add(iid)
+                if text is None:
+                    try:
+                        text = text_of(obj)
+                    except InvalidArgument:
+                        raise
+                    except Exception as exc:
+                        raise InvalidArgument(
+                            f"text_of raised {type(exc).__name__}: {exc}"
+                        ) from exc
+                read.append((obj, iid, text))
+        except Exception as exc:  # (raised once the objects before it are counted)
+            failed = exc
+        for obj, iid, text in read:
             n = checked(text, named, of=obj) + overhead
             if n == 0:
                 raise InvalidArgument(
@@ -252,6 +263,8 @@ class AgentBase:
             out.append((Item(iid, n, priority), obj))
             if texts is not None:
                 texts.append(text)
+        if failed is not None:
+            raise failed
         return out
 
     def track(self, consumer: Consumer | str, objs: Iterable[Obj]) -> None:
