@@ -120,7 +120,7 @@ def evalsha_args(call: Call[Any]) -> tuple[Any, ...]:
     keys = call.keys
     sent = _KEYS.get(keys)
     if sent is None:  # (a session's KEYS recur call after call: encoded once)
-        if len(_KEYS) >= 4096:
+        if len(_KEYS) >= 1024:
             _KEYS.clear()
         sent = _KEYS[keys] = [k.encode() if isinstance(k, str) else k for k in keys]
     return (len(keys), *sent, *[a.encode() if isinstance(a, str) else a for a in call.args])
