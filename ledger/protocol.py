@@ -117,10 +117,16 @@ def evalsha_args(call: Call[Any]) -> tuple[Any, ...]:
     """EVALSHA's numkeys, then the call's KEYS and ARGV each as the bytes sent: what
     redis-py's encoder makes of them (a str as UTF-8; ids, keys and numbers are ASCII,
     texts are bytes already), made in one pass instead of argument by argument."""
-    return (
-        len(call.keys),
-        *[a.encode() if isinstance(a, str) else a for a in (*call.keys, *call.args)],
-    )
+    keys = call.keys
+    sent = _KEYS.get(keys)
+    if sent is None:  # (a session's KEYS recur call after call: encoded once)
+        if len(_KEYS) >= 1024:
+            _KEYS.clear()
+        sent = _KEYS[keys] = [k.encode() if isinstance(k, str) else k for k in keys]
+    return (len(keys), *sent, *[a.encode() if isinstance(a, str) else a for a in call.args])
+
+
+_KEYS: dict[tuple[str, ...], list[Any]] = {}  # KEYS as evalsha_args sends them
 
 
 def utf8(text: object, what: str) -> bytes:
@@ -349,14 +355,25 @@ def admit(
         raise InvalidArgument("items must be a list or tuple of Item")
     mode = ("prefix" if partial else "all") + ("+text" if texts is not None else "")
     body: list[str | bytes] = [_code(consumer), mode, str(len(items))]
+    valid = ID_RE.fullmatch
     for it in items:
-        if not isinstance(it, Item):
+        if type(it) is not Item and not isinstance(it, Item):
             raise InvalidArgument("items must be a list or tuple of Item")
-        body += (check_id(it.id, "item id"), _num(it.tokens), _num(it.priority))
+        iid, tokens, priority = it.id, it.tokens, it.priority
+        body += (
+            iid if type(iid) is str and valid(iid) else check_id(iid, "item id"),
+            str(tokens) if type(tokens) is int else repr(tokens),  # (_num, inline)
+            str(priority) if type(priority) is int else repr(priority),
+        )
     if texts is not None:
         if len(texts) != len(items):
             raise InvalidArgument(f"{len(texts)} texts for {len(items)} items")
-        body += [utf8(t, f"the text of item {it.id}") for t, it in zip(texts, items, strict=True)]
+        try:  # a str's UTF-8 (utf8, inline), else utf8 says what is wrong
+            body += [t.encode() if type(t) is str else utf8(t, "") for t in texts]
+        except (UnicodeEncodeError, InvalidArgument):
+            body += [
+                utf8(t, f"the text of item {it.id}") for t, it in zip(texts, items, strict=True)
+            ]
     return _mutating("admit", keys, (keys.content, keys.order), op_id, epoch, body, _admitted)
 
 
@@ -753,11 +770,17 @@ def reset(
 # --- turns and the rules (docs/rules.md) --------------------------------------------
 
 
+# The members of a reply's enums by their wire string (an unknown one: the enum raises).
+_REGIMES: dict[str, Regime] = {m.value: m for m in Regime}
+_CLASSES: dict[str, Classification] = {m.value: m for m in Classification}
+_FLAGS: dict[str, DriftFlag] = {m.value: m for m in DriftFlag}
+
+
 def _turn_started(r: Reply) -> TurnStarted:
     _refusal(r)
     rolled = int(r.get("rolled_back") or 0)
     return TurnStarted(
-        regime=Regime(r["regime"]),
+        regime=_REGIMES.get(r["regime"]) or Regime(r["regime"]),
         turn=int(r["turn"]),
         residual=int(r["residual"]),
         need=int(r["need"]),
@@ -908,7 +931,7 @@ def _report(r: Reply) -> TurnReport:
     return TurnReport(
         turn=int(r["turn"]),
         ratio=int(r["ratio"]) / 1000,
-        classification=Classification(r["class"]),
+        classification=_CLASSES.get(r["class"]) or Classification(r["class"]),
         utilization=int(r["utilization"]) / 1000,
         utilization_delta=int(r["utilization_delta"]) / 1000,
         spans=int(r["spans"]),
@@ -919,7 +942,7 @@ def _report(r: Reply) -> TurnReport:
         occupancy=int(r["occupancy"]),
         drift=int(r["drift"]),
         tolerance=None if int(r["tolerance"]) < 0 else int(r["tolerance"]),
-        flag=DriftFlag(r["flag"]),
+        flag=_FLAGS.get(r["flag"]) or DriftFlag(r["flag"]),
         reset=_epoch_or_none(r),
     )
 
@@ -994,7 +1017,9 @@ def finish_turn(
     whole, then the turn ended with the real prompt (counting them whole), in one step.
     A result that does not go in whole refuses the call (``AdmissionRefused``, reason
     ``not_whole``): nothing changed, the turn still open."""
-    if isinstance(tools, (str, bytes)) or not isinstance(tools, Sequence):
+    if type(tools) not in (list, tuple) and (
+        isinstance(tools, (str, bytes)) or not isinstance(tools, Sequence)
+    ):
         raise InvalidArgument(
             f"tools must be a list of (call id, tokens, content), got {tools!r:.80}"
         )
@@ -1008,7 +1033,10 @@ def finish_turn(
         _num(len(tools)),
     ]
     for tool in tools:
-        if not isinstance(tool, Sequence) or isinstance(tool, (str, bytes)) or len(tool) != 3:
+        if (
+            type(tool) not in (list, tuple)
+            and (not isinstance(tool, Sequence) or isinstance(tool, (str, bytes)))
+        ) or len(tool) != 3:
             raise InvalidArgument(
                 f"a tool result must be (call id, tokens, content), got {tool!r:.80}"
             )

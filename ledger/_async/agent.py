@@ -367,8 +367,11 @@ class AsyncTurn:
         ``defer`` and :attr:`tools` holds what it became, the prompt counted with that."""
         core = self.agent.core
         if defer:
-            got = await self.agent.run(core.defer_tool(self._state, result, text))
-            self._state.tools.append(got)
+            state = self._state
+            got = core.defer_now(state, result, text)  # (no call to make: no generator)
+            if got is None:
+                got = await self.agent.run(core.defer_tool(state, result, text))
+            state.tools.append(got)
             return got
         got = await self.agent.run(core.tool_result(result, text, self._state.turn))
         self._state.tools.append(got)

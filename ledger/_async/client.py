@@ -66,6 +66,7 @@ class AsyncLedger(LedgerCore):
         self._wait = (self.settings.replica_acks, self.settings.replica_ack_timeout_ms)
         self._nodes: dict[str, Any] = {}  # on a cluster: a plain client per primary
         self._stale = False  # a primary did not answer: read the slot map before the next write
+        self._cluster: tuple[object, bool] = (None, False)  # (the client, on a cluster)
 
     @classmethod
     def from_settings(cls, settings: LedgerSettings) -> Self:
@@ -73,7 +74,16 @@ class AsyncLedger(LedgerCore):
 
     async def run(self, call: Call[T]) -> T:
         """Send one script call, retrying transient failures with the same op id."""
-        return call.parse(protocol.decode(await self._send(self.check_call(call))))
+        call = self.check_call(call)
+        script = self._scripts[call.script]
+        try:  # (the first try as _sent makes it, without its partial)
+            raw = await self._evalsha(script, call)
+        except Exception as exc:
+            first = exc
+        else:
+            return call.parse(protocol.decode(raw))
+        raw = await self._retry(first, functools.partial(self._evalsha, script, call))
+        return call.parse(protocol.decode(raw))
 
     async def _send(self, call: Call[Any]) -> object:
         """The raw reply of one call; transient failures retried, errors translated."""
@@ -84,8 +94,13 @@ class AsyncLedger(LedgerCore):
         waiting with ``asyncio.sleep``; errors translated."""
         try:
             return await send()
-        except Exception as first:
-            tries = self.retried(first, send)
+        except Exception as exc:
+            first = exc
+        return await self._retry(first, send)
+
+    async def _retry(self, first: Exception, send: Callable[[], Awaitable[Any]]) -> Any:
+        """After ``send()`` failed with ``first``: the tries ``retried`` asks for."""
+        tries = self.retried(first, send)
         try:
             step = next(tries)
             while True:
@@ -124,14 +139,28 @@ class AsyncLedger(LedgerCore):
         batch = self.check_batch(calls)
         if not batch:
             return []
-        if isinstance(self.client, AsyncRedisCluster):
+        if self._on_cluster():
             # redis-py pipelines no EVALSHA on a cluster: one call after the other.
             return collect(batch, [await self._try(c) for c in batch], return_exceptions)
         if self._wait[0] and any(c.script not in scripts.READ_ONLY for c in batch):
             raws = await self._sent(functools.partial(self._send_batch, batch, True, True))
             return collect(batch, raws, return_exceptions)
-        raws = await self._sent(functools.partial(self._send_batch, batch))
+        try:  # (the first try as _sent makes it, without its partial)
+            raws = await self._send_batch(batch)
+        except Exception as exc:
+            first = exc
+        else:
+            return collect(batch, raws, return_exceptions)
+        raws = await self._retry(first, functools.partial(self._send_batch, batch))
         return collect(batch, raws, return_exceptions)
+
+    def _on_cluster(self) -> bool:
+        """Whether the client is a Redis Cluster's (asked once per client: redis-py's
+        cluster class is a Protocol, whose isinstance check is slow)."""
+        client = self.client
+        if client is not self._cluster[0]:
+            self._cluster = (client, isinstance(client, AsyncRedisCluster))
+        return self._cluster[1]
 
     async def _try(self, call: Call[Any]) -> object:
         """The raw reply of one call of a batch, or its refusal; an outage stops the batch."""
@@ -161,9 +190,10 @@ class AsyncLedger(LedgerCore):
                     pipe.script_load(self._scripts[name].script)
                 if acked:
                     pipe.execute_command("MULTI")
-                for i in todo:
+                queue, scripts_ = pipe.execute_command, self._scripts
+                for i in todo:  # (EVALSHA queued as pipe.evalsha queues it, with fewer hops)
                     c = batch[i]
-                    pipe.evalsha(self._scripts[c.script].sha, *protocol.evalsha_args(c))
+                    queue("EVALSHA", scripts_[c.script].sha, *protocol.evalsha_args(c))
                 if acked:
                     pipe.execute_command("EXEC")
                     pipe.execute_command("WAIT", *self._wait)

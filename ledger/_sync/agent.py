@@ -363,8 +363,11 @@ class Turn:
         ``defer`` and :attr:`tools` holds what it became, the prompt counted with that."""
         core = self.agent.core
         if defer:
-            got = self.agent.run(core.defer_tool(self._state, result, text))
-            self._state.tools.append(got)
+            state = self._state
+            got = core.defer_now(state, result, text)  # (no call to make: no generator)
+            if got is None:
+                got = self.agent.run(core.defer_tool(state, result, text))
+            state.tools.append(got)
             return got
         got = self.agent.run(core.tool_result(result, text, self._state.turn))
         self._state.tools.append(got)

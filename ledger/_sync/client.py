@@ -61,6 +61,7 @@ class Ledger(LedgerCore):
         self._wait = (self.settings.replica_acks, self.settings.replica_ack_timeout_ms)
         self._nodes: dict[str, Any] = {}  # on a cluster: a plain client per primary
         self._stale = False  # a primary did not answer: read the slot map before the next write
+        self._cluster: tuple[object, bool] = (None, False)  # (the client, on a cluster)
 
     @classmethod
     def from_settings(cls, settings: LedgerSettings) -> Self:
@@ -68,7 +69,16 @@ class Ledger(LedgerCore):
 
     def run(self, call: Call[T]) -> T:
         """Send one script call, retrying transient failures with the same op id."""
-        return call.parse(protocol.decode(self._send(self.check_call(call))))
+        call = self.check_call(call)
+        script = self._scripts[call.script]
+        try:  # (the first try as _sent makes it, without its partial)
+            raw = self._evalsha(script, call)
+        except Exception as exc:
+            first = exc
+        else:
+            return call.parse(protocol.decode(raw))
+        raw = self._retry(first, functools.partial(self._evalsha, script, call))
+        return call.parse(protocol.decode(raw))
 
     def _send(self, call: Call[Any]) -> object:
         """The raw reply of one call; transient failures retried, errors translated."""
@@ -79,8 +89,13 @@ class Ledger(LedgerCore):
         waiting with ``time.sleep``; errors translated."""
         try:
             return send()
-        except Exception as first:
-            tries = self.retried(first, send)
+        except Exception as exc:
+            first = exc
+        return self._retry(first, send)
+
+    def _retry(self, first: Exception, send: Callable[[], Any]) -> Any:
+        """After ``send()`` failed with ``first``: the tries ``retried`` asks for."""
+        tries = self.retried(first, send)
         try:
             step = next(tries)
             while True:
@@ -119,14 +134,28 @@ class Ledger(LedgerCore):
         batch = self.check_batch(calls)
         if not batch:
             return []
-        if isinstance(self.client, RedisCluster):
+        if self._on_cluster():
             # redis-py pipelines no EVALSHA on a cluster: one call after the other.
             return collect(batch, [self._try(c) for c in batch], return_exceptions)
         if self._wait[0] and any(c.script not in scripts.READ_ONLY for c in batch):
             raws = self._sent(functools.partial(self._send_batch, batch, True, True))
             return collect(batch, raws, return_exceptions)
-        raws = self._sent(functools.partial(self._send_batch, batch))
+        try:  # (the first try as _sent makes it, without its partial)
+            raws = self._send_batch(batch)
+        except Exception as exc:
+            first = exc
+        else:
+            return collect(batch, raws, return_exceptions)
+        raws = self._retry(first, functools.partial(self._send_batch, batch))
         return collect(batch, raws, return_exceptions)
+
+    def _on_cluster(self) -> bool:
+        """Whether the client is a Redis Cluster's (asked once per client: redis-py's
+        cluster class is a Protocol, whose isinstance check is slow)."""
+        client = self.client
+        if client is not self._cluster[0]:
+            self._cluster = (client, isinstance(client, RedisCluster))
+        return self._cluster[1]
 
     def _try(self, call: Call[Any]) -> object:
         """The raw reply of one call of a batch, or its refusal; an outage stops the batch."""
@@ -156,9 +185,10 @@ class Ledger(LedgerCore):
                     pipe.script_load(self._scripts[name].script)
                 if acked:
                     pipe.execute_command("MULTI")
-                for i in todo:
+                queue, scripts_ = pipe.execute_command, self._scripts
+                for i in todo:  # (EVALSHA queued as pipe.evalsha queues it, with fewer hops)
                     c = batch[i]
-                    pipe.evalsha(self._scripts[c.script].sha, *protocol.evalsha_args(c))
+                    queue("EVALSHA", scripts_[c.script].sha, *protocol.evalsha_args(c))
                 if acked:
                     pipe.execute_command("EXEC")
                     pipe.execute_command("WAIT", *self._wait)

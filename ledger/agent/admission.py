@@ -133,12 +133,20 @@ class Admissions(AgentBase):
     ) -> Admission[Any]:
         """Which planned objects made it in, from an admission's result."""
         memory = c in (Consumer.RETRIEVAL, Consumer.RECALL)
+        known = self.known
+        if not got.skipped:  # all of them (the common case: one pass)
+            for it, o in planned:
+                known[(c, it.id)] = o
+            return Admission(
+                kept=tuple([o for _, o in planned]), refused=(), reason=None,
+                charged=got.charged, free=got.free,
+            )  # fmt: skip
         skipped = set(got.skipped)
         kept = tuple(o for it, o in planned if it.id not in skipped)
         refused = tuple(o for it, o in planned if it.id in skipped)
         for it, o in planned:
             if it.id not in skipped:
-                self.known[(c, it.id)] = o
+                known[(c, it.id)] = o
         reason = None
         if refused:
             reason = (
@@ -221,6 +229,23 @@ class Admissions(AgentBase):
     ) -> Op[ToolOutcome[Any]]:
         """A tool result sent with the turn's end (no round trip now): counted here, put
         in the prompt whole, admitted whole by ``finish_turn`` with the turn's end."""
+        iid, body, tokens = self._deferrable(state, result, text)
+        keep = yield from self._storing()
+        return self._deferred(state, result, iid, body, tokens, keep)
+
+    def defer_now(
+        self, state: TurnState, result: Obj, text: str | None = None
+    ) -> ToolOutcome[Any] | None:
+        """``defer_tool`` when it needs no call, as once a turn began (whether texts are
+        stored is known): its outcome, with no generator to drive; else None."""
+        keep = self.store_content if self.store_content is not None else self._worker
+        if keep is None:
+            return None
+        iid, body, tokens = self._deferrable(state, result, text)
+        return self._deferred(state, result, iid, body, tokens, keep)
+
+    def _deferrable(self, state: TurnState, result: Obj, text: str | None) -> tuple[str, str, int]:
+        """A tool result to defer, checked and counted: its item id, text and tokens."""
         app_id = self.app_id(result)
         iid = ledger_id(app_id)
         body = self.text_of(result) if text is None else text
@@ -232,7 +257,12 @@ class Admissions(AgentBase):
         tokens = self.counter.checked(body, what) + self.item_overhead
         if tokens == 0:
             raise InvalidArgument(f"tool result {app_id!s:.60} counts 0 tokens")
-        keep = yield from self._storing()
+        return iid, body, tokens
+
+    @staticmethod
+    def _deferred(
+        state: TurnState, result: Obj, iid: str, body: str, tokens: int, keep: bool
+    ) -> ToolOutcome[Any]:
         state.deferred.append(Deferred(len(state.tools), result, iid, tokens, body, keep))
         return ToolOutcome(result=result, text=body, spilled=False, handle=None, tokens=tokens,
                            charged=tokens, evicted=(), unresolved=(), deferred=True)  # fmt: skip

@@ -131,7 +131,9 @@ class AgentCore(Admissions, Billing):
             # back now, so that beginning again never commits what it half did
             with contextlib.suppress(LedgerError):
                 yield self.session.abort_turn_call(self.session.turn)
-        worker = yield from self._worker_owned()
+        worker = self._worker
+        if worker is None:  # (asked of the session once)
+            worker = yield from self._worker_owned()
         # The credit ordering, seen from the caller: a worker's compaction commits only
         # between turns, so a pending one is waited for (bounded) before the turn whose
         # retrieval it would make room for. begin_turn itself says whether one is pending
@@ -140,10 +142,12 @@ class AgentCore(Admissions, Billing):
         awaiting = worker and self.await_compaction > 0
         plans: list[tuple[Consumer, list[tuple[Item, Obj]], list[str] | None]] = []
         for consumer, objs in (admit or {}).items():
-            planned = self.items(objs)
+            texts: list[str] = []  # (each item's text, read once: counted, then sent)
+            planned = self.items(objs, texts=texts)
             if planned:
                 c = Consumer.parse(consumer)
-                plans.append((c, planned, (yield from self._texts(planned))))
+                keep = self.store_content if self.store_content is not None else worker
+                plans.append((c, planned, texts if keep else None))
         got: list[Any] = []
         waited_for = waited = 0.0
         # (a staged reset that applied as this agent's last turn ended: adopted then)

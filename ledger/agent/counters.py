@@ -21,7 +21,7 @@ import importlib.util
 import math
 import re
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -194,6 +194,9 @@ class Tally:
         self.upper += other.upper
 
 
+_NAMED = object()  # (checked's ``of`` when not given)
+
+
 class Calibrated:
     """A counter scaled by what the provider billed, per kind of content.
 
@@ -256,16 +259,23 @@ class Calibrated:
         key: object = text if len(text) <= self.KEYED else (len(text), _digest(text))
         got = self._counts.get(key)
         if got is None:
-            self.calls += 1
-            n = self.base(text)
-            if type(n) is not int:
-                return n  # not a count: count() says what is wrong, nothing is kept
-            got = (n, content_kind(text) if self.kinds else "prose")
-            self._counts[key] = got
-            if len(self._counts) > self.CACHED:
-                self._counts.popitem(last=False)
-        else:
-            self._counts.move_to_end(key)
+            return self._kept(key, text, fixed)
+        self._counts.move_to_end(key)
+        out = self._out(got, fixed)
+        self._tallied(got, out)
+        return out
+
+    def _kept(self, key: object, text: str, fixed: bool) -> int:
+        """A text not in the cache: counted by the base, kept under ``key``, tallied."""
+        self.calls += 1
+        n = self.base(text)
+        if type(n) is not int:
+            return n  # not a count: count() says what is wrong, nothing is kept
+        got = (n, content_kind(text) if self.kinds else "prose")
+        counts = self._counts
+        counts[key] = got
+        if len(counts) > self.CACHED:
+            counts.popitem(last=False)
         out = self._out(got, fixed)
         self._tallied(got, out)
         return out
@@ -286,25 +296,78 @@ class Calibrated:
             t.counted += out
             t.upper += self.upper(raw, kind) if self.factors or self.kinds else raw
 
-    def checked(self, text: object, what: str | Callable[[], str], fixed: bool = False) -> int:
+    def checked(
+        self,
+        text: object,
+        what: str | Callable[..., str],
+        fixed: bool = False,
+        of: object = _NAMED,
+    ) -> int:
         """``count(self, text, what)`` (of ``self.fixed`` when ``fixed``): the same count,
         the same checks. A text counted before (an ASCII str in the cache: a valid str
         whose base count is a non-negative int) is only looked up, as a prompt names
-        mostly objects counted when they were admitted."""
+        mostly objects counted when they were admitted; a new ASCII str (valid Unicode)
+        goes to the base without count()'s other checks, its result checked alike.
+        ``of``: ``what(of)`` names what is counted (no function made for it per text)."""
         if type(text) is str and len(text) <= self.KEYED and text.isascii():
             got = self._counts.get(text)
-            if got is not None and got[0] >= 0:
+            if got is None:
+                try:
+                    n = self._kept(text, text, fixed)
+                except Exception as exc:
+                    raise InvalidArgument(
+                        f"the token counter raised {type(exc).__name__} on "
+                        f"{_named(what, of)}: {exc}"
+                    ) from exc
+                if type(n) is not int or n < 0:
+                    raise InvalidArgument(
+                        "the token counter must return a non-negative int, got "
+                        f"{n!r} for {_named(what, of)}"
+                    )
+                return n
+            if got[0] >= 0:
                 out = self._out(got, fixed)
                 if out >= 0:
                     self._counts.move_to_end(text)
                     self._tallied(got, out)
                     return out
+        if of is not _NAMED and not isinstance(what, str):
+            what = functools.partial(what, of)
         return count(self.fixed if fixed else self, text, what)
 
     def total(self, texts: Iterable[tuple[object, bool]], what: str) -> int:
         """The sum of ``checked(text, what, fixed)`` over ``(text, fixed)`` pairs (a
         prompt's parts)."""
         return sum(self.checked(text, what, fixed) for text, fixed in texts)
+
+    def parts(self, objs: Sequence[object], texts: Sequence[object], what: str) -> int:
+        """``total`` of a prompt's parts: ``texts[i]`` is the text of ``objs[i]``, fixed
+        when that is a plain string. With an exact counter no report scaled, a part counted
+        before (an ASCII str in the cache) is summed in this loop and the sum tallied once
+        (the same tally as ``checked`` makes of each); any other goes through ``checked``."""
+        if self.factors or self.kinds:
+            pairs = zip(objs, texts, strict=True)
+            return self.total(((t, isinstance(o, str)) for o, t in pairs), what)
+        counts, keyed, tally = self._counts, self.KEYED, self._tally
+        n = prose = 0
+        try:
+            for o, text in zip(objs, texts, strict=True):
+                if type(text) is str and len(text) <= keyed and text.isascii():
+                    got = counts.get(text)
+                    if got is not None and got[0] >= 0 and got[1] == "prose":
+                        if tally is not None and not prose:  # (its key where checked puts it)
+                            tally.raw.setdefault("prose", 0)
+                        counts.move_to_end(text)
+                        n += got[0]
+                        prose += got[0]
+                        continue
+                n += self.checked(text, what, isinstance(o, str))
+        finally:
+            if tally is not None and prose:
+                tally.raw["prose"] += prose
+                tally.counted += prose
+                tally.upper += prose
+        return n
 
     def scaled(self, raw: int, kind: str) -> int:
         """The count of a text whose base count is ``raw``, of this kind."""
@@ -326,19 +389,10 @@ class Calibrated:
             return self.bound(raw, kind) if self.kinds else raw
         return math.ceil(raw * f * (1 + self.tolerance))
 
-    @contextlib.contextmanager
-    def measure(self) -> Iterator[Tally]:
+    def measure(self) -> contextlib.AbstractContextManager[Tally]:
         """Tally what is counted inside: the base's counts by kind and the total (the
         learning of a report needs both)."""
-        outer, tally = self._tally, Tally()
-        self._tally = tally
-        try:
-            yield tally
-        finally:
-            self._tally = outer
-            if outer is not None:
-                outer.add(tally)
-            self.last = tally
+        return _Measure(self)
 
     def truncate(self, text: str, tokens: int) -> str:
         trunc = getattr(self.base, "truncate", None)
@@ -347,6 +401,29 @@ class Calibrated:
         kind = content_kind(text) if self.kinds else "prose"
         per = self.scaled(1_000_000, kind) / 1_000_000  # this kind's tokens per base token
         return str(trunc(text, math.floor(tokens / per) if per > 0 else tokens))
+
+
+class _Measure:
+    """``Calibrated.measure()``: a tally taken while the block runs, added to the outer
+    one (a class, not a generator: a prompt is measured every turn)."""
+
+    __slots__ = ("counter", "outer", "tally")
+
+    def __init__(self, counter: Calibrated) -> None:
+        self.counter = counter
+
+    def __enter__(self) -> Tally:
+        c = self.counter
+        self.outer, self.tally = c._tally, Tally()
+        c._tally = self.tally
+        return self.tally
+
+    def __exit__(self, *exc: object) -> None:
+        c, outer, tally = self.counter, self.outer, self.tally
+        c._tally = outer
+        if outer is not None:
+            outer.add(tally)
+        c.last = tally
 
 
 def _digest(text: str) -> bytes:
@@ -358,8 +435,10 @@ def is_estimate(counter: object) -> bool:
     return bool(getattr(getattr(counter, "base", counter), "estimate", False))
 
 
-def _named(what: str | Callable[[], str]) -> str:
-    return what if isinstance(what, str) else what()
+def _named(what: str | Callable[..., str], of: object = _NAMED) -> str:
+    if isinstance(what, str):
+        return what
+    return what() if of is _NAMED else what(of)
 
 
 def count(counter: Callable[[str], int], text: object, what: str | Callable[[], str]) -> int:

@@ -56,10 +56,12 @@ class _Beats:
                 _, _, hb = heapq.heappop(self.due)
                 if hb.stopped:
                     continue
-                hb.idle.clear()
+                hb.running = True
             again = hb.run_once()
             with self.cond:
-                hb.idle.set()
+                hb.running = False
+                if hb.waited:  # a stop() waits for this beat's end
+                    self.cond.notify_all()
                 if again and not hb.stopped:
                     self.seq += 1
                     heapq.heappush(self.due, (time.monotonic() + hb.interval, self.seq, hb))
@@ -77,6 +79,10 @@ def _beats() -> _Beats:
         return _BEATS
 
 
+def _stopped() -> None:
+    """The beat of a stopped heartbeat (never called: the lease thread skips it)."""
+
+
 class Heartbeat:
     """Calls ``beat()`` every ``interval`` seconds, on the process's lease thread, until
     :meth:`stop` or until a beat raises :class:`TurnLost` (kept in ``lost``). Other errors
@@ -88,8 +94,9 @@ class Heartbeat:
         self.last_error: Exception | None = None
         self.beats = 0
         self.stopped = False
-        self.idle = threading.Event()  # clear while a beat runs
-        self.idle.set()
+        # a beat runs now (set and cleared by the lease thread under its condition); a
+        # stop() waiting for its end (no Event per turn: a stop rarely meets a beat)
+        self.running = self.waited = False
 
     def start(self) -> None:
         _beats().add(self)
@@ -114,8 +121,13 @@ class Heartbeat:
             return
         with beats.cond:  # the lease thread decides under it whether to beat
             self.stopped = True
-        if threading.current_thread() is not beats.thread:
-            self.idle.wait(timeout=30)
+            if self.running and threading.current_thread() is not beats.thread:
+                self.waited = True
+                beats.cond.wait_for(lambda: not self.running, timeout=30)
+            if not self.running:
+                # the heap keeps a stopped heartbeat until it is due: not its turn too
+                # (every object of the turn would live that long, and the GC walk them)
+                self.beat = _stopped
 
 
 class AsyncHeartbeat:
