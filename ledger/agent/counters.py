@@ -364,7 +364,7 @@ class Calibrated:
                 n += self.checked(text, what, isinstance(o, str))
         finally:
             if tally is not None and prose:
-                tally.raw["prose"] += prose
+                tally.raw[KINDS[0]] += prose  # (prose: the tally's counts by kind)
                 tally.counted += prose
                 tally.upper += prose
         return n
