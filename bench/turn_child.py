@@ -49,6 +49,7 @@ def _count_sends() -> None:
 
 
 FORMS = {"refturn": "", "digestturn": "~", "bareturn": "!"}  # bench/turn_reference.lua's
+FORMS_NAMED = {"": "", "~": "-digest", "!": "-bare"}  # (each form's session)
 WORDS = ["the", "ledger", "keeps", "every", "worker", "on", "one", "budget", "of", "tokens"]
 
 
@@ -101,7 +102,8 @@ class Child:
         self.ref = self.r.register_script(ref)
         self.tag = self.mine.keys.session.rsplit(":s:", 1)[0]
         self.turn(0, inputs(0))  # the first turn asks once whether a worker compacts it
-        self.ref_turns(1, -1, "")  # (its script loaded, its session opened)
+        for form in FORMS.values():  # (its script loaded, each form's session opened)
+            self.ref_turns(1, -1, form)
 
     def _fill(self, s: Any) -> None:
         """1,000 held retrieval items and 1,000 outcomes."""
@@ -168,15 +170,19 @@ class Child:
         alone, nothing checked; '~': the texts left out of its fingerprint) on a session
         of its own, with the same objects: two round trips, the first admitting the user
         message and the chunks with their texts, the second the tool result with the
-        prompt's tokens (a cheap count: only the server's time is compared)."""
+        prompt's tokens (a cheap count: only the server's time is compared). Each form
+        has a session of its own, so that each admits and writes every item of its turns."""
         from ledger import SessionBudget
 
         if not hasattr(self, "rs"):
-            budget = SessionBudget(window=10_000_000, system_prompt=100)
-            self.rs = self.led.open_session("refturn", budget)
             src = Path(__file__).with_name("turn_reference.lua").read_text()
             self.turn_ref, self.owner = self.r.register_script(src), uuid.uuid4().hex
-        s, ref, tag = self.rs, self.turn_ref, self.rs.keys.session.rsplit(":s:", 1)[0]
+            self.rs: dict[str, Any] = {}
+        if form not in self.rs:
+            budget = SessionBudget(window=10_000_000, system_prompt=100)
+            self.rs[form] = self.led.open_session(f"refturn{FORMS_NAMED[form]}", budget)
+        s, ref = self.rs[form], self.turn_ref
+        tag = s.keys.session.rsplit(":s:", 1)[0]
         keys = [s.keys.session, s.keys.content, s.keys.order, s.keys.deadlines]
         mode = ("start" + form, "finish" + form)
         for i in range(start, start + n):
@@ -195,7 +201,9 @@ class Child:
                       args=[mode[1], op, s.epoch, self.owner, turn, 3_600_000,
                             sum(len(x) // 4 for x in parts), tool["id"],
                             len(tool["content"]) // 4, 0, tool["content"]])  # fmt: skip
-            assert got.startswith(b"status=ok") and end.startswith(b"status=ok"), (got, end)
+            # (every item new: the turn pays for every write, whichever form ran first)
+            assert got.startswith(b"status=ok|turn=") and end.startswith(b"status=ok"), (got, end)
+            assert int(got.split(b"|")[2].removeprefix(b"charged=")) > 0, got
         return {}
 
     def admits(self, n: int) -> dict[str, float]:

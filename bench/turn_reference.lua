@@ -1,10 +1,14 @@
 -- turn_reference.lua: a careful two-call governed turn written by hand, the reference a
 -- ledger turn is compared with. Not a ledger operation. Each call keeps the promises
--- every ledger call makes: every argument checked before the first write; at most once
--- through an op key (SET PX holding the fingerprint and the reply, so a retry gets the
--- first reply back and an op id used with other arguments is refused); the epoch fenced;
--- the turn's lease (an owner token and a deadline) fenced; nothing written on a refusal.
--- It has none of the ledger's rules beyond the free room, and one key per outcome.
+-- every ledger call makes: every key and argument checked before the first write (the
+-- texts are any bytes, as the ledger takes them); at most once through an op key (SET PX
+-- holding the fingerprint and the reply, so a retry gets the first reply back and an op id
+-- used with other arguments is refused); the epoch fenced; the turn's lease (an owner
+-- token and a deadline) fenced; a refusal changes nothing but its op key (its outcome,
+-- kept like any other). It has none of the ledger's rules beyond the free room, and one
+-- key per outcome. Nor does it do what the ledger's begin_turn does for a turn already
+-- open: the same owner beginning again simply opens the next turn (the ledger ends the
+-- open one first), and another owner's lapsed lease is taken over without a rollback.
 --
 -- With a mode ending in '!' ('start!', 'finish!') it sends the same Redis commands with the
 -- same values but checks nothing and fingerprints nothing: the commands' own cost. With a
@@ -35,7 +39,13 @@ local function int_ok(v, lo, hi)
   local n = tonumber(v)
   return n >= lo and n <= hi
 end
-if #K ~= 5 then return bad('keys') end
+local tag, sid = string.match(K[1] or '', '^([^{]*{p%d+}):s:(.+)$')
+if #K ~= 5 or not tag then return bad('keys') end
+local op_key = tag .. ':op:' .. sid .. ':'
+if not bare and (K[2] ~= tag .. ':content:' .. sid or K[3] ~= tag .. ':order:' .. sid or
+    K[4] ~= tag .. ':deadlines' or string.sub(K[5], 1, #op_key) ~= op_key) then
+  return bad('keys')
+end
 if not id_ok(A[2]) then return bad('op id') end
 if not int_ok(A[3], 0, 1e15) then return bad('epoch') end
 if not bare and (#A[4] < 16 or #A[4] > 64 or not string.find(A[4], '^%x+$')) then
@@ -44,7 +54,8 @@ end
 
 local signed = #A  -- (the arguments the fingerprint covers)
 if form == '~' then signed = mode == 'start' and 7 + 4 * (tonumber(A[7]) or 0) or 10 end
-local fp = bare and string.rep('0', 40) or redis.sha1hex(table.concat(A, '\31', 1, math.min(signed, #A)))
+local fp = bare and string.rep('0', 40) or
+  redis.sha1hex(table.concat(A, '\31', 1, math.min(signed, #A)))
 local done = redis.call('GET', K[5])
 if done then
   if string.sub(done, 1, 40) ~= fp then return redis.error_reply('OPREUSED') end
@@ -102,7 +113,7 @@ if mode == 'start' then
     set[#set + 1], set[#set + 2] = 'fr', frs
     for g, a in pairs(occ) do set[#set + 1], set[#set + 2] = g, f('%d', a) end
     redis.call('HSET', K[1], unpack(set))
-    redis.call('ZADD', K[4], now + tonumber(A[5]), string.match(K[1], ':s:(.*)$') .. '|~')
+    redis.call('ZADD', K[4], now + tonumber(A[5]), sid .. '|~')
     if #texts > 0 then redis.call('HSET', K[2], unpack(texts)) end
     if #z > 0 then redis.call('ZADD', K[3], unpack(z)) end
     out = f('status=ok|turn=%s|charged=%d|free=%s|epoch=%s', tns, charged, frs, v[1])
@@ -140,7 +151,6 @@ if not v[13] then
   end
   fr, a_s, sq = fr - d, a_s + d, sq + 1
   set = { f, fmt('%s|%s|%s|%d', A[9], v[2], A[10], sq), 'sq', fmt('%d', sq) }
-  redis.call('HSET', K[2], 's:' .. A[8], A[11])
 end
 local occ = tonumber(v[10]) + tonumber(v[11]) + tonumber(v[7]) + tonumber(v[8]) + a_s
 local final = tonumber(A[7])
@@ -150,8 +160,9 @@ for _, x in ipairs({ 'fr', fmt('%d', fr), 'a_s', fmt('%d', a_s), 'te', v[2], 'dp
   set[#set + 1] = x
 end
 redis.call('HSET', K[1], unpack(set))
+if d > 0 then redis.call('HSET', K[2], 's:' .. A[8], A[11]) end
 redis.call('HDEL', K[1], 'lo', 'le')
-redis.call('ZREM', K[4], string.match(K[1], ':s:(.*)$') .. '|~')
+redis.call('ZREM', K[4], sid .. '|~')
 local out = fmt('status=ok|turn=%s|charged=%d|occupancy=%d|drift=%d|compaction_due=%d|epoch=%s',
   v[2], d, occ, final - occ, due, v[1])
 redis.call('SET', K[5], fp .. out, 'PX', A[6])

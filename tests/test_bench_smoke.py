@@ -317,6 +317,13 @@ def test_the_reference_turn_keeps_its_promises(redis_server: object) -> None:
         for who, turn in ((other, 1), (me, 2)):
             with pytest.raises(redis.ResponseError, match="TURNLOST"):
                 finish(f"op-f{who[0]}{turn}", who, turn)
+        wrong = [k.session, k.content, k.order, k.deadlines, "elsewhere"]
+        with pytest.raises(redis.ResponseError, match="BADARG keys"):  # (before any write)
+            ref(
+                keys=wrong,
+                args=["finish", "op-k", s.epoch, me, 1, 60_000, 900, "tool", 300, 0, "x"],
+            )
+        assert r.hget(k.session, "lo") is not None and r.hget(k.content, "s:tool") is None
         done = finish("op-3", me, 1)
         assert done.startswith(b"status=ok|turn=1|charged=300"), done
         assert not r.hexists(k.session, "lo") and r.hget(k.content, "s:tool") == b"x"
