@@ -28,8 +28,11 @@ turn beside that commit's, both run in client processes of their own (`bench/tur
 the older `ledger` unpacked with `git archive` onto its PYTHONPATH) on the one redis-server,
 their phases interleaved: turns per Redis core (1e6 / server usec per turn), round trips per
 turn, server time and client CPU (without the tokenizer) against the floor (one pipeline
-writing the same counters and texts), admit against the careful reference, and 32 processes
-admitting on one session against WATCH/MULTI with their p99 (`--procs`, `--seconds`).
+writing the same counters and texts), admit against the careful reference, the careful
+two-call turn of `bench/turn_reference.lua` in its three forms (as it is, with the texts left
+out of its fingerprint, its commands alone; each on a session of its own) beside the floor
+and in turns per core, and 32 processes admitting on one session against WATCH/MULTI with
+their p99 (`--procs`, `--seconds`). `--warmup` rounds run first, uncounted.
 """
 
 from __future__ import annotations

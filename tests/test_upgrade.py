@@ -79,7 +79,7 @@ def previous_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _archive(release: str, root: Path) -> Path:
     commit, version = RELEASES[release]
-    # (0.3.0 keeps its scripts in the top-level lua/, read beside the package)
+    # (from 0.3.0 on, the scripts are in the top-level lua/, read beside the package)
     has_lua = (
         subprocess.run(
             ["git", "-C", str(ROOT), "cat-file", "-e", f"{commit}:lua"], capture_output=True
@@ -211,7 +211,7 @@ def test_a_client_of_the_previous_protocol_is_refused_naming_both_versions(
     session is not created, an existing one not changed, a snapshot not answered."""
     version = RELEASES[old_release][1]
     tree = _archive(old_release, tmp_path)
-    for old_scripts in (tree / "ledger" / "lua", tree / "lua"):  # (0.3.0: the latter)
+    for old_scripts in (tree / "ledger" / "lua", tree / "lua"):  # (from 0.3.0: the latter)
         shutil.rmtree(old_scripts, ignore_errors=True)
     shutil.copytree(lua_dir(), tree / "ledger" / "lua")
     prefix = f"v1{uuid.uuid4().hex[:8]}"
