@@ -342,32 +342,28 @@ class Calibrated:
 
     def parts(self, objs: Sequence[object], texts: Sequence[object], what: str) -> int:
         """``total`` of a prompt's parts: ``texts[i]`` is the text of ``objs[i]``, fixed
-        when that is a plain string. With an exact counter no report scaled, a part counted
-        before (an ASCII str in the cache) is summed in this loop and the sum tallied once
-        (the same tally as ``checked`` makes of each); any other goes through ``checked``."""
+        when that is a plain string. With an exact counter no report scaled (every count
+        its base's, every kind prose), a part counted before (an ASCII str in the cache) is
+        summed in this loop and the sum tallied once, as ``checked`` tallies each; any
+        other part goes through ``checked``."""
         if self.factors or self.kinds:
             pairs = zip(objs, texts, strict=True)
             return self.total(((t, isinstance(o, str)) for o, t in pairs), what)
-        counts, keyed, tally = self._counts, self.KEYED, self._tally
-        n = prose = 0
+        counts, keyed = self._counts, self.KEYED
+        n = cached = 0
         try:
             for o, text in zip(objs, texts, strict=True):
                 if type(text) is str and len(text) <= keyed and text.isascii():
                     got = counts.get(text)
-                    if got is not None and got[0] >= 0 and got[1] == "prose":
-                        if tally is not None and not prose:  # (its key where checked puts it)
-                            tally.raw.setdefault("prose", 0)
+                    if got is not None and got[0] >= 0:
                         counts.move_to_end(text)
-                        n += got[0]
-                        prose += got[0]
+                        cached += got[0]
                         continue
                 n += self.checked(text, what, isinstance(o, str))
         finally:
-            if tally is not None and prose:
-                tally.raw[KINDS[0]] += prose  # (prose: the tally's counts by kind)
-                tally.counted += prose
-                tally.upper += prose
-        return n
+            if cached:
+                self._tallied((cached, "prose"), cached)
+        return n + cached
 
     def scaled(self, raw: int, kind: str) -> int:
         """The count of a text whose base count is ``raw``, of this kind."""
