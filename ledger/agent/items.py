@@ -9,7 +9,7 @@ from typing import Any
 from ledger import schema
 from ledger.agent.counters import Calibrated, Tally, count, cut_to, is_estimate
 from ledger.agent.effects import Obj
-from ledger.agent.ids import _PLAIN_MAX, DIGEST_PREFIX, default_id, default_text, ledger_id
+from ledger.agent.ids import default_id, default_text, ledger_id
 from ledger.agent.turns import default_summary
 from ledger.core import SessionCore
 from ledger.errors import (
@@ -190,15 +190,17 @@ class AgentBase:
     def item_id(self, obj: Obj) -> str:
         return ledger_id(self.app_id(obj))
 
-    def tokens(self, obj: Obj) -> int:
+    def read_text(self, obj: Obj) -> Any:
+        """``text_of(obj)``; its failure an InvalidArgument."""
         try:
-            text = self.text_of(obj)
+            return self.text_of(obj)
         except InvalidArgument:
             raise
         except Exception as exc:
             raise InvalidArgument(f"text_of raised {type(exc).__name__}: {exc}") from exc
-        what = lambda: f"{type(obj).__name__} {self.app_id(obj)!s:.60}"  # noqa: E731
-        return self.counter.checked(text, what) + self.item_overhead
+
+    def tokens(self, obj: Obj) -> int:
+        return self.counter.checked(self.read_text(obj), self._named, of=obj) + self.item_overhead
 
     def items(
         self, objs: Iterable[Obj], priority: int = 0, texts: list[str] | None = None
@@ -208,52 +210,18 @@ class AgentBase:
         (the counter's calls back to back: a tokenizer's tables stay in the caches, and so
         does this loop); an error is raised in the objects' order, as one loop raises it."""
         out, seen = [], set()
-        text_of, checked, overhead = self.text_of, self.counter.checked, self.item_overhead
-        # a plain dict read by the default readers: default_id, default_text and ledger_id
-        # of a short plain id inline (the common case), else the functions themselves
-        plain = self.id_of is default_id and text_of is default_text
-        valid, named = ID_RE.fullmatch, self._named
         read: list[tuple[Obj, str, Any]] = []  # (object, item id, text)
         failed: Exception | None = None
         try:
             for obj in objs:
-                text = None
-                if plain and type(obj) is dict:
-                    for key in ("tool_call_id", "call_id", "id"):
-                        v = obj.get(key)
-                        if v is not None and v != "":
-                            break
-                    else:
-                        v = self.app_id(obj)  # (raises: no usable id)
-                    if (
-                        type(v) is str
-                        and len(v) <= _PLAIN_MAX
-                        and not v.startswith(DIGEST_PREFIX)
-                        and valid(v)
-                    ):
-                        iid = v
-                    else:
-                        iid = ledger_id(v)
-                    got = obj.get("content")
-                    if type(got) is str and "page_content" not in obj and not obj.get("tool_calls"):
-                        text = got
-                else:
-                    iid = ledger_id(self.app_id(obj))
+                iid = self.item_id(obj)
                 if iid in seen:
                     continue  # the same object twice: one item
                 seen.add(iid)
-                if text is None:
-                    try:
-                        text = text_of(obj)
-                    except InvalidArgument:
-                        raise
-                    except Exception as exc:
-                        raise InvalidArgument(
-                            f"text_of raised {type(exc).__name__}: {exc}"
-                        ) from exc
-                read.append((obj, iid, text))
+                read.append((obj, iid, self.read_text(obj)))
         except Exception as exc:  # (raised once the objects before it are counted)
             failed = exc
+        checked, overhead, named = self.counter.checked, self.item_overhead, self._named
         for obj, iid, text in read:
             n = checked(text, named, of=obj) + overhead
             if n == 0:
@@ -349,32 +317,14 @@ class AgentBase:
             # counted as the budget counted it, with the counter itself
             counter = self.counter
             with counter.measure():
-                texts = self._texts_of(prompt)  # (every part's text, then the counts)
+                text_of = self.text_of
+                texts = [text_of(o) for o in prompt]  # (every part's text, then the counts)
                 return counter.parts(prompt, texts, "a prompt part") + self.item_overhead * len(
                     texts
                 )
         raise InvalidArgument(
             f"prompt must be tokens, text or a list of objects, got {prompt!r:.80}"
         )
-
-    def _texts_of(self, objs: Iterable[Obj]) -> list[Any]:
-        """``[text_of(o) for o in objs]``; with the default reader, a str and a plain
-        dict's plain ``content`` are read inline (default_text's own fast cases)."""
-        text_of = self.text_of
-        if text_of is not default_text:
-            return [text_of(o) for o in objs]
-        out = []
-        for o in objs:
-            if type(o) is str:
-                out.append(o)
-                continue
-            if type(o) is dict:
-                got = o.get("content")
-                if type(got) is str and "page_content" not in o and not o.get("tool_calls"):
-                    out.append(got)
-                    continue
-            out.append(default_text(o))
-        return out
 
     # --- operations (generators: yield calls, return results) ---------------------------
 
