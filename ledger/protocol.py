@@ -355,16 +355,10 @@ def admit(
         raise InvalidArgument("items must be a list or tuple of Item")
     mode = ("prefix" if partial else "all") + ("+text" if texts is not None else "")
     body: list[str | bytes] = [_code(consumer), mode, str(len(items))]
-    valid = ID_RE.fullmatch
     for it in items:
-        if type(it) is not Item and not isinstance(it, Item):
+        if not isinstance(it, Item):
             raise InvalidArgument("items must be a list or tuple of Item")
-        iid, tokens, priority = it.id, it.tokens, it.priority
-        body += (
-            iid if type(iid) is str and valid(iid) else check_id(iid, "item id"),
-            str(tokens) if type(tokens) is int else repr(tokens),  # (_num, inline)
-            str(priority) if type(priority) is int else repr(priority),
-        )
+        body += (check_id(it.id, "item id"), _num(it.tokens), _num(it.priority))
     if texts is not None:
         if len(texts) != len(items):
             raise InvalidArgument(f"{len(texts)} texts for {len(items)} items")
