@@ -75,32 +75,21 @@ class AsyncLedger(LedgerCore):
     async def run(self, call: Call[T]) -> T:
         """Send one script call, retrying transient failures with the same op id."""
         call = self.check_call(call)
-        script = self._scripts[call.script]
-        try:  # (the first try as _sent makes it, without its partial)
-            raw = await self._evalsha(script, call)
-        except Exception as exc:
-            first = exc
-        else:
-            return call.parse(protocol.decode(raw))
-        raw = await self._retry(first, functools.partial(self._evalsha, script, call))
-        return call.parse(protocol.decode(raw))
+        return call.parse(protocol.decode(await self._send(call)))
 
     async def _send(self, call: Call[Any]) -> object:
         """The raw reply of one call; transient failures retried, errors translated."""
-        return await self._sent(functools.partial(self._evalsha, self._scripts[call.script], call))
+        return await self._sent(self._evalsha, self._scripts[call.script], call)
 
-    async def _sent(self, send: Callable[[], Awaitable[Any]]) -> Any:
-        """``await send()``, and after a failure the tries that ``retried`` asks for,
-        waiting with ``asyncio.sleep``; errors translated."""
+    async def _sent(self, send: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        """``await send(*args)``, and after a failure the tries that ``retried`` asks for
+        (the same call again), waiting with ``asyncio.sleep``; errors translated. The
+        first try makes nothing else: the retry's callable only after a failure."""
         try:
-            return await send()
+            return await send(*args)
         except Exception as exc:
             first = exc
-        return await self._retry(first, send)
-
-    async def _retry(self, first: Exception, send: Callable[[], Awaitable[Any]]) -> Any:
-        """After ``send()`` failed with ``first``: the tries ``retried`` asks for."""
-        tries = self.retried(first, send)
+        tries = self.retried(first, functools.partial(send, *args))
         try:
             step = next(tries)
             while True:
@@ -143,16 +132,9 @@ class AsyncLedger(LedgerCore):
             # redis-py pipelines no EVALSHA on a cluster: one call after the other.
             return collect(batch, [await self._try(c) for c in batch], return_exceptions)
         if self._wait[0] and any(c.script not in scripts.READ_ONLY for c in batch):
-            raws = await self._sent(functools.partial(self._send_batch, batch, True, True))
+            raws = await self._sent(self._send_batch, batch, True, True)
             return collect(batch, raws, return_exceptions)
-        try:  # (the first try as _sent makes it, without its partial)
-            raws = await self._send_batch(batch)
-        except Exception as exc:
-            first = exc
-        else:
-            return collect(batch, raws, return_exceptions)
-        raws = await self._retry(first, functools.partial(self._send_batch, batch))
-        return collect(batch, raws, return_exceptions)
+        return collect(batch, await self._sent(self._send_batch, batch), return_exceptions)
 
     def _on_cluster(self) -> bool:
         """Whether the client is a Redis Cluster's (asked once per client: redis-py's

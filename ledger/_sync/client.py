@@ -70,32 +70,21 @@ class Ledger(LedgerCore):
     def run(self, call: Call[T]) -> T:
         """Send one script call, retrying transient failures with the same op id."""
         call = self.check_call(call)
-        script = self._scripts[call.script]
-        try:  # (the first try as _sent makes it, without its partial)
-            raw = self._evalsha(script, call)
-        except Exception as exc:
-            first = exc
-        else:
-            return call.parse(protocol.decode(raw))
-        raw = self._retry(first, functools.partial(self._evalsha, script, call))
-        return call.parse(protocol.decode(raw))
+        return call.parse(protocol.decode(self._send(call)))
 
     def _send(self, call: Call[Any]) -> object:
         """The raw reply of one call; transient failures retried, errors translated."""
-        return self._sent(functools.partial(self._evalsha, self._scripts[call.script], call))
+        return self._sent(self._evalsha, self._scripts[call.script], call)
 
-    def _sent(self, send: Callable[[], Any]) -> Any:
-        """``send()``, and after a failure the tries that ``retried`` asks for,
-        waiting with ``time.sleep``; errors translated."""
+    def _sent(self, send: Callable[..., Any], *args: Any) -> Any:
+        """``send(*args)``, and after a failure the tries that ``retried`` asks for
+        (the same call again), waiting with ``time.sleep``; errors translated. The
+        first try makes nothing else: the retry's callable only after a failure."""
         try:
-            return send()
+            return send(*args)
         except Exception as exc:
             first = exc
-        return self._retry(first, send)
-
-    def _retry(self, first: Exception, send: Callable[[], Any]) -> Any:
-        """After ``send()`` failed with ``first``: the tries ``retried`` asks for."""
-        tries = self.retried(first, send)
+        tries = self.retried(first, functools.partial(send, *args))
         try:
             step = next(tries)
             while True:
@@ -138,16 +127,9 @@ class Ledger(LedgerCore):
             # redis-py pipelines no EVALSHA on a cluster: one call after the other.
             return collect(batch, [self._try(c) for c in batch], return_exceptions)
         if self._wait[0] and any(c.script not in scripts.READ_ONLY for c in batch):
-            raws = self._sent(functools.partial(self._send_batch, batch, True, True))
+            raws = self._sent(self._send_batch, batch, True, True)
             return collect(batch, raws, return_exceptions)
-        try:  # (the first try as _sent makes it, without its partial)
-            raws = self._send_batch(batch)
-        except Exception as exc:
-            first = exc
-        else:
-            return collect(batch, raws, return_exceptions)
-        raws = self._retry(first, functools.partial(self._send_batch, batch))
-        return collect(batch, raws, return_exceptions)
+        return collect(batch, self._sent(self._send_batch, batch), return_exceptions)
 
     def _on_cluster(self) -> bool:
         """Whether the client is a Redis Cluster's (asked once per client: redis-py's
